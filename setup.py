@@ -1,0 +1,32 @@
+"""upcycle: sparse upcycling of dense T5 / ViT checkpoints into Mixture-of-Experts models."""
+
+import setuptools
+
+setuptools.setup(
+    name='upcycle',
+    version='0.1.0',
+    description='Sparse upcycling of dense T5 and ViT checkpoints into MoE models, in JAX/Flax.',
+    python_requires='>=3.10',
+    packages=setuptools.find_packages(include=['upcycle', 'upcycle.*']),
+    install_requires=[
+        'jax==0.10.2',
+        'jaxlib==0.10.2',
+        'flax==0.12.8',
+        'optax==0.2.8',
+        'orbax-checkpoint==0.12.8',
+        'tensorstore==0.1.86',
+        'gin-config==0.5.0',
+        'clu==0.0.12',
+        'msgpack==1.2.4',
+        'ml_dtypes==0.6.0',
+        'numpy==2.4.6',
+    ],
+    extras_require={
+        'test': [
+            'pytest==9.2.0',
+            'torch==2.13.0',
+            'transformers==5.24.0',
+            'safetensors==0.8.0',
+        ],
+    },
+)

@@ -1,0 +1,27 @@
+"""`Checkpoint`: what every reader returns."""
+
+import dataclasses
+from typing import Any, Optional
+
+
+@dataclasses.dataclass
+class Checkpoint:
+  """A checkpoint read into this project's parameter names.
+
+  Attributes:
+    params: nested dict in the naming contract (DESIGN.md). Leaves are numpy
+      arrays or lazy arrays (shape/dtype known, data read on `np.asarray`).
+    step: training step, or None when the format has none.
+    optimizer_state: the source's optimizer slots in the source's structure,
+      or None.
+    format: 't5x', 't5x_orbax', 'orbax', 'hf', 'vit_jax', 'big_vision'.
+    path: the directory or file that was read.
+    model_config: T5Config / ViTConfig when the format carries one (HF), else None.
+  """
+
+  params: dict
+  step: Optional[int]
+  optimizer_state: Optional[Any]
+  format: str
+  path: str
+  model_config: Optional[Any] = None

@@ -1,0 +1,307 @@
+"""Blocks shared by T5 and ViT, every parameter and main activation with logical axis names.
+
+Parameters are created in float32 (`param_dtype`) and cast to the compute `dtype`
+(bfloat16 on TPU) where they are used. Norms and softmaxes compute in float32.
+"""
+
+import functools
+from typing import Callable, Optional, Sequence, Tuple, Union
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+Axes = Tuple[Optional[str], ...]
+Initializer = Callable[..., Array]
+
+default_kernel_init = nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal')
+
+
+def constrain(x: Array, axes: Optional[Axes]) -> Array:
+  """Logical sharding constraint; a no-op outside a mesh / rules context."""
+  return x if axes is None else nn.with_logical_constraint(x, axes)
+
+
+def _as_tuple(x: Union[int, Sequence[int]]) -> Tuple[int, ...]:
+  return (x,) if isinstance(x, int) else tuple(x)
+
+
+class DenseGeneral(nn.Module):
+  """Projection of the last `len(in_features)` axes onto `features`.
+
+  The kernel has shape `[*in_features, *features]`, e.g. `[d_model, heads, head_dim]`
+  for big_vision attention or `[d_model, heads * d_kv]` for T5X attention.
+  """
+
+  features: Union[int, Sequence[int]]
+  kernel_axes: Axes
+  in_features: Union[int, Sequence[int], None] = None  # None: the last input axis.
+  use_bias: bool = False
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+  kernel_init: Initializer = default_kernel_init
+  bias_init: Initializer = nn.initializers.zeros
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    features = _as_tuple(self.features)
+    in_features = (x.shape[-1],) if self.in_features is None else _as_tuple(self.in_features)
+    n_in = len(in_features)
+    kernel_shape = in_features + features
+
+    def init(rng, shape, dtype):
+      # Initialize as a 2-D matrix so fan_in/fan_out are what they are for a dense layer.
+      flat = self.kernel_init(rng, (int(np.prod(in_features)), int(np.prod(features))), dtype)
+      return flat.reshape(shape)
+
+    kernel = self.param('kernel', nn.with_logical_partitioning(init, self.kernel_axes),
+                        kernel_shape, self.param_dtype)
+    kernel = jnp.asarray(kernel, self.dtype)
+    x = jnp.asarray(x, self.dtype)
+    contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+    y = jax.lax.dot_general(x, kernel, (contract, ((), ())))
+    if self.use_bias:
+      bias = self.param('bias', nn.with_logical_partitioning(self.bias_init, self.kernel_axes[n_in:]),
+                        features, self.param_dtype)
+      y = y + jnp.asarray(bias, self.dtype)
+    return y
+
+
+class RMSNorm(nn.Module):
+  """T5 layer norm: scale only, no mean subtraction, no bias; computed in float32."""
+
+  epsilon: float = 1e-6
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    x = jnp.asarray(x, jnp.float32)
+    var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    y = x * jax.lax.rsqrt(var + self.epsilon)
+    scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, ('embed',)),
+                       (x.shape[-1],), self.param_dtype)
+    return jnp.asarray(y * jnp.asarray(scale, jnp.float32), self.dtype)
+
+
+class LayerNorm(nn.Module):
+  """Standard layer norm with scale and bias (ViT); computed in float32."""
+
+  epsilon: float = 1e-6
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    x = jnp.asarray(x, jnp.float32)
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    y = (x - mean) * jax.lax.rsqrt(var + self.epsilon)
+    features = (x.shape[-1],)
+    scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, ('embed',)),
+                       features, self.param_dtype)
+    bias = self.param('bias', nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)),
+                      features, self.param_dtype)
+    return jnp.asarray(y * scale + bias, self.dtype)
+
+
+class GatedMlp(nn.Module):
+  """T5 v1.1 feed-forward: wo(dropout(gelu(wi_0 x) * wi_1 x)).
+
+  Kernels: wi_0, wi_1 `[d_model, d_ff]`, wo `[d_ff, d_model]`. Rank agnostic, so
+  the MoE layer can vmap it over experts. `intermediate_axes=None` leaves the
+  hidden activation unconstrained (inside the experts the MoE layer constrains).
+  """
+
+  d_ff: int
+  dropout_rate: float = 0.0
+  dtype: jnp.dtype = jnp.float32
+  intermediate_axes: Optional[Axes] = ('batch', 'length', 'mlp')
+
+  @nn.compact
+  def __call__(self, x: Array, deterministic: bool) -> Array:
+    dense = functools.partial(DenseGeneral, dtype=self.dtype)
+    gate = nn.gelu(dense(self.d_ff, ('embed', 'mlp'), name='wi_0')(x), approximate=True)
+    linear = dense(self.d_ff, ('embed', 'mlp'), name='wi_1')(x)
+    h = constrain(gate * linear, self.intermediate_axes)
+    h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
+    return dense(x.shape[-1], ('mlp', 'embed'), name='wo')(h)
+
+
+class Mlp(nn.Module):
+  """ViT feed-forward with biases: Dense_1(dropout(gelu(Dense_0 x))) (big_vision MlpBlock)."""
+
+  mlp_dim: int
+  dropout_rate: float = 0.0
+  approximate_gelu: bool = True
+  dtype: jnp.dtype = jnp.float32
+  intermediate_axes: Optional[Axes] = ('batch', 'length', 'mlp')
+
+  @nn.compact
+  def __call__(self, x: Array, deterministic: bool) -> Array:
+    dense = functools.partial(
+        DenseGeneral, use_bias=True, dtype=self.dtype,
+        kernel_init=nn.initializers.xavier_uniform(),
+        bias_init=nn.initializers.normal(stddev=1e-6))
+    h = nn.gelu(dense(self.mlp_dim, ('embed', 'mlp'), name='Dense_0')(x),
+                approximate=self.approximate_gelu)
+    h = constrain(h, self.intermediate_axes)
+    h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
+    return dense(x.shape[-1], ('mlp', 'embed'), name='Dense_1')(h)
+
+
+def attention_bias_from_mask(mask: Array, dtype=jnp.float32) -> Array:
+  """Boolean `[batch, 1, q, k]` mask -> additive bias (0 where attended, -1e10 where not)."""
+  return jnp.where(mask, 0.0, -1e10).astype(dtype)
+
+
+def combine_masks(*masks: Optional[Array]) -> Optional[Array]:
+  masks = [m for m in masks if m is not None]
+  if not masks:
+    return None
+  return functools.reduce(jnp.logical_and, masks)
+
+
+def make_attention_mask(query_valid: Array, key_valid: Array) -> Array:
+  """`[batch, q]` x `[batch, k]` booleans -> `[batch, 1, q, k]`."""
+  return jnp.logical_and(query_valid[:, None, :, None], key_valid[:, None, None, :])
+
+
+def make_segment_mask(query_segments: Array, key_segments: Array) -> Array:
+  """Packed examples attend only within their own segment: `[batch, 1, q, k]`."""
+  return query_segments[:, None, :, None] == key_segments[:, None, None, :]
+
+
+def make_causal_mask(length: int) -> Array:
+  """`[1, 1, length, length]`: position i sees positions <= i."""
+  return jnp.tril(jnp.ones((length, length), bool))[None, None]
+
+
+class MultiHeadAttention(nn.Module):
+  """Multi-head dot-product attention in two parameter layouts.
+
+  T5X (`joined_kv=True`): kernels `[d_model, heads * head_dim]`, no biases, no
+  1/sqrt(head_dim) on the logits (T5 folds it into the query initializer).
+  big_vision (`joined_kv=False`): kernels `[d_model, heads, head_dim]` with biases
+  `[heads, head_dim]`, logits scaled by 1/sqrt(head_dim).
+  """
+
+  num_heads: int
+  head_dim: int
+  joined_kv: bool = True
+  use_bias: bool = False
+  scale_logits: bool = False
+  dropout_rate: float = 0.0
+  dtype: jnp.dtype = jnp.float32
+  kernel_init: Initializer = default_kernel_init
+
+  @nn.compact
+  def __call__(self, inputs_q: Array, inputs_kv: Array, bias: Optional[Array],
+               deterministic: bool) -> Array:
+    """inputs `[batch, q|k, d_model]`, bias `[batch|1, heads|1, q, k]` -> `[batch, q, d_model]`."""
+    h, d = self.num_heads, self.head_dim
+    d_model = inputs_q.shape[-1]
+    if self.joined_kv:
+      in_axes, out_axes = ('embed', 'joined_kv'), ('joined_kv', 'embed')
+      features, out_in = h * d, h * d
+    else:
+      in_axes, out_axes = ('embed', 'heads', 'kv'), ('heads', 'kv', 'embed')
+      features, out_in = (h, d), (h, d)
+    query_init = self.kernel_init
+    if not self.scale_logits:
+      # T5: scale the query initializer instead of the logits.
+      query_init = lambda *a: self.kernel_init(*a) / np.sqrt(d).astype(np.float32)
+    dense = functools.partial(DenseGeneral, use_bias=self.use_bias, dtype=self.dtype)
+    q = dense(features, in_axes, kernel_init=query_init, name='query')(inputs_q)
+    k = dense(features, in_axes, kernel_init=self.kernel_init, name='key')(inputs_kv)
+    v = dense(features, in_axes, kernel_init=self.kernel_init, name='value')(inputs_kv)
+    q, k, v = (x.reshape(x.shape[:2] + (h, d)) for x in (q, k, v))
+    q = constrain(q, ('batch', 'length', 'heads', 'kv'))
+    k = constrain(k, ('batch', 'length', 'heads', 'kv'))
+    v = constrain(v, ('batch', 'length', 'heads', 'kv'))
+    if self.scale_logits:
+      q = q / jnp.sqrt(d).astype(q.dtype)
+    logits = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32)
+    if bias is not None:
+      logits = logits + bias.astype(jnp.float32)
+    weights = jax.nn.softmax(logits, axis=-1)
+    weights = nn.Dropout(self.dropout_rate)(weights, deterministic=deterministic)
+    y = jnp.einsum('bhqk,bkhd->bqhd', weights.astype(self.dtype), v)
+    if self.joined_kv:
+      y = y.reshape(y.shape[:2] + (h * d,))
+    y = dense(d_model, out_axes, in_features=out_in, kernel_init=self.kernel_init, name='out')(y)
+    return constrain(y, ('batch', 'length', 'embed'))
+
+
+def relative_position_bucket(relative_position: np.ndarray, bidirectional: bool,
+                             num_buckets: int, max_distance: int) -> np.ndarray:
+  """T5's bucketing of `memory_position - query_position` (numpy, static shapes).
+
+  Half the buckets hold exact small distances, the rest grow logarithmically up
+  to `max_distance`; a bidirectional stack spends half its buckets on each side,
+  a causal one only looks back.
+  """
+  n = -relative_position
+  ret = np.zeros_like(n)
+  if bidirectional:
+    num_buckets //= 2
+    ret += (n < 0).astype(n.dtype) * num_buckets
+    n = np.abs(n)
+  else:
+    n = np.maximum(n, 0)
+  max_exact = num_buckets // 2
+  is_small = n < max_exact
+  eps = np.finfo(np.float32).eps
+  large = max_exact + (
+      np.log(n.astype(np.float32) / max_exact + eps) / np.log(max_distance / max_exact)
+      * (num_buckets - max_exact)).astype(n.dtype)
+  large = np.minimum(large, num_buckets - 1)
+  return ret + np.where(is_small, n, large)
+
+
+class RelativePositionBias(nn.Module):
+  """One learned scalar per (head, bucket), shared by every layer of a stack."""
+
+  num_buckets: int
+  max_distance: int
+  num_heads: int
+  bidirectional: bool
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, q_len: int, k_len: int) -> Array:
+    """-> `[1, heads, q_len, k_len]`."""
+    context = np.arange(q_len, dtype=np.int32)[:, None]
+    memory = np.arange(k_len, dtype=np.int32)[None, :]
+    buckets = relative_position_bucket(memory - context, self.bidirectional,
+                                       self.num_buckets, self.max_distance)
+    table = self.param(
+        'rel_embedding',
+        nn.with_logical_partitioning(
+            nn.initializers.variance_scaling(1.0, 'fan_avg', 'uniform'),
+            ('heads', 'relpos_buckets')),
+        (self.num_heads, self.num_buckets), jnp.float32)
+    return jnp.asarray(table, self.dtype)[:, buckets][None]
+
+
+class Embed(nn.Module):
+  """Token embedding `[vocab, d_model]`; `attend` gives tied output logits."""
+
+  num_embeddings: int
+  features: int
+  dtype: jnp.dtype = jnp.float32
+
+  def setup(self):
+    self.embedding = self.param(
+        'embedding',
+        nn.with_logical_partitioning(nn.initializers.normal(stddev=1.0), ('vocab', 'embed')),
+        (self.num_embeddings, self.features), jnp.float32)
+
+  def __call__(self, tokens: Array) -> Array:
+    y = jnp.take(jnp.asarray(self.embedding, self.dtype), tokens, axis=0)
+    return constrain(y, ('batch', 'length', 'embed'))
+
+  def attend(self, x: Array) -> Array:
+    return jnp.einsum('bld,vd->blv', x, jnp.asarray(self.embedding, self.dtype))

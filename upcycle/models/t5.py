@@ -1,0 +1,214 @@
+"""T5 v1.1 encoder-decoder with T5X `t5_1_1` parameter names; any MLP block may be MoE.
+
+Parameter tree (see DESIGN.md, "The naming contract"):
+  token_embedder/embedding [vocab, d_model]
+  encoder/relpos_bias/rel_embedding [heads, buckets]
+  encoder/layers_{i}/{pre_attention_layer_norm, attention, pre_mlp_layer_norm, mlp}
+  decoder/layers_{i}/{pre_self_attention_layer_norm, self_attention,
+                      pre_cross_attention_layer_norm, encoder_decoder_attention,
+                      pre_mlp_layer_norm, mlp}
+  {encoder/encoder_norm, decoder/decoder_norm}/scale, decoder/logits_dense/kernel
+"""
+
+import dataclasses
+import functools
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from upcycle import layers
+from upcycle.moe.config import MoeConfig
+from upcycle.moe.layer import MoeLayer
+from upcycle.moe.placement import sparse_layer_indices
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class T5Config:
+  """T5 v1.1 hyperparameters (defaults: T5 v1.1 Base). MoE per stack: a MoeConfig or None."""
+
+  vocab_size: int = 32128
+  d_model: int = 768
+  num_heads: int = 12
+  d_kv: int = 64
+  d_ff: int = 2048
+  num_encoder_layers: int = 12
+  num_decoder_layers: int = 12
+  dropout_rate: float = 0.0
+  relative_attention_num_buckets: int = 32
+  relative_attention_max_distance: int = 128
+  layer_norm_epsilon: float = 1e-6
+  logits_via_embedding: bool = False
+  dtype: str = 'float32'
+  encoder_moe: Optional[MoeConfig] = None
+  decoder_moe: Optional[MoeConfig] = None
+
+  def __post_init__(self):
+    if self.decoder_moe is not None and self.decoder_moe.router == 'experts_choose':
+      raise ValueError(
+          "T5Config.decoder_moe.router='experts_choose': Expert Choice lets each expert pick "
+          'tokens from the whole group, future positions included, so a causal decoder would '
+          "read the future. Use router='tokens_choose' (Top-K, e.g. k=2) in the decoder.")
+
+  def sparse_layers(self, stack: str) -> tuple:
+    """Indices of the MoE blocks of 'encoder' or 'decoder'."""
+    moe = self.encoder_moe if stack == 'encoder' else self.decoder_moe
+    num_layers = self.num_encoder_layers if stack == 'encoder' else self.num_decoder_layers
+    return () if moe is None else sparse_layer_indices(moe.placement, num_layers)
+
+
+def _mlp(config: T5Config, moe: Optional[MoeConfig], sparse: bool, causal: bool) -> nn.Module:
+  expert = functools.partial(layers.GatedMlp, d_ff=config.d_ff, dropout_rate=config.dropout_rate,
+                             dtype=config.dtype)
+  if sparse:
+    return MoeLayer(moe, expert, causal=causal, name='mlp')
+  return expert(name='mlp')
+
+
+def _attention(config: T5Config, name: str) -> nn.Module:
+  return layers.MultiHeadAttention(
+      num_heads=config.num_heads, head_dim=config.d_kv, joined_kv=True, use_bias=False,
+      scale_logits=False, dropout_rate=config.dropout_rate, dtype=config.dtype, name=name)
+
+
+class EncoderLayer(nn.Module):
+  config: T5Config
+  sparse: bool = False
+
+  @nn.compact
+  def __call__(self, x, bias, token_mask, deterministic):
+    cfg = self.config
+    norm = functools.partial(layers.RMSNorm, cfg.layer_norm_epsilon, cfg.dtype)
+    dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
+    y = norm(name='pre_attention_layer_norm')(x)
+    y = _attention(cfg, 'attention')(y, y, bias, deterministic)
+    x = x + dropout(y, deterministic=deterministic)
+    y = norm(name='pre_mlp_layer_norm')(x)
+    mlp = _mlp(cfg, cfg.encoder_moe, self.sparse, causal=False)
+    y = mlp(y, deterministic, token_mask) if self.sparse else mlp(y, deterministic)
+    x = x + dropout(y, deterministic=deterministic)
+    return layers.constrain(x, ('batch', 'length', 'embed'))
+
+
+class DecoderLayer(nn.Module):
+  config: T5Config
+  sparse: bool = False
+
+  @nn.compact
+  def __call__(self, x, encoded, self_bias, cross_bias, token_mask, deterministic):
+    cfg = self.config
+    norm = functools.partial(layers.RMSNorm, cfg.layer_norm_epsilon, cfg.dtype)
+    dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
+    y = norm(name='pre_self_attention_layer_norm')(x)
+    y = _attention(cfg, 'self_attention')(y, y, self_bias, deterministic)
+    x = x + dropout(y, deterministic=deterministic)
+    y = norm(name='pre_cross_attention_layer_norm')(x)
+    y = _attention(cfg, 'encoder_decoder_attention')(y, encoded, cross_bias, deterministic)
+    x = x + dropout(y, deterministic=deterministic)
+    y = norm(name='pre_mlp_layer_norm')(x)
+    mlp = _mlp(cfg, cfg.decoder_moe, self.sparse, causal=True)
+    y = mlp(y, deterministic, token_mask) if self.sparse else mlp(y, deterministic)
+    x = x + dropout(y, deterministic=deterministic)
+    return layers.constrain(x, ('batch', 'length', 'embed'))
+
+
+class Encoder(nn.Module):
+  config: T5Config
+  embedder: nn.Module
+
+  @nn.compact
+  def __call__(self, tokens, segment_ids, deterministic):
+    """tokens `[batch, length]` (0 = padding) -> `[batch, length, d_model]`."""
+    cfg = self.config
+    valid = tokens > 0
+    mask = layers.combine_masks(
+        layers.make_attention_mask(valid, valid),
+        None if segment_ids is None else layers.make_segment_mask(segment_ids, segment_ids))
+    length = tokens.shape[1]
+    relpos = layers.RelativePositionBias(
+        cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance,
+        cfg.num_heads, bidirectional=True, dtype=cfg.dtype, name='relpos_bias')(length, length)
+    bias = relpos + layers.attention_bias_from_mask(mask, cfg.dtype)
+    dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
+    x = dropout(self.embedder(tokens), deterministic=deterministic)
+    sparse = cfg.sparse_layers('encoder')
+    for i in range(cfg.num_encoder_layers):
+      x = EncoderLayer(cfg, i in sparse, name=f'layers_{i}')(x, bias, valid, deterministic)
+    x = layers.RMSNorm(cfg.layer_norm_epsilon, cfg.dtype, name='encoder_norm')(x)
+    return dropout(x, deterministic=deterministic)
+
+
+class Decoder(nn.Module):
+  config: T5Config
+  embedder: nn.Module
+
+  @nn.compact
+  def __call__(self, encoded, encoder_tokens, decoder_tokens, decoder_target_tokens,
+               encoder_segment_ids, decoder_segment_ids, deterministic):
+    """-> logits `[batch, target_length, vocab]` (float32)."""
+    cfg = self.config
+    length = decoder_tokens.shape[1]
+    decoder_valid = (jnp.ones(decoder_tokens.shape, bool) if decoder_target_tokens is None
+                     else decoder_target_tokens > 0)
+    segments = lambda q, k: None if q is None else layers.make_segment_mask(q, k)
+    self_mask = layers.combine_masks(
+        layers.make_causal_mask(length), layers.make_attention_mask(decoder_valid, decoder_valid),
+        segments(decoder_segment_ids, decoder_segment_ids))
+    cross_mask = layers.combine_masks(
+        layers.make_attention_mask(decoder_valid, encoder_tokens > 0),
+        segments(decoder_segment_ids, encoder_segment_ids))
+    relpos = layers.RelativePositionBias(
+        cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance,
+        cfg.num_heads, bidirectional=False, dtype=cfg.dtype, name='relpos_bias')(length, length)
+    self_bias = relpos + layers.attention_bias_from_mask(self_mask, cfg.dtype)
+    cross_bias = layers.attention_bias_from_mask(cross_mask, cfg.dtype)
+    dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
+    x = dropout(self.embedder(decoder_tokens), deterministic=deterministic)
+    sparse = cfg.sparse_layers('decoder')
+    for i in range(cfg.num_decoder_layers):
+      x = DecoderLayer(cfg, i in sparse, name=f'layers_{i}')(
+          x, encoded, self_bias, cross_bias, decoder_valid, deterministic)
+    x = layers.RMSNorm(cfg.layer_norm_epsilon, cfg.dtype, name='decoder_norm')(x)
+    x = dropout(x, deterministic=deterministic)
+    if cfg.logits_via_embedding:
+      # Tied embeddings (T5 v1.0 style): rescale, as T5 does, before attending.
+      logits = self.embedder.attend(x / jnp.sqrt(x.shape[-1]).astype(x.dtype))
+    else:
+      logits = layers.DenseGeneral(cfg.vocab_size, ('embed', 'vocab'), dtype=cfg.dtype,
+                                   name='logits_dense')(x)
+    return layers.constrain(jnp.asarray(logits, jnp.float32), ('batch', 'length', 'vocab'))
+
+
+class T5(nn.Module):
+  """T5 v1.1. `apply({'params': p}, encoder_input_tokens, decoder_input_tokens)` -> logits.
+
+  Token id 0 is padding. Optional `decoder_target_tokens` masks decoder padding
+  (as T5X does); segment ids mask attention between packed examples. MoE
+  auxiliary losses and metrics: pass `mutable=upcycle.moe.MOE_COLLECTIONS` and read
+  them with `upcycle.moe.aux_losses` / `upcycle.moe.metrics`.
+  """
+
+  config: T5Config
+
+  def setup(self):
+    cfg = self.config
+    self.token_embedder = layers.Embed(cfg.vocab_size, cfg.d_model, cfg.dtype)
+    self.encoder = Encoder(cfg, self.token_embedder)
+    self.decoder = Decoder(cfg, self.token_embedder)
+
+  def encode(self, encoder_input_tokens, encoder_segment_ids=None, enable_dropout=False):
+    return self.encoder(encoder_input_tokens, encoder_segment_ids, not enable_dropout)
+
+  def __call__(self, encoder_input_tokens: Array, decoder_input_tokens: Array,
+               decoder_target_tokens: Optional[Array] = None,
+               encoder_segment_ids: Optional[Array] = None,
+               decoder_segment_ids: Optional[Array] = None,
+               enable_dropout: bool = False) -> Array:
+    """`[batch, src_len]`, `[batch, tgt_len]` int tokens -> `[batch, tgt_len, vocab]` float32."""
+    encoded = self.encode(encoder_input_tokens, encoder_segment_ids, enable_dropout)
+    return self.decoder(encoded, encoder_input_tokens, decoder_input_tokens,
+                        decoder_target_tokens, encoder_segment_ids, decoder_segment_ids,
+                        not enable_dropout)

@@ -1,0 +1,89 @@
+"""`MoeConfig`: everything that decides how an MoE block routes and computes."""
+
+import dataclasses
+from typing import Optional, Sequence, Union
+
+ROUTERS = ('experts_choose', 'tokens_choose')
+DISPATCHES = ('masked', 'indices')
+
+Placement = Union[str, Sequence[int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+  """Configuration of the MoE blocks of one stack (T5 encoder, T5 decoder or ViT).
+
+  Attributes:
+    num_experts: E, experts per MoE block.
+    router: 'experts_choose' (each expert takes its top-capacity tokens of a
+      group; never in a causal decoder) or 'tokens_choose' (Top-K).
+    k: experts per token for 'tokens_choose'. Expert Choice counts K = 1.
+    train_capacity_factor: C during training. Capacity per expert and group is
+      ceil(K * C * group_size / E), rounded up to `capacity_multiple_of` and
+      capped at group_size.
+    eval_capacity_factor: C at evaluation (`deterministic=True`).
+    capacity_multiple_of: capacity is rounded up to a multiple of this (1 = none).
+    normalize_combine_weights: rescale each token's combine weights over the
+      experts that took it to sum to 1; with identical experts the block then
+      computes exactly the dense MLP for every routed token.
+    batch_priority_routing: Top-K only; tokens claim expert slots in order of
+      their top-1 router probability instead of their position in the group.
+    placement: which blocks of the stack are MoE: 'every_other' (1, 3, 5, ...),
+      'all', 'none', 'last_N' (e.g. 'last_2'), 'first_N', or explicit indices.
+    group_size: tokens per routing group. None: each example's tokens form one
+      group. Otherwise batch * length must be a multiple of it.
+    dispatch: 'masked' (one-hot einsum, TPU friendly) or 'indices'
+      (gather/scatter, CPU/GPU friendly). Both compute the same function.
+    load_balancing_loss_weight: weight of the Switch load-balancing loss
+      (Top-K only; Expert Choice is balanced by construction).
+    router_z_loss_weight: weight of the router z-loss.
+    jitter_noise: multiplicative uniform noise in [1 - j, 1 + j] on the router
+      input, training only, drawn from the 'jitter' rng stream.
+  """
+
+  num_experts: int = 32
+  router: str = 'experts_choose'
+  k: int = 2
+  train_capacity_factor: float = 2.0
+  eval_capacity_factor: float = 2.0
+  capacity_multiple_of: int = 4
+  normalize_combine_weights: bool = False
+  batch_priority_routing: bool = False
+  placement: Placement = 'every_other'
+  group_size: Optional[int] = None
+  dispatch: str = 'masked'
+  load_balancing_loss_weight: float = 0.01
+  router_z_loss_weight: float = 0.0001
+  jitter_noise: float = 0.0
+
+  def __post_init__(self):
+    if self.router not in ROUTERS:
+      raise ValueError(f'MoeConfig.router={self.router!r}: expected one of {ROUTERS}.')
+    if self.dispatch not in DISPATCHES:
+      raise ValueError(f'MoeConfig.dispatch={self.dispatch!r}: expected one of {DISPATCHES}.')
+    if self.num_experts < 1:
+      raise ValueError(f'MoeConfig.num_experts={self.num_experts}: must be >= 1.')
+    if self.router == 'tokens_choose' and not 1 <= self.k <= self.num_experts:
+      raise ValueError(
+          f'MoeConfig.k={self.k}: Top-K needs 1 <= k <= num_experts={self.num_experts}.')
+    if self.capacity_multiple_of < 1:
+      raise ValueError(
+          f'MoeConfig.capacity_multiple_of={self.capacity_multiple_of}: must be >= 1.')
+    if self.group_size is not None and self.group_size < 1:
+      raise ValueError(f'MoeConfig.group_size={self.group_size}: must be >= 1 or None.')
+    if not isinstance(self.placement, str):
+      object.__setattr__(self, 'placement', tuple(int(i) for i in self.placement))
+
+  @property
+  def experts_per_token(self) -> int:
+    return 1 if self.router == 'experts_choose' else self.k
+
+  def capacity(self, group_size: int, deterministic: bool) -> int:
+    """Slots per expert and group: ceil(K·C·S/E), rounded up, at most S."""
+    factor = self.eval_capacity_factor if deterministic else self.train_capacity_factor
+    # Round before ceil so that e.g. 2 * 2.0 * 8 / 4 does not become 9.
+    raw = self.experts_per_token * factor * group_size / self.num_experts
+    capacity = max(1, -(-round(raw, 6) // 1))
+    multiple = self.capacity_multiple_of
+    capacity = int(-(-capacity // multiple) * multiple)
+    return min(capacity, group_size)

@@ -1,0 +1,170 @@
+"""`MoeLayer`: grouping -> router -> dispatch -> vmapped experts -> combine.
+
+The layer stands where the dense MLP stood, under the same name. Its parameters:
+  expert/<dense MLP params with a leading expert axis>   e.g. expert/wi_0/kernel [E, d_model, d_ff]
+  router/router_weights/w/kernel                          [d_model, E], float32
+
+Auxiliary losses and metrics are sown (see `upcycle.moe.summary`):
+  'aux_loss':    load_balancing_loss, router_z_loss, weighted (their weighted sum)
+  'moe_metrics': fraction_dropped_tokens, router_confidence, expert_usage [E],
+                 tokens_per_expert [E]
+"""
+
+from typing import Callable, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from upcycle.layers import DenseGeneral, constrain
+from upcycle.moe import routing
+from upcycle.moe.config import MoeConfig
+
+Array = jax.Array
+
+EXPERT_AXES = ('expert', 'expert_group', 'unmodeled', 'embed')  # [E, G, C, d_model]
+GROUP_AXES = ('batch', 'length', 'embed')                       # [G, S, d_model]
+
+
+class RouterWeights(nn.Module):
+  num_experts: int
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    return DenseGeneral(
+        self.num_experts, ('embed', 'unmodeled'), dtype=jnp.float32,
+        kernel_init=nn.initializers.normal(stddev=0.02), name='w')(x)
+
+
+class Router(nn.Module):
+  """Router logits in float32: `[groups, tokens, d_model] -> [groups, tokens, experts]`."""
+
+  num_experts: int
+  jitter_noise: float = 0.0
+
+  @nn.compact
+  def __call__(self, x: Array, deterministic: bool) -> Array:
+    x = jnp.asarray(x, jnp.float32)
+    if self.jitter_noise > 0 and not deterministic:
+      x = x * jax.random.uniform(self.make_rng('jitter'), x.shape, jnp.float32,
+                                 1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+    return RouterWeights(self.num_experts, name='router_weights')(x)
+
+
+def group_tokens(x: Array, group_size: Optional[int]) -> Array:
+  """`[batch, length, d] -> [groups, group_size, d]`."""
+  batch, length, d = x.shape
+  if group_size is None:
+    return x
+  if (batch * length) % group_size:
+    raise ValueError(
+        f'MoeConfig.group_size={group_size} does not divide the {batch * length} tokens of '
+        f'this batch ([batch={batch}, length={length}]). Choose a group size that divides '
+        f'batch * length, or group_size=None to route each example as one group.')
+  return x.reshape(batch * length // group_size, group_size, d)
+
+
+def dispatch_masked(x: Array, decision: routing.RoutingDecision, experts_fn) -> Array:
+  """One-hot einsum dispatch/combine (TPU friendly).
+
+  x `[G, S, d]` -> expert inputs `[E, G, C, d]` -> outputs `[G, S, d]`.
+  """
+  tokens = x.shape[1]
+  dispatch = jax.nn.one_hot(decision.token_index, tokens, dtype=x.dtype)
+  dispatch = dispatch * decision.valid[..., None].astype(x.dtype)     # [G, E, C, S]
+  expert_in = constrain(jnp.einsum('gecs,gsd->egcd', dispatch, x), EXPERT_AXES)
+  expert_out = constrain(experts_fn(expert_in), EXPERT_AXES)
+  combine = dispatch * decision.combine_weight[..., None].astype(x.dtype)
+  return jnp.einsum('gecs,egcd->gsd', combine, expert_out)
+
+
+def dispatch_indices(x: Array, decision: routing.RoutingDecision, experts_fn) -> Array:
+  """Gather/scatter dispatch/combine by token index (CPU/GPU friendly)."""
+  groups, tokens, d = x.shape
+  _, experts, capacity = decision.token_index.shape
+  flat_index = decision.token_index.reshape(groups, experts * capacity)
+  gathered = jnp.take_along_axis(x, flat_index[..., None], axis=1)
+  gathered = gathered * decision.valid.reshape(groups, -1, 1).astype(x.dtype)
+  expert_in = jnp.transpose(gathered.reshape(groups, experts, capacity, d), (1, 0, 2, 3))
+  expert_out = experts_fn(constrain(expert_in, EXPERT_AXES))
+  expert_out = jnp.transpose(constrain(expert_out, EXPERT_AXES), (1, 0, 2, 3))
+  weighted = expert_out * decision.combine_weight[..., None].astype(x.dtype)
+  g = jnp.arange(groups)[:, None]
+  out = jnp.zeros_like(x)
+  return out.at[g, flat_index].add(weighted.reshape(groups, experts * capacity, d))
+
+
+DISPATCH = {'masked': dispatch_masked, 'indices': dispatch_indices}
+
+
+class MoeLayer(nn.Module):
+  """A sparse MLP block: E copies of `expert` (a dense MLP module), one router.
+
+  Attributes:
+    config: routing, capacity, dispatch and loss settings.
+    expert: factory of the dense MLP module; called with
+      `intermediate_axes=None`, its `__call__(x, deterministic)` must be rank agnostic.
+    causal: True in a decoder; Expert Choice is then refused.
+  """
+
+  config: MoeConfig
+  expert: Callable[..., nn.Module]
+  causal: bool = False
+
+  @nn.compact
+  def __call__(self, x: Array, deterministic: bool,
+               token_mask: Optional[Array] = None) -> Array:
+    """x `[batch, length, d_model]`, token_mask `[batch, length]` (False = padding)."""
+    cfg = self.config
+    if self.causal and cfg.router == 'experts_choose':
+      raise ValueError(
+          f'{self.name}: Expert Choice routing cannot be used in a causal decoder: each expert '
+          'picks its top tokens among all positions of a group, so the output at position t '
+          'depends on tokens after t (it reads the future, and training/decoding disagree). '
+          "Use router='tokens_choose' (Top-K) for decoder MoE blocks.")
+    batch, length, d_model = x.shape
+    grouped = constrain(group_tokens(x, cfg.group_size), GROUP_AXES)
+    groups, tokens, _ = grouped.shape
+    mask = None if token_mask is None else token_mask.reshape(groups, tokens)
+    capacity = cfg.capacity(tokens, deterministic)
+
+    logits = Router(cfg.num_experts, cfg.jitter_noise, name='router')(grouped, deterministic)
+    probs = jax.nn.softmax(logits, axis=-1)                           # [G, S, E]
+    if cfg.router == 'experts_choose':
+      decision = routing.experts_choose(probs, capacity, mask)
+      balance = jnp.zeros((), jnp.float32)
+    else:
+      decision = routing.tokens_choose(probs, cfg.k, capacity, cfg.batch_priority_routing, mask)
+      balance = routing.load_balancing_loss(probs, jax.lax.top_k(probs, cfg.k)[1])
+    if cfg.normalize_combine_weights:
+      decision = routing.normalize_combine_weights(decision, tokens)
+
+    experts = nn.vmap(
+        self.expert, in_axes=(0, None), out_axes=0,
+        variable_axes={'params': 0}, split_rngs={'params': True, 'dropout': True},
+        metadata_params={nn.PARTITION_NAME: 'expert'},
+    )(intermediate_axes=None, name='expert')
+    out = DISPATCH[cfg.dispatch](grouped, decision,
+                                 lambda expert_in: experts(expert_in, deterministic))
+
+    z_loss = routing.router_z_loss(logits)
+    self.sow('aux_loss', 'load_balancing_loss', balance)
+    self.sow('aux_loss', 'router_z_loss', z_loss)
+    self.sow('aux_loss', 'weighted',
+             cfg.load_balancing_loss_weight * balance + cfg.router_z_loss_weight * z_loss)
+    self._sow_metrics(probs, decision, mask)
+    return out.reshape(batch, length, d_model)
+
+  def _sow_metrics(self, probs: Array, decision: routing.RoutingDecision,
+                   mask: Optional[Array]) -> None:
+    groups, tokens, _ = probs.shape
+    real = jnp.ones((groups, tokens), bool) if mask is None else mask
+    slots = routing.token_slot_counts(decision, tokens)
+    num_real = jnp.maximum(real.sum(), 1)
+    tokens_per_expert = decision.valid.sum(axis=2).astype(jnp.float32).mean(axis=0)  # [E]
+    self.sow('moe_metrics', 'fraction_dropped_tokens',
+             jnp.sum((slots == 0) & real) / num_real)
+    self.sow('moe_metrics', 'router_confidence',
+             jnp.sum(jnp.max(probs, axis=-1) * real) / num_real)
+    self.sow('moe_metrics', 'tokens_per_expert', tokens_per_expert)
+    self.sow('moe_metrics', 'expert_usage', tokens_per_expert / tokens)

@@ -1,0 +1,141 @@
+"""Routers: router probabilities -> `RoutingDecision` (who goes where, with what weight).
+
+Both routers describe their decision the same way, per group and expert slot:
+`token_index [groups, experts, capacity]` (which token fills the slot),
+`combine_weight [groups, experts, capacity]` and `valid [groups, experts, capacity]`
+(False for a slot no token filled). Dispatch implementations (layer.py) only read this.
+"""
+
+from typing import Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+@flax.struct.dataclass
+class RoutingDecision:
+  token_index: Array     # [groups, experts, capacity] int32 in [0, tokens)
+  combine_weight: Array  # [groups, experts, capacity] float32, 0 where not valid
+  valid: Array           # [groups, experts, capacity] bool
+
+
+def token_weight_sums(decision: RoutingDecision, num_tokens: int) -> Array:
+  """Sum of each token's combine weights over the slots it fills: `[groups, tokens]`."""
+  groups = decision.token_index.shape[0]
+  weights = jnp.where(decision.valid, decision.combine_weight, 0.0)
+  sums = jnp.zeros((groups, num_tokens), jnp.float32)
+  g = jnp.arange(groups)[:, None, None]
+  return sums.at[g, decision.token_index].add(weights)
+
+
+def token_slot_counts(decision: RoutingDecision, num_tokens: int) -> Array:
+  """How many expert slots each token fills: `[groups, tokens]`."""
+  groups = decision.token_index.shape[0]
+  counts = jnp.zeros((groups, num_tokens), jnp.int32)
+  g = jnp.arange(groups)[:, None, None]
+  return counts.at[g, decision.token_index].add(decision.valid.astype(jnp.int32))
+
+
+def normalize_combine_weights(decision: RoutingDecision, num_tokens: int) -> RoutingDecision:
+  """Rescale so each token's weights over the experts that took it sum to 1.
+
+  A token no expert took has no weights and keeps output 0 (residual only).
+  """
+  sums = token_weight_sums(decision, num_tokens)                      # [G, S]
+  per_slot = jnp.take_along_axis(
+      sums, decision.token_index.reshape(sums.shape[0], -1), axis=1
+  ).reshape(decision.token_index.shape)                               # [G, E, C]
+  safe = jnp.where(per_slot > 0, per_slot, 1.0)
+  weights = jnp.where(decision.valid & (per_slot > 0), decision.combine_weight / safe, 0.0)
+  return decision.replace(combine_weight=weights)
+
+
+def experts_choose(probs: Array, capacity: int,
+                   token_mask: Optional[Array] = None) -> RoutingDecision:
+  """Expert Choice: every expert takes its `capacity` most probable tokens.
+
+  Args:
+    probs: `[groups, tokens, experts]` router probabilities (softmax over experts).
+    capacity: slots per expert, at most `tokens`.
+    token_mask: `[groups, tokens]`, False for padding, which is then taken last.
+
+  Each expert looks at every token of the group, future ones included: never
+  use this in a causal decoder.
+  """
+  if token_mask is not None:
+    probs = probs * token_mask[..., None]
+  weights, index = jax.lax.top_k(jnp.swapaxes(probs, 1, 2), capacity)  # [G, E, C]
+  valid = jnp.ones(index.shape, bool)
+  if token_mask is not None:
+    valid = jnp.take_along_axis(token_mask, index.reshape(index.shape[0], -1), axis=1
+                                ).reshape(index.shape)
+  return RoutingDecision(index.astype(jnp.int32), jnp.where(valid, weights, 0.0), valid)
+
+
+def tokens_choose(probs: Array, k: int, capacity: int, batch_priority: bool = False,
+                  token_mask: Optional[Array] = None) -> RoutingDecision:
+  """Top-K: every token picks its `k` most probable experts, in priority order.
+
+  Args:
+    probs: `[groups, tokens, experts]` router probabilities.
+    k: experts per token.
+    capacity: slots per expert; choices past it are dropped (the token then
+      passes on the residual only for that choice).
+    batch_priority: rank tokens by their top-1 probability (Batch Priority
+      Routing) instead of by position in the group.
+    token_mask: `[groups, tokens]`, False for padding, which claims no slot.
+
+  Every first choice of every token outranks every second choice, and so on.
+  """
+  groups, tokens, experts = probs.shape
+  gates, expert_index = jax.lax.top_k(probs, k)                       # [G, S, K]
+  if batch_priority:
+    order = jnp.argsort(-gates[..., 0], axis=1, stable=True)          # [G, S]
+  else:
+    order = jnp.broadcast_to(jnp.arange(tokens), (groups, tokens))
+  take = lambda x: jnp.take_along_axis(x, order[..., None], axis=1)
+  gates, expert_index = take(gates), take(expert_index)              # priority order
+  chosen = jax.nn.one_hot(expert_index, experts, dtype=jnp.int32)     # [G, S, K, E]
+  if token_mask is not None:
+    mask = jnp.take_along_axis(token_mask, order, axis=1)
+    chosen = chosen * mask[:, :, None, None].astype(jnp.int32)
+  # Candidates k-major: all first choices, then all second choices, ...
+  chosen = jnp.swapaxes(chosen, 1, 2).reshape(groups, k * tokens, experts)
+  position = jnp.cumsum(chosen, axis=1) - 1                           # slot in the expert
+  keep = (chosen > 0) & (position < capacity)
+  candidate_token = jnp.tile(order, (1, k))                           # [G, K*S]
+  candidate_gate = jnp.swapaxes(gates, 1, 2).reshape(groups, k * tokens)
+  slot = jnp.where(keep, position, capacity)                          # out of range: dropped
+  g = jnp.arange(groups)[:, None, None]
+  e = jnp.arange(experts)[None, None, :]
+  shape = (groups, experts, capacity)
+  scatter = lambda init, values: init.at[g, e, slot].set(
+      jnp.broadcast_to(values[..., None], slot.shape), mode='drop')
+  token_index = scatter(jnp.zeros(shape, jnp.int32), candidate_token.astype(jnp.int32))
+  combine_weight = scatter(jnp.zeros(shape, jnp.float32), candidate_gate.astype(jnp.float32))
+  valid = scatter(jnp.zeros(shape, bool), jnp.ones_like(candidate_token, bool))
+  return RoutingDecision(token_index, combine_weight, valid)
+
+
+def load_balancing_loss(probs: Array, expert_index: Array) -> Array:
+  """Switch Transformer auxiliary loss, E^2 * mean_{g,e}(f_ge * p_ge).
+
+  Args:
+    probs: `[groups, tokens, experts]`.
+    expert_index: `[groups, tokens, k]` the experts each token chose.
+  f_ge is the fraction of group g's tokens that chose e (among their K), p_ge
+  the mean probability of e. 1.0 when routing is uniform.
+  """
+  experts = probs.shape[-1]
+  chosen = jnp.max(jax.nn.one_hot(expert_index, experts, dtype=jnp.float32), axis=-2)
+  fraction = jnp.mean(chosen, axis=1)
+  mean_prob = jnp.mean(probs, axis=1)
+  return jnp.mean(fraction * mean_prob) * experts ** 2
+
+
+def router_z_loss(logits: Array) -> Array:
+  """ST-MoE z-loss: mean over tokens of logsumexp(logits)^2. logits `[G, S, E]`."""
+  return jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))

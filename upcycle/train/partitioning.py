@@ -1,0 +1,66 @@
+"""The mesh ('data', 'expert', 'model') and the one table mapping logical axes onto it.
+
+Models name their axes (layers.py, moe/layer.py); only this table decides where
+they live. The batch is split over ('expert', 'data'), expert weights over
+'expert', MLP/heads/vocab over 'model'. Everything else is replicated.
+"""
+
+from typing import Any, Optional, Sequence, Tuple
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ('data', 'expert', 'model')
+
+LOGICAL_AXIS_RULES: Tuple[Tuple[str, Any], ...] = (
+    ('batch', ('expert', 'data')),
+    ('expert_group', 'data'),
+    ('expert', 'expert'),
+    ('vocab', 'model'),
+    ('mlp', 'model'),
+    ('expert_mlp', 'model'),
+    ('heads', 'model'),
+    ('joined_kv', 'model'),
+    ('kv', None),
+    ('embed', None),
+    ('mlp_embed', None),
+    ('length', None),
+    ('relpos_buckets', None),
+    ('unmodeled', None),
+)
+
+
+def make_mesh(num_expert_partitions: int = 1, num_model_partitions: int = 1,
+              devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+  """A ('data', 'expert', 'model') mesh over all (or the given) devices.
+
+  data = num_devices / (expert * model). Axes are GSPMD-style (AxisType.Auto),
+  what `with_sharding_constraint` under `jax.jit` expects.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  n = len(devices)
+  parts = num_expert_partitions * num_model_partitions
+  if n % parts:
+    raise ValueError(
+        f'num_expert_partitions={num_expert_partitions} x num_model_partitions='
+        f'{num_model_partitions} = {parts} does not divide the {n} devices.')
+  shape = (n // parts, num_expert_partitions, num_model_partitions)
+  if len(devices) == jax.device_count():
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
+                         devices=devices)
+  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+
+
+def logical_sharding(boxed_tree: Any, mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> Any:
+  """NamedShardings for a tree of `nn.LogicallyPartitioned` boxes (e.g. from eval_shape(init))."""
+  specs = nn.get_partition_spec(boxed_tree)
+  mesh_specs = nn.logical_to_mesh(specs, rules)
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), mesh_specs,
+                      is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+  """Inputs `[batch, ...]`: batch over ('expert', 'data'), the rest replicated."""
+  return NamedSharding(mesh, PartitionSpec(('expert', 'data'), *([None] * (ndim - 1))))

@@ -1,0 +1,80 @@
+"""The expert-initializer interface and helpers shared by its implementations."""
+
+import zlib
+from typing import Dict, Mapping, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+
+def key_for(rng: Array, *names: str) -> Array:
+  """A key for `names` that does not depend on which other layers exist.
+
+  Folding in a CRC of the layer path (rather than splitting in tree order)
+  keeps a layer's draws fixed when placement or other layers change.
+  """
+  for name in names:
+    rng = jax.random.fold_in(rng, zlib.crc32(name.encode()) & 0x7FFFFFFF)
+  return rng
+
+
+def tile(x, num_experts: int) -> Array:
+  """`[...] -> [experts, ...]`, every expert an exact copy."""
+  x = jnp.asarray(x)
+  return jnp.broadcast_to(x[None], (num_experts,) + x.shape)
+
+
+def as_array(x) -> Array:
+  """Dense leaves may be numpy or lazily read arrays; read them once here."""
+  return x if isinstance(x, jax.Array) else jnp.asarray(np.asarray(x))
+
+
+class ExpertInit:
+  """Makes the experts of one MoE block from the dense MLP it replaces.
+
+  An initializer sees the whole MLP of one layer at once, because some
+  (Drop-Upcycling, granular slicing) must act on the same intermediate units
+  of wi_0, wi_1 and wo together.
+
+  Subclasses are frozen dataclasses so that entry points (gin) can bind them.
+  """
+
+  def expert_shapes(self, mlp_shapes: Mapping[str, Tuple[int, ...]],
+                    num_experts: int, layer: str = '') -> Dict[str, Tuple[int, ...]]:
+    """Shapes this initializer produces: `[experts, *dense shape]` by default."""
+    del layer
+    return {name: (num_experts,) + tuple(shape) for name, shape in mlp_shapes.items()}
+
+  def __call__(self, mlp: Mapping[str, Array], num_experts: int, rng: Array, *,
+               layer: str = '') -> Dict[str, Array]:
+    """Expert leaves of one MoE block.
+
+    Args:
+      mlp: the dense MLP leaves, keyed relative to the MLP ('wi_0/kernel' ->
+        `[d_model, d_ff]`). Never modified.
+      num_experts: E, taken from the target's expert leaves.
+      rng: a key for this layer only.
+      layer: path of the MLP ('encoder/layers_1/mlp'), for errors and for
+        initializers that look the layer up elsewhere (FromCheckpoints).
+
+    Returns:
+      {same names: `[E, ...]` arrays} in the dense leaves' dtypes.
+    """
+    raise NotImplementedError(f'{type(self).__name__} does not implement __call__.')
+
+  def tie_router(self, router: Mapping[str, Array], layer: str = '') -> Dict[str, Array]:
+    """Constrains the freshly made router of the block; identity by default.
+
+    Granular upcycling needs the G experts of one virtual group to share one
+    router column, so it overrides this.
+    """
+    del layer
+    return dict(router)
+
+
+def check_choice(value: str, choices: Sequence[str], what: str):
+  if value not in choices:
+    raise ValueError(f'{what}={value!r}: expected one of {tuple(choices)}.')

@@ -1,0 +1,308 @@
+"""Expert initializers: how the E experts of an MoE block come from one dense MLP.
+
+Every initializer maps the dense MLP of one layer, `{'wi_0/kernel': [d_model,
+d_ff], ...}`, to expert leaves `{'wi_0/kernel': [E, d_model, d_ff], ...}`
+(Granular: `[E, d_model, d_ff / G]`). Initializers from several dense
+checkpoints (Branch-Train-MiX, UpIT) live in `sources.py`.
+
+Names for entry points: 'copy', 'drop', 'noise', 'random' (see `get`).
+"""
+
+import dataclasses
+from typing import Callable, Dict, Mapping, Optional, Union
+
+import jax
+import jax.numpy as jnp
+
+from upcycle.upcycling import ffn
+from upcycle.upcycling.base import Array, ExpertInit, as_array, check_choice, key_for, tile
+from upcycle.upcycling.paths import shape_of
+from upcycle.upcycling.sources import FromCheckpoints, Merge
+
+__all__ = ['ExpertInit', 'Copy', 'Drop', 'Noise', 'Random', 'Granular', 'FromCheckpoints',
+           'Merge', 'EXPERT_INITS', 'get']
+
+
+def _tiled(mlp: Mapping[str, Array], num_experts: int) -> Dict[str, Array]:
+  return {name: tile(as_array(x), num_experts) for name, x in mlp.items()}
+
+
+def unit_mask(rng: Array, num_experts: int, d_ff: int, count: int) -> Array:
+  """`[experts, d_ff]` bool: for each expert, `count` distinct units drawn uniformly."""
+  perms = jax.vmap(lambda k: jax.random.permutation(k, d_ff))(jax.random.split(rng, num_experts))
+  rows = jnp.arange(num_experts)[:, None]
+  return jnp.zeros((num_experts, d_ff), bool).at[rows, perms[:, :count]].set(True)
+
+
+def _unit_broadcast(mask: Array, ndim: int, axis: int) -> Array:
+  """`[experts, d_ff]` -> broadcastable against an `[experts, ...]` leaf whose d_ff is `axis`."""
+  shape = [1] * ndim
+  shape[0], shape[axis] = mask.shape
+  return mask.reshape(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Copy(ExpertInit):
+  """Sparse Upcycling: every expert is an exact copy of the dense MLP."""
+
+  def __call__(self, mlp, num_experts, rng, *, layer=''):
+    del rng, layer
+    return _tiled(mlp, num_experts)
+
+
+def redraw(w: Array, mask: Array, rng: Array) -> Array:
+  """Replaces `w[mask]` per expert by draws from N(mean, std) of the replaced values.
+
+  Args:
+    w: `[experts, ...]`.
+    mask: bool, broadcastable to `w`.
+    rng: key.
+
+  Returns:
+    `w` with the masked entries of expert e drawn from a normal with the mean
+    and (population) std of expert e's masked entries; one scalar pair per
+    expert and leaf. Unmasked entries are bit-identical to `w`.
+  """
+  mask = jnp.broadcast_to(mask, w.shape)
+  x = w.astype(jnp.float32)
+  axes = tuple(range(1, w.ndim))
+  count = jnp.maximum(mask.sum(axes, keepdims=True), 1)
+  mean = jnp.where(mask, x, 0).sum(axes, keepdims=True) / count
+  std = jnp.sqrt(jnp.where(mask, (x - mean) ** 2, 0).sum(axes, keepdims=True) / count)
+  fresh = mean + std * jax.random.normal(rng, w.shape, jnp.float32)
+  return jnp.where(mask, fresh.astype(w.dtype), w)
+
+
+@dataclasses.dataclass(frozen=True)
+class Drop(ExpertInit):
+  """Drop-Upcycling (Nakamura et al., ICLR 2025).
+
+  Each expert starts as a copy, then `round(ratio * d_ff)` of its intermediate
+  units are re-initialized: their columns of the input projections (wi_0,
+  wi_1 / Dense_0 and Dense_0's bias entries) and their rows of the output
+  projection (wo / Dense_1). New values are drawn from a normal with the mean
+  and std of the values they replace, one pair per expert and leaf.
+
+  Attributes:
+    ratio: r in [0, 1]. 0 is Copy exactly; 1 re-draws whole FFNs with the
+      dense weights' statistics.
+    index_sharing: 'shared': one index set per expert used by all matrices (as
+      the paper writes it), so a fraction 1 - r of units stay intact.
+      'per_matrix': an independent set per matrix (as the authors' released
+      code does), so only (1 - r)^m of units stay intact in expectation, m = 3
+      for T5's gated MLP, 2 for ViT. A bias follows its kernel's set.
+  """
+
+  ratio: float = 0.5
+  index_sharing: str = 'shared'
+
+  def __post_init__(self):
+    if not 0.0 <= self.ratio <= 1.0:
+      raise ValueError(f'Drop.ratio={self.ratio}: must be in [0, 1].')
+    check_choice(self.index_sharing, ('shared', 'per_matrix'), 'Drop.index_sharing')
+
+  def __call__(self, mlp, num_experts, rng, *, layer=''):
+    shapes = {name: shape_of(x) for name, x in mlp.items()}
+    axes = ffn.d_ff_axes(shapes, layer)
+    d_ff = ffn.d_ff(shapes, layer)
+    count = int(round(self.ratio * d_ff))
+    out = _tiled(mlp, num_experts)
+    if count == 0:
+      return out
+    index_rng, value_rng = jax.random.split(rng)
+    masks = {}
+    for name, axis in sorted(axes.items()):
+      if axis is None:
+        continue
+      group = 'shared' if self.index_sharing == 'shared' else ffn.matrix_of(name)
+      if group not in masks:
+        masks[group] = unit_mask(key_for(index_rng, group), num_experts, d_ff, count)
+      mask = _unit_broadcast(masks[group], out[name].ndim, axis + 1)
+      out[name] = redraw(out[name], mask, key_for(value_rng, name))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Noise(ExpertInit):
+  """Noise upcycling: copies, then Gaussian noise on part of each expert.
+
+  Attributes:
+    std: standard deviation of the noise.
+    fraction: 'neuron': exactly round(fraction * d_ff) intermediate units per
+      expert, shared by the MLP's matrices (a unit's input columns and output
+      row); the output bias is untouched. 'element': every element of every
+      leaf independently with probability `fraction`.
+    mode: 'add' (w + noise) or 'replace' (noise).
+    unit: 'neuron' or 'element'.
+  """
+
+  std: float = 0.02
+  fraction: float = 0.5
+  mode: str = 'add'
+  unit: str = 'neuron'
+
+  def __post_init__(self):
+    if not 0.0 <= self.fraction <= 1.0:
+      raise ValueError(f'Noise.fraction={self.fraction}: must be in [0, 1].')
+    check_choice(self.mode, ('add', 'replace'), 'Noise.mode')
+    check_choice(self.unit, ('neuron', 'element'), 'Noise.unit')
+
+  def __call__(self, mlp, num_experts, rng, *, layer=''):
+    out = _tiled(mlp, num_experts)
+    mask_rng, noise_rng = jax.random.split(rng)
+    if self.unit == 'neuron':
+      shapes = {name: shape_of(x) for name, x in mlp.items()}
+      axes = ffn.d_ff_axes(shapes, layer)
+      d_ff = ffn.d_ff(shapes, layer)
+      units = unit_mask(mask_rng, num_experts, d_ff, int(round(self.fraction * d_ff)))
+    for name in sorted(out):
+      w = out[name]
+      if self.unit == 'neuron':
+        if axes[name] is None:
+          continue
+        mask = _unit_broadcast(units, w.ndim, axes[name] + 1)
+      else:
+        mask = jax.random.bernoulli(key_for(mask_rng, name), self.fraction, w.shape)
+      noise = self.std * jax.random.normal(key_for(noise_rng, name), w.shape, jnp.float32)
+      new = w.astype(jnp.float32) + noise if self.mode == 'add' else noise
+      out[name] = jnp.where(mask, new.astype(w.dtype), w)
+    return out
+
+
+def default_kernel_init(rng, shape, dtype):
+  """T5X/Flaxformer's MLP kernel init: variance scaling 1.0, fan_in, truncated normal."""
+  return jax.nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal')(rng, shape, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Random(ExpertInit):
+  """From-scratch experts (the baseline): nothing is taken from the dense MLP.
+
+  Attributes:
+    init_fn: `(key, shape, dtype) -> array` for 'kernel' leaves, called per
+      expert with the dense leaf's shape. Default: T5X's variance scaling
+      (1.0, fan_in, truncated normal). For ViT pass big_vision's
+      `nn.initializers.xavier_uniform()` to match its Dense init.
+    bias_init_fn: the same for 'bias' leaves. Default: zeros.
+  """
+
+  init_fn: Optional[Callable] = None
+  bias_init_fn: Optional[Callable] = None
+
+  def __call__(self, mlp, num_experts, rng, *, layer=''):
+    out = {}
+    for name, x in sorted(mlp.items()):
+      leaf = name.split('/')[-1]
+      if leaf == 'kernel':
+        fn = self.init_fn or default_kernel_init
+      elif leaf == 'bias':
+        fn = self.bias_init_fn or jax.nn.initializers.zeros
+      else:
+        raise ValueError(
+            f'Random: MLP leaf {layer}/{name} {shape_of(x)} is neither a kernel nor a bias, so it '
+            f'has no default initializer. Fix: rename it, or upcycle it with Copy.')
+      keys = jax.random.split(key_for(rng, name), num_experts)
+      shape, dtype = shape_of(x), x.dtype
+      out[name] = jax.vmap(lambda k, fn=fn, shape=shape, dtype=dtype: fn(k, shape, dtype))(keys)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Granular(ExpertInit):
+  """Fine-grained upcycling: each expert is one of G slices of the dense FFN.
+
+  The dense FFN splits along d_ff into G slices of d_ff / G units; expert
+  e = i * G + g (virtual group i, slice g) is slice g, with its output
+  projection (wo / Dense_1 kernel) multiplied by G. The output bias (Dense_1
+  bias) is kept whole. The G experts of a virtual group share one router
+  column (`tie_router`), so they get identical logits and the same tokens.
+
+  A token taken by a whole group gets (1/G) * sum_g G * slice_g(x) + b =
+  dense(x) from it, and the MoE block is *exactly* the dense MLP at step 0 for
+  every token taken by at least one group when (MoeConfig):
+    - normalize_combine_weights=True (the groups' weights then sum to one), and
+    - router='experts_choose' (experts of a group pick the same tokens), or
+      router='tokens_choose' with k a multiple of G (top-k then takes whole
+      groups: tied logits are broken by index and a group's indices are
+      contiguous);
+    - num_experts = n * G for n virtual experts, expert d_ff = dense d_ff / G.
+  Capacity, batch priority routing and jitter keep this property, since the
+  experts of a group see identical logits. Without normalization, or with k
+  not a multiple of G, the block is not function preserving.
+
+  Attributes:
+    granularity: G, slices per dense FFN.
+  """
+
+  granularity: int = 2
+
+  def __post_init__(self):
+    if self.granularity < 1:
+      raise ValueError(f'Granular.granularity={self.granularity}: must be >= 1.')
+
+  def _axes(self, mlp_shapes, num_experts, layer):
+    axes = ffn.d_ff_axes(mlp_shapes, layer)
+    d_ff = ffn.d_ff(mlp_shapes, layer)
+    g = self.granularity
+    if num_experts % g or d_ff % g:
+      raise ValueError(
+          f'Granular(granularity={g}) at {layer}: needs num_experts ({num_experts}) and the dense '
+          f'd_ff ({d_ff}) to be multiples of {g}. Fix: set MoeConfig.num_experts = n * {g} and the '
+          f'expert d_ff to {d_ff} / {g}.')
+    return axes, d_ff // g
+
+  def expert_shapes(self, mlp_shapes, num_experts, layer=''):
+    axes, width = self._axes(mlp_shapes, num_experts, layer)
+    shapes = {}
+    for name, shape in mlp_shapes.items():
+      shape = list(shape)
+      if axes[name] is not None:
+        shape[axes[name]] = width
+      shapes[name] = (num_experts,) + tuple(shape)
+    return shapes
+
+  def __call__(self, mlp, num_experts, rng, *, layer=''):
+    del rng
+    shapes = {name: shape_of(x) for name, x in mlp.items()}
+    axes, width = self._axes(shapes, num_experts, layer)
+    g = self.granularity
+    out = {}
+    for name, x in mlp.items():
+      x = as_array(x)
+      axis = axes[name]
+      if axis is None:
+        out[name] = tile(x, num_experts)
+        continue
+      slices = jnp.stack([jax.lax.slice_in_dim(x, s * width, (s + 1) * width, axis=axis)
+                          for s in range(g)])
+      if ffn.matrix_of(name) not in ffn.INPUT_LAYERS:
+        slices = (slices.astype(jnp.float32) * g).astype(x.dtype)
+      out[name] = jnp.tile(slices, (num_experts // g,) + (1,) * x.ndim)
+    return out
+
+  def tie_router(self, router, layer=''):
+    g = self.granularity
+    tied = {}
+    for name, w in router.items():
+      num_experts = w.shape[-1]
+      if num_experts % g:
+        raise ValueError(
+            f'Granular(granularity={g}): router leaf {layer}/router/{name} {tuple(w.shape)} has '
+            f'{num_experts} experts on its last axis, not a multiple of {g}.')
+      grouped = w.reshape(w.shape[:-1] + (num_experts // g, g))
+      tied[name] = jnp.broadcast_to(grouped[..., :1], grouped.shape).reshape(w.shape)
+    return tied
+
+
+EXPERT_INITS = {'copy': Copy, 'drop': Drop, 'noise': Noise, 'random': Random}
+
+
+def get(init: Union[str, ExpertInit]) -> ExpertInit:
+  """An expert initializer from a name (with defaults) or an instance."""
+  if isinstance(init, ExpertInit):
+    return init
+  if isinstance(init, str) and init in EXPERT_INITS:
+    return EXPERT_INITS[init]()
+  raise ValueError(
+      f'experts={init!r}: expected an ExpertInit or one of {tuple(EXPERT_INITS)}. '
+      f'Granular, FromCheckpoints and Merge need arguments: pass an instance.')

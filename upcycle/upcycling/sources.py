@@ -1,0 +1,216 @@
+"""Experts from several dense checkpoints: Branch-Train-MiX and UpIT.
+
+These initializers change the non-expert parameters too (averaged across the
+sources, or taken from one of them), so they are used through
+`surgery.upcycle_from_checkpoints`, which takes the shared parameters from
+`init.shared_params()` and the experts from the initializer itself.
+"""
+
+import dataclasses
+from typing import Any, Dict, Mapping, Optional, Sequence, Set, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from upcycle.upcycling import paths
+from upcycle.upcycling.base import Array, ExpertInit, as_array, check_choice, key_for
+
+
+def mean_leaf(leaves: Sequence[Any]) -> Array:
+  """Elementwise mean, computed as x0 + sum(xi - x0) / n in float32.
+
+  Written around the first source so that identical sources give back x0
+  bit for bit (a plain sum / n would round).
+  """
+  first = as_array(leaves[0])
+  if not jnp.issubdtype(first.dtype, jnp.floating):
+    for i, leaf in enumerate(leaves[1:], 1):
+      if not np.array_equal(np.asarray(leaf), np.asarray(first)):
+        raise ValueError(f'non-float leaf differs between source 0 and source {i}; '
+                         f'it cannot be averaged.')
+    return first
+  x0 = first.astype(jnp.float32)
+  delta = sum(as_array(leaf).astype(jnp.float32) - x0 for leaf in leaves[1:])
+  return (x0 + delta / len(leaves)).astype(first.dtype)
+
+
+class _MultiSource(ExpertInit):
+  """Shared machinery: validated flat sources and the shared (non-expert) params."""
+
+  sources: Sequence[Mapping]
+  base: Optional[int]
+
+  def _prepare(self):
+    if not self.sources:
+      raise ValueError(f'{type(self).__name__}: needs at least one source param tree.')
+    flats = [paths.flatten(s) for s in self.sources]
+    ref = flats[0]
+    for i, flat in enumerate(flats[1:], 1):
+      missing, extra = sorted(set(ref) - set(flat)), sorted(set(flat) - set(ref))
+      if missing or extra:
+        where = (f'{missing[0]} is in source 0 but not in source {i}' if missing else
+                 f'{extra[0]} is in source {i} but not in source 0')
+        raise ValueError(f'{type(self).__name__}: {where}. All sources must be checkpoints of '
+                         f'the same dense architecture.')
+      for path, leaf in ref.items():
+        other = flat[path]
+        if paths.shape_of(leaf) != paths.shape_of(other) or leaf.dtype != other.dtype:
+          raise ValueError(
+              f'{type(self).__name__}: {path} is {paths.shape_of(leaf)} {leaf.dtype} in source 0 '
+              f'but {paths.shape_of(other)} {other.dtype} in source {i}. All sources must be '
+              f'checkpoints of the same dense architecture.')
+    if self.base is not None and not 0 <= self.base < len(flats):
+      raise ValueError(f'{type(self).__name__}.base={self.base}: there are {len(flats)} sources.')
+    object.__setattr__(self, '_flats', flats)
+
+  def shared_params(self) -> Dict[str, Any]:
+    """The non-expert params: source `base`, or the mean of all sources."""
+    flats = self._flats
+    if self.base is not None:
+      return paths.unflatten(dict(flats[self.base]))
+    out = {}
+    for path in flats[0]:
+      try:
+        out[path] = mean_leaf([flat[path] for flat in flats])
+      except ValueError as e:
+        raise ValueError(f'{type(self).__name__}: {path}: {e} Fix: pick one with base=<index>.') from e
+    return paths.unflatten(out)
+
+  def _source_mlp(self, index: int, names, layer: str) -> Dict[str, Any]:
+    flat = self._flats[index]
+    out = {}
+    for name in names:
+      path = paths.join(layer, name)
+      if path not in flat:
+        raise ValueError(f'{type(self).__name__}: source {index} has no leaf {path}.')
+      out[name] = flat[path]
+    return out
+
+  def describe_shared(self) -> str:
+    if self.base is not None:
+      return f'source {self.base}'
+    return f'mean of {len(self._flats)} sources'
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FromCheckpoints(_MultiSource):
+  """Branch-Train-MiX: expert e is the dense MLP of checkpoint `assignment[e]`.
+
+  From E identical sources this equals Copy exactly (experts and, through
+  `mean_leaf`, the shared params).
+
+  Attributes:
+    sources: dense param trees of one architecture (e.g. the branches).
+    assignment: source index of each expert, length E. None: expert e from
+      source e (needs len(sources) == E).
+    base: source index for the non-expert params; None averages all sources.
+  """
+
+  sources: Sequence[Mapping]
+  assignment: Optional[Sequence[int]] = None
+  base: Optional[int] = None
+
+  def __post_init__(self):
+    self._prepare()
+    if self.assignment is not None:
+      object.__setattr__(self, 'assignment', tuple(int(a) for a in self.assignment))
+      bad = [a for a in self.assignment if not 0 <= a < len(self.sources)]
+      if bad:
+        raise ValueError(f'FromCheckpoints.assignment={self.assignment}: index {bad[0]} is out '
+                         f'of range for {len(self.sources)} sources.')
+
+  def __call__(self, mlp, num_experts, rng, *, layer=''):
+    del rng
+    assignment = self.assignment
+    if assignment is None:
+      assignment = tuple(range(len(self.sources)))
+    if len(assignment) != num_experts:
+      raise ValueError(
+          f'FromCheckpoints: the MoE block at {layer} has {num_experts} experts but the '
+          f'assignment names {len(assignment)} ({assignment}). Fix: pass assignment=<one '
+          f'source index per expert>.')
+    per_source = {a: self._source_mlp(a, mlp, layer) for a in set(assignment)}
+    return {name: jnp.stack([as_array(per_source[a][name]) for a in assignment])
+            for name in mlp}
+
+
+def most_distant_pair(vectors: Array, exclude: Set[Tuple[int, int]] = frozenset()) -> Tuple[int, int]:
+  """(i, j), i < j, with the largest cosine distance among rows of `[n, params]`.
+
+  Pairs in `exclude` are skipped; ties go to the lowest (i, j).
+  """
+  v = vectors.astype(jnp.float32)
+  v = v / jnp.maximum(jnp.linalg.norm(v, axis=1, keepdims=True), 1e-30)
+  distance = np.asarray(1.0 - v @ v.T, np.float64)
+  n = distance.shape[0]
+  best, pair = -np.inf, None
+  for i in range(n):
+    for j in range(i + 1, n):
+      if (i, j) not in exclude and distance[i, j] > best:
+        best, pair = distance[i, j], (i, j)
+  if pair is None:
+    raise ValueError(f'No pair of {n} experts is left to merge.')
+  return pair
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Merge(_MultiSource):
+  """UpIT expert expansion: more experts than sources, by merging.
+
+  Experts 0..n-1 are the MLPs of the n sources (e.g. intermediate checkpoints
+  of one run). While there are fewer than E, the two experts of the layer whose
+  flattened MLPs are most different (cosine distance) are merged into a new
+  expert, which joins the pool. A pair is merged at most once, so that
+  'average' does not produce the same expert twice.
+
+  Attributes:
+    sources: dense param trees of one architecture.
+    method: 'average' ((a + b) / 2) or 'dare' (each of a and b keeps each entry
+      with probability 1 - drop_rate, rescaled by 1 / (1 - drop_rate); then
+      the average).
+    drop_rate: DARE's p in [0, 1).
+    base: source index for the non-expert params; None averages all sources.
+  """
+
+  sources: Sequence[Mapping]
+  method: str = 'average'
+  drop_rate: float = 0.5
+  base: Optional[int] = None
+
+  def __post_init__(self):
+    check_choice(self.method, ('average', 'dare'), 'Merge.method')
+    if not 0.0 <= self.drop_rate < 1.0:
+      raise ValueError(f'Merge.drop_rate={self.drop_rate}: must be in [0, 1).')
+    self._prepare()
+
+  def _merge(self, a: Dict[str, Array], b: Dict[str, Array], rng: Array) -> Dict[str, Array]:
+    if self.method == 'average':
+      return {name: (a[name] + b[name]) / 2 for name in a}
+    keep = 1.0 - self.drop_rate
+    out = {}
+    for name in a:
+      ka, kb = jax.random.split(key_for(rng, name))
+      da = a[name] * jax.random.bernoulli(ka, keep, a[name].shape) / keep
+      db = b[name] * jax.random.bernoulli(kb, keep, b[name].shape) / keep
+      out[name] = (da + db) / 2
+    return out
+
+  def __call__(self, mlp, num_experts, rng, *, layer=''):
+    n = len(self.sources)
+    if n > num_experts:
+      raise ValueError(
+          f'Merge: {n} sources but the MoE block at {layer} has only {num_experts} experts. '
+          f'Fix: use FromCheckpoints with an assignment to pick sources.')
+    names = sorted(mlp)
+    pool = []
+    for index in range(n):
+      source = self._source_mlp(index, names, layer)
+      pool.append({name: as_array(source[name]).astype(jnp.float32) for name in names})
+    merged: Set[Tuple[int, int]] = set()
+    while len(pool) < num_experts:
+      vectors = jnp.stack([jnp.concatenate([e[name].ravel() for name in names]) for e in pool])
+      i, j = most_distant_pair(vectors, merged)
+      merged.add((i, j))
+      pool.append(self._merge(pool[i], pool[j], key_for(rng, str(len(pool)))))
+    return {name: jnp.stack([e[name] for e in pool]).astype(mlp[name].dtype) for name in names}
