@@ -156,7 +156,7 @@ class ViT(nn.Module):
           cfg.representation_size, ('embed', 'mlp'), use_bias=True, dtype=cfg.dtype)
     self.dropout = nn.Dropout(cfg.dropout_rate)
     self.head = layers.DenseGeneral(
-        cfg.num_classes, ('embed', 'vocab'), use_bias=True, dtype=cfg.dtype,
+        cfg.num_classes, ('embed', 'classes'), use_bias=True, dtype=cfg.dtype,
         kernel_init=nn.initializers.zeros if cfg.head_zeroinit else layers.default_kernel_init)
 
   def features(self, images: Array, train: bool = False) -> Array:

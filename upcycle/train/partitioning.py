@@ -5,7 +5,8 @@ they live. The batch is split over ('expert', 'data'), expert weights over
 'expert', MLP/heads/vocab over 'model'. Everything else is replicated.
 """
 
-from typing import Any, Optional, Sequence, Tuple
+import contextlib
+from typing import Any, Iterator, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -29,6 +30,7 @@ LOGICAL_AXIS_RULES: Tuple[Tuple[str, Any], ...] = (
     ('length', None),
     ('relpos_buckets', None),
     ('unmodeled', None),
+    ('classes', None),
 )
 
 
@@ -64,3 +66,10 @@ def logical_sharding(boxed_tree: Any, mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> A
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
   """Inputs `[batch, ...]`: batch over ('expert', 'data'), the rest replicated."""
   return NamedSharding(mesh, PartitionSpec(('expert', 'data'), *([None] * (ndim - 1))))
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> Iterator[Mesh]:
+  """Within: the models' logical constraints resolve against `mesh` with `rules`."""
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    yield mesh

@@ -1,0 +1,34 @@
+"""Tiny model configs and the dense -> MoE tiling used by model tests (independent of surgery)."""
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from upcycle.models import T5Config, ViTConfig
+
+TINY_T5 = T5Config(vocab_size=64, d_model=16, num_heads=2, d_kv=8, d_ff=32,
+                   num_encoder_layers=2, num_decoder_layers=2)
+TINY_VIT = ViTConfig(num_classes=5, image_size=(8, 8), patch_size=(4, 4), width=16, depth=2,
+                     mlp_dim=32, num_heads=2, head_zeroinit=False)
+
+
+def tile_experts(dense_params, moe_abstract, seed=0):
+  """Expert leaves = the dense MLP tiled; router random (normal, std 1); the rest copied."""
+  flat_dense = flax.traverse_util.flatten_dict(dense_params)
+  out = {}
+  rng = np.random.default_rng(seed)
+  for path, leaf in flax.traverse_util.flatten_dict(moe_abstract).items():
+    if 'expert' in path:
+      i = path.index('expert')
+      dense = flat_dense[path[:i] + path[i + 1:]]
+      out[path] = jnp.stack([dense] * leaf.shape[0])
+    elif 'router' in path:
+      out[path] = jnp.asarray(rng.normal(size=leaf.shape), jnp.float32)
+    else:
+      out[path] = flat_dense[path]
+  return flax.traverse_util.unflatten_dict(out)
+
+
+def tokens(seed, shape, vocab):
+  return jnp.asarray(np.random.default_rng(seed).integers(1, vocab, shape), jnp.int32)

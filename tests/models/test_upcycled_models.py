@@ -1,0 +1,75 @@
+"""The central invariant end to end: a T5 / ViT whose experts are its dense MLPs tiled gives
+the dense model's logits (identical experts, normalized combine weights, enough capacity)."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+from tests.models.helpers import TINY_T5, TINY_VIT, tile_experts, tokens
+from upcycle.models import T5, T5Config, ViT
+from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses, metrics
+
+
+def init(model, *args):
+  return nn.meta.unbox(model.init(jax.random.PRNGKey(0), *args))['params']
+
+
+@pytest.mark.parametrize('dispatch', ['masked', 'indices'])
+def test_upcycled_t5_gives_the_dense_logits(dispatch):
+  cfg = dataclasses.replace(TINY_T5, num_encoder_layers=4, num_decoder_layers=4)
+  enc, dec = tokens(0, (2, 12), cfg.vocab_size), tokens(1, (2, 6), cfg.vocab_size)
+  dense = T5(cfg)
+  dense_params = init(dense, enc, dec)
+  dense_logits = dense.apply({'params': dense_params}, enc, dec)
+  moe_cfg = dataclasses.replace(
+      cfg,
+      encoder_moe=MoeConfig(num_experts=4, router='experts_choose', eval_capacity_factor=4.0,
+                            normalize_combine_weights=True, dispatch=dispatch),
+      decoder_moe=MoeConfig(num_experts=4, router='tokens_choose', k=2, eval_capacity_factor=2.0,
+                            normalize_combine_weights=True, dispatch=dispatch))
+  moe = T5(moe_cfg)
+  params = tile_experts(dense_params, init(moe, enc, dec))
+  assert params['encoder']['layers_1']['mlp']['expert']['wi_0']['kernel'].shape == (4, 16, 32)
+  assert 'expert' not in params['encoder']['layers_2']['mlp']
+  logits, state = moe.apply({'params': params}, enc, dec, mutable=MOE_COLLECTIONS)
+  np.testing.assert_allclose(logits, dense_logits, atol=1e-5)
+  assert sorted({k.rsplit('/', 1)[0] for k in metrics(state)}) == [
+      'decoder/layers_1/mlp', 'decoder/layers_3/mlp', 'encoder/layers_1/mlp',
+      'encoder/layers_3/mlp']
+  assert float(aux_losses(state)['router_z_loss']) > 0
+
+
+def test_upcycled_vit_gives_the_dense_logits():
+  images = jax.random.normal(jax.random.PRNGKey(3), (2, 8, 8, 3))
+  cfg = dataclasses.replace(TINY_VIT, depth=4)
+  dense = ViT(cfg)
+  dense_params = init(dense, images)
+  moe_cfg = dataclasses.replace(cfg, moe=MoeConfig(
+      num_experts=4, eval_capacity_factor=4.0, normalize_combine_weights=True))
+  moe = ViT(moe_cfg)
+  params = tile_experts(dense_params, init(moe, images))
+  np.testing.assert_allclose(moe.apply({'params': params}, images),
+                             dense.apply({'params': dense_params}, images), atol=1e-5)
+
+
+def test_t5_refuses_expert_choice_in_the_decoder():
+  with pytest.raises(ValueError, match='causal decoder would read the future'):
+    T5Config(decoder_moe=MoeConfig(router='experts_choose'))
+
+
+@pytest.mark.parametrize('placement,encoder,decoder', [
+    ('every_other', [1, 3], [1, 3]), ('last_1', [3], [3]), ([0, 2], [0, 2], [0, 2]),
+    ('none', [], []), ('all', [0, 1, 2, 3], [0, 1, 2, 3])])
+def test_placement_decides_which_mlps_are_sparse(placement, encoder, decoder):
+  cfg = dataclasses.replace(
+      TINY_T5, num_encoder_layers=4, num_decoder_layers=4,
+      encoder_moe=MoeConfig(num_experts=2, placement=placement),
+      decoder_moe=MoeConfig(num_experts=2, router='tokens_choose', placement=placement))
+  enc, dec = tokens(0, (1, 4), cfg.vocab_size), tokens(1, (1, 4), cfg.vocab_size)
+  shapes = jax.eval_shape(T5(cfg).init, jax.random.PRNGKey(0), enc, dec)['params']
+  sparse = lambda stack: [i for i in range(4)
+                          if 'expert' in shapes[stack][f'layers_{i}']['mlp']]
+  assert sparse('encoder') == encoder and sparse('decoder') == decoder

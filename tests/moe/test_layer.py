@@ -1,0 +1,149 @@
+"""MoeLayer: the function-preserving invariant, both dispatches, metrics and errors."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from upcycle import layers
+from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, metrics, routing
+
+D_MODEL, D_FF, E = 8, 16, 4
+EXPERT = functools.partial(layers.GatedMlp, d_ff=D_FF)
+
+
+@functools.lru_cache(maxsize=None)
+def dense_setup():
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 8, D_MODEL))
+  dense = EXPERT()
+  params = nn.meta.unbox(dense.init(jax.random.PRNGKey(1), x, True))['params']
+  return x, params, dense.apply({'params': params}, x, True)
+
+
+def moe_params(config, x, dense_params=None, seed=2):
+  """MoE params; experts are copies of `dense_params` when given, router random."""
+  init = MoeLayer(config, EXPERT).init(jax.random.PRNGKey(seed), x, True)
+  params = nn.meta.unbox(init)['params']
+  if dense_params is not None:
+    params['expert'] = jax.tree.map(lambda w: jnp.stack([w] * config.num_experts), dense_params)
+  # A strongly opinionated router, to show the invariant holds for any router.
+  w = params['router']['router_weights']['w']['kernel']
+  params['router']['router_weights']['w']['kernel'] = 5.0 * jax.random.normal(
+      jax.random.PRNGKey(seed + 1), w.shape)
+  return params
+
+
+def run(config, params, x, deterministic=True, rngs=None):
+  return MoeLayer(config, EXPERT).apply({'params': params}, x, deterministic, rngs=rngs,
+                                        mutable=MOE_COLLECTIONS)
+
+
+@pytest.mark.parametrize('dispatch', ['masked', 'indices'])
+@pytest.mark.parametrize('router,k', [('tokens_choose', 1), ('tokens_choose', 2),
+                                      ('experts_choose', 1)])
+def test_identical_experts_normalized_equal_the_dense_mlp(dispatch, router, k):
+  x, dense_params, dense_out = dense_setup()
+  # Enough capacity: Top-K capacity ceil(K*C*S/E) >= S; Expert Choice with C >= E.
+  config = MoeConfig(num_experts=E, router=router, k=k, eval_capacity_factor=float(E),
+                     normalize_combine_weights=True, dispatch=dispatch)
+  out, state = run(config, moe_params(config, x, dense_params), x)
+  np.testing.assert_allclose(out, dense_out, atol=1e-5)
+  for name, value in metrics(state).items():
+    if name.endswith('fraction_dropped_tokens'):
+      assert value == 0.0
+
+
+@pytest.mark.parametrize('router', ['tokens_choose', 'experts_choose'])
+def test_without_normalization_output_is_dense_scaled_by_summed_weights(router):
+  x, dense_params, dense_out = dense_setup()
+  config = MoeConfig(num_experts=E, router=router, k=2, eval_capacity_factor=0.5,
+                     capacity_multiple_of=1, dispatch='indices')
+  params = moe_params(config, x, dense_params)
+  out, _ = run(config, params, x)
+  # Recompute each token's summed combine weight from the router alone.
+  logits = x @ params['router']['router_weights']['w']['kernel']
+  probs = jax.nn.softmax(logits, -1)
+  capacity = config.capacity(8, True)
+  decision = (routing.tokens_choose(probs, 2, capacity) if router == 'tokens_choose'
+              else routing.experts_choose(probs, capacity))
+  scale = routing.token_weight_sums(decision, 8)
+  assert np.any(scale == 0) and np.any(scale > 0)   # some tokens dropped, some routed
+  np.testing.assert_allclose(out, dense_out * scale[..., None], atol=1e-5)
+
+
+@pytest.mark.parametrize('router,bpr', [('tokens_choose', False), ('tokens_choose', True),
+                                        ('experts_choose', False)])
+def test_masked_and_indices_dispatch_agree_on_outputs_and_gradients(router, bpr):
+  x, _, _ = dense_setup()
+  base = MoeConfig(num_experts=E, router=router, k=2, batch_priority_routing=bpr,
+                   eval_capacity_factor=0.5, capacity_multiple_of=1,
+                   normalize_combine_weights=True)
+  params = moe_params(base, x)   # distinct random experts, with overflow
+  results = []
+  for dispatch in ('masked', 'indices'):
+    config = MoeConfig(**{**base.__dict__, 'dispatch': dispatch})
+    def loss(p, x):
+      out, state = run(config, p, x)
+      return jnp.sum(out ** 2) + aux_losses(state)['total']
+    results.append((loss(params, x), jax.grad(loss, argnums=(0, 1))(params, x)))
+  (l0, g0), (l1, g1) = results
+  np.testing.assert_allclose(l0, l1, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), g0, g1)
+
+
+def test_grouping_routes_within_groups_and_rejects_sizes_that_do_not_divide():
+  x, dense_params, dense_out = dense_setup()
+  config = MoeConfig(num_experts=E, router='experts_choose', group_size=4,
+                     eval_capacity_factor=float(E), normalize_combine_weights=True)
+  out, _ = run(config, moe_params(config, x, dense_params), x)
+  np.testing.assert_allclose(out, dense_out, atol=1e-5)
+  bad = MoeConfig(num_experts=E, group_size=5)
+  with pytest.raises(ValueError, match='group_size=5 does not divide the 16 tokens'):
+    run(bad, moe_params(config, x), x)
+
+
+def test_expert_choice_in_a_causal_stack_is_refused():
+  x, _, _ = dense_setup()
+  with pytest.raises(ValueError, match='reads the future'):
+    MoeLayer(MoeConfig(num_experts=E), EXPERT, causal=True).init(jax.random.PRNGKey(0), x, True)
+
+
+def test_metrics_and_aux_losses_are_reported():
+  x, _, _ = dense_setup()
+  config = MoeConfig(num_experts=E, router='tokens_choose', k=1, eval_capacity_factor=0.5,
+                     capacity_multiple_of=1, load_balancing_loss_weight=0.5,
+                     router_z_loss_weight=0.25)
+  params = moe_params(config, x)
+  _, state = run(config, params, x)
+  m = metrics(state)
+  capacity = config.capacity(8, True)   # 1 slot per expert: at most 4 of 8 tokens routed
+  assert capacity == 1
+  assert float(m['fraction_dropped_tokens']) >= 0.5
+  np.testing.assert_allclose(m['expert_usage'], m['tokens_per_expert'] / 8)
+  assert m['tokens_per_expert'].shape == (E,) and np.all(m['tokens_per_expert'] <= 1)
+  losses = aux_losses(state)
+  np.testing.assert_allclose(
+      losses['total'], 0.5 * losses['load_balancing_loss'] + 0.25 * losses['router_z_loss'],
+      rtol=1e-6)
+  logits = x @ params['router']['router_weights']['w']['kernel']
+  np.testing.assert_allclose(losses['router_z_loss'],
+                             np.mean(jax.nn.logsumexp(logits, -1) ** 2), rtol=1e-5)
+
+
+def test_jitter_applies_only_in_training_and_uses_its_own_rng():
+  x, dense_params, _ = dense_setup()
+  config = MoeConfig(num_experts=E, router='tokens_choose', k=1, jitter_noise=0.5,
+                     eval_capacity_factor=0.5, train_capacity_factor=0.5,
+                     capacity_multiple_of=1)
+  params = moe_params(config, x)
+  quiet = MoeConfig(**{**config.__dict__, 'jitter_noise': 0.0})
+  eval_out, _ = run(config, params, x)
+  np.testing.assert_allclose(eval_out, run(quiet, params, x)[0])
+  train = [run(config, params, x, False, {'jitter': jax.random.PRNGKey(s)})[0] for s in (0, 0, 1)]
+  np.testing.assert_array_equal(train[0], train[1])
+  assert not np.allclose(train[0], train[2])
+  with pytest.raises(Exception, match='jitter'):
+    run(config, params, x, False, {})

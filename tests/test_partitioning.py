@@ -1,0 +1,93 @@
+"""Sharded forward passes and gradients on 8 simulated devices equal unsharded ones."""
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from tests.models.helpers import TINY_T5, TINY_VIT, tokens
+from upcycle.models import T5, ViT
+from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses
+from upcycle.train import partitioning
+
+T5_MOE = dataclasses.replace(
+    TINY_T5, num_encoder_layers=2, num_decoder_layers=2,
+    encoder_moe=MoeConfig(num_experts=8, train_capacity_factor=1.0, eval_capacity_factor=1.0),
+    decoder_moe=MoeConfig(num_experts=8, router='tokens_choose', k=2,
+                          batch_priority_routing=True, dispatch='indices'))
+VIT_MOE = dataclasses.replace(TINY_VIT, moe=MoeConfig(num_experts=8, router='tokens_choose',
+                                                      k=2, group_size=10))
+
+
+def t5_case():
+  model = T5(T5_MOE)
+  inputs = (tokens(0, (8, 8), 64), tokens(1, (8, 4), 64))
+  return model, inputs, lambda logits: jnp.mean(logits ** 2)
+
+
+def vit_case():
+  model = ViT(VIT_MOE)
+  inputs = (jax.random.normal(jax.random.PRNGKey(0), (8, 8, 8, 3)),)
+  return model, inputs, lambda logits: jnp.mean(logits ** 2)
+
+
+@functools.lru_cache(maxsize=None)
+def unsharded(case):
+  model, inputs, objective = case()
+  boxed = model.init(jax.random.PRNGKey(0), *inputs)['params']
+  params = nn.meta.unbox(boxed)
+  reference = jax.jit(loss_and_grads(model, inputs, objective))(params)
+  return model, inputs, objective, boxed, params, reference
+
+
+def loss_and_grads(model, inputs, objective):
+  def loss(params):
+    logits, state = model.apply({'params': params}, *inputs, mutable=MOE_COLLECTIONS)
+    return objective(logits) + aux_losses(state)['total']
+  return jax.value_and_grad(loss)
+
+
+@pytest.mark.parametrize('case', [t5_case, vit_case], ids=['t5', 'vit'])
+@pytest.mark.parametrize('mesh_shape', [(2, 2, 2), (1, 8, 1)])
+def test_sharded_equals_unsharded(case, mesh_shape):
+  assert jax.device_count() == 8, 'tests/conftest.py simulates 8 CPU devices'
+  model, inputs, objective, boxed, params, (expected_loss, expected_grads) = unsharded(case)
+
+  mesh = partitioning.make_mesh(num_expert_partitions=mesh_shape[1],
+                                num_model_partitions=mesh_shape[2])
+  assert dict(mesh.shape) == dict(zip(partitioning.MESH_AXES, mesh_shape))
+  with partitioning.activate(mesh):
+    shardings = partitioning.logical_sharding(boxed, mesh)
+    sharded_params = jax.device_put(params, shardings)
+    sharded_inputs = [jax.device_put(x, partitioning.batch_sharding(mesh, x.ndim))
+                      for x in inputs]
+    fn = lambda p, *xs: loss_and_grads(model, xs, objective)(p)
+    loss, grads = jax.jit(fn, out_shardings=(None, shardings))(sharded_params, *sharded_inputs)
+
+  np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grads, expected_grads)
+  block = (grads['encoder']['layers_1']['mlp'] if 'encoder' in grads
+           else grads['Transformer']['encoderblock_1']['MlpBlock_0'])
+  assert jax.tree.leaves(block['expert'])[0].sharding.spec[0] == 'expert'
+
+
+def test_rules_put_experts_on_the_expert_axis_and_mlp_on_model():
+  boxed = jax.eval_shape(T5(T5_MOE).init, jax.random.PRNGKey(0), *t5_case()[1])['params']
+  mesh = partitioning.make_mesh(2, 2)
+  shardings = partitioning.logical_sharding(boxed, mesh)
+  spec = lambda *path: functools.reduce(lambda tree, key: tree[key], path, shardings).spec
+  assert spec('encoder', 'layers_1', 'mlp', 'expert', 'wi_0', 'kernel') == P('expert', None, 'model')
+  assert spec('encoder', 'layers_1', 'mlp', 'router', 'router_weights', 'w', 'kernel') == P(None, None)
+  assert spec('encoder', 'layers_0', 'mlp', 'wo', 'kernel') == P('model', None)
+  assert spec('token_embedder', 'embedding') == P('model', None)
+  assert spec('decoder', 'layers_0', 'self_attention', 'query', 'kernel') == P(None, 'model')
+
+
+def test_mesh_must_divide_the_devices():
+  with pytest.raises(ValueError, match='does not divide the 8 devices'):
+    partitioning.make_mesh(num_expert_partitions=3)
