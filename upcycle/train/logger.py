@@ -1,0 +1,99 @@
+"""Progress and metrics: console line with steps/s, tokens/s and ETA; JSONL; TensorBoard.
+
+Only process 0 writes files. `MODEL_DIR/metrics.jsonl` holds one JSON object per
+logged step ({'step': ..., 'split': 'train'|'eval', metrics...}), the file the
+README main job plots from.
+"""
+
+import json
+import os
+import sys
+import time
+from typing import Dict, Mapping, Optional
+
+import jax
+import numpy as np
+
+
+def _format_eta(seconds: float) -> str:
+  seconds = int(max(seconds, 0))
+  return f'{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}'
+
+
+def _scalars(metrics: Mapping[str, np.ndarray]) -> Dict[str, float]:
+  """Scalars as they are; vectors (e.g. per-expert usage) summarized by min and max."""
+  out = {}
+  for name, value in metrics.items():
+    value = np.asarray(value)
+    if value.ndim == 0:
+      out[name] = float(value)
+    else:
+      out[f'{name}_min'] = float(value.min())
+      out[f'{name}_max'] = float(value.max())
+  return out
+
+
+class MetricLogger:
+  """Writes metrics to the console, `metrics.jsonl` and TensorBoard event files."""
+
+  def __init__(self, model_dir: str, total_steps: int, tokens_per_step: int,
+               tensorboard: bool = True, stream=sys.stdout):
+    self.total_steps = total_steps
+    self.tokens_per_step = tokens_per_step
+    self._stream = stream
+    self._writes = jax.process_index() == 0
+    self._jsonl = None
+    self._tb = {}
+    self._tensorboard = tensorboard
+    self._model_dir = model_dir
+    if self._writes:
+      os.makedirs(model_dir, exist_ok=True)
+      self._jsonl = open(os.path.join(model_dir, 'metrics.jsonl'), 'a')
+    self._last = None  # (time, step) of the previous train log
+
+  def _tb_writer(self, split: str):
+    if split not in self._tb:
+      import tensorflow as tf  # pylint: disable=g-import-not-at-top  (training imports TF anyway)
+      self._tb[split] = tf.summary.create_file_writer(
+          os.path.join(self._model_dir, 'tensorboard', split))
+    return self._tb[split]
+
+  def write(self, step: int, metrics: Mapping[str, np.ndarray], split: str = 'train') -> Dict:
+    """Logs one step's metrics; for 'train' adds steps/s, tokens/s and the ETA."""
+    values = _scalars(metrics)
+    now = time.time()
+    if split == 'train' and self._last is not None and step > self._last[1]:
+      steps_per_sec = (step - self._last[1]) / max(now - self._last[0], 1e-9)
+      values['steps_per_sec'] = steps_per_sec
+      values['tokens_per_sec'] = steps_per_sec * self.tokens_per_step
+    if split == 'train':
+      self._last = (now, step)
+    if self._writes:
+      self._jsonl.write(json.dumps({'step': int(step), 'split': split, **values}) + '\n')
+      self._jsonl.flush()
+      if self._tensorboard:
+        import tensorflow as tf  # pylint: disable=g-import-not-at-top
+        with self._tb_writer(split).as_default(step=int(step)):
+          for name, value in values.items():
+            tf.summary.scalar(name, value)
+      self._stream.write(self._line(step, values, split) + '\n')
+      self._stream.flush()
+    return values
+
+  def _line(self, step: int, values: Mapping[str, float], split: str) -> str:
+    shown = [f'{split} step {step}/{self.total_steps}']
+    for name in ('loss', 'accuracy', 'learning_rate', 'moe/total'):
+      if name in values:
+        shown.append(f'{name} {values[name]:.4g}')
+    if 'steps_per_sec' in values:
+      rate = values['steps_per_sec']
+      shown.append(f'{rate:.2f} steps/s, {values["tokens_per_sec"]:.0f} tokens/s, '
+                   f'ETA {_format_eta((self.total_steps - step) / max(rate, 1e-9))}')
+    return ' | '.join(shown)
+
+  def close(self) -> None:
+    if self._jsonl is not None:
+      self._jsonl.close()
+    for writer in self._tb.values():
+      writer.flush()
+      writer.close()

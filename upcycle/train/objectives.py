@@ -1,0 +1,91 @@
+"""What a model is trained on: batch -> model inputs, logits -> loss. One per model family."""
+
+import dataclasses
+from typing import Any, Dict, Mapping, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from upcycle.models import T5, ViT
+from upcycle.moe import MOE_COLLECTIONS
+from upcycle.train import losses
+
+Array = jax.Array
+Batch = Mapping[str, Array]
+
+T5_INPUTS = ('encoder_input_tokens', 'decoder_input_tokens', 'decoder_target_tokens',
+             'encoder_segment_ids', 'decoder_segment_ids')
+
+
+@dataclasses.dataclass(frozen=True)
+class Seq2Seq:
+  """T5 span corruption / any seq2seq task; loss normalized by real target tokens."""
+
+  model: T5
+  z_loss: float = 1e-4
+  label_smoothing: float = 0.0
+
+  def apply(self, params: Any, batch: Batch, *, train: bool,
+            rngs: Mapping[str, Array] = None) -> Tuple[Array, Any]:
+    """-> logits `[batch, target_len, vocab]` and the MoE collections."""
+    kwargs = {k: batch[k] for k in T5_INPUTS[2:] if k in batch}
+    return self.model.apply({'params': params}, batch['encoder_input_tokens'],
+                            batch['decoder_input_tokens'], enable_dropout=train, rngs=rngs,
+                            mutable=MOE_COLLECTIONS, **kwargs)
+
+  def loss(self, logits: Array, batch: Batch) -> Dict[str, Array]:
+    return losses.cross_entropy(logits, batch['decoder_target_tokens'], self._weights(batch),
+                                self.z_loss, self.label_smoothing)
+
+  def loss_weight_sum(self, batch: Batch) -> Array:
+    """Real target tokens: what T5 normalizes the loss by."""
+    return jnp.sum(self._weights(batch).astype(jnp.float32))
+
+  @staticmethod
+  def _weights(batch: Batch) -> Array:
+    weights = batch.get('decoder_loss_weights')
+    return batch['decoder_target_tokens'] > 0 if weights is None else weights
+
+  def init_batch(self, batch: Batch) -> Tuple[Array, ...]:
+    return (batch['encoder_input_tokens'], batch['decoder_input_tokens'])
+
+  def tokens_per_batch(self, batch: Mapping[str, np.ndarray]) -> int:
+    return int(np.size(batch['encoder_input_tokens']) + np.size(batch['decoder_input_tokens']))
+
+
+@dataclasses.dataclass(frozen=True)
+class Classification:
+  """ViT image classification; loss averaged over images."""
+
+  model: ViT
+  label_smoothing: float = 0.0
+
+  def apply(self, params: Any, batch: Batch, *, train: bool,
+            rngs: Mapping[str, Array] = None) -> Tuple[Array, Any]:
+    return self.model.apply({'params': params}, batch['image'], train=train, rngs=rngs,
+                            mutable=MOE_COLLECTIONS)
+
+  def features(self, params: Any, batch: Batch) -> Array:
+    """Pre-logit features `[batch, width]` for linear probes."""
+    return self.model.apply({'params': params}, batch['image'], method=ViT.features)
+
+  def loss(self, logits: Array, batch: Batch) -> Dict[str, Array]:
+    return losses.cross_entropy(logits, batch['label'], None, 0.0, self.label_smoothing)
+
+  def loss_weight_sum(self, batch: Batch) -> Array:
+    return jnp.asarray(batch['label'].shape[0], jnp.float32)
+
+  def init_batch(self, batch: Batch) -> Tuple[Array, ...]:
+    return (batch['image'],)
+
+  def tokens_per_batch(self, batch: Mapping[str, np.ndarray]) -> int:
+    cfg = self.model.config
+    return int(batch['image'].shape[0] * np.prod(cfg.grid))
+
+
+def init_params(objective, rng: Array, batch: Batch) -> Any:
+  """Boxed (logically partitioned) params of the objective's model."""
+  return objective.model.init(rng, *objective.init_batch(batch))['params']
+
+

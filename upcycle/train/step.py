@@ -1,0 +1,89 @@
+"""The jitted train and eval steps (pure functions of state, batch and rng)."""
+
+from typing import Any, Callable, Dict, Tuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from upcycle.moe import aux_losses, metrics as moe_metrics
+from upcycle.train.state import TrainState
+
+Array = jax.Array
+
+
+def _microbatches(batch: Dict[str, Array], n: int) -> Dict[str, Array]:
+  """`[batch, ...]` -> `[n, batch / n, ...]`."""
+  def split(x):
+    if x.shape[0] % n:
+      raise ValueError(f'num_microbatches={n} does not divide the batch of {x.shape[0]}.')
+    return x.reshape((n, x.shape[0] // n) + x.shape[1:])
+  return jax.tree.map(split, batch)
+
+
+def make_train_step(objective, optimizer: optax.GradientTransformation,
+                    schedule: Callable[[Array], Array], num_microbatches: int = 1):
+  """-> train_step(state, batch, rng) -> (state, metrics).
+
+  The loss is the cross-entropy summed over the whole batch divided by its total
+  weight (target tokens for T5, images for ViT), plus the MoE auxiliary losses
+  averaged over layers and microbatches. Microbatching accumulates gradients of
+  exactly that loss, so it changes memory, not the result.
+  """
+
+  def loss_fn(params, batch, rng, total_weight, num_micro):
+    rngs = dict(zip(('dropout', 'jitter'), jax.random.split(rng)))
+    logits, state = objective.apply(params, batch, train=True, rngs=rngs)
+    ce = objective.loss(logits, batch)
+    aux = aux_losses(state)
+    loss = ce['loss'] / total_weight + aux['total'] / num_micro
+    return loss, {**ce, **{f'moe/{k}': v / num_micro for k, v in aux.items()},
+                  **{f'moe/{k}': v / num_micro for k, v in moe_metrics(state).items()}}
+
+  grad_fn = jax.grad(loss_fn, has_aux=True)
+
+  def train_step(state: TrainState, batch: Dict[str, Array], rng: Array
+                 ) -> Tuple[TrainState, Dict[str, Array]]:
+    rng = jax.random.fold_in(rng, state.step)
+    total_weight = jnp.maximum(objective.loss_weight_sum(batch), 1.0)
+    if num_microbatches == 1:
+      grads, stats = grad_fn(state.params, batch, rng, total_weight, 1)
+    else:
+      micro = _microbatches(batch, num_microbatches)
+
+      def accumulate(carry, inputs):
+        i, mb = inputs
+        g, s = grad_fn(state.params, mb, jax.random.fold_in(rng, i), total_weight,
+                       num_microbatches)
+        return jax.tree.map(jnp.add, carry, (g, s)), None
+
+      zero = jax.eval_shape(grad_fn, state.params, jax.tree.map(lambda x: x[0], micro), rng,
+                            total_weight, num_microbatches)
+      zero = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), zero)
+      (grads, stats), _ = jax.lax.scan(accumulate, zero, (jnp.arange(num_microbatches), micro))
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    weight = jnp.maximum(stats.pop('weight_sum'), 1.0)
+    ce_sum, z_sum = stats.pop('loss'), stats.pop('z_loss')
+    out = {
+        'loss': ce_sum / weight + stats['moe/total'],
+        'cross_entropy': (ce_sum - z_sum) / weight,
+        'z_loss': z_sum / weight,
+        'accuracy': stats.pop('correct') / weight,
+        'learning_rate': schedule(state.step),
+        'grad_norm': optax.global_norm(grads),
+        **stats,
+    }
+    return TrainState(state.step + 1, params, opt_state), out
+
+  return train_step
+
+
+def make_eval_step(objective):
+  """-> eval_step(params, batch) -> sums {'loss', 'correct', 'weight_sum'} (no dropout)."""
+
+  def eval_step(params: Any, batch: Dict[str, Array]) -> Dict[str, Array]:
+    logits, _ = objective.apply(params, batch, train=False)
+    return objective.loss(logits, batch)
+
+  return eval_step

@@ -1,0 +1,219 @@
+"""The training loop: sharded jit steps, checkpoints with the data position, metrics, eval.
+
+A run is a pure function of its configuration and seed: dropout/jitter rngs are
+folded from the step number, the data order from the seed and the iterator
+position, so a run killed at any moment and restarted from its last checkpoint
+reproduces the uninterrupted run exactly.
+"""
+
+import dataclasses
+import os
+from typing import Any, Callable, Dict, List, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from upcycle.checkpoints.orbax import CheckpointManager
+from upcycle.data.iterator import DataIterator
+from upcycle.train import partitioning
+from upcycle.train.logger import MetricLogger
+from upcycle.train.objectives import init_params
+from upcycle.train.state import TrainState
+from upcycle.train.step import make_eval_step, make_train_step
+
+CHECKPOINT_DIR = 'checkpoints'
+
+
+class NonFiniteLossError(RuntimeError):
+  pass
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """How long, how big, how often.
+
+  Attributes:
+    model_dir: where checkpoints (model_dir/checkpoints), metrics.jsonl,
+      TensorBoard files and the operative gin config go.
+    train_steps: the global step to stop at (an upcycled run continuing a dense
+      run at step S trains train_steps - S steps).
+    batch_size: global batch size (all hosts together).
+    seed: parameter init, dropout and data order.
+    log_every / checkpoint_every / eval_every: in steps (eval_every 0: at the end only).
+    eval_batches: batches per evaluation (0: the whole validation split).
+    keep_checkpoints: how many recent checkpoints stay on disk.
+    num_microbatches: gradient accumulation steps per batch.
+    num_expert_partitions / num_model_partitions: mesh shape; data = rest.
+  """
+
+  model_dir: str
+  train_steps: int
+  batch_size: int
+  seed: int = 0
+  log_every: int = 10
+  checkpoint_every: int = 100
+  eval_every: int = 0
+  eval_batches: int = 0
+  keep_checkpoints: int = 3
+  num_microbatches: int = 1
+  num_expert_partitions: int = 1
+  num_model_partitions: int = 1
+  async_checkpoints: bool = True
+
+
+# An initializer builds the first state of a run that has no checkpoint of its own
+# (e.g. the upcycling restore hook): it receives the abstract state (leaves are
+# jax.ShapeDtypeStruct with .sharding) and returns a TrainState placed accordingly.
+Initializer = Callable[[TrainState], TrainState]
+
+
+def _host_batch_size(config: TrainConfig) -> int:
+  hosts = jax.process_count()
+  if config.batch_size % hosts:
+    raise ValueError(f'TrainConfig.batch_size={config.batch_size} is not divisible by the '
+                     f'{hosts} hosts.')
+  return config.batch_size // hosts
+
+
+def _global_batch(local: Dict[str, np.ndarray], mesh) -> Dict[str, jax.Array]:
+  return {k: jax.make_array_from_process_local_data(partitioning.batch_sharding(mesh, v.ndim), v)
+          for k, v in local.items()}
+
+
+class Trainer:
+  """Owns the mesh, the compiled steps and the state shardings of one run."""
+
+  def __init__(self, objective, optimizer, config: TrainConfig, train_data,
+               eval_data=None, initializer: Optional[Initializer] = None):
+    self.objective, self.config = objective, config
+    self.optimizer = optimizer.build()
+    self.schedule = optimizer.schedule
+    self.train_data, self.eval_data, self.initializer = train_data, eval_data, initializer
+    self.mesh = partitioning.make_mesh(config.num_expert_partitions, config.num_model_partitions)
+    self.host_batch_size = _host_batch_size(config)
+    if config.batch_size % (self.mesh.shape['data'] * self.mesh.shape['expert']):
+      raise ValueError(
+          f'TrainConfig.batch_size={config.batch_size} must be divisible by the data x expert '
+          f'mesh axes ({self.mesh.shape["data"]} x {self.mesh.shape["expert"]}).')
+
+  def _iterator(self, pipeline, num_epochs=None) -> DataIterator:
+    return DataIterator(pipeline, batch_size=self.host_batch_size, seed=self.config.seed,
+                        shard_index=jax.process_index(), num_shards=jax.process_count(),
+                        num_epochs=num_epochs)
+
+  def abstract_state(self, example_batch: Dict[str, np.ndarray]) -> TrainState:
+    """The state's shapes, dtypes and shardings, computed without allocating it."""
+    batch = {k: jnp.zeros((self.config.batch_size,) + v.shape[1:], v.dtype)
+             for k, v in example_batch.items()}
+    rng = jax.random.PRNGKey(self.config.seed)
+    boxed = jax.eval_shape(lambda: init_params(self.objective, rng, batch))
+    param_shardings = partitioning.logical_sharding(boxed, self.mesh)
+    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          partitioning.unbox(boxed), param_shardings)
+    opt_shardings = jax.jit(self.optimizer.init).lower(params).compile().output_shardings
+    opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                             jax.eval_shape(self.optimizer.init, params), opt_shardings)
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(self.mesh, PartitionSpec()))
+    return TrainState(step, params, opt_state)
+
+  def fresh_state(self, abstract: TrainState, example_batch) -> TrainState:
+    """Randomly initialized state, created sharded."""
+    shardings = jax.tree.map(lambda x: x.sharding, abstract)
+    batch = {k: jnp.zeros((self.config.batch_size,) + v.shape[1:], v.dtype)
+             for k, v in example_batch.items()}
+
+    def init(rng):
+      params = nn.meta.unbox(init_params(self.objective, rng, batch))
+      return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+
+    return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(self.config.seed))
+
+  def evaluate(self, params, eval_step) -> Dict[str, float]:
+    """Loss and accuracy over the validation split (or `eval_batches` of it)."""
+    totals = None
+    iterator = self._iterator(self.eval_data, num_epochs=1)
+    for i, batch in enumerate(iterator):
+      if self.config.eval_batches and i >= self.config.eval_batches:
+        break
+      sums = eval_step(params, _global_batch(batch, self.mesh))
+      totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+    if totals is None:
+      raise ValueError('The validation split gave no full batch; lower the batch size.')
+    totals = jax.device_get(totals)
+    weight = max(float(totals['weight_sum']), 1.0)
+    return {'loss': (float(totals['loss']) - float(totals['z_loss'])) / weight,
+            'accuracy': float(totals['correct']) / weight}
+
+  def run(self) -> Dict[str, Any]:
+    """Trains to `train_steps`; returns {'history': [...], 'eval': {...}, 'start_step': int}."""
+    cfg = self.config
+    with partitioning.activate(self.mesh):
+      return self._run(cfg)
+
+  def _run(self, cfg: TrainConfig) -> Dict[str, Any]:
+    data = self._iterator(self.train_data)
+    example = {k: np.zeros(v.shape, v.dtype.as_numpy_dtype)
+               for k, v in data.element_spec.items()}
+    abstract = self.abstract_state(example)
+    shardings = jax.tree.map(lambda x: x.sharding, abstract)
+    manager = CheckpointManager(os.path.join(cfg.model_dir, CHECKPOINT_DIR),
+                                keep=cfg.keep_checkpoints, async_save=cfg.async_checkpoints)
+    if manager.latest_step() is not None:
+      restored = manager.restore(params=abstract.params, optimizer_state=abstract.opt_state)
+      state = TrainState(jax.device_put(jnp.asarray(restored.step, jnp.int32), shardings.step),
+                         restored.params, restored.optimizer_state)
+      if restored.dataset_state is not None:
+        data.set_state(restored.dataset_state)
+      print(f'Resuming from {manager.directory} at step {restored.step}.', flush=True)
+    elif self.initializer is not None:
+      state = self.initializer(abstract)
+    else:
+      state = self.fresh_state(abstract, example)
+    start = int(jax.device_get(state.step))
+
+    train_step = jax.jit(
+        make_train_step(self.objective, self.optimizer, self.schedule, cfg.num_microbatches),
+        in_shardings=(shardings, None, None), out_shardings=(shardings, None),
+        donate_argnums=(0,))
+    eval_step = jax.jit(make_eval_step(self.objective))
+    tokens = self.objective.tokens_per_batch(example) * jax.process_count()
+    logger = MetricLogger(cfg.model_dir, cfg.train_steps, tokens)
+    rng = jax.random.PRNGKey(cfg.seed + 1)
+    history: List[Dict[str, float]] = []
+    finite = jnp.array(True)
+
+    def checked(step: int) -> None:
+      if not bool(jax.device_get(finite)):
+        manager.wait()
+        raise NonFiniteLossError(
+            f'The training loss became NaN or infinite before step {step}. Stopped without '
+            f'saving; the last good checkpoint is step {manager.latest_step()} in '
+            f'{manager.directory}. Lower the learning rate or check the data, then restart.')
+
+    eval_results = {}
+    try:
+      for step in range(start, cfg.train_steps):
+        batch = _global_batch(next(data), self.mesh)
+        state, metrics = train_step(state, batch, rng)
+        finite = finite & jnp.isfinite(metrics['loss'])
+        done = step + 1
+        if done % cfg.log_every == 0 or done == cfg.train_steps or done == start + 1:
+          checked(done)
+          history.append({'step': done, **logger.write(done, jax.device_get(metrics))})
+        if done % cfg.checkpoint_every == 0 or done == cfg.train_steps:
+          checked(done)
+          manager.save(done, state.params, state.opt_state, data.get_state())
+        if self.eval_data is not None and (
+            (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.train_steps):
+          eval_results = self.evaluate(state.params, eval_step)
+          logger.write(done, eval_results, split='eval')
+      if self.eval_data is not None and start >= cfg.train_steps:
+        eval_results = self.evaluate(state.params, eval_step)
+    finally:
+      manager.wait()
+      manager.close()
+      logger.close()
+    return {'history': history, 'eval': eval_results, 'start_step': start, 'state': state}
