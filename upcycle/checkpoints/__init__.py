@@ -1,0 +1,83 @@
+"""Checkpoint readers and writers, one file per format; `load` picks the format from the files.
+
+  ckpt = upcycle.checkpoints.load('gs://bucket/t5_1_1_base/checkpoint_1000000')
+  ckpt.params                      # contract names (DESIGN.md), lazy leaves
+  upcycle.checkpoints.materialize(ckpt.params)   # numpy arrays
+"""
+
+import os
+from typing import Any, Optional
+
+from upcycle.checkpoints import hf, orbax, orbax_tree, t5x, validate, vit_npz, zarr_leaf
+from upcycle.checkpoints.checkpoint import Checkpoint
+from upcycle.checkpoints.errors import CheckpointError, checkpoint_error
+from upcycle.checkpoints.lazy import LazyArray, materialize
+
+FORMATS = ('t5x', 't5x_orbax', 'orbax', 'hf', 'vit_jax', 'big_vision')
+_LOOKED_FOR = (
+    "t5x: a 'checkpoint' msgpack file, or checkpoint_N/ sub-directories holding one",
+    "t5x_orbax: 'state/_METADATA', or checkpoint_N/state/",
+    "orbax: '_CHECKPOINT_METADATA' with 'params/', or <step>/ sub-directories holding them",
+    "hf: 'config.json' with one of " + ', '.join(hf.WEIGHT_FILES),
+    "vit_jax / big_vision: a .npz file with ViT array names")
+
+
+def detect_format(path: str) -> str:
+  """The format of `path`, from the files present (nothing is parsed but .npz keys)."""
+  path = os.fspath(path)
+  if zarr_leaf.split_gcs(path):
+    return t5x.find_checkpoint(path)[1]
+  if os.path.isfile(path):
+    if path.endswith('.npz'):
+      kind = vit_npz.detect(vit_npz.read_npz(path))
+      if kind:
+        return kind
+    elif os.path.basename(path) == t5x.CHECKPOINT_FILE:
+      return 't5x'
+  elif os.path.isdir(path):
+    if hf.is_hf_dir(path):
+      return 'hf'
+    if orbax.is_step_dir(path) or orbax.finished_steps(path):
+      return 'orbax'
+    if os.path.isfile(os.path.join(path, t5x.CHECKPOINT_FILE)):
+      return 't5x'
+    if orbax_tree.is_item_dir(os.path.join(path, t5x.STATE_DIR)):
+      return 't5x_orbax'
+    try:
+      return t5x.find_checkpoint(path)[1]
+    except CheckpointError:
+      pass
+  found = (sorted(os.listdir(path))[:12] if os.path.isdir(path) else
+           'a file' if os.path.exists(path) else 'no such file or directory')
+  raise checkpoint_error(path, 'unknown checkpoint format', expected='; '.join(_LOOKED_FOR),
+                         found=found, fix=f'Pass format= one of {FORMATS} if detection is wrong')
+
+
+def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-builtin
+         model_config: Any = None) -> Checkpoint:
+  """Reads any supported checkpoint into contract names; nothing is ever written.
+
+  Args:
+    path: file or directory (see `detect_format`); T5X accepts gs:// paths.
+    format: one of FORMATS, or None to detect it.
+    model_config: a T5Config / ViTConfig to check the parameters against (names and
+      shapes); a mismatch raises CheckpointError naming the parameter.
+  """
+  format = format or detect_format(path)
+  if format in ('t5x', 't5x_orbax'):
+    ckpt = t5x.load(path)
+  elif format == 'orbax':
+    ckpt = orbax.load(path)
+  elif format == 'hf':
+    ckpt = hf.load_checkpoint(path)
+  elif format in ('vit_jax', 'big_vision'):
+    ckpt = vit_npz.load(path)
+  else:
+    raise checkpoint_error(path, 'unknown format argument', expected=FORMATS, found=repr(format))
+  if model_config is not None:
+    validate.check_params(ckpt.params, validate.expected_params(model_config), ckpt.path)
+  return ckpt
+
+
+__all__ = ['Checkpoint', 'CheckpointError', 'FORMATS', 'LazyArray', 'detect_format', 'load',
+           'materialize']

@@ -1,7 +1,7 @@
 """`Checkpoint`: what every reader returns."""
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 
 @dataclasses.dataclass
@@ -17,6 +17,8 @@ class Checkpoint:
     format: 't5x', 't5x_orbax', 'orbax', 'hf', 'vit_jax', 'big_vision'.
     path: the directory or file that was read.
     model_config: T5Config / ViTConfig when the format carries one (HF), else None.
+    notes: every change the reader made beyond renaming and reshaping (a tied
+      head materialized, a position embedding resized, a head dropped), in words.
   """
 
   params: dict
@@ -25,3 +27,4 @@ class Checkpoint:
   format: str
   path: str
   model_config: Optional[Any] = None
+  notes: Tuple[str, ...] = ()

@@ -1,0 +1,113 @@
+"""This project's orbax checkpoints: round trip, retention, shardings, and killed saves."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+from upcycle.checkpoints import CheckpointError, lazy, orbax, tree
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _params(seed=0):
+  rng = np.random.default_rng(seed)
+  return {'encoder': {'layers_0': {'mlp': {'wi_0': {'kernel': rng.normal(size=(4, 6)).astype(
+      np.float32)}}}}, 'token_embedder': {'embedding': rng.normal(size=(8, 4)).astype(
+          ml_dtypes.bfloat16)}}
+
+
+def _assert_tree_equal(a, b):
+  fa, fb = tree.flatten(a), tree.flatten(b)
+  assert fa.keys() == fb.keys()
+  for k in fa:
+    assert np.asarray(fa[k]).dtype == np.asarray(fb[k]).dtype, k
+    np.testing.assert_array_equal(np.asarray(fa[k]), np.asarray(fb[k]), err_msg=k)
+
+
+def test_round_trip_all_items(tmp_path):
+  params = _params()
+  opt = optax.adafactor(1e-3).init(params)
+  with orbax.CheckpointManager(str(tmp_path), keep=3) as manager:
+    assert manager.save(100, params, opt, {'epoch': 2, 'position': 1234})
+    manager.wait()
+    restored = manager.restore()
+  assert restored.step == 100 and restored.dataset_state == {'epoch': 2, 'position': 1234}
+  _assert_tree_equal(restored.params, params)
+  assert len(jax.tree.leaves(restored.optimizer_state)) == len(jax.tree.leaves(opt))
+  ckpt = orbax.load(str(tmp_path))
+  assert ckpt.format == 'orbax' and ckpt.step == 100
+  assert isinstance(ckpt.params['token_embedder']['embedding'], lazy.LazyArray)
+  _assert_tree_equal(lazy.materialize(ckpt.params), params)
+
+
+def test_restore_with_target_shardings(tmp_path):
+  params = _params(1)
+  devices = np.array(jax.devices()[:2]).reshape(2, 1, 1)
+  mesh = jax.sharding.Mesh(devices, ('data', 'expert', 'model'))
+  spec = {'encoder': {'layers_0': {'mlp': {'wi_0': {'kernel': jax.sharding.PartitionSpec(
+      'data', None)}}}}, 'token_embedder': {'embedding': jax.sharding.PartitionSpec()}}
+  abstract = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                        sharding=jax.sharding.NamedSharding(mesh, s)),
+      params, spec)
+  with orbax.CheckpointManager(str(tmp_path)) as manager:
+    manager.save(1, params)
+    restored = manager.restore(1, params=abstract)
+  kernel = restored.params['encoder']['layers_0']['mlp']['wi_0']['kernel']
+  assert isinstance(kernel, jax.Array)
+  assert kernel.sharding == abstract['encoder']['layers_0']['mlp']['wi_0']['kernel'].sharding
+  assert len(kernel.addressable_shards) == 2 and kernel.addressable_shards[0].data.shape == (2, 6)
+  _assert_tree_equal(restored.params, params)
+  assert restored.optimizer_state is None and restored.dataset_state is None
+
+
+def test_keeps_last_n(tmp_path):
+  with orbax.CheckpointManager(str(tmp_path), keep=2) as manager:
+    for step in (1, 2, 3, 4):
+      manager.save(step, _params(step), dataset_state={'step': step})
+    manager.wait()
+    assert manager.all_steps() == [3, 4]
+    assert manager.restore(3).dataset_state == {'step': 3}
+  assert sorted(os.listdir(tmp_path)) == ['3', '4']
+
+
+def test_missing_step_is_an_error(tmp_path):
+  with orbax.CheckpointManager(str(tmp_path)) as manager:
+    manager.save(5, _params())
+    with pytest.raises(CheckpointError, match=r'no checkpoint for step 6.*one of \[5\]'):
+      manager.restore(6)
+
+
+_KILLED_SAVE = textwrap.dedent('''
+    import os, sys
+    import numpy as np
+    from upcycle.checkpoints import orbax
+    manager = orbax.CheckpointManager(sys.argv[1], keep=3)
+    manager.save(1, {'w': np.full((4,), 1.0, np.float32)}, dataset_state={'step': 1})
+    manager.wait()
+    big = {f'w{i}': np.full((256, 256), 2.0, np.float32) for i in range(64)}
+    manager.save(2, big, dataset_state={'step': 2})  # Async: returns while writing.
+    os._exit(9)  # Killed before step 2 is committed.
+''')
+
+
+def test_save_killed_midway_keeps_previous_checkpoint(tmp_path):
+  result = subprocess.run([sys.executable, '-c', _KILLED_SAVE, str(tmp_path)], cwd=_ROOT,
+                          capture_output=True, text=True, timeout=300, check=False)
+  assert result.returncode == 9, result.stderr[-2000:]
+  entries = os.listdir(tmp_path)
+  assert '2' not in entries and any(e.startswith('2.orbax-checkpoint-tmp') for e in entries)
+  ckpt = orbax.load(str(tmp_path))
+  assert ckpt.step == 1
+  np.testing.assert_array_equal(np.asarray(ckpt.params['w']), np.ones(4, np.float32))
+  with orbax.CheckpointManager(str(tmp_path)) as manager:
+    assert manager.all_steps() == [1]
+    restored = manager.restore()
+  assert restored.step == 1 and restored.dataset_state == {'step': 1}

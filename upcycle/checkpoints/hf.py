@@ -1,0 +1,128 @@
+"""HuggingFace checkpoints: `config.json` + safetensors (single or sharded) or `pytorch_model.bin`.
+
+`load(path)` returns the parameters in this project's names (DESIGN.md) and the
+T5Config / ViTConfig that reproduces the HuggingFace model's logits. Supported:
+`T5ForConditionalGeneration` with `feed_forward_proj='gated-gelu'` (T5 v1.1, Flan-T5)
+and `ViTForImageClassification`. Leaves are lazy (memory-mapped).
+"""
+
+import json
+import os
+from typing import Any, Dict, Tuple
+
+import ml_dtypes
+import numpy as np
+
+from upcycle.checkpoints import hf_t5, hf_vit, safetensors_file
+from upcycle.checkpoints.checkpoint import Checkpoint
+from upcycle.checkpoints.errors import checkpoint_error
+from upcycle.checkpoints.lazy import LazyArray
+
+SAFETENSORS = 'model.safetensors'
+SAFETENSORS_INDEX = 'model.safetensors.index.json'
+TORCH_BIN = 'pytorch_model.bin'
+WEIGHT_FILES = (SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN)
+ARCHITECTURES = {
+    'T5ForConditionalGeneration': hf_t5.convert,
+    'ViTForImageClassification': hf_vit.convert,
+}
+
+
+def is_hf_dir(path: str) -> bool:
+  return (os.path.isfile(os.path.join(path, 'config.json'))
+          and any(os.path.isfile(os.path.join(path, f)) for f in WEIGHT_FILES))
+
+
+def load(path: str) -> Tuple[Dict[str, Any], Any]:
+  """HuggingFace checkpoint directory -> (params in contract names, T5Config or ViTConfig)."""
+  ckpt = load_checkpoint(path)
+  return ckpt.params, ckpt.model_config
+
+
+def load_checkpoint(path: str) -> Checkpoint:
+  """Like `load`, as a Checkpoint whose `notes` list what went beyond renaming."""
+  path = os.fspath(path)
+  config_path = os.path.join(path, 'config.json')
+  if not os.path.isfile(config_path):
+    raise checkpoint_error(path, 'not a HuggingFace checkpoint directory: no config.json',
+                           fix='Pass the directory that holds config.json and the weights')
+  with open(config_path) as f:
+    config = json.load(f)
+  architectures = config.get('architectures') or []
+  supported = [a for a in architectures if a in ARCHITECTURES]
+  if not supported:
+    raise checkpoint_error(
+        config_path, 'unsupported architecture in field "architectures"',
+        expected=f'one of {sorted(ARCHITECTURES)}', found=architectures or None,
+        fix='Only T5 v1.1 (gated-GELU) encoder-decoders and ViT classifiers convert')
+  tensors, weights_path = read_tensors(path)
+  params, model_config, notes = ARCHITECTURES[supported[0]](
+      tensors, config, config_path, weights_path)
+  return Checkpoint(params=params, step=None, optimizer_state=None, format='hf', path=path,
+                    model_config=model_config, notes=tuple(notes))
+
+
+def read_tensors(path: str) -> Tuple[Dict[str, LazyArray], str]:
+  """-> (HuggingFace name -> LazyArray, the weights file or index read)."""
+  single = os.path.join(path, SAFETENSORS)
+  index = os.path.join(path, SAFETENSORS_INDEX)
+  torch_bin = os.path.join(path, TORCH_BIN)
+  if os.path.isfile(single):
+    return safetensors_file.load(single), single
+  if os.path.isfile(index):
+    return _read_sharded(path, index), index
+  if os.path.isfile(torch_bin):
+    return _read_torch(torch_bin), torch_bin
+  raise checkpoint_error(path, 'no weights file', expected=f'one of {list(WEIGHT_FILES)}',
+                         found=sorted(os.listdir(path)),
+                         fix='Save the model with save_pretrained()')
+
+
+def _read_sharded(path: str, index: str) -> Dict[str, LazyArray]:
+  with open(index) as f:
+    weight_map = json.load(f).get('weight_map')
+  if not isinstance(weight_map, dict):
+    raise checkpoint_error(index, 'no "weight_map" object', fix='Re-save the model')
+  tensors = {}
+  for shard in sorted(set(weight_map.values())):
+    shard_path = os.path.join(path, shard)
+    if not os.path.isfile(shard_path):
+      raise checkpoint_error(index, 'a shard listed in "weight_map" is missing',
+                             expected=shard_path, found='no such file',
+                             fix='Download every shard next to the index')
+    tensors.update(safetensors_file.load(shard_path))
+  missing = sorted(set(weight_map) - set(tensors))
+  if missing:
+    raise checkpoint_error(index, 'tensors listed in "weight_map" are absent from their shards',
+                           expected=missing[:5], found='absent', fix='Re-download the shards')
+  return tensors
+
+
+def _read_torch(path: str) -> Dict[str, LazyArray]:
+  """pytorch_model.bin via torch (imported here only), memory-mapped when the file allows."""
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise checkpoint_error(path, 'reading pytorch_model.bin needs PyTorch, which is not installed',
+                           fix='Install the CPU build of torch, or convert the checkpoint to '
+                           'safetensors') from e
+  try:
+    state = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
+  except RuntimeError:  # Legacy (non-zip) files cannot be memory-mapped.
+    state = torch.load(path, map_location='cpu', weights_only=True)
+  dtypes = {torch.bfloat16: ml_dtypes.bfloat16, torch.float16: np.float16,
+            torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.int64,
+            torch.int32: np.int32, torch.bool: np.bool_}
+
+  def to_numpy(t):
+    if t.dtype == torch.bfloat16:
+      return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.contiguous().numpy()
+
+  tensors = {}
+  for name, t in state.items():
+    if t.dtype not in dtypes:
+      raise checkpoint_error(path, 'unsupported torch dtype', param=name,
+                             expected=[str(d) for d in dtypes], found=str(t.dtype))
+    tensors[name] = LazyArray(tuple(t.shape), dtypes[t.dtype], lambda t=t: to_numpy(t), path, name)
+  return tensors

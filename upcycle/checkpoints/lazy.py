@@ -1,0 +1,85 @@
+"""`LazyArray`: a checkpoint leaf whose shape and dtype are known but whose data is read on demand.
+
+Readers return trees of LazyArrays (or plain numpy arrays) so that a checkpoint
+larger than host memory can be inspected, validated and streamed leaf by leaf:
+`np.asarray(leaf)` reads one leaf, `materialize(tree)` reads them all, and
+`leaf.read(index)` reads one block, so that each device can fetch only its shard:
+`jax.make_array_from_callback(leaf.shape, sharding, leaf.read)`.
+"""
+
+from typing import Any, Callable, Optional, Sequence, Tuple
+
+import jax
+import numpy as np
+
+from upcycle.checkpoints.errors import checkpoint_error
+
+
+class LazyArray:
+  """Shape and dtype now, data on `np.asarray(self)` (or `self.read()`).
+
+  Attributes:
+    shape: tuple of ints.
+    dtype: numpy dtype (bfloat16 is `ml_dtypes.bfloat16`).
+    source: the file or directory the data comes from, for error messages.
+    param: the parameter path in the tree, for error messages.
+  """
+
+  def __init__(self, shape: Sequence[int], dtype: Any, read: Callable[[], np.ndarray],
+               source: str, param: str = '',
+               read_block: Optional[Callable[[Tuple[slice, ...]], np.ndarray]] = None):
+    """`read()` returns the whole array; `read_block(index)`, if given, only `array[index]`."""
+    self.shape = tuple(int(d) for d in shape)
+    self.dtype = np.dtype(dtype)
+    self.source = str(source)
+    self.param = param
+    self._read = read
+    self._read_block = read_block
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  @property
+  def size(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64))
+
+  @property
+  def nbytes(self) -> int:
+    return self.size * self.dtype.itemsize
+
+  def read(self, index: Optional[Tuple[slice, ...]] = None) -> np.ndarray:
+    """Reads `self[index]` (default: everything) and checks the dtype (and full shape)."""
+    if index is not None:
+      array = np.asarray(self._read_block(index) if self._read_block else self._read()[index])
+      if array.dtype != self.dtype:
+        raise checkpoint_error(self.source, 'stored data disagrees with its own metadata',
+                               param=self.param, expected=self.dtype, found=array.dtype)
+      return array
+    array = np.asarray(self._read())
+    if array.shape != self.shape or array.dtype != self.dtype:
+      raise checkpoint_error(
+          self.source, 'stored data disagrees with its own metadata', param=self.param,
+          expected=f'{self.shape} {self.dtype}', found=f'{array.shape} {array.dtype}',
+          fix='The checkpoint is inconsistent; re-export it from its source')
+    return array
+
+  def __array__(self, dtype=None, copy=None):
+    del copy  # Every read makes a fresh array.
+    array = self.read()
+    return array if dtype is None else array.astype(dtype)
+
+  def map(self, fn: Callable[[np.ndarray], np.ndarray], shape: Sequence[int],
+          dtype: Optional[Any] = None) -> 'LazyArray':
+    """A lazy `fn(self)`; `fn` must turn `self.shape` into `shape` (a rename is not a read)."""
+    return LazyArray(shape, self.dtype if dtype is None else dtype,
+                     lambda: fn(self.read()), self.source, self.param)
+
+  def __repr__(self) -> str:
+    return f'LazyArray(shape={self.shape}, dtype={self.dtype}, source={self.source!r})'
+
+
+def materialize(tree: Any) -> Any:
+  """Reads every lazy leaf of `tree` into a numpy array (the whole tree is then in memory)."""
+  return jax.tree.map(lambda x: np.asarray(x) if isinstance(x, LazyArray) else x, tree)
+

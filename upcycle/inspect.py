@@ -1,0 +1,95 @@
+"""Describe a checkpoint without loading its data: format, step, sizes, tree, model.
+
+  python -m upcycle.inspect PATH [--format F] [--json]
+
+Only metadata is read (shapes and dtypes), so this is cheap on any checkpoint size.
+"""
+
+import argparse
+import json
+import sys
+from typing import Any, Dict, List, Optional
+
+import jax
+import numpy as np
+
+from upcycle import checkpoints
+from upcycle.checkpoints import describe
+
+
+def _leaves(t: Any) -> Dict[str, Any]:
+  """'/'-joined path -> array-like leaf, for any pytree (optax states included)."""
+  return {jax.tree_util.keystr(path, simple=True, separator='/'): x
+          for path, x in jax.tree_util.tree_leaves_with_path(t)
+          if hasattr(x, 'shape') and hasattr(x, 'dtype')}
+
+
+def summary(ckpt: checkpoints.Checkpoint) -> Dict[str, Any]:
+  """The facts `inspect` prints, as a JSON-ready dict."""
+  params = _leaves(ckpt.params)
+  optimizer = _leaves(ckpt.optimizer_state)
+  return {
+      'path': ckpt.path,
+      'format': ckpt.format,
+      'step': ckpt.step,
+      'num_parameters': int(sum(int(np.prod(x.shape)) for x in params.values())),
+      'num_bytes': int(sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                           for x in params.values())),
+      'num_arrays': len(params),
+      'optimizer_state': ckpt.optimizer_state is not None,
+      'optimizer_arrays': len(optimizer),
+      'model': describe.describe(ckpt.params),
+      'model_config': repr(ckpt.model_config) if ckpt.model_config is not None else None,
+      'notes': list(ckpt.notes),
+      'params': [{'path': p, 'shape': list(x.shape), 'dtype': str(np.dtype(x.dtype))}
+                 for p, x in sorted(params.items())],
+  }
+
+
+def _human(num_bytes: int) -> str:
+  for unit in ('B', 'KiB', 'MiB', 'GiB'):
+    if num_bytes < 1024 or unit == 'GiB':
+      return f'{num_bytes:.1f} {unit}' if unit != 'B' else f'{num_bytes} B'
+    num_bytes /= 1024
+  return ''
+
+
+def format_text(info: Dict[str, Any]) -> str:
+  lines = [
+      f"path:            {info['path']}",
+      f"format:          {info['format']}",
+      f"step:            {info['step']}",
+      f"parameters:      {info['num_parameters']:,} in {info['num_arrays']} arrays, "
+      f"{_human(info['num_bytes'])}",
+      f"optimizer state: " + (f"yes ({info['optimizer_arrays']} arrays)"
+                              if info['optimizer_state'] else 'no'),
+      f"model:           {info['model']}",
+  ]
+  lines += [f'note:            {n}' for n in info['notes']]
+  width = max([len(p['path']) for p in info['params']] + [4])
+  lines.append('parameter tree:')
+  lines += [f"  {p['path']:<{width}}  {str(tuple(p['shape'])):<20} {p['dtype']}"
+            for p in info['params']]
+  return '\n'.join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+  parser = argparse.ArgumentParser(prog='python -m upcycle.inspect', description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('path', help='checkpoint file or directory (T5X, orbax, HF, .npz)')
+  parser.add_argument('--format', choices=checkpoints.FORMATS, default=None,
+                      help='skip format detection')
+  parser.add_argument('--json', action='store_true', help='print JSON instead of text')
+  args = parser.parse_args(argv)
+  try:
+    ckpt = checkpoints.load(args.path, format=args.format)
+  except checkpoints.CheckpointError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 1
+  info = summary(ckpt)
+  print(json.dumps(info, indent=1) if args.json else format_text(info))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
