@@ -1,7 +1,9 @@
 """The expert-initializer interface and helpers shared by its implementations."""
 
+import abc
+import functools
 import zlib
-from typing import Dict, Mapping, Sequence, Tuple
+from typing import Dict, List, Mapping, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -27,12 +29,41 @@ def tile(x, num_experts: int) -> Array:
   return jnp.broadcast_to(x[None], (num_experts,) + x.shape)
 
 
+def draw(rng: Array, shapes: Sequence[Tuple[int, ...]], sampler=jax.random.normal,
+         dtype=jnp.float32) -> List[Array]:
+  """Samples for several shapes from one sampler call, split in order.
+
+  One compiled call per layer instead of one random kernel per leaf shape:
+  compiling threefry dominates the cost of upcycling small models.
+  """
+  return _draw(rng, tuple(tuple(int(d) for d in s) for s in shapes), sampler, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _draw(rng, shapes, sampler, dtype):
+  sizes = [int(np.prod(shape)) for shape in shapes]
+  flat = sampler(rng, (sum(sizes),), dtype)
+  out, start = [], 0
+  for shape, size in zip(shapes, sizes):
+    out.append(flat[start:start + size].reshape(shape))
+    start += size
+  return out
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def unit_mask(rng: Array, shape: Tuple[int, ...], count: int) -> Array:
+  """bool `[..., n]`: in every row exactly `count` of the n entries, uniformly drawn."""
+  u = jax.random.uniform(rng, shape)
+  ranks = jnp.argsort(jnp.argsort(u, axis=-1), axis=-1)   # a uniform permutation per row
+  return ranks < count
+
+
 def as_array(x) -> Array:
   """Dense leaves may be numpy or lazily read arrays; read them once here."""
   return x if isinstance(x, jax.Array) else jnp.asarray(np.asarray(x))
 
 
-class ExpertInit:
+class ExpertInit(abc.ABC):
   """Makes the experts of one MoE block from the dense MLP it replaces.
 
   An initializer sees the whole MLP of one layer at once, because some
@@ -48,6 +79,7 @@ class ExpertInit:
     del layer
     return {name: (num_experts,) + tuple(shape) for name, shape in mlp_shapes.items()}
 
+  @abc.abstractmethod
   def __call__(self, mlp: Mapping[str, Array], num_experts: int, rng: Array, *,
                layer: str = '') -> Dict[str, Array]:
     """Expert leaves of one MoE block.
@@ -63,7 +95,6 @@ class ExpertInit:
     Returns:
       {same names: `[E, ...]` arrays} in the dense leaves' dtypes.
     """
-    raise NotImplementedError(f'{type(self).__name__} does not implement __call__.')
 
   def tie_router(self, router: Mapping[str, Array], layer: str = '') -> Dict[str, Array]:
     """Constrains the freshly made router of the block; identity by default.

@@ -9,13 +9,15 @@ Names for entry points: 'copy', 'drop', 'noise', 'random' (see `get`).
 """
 
 import dataclasses
+import functools
 from typing import Callable, Dict, Mapping, Optional, Union
 
 import jax
 import jax.numpy as jnp
 
 from upcycle.upcycling import ffn
-from upcycle.upcycling.base import Array, ExpertInit, as_array, check_choice, key_for, tile
+from upcycle.upcycling.base import (Array, ExpertInit, as_array, check_choice, draw, key_for, tile,
+                                    unit_mask)
 from upcycle.upcycling.paths import shape_of
 from upcycle.upcycling.sources import FromCheckpoints, Merge
 
@@ -25,13 +27,6 @@ __all__ = ['ExpertInit', 'Copy', 'Drop', 'Noise', 'Random', 'Granular', 'FromChe
 
 def _tiled(mlp: Mapping[str, Array], num_experts: int) -> Dict[str, Array]:
   return {name: tile(as_array(x), num_experts) for name, x in mlp.items()}
-
-
-def unit_mask(rng: Array, num_experts: int, d_ff: int, count: int) -> Array:
-  """`[experts, d_ff]` bool: for each expert, `count` distinct units drawn uniformly."""
-  perms = jax.vmap(lambda k: jax.random.permutation(k, d_ff))(jax.random.split(rng, num_experts))
-  rows = jnp.arange(num_experts)[:, None]
-  return jnp.zeros((num_experts, d_ff), bool).at[rows, perms[:, :count]].set(True)
 
 
 def _unit_broadcast(mask: Array, ndim: int, axis: int) -> Array:
@@ -50,18 +45,19 @@ class Copy(ExpertInit):
     return _tiled(mlp, num_experts)
 
 
-def redraw(w: Array, mask: Array, rng: Array) -> Array:
+@jax.jit
+def redraw(w: Array, mask: Array, z: Array) -> Array:
   """Replaces `w[mask]` per expert by draws from N(mean, std) of the replaced values.
 
   Args:
     w: `[experts, ...]`.
     mask: bool, broadcastable to `w`.
-    rng: key.
+    z: standard normal samples of `w`'s shape.
 
   Returns:
-    `w` with the masked entries of expert e drawn from a normal with the mean
-    and (population) std of expert e's masked entries; one scalar pair per
-    expert and leaf. Unmasked entries are bit-identical to `w`.
+    `w` with the masked entries of expert e set to mean_e + std_e * z, where
+    mean_e and std_e (population) are those of expert e's masked entries: one
+    scalar pair per expert and leaf. Unmasked entries are bit-identical to `w`.
   """
   mask = jnp.broadcast_to(mask, w.shape)
   x = w.astype(jnp.float32)
@@ -69,8 +65,7 @@ def redraw(w: Array, mask: Array, rng: Array) -> Array:
   count = jnp.maximum(mask.sum(axes, keepdims=True), 1)
   mean = jnp.where(mask, x, 0).sum(axes, keepdims=True) / count
   std = jnp.sqrt(jnp.where(mask, (x - mean) ** 2, 0).sum(axes, keepdims=True) / count)
-  fresh = mean + std * jax.random.normal(rng, w.shape, jnp.float32)
-  return jnp.where(mask, fresh.astype(w.dtype), w)
+  return jnp.where(mask, (mean + std * z).astype(w.dtype), w)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,16 +104,16 @@ class Drop(ExpertInit):
     out = _tiled(mlp, num_experts)
     if count == 0:
       return out
+    names = sorted(name for name, axis in axes.items() if axis is not None)
+    groups = (['shared'] if self.index_sharing == 'shared' else
+              sorted({ffn.matrix_of(name) for name in names}))
     index_rng, value_rng = jax.random.split(rng)
-    masks = {}
-    for name, axis in sorted(axes.items()):
-      if axis is None:
-        continue
-      group = 'shared' if self.index_sharing == 'shared' else ffn.matrix_of(name)
-      if group not in masks:
-        masks[group] = unit_mask(key_for(index_rng, group), num_experts, d_ff, count)
-      mask = _unit_broadcast(masks[group], out[name].ndim, axis + 1)
-      out[name] = redraw(out[name], mask, key_for(value_rng, name))
+    masks = unit_mask(index_rng, (len(groups), num_experts, d_ff), count)
+    noise = draw(value_rng, [out[name].shape for name in names])
+    for name, z in zip(names, noise):
+      group = 0 if self.index_sharing == 'shared' else groups.index(ffn.matrix_of(name))
+      mask = _unit_broadcast(masks[group], out[name].ndim, axes[name] + 1)
+      out[name] = redraw(out[name], mask, z)
     return out
 
 
@@ -150,23 +145,27 @@ class Noise(ExpertInit):
   def __call__(self, mlp, num_experts, rng, *, layer=''):
     out = _tiled(mlp, num_experts)
     mask_rng, noise_rng = jax.random.split(rng)
+    names = sorted(out)
     if self.unit == 'neuron':
       shapes = {name: shape_of(x) for name, x in mlp.items()}
       axes = ffn.d_ff_axes(shapes, layer)
       d_ff = ffn.d_ff(shapes, layer)
-      units = unit_mask(mask_rng, num_experts, d_ff, int(round(self.fraction * d_ff)))
-    for name in sorted(out):
-      w = out[name]
-      if self.unit == 'neuron':
-        if axes[name] is None:
-          continue
-        mask = _unit_broadcast(units, w.ndim, axes[name] + 1)
-      else:
-        mask = jax.random.bernoulli(key_for(mask_rng, name), self.fraction, w.shape)
-      noise = self.std * jax.random.normal(key_for(noise_rng, name), w.shape, jnp.float32)
-      new = w.astype(jnp.float32) + noise if self.mode == 'add' else noise
-      out[name] = jnp.where(mask, new.astype(w.dtype), w)
+      units = unit_mask(mask_rng, (num_experts, d_ff), int(round(self.fraction * d_ff)))
+      names = [name for name in names if axes[name] is not None]
+      masks = [_unit_broadcast(units, out[name].ndim, axes[name] + 1) for name in names]
+    else:
+      uniform = draw(mask_rng, [out[name].shape for name in names], jax.random.uniform)
+      masks = [u < self.fraction for u in uniform]
+    noise = draw(noise_rng, [out[name].shape for name in names])
+    for name, mask, z in zip(names, masks, noise):
+      out[name] = _perturb(out[name], mask, self.std * z, self.mode == 'add')
     return out
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _perturb(w, mask, noise, add):
+  new = w.astype(jnp.float32) + noise if add else noise
+  return jnp.where(mask, new.astype(w.dtype), w)
 
 
 def default_kernel_init(rng, shape, dtype):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from upcycle.upcycling import paths
-from upcycle.upcycling.base import Array, ExpertInit, as_array, check_choice, key_for
+from upcycle.upcycling.base import Array, ExpertInit, as_array, check_choice, draw, key_for
 
 
 def mean_leaf(leaves: Sequence[Any]) -> Array:
@@ -35,8 +35,8 @@ def mean_leaf(leaves: Sequence[Any]) -> Array:
   return (x0 + delta / len(leaves)).astype(first.dtype)
 
 
-class _MultiSource(ExpertInit):
-  """Shared machinery: validated flat sources and the shared (non-expert) params."""
+class MultiSource(ExpertInit):
+  """Experts from several sources; also decides the shared (non-expert) params."""
 
   sources: Sequence[Mapping]
   base: Optional[int]
@@ -94,7 +94,7 @@ class _MultiSource(ExpertInit):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class FromCheckpoints(_MultiSource):
+class FromCheckpoints(MultiSource):
   """Branch-Train-MiX: expert e is the dense MLP of checkpoint `assignment[e]`.
 
   From E identical sources this equals Copy exactly (experts and, through
@@ -119,6 +119,10 @@ class FromCheckpoints(_MultiSource):
       if bad:
         raise ValueError(f'FromCheckpoints.assignment={self.assignment}: index {bad[0]} is out '
                          f'of range for {len(self.sources)} sources.')
+
+  def __repr__(self):
+    return (f'FromCheckpoints({len(self.sources)} sources, assignment={self.assignment}, '
+            f'base={self.base})')
 
   def __call__(self, mlp, num_experts, rng, *, layer=''):
     del rng
@@ -155,7 +159,7 @@ def most_distant_pair(vectors: Array, exclude: Set[Tuple[int, int]] = frozenset(
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Merge(_MultiSource):
+class Merge(MultiSource):
   """UpIT expert expansion: more experts than sources, by merging.
 
   Experts 0..n-1 are the MLPs of the n sources (e.g. intermediate checkpoints
@@ -184,15 +188,20 @@ class Merge(_MultiSource):
       raise ValueError(f'Merge.drop_rate={self.drop_rate}: must be in [0, 1).')
     self._prepare()
 
+  def __repr__(self):
+    return (f'Merge({len(self.sources)} sources, method={self.method!r}, '
+            f'drop_rate={self.drop_rate}, base={self.base})')
+
   def _merge(self, a: Dict[str, Array], b: Dict[str, Array], rng: Array) -> Dict[str, Array]:
     if self.method == 'average':
       return {name: (a[name] + b[name]) / 2 for name in a}
     keep = 1.0 - self.drop_rate
+    names = sorted(a)
+    uniform = draw(rng, [a[name].shape for name in names] * 2, jax.random.uniform)
     out = {}
-    for name in a:
-      ka, kb = jax.random.split(key_for(rng, name))
-      da = a[name] * jax.random.bernoulli(ka, keep, a[name].shape) / keep
-      db = b[name] * jax.random.bernoulli(kb, keep, b[name].shape) / keep
+    for i, name in enumerate(names):
+      da = jnp.where(uniform[i] < keep, a[name] / keep, 0.0)
+      db = jnp.where(uniform[len(names) + i] < keep, b[name] / keep, 0.0)
       out[name] = (da + db) / 2
     return out
 

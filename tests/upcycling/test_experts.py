@@ -1,0 +1,275 @@
+"""Expert initializers, on the MLP of one layer."""
+
+import jax
+import numpy as np
+import pytest
+
+from upcycle.upcycling import experts, ffn
+from upcycle.upcycling.sources import most_distant_pair
+
+KEY = jax.random.PRNGKey(0)
+
+
+def _t5_mlp(t5, d_ff=32, seed=0):
+  return {f'{n}/kernel': v['kernel'] for n, v in t5(seed=seed, d_ff=d_ff)['encoder']['layers_1']['mlp'].items()}
+
+
+def _vit_mlp(vit, mlp_dim=32, seed=0):
+  mlp = vit(seed=seed, mlp_dim=mlp_dim)['Transformer']['encoderblock_1']['MlpBlock_0']
+  return {f'{layer}/{leaf}': x for layer, leaves in mlp.items() for leaf, x in leaves.items()}
+
+
+def test_copy_is_exact(t5):
+  mlp = _t5_mlp(t5)
+  out = experts.Copy()(mlp, 3, KEY)
+  for name, x in mlp.items():
+    np.testing.assert_array_equal(np.asarray(out[name]), np.broadcast_to(x, (3,) + x.shape))
+
+
+@pytest.mark.parametrize('model', ['t5', 'vit'])
+def test_drop_ratio_zero_is_copy_and_ratio_one_redraws_everything(model, t5, vit, untouched):
+  mlp = _t5_mlp(t5) if model == 't5' else _vit_mlp(vit)
+  copy = experts.Copy()(mlp, 4, KEY)
+  zero = experts.Drop(0.0)(mlp, 4, KEY)
+  for name in mlp:
+    np.testing.assert_array_equal(np.asarray(zero[name]), np.asarray(copy[name]))
+  one = experts.Drop(1.0)(mlp, 4, KEY)
+  assert not untouched(mlp, one, 4).any()
+  if model == 'vit':  # the output bias belongs to no unit: kept
+    np.testing.assert_array_equal(np.asarray(one['Dense_1/bias']), np.asarray(copy['Dense_1/bias']))
+
+
+@pytest.mark.parametrize('model,matrices', [('t5', 3), ('vit', 2)])
+@pytest.mark.parametrize('ratio', [0.25, 0.5])
+def test_drop_untouched_fraction(model, matrices, ratio, t5, vit, untouched):
+  d_ff, num_experts = 64, 32
+  mlp = _t5_mlp(t5, d_ff) if model == 't5' else _vit_mlp(vit, d_ff)
+  shared = untouched(mlp, experts.Drop(ratio, 'shared')(mlp, num_experts, KEY), num_experts)
+  # Shared indices: exactly round(r * d_ff) units per expert are re-drawn.
+  np.testing.assert_array_equal(shared.sum(1), d_ff - round(ratio * d_ff))
+  per = untouched(mlp, experts.Drop(ratio, 'per_matrix')(mlp, num_experts, KEY), num_experts)
+  expected = (1 - ratio) ** matrices
+  sampling_std = np.sqrt(expected * (1 - expected) / per.size)
+  assert abs(per.mean() - expected) < 4 * sampling_std + 0.01, (per.mean(), expected)
+
+
+def test_drop_dense0_bias_follows_its_kernel(vit):
+  mlp = _vit_mlp(vit)
+  out = experts.Drop(0.5, 'per_matrix')(mlp, 8, KEY)
+  kernel_changed = (np.asarray(out['Dense_0/kernel']) != mlp['Dense_0/kernel'][None]).any(axis=1)
+  bias_changed = np.asarray(out['Dense_0/bias']) != mlp['Dense_0/bias'][None]
+  np.testing.assert_array_equal(kernel_changed, bias_changed)
+
+
+def test_drop_redraws_with_the_replaced_weights_statistics(t5):
+  d_ff, num_experts = 256, 4
+  mlp = _t5_mlp(t5, d_ff)
+  out = experts.Drop(0.5, 'per_matrix')(mlp, num_experts, KEY)
+  for name, x in mlp.items():
+    axis = ffn.d_ff_axis(name)
+    for e in range(num_experts):
+      new = np.moveaxis(np.asarray(out[name][e]), axis, -1)
+      old = np.moveaxis(x, axis, -1)
+      replaced = (new != old).all(axis=0)                       # units of this matrix
+      assert replaced.sum() == d_ff // 2
+      before, after = old[:, replaced].ravel(), new[:, replaced].ravel()
+      n = before.size
+      assert abs(after.mean() - before.mean()) < 4 * before.std() / np.sqrt(n)
+      assert abs(after.std() / before.std() - 1) < 4 / np.sqrt(2 * n)
+      np.testing.assert_array_equal(new[:, ~replaced], old[:, ~replaced])
+
+
+def test_drop_experts_differ_and_seed_reproduces(t5):
+  mlp = _t5_mlp(t5)
+  a = experts.Drop(0.5)(mlp, 4, KEY)
+  b = experts.Drop(0.5)(mlp, 4, KEY)
+  c = experts.Drop(0.5)(mlp, 4, jax.random.PRNGKey(1))
+  for name in mlp:
+    np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]))
+    assert not np.array_equal(np.asarray(a[name]), np.asarray(c[name]))
+    w = np.asarray(a[name])
+    for e in range(1, 4):
+      assert not np.array_equal(w[0], w[e])
+
+
+def test_drop_rejects_bad_arguments():
+  with pytest.raises(ValueError, match=r'Drop.ratio=1.5: must be in \[0, 1\]'):
+    experts.Drop(1.5)
+  with pytest.raises(ValueError, match="Drop.index_sharing='global'"):
+    experts.Drop(0.5, 'global')
+
+
+def test_unknown_mlp_is_a_clear_error():
+  mlp = {'fc1/kernel': np.zeros((4, 8), np.float32), 'fc2/kernel': np.zeros((8, 4), np.float32)}
+  with pytest.raises(ValueError, match=r"'fc1/kernel' in the MLP at enc/mlp is not in the d_ff axis "
+                     r'table.*D_FF_AXES in upcycle/upcycling/ffn.py'):
+    experts.Drop(0.5)(mlp, 2, KEY, layer='enc/mlp')
+  out = experts.Copy()(mlp, 2, KEY, layer='enc/mlp')  # Copy does not need the table
+  assert out['fc1/kernel'].shape == (2, 4, 8)
+
+
+@pytest.mark.parametrize('mode', ['add', 'replace'])
+def test_noise_neurons(mode, t5, untouched):
+  mlp = _t5_mlp(t5, d_ff=64)
+  out = experts.Noise(std=0.1, fraction=0.25, mode=mode, unit='neuron')(mlp, 4, KEY)
+  same = untouched(mlp, out, 4)
+  np.testing.assert_array_equal(same.sum(1), 64 - 16)
+  for name, x in mlp.items():
+    axis = ffn.d_ff_axis(name)
+    new = np.moveaxis(np.asarray(out[name]), axis + 1, -1)
+    old = np.moveaxis(x, axis, -1)[None]
+    noise = (new - old)[~same[:, None, :].repeat(new.shape[1], 1)] if mode == 'add' else \
+        new[~same[:, None, :].repeat(new.shape[1], 1)]
+    assert abs(noise.std() - 0.1) < 0.02 and abs(noise.mean()) < 0.02
+
+
+def test_noise_elements_fraction(vit):
+  mlp = _vit_mlp(vit, mlp_dim=64)
+  out = experts.Noise(std=0.01, fraction=0.3, unit='element')(mlp, 8, KEY)
+  changed = np.concatenate([(np.asarray(out[n]) != x[None]).ravel() for n, x in mlp.items()])
+  assert abs(changed.mean() - 0.3) < 0.02
+
+
+def test_random_ignores_dense_values_and_scales_by_fan_in(t5):
+  mlp = _t5_mlp(t5, d_ff=256)
+  out = experts.Random()(mlp, 2, KEY)
+  wi = np.asarray(out['wi_0/kernel'])
+  assert wi.shape == (2, 8, 256)
+  assert abs(wi.std() - np.sqrt(1 / 8)) < 0.05 and abs(wi.mean()) < 0.02
+  wo = np.asarray(out['wo/kernel'])
+  assert abs(wo.std() - np.sqrt(1 / 256)) < 0.01
+  assert not np.array_equal(wi[0], wi[1])
+  custom = experts.Random(init_fn=jax.nn.initializers.zeros)(mlp, 2, KEY)
+  assert not np.asarray(custom['wo/kernel']).any()
+
+
+def test_random_vit_biases_are_zero(vit):
+  out = experts.Random()(_vit_mlp(vit), 2, KEY)
+  assert not np.asarray(out['Dense_0/bias']).any() and not np.asarray(out['Dense_1/bias']).any()
+
+
+def _gelu(x):
+  return np.asarray(jax.nn.gelu(x, approximate=True))
+
+
+def _t5_ffn(x, p, e=None):
+  get = (lambda n: p[n]) if e is None else (lambda n: p[n][e])
+  return (_gelu(x @ get('wi_0/kernel')) * (x @ get('wi_1/kernel'))) @ get('wo/kernel')
+
+
+def _vit_ffn(x, p, e=None):
+  get = (lambda n: p[n]) if e is None else (lambda n: p[n][e])
+  return _gelu(x @ get('Dense_0/kernel') + get('Dense_0/bias')) @ get('Dense_1/kernel') + get('Dense_1/bias')
+
+
+def _moe(x, expert_params, router, ffn_fn, num_experts, router_type, k):
+  """Reference MoE with normalized combine weights: top-k per token or experts' top-c tokens."""
+  logits = x @ router
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  taken = np.zeros_like(probs, bool)
+  if router_type == 'tokens_choose':
+    order = np.argsort(-probs, axis=-1, kind='stable')[:, :k]
+    np.put_along_axis(taken, order, True, axis=-1)
+  else:
+    capacity = k
+    order = np.argsort(-probs, axis=0, kind='stable')[:capacity]
+    np.put_along_axis(taken, order, True, axis=0)
+  weights = np.where(taken, probs, 0)
+  weights /= np.maximum(weights.sum(-1, keepdims=True), 1e-30)
+  outs = np.stack([ffn_fn(x, expert_params, e) for e in range(num_experts)], 1)
+  return (weights[..., None] * outs).sum(1), taken.any(-1)
+
+
+@pytest.mark.parametrize('model', ['t5', 'vit'])
+@pytest.mark.parametrize('router_type,k', [('tokens_choose', 2), ('tokens_choose', 4),
+                                            ('experts_choose', 5)])
+def test_granular_is_function_preserving(model, router_type, k, t5, vit):
+  g, num_experts = 2, 6
+  mlp = _t5_mlp(t5, 32) if model == 't5' else _vit_mlp(vit, 32)
+  ffn_fn = _t5_ffn if model == 't5' else _vit_ffn
+  init = experts.Granular(g)
+  shapes = {n: x.shape for n, x in mlp.items()}
+  out = {n: np.asarray(v) for n, v in init(mlp, num_experts, KEY).items()}
+  assert {n: v.shape for n, v in out.items()} == init.expert_shapes(shapes, num_experts)
+  router = np.random.default_rng(0).normal(0, 0.5, (8, num_experts)).astype(np.float32)
+  router = np.asarray(init.tie_router({'w/kernel': router})['w/kernel'])
+  np.testing.assert_array_equal(router[:, 0], router[:, 1])
+  x = np.random.default_rng(1).normal(size=(10, 8)).astype(np.float32)
+  y, routed = _moe(x, out, router, ffn_fn, num_experts, router_type, k)
+  assert routed.any()
+  np.testing.assert_allclose(y[routed], ffn_fn(x, mlp)[routed], rtol=1e-4, atol=1e-4)
+
+
+def test_granular_checks_divisibility(t5):
+  with pytest.raises(ValueError, match=r'num_experts \(3\) and the dense d_ff \(32\) to be '
+                     r'multiples of 2'):
+    experts.Granular(2)(_t5_mlp(t5), 3, KEY, layer='enc')
+
+
+def test_from_checkpoints_of_identical_sources_equals_copy(t5):
+  dense = t5()
+  mlp = _t5_mlp(t5)
+  init = experts.FromCheckpoints([dense, dense, dense])
+  out = init(mlp, 3, KEY, layer='encoder/layers_1/mlp')
+  copy = experts.Copy()(mlp, 3, KEY)
+  for name in mlp:
+    np.testing.assert_array_equal(np.asarray(out[name]), np.asarray(copy[name]))
+  shared = init.shared_params()
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), shared, dense)
+
+
+def test_from_checkpoints_assignment_and_base(t5):
+  sources = [t5(seed=s) for s in range(3)]
+  init = experts.FromCheckpoints(sources, assignment=[2, 0, 0, 1], base=1)
+  out = init({'wo/kernel': None}, 4, KEY, layer='encoder/layers_1/mlp')
+  wo = [s['encoder']['layers_1']['mlp']['wo']['kernel'] for s in sources]
+  for e, a in enumerate([2, 0, 0, 1]):
+    np.testing.assert_array_equal(np.asarray(out['wo/kernel'][e]), wo[a])
+  assert init.shared_params()['token_embedder']['embedding'] is sources[1]['token_embedder']['embedding']
+  mean = experts.FromCheckpoints(sources).shared_params()['token_embedder']['embedding']
+  np.testing.assert_allclose(mean, np.mean([s['token_embedder']['embedding'] for s in sources], 0),
+                             rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match=r'has 2 experts but the assignment names 4'):
+    init({'wo/kernel': None}, 2, KEY, layer='encoder/layers_1/mlp')
+
+
+def test_from_checkpoints_rejects_different_architectures(t5):
+  with pytest.raises(ValueError, match=r'encoder/layers_0/mlp/wi_0/kernel is \(8, 32\) float32 in '
+                     r'source 0 but \(8, 16\) float32 in source 1'):
+    experts.FromCheckpoints([t5(d_ff=32), t5(d_ff=16)])
+
+
+def _sources_with_known_distances():
+  base = np.random.default_rng(0).normal(size=(4, 6)).astype(np.float32)
+  noise = np.random.default_rng(1).normal(size=(4, 6)).astype(np.float32)
+  a, b, c = base, base + 0.1 * noise, -base + 0.3 * noise  # (0, 2) are the most distant
+  return [{'mlp': {'wi': {'kernel': x}, 'wo': {'kernel': x.T.copy()}}} for x in (a, b, c)]
+
+
+def test_merge_picks_the_most_distant_pair():
+  sources = _sources_with_known_distances()
+  vectors = np.stack([np.concatenate([s['mlp']['wi']['kernel'].ravel(), s['mlp']['wo']['kernel'].ravel()])
+                      for s in sources])
+  assert most_distant_pair(vectors) == (0, 2)
+  assert most_distant_pair(vectors, {(0, 2)}) == (1, 2)
+  mlp = {'wi/kernel': sources[0]['mlp']['wi']['kernel'], 'wo/kernel': sources[0]['mlp']['wo']['kernel']}
+  out = experts.Merge(sources)(mlp, 5, KEY, layer='mlp')
+  wi = np.asarray(out['wi/kernel'])
+  for e in range(3):
+    np.testing.assert_array_equal(wi[e], sources[e]['mlp']['wi']['kernel'])
+  np.testing.assert_allclose(wi[3], (wi[0] + wi[2]) / 2, rtol=1e-6)
+  assert not np.allclose(wi[4], wi[3])  # the next expert merges a different pair
+
+
+def test_merge_dare_drops_and_rescales():
+  sources = _sources_with_known_distances()
+  mlp = {'wi/kernel': sources[0]['mlp']['wi']['kernel'], 'wo/kernel': sources[0]['mlp']['wo']['kernel']}
+  out = experts.Merge(sources, method='dare', drop_rate=0.5)(mlp, 4, KEY, layer='mlp')
+  a, c = sources[0]['mlp']['wi']['kernel'], sources[2]['mlp']['wi']['kernel']
+  new = np.asarray(out['wi/kernel'][3])
+  # Each entry is (ma * a / 0.5 + mc * c / 0.5) / 2 for masks ma, mc in {0, 1}.
+  candidates = np.stack([np.zeros_like(a), a, c, a + c])
+  assert np.isclose(new[None], candidates, rtol=1e-5, atol=1e-6).any(0).all()
+  with pytest.raises(ValueError, match='2 sources but the MoE block at mlp has only 1'):
+    experts.Merge(sources[:2])(mlp, 1, KEY, layer='mlp')

@@ -1,0 +1,53 @@
+"""Router initializers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from upcycle.upcycling import routers
+
+KEY = jax.random.PRNGKey(0)
+ROUTER = {'router_weights/w/kernel': jax.ShapeDtypeStruct((64, 32), jnp.float32),
+          'router_weights/w/bias': jax.ShapeDtypeStruct((32,), jnp.float32)}
+
+
+@pytest.mark.parametrize('init,std', [(routers.Normal(), 0.02), (routers.Normal(0.1), 0.1),
+                                      (routers.Uniform(0.05), 0.05)])
+def test_distributions_have_zero_mean_and_the_given_std(init, std):
+  out = init(ROUTER, KEY, layer='l')
+  kernel = np.asarray(out['router_weights/w/kernel'])
+  assert kernel.shape == (64, 32) and kernel.dtype == np.float32
+  assert abs(kernel.mean()) < 4 * std / np.sqrt(kernel.size)
+  assert abs(kernel.std() / std - 1) < 0.05
+  assert not np.asarray(out['router_weights/w/bias']).any()
+  if isinstance(init, routers.Uniform):
+    assert np.abs(kernel).max() <= std * np.sqrt(3)
+
+
+def test_zeros():
+  out = routers.get('zeros')(ROUTER, KEY)
+  assert not np.asarray(out['router_weights/w/kernel']).any()
+
+
+def test_from_data_columns_are_normalized_means():
+  rng = np.random.default_rng(0)
+  hidden = [rng.normal(e, 1.0, (3, 5, 4)).astype(np.float32) for e in range(3)]
+  init = routers.FromData({'enc/mlp': hidden}, scale=2.0)
+  router = {'w/kernel': jax.ShapeDtypeStruct((4, 3), jnp.float32)}
+  kernel = np.asarray(init(router, KEY, layer='enc/mlp')['w/kernel'])
+  for e in range(3):
+    mean = hidden[e].reshape(-1, 4).mean(0)
+    np.testing.assert_allclose(kernel[:, e], 2.0 * mean / np.linalg.norm(mean), rtol=1e-5)
+  # Each expert's data has its highest mean logit at that expert.
+  for e in range(3):
+    assert np.argmax(hidden[e].reshape(-1, 4).mean(0) @ kernel) == e
+
+
+def test_from_data_errors_name_the_layer():
+  router = {'w/kernel': jax.ShapeDtypeStruct((4, 3), jnp.float32)}
+  with pytest.raises(ValueError, match=r"no hidden states for the MoE block at dec/mlp; have \['enc/mlp'\]"):
+    routers.FromData({'enc/mlp': [np.ones((2, 4))] * 3})(router, KEY, layer='dec/mlp')
+  with pytest.raises(ValueError, match=r'2 batches of hidden states for enc/mlp but its router kernel '
+                     r'\(4, 3\) has 3 experts'):
+    routers.FromData({'enc/mlp': [np.ones((2, 4))] * 2})(router, KEY, layer='enc/mlp')
