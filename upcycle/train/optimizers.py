@@ -21,6 +21,11 @@ def rsqrt_schedule(base_learning_rate: float = 1.0, warmup_steps: int = 10_000) 
   return schedule
 
 
+def constant_schedule(learning_rate: float = 1e-3) -> Schedule:
+  """A constant learning rate (T5X's fine-tuning default, 1e-3 with Adafactor)."""
+  return lambda step: jnp.full((), learning_rate, jnp.float32)
+
+
 def warmup_decay_schedule(peak_learning_rate: float, warmup_steps: int, total_steps: int,
                           decay: str = 'cosine', end_learning_rate: float = 0.0) -> Schedule:
   """Linear warmup from 0 to the peak, then cosine or linear decay to the end value."""
