@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from upcycle.checkpoints.orbax import CheckpointManager
 from upcycle.data.iterator import DataIterator
-from upcycle.train import partitioning
+from upcycle.train import evaluation, partitioning
 from upcycle.train.logger import MetricLogger
 from upcycle.train.objectives import init_params
 from upcycle.train.state import TrainState
@@ -78,11 +78,6 @@ def _host_batch_size(config: TrainConfig) -> int:
   return config.batch_size // hosts
 
 
-def _global_batch(local: Dict[str, np.ndarray], mesh) -> Dict[str, jax.Array]:
-  return {k: jax.make_array_from_process_local_data(partitioning.batch_sharding(mesh, v.ndim), v)
-          for k, v in local.items()}
-
-
 class Trainer:
   """Owns the mesh, the compiled steps and the state shardings of one run."""
 
@@ -133,19 +128,9 @@ class Trainer:
 
   def evaluate(self, params, eval_step) -> Dict[str, float]:
     """Loss and accuracy over the validation split (or `eval_batches` of it)."""
-    totals = None
-    iterator = self._iterator(self.eval_data, num_epochs=1)
-    for i, batch in enumerate(iterator):
-      if self.config.eval_batches and i >= self.config.eval_batches:
-        break
-      sums = eval_step(params, _global_batch(batch, self.mesh))
-      totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
-    if totals is None:
-      raise ValueError('The validation split gave no full batch; lower the batch size.')
-    totals = jax.device_get(totals)
-    weight = max(float(totals['weight_sum']), 1.0)
-    return {'loss': (float(totals['loss']) - float(totals['z_loss'])) / weight,
-            'accuracy': float(totals['correct']) / weight}
+    return evaluation.evaluate(eval_step, params, self.eval_data,
+                               batch_size=self.host_batch_size, mesh=self.mesh,
+                               max_batches=self.config.eval_batches, seed=self.config.seed)
 
   def run(self) -> Dict[str, Any]:
     """Trains to `train_steps`; returns {'history': [...], 'eval': {...}, 'start_step': int}."""
@@ -196,7 +181,7 @@ class Trainer:
     eval_results = {}
     try:
       for step in range(start, cfg.train_steps):
-        batch = _global_batch(next(data), self.mesh)
+        batch = evaluation.global_batch(next(data), self.mesh)
         state, metrics = train_step(state, batch, rng)
         finite = finite & jnp.isfinite(metrics['loss'])
         done = step + 1

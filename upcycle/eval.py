@@ -1,0 +1,69 @@
+"""python -m upcycle.eval --gin_file=... --gin.CHECKPOINT_PATH=...: evaluate a checkpoint.
+
+Reads any checkpoint `upcycle.checkpoints.load` supports (this project's orbax runs, T5X,
+HF, vit_jax/big_vision npz), checks it against the gin-configured model, and reports
+validation loss and accuracy; for ViT also few-shot linear accuracy. Gin files bind
+`eval_script.evaluate` (`import __main__ as eval_script`); see configs/runs/eval.gin.
+"""
+
+import json
+import os
+import sys
+from typing import Any, Optional, Sequence
+
+import gin
+import jax
+
+from upcycle import gin_utils
+
+
+def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size: int,
+             format: Optional[str] = None,  # pylint: disable=redefined-builtin
+             eval_batches: int = 0, fewshot_train_data: Optional[Any] = None,
+             fewshot_shots: Sequence[int] = (1, 5, 10), fewshot_l2_reg: float = 2.0 ** 10,
+             num_expert_partitions: int = 1, num_model_partitions: int = 1,
+             output_dir: Optional[str] = None, seed: int = 0) -> dict:
+  """Evaluates `checkpoint_path` with `objective`'s model; returns (and prints) the metrics."""
+  # pylint: disable=g-import-not-at-top
+  from upcycle import checkpoints
+  from upcycle.train import evaluation, partitioning
+  from upcycle.train.objectives import init_params
+  from upcycle.train.step import make_eval_step
+  # pylint: enable=g-import-not-at-top
+  checkpoint = checkpoints.load(checkpoint_path, format, model_config=objective.model.config)
+  mesh = partitioning.make_mesh(num_expert_partitions, num_model_partitions)
+  host_batch = batch_size // jax.process_count()
+  with partitioning.activate(mesh):
+    example = next(iter(evaluation._batches(eval_data, host_batch, 1, seed)))  # pylint: disable=protected-access
+    boxed = jax.eval_shape(lambda: init_params(objective, jax.random.PRNGKey(0), example))
+    shardings = partitioning.logical_sharding(boxed, mesh)
+    params = jax.tree.map(
+        lambda leaf, s: jax.make_array_from_callback(leaf.shape, s, lambda i: leaf[i]),
+        checkpoints.materialize(checkpoint.params), shardings)
+    results = evaluation.evaluate(jax.jit(make_eval_step(objective)), params, eval_data,
+                                  batch_size=host_batch, mesh=mesh, max_batches=eval_batches,
+                                  seed=seed)
+    if fewshot_train_data is not None:
+      results.update(evaluation.linear_fewshot(
+          objective, params, fewshot_train_data, eval_data, batch_size=host_batch, mesh=mesh,
+          shots=fewshot_shots, l2_reg=fewshot_l2_reg, max_batches=eval_batches, seed=seed))
+  results = {'checkpoint': os.fspath(checkpoint_path), 'format': checkpoint.format,
+             'step': checkpoint.step, **results}
+  print(json.dumps(results, indent=2), flush=True)
+  if output_dir and jax.process_index() == 0:
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, 'eval_results.json'), 'w') as f:
+      json.dump(results, f, indent=2)
+  return results
+
+
+def main(argv) -> None:
+  args, bindings = gin_utils.parse_flags(argv, __doc__)
+  gin_utils.maybe_initialize_distributed(args.multi_host)
+  evaluate_using_gin = gin.configurable(evaluate)
+  gin_utils.parse_gin(args, bindings)
+  evaluate_using_gin()
+
+
+if __name__ == '__main__':
+  main(sys.argv[1:])
