@@ -1,0 +1,58 @@
+"""Registered tasks and the offline corpus."""
+
+import numpy as np
+import seqio
+
+from upcycle.data import offline_text
+from upcycle.data import tasks
+
+
+def test_offline_corpus_splits_are_real_disjoint_text():
+  train, validation = offline_text.paragraphs('train'), offline_text.paragraphs('validation')
+  assert len(train) > 1500 and len(validation) > 100
+  assert sum(map(len, train)) > 300_000
+  assert not set(train) & set(validation)
+  assert len(set(train)) == len(train)
+  assert any('lambda' in p for p in train + validation)
+  assert offline_text.paragraphs('train') is train  # Cached, same order every call.
+
+
+def test_offline_source_order_is_seeded():
+  take = lambda ds: [x['text'] for x in ds.take(20).as_numpy_iterator()]
+  a = take(offline_text.dataset_fn('train', shuffle_files=True, seed=1))
+  b = take(offline_text.dataset_fn('train', shuffle_files=True, seed=1))
+  c = take(offline_text.dataset_fn('train', shuffle_files=True, seed=2))
+  plain = take(offline_text.dataset_fn('train', shuffle_files=False))
+  assert a == b and a != c
+  assert plain == [p.encode() for p in offline_text.paragraphs('train')[:20]]
+
+
+def test_registered_tasks():
+  offline = seqio.get_mixture_or_task(tasks.OFFLINE_TASK)
+  c4 = seqio.get_mixture_or_task(tasks.C4_TASK)
+  assert tuple(offline.splits) == tuple(c4.splits) == ('train', 'validation')
+  vocab = offline.output_features['targets'].vocabulary
+  assert vocab == seqio.ByteVocabulary(extra_ids=100) and vocab.vocab_size == 359
+  c4_vocab = c4.output_features['targets'].vocabulary
+  assert c4_vocab.sentencepiece_model_file == tasks.T5_VOCABULARY_PATH  # Not loaded: lazy.
+  assert c4_vocab.extra_ids == 100
+  assert c4.source.tfds_dataset.name == 'c4/en:3.0.1'
+  moved = tasks.add_c4_span_corruption(vocabulary_path='/data/spm.model')
+  try:
+    assert seqio.get_mixture_or_task(tasks.C4_TASK) is moved
+    assert moved.output_features['inputs'].vocabulary.sentencepiece_model_file == '/data/spm.model'
+  finally:
+    tasks.add_c4_span_corruption()
+
+
+def test_offline_task_examples():
+  task = seqio.get_mixture_or_task(tasks.OFFLINE_TASK)
+  ds = task.get_dataset({'inputs': 32, 'targets': 8}, split='validation', shuffle=True, seed=5)
+  examples = list(ds.take(50).as_numpy_iterator())
+  for ex in examples:
+    assert ex['inputs'].dtype == np.int32 and ex['inputs'][-1] == 1 and ex['targets'][-1] == 1
+    sentinels = ex['targets'][ex['targets'] >= 259]
+    np.testing.assert_array_equal(sentinels, 358 - np.arange(len(sentinels)))
+    np.testing.assert_array_equal(ex['inputs'][ex['inputs'] >= 259], sentinels[:len(
+        ex['inputs'][ex['inputs'] >= 259])])
+  assert sum(len(ex['inputs']) == 32 for ex in examples) > 40

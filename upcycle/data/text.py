@@ -1,0 +1,66 @@
+"""Text pipeline: a registered seqio task -> packed encoder-decoder batches for one epoch.
+
+Batches are dicts of int32 `[batch, length]` arrays, as produced by
+`seqio.EncDecFeatureConverter`: encoder_input_tokens, encoder_segment_ids, encoder_positions
+(length = feature_lengths['inputs']) and decoder_input_tokens, decoder_target_tokens,
+decoder_loss_weights, decoder_segment_ids, decoder_positions (length = feature_lengths['targets']).
+Segment ids and positions exist only with `pack=True`.
+"""
+
+import dataclasses
+from typing import Any, Dict, Mapping
+
+import seqio
+import tensorflow as tf
+
+from upcycle.data import tasks  # pylint: disable=unused-import  (registers the default tasks)
+
+
+@dataclasses.dataclass(frozen=True)
+class TextPipeline:
+  """One split of a registered seqio task, span-corrupted and packed.
+
+  Attributes:
+    task: a name registered in `seqio.TaskRegistry`, e.g. 'offline_span_corruption' or
+      'c4_span_corruption' (see `upcycle.data.tasks`).
+    split: 'train' or 'validation'.
+    feature_lengths: task feature lengths, e.g. {'inputs': 512, 'targets': 114}.
+    pack: pack several examples per row (`EncDecFeatureConverter(pack=True)`).
+    shuffle: shuffle documents (source order and seqio's example buffer).
+  """
+  task: str
+  split: str
+  feature_lengths: Mapping[str, int]
+  pack: bool = True
+  shuffle: bool = True
+
+  def describe(self) -> Dict[str, Any]:
+    """JSON-serializable identity; a resumed iterator must see the same one."""
+    return {'kind': 'text', 'task': self.task, 'split': self.split,
+            'feature_lengths': dict(sorted(self.feature_lengths.items())),
+            'pack': self.pack, 'shuffle': self.shuffle}
+
+  def batches(self, *, seed: int, batch_size: int, shard_index: int, num_shards: int,
+              drop_remainder: bool, skip_batches: int) -> tf.data.Dataset:
+    """One epoch of this host's shard, as batches, starting after `skip_batches` of them.
+
+    The whole epoch is a pure function of (seed, shard_index, num_shards): seqio seeds every
+    stochastic preprocessor and shuffle from `seed`. Skipping re-runs the skipped work.
+    """
+    try:
+      task = seqio.get_mixture_or_task(self.task)
+    except ValueError as e:
+      raise ValueError(
+          f'TextPipeline.task={self.task!r} is not a registered seqio task or mixture. Known '
+          f'tasks include {sorted(seqio.TaskRegistry.names())[:20]}; register yours with '
+          f'upcycle.data.tasks.add_span_corruption_task.') from e
+    if self.split not in task.splits:
+      raise ValueError(f'Task {self.task!r} has splits {tuple(task.splits)}; '
+                       f'TextPipeline.split={self.split!r} is not one of them.')
+    shard_info = seqio.ShardInfo(shard_index, num_shards) if num_shards > 1 else None
+    ds = task.get_dataset(
+        dict(self.feature_lengths), split=self.split, use_cached=False, shuffle=self.shuffle,
+        seed=seed, shard_info=shard_info, num_epochs=1)
+    ds = seqio.EncDecFeatureConverter(pack=self.pack)(ds, dict(self.feature_lengths))
+    ds = ds.batch(batch_size, drop_remainder=drop_remainder)
+    return ds.skip(skip_batches)
