@@ -65,9 +65,10 @@ class TrainConfig:
 
 
 # An initializer builds the first state of a run that has no checkpoint of its own
-# (e.g. the upcycling restore hook): it receives the abstract state (leaves are
-# jax.ShapeDtypeStruct with .sharding) and returns a TrainState placed accordingly.
-Initializer = Callable[[TrainState], TrainState]
+# (e.g. the upcycling restore hook, upcycle/upcycling/restore.py): it receives the abstract
+# state (leaves are jax.ShapeDtypeStruct with .sharding) and the run's optax transformation,
+# and returns a TrainState placed accordingly.
+Initializer = Callable[[TrainState, Any], TrainState]
 
 
 def _host_batch_size(config: TrainConfig) -> int:
@@ -82,12 +83,14 @@ class Trainer:
   """Owns the mesh, the compiled steps and the state shardings of one run."""
 
   def __init__(self, objective, optimizer, config: TrainConfig, train_data,
-               eval_data=None, initializer: Optional[Initializer] = None):
+               eval_data=None, initializer: Optional[Initializer] = None,
+               devices: Optional[List[jax.Device]] = None):
     self.objective, self.config = objective, config
     self.optimizer = optimizer.build()
     self.schedule = optimizer.schedule
     self.train_data, self.eval_data, self.initializer = train_data, eval_data, initializer
-    self.mesh = partitioning.make_mesh(config.num_expert_partitions, config.num_model_partitions)
+    self.mesh = partitioning.make_mesh(config.num_expert_partitions, config.num_model_partitions,
+                                       devices)
     self.host_batch_size = _host_batch_size(config)
     if config.batch_size % (self.mesh.shape['data'] * self.mesh.shape['expert']):
       raise ValueError(
@@ -154,7 +157,7 @@ class Trainer:
         data.set_state(restored.dataset_state)
       print(f'Resuming from {manager.directory} at step {restored.step}.', flush=True)
     elif self.initializer is not None:
-      state = self.initializer(abstract)
+      state = self.initializer(abstract, self.optimizer)
     else:
       state = self.fresh_state(abstract, example)
     start = int(jax.device_get(state.step))

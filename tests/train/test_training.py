@@ -1,0 +1,119 @@
+"""Training on the offline data: loss falls, sharded == single device, exact resume after kill."""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from upcycle.data.images import DIGITS, ImagePipeline
+from upcycle.data.text import TextPipeline
+from upcycle.models import T5, T5Config, ViT, ViTConfig
+from upcycle.moe import MoeConfig
+from upcycle.train.objectives import Classification, Seq2Seq
+from upcycle.train.optimizers import Adafactor, AdamW, rsqrt_schedule, warmup_decay_schedule
+from upcycle.train.trainer import Trainer, TrainConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LENGTHS = {'inputs': 64, 'targets': 16}
+TINY_T5 = T5Config(vocab_size=384, d_model=32, num_heads=2, d_kv=16, d_ff=64,
+                   num_encoder_layers=2, num_decoder_layers=2)
+TINY_VIT = ViTConfig(num_classes=10, image_size=(16, 16), patch_size=(4, 4), width=32, depth=2,
+                     mlp_dim=64, num_heads=2)
+
+
+def text(split):
+  return TextPipeline('offline_span_corruption', split, LENGTHS)
+
+
+def losses(result):
+  return [h['loss'] for h in result['history']]
+
+
+def run_t5(tmp_path, config=TINY_T5, devices=None, steps=30, **train_kwargs):
+  train_config = TrainConfig(str(tmp_path), train_steps=steps, batch_size=8, log_every=1,
+                             checkpoint_every=1000, eval_batches=2, async_checkpoints=False,
+                             **train_kwargs)
+  return Trainer(Seq2Seq(T5(config)), Adafactor(schedule=rsqrt_schedule(1.0, 100)),
+                 train_config, text('train'), text('validation'), devices=devices).run()
+
+
+def test_tiny_t5_learns_the_offline_span_corruption(tmp_path):
+  result = run_t5(tmp_path)
+  first, last = np.mean(losses(result)[:3]), np.mean(losses(result)[-3:])
+  assert last < first - 1.0, (first, last)
+  assert 0 < result['eval']['accuracy'] <= 1 and np.isfinite(result['eval']['loss'])
+  logged = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
+  assert [r['step'] for r in logged if r['split'] == 'train'] == list(range(1, 31))
+  assert {'loss', 'accuracy', 'learning_rate', 'z_loss', 'grad_norm'} <= set(logged[-2])
+  assert os.listdir(tmp_path / 'tensorboard' / 'train')
+
+
+def test_tiny_vit_learns_the_digits(tmp_path):
+  images = lambda split, train: ImagePipeline(DIGITS, split, image_size=16, train=train,
+                                              random_flip=False)
+  config = TrainConfig(str(tmp_path), train_steps=100, batch_size=32, log_every=1,
+                       checkpoint_every=1000, async_checkpoints=False)
+  optimizer = AdamW(schedule=warmup_decay_schedule(3e-3, 10, 100))
+  result = Trainer(Classification(ViT(TINY_VIT)), optimizer, config,
+                   images('train', True), images('validation', False)).run()
+  first, last = np.mean(losses(result)[:5]), np.mean(losses(result)[-5:])
+  assert last < first - 0.5, (first, last)
+  assert result['eval']['accuracy'] > 0.35   # 10 classes: chance is 0.1
+
+
+def test_moe_training_on_8_devices_matches_one_device(tmp_path):
+  moe = dataclasses.replace(
+      TINY_T5, encoder_moe=MoeConfig(num_experts=4, train_capacity_factor=1.0),
+      decoder_moe=MoeConfig(num_experts=4, router='tokens_choose', k=2))
+  sharded = run_t5(tmp_path / 'sharded', moe, steps=4, num_expert_partitions=2,
+                   num_model_partitions=2)
+  single = run_t5(tmp_path / 'single', moe, devices=jax.devices()[:1], steps=4)
+  np.testing.assert_allclose(losses(sharded), losses(single), rtol=2e-5)
+  np.testing.assert_allclose(sharded['history'][-1]['moe/total'],
+                             single['history'][-1]['moe/total'], rtol=1e-4)
+
+
+def _train_command(model_dir, steps):
+  return [sys.executable, '-m', 'upcycle.train',
+          '--gin_file=models/t5_1_1/tiny.gin', '--gin_file=runs/pretrain.gin',
+          '--gin_file=data/offline_span_corruption.gin',
+          f"--gin.MODEL_DIR='{model_dir}'", f'--gin.TRAIN_STEPS={steps}',
+          '--gin.BATCH_SIZE=8', "--gin.TASK_FEATURE_LENGTHS={'inputs': 64, 'targets': 16}",
+          '--gin.trainer.TrainConfig.log_every=1', '--gin.trainer.TrainConfig.checkpoint_every=4',
+          '--gin.trainer.TrainConfig.eval_batches=1']
+
+
+def _train_losses(model_dir):
+  rows = [json.loads(line) for line in open(os.path.join(model_dir, 'metrics.jsonl'))]
+  return {r['step']: r['loss'] for r in rows if r['split'] == 'train'}
+
+
+def test_killed_run_resumes_exactly(tmp_path):
+  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=1'}
+  straight = tmp_path / 'straight'
+  subprocess.run(_train_command(straight, 12), cwd=REPO, env=env, check=True,
+                 capture_output=True)
+  killed = tmp_path / 'killed'
+  proc = subprocess.Popen(_train_command(killed, 12), cwd=REPO, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.time() + 300
+  while time.time() < deadline and proc.poll() is None:
+    if os.path.exists(killed / 'metrics.jsonl') and max(_train_losses(killed), default=0) >= 6:
+      proc.send_signal(signal.SIGKILL)   # after the step-4 checkpoint, before step 8's
+      break
+    time.sleep(0.05)
+  proc.wait()
+  assert proc.returncode == -signal.SIGKILL, 'the run ended before it could be killed'
+  assert max(_train_losses(killed)) < 12
+  subprocess.run(_train_command(killed, 12), cwd=REPO, env=env, check=True, capture_output=True)
+  expected, resumed = _train_losses(straight), _train_losses(killed)
+  assert sorted(resumed) == list(range(1, 13))
+  for step in range(1, 13):   # rows after the resume overwrite the killed run's
+    assert resumed[step] == expected[step], step
