@@ -16,10 +16,18 @@ setuptools.setup(
         'orbax-checkpoint==0.12.8',
         'tensorstore==0.1.86',
         'gin-config==0.5.0',
-        'clu==0.0.12',
         'msgpack==1.2.4',
         'ml_dtypes==0.6.0',
         'numpy==2.4.6',
+        'scipy==1.17.1',
+        # Input pipelines (imported only by the training / eval entry points).
+        'seqio==0.0.20',
+        'tensorflow==2.21.0',
+        'tensorflow-text==2.21.1',
+        'tensorflow-datasets==4.9.10',
+        'tensorboard==2.21.0',
+        'scikit-learn==1.9.1',
+        'matplotlib==3.11.2',
     ],
     extras_require={
         'test': [

@@ -1,0 +1,98 @@
+"""Every gin file under configs/ parses (typos in bindings fail) and builds its model."""
+
+import glob
+import os
+import sys
+
+import gin
+import jax
+import jax.numpy as jnp
+import pytest
+
+from upcycle import eval as eval_main
+from upcycle import gin_utils
+from upcycle.models import T5, ViT
+from upcycle.train import __main__ as train_main
+
+CONFIGS = gin_utils.CONFIGS_DIR
+FILES = sorted(os.path.relpath(p, CONFIGS)
+               for p in glob.glob(os.path.join(CONFIGS, '**', '*.gin'), recursive=True))
+MACROS = ["MODEL_DIR = '/tmp/unused'", 'TRAIN_STEPS = 10', "INITIAL_CHECKPOINT_PATH = '/tmp/x'",
+          "CHECKPOINT_PATH = '/tmp/x'"]
+
+
+def context(name):
+  """The files a user would give before `name` on the command line."""
+  vit = 'vit' in name or 'digits' in name
+  model = 'models/vit/tiny.gin' if vit else 'models/t5_1_1/tiny.gin'
+  run = 'runs/vit_pretrain.gin' if vit else 'runs/pretrain.gin'
+  if name.startswith('models/'):
+    return [name]
+  if name.startswith('runs/'):
+    return [model, name]
+  if name.startswith(('upcycling/', 'experiments/')):
+    moe = [] if vit else ['moe/paper_t5.gin']
+    return [model] + moe + [run.replace('pretrain', 'upcycle'), name]
+  return [model, run, name]
+
+
+@gin.configurable
+def probe(model=gin.REQUIRED):
+  return model
+
+
+@pytest.fixture(autouse=True)
+def entry_points(monkeypatch):
+  main = sys.modules['__main__']
+  monkeypatch.setattr(main, 'train', train_main.train, raising=False)
+  monkeypatch.setattr(main, 'evaluate', eval_main.evaluate, raising=False)
+  for path in (CONFIGS,):
+    gin.add_config_file_search_path(path)
+  yield
+  gin.clear_config(clear_constants=True)
+
+
+def test_all_config_groups_are_present():
+  for expected in ['models/t5_1_1/base.gin', 'models/t5_1_1/xl.gin', 'models/vit/b16.gin',
+                   'models/vit/l32.gin', 'moe/experts_choose.gin', 'moe/tokens_choose_top2.gin',
+                   'moe/switch.gin', 'upcycling/drop.gin', 'upcycling/btx.gin',
+                   'upcycling/upit.gin', 'runs/pretrain.gin', 'runs/upcycle.gin',
+                   'runs/continue_dense.gin', 'runs/finetune.gin', 'runs/eval.gin']:
+    assert expected in FILES
+
+
+@pytest.mark.parametrize('name', FILES)
+def test_config_parses_and_builds_its_model(name):
+  gin.parse_config_files_and_bindings(context(name), MACROS + ['probe.model = %MODEL'])
+  model = probe()
+  if isinstance(model, T5):
+    args = (jnp.ones((1, 8), jnp.int32), jnp.ones((1, 4), jnp.int32))
+  else:
+    assert isinstance(model, ViT)
+    size = model.config.image_size
+    args = (jnp.ones((1,) + size + (3,), jnp.float32),)
+  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), *args)
+  assert jax.tree.leaves(shapes)
+
+
+def test_published_sizes():
+  gin.parse_config_files_and_bindings(['models/t5_1_1/xl.gin'], ['probe.model = %MODEL'])
+  cfg = probe().config
+  assert (cfg.d_model, cfg.d_ff, cfg.num_heads, cfg.num_encoder_layers, cfg.vocab_size) == (
+      2048, 5120, 32, 24, 32128)
+
+
+def test_paper_default_moe():
+  gin.parse_config_files_and_bindings(['models/t5_1_1/base.gin', 'moe/paper_t5.gin'],
+                                      ['probe.model = %MODEL'])
+  cfg = probe().config
+  assert cfg.encoder_moe.router == 'experts_choose' and cfg.encoder_moe.num_experts == 32
+  assert cfg.encoder_moe.train_capacity_factor == 2.0
+  assert (cfg.decoder_moe.router, cfg.decoder_moe.k) == ('tokens_choose', 2)
+  assert cfg.sparse_layers('encoder') == (1, 3, 5, 7, 9, 11)
+
+
+def test_a_typo_in_a_binding_is_an_error_that_names_it():
+  with pytest.raises(ValueError, match='d_modle'):
+    gin.parse_config_files_and_bindings(['models/t5_1_1/tiny.gin'],
+                                        ['models.T5Config.d_modle = 3'])
