@@ -47,6 +47,9 @@ class TrainConfig:
     keep_checkpoints: how many recent checkpoints stay on disk.
     num_microbatches: gradient accumulation steps per batch.
     num_expert_partitions / num_model_partitions: mesh shape; data = rest.
+    async_checkpoints: write checkpoints in the background.
+    eval_at_start: evaluate the initial state before the first step of a new run
+      (e.g. the upcycled model at step 0, to compare with the dense model).
   """
 
   model_dir: str
@@ -62,6 +65,7 @@ class TrainConfig:
   num_expert_partitions: int = 1
   num_model_partitions: int = 1
   async_checkpoints: bool = True
+  eval_at_start: bool = False
 
 
 # An initializer builds the first state of a run that has no checkpoint of its own
@@ -136,7 +140,12 @@ class Trainer:
                                max_batches=self.config.eval_batches, seed=self.config.seed)
 
   def run(self) -> Dict[str, Any]:
-    """Trains to `train_steps`; returns {'history': [...], 'eval': {...}, 'start_step': int}."""
+    """Trains to `train_steps`.
+
+    Returns {'history': logged train metrics, 'eval': final evaluation,
+    'initial_eval': evaluation before the first step (eval_at_start), 'start_step',
+    'state': the final TrainState}.
+    """
     cfg = self.config
     with partitioning.activate(self.mesh):
       return self._run(cfg)
@@ -181,8 +190,11 @@ class Trainer:
             f'saving; the last good checkpoint is step {manager.latest_step()} in '
             f'{manager.directory}. Lower the learning rate or check the data, then restart.')
 
-    eval_results = {}
+    eval_results, initial_eval = {}, {}
     try:
+      if self.eval_data is not None and cfg.eval_at_start and manager.latest_step() is None:
+        initial_eval = self.evaluate(state.params, eval_step)
+        logger.write(start, initial_eval, split='eval')
       for step in range(start, cfg.train_steps):
         batch = evaluation.global_batch(next(data), self.mesh)
         state, metrics = train_step(state, batch, rng)
@@ -204,4 +216,5 @@ class Trainer:
       manager.wait()
       manager.close()
       logger.close()
-    return {'history': history, 'eval': eval_results, 'start_step': start, 'state': state}
+    return {'history': history, 'eval': eval_results, 'initial_eval': initial_eval,
+            'start_step': start, 'state': state}

@@ -1,0 +1,110 @@
+"""python -m upcycle.quickstart: the whole sparse-upcycling story on the offline default.
+
+1. pretrain a tiny dense T5 v1.1 on span corruption over Python's own documentation;
+2. keep training the dense model for EXTRA steps (the baseline);
+3. upcycle the dense checkpoint (every other layer; Expert Choice encoder, Top-2 decoder)
+   and train the MoE for the same EXTRA steps, continuing the dense schedule;
+4. print a table (validation loss/accuracy of both; the upcycled model's loss at its
+   first step vs the dense model's) and save both curves to OUTPUT_DIR/curves.png.
+
+Every stage is a real `python -m upcycle.train` run with the gin files under configs/.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Dict, List
+
+COMMON = ['--gin_file=data/offline_span_corruption.gin',
+          '--gin.trainer.TrainConfig.log_every=10',
+          '--gin.trainer.TrainConfig.checkpoint_every=100',
+          '--gin.trainer.TrainConfig.eval_every=50',
+          '--gin.trainer.TrainConfig.eval_batches=8',
+          '--gin.trainer.TrainConfig.eval_at_start=True']
+
+
+def stage(name: str, model_dir: str, steps: int, gin_files: List[str], extra: List[str]) -> None:
+  command = [sys.executable, '-m', 'upcycle.train', '--gin_file=models/t5_1_1/tiny.gin',
+             *[f'--gin_file={f}' for f in gin_files], *COMMON,
+             f"--gin.MODEL_DIR='{model_dir}'", f'--gin.TRAIN_STEPS={steps}', *extra]
+  print(f'\n=== {name}: {" ".join(command[1:])}', flush=True)
+  start = time.time()
+  subprocess.run(command, check=True)
+  print(f'=== {name} done in {time.time() - start:.0f} s', flush=True)
+
+
+def read_metrics(model_dir: str) -> Dict[str, List[dict]]:
+  rows = [json.loads(line) for line in open(os.path.join(model_dir, 'metrics.jsonl'))]
+  by_split = {'train': {}, 'eval': {}}
+  for row in rows:   # a resumed run logs some steps twice: the last one counts
+    by_split[row['split']][row['step']] = row
+  return {split: [rows[s] for s in sorted(rows)] for split, rows in by_split.items()}
+
+
+def plot(curves: Dict[str, Dict[str, List[dict]]], pretrain_steps: int, path: str) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  for (label, metrics), color in zip(curves.items(), ('tab:blue', 'tab:orange', 'tab:green')):
+    train, evals = metrics['train'], metrics['eval']
+    axes[0].plot([r['step'] for r in train], [r['loss'] for r in train], color=color, label=label)
+    axes[1].plot([r['step'] for r in evals], [r['loss'] for r in evals], 'o-', color=color,
+                 label=label)
+  for ax, title in zip(axes, ('training loss', 'validation loss')):
+    ax.axvline(pretrain_steps, color='gray', linestyle=':', label='upcycling point')
+    ax.set_xlabel('step')
+    ax.set_title(title)
+    ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--output_dir', default='runs/quickstart')
+  parser.add_argument('--pretrain_steps', type=int, default=300)
+  parser.add_argument('--extra_steps', type=int, default=150)
+  parser.add_argument('--num_experts', type=int, default=8)
+  args = parser.parse_args(argv)
+  out = os.path.abspath(args.output_dir)
+  dense, continued, moe = (os.path.join(out, d) for d in ('dense', 'dense_continued', 'moe'))
+  total = args.pretrain_steps + args.extra_steps
+  stage('1/3 pretrain dense', dense, args.pretrain_steps, ['runs/pretrain.gin'], [])
+  checkpoint = [f"--gin.INITIAL_CHECKPOINT_PATH='{os.path.join(dense, 'checkpoints')}'"]
+  stage('2/3 continue dense', continued, total, ['runs/continue_dense.gin'], checkpoint)
+  stage('3/3 upcycle and train MoE', moe, total, ['moe/paper_t5.gin', 'runs/upcycle.gin'],
+        checkpoint + [f'--gin.NUM_EXPERTS={args.num_experts}'])
+
+  curves = {'dense (pretrain)': read_metrics(dense), 'dense (continued)': read_metrics(continued),
+            f'upcycled MoE (E={args.num_experts})': read_metrics(moe)}
+  first = lambda m: m['eval'][0]
+  last = lambda m: m['eval'][-1]
+  dense_c, moe_m = curves['dense (continued)'], curves[f'upcycled MoE (E={args.num_experts})']
+  table = [
+      ('', 'dense', 'upcycled MoE'),
+      (f'validation loss at step {args.pretrain_steps} (start)',
+       f'{first(dense_c)["loss"]:.4f}', f'{first(moe_m)["loss"]:.4f}'),
+      (f'validation loss at step {total}', f'{last(dense_c)["loss"]:.4f}',
+       f'{last(moe_m)["loss"]:.4f}'),
+      (f'validation accuracy at step {total}', f'{last(dense_c)["accuracy"]:.4f}',
+       f'{last(moe_m)["accuracy"]:.4f}'),
+      ('train loss, last logged step', f'{dense_c["train"][-1]["loss"]:.4f}',
+       f'{moe_m["train"][-1]["loss"]:.4f}'),
+  ]
+  widths = [max(len(row[i]) for row in table) for i in range(3)]
+  lines = ['  '.join(cell.ljust(w) for cell, w in zip(row, widths)) for row in table]
+  print('\n' + '\n'.join(lines))
+  png = os.path.join(out, 'curves.png')
+  plot(curves, args.pretrain_steps, png)
+  summary = {row[0]: {'dense': row[1], 'moe': row[2]} for row in table[1:]}
+  with open(os.path.join(out, 'summary.json'), 'w') as f:
+    json.dump(summary, f, indent=2)
+  print(f'\nCurves: {png}\nSummary: {os.path.join(out, "summary.json")}')
+
+
+if __name__ == '__main__':
+  main()
