@@ -1,0 +1,82 @@
+"""Loss, schedules and the few-shot probe against closed-form / numpy / scikit-learn references."""
+
+import numpy as np
+import pytest
+from sklearn.linear_model import Ridge
+
+from upcycle.train import fewshot, losses, optimizers
+
+
+def numpy_cross_entropy(logits, targets, weights, z_loss, smoothing):
+  vocab = logits.shape[-1]
+  log_z = np.log(np.exp(logits).sum(-1))
+  log_p = logits - log_z[..., None]
+  soft = np.full(logits.shape, smoothing / (vocab - 1))
+  np.put_along_axis(soft, targets[..., None], 1 - smoothing, axis=-1)
+  entropy = -(soft * np.log(soft)).sum(-1) if smoothing else 0.0
+  per_token = -(soft * log_p).sum(-1) - entropy + z_loss * log_z ** 2
+  return (per_token * weights).sum()
+
+
+@pytest.mark.parametrize('z_loss,smoothing', [(0.0, 0.0), (1e-4, 0.0), (1e-4, 0.1)])
+def test_cross_entropy_against_numpy(z_loss, smoothing):
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(2, 5, 7)).astype(np.float32) * 3
+  targets = rng.integers(0, 7, (2, 5))
+  weights = (rng.random((2, 5)) > 0.3).astype(np.float32)
+  out = losses.cross_entropy(logits, targets, weights, z_loss, smoothing)
+  np.testing.assert_allclose(out['loss'], numpy_cross_entropy(logits, targets, weights, z_loss,
+                                                              smoothing), rtol=1e-5)
+  np.testing.assert_allclose(out['weight_sum'], weights.sum())
+  np.testing.assert_allclose(out['correct'],
+                             ((logits.argmax(-1) == targets) * weights).sum())
+
+
+def test_label_smoothed_loss_is_zero_at_the_smoothed_target():
+  vocab, smoothing = 4, 0.2
+  target_probs = np.array([1 - smoothing] + [smoothing / 3] * 3)
+  out = losses.cross_entropy(np.log(target_probs)[None], np.array([0]), None, 0.0, smoothing)
+  np.testing.assert_allclose(out['loss'], 0.0, atol=1e-6)
+
+
+def test_rsqrt_schedule_is_t5x_inverse_square_root():
+  schedule = optimizers.rsqrt_schedule(1.0, warmup_steps=10_000)
+  np.testing.assert_allclose([schedule(0), schedule(10_000), schedule(40_000)],
+                             [0.01, 0.01, 0.005], rtol=1e-6)
+
+
+def test_warmup_cosine_and_linear_decay():
+  cosine = optimizers.warmup_decay_schedule(1.0, 10, 110, 'cosine')
+  linear = optimizers.warmup_decay_schedule(1.0, 10, 110, 'linear')
+  np.testing.assert_allclose([cosine(0), cosine(5), cosine(10), cosine(60), cosine(110)],
+                             [0.0, 0.5, 1.0, 0.5, 0.0], atol=1e-6)
+  np.testing.assert_allclose([linear(5), linear(60), linear(110)], [0.5, 0.5, 0.0], atol=1e-6)
+
+
+def test_adafactor_has_t5x_defaults():
+  adafactor = optimizers.Adafactor()
+  assert (adafactor.decay_rate, adafactor.clipping_threshold, adafactor.factored,
+          adafactor.multiply_by_parameter_scale, adafactor.momentum) == (0.8, 1.0, True, True, None)
+
+
+def test_ridge_regression_matches_scikit_learn():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(40, 6))
+  labels = rng.integers(0, 3, 40)
+  w, b = fewshot.ridge_fit(x, labels, 3, l2_reg=2.5)
+  reference = Ridge(alpha=2.5, fit_intercept=True).fit(x, 2 * np.eye(3)[labels] - 1)
+  np.testing.assert_allclose(w, reference.coef_.T, atol=1e-10)
+  np.testing.assert_allclose(b, reference.intercept_, atol=1e-10)
+
+
+def test_fewshot_probe_separates_separable_classes_and_counts_shots():
+  rng = np.random.default_rng(1)
+  centers = np.eye(4, 8) * 10
+  labels = np.repeat(np.arange(4), 20)
+  x = centers[labels] + rng.normal(size=(80, 8))
+  assert fewshot.fewshot_accuracy(x, labels, x, labels, shots=5, num_classes=4,
+                                  l2_reg=1.0) == 1.0
+  index = fewshot.select_shots(labels, 5, 4)
+  assert np.bincount(labels[index]).tolist() == [5, 5, 5, 5]
+  with pytest.raises(ValueError, match='only 20'):
+    fewshot.select_shots(labels, 25, 4)
