@@ -2,8 +2,10 @@
 
 1. pretrain a tiny dense T5 v1.1 on span corruption over Python's own documentation;
 2. keep training the dense model for EXTRA steps (the baseline);
-3. upcycle the dense checkpoint (every other layer; Expert Choice encoder, Top-2 decoder)
-   and train the MoE for the same EXTRA steps, continuing the dense schedule;
+3. upcycle the dense checkpoint (every other layer; Expert Choice encoder, Top-2 decoder;
+   copied experts, normalized combine weights and the dense optimizer state tiled, so the
+   MoE starts exactly at the dense model's loss) and train it for the same EXTRA steps,
+   continuing the dense schedule;
 4. print a table (validation loss/accuracy of both; the upcycled model's loss at its
    first step vs the dense model's) and save both curves to OUTPUT_DIR/curves.png.
 
@@ -66,8 +68,8 @@ def plot(curves: Dict[str, Dict[str, List[dict]]], pretrain_steps: int, path: st
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--output_dir', default='runs/quickstart')
-  parser.add_argument('--pretrain_steps', type=int, default=300)
-  parser.add_argument('--extra_steps', type=int, default=150)
+  parser.add_argument('--pretrain_steps', type=int, default=200)
+  parser.add_argument('--extra_steps', type=int, default=100)
   parser.add_argument('--num_experts', type=int, default=8)
   args = parser.parse_args(argv)
   out = os.path.abspath(args.output_dir)
@@ -76,7 +78,9 @@ def main(argv=None) -> None:
   stage('1/3 pretrain dense', dense, args.pretrain_steps, ['runs/pretrain.gin'], [])
   checkpoint = [f"--gin.INITIAL_CHECKPOINT_PATH='{os.path.join(dense, 'checkpoints')}'"]
   stage('2/3 continue dense', continued, total, ['runs/continue_dense.gin'], checkpoint)
-  stage('3/3 upcycle and train MoE', moe, total, ['moe/paper_t5.gin', 'runs/upcycle.gin'],
+  stage('3/3 upcycle and train MoE', moe, total,
+        ['moe/paper_t5.gin', 'runs/upcycle.gin', 'upcycling/normalize_combine_weights.gin',
+         'upcycling/reuse_optimizer_state.gin'],
         checkpoint + [f'--gin.NUM_EXPERTS={args.num_experts}'])
 
   curves = {'dense (pretrain)': read_metrics(dense), 'dense (continued)': read_metrics(continued),

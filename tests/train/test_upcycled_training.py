@@ -1,0 +1,57 @@
+"""Upcycled training starts where the dense model is, when the configuration preserves it."""
+
+import dataclasses
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.train.test_training import REPO, TINY_T5, run_t5, text
+from upcycle.models import T5
+from upcycle.moe import MoeConfig
+from upcycle.train.objectives import Seq2Seq
+from upcycle.train.optimizers import Adafactor, rsqrt_schedule
+from upcycle.train.trainer import Trainer, TrainConfig
+from upcycle.upcycling.restore import ContinueFromCheckpoint, UpcycleFromDense
+
+
+def continue_run(model_dir, config, initializer, steps):
+  train_config = TrainConfig(str(model_dir), train_steps=steps, batch_size=8, log_every=1,
+                             checkpoint_every=1000, eval_batches=2, async_checkpoints=False,
+                             eval_at_start=True)
+  return Trainer(Seq2Seq(T5(config)), Adafactor(schedule=rsqrt_schedule(1.0, 100)),
+                 train_config, text('train'), text('validation'), initializer=initializer).run()
+
+
+def test_function_preserving_upcycling_starts_from_the_dense_loss(tmp_path):
+  run_t5(tmp_path / 'dense', steps=10)
+  checkpoint = str(tmp_path / 'dense' / 'checkpoints')
+  preserving = dataclasses.replace(
+      TINY_T5,
+      encoder_moe=MoeConfig(num_experts=4, router='experts_choose', train_capacity_factor=4.0,
+                            eval_capacity_factor=4.0, normalize_combine_weights=True),
+      decoder_moe=MoeConfig(num_experts=4, router='tokens_choose', k=2,
+                            train_capacity_factor=2.0, eval_capacity_factor=2.0,
+                            normalize_combine_weights=True))
+  dense = continue_run(tmp_path / 'dense_more', TINY_T5,
+                       ContinueFromCheckpoint(checkpoint), steps=12)
+  moe = continue_run(tmp_path / 'moe', preserving,
+                     UpcycleFromDense(checkpoint, experts='copy', reuse_optimizer_state=True),
+                     steps=12)
+  assert dense['start_step'] == moe['start_step'] == 10
+  np.testing.assert_allclose(moe['initial_eval']['loss'], dense['initial_eval']['loss'],
+                             rtol=1e-5)
+  # The first step sees the same batch: same cross-entropy before any update.
+  np.testing.assert_allclose(moe['history'][0]['cross_entropy'],
+                             dense['history'][0]['cross_entropy'], rtol=1e-5)
+  assert moe['history'][0]['learning_rate'] == dense['history'][0]['learning_rate']
+
+
+@pytest.mark.slow
+def test_quickstart_runs_end_to_end(tmp_path):
+  out = subprocess.run([sys.executable, '-m', 'upcycle.quickstart', f'--output_dir={tmp_path}',
+                        '--pretrain_steps=20', '--extra_steps=10', '--num_experts=4'],
+                       cwd=REPO, check=True, capture_output=True, text=True).stdout
+  assert 'validation loss at step 30' in out
+  assert (tmp_path / 'curves.png').stat().st_size > 10_000
