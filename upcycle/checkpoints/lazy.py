@@ -48,6 +48,11 @@ class LazyArray:
   def nbytes(self) -> int:
     return self.size * self.dtype.itemsize
 
+  @property
+  def reads_blocks(self) -> bool:
+    """Whether `read(index)` reads only the block (else it reads everything, then slices)."""
+    return self._read_block is not None
+
   def read(self, index: Optional[Tuple[slice, ...]] = None) -> np.ndarray:
     """Reads `self[index]` (default: everything) and checks the dtype (and full shape)."""
     if index is not None:

@@ -28,7 +28,12 @@ def expected_params(model_config: Any) -> Dict[str, Any]:
   else:
     raise TypeError(f'expected_params: expected a T5Config or ViTConfig, got '
                     f'{type(model_config).__name__}.')
-  return meta.unbox(jax.eval_shape(init))['params']
+  # `.value`, not `meta.unbox`: under an active mesh with logical axis rules (the trainer's
+  # `partitioning.activate`, where restore hooks read checkpoints) unbox() applies sharding
+  # constraints, which fail on abstract values.
+  is_box = lambda x: isinstance(x, meta.AxisMetadata)
+  return jax.tree.map(lambda x: x.value if is_box(x) else x, jax.eval_shape(init),
+                      is_leaf=is_box)['params']
 
 
 def _listed(paths) -> str:

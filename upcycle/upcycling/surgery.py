@@ -31,7 +31,14 @@ from upcycle.upcycling.sources import MultiSource
 Params = Dict[str, Any]
 
 
-def _missing_leaf_error(path: str, leaf, dense: Mapping[str, Any], why: str) -> ValueError:
+_UPCYCLE_FIX = ('the MoE model must be the dense architecture with MoE blocks (same config and '
+                'parameter names as the checkpoint)')
+_CONTINUE_FIX = ('the model must be the architecture the checkpoint was trained with (same '
+                 'config, MoE blocks included, and parameter names)')
+
+
+def _missing_leaf_error(path: str, leaf, dense: Mapping[str, Any], why: str,
+                        fix: str = _UPCYCLE_FIX) -> ValueError:
   close = difflib.get_close_matches(path, list(dense), n=3, cutoff=0.6)
   hint = f' Closest dense leaves: {", ".join(close)}.' if close else ''
   root = path.split('/')[0]
@@ -41,8 +48,7 @@ def _missing_leaf_error(path: str, leaf, dense: Mapping[str, Any], why: str) -> 
              f'at the same level (e.g. target["params"] for a flax variables dict).')
   return ValueError(
       f'Target leaf {path} {paths.shape_of(leaf)} {leaf.dtype} matches nothing: {why}.{hint} '
-      f'Fix: the MoE model must be the dense architecture with MoE blocks '
-      f'(same config and parameter names as the checkpoint).')
+      f'Fix: {fix}.')
 
 
 def _check_dtype(path: str, target_dtype, source_path: str, source_dtype, cast: bool) -> str:
@@ -57,16 +63,22 @@ def _check_dtype(path: str, target_dtype, source_path: str, source_dtype, cast: 
   return f'cast {jnp.dtype(source_dtype).name} -> {jnp.dtype(target_dtype).name}'
 
 
-def _copy(path, leaf, dense, cast, label):
+def _copy(path, leaf, dense, cast, label, upcycling=True):
   if path not in dense:
-    raise _missing_leaf_error(path, leaf, dense, f'there is no dense leaf {path}, and it is '
-                              f'not under X/expert/ or X/router/ of an MoE block')
+    why = f'there is no dense leaf {path}'
+    if upcycling:
+      raise _missing_leaf_error(path, leaf, dense, f'{why}, and it is not under X/expert/ or '
+                                f'X/router/ of an MoE block')
+    raise _missing_leaf_error(path, leaf, dense, why.replace('dense', 'checkpoint'),
+                              _CONTINUE_FIX)
   source = dense[path]
   if paths.shape_of(source) != paths.shape_of(leaf):
+    fix = ('the MoE model config must match the dense one in everything but its MoE blocks '
+           '(d_model, heads, vocab, classes, ...)' if upcycling else _CONTINUE_FIX)
+    kind = 'dense' if upcycling else 'checkpoint'
     raise ValueError(
-        f'Target leaf {path} has shape {paths.shape_of(leaf)} but dense leaf {path} has shape '
-        f'{paths.shape_of(source)}. Fix: the MoE model config must match the dense one in '
-        f'everything but its MoE blocks (d_model, heads, vocab, classes, ...).')
+        f'Target leaf {path} has shape {paths.shape_of(leaf)} but {kind} leaf {path} has shape '
+        f'{paths.shape_of(source)}. Fix: {fix}.')
   note = _check_dtype(path, leaf.dtype, path, source.dtype, cast)
   value = as_array(source).astype(leaf.dtype)
   entry = Entry(path, COPIED, paths.shape_of(leaf), jnp.dtype(leaf.dtype).name, path, label, note)
@@ -147,7 +159,9 @@ def _upcycle(dense_params, target, experts, router, rng, cast, label):
     raise ValueError(
         f'The target has no MoE blocks (no X/{paths.EXPERT}/... leaves), so the expert rule '
         f'matches nothing. Fix: build the target from the MoE model (T5Config.encoder_moe / '
-        f'decoder_moe or ViTConfig.moe set, placement not "none").')
+        f'decoder_moe or ViTConfig.moe set, placement not "none"); to continue training a '
+        f'checkpoint of the model\'s own architecture, use copy_params '
+        f'(restore.ContinueFromCheckpoint).')
   expert_rng, router_rng = jax.random.split(rng)
 
   by_layer: Dict[Tuple[str, str], list] = {}
@@ -227,3 +241,26 @@ def upcycle_from_checkpoints(experts: MultiSource, target: Mapping[str, Any], *,
     raise ValueError(f'upcycle_from_checkpoints needs FromCheckpoints or Merge, got {experts!r}.')
   return _upcycle(experts.shared_params(), target, experts, router, rng, cast,
                   experts.describe_shared())
+
+
+def copy_params(params: Mapping[str, Any], target: Mapping[str, Any], *,
+                cast: bool = False) -> Tuple[Params, UpcycleReport]:
+  """Every target leaf copied from the leaf at the same path: no upcycling rule at all.
+
+  For continuing training from a checkpoint of the target's own architecture:
+  a dense model from a dense checkpoint, or an MoE model from an MoE checkpoint
+  (e.g. one written by `python -m upcycle.convert`), whose `expert/` leaves
+  are then copied as they are. Shape and dtype checks and the report are
+  those of `upcycle`.
+
+  Returns:
+    (params, report): a nested dict like `target`, and the report (every
+    entry 'copied'; `unused` lists source leaves the target does not have).
+  """
+  source = paths.flatten(params)
+  values, entries = {}, []
+  for path, leaf in paths.flatten(target).items():
+    values[path], entry = _copy(path, leaf, source, cast, 'copy', upcycling=False)
+    entries.append(entry)
+  report = UpcycleReport(tuple(entries), tuple(p for p in source if p not in values), {})
+  return paths.unflatten(values), report

@@ -1,0 +1,172 @@
+"""`python -m upcycle.convert`: round trip, the trainer reading the output, refusals, dry run."""
+
+import dataclasses
+import os
+
+import gin
+import numpy as np
+import pytest
+
+from tests.checkpoints import helpers, t5x_writer
+from upcycle import checkpoints, convert
+from upcycle.checkpoints import validate
+from upcycle.models import T5
+from upcycle.moe import MoeConfig
+from upcycle.train import objectives, optimizers, partitioning
+from upcycle.train.trainer import TrainConfig, Trainer
+from upcycle.upcycling import experts, paths, stream
+from upcycle.upcycling.restore import ContinueFromCheckpoint
+from upcycle.upcycling.surgery import upcycle
+
+GIN = '''
+from __gin__ import dynamic_registration
+from upcycle import models
+from upcycle.moe import config as moe
+
+MODEL = @models.T5()
+models.T5.config = @models.T5Config()
+models.T5Config:
+  vocab_size = 32
+  d_model = 8
+  num_heads = 2
+  d_kv = 4
+  d_ff = 12
+  num_encoder_layers = 2
+  num_decoder_layers = 2
+  relative_attention_num_buckets = 8
+  relative_attention_max_distance = 16
+  encoder_moe = @encoder/moe.MoeConfig()
+  decoder_moe = @decoder/moe.MoeConfig()
+encoder/moe.MoeConfig.num_experts = 4
+decoder/moe.MoeConfig:
+  num_experts = 4
+  router = 'tokens_choose'
+'''
+CONFIG = dataclasses.replace(helpers.TINY_T5, encoder_moe=MoeConfig(num_experts=4),
+                             decoder_moe=MoeConfig(num_experts=4, router='tokens_choose'))
+DROP = 'drop(ratio=0.5, index_sharing="per_matrix")'
+
+
+@pytest.fixture(autouse=True)
+def _fresh_gin():
+  gin.clear_config()
+  yield
+  gin.clear_config()
+
+
+@pytest.fixture(scope='module')
+def source(tmp_path_factory):
+  """A dense T5 in the T5X format at step 6 (one leaf in zarr), and the gin file of its MoE."""
+  root = tmp_path_factory.mktemp('convert')
+  params = helpers.random_params(helpers.TINY_T5, seed=2)
+  layout = t5x_writer.Layout(zarr={'target/decoder/layers_1/mlp/wo/kernel': 'gzip'})
+  directory = t5x_writer.write(str(root / 'dense'), 6, params, layout=layout)
+  gin_file = root / 'moe.gin'
+  gin_file.write_text(GIN)
+  return dict(params=params, dir=directory, gin=str(gin_file))
+
+
+def _main(source, output_dir, *extra):
+  return convert.main(['--source', source['dir'], '--gin_file', source['gin'],
+                       '--output_dir', str(output_dir), *extra])
+
+
+def test_round_trip_equals_in_memory_surgery_and_trains_on(source, tmp_path, capsys):
+  before = helpers.snapshot(source['dir'])
+  out = tmp_path / 'moe'
+  assert _main(source, out, '--experts', DROP, '--seed', '3') == 0
+  assert helpers.snapshot(source['dir']) == before
+  assert os.listdir(tmp_path) == ['moe']  # No temporary directory left behind.
+  assert 'Wrote' in capsys.readouterr().out
+  ckpt = checkpoints.load(str(out))
+  assert (ckpt.format, ckpt.step, ckpt.optimizer_state) == ('orbax', 6, None)
+  want, _ = upcycle(source['params'], validate.expected_params(CONFIG), rng=3,
+                    experts=experts.Drop(0.5, index_sharing='per_matrix'))
+  got = paths.flatten(ckpt.params)
+  assert got.keys() == paths.flatten(want).keys()
+  for path, x in paths.flatten(want).items():
+    np.testing.assert_array_equal(np.asarray(got[path]), np.asarray(x), err_msg=path)
+
+  # The trainer's hook reads it as it is, on the mesh.
+  train = TrainConfig(model_dir='unused', train_steps=1, batch_size=4, num_expert_partitions=2,
+                      num_model_partitions=2)
+  trainer = Trainer(objectives.Seq2Seq(T5(CONFIG)), optimizers.Adafactor(), train, None)
+  batch = {'encoder_input_tokens': np.zeros((4, 6), np.int32),
+           'decoder_input_tokens': np.zeros((4, 4), np.int32)}
+  with partitioning.activate(trainer.mesh):
+    abstract = trainer.abstract_state(batch)
+    state = ContinueFromCheckpoint(str(out), reuse_optimizer_state=False)(abstract,
+                                                                          trainer.optimizer)
+  assert int(state.step) == 6
+  for path, x in paths.flatten(state.params).items():
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(got[path]), err_msg=path)
+    assert x.sharding == paths.flatten(abstract.params)[path].sharding
+
+
+def test_dry_run_prints_the_report_and_writes_nothing(source, tmp_path, capsys):
+  out = tmp_path / 'moe'
+  assert _main(source, out, '--dry_run', '--router', 'zeros', '--step', 'reset') == 0
+  text = capsys.readouterr().out
+  assert f'(t5x, step 6) -> {out}/0' in text
+  assert '6 expert leaves in 2 MoE blocks (experts 4; Copy()), 2 router leaves (Zeros())' in text
+  assert 'Dry run: nothing written.' in text
+  assert os.listdir(tmp_path) == []
+
+
+def test_refuses_to_touch_the_source_or_an_existing_output(source, tmp_path, capsys):
+  before = helpers.snapshot(source['dir'])
+  for inside in (os.path.join(source['dir'], 'moe'), os.path.dirname(source['dir'])):
+    assert _main(source, inside, '--overwrite') == 1
+    assert 'lies inside the source' in capsys.readouterr().err
+  assert helpers.snapshot(source['dir']) == before
+
+  out = tmp_path / 'moe'
+  out.mkdir()
+  (out / 'notes.txt').write_text('mine')
+  assert _main(source, out) == 1
+  assert 'already exists and is not empty' in capsys.readouterr().err
+  assert os.listdir(out) == ['notes.txt']
+  assert _main(source, out, '--overwrite', '--step', '9') == 0
+  assert sorted(os.listdir(out)) == ['9'] and checkpoints.load(str(out)).step == 9
+  assert sorted(os.listdir(tmp_path)) == ['moe']
+
+  assert _main(source, tmp_path / 'other', '--experts', 'drop(0.5)') == 1
+  assert "--experts='drop(0.5)': cannot parse it" in capsys.readouterr().err
+  assert _main(source, tmp_path / 'other', '--experts', 'dropp') == 1
+  assert "'dropp' is not one of" in capsys.readouterr().err
+
+
+class _Killed(Exception):
+  pass
+
+
+def test_a_conversion_that_dies_leaves_no_checkpoint(source, tmp_path, monkeypatch):
+  """Dies after the first MoE block: nothing at the output, leftovers not loadable."""
+  blocks = []
+  pop = stream._Block.pop  # pylint: disable=protected-access
+
+  def dying_pop(self, path):
+    if blocks and self is not blocks[0]:
+      raise _Killed()
+    blocks[:] = [self]
+    return pop(self, path)
+
+  monkeypatch.setattr(stream._Block, 'pop', dying_pop)  # pylint: disable=protected-access
+  monkeypatch.setattr(convert.shutil, 'rmtree', lambda *a, **k: None)  # As if killed.
+  out = tmp_path / 'moe'
+  with pytest.raises(Exception) as raised:
+    convert.convert(source['dir'], CONFIG, str(out))
+  assert isinstance(raised.value, _Killed) or '_Killed' in repr(raised.value)
+  assert not out.exists()
+  leftovers = os.listdir(tmp_path)
+  assert len(leftovers) == 1 and leftovers[0].startswith('.moe.converting-')
+  with pytest.raises(checkpoints.CheckpointError):
+    checkpoints.load(str(tmp_path / leftovers[0]))
+
+
+def test_target_comes_from_the_model_macro(source):
+  gin.parse_config_files_and_bindings([source['gin']], [])
+  assert convert.target_from_gin() == CONFIG
+  gin.clear_config()
+  with pytest.raises(convert.ConvertError, match='No gin macro MODEL'):
+    convert.target_from_gin()

@@ -1,0 +1,285 @@
+"""The restore hook on a 2x2x2 mesh of simulated devices: sharded state == unsharded surgery.
+
+Sources are written in the formats people start from (T5X, HF, our orbax); targets come
+from the trainer's own `abstract_state`, so the shardings are the ones training uses.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from tests.checkpoints import helpers, t5x_writer
+from tests.checkpoints.conftest import hf_t5, hf_vit  # pylint: disable=unused-import
+from upcycle import checkpoints
+from upcycle.checkpoints import orbax
+from upcycle.models import T5, ViT
+from upcycle.moe import MoeConfig
+from upcycle.train import objectives, optimizers, partitioning
+from upcycle.train.trainer import TrainConfig, Trainer
+from upcycle.upcycling import experts, factored, paths, sharded, stored_state
+from upcycle.upcycling.optimizer import from_t5x_adafactor, upcycle_optimizer_state
+from upcycle.upcycling.restore import ContinueFromCheckpoint, UpcycleFromDense
+from upcycle.upcycling.surgery import upcycle
+
+# Capacity = group size: every token reaches an expert, and with normalized combine
+# weights identical experts compute exactly the dense MLP (DESIGN.md).
+ENCODER_MOE = MoeConfig(num_experts=4, router='experts_choose', eval_capacity_factor=4.0,
+                        capacity_multiple_of=1, normalize_combine_weights=True)
+DECODER_MOE = MoeConfig(num_experts=4, router='tokens_choose', k=2, eval_capacity_factor=2.0,
+                        capacity_multiple_of=1, normalize_combine_weights=True)
+T5_BATCH = {'encoder_input_tokens': np.zeros((4, 6), np.int32),
+            'decoder_input_tokens': np.zeros((4, 4), np.int32),
+            'decoder_target_tokens': np.zeros((4, 4), np.int32)}
+VIT_BATCH = {'image': np.zeros((4, 8, 8, 3), np.float32), 'label': np.zeros((4,), np.int32)}
+ADAFACTOR = optimizers.Adafactor(min_dim_size_to_factor=4)
+ADAMW = optimizers.AdamW(optax.linear_schedule(0.0, 1e-3, 10_000))
+E_LEAF = 'encoder/layers_1/mlp/expert/wi_0/kernel'
+
+
+def _t5x_slots(params, rng=None):
+  """T5X Adafactor slots with T5X's heuristic factoring (v_row drops the largest axis)."""
+  rng = rng or np.random.default_rng(1)
+  out = {}
+  for key, x in params.items():
+    if isinstance(x, dict):
+      out[key] = _t5x_slots(x, rng)
+      continue
+    zero = np.zeros((1,), np.float32)
+    slot = {'v_row': zero, 'v_col': zero, 'v': zero, 'm': zero}
+    if x.ndim >= 2 and min(x.shape) >= 4:
+      d1, d0 = factored.factored_dims(x.shape)
+      slot['v_row'] = rng.uniform(0.5, 2, np.delete(x.shape, d0)).astype(np.float32)
+      slot['v_col'] = rng.uniform(0.5, 2, np.delete(x.shape, d1)).astype(np.float32)
+    else:
+      slot['v'] = rng.uniform(0.5, 2, x.shape).astype(np.float32)
+    out[key] = slot
+  return out
+
+
+def _trainer(objective, optimizer, batch):
+  config = TrainConfig(model_dir='unused', train_steps=1, batch_size=4,
+                       num_expert_partitions=2, num_model_partitions=2)
+  trainer = Trainer(objective, optimizer, config, train_data=None)
+  with partitioning.activate(trainer.mesh):
+    return trainer, trainer.abstract_state(batch)
+
+
+def _run(trainer, abstract, hook):
+  with partitioning.activate(trainer.mesh):
+    return hook(abstract, trainer.optimizer)
+
+
+def _assert_placed(state, abstract):
+  got = jax.tree.map(lambda x: x.sharding, state)
+  want = jax.tree.map(lambda x: x.sharding, abstract)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g == w
+
+
+def _assert_trees_equal(got, want, rtol_for_experts=0.0):
+  flat_got, flat_want = jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)
+  assert len(flat_got) == len(flat_want)
+  for (path, g), w in zip(flat_got, flat_want):
+    where = jax.tree_util.keystr(path)
+    if rtol_for_experts and "['expert']" in where:
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol_for_experts, atol=1e-6,
+                                 err_msg=where)
+    else:
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=where)
+
+
+@pytest.fixture(scope='module')
+def t5(tmp_path_factory):
+  """A dense T5 in the T5X format at step 6 (a leaf of each kind in zarr), and an MoE trainer."""
+  params = helpers.random_params(helpers.TINY_T5)
+  layout = t5x_writer.Layout(zarr={
+      'target/encoder/layers_1/mlp/wi_0/kernel': 'gzip',
+      'target/token_embedder/embedding': 'zstd',
+      'state/param_states/encoder/layers_1/mlp/wi_0/kernel/v_row': 'gzip'})
+  directory = t5x_writer.write(str(tmp_path_factory.mktemp('t5x')), 6, params,
+                               _t5x_slots(params), layout)
+  config = dataclasses.replace(helpers.TINY_T5, encoder_moe=ENCODER_MOE, decoder_moe=DECODER_MOE)
+  trainer, abstract = _trainer(objectives.Seq2Seq(T5(config)), ADAFACTOR, T5_BATCH)
+  return dict(params=params, dir=directory, config=config, trainer=trainer, abstract=abstract)
+
+
+def _unsharded(dense, target, **kwargs):
+  """The same surgery jitted on one device, no shardings."""
+  return jax.jit(lambda d: upcycle(d, target, rng=jax.random.PRNGKey(kwargs.pop('seed', 0)),
+                                   **kwargs)[0])(dense)
+
+
+def test_t5x_upcycled_on_the_mesh_equals_unsharded_surgery(t5, capsys):
+  before = helpers.snapshot(t5['dir'])
+  state = _run(t5['trainer'], t5['abstract'], UpcycleFromDense(t5['dir']))
+  assert helpers.snapshot(t5['dir']) == before
+  _assert_placed(state, t5['abstract'])
+  kernel = paths.flatten(state.params)[E_LEAF]
+  assert kernel.sharding.spec[0] == 'expert'
+  assert {s.data.shape for s in kernel.addressable_shards} == {(2, 8, 6)}  # E/2, d_ff/2
+  _assert_trees_equal(state.params, _unsharded(t5['params'], t5['abstract'].params))
+  # copy + normalized combine weights: the MoE model computes the dense model.
+  np.testing.assert_allclose(helpers.t5_logits(state.params, t5['config']),
+                             helpers.t5_logits(t5['params']), rtol=1e-5, atol=1e-5)
+  # The dense step continues, and with it the schedule; fresh moments count from 0.
+  assert int(state.step) == 6
+  factored_state, schedule_state = state.opt_state[0], state.opt_state[2]
+  assert int(factored_state.count) == 0 and int(schedule_state.count) == 6
+  assert not any(np.asarray(x).any() for x in jax.tree.leaves(factored_state.v_row))
+  out = capsys.readouterr().out
+  assert f"UpcycleFromDense: {t5['dir']} (t5x, step 6) -> start at step 6, fresh" in out
+  assert '6 expert leaves in 2 MoE blocks (experts 4; Copy())' in out
+
+
+def test_drop_experts_and_reused_t5x_adafactor_state(t5):
+  hook = UpcycleFromDense(t5['dir'], experts=experts.Drop(0.5), reuse_optimizer_state=True, seed=3)
+  state = _run(t5['trainer'], t5['abstract'], hook)
+  _assert_placed(state, t5['abstract'])
+  want = _unsharded(t5['params'], t5['abstract'].params, experts=experts.Drop(0.5), seed=3)
+  # Drop's mean/std of the replaced weights are reductions over d_ff, which is split over
+  # 'model' on the mesh: partial sums change the rounding of the redrawn entries (only).
+  _assert_trees_equal(state.params, want, rtol_for_experts=1e-5)
+  dense_wo = t5['params']['encoder']['layers_1']['mlp']['wo']['kernel']
+  kept = lambda x: (np.asarray(x) == dense_wo[None]).all(-1)  # [E, d_ff] units left as is
+  flat, flat_want = paths.flatten(state.params), paths.flatten(want)
+  wo = 'encoder/layers_1/mlp/expert/wo/kernel'
+  np.testing.assert_array_equal(kept(flat[wo]), kept(flat_want[wo]))
+  assert kept(flat[wo]).mean() == 0.5
+  optimizer = t5['trainer'].optimizer
+  t5x_state = checkpoints.materialize(checkpoints.load(t5['dir']).optimizer_state)
+  dense_state = from_t5x_adafactor(t5x_state, t5['params'], optimizer)
+  _assert_trees_equal(state.opt_state, upcycle_optimizer_state(dense_state, want, optimizer))
+  assert int(state.step) == 6 and int(state.opt_state[0].count) == 6
+  v_row = paths.flatten(state.opt_state[0].v_row)[E_LEAF]
+  np.testing.assert_array_equal(
+      v_row, np.broadcast_to(t5x_state['param_states']['encoder']['layers_1']['mlp']['wi_0'][
+          'kernel']['v_row'], (4, 8)))
+
+
+def test_step_reset_zeroes_every_count_but_keeps_moments(t5):
+  hook = UpcycleFromDense(t5['dir'], reuse_optimizer_state=True, step='reset')
+  state = _run(t5['trainer'], t5['abstract'], hook)
+  assert int(state.step) == 0
+  assert int(state.opt_state[0].count) == 0 and int(state.opt_state[2].count) == 0
+  assert np.asarray(paths.flatten(state.opt_state[0].v_row)[E_LEAF]).min() >= 0.5
+
+
+def test_from_checkpoints_of_identical_branches_equals_copy(t5, tmp_path):
+  """Branch-Train-MiX through the hook: host surgery, then placed on the mesh."""
+  second = t5x_writer.write(str(tmp_path), 6, t5['params'])
+  hook = UpcycleFromDense([t5['dir'], second], experts=functools.partial(
+      experts.FromCheckpoints, assignment=(0, 1, 1, 0)))
+  state = _run(t5['trainer'], t5['abstract'], hook)
+  _assert_placed(state, t5['abstract'])
+  want, _ = upcycle(t5['params'], t5['abstract'].params, rng=0)
+  _assert_trees_equal(state.params, want)
+  assert int(state.step) == 6
+
+
+def test_hf_t5_upcycled_gives_the_transformers_logits(hf_t5):
+  directory, reference = hf_t5
+  dense_config = checkpoints.load(directory).model_config
+  config = dataclasses.replace(dense_config, encoder_moe=ENCODER_MOE, decoder_moe=DECODER_MOE)
+  trainer, abstract = _trainer(objectives.Seq2Seq(T5(config)), ADAFACTOR, T5_BATCH)
+  state = _run(trainer, abstract, UpcycleFromDense(directory))
+  assert int(state.step) == 0  # HF checkpoints carry no step.
+  theirs = helpers.torch_t5_logits(reference, helpers.ENCODER_TOKENS, helpers.DECODER_TOKENS)
+  assert np.abs(helpers.t5_logits(state.params, config) - theirs).max() <= 1e-4
+  assert np.abs(theirs).max() > 1
+
+
+@pytest.fixture(scope='module')
+def vit(hf_vit, tmp_path_factory):
+  """HF ViT; its params with a trained AdamW state in our orbax format at step 7; trainers."""
+  directory, reference = hf_vit
+  ckpt = checkpoints.load(directory)
+  dense = checkpoints.materialize(ckpt.params)
+  optimizer = ADAMW.build()
+  grads = jax.tree.map(lambda x: np.full(x.shape, 0.1, x.dtype), dense)
+  _, opt_state = optimizer.update(grads, optimizer.init(dense), dense)
+  opt_state = stored_state.set_counts(opt_state, 7, schedule_only=False)
+  orbax_dir = str(tmp_path_factory.mktemp('orbax'))
+  with orbax.CheckpointManager(orbax_dir, async_save=False) as manager:
+    manager.save(7, dense, opt_state)
+  moe_config = dataclasses.replace(ckpt.model_config, moe=ENCODER_MOE)
+  moe = _trainer(objectives.Classification(ViT(moe_config)), ADAMW, VIT_BATCH)
+  return dict(hf=directory, reference=reference, dense=dense, opt_state=opt_state,
+              orbax=orbax_dir, config=moe_config, dense_config=ckpt.model_config, moe=moe)
+
+
+def test_hf_vit_upcycled_gives_the_transformers_logits_at_a_given_step(vit):
+  trainer, abstract = vit['moe']
+  state = _run(trainer, abstract, UpcycleFromDense(vit['hf'], step=1000))
+  _assert_placed(state, abstract)
+  theirs = helpers.torch_vit_logits(vit['reference'], helpers.IMAGES)
+  assert np.abs(helpers.vit_logits(state.params, vit['config']) - theirs).max() <= 1e-4
+  assert int(state.step) == 1000
+  adam, schedule = state.opt_state[1][0], state.opt_state[1][2]
+  assert int(adam.count) == 0 and int(schedule.count) == 1000
+
+
+def test_orbax_adamw_state_is_tiled_into_the_moe_state(vit):
+  trainer, abstract = vit['moe']
+  state = _run(trainer, abstract, UpcycleFromDense(vit['orbax'], reuse_optimizer_state=True))
+  want = _unsharded(vit['dense'], abstract.params)
+  _assert_trees_equal(state.params, want)
+  _assert_trees_equal(state.opt_state,
+                      upcycle_optimizer_state(vit['opt_state'], want, trainer.optimizer))
+  assert int(state.step) == 7 and int(state.opt_state[1][0].count) == 7
+
+
+def test_continue_dense_restores_params_and_optimizer_state(vit, capsys):
+  trainer, abstract = _trainer(objectives.Classification(ViT(vit['dense_config'])), ADAMW,
+                               VIT_BATCH)
+  with pytest.raises(ValueError, match=r'no MoE blocks .*ContinueFromCheckpoint'):
+    _run(trainer, abstract, UpcycleFromDense(vit['orbax']))
+  state = _run(trainer, abstract, ContinueFromCheckpoint(vit['orbax']))
+  _assert_placed(state, abstract)
+  _assert_trees_equal(state.params, vit['dense'])
+  _assert_trees_equal(state.opt_state, vit['opt_state'])
+  assert int(state.step) == 7
+  assert 'ContinueFromCheckpoint' in capsys.readouterr().out
+
+
+def test_mistakes_fail_before_anything_is_read(t5, vit):
+  trainer, abstract = vit['moe']
+  with pytest.raises(ValueError, match=r'holds no optimizer state.*'
+                     r'UpcycleFromDense.reuse_optimizer_state = False'):
+    _run(trainer, abstract, UpcycleFromDense(vit['hf'], reuse_optimizer_state=True))
+  with pytest.raises(ValueError, match=r'ContinueFromCheckpoint\(.*there is no checkpoint leaf '
+                     r'decoder/layers_1/mlp/expert/wi_0/kernel.*Fix: the model must be the '
+                     r'architecture the checkpoint was trained with'):
+    _run(t5['trainer'], t5['abstract'], ContinueFromCheckpoint(t5['dir']))
+  wrong = dataclasses.replace(t5['config'], d_ff=16)
+  trainer, abstract = _trainer(objectives.Seq2Seq(T5(wrong)), ADAFACTOR, T5_BATCH)
+  with pytest.raises(ValueError, match=r"UpcycleFromDense\('.*checkpoint_6', format 't5x'\): "
+                     r'Target leaf decoder/layers_0/mlp/wi_0/kernel has shape \(8, 16\) but '
+                     r'dense leaf .* \(8, 12\)'):
+    _run(trainer, abstract, UpcycleFromDense(t5['dir']))
+  with pytest.raises(ValueError, match=r"UpcycleFromDense.step='last'"):
+    UpcycleFromDense(t5['dir'], step='last')
+  with pytest.raises(ValueError, match=r'A class .* takes several source checkpoints'):
+    _run(trainer, abstract, UpcycleFromDense(t5['dir'], experts=experts.FromCheckpoints))
+
+
+def test_dense_leaves_are_placed_by_the_sharding_they_feed(t5):
+  mesh = t5['trainer'].mesh
+  expert = jax.sharding.NamedSharding(mesh, jax.P('expert', None, 'model'))
+  assert sharded.fit(expert, (8, 12), drop_leading=True).spec == jax.P(None, 'model')
+  assert sharded.fit(expert, (8, 7), drop_leading=True).spec == jax.P(None, None)  # 7 % 2
+  reads = []
+  data = np.arange(96, dtype=np.float32).reshape(8, 12)
+
+  def read_block(index):
+    reads.append(index)
+    return data[index]
+
+  leaf = checkpoints.LazyArray(data.shape, data.dtype, lambda: data, 'test', 'w', read_block)
+  array = sharded.read(leaf, sharded.fit(expert, data.shape, drop_leading=True))
+  np.testing.assert_array_equal(np.asarray(array), data)
+  assert len(reads) == 2  # One per 'model' block, shared by the 4 replicas of each.

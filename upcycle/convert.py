@@ -1,0 +1,216 @@
+"""Upcycle a dense checkpoint into an MoE checkpoint on disk, without training.
+
+  python -m upcycle.convert --source=/ckpt/t5_1_1_base/checkpoint_1000000 \\
+    --gin_file=models/t5_1_1/base.gin --gin_file=moe/paper_t5.gin \\
+    --output_dir=/ckpt/t5_base_moe32 [--experts='drop(ratio=0.5)'] [--router=normal] \\
+    [--format=t5x] [--seed=0] [--step=keep] [--cast] [--overwrite] [--dry_run]
+
+The target model is the gin macro MODEL, as configs/models/* bind it (MODEL = @models.T5()
+or @models.ViT(); a bare T5Config / ViTConfig works too): its config decides which blocks
+are MoE, how many experts, shapes and dtypes. --gin_file / --gin.KEY=VALUE /
+--gin_bindings / --gin_search_paths work as for training (upcycle/gin_utils.py).
+
+--experts: copy | drop | noise | random | granular, optionally with arguments as Python
+literals: 'drop(ratio=0.5, index_sharing="per_matrix")', 'granular(granularity=2)'.
+--router: normal | uniform | zeros, e.g. 'normal(std=0.02)'.
+--step: the output's step: keep (the source's, 0 if its format has none), reset (0), or N.
+
+Output: OUTPUT_DIR/<step>/params/ and _CHECKPOINT_METADATA, the layout training writes
+(`upcycle.checkpoints.orbax`), parameters only. Train from it with
+`ContinueFromCheckpoint(OUTPUT_DIR, reuse_optimizer_state=False)` (upcycling/restore.py).
+Leaves are computed and written one at a time (upcycling/stream.py): peak memory is about
+one MoE block (E copies of one dense MLP) plus bounded write buffers, whatever the model size,
+so a dense checkpoint converts on a machine smaller than the MoE (benchmarks/convert_memory.py
+measures it: +0.46 GiB for a 0.75 GiB MoE, +0.71 GiB for a 3 GiB one).
+
+Safety: the source is only read. The output may not be, contain or lie inside the source; an
+existing non-empty OUTPUT_DIR is replaced only with --overwrite. Everything is written to a
+hidden sibling `.OUTPUT_DIR.converting-*` and renamed to OUTPUT_DIR at the end, so a killed
+conversion leaves no OUTPUT_DIR (delete the hidden directory). --dry_run prints the report
+and writes nothing.
+"""
+
+import argparse
+import ast
+import os
+import shutil
+import sys
+import tempfile
+from typing import Any, List, Mapping, Optional, Union
+
+from upcycle import checkpoints, gin_utils
+from upcycle.checkpoints import validate
+from upcycle.models import T5Config, ViTConfig
+from upcycle.upcycling import experts as experts_lib
+from upcycle.upcycling import routers as routers_lib
+from upcycle.upcycling import stream
+from upcycle.upcycling.report import UpcycleReport
+
+EXPERT_INITS = {**experts_lib.EXPERT_INITS, 'granular': experts_lib.Granular}
+MODEL_MACRO = 'MODEL'
+
+
+class ConvertError(ValueError):
+  """A conversion refused before anything was written."""
+
+
+def parse_init(text: str, choices: Mapping[str, Any], flag: str) -> Any:
+  """'name' or 'name(key=literal, ...)' -> choices[name](**kwargs)."""
+  try:
+    node = ast.parse(text.strip(), mode='eval').body
+    if isinstance(node, ast.Name):
+      name, kwargs = node.id, {}
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args:
+      name = node.func.id
+      kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+    else:
+      raise ValueError('not a name or a call with keyword arguments')
+  except (SyntaxError, ValueError) as e:
+    raise ConvertError(f"{flag}={text!r}: cannot parse it ({e}); write e.g. 'drop(ratio=0.5)'.")
+  if name not in choices:
+    raise ConvertError(f'{flag}={text!r}: {name!r} is not one of {sorted(choices)}.')
+  try:
+    return choices[name](**kwargs)
+  except (TypeError, ValueError) as e:
+    raise ConvertError(f'{flag}={text!r}: {e}') from e
+
+
+def target_from_gin(macro: str = MODEL_MACRO):
+  """The MoE model's config from the gin macro `macro` (a T5 / ViT module, or its config)."""
+  import gin  # pylint: disable=g-import-not-at-top
+  try:
+    value = gin.query_parameter(f'{macro}/gin.macro.value')
+  except ValueError as e:
+    raise ConvertError(f'No gin macro {macro}: give a model file (e.g. '
+                       f'--gin_file=models/t5_1_1/base.gin) that binds {macro} = @models.T5() '
+                       f'plus the moe/ files, or --gin.{macro}=...') from e
+  if isinstance(value, gin.config.ConfigurableReference) and value.evaluate:
+    value = value.scoped_configurable_fn()
+  config = getattr(value, 'config', value)
+  if not isinstance(config, (T5Config, ViTConfig)):
+    raise ConvertError(f'gin macro {macro} is {value!r}; expected models.T5 / models.ViT or a '
+                       f'T5Config / ViTConfig.')
+  return config
+
+
+def _inside(path: str, directory: str) -> bool:
+  return os.path.commonpath([path, directory]) == directory
+
+
+def check_paths(source: str, resolved: str, output_dir: str, overwrite: bool) -> None:
+  """Refuses outputs that touch the source, and existing outputs without `overwrite`."""
+  out = os.path.realpath(output_dir)
+  for src in {os.path.realpath(source), os.path.realpath(resolved)}:
+    if out == src or _inside(src, out) or (os.path.isdir(src) and _inside(out, src)):
+      raise ConvertError(
+          f'--output_dir={output_dir} is, contains or lies inside the source {src}; the source '
+          f'is never written to. Fix: choose an output directory outside it.')
+  if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+    if not overwrite:
+      raise ConvertError(f'--output_dir={output_dir} already exists and is not empty. Fix: '
+                         f'choose another directory, or pass --overwrite to replace it.')
+
+
+def _start_step(step: Union[str, int], checkpoint_step: Optional[int]) -> int:
+  if step == 'keep':
+    return int(checkpoint_step or 0)
+  if step == 'reset':
+    return 0
+  try:
+    value = int(step)
+  except ValueError:
+    value = -1
+  if value < 0:
+    raise ConvertError(f"--step={step!r}: expected 'keep', 'reset' or a step number >= 0.")
+  return value
+
+
+def _replace(tmp: str, output_dir: str) -> None:
+  """Renames `tmp` to `output_dir`; an old output is moved aside first, deleted last."""
+  old = None
+  if os.path.lexists(output_dir):
+    old = tempfile.mkdtemp(prefix=f'.{os.path.basename(output_dir)}.replaced-',
+                           dir=os.path.dirname(output_dir))
+    os.rename(output_dir, os.path.join(old, 'output'))
+  os.rename(tmp, output_dir)
+  if old is not None:
+    shutil.rmtree(old)
+
+
+def convert(source: str, model_config: Union[T5Config, ViTConfig], output_dir: str, *,
+            format: Optional[str] = None,  # pylint: disable=redefined-builtin
+            experts: Any = 'copy', router: Any = 'normal', seed: int = 0,
+            step: Union[str, int] = 'keep', cast: bool = False, overwrite: bool = False,
+            dry_run: bool = False) -> UpcycleReport:
+  """Upcycles checkpoint `source` into the model of `model_config`, written to `output_dir`.
+
+  Returns the surgery report (also printed). Raises ConvertError (refusals),
+  CheckpointError (unreadable source) or ValueError (surgery mismatches) before
+  anything is written.
+  """
+  output_dir = os.path.abspath(os.fspath(output_dir))
+  ckpt = checkpoints.load(source, format)
+  check_paths(source, ckpt.path, output_dir, overwrite)
+  start = _start_step(step, ckpt.step)
+  target = validate.expected_params(model_config)
+  report = stream.plan(ckpt.params, target, experts=experts, router=router, seed=seed,
+                       cast=cast)
+  print(f'{ckpt.path} ({ckpt.format}, step {ckpt.step}) -> {output_dir}/{start}', flush=True)
+  for note in ckpt.notes:
+    print(f'  reader: {note}', flush=True)
+  print(report, flush=True)
+  if dry_run:
+    print('Dry run: nothing written.', flush=True)
+    return report
+  parent = os.path.dirname(output_dir)
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=f'.{os.path.basename(output_dir)}.converting-', dir=parent)
+  try:
+    tree = stream.leaves(ckpt.params, target, report, experts=experts, router=router,
+                         seed=seed, cast=cast)
+    stream.write(tmp, start, tree)
+    _replace(tmp, output_dir)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  print(f'Wrote {output_dir}/{start}.', flush=True)
+  return report
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  parser = argparse.ArgumentParser(
+      prog='python -m upcycle.convert', description=__doc__, allow_abbrev=False,
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--source', required=True, help='dense checkpoint, any supported format')
+  parser.add_argument('--format', choices=checkpoints.FORMATS, default=None,
+                      help='skip format detection')
+  parser.add_argument('--output_dir', required=True, help='where the MoE checkpoint goes')
+  parser.add_argument('--experts', default='copy', help="e.g. copy, 'drop(ratio=0.5)'")
+  parser.add_argument('--router', default='normal', help="e.g. normal, 'normal(std=0.02)'")
+  parser.add_argument('--seed', type=int, default=0, help='expert and router initializer seed')
+  parser.add_argument('--step', default='keep', help='keep | reset | N')
+  parser.add_argument('--cast', action='store_true',
+                      help="cast source values to the model's parameter dtypes")
+  parser.add_argument('--overwrite', action='store_true', help='replace an existing output')
+  parser.add_argument('--dry_run', action='store_true', help='print the report, write nothing')
+  args, rest = parser.parse_known_args(argv)
+  gin_args, bindings = gin_utils.parse_flags(rest, 'gin flags of python -m upcycle.convert')
+  import gin  # pylint: disable=g-import-not-at-top
+  gin.clear_config()  # Each call parses its own flags (main may run more than once in a process).
+  try:
+    gin_utils.parse_gin(gin_args, bindings)
+    report_args = dict(
+        format=args.format, seed=args.seed, step=args.step, cast=args.cast,
+        overwrite=args.overwrite, dry_run=args.dry_run,
+        experts=parse_init(args.experts, EXPERT_INITS, '--experts'),
+        router=parse_init(args.router, routers_lib.ROUTER_INITS, '--router'))
+    convert(args.source, target_from_gin(), args.output_dir, **report_args)
+  except (ConvertError, checkpoints.CheckpointError, ValueError) as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

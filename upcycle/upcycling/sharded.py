@@ -1,0 +1,129 @@
+"""Dense checkpoint leaves read straight onto the mesh, each device reading only its block.
+
+The restore hook feeds the dense leaves to one jitted surgery whose outputs are
+sharded like the MoE state. Its inputs are placed by shardings derived from the
+outputs they feed:
+
+  copied leaf P         <- the sharding of target leaf P (same shape)
+  dense MLP leaf X/Y    <- the sharding of X/expert/Y without its leading
+                           (expert) axis, e.g. P('expert', None, 'model') ->
+                           P(None, 'model'): the dense MLP is split over
+                           'model' like each expert, and replicated over
+                           'expert' (every expert group needs all of it)
+
+so no device holds more of a dense leaf than its expert needs, and no host
+ever holds E copies. A mesh axis that does not divide a dimension is dropped
+from that dimension (replicated instead of failing).
+"""
+
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from upcycle.checkpoints.lazy import LazyArray
+from upcycle.upcycling import paths
+from upcycle.upcycling.report import EXPERTS, UpcycleReport
+
+
+def _axis_size(mesh, axes) -> int:
+  if axes is None:
+    return 1
+  axes = axes if isinstance(axes, tuple) else (axes,)
+  return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def fit(sharding: NamedSharding, shape: Tuple[int, ...], drop_leading: bool = False
+        ) -> NamedSharding:
+  """`sharding` for an array of `shape`: spec entries that do not divide their dim dropped.
+
+  Args:
+    sharding: a NamedSharding of the target leaf.
+    shape: the shape of the array to place.
+    drop_leading: drop the spec's first entry (the expert axis of `[E, ...]`).
+  """
+  spec = list(sharding.spec)
+  if drop_leading:
+    spec = spec[1:]
+  spec = (spec + [None] * len(shape))[:len(shape)]
+  spec = [axes if dim % _axis_size(sharding.mesh, axes) == 0 else None
+          for axes, dim in zip(spec, shape)]
+  return NamedSharding(sharding.mesh, PartitionSpec(*spec))
+
+
+def replicated(sharding: NamedSharding) -> NamedSharding:
+  return NamedSharding(sharding.mesh, PartitionSpec())
+
+
+def source_shardings(report: UpcycleReport, target: Mapping[str, Any],
+                     dense: Mapping[str, Any]) -> Dict[str, NamedSharding]:
+  """{dense path: sharding} for every dense leaf the report made something from.
+
+  Args:
+    report: the surgery's report (which target leaf came from which dense leaf).
+    target: flat {path: leaf with .shape and .sharding} of the target params.
+    dense: flat {path: leaf with .shape} of the dense params.
+  """
+  out = {}
+  for entry in report.entries:
+    if entry.source and entry.source not in out:
+      out[entry.source] = fit(target[entry.path].sharding, paths.shape_of(dense[entry.source]),
+                              drop_leading=entry.action == EXPERTS)
+  return out
+
+
+def _block_reader(leaf: Any) -> Callable[[Tuple[slice, ...]], np.ndarray]:
+  """index -> leaf[index], each distinct block read once (replicas share one read).
+
+  A leaf that cannot read blocks (e.g. a transposed HF tensor) is read whole,
+  once, and sliced.
+  """
+  blocks: Dict[Any, np.ndarray] = {}
+  by_block = isinstance(leaf, LazyArray) and leaf.reads_blocks and leaf.ndim
+
+  def read(index):
+    key = tuple((s.start, s.stop, s.step) for s in index) if by_block else None
+    if key not in blocks:
+      blocks[key] = np.asarray(leaf.read(index) if by_block else np.asarray(leaf))
+    return blocks[key] if by_block else np.asarray(blocks[key][index])
+
+  return read
+
+
+def read(leaf: Any, sharding: NamedSharding) -> jax.Array:
+  """A dense leaf (numpy, LazyArray) as a global jax.Array placed by `sharding`.
+
+  Only the blocks of this process's devices are read (`LazyArray.read(index)`),
+  so on a pod each host reads its part of the checkpoint; the blocks are
+  released once the array is on its devices.
+  """
+  shape = tuple(int(d) for d in np.shape(leaf))
+  return jax.make_array_from_callback(shape, sharding, _block_reader(leaf))
+
+
+def slot_sharding(key: str, shape: Tuple[int, ...],
+                  params: Mapping[str, Tuple[Tuple[int, ...], NamedSharding]],
+                  default: NamedSharding) -> NamedSharding:
+  """Where an optimizer-state leaf goes: like its parameter when it has the parameter's shape.
+
+  A slot belongs to the parameter whose path appears in its key path (optax
+  `0/mu/<param path>`, T5X `param_states/<param path>/m`). Full-shape slots
+  (Adam moments, momentum, unfactored Adafactor `v`) are then sharded like the
+  parameter; factored rows/columns, scalars and `[1]` placeholders are small
+  and replicated.
+
+  Args:
+    key: the leaf's '/'-joined key path.
+    shape: its shape.
+    params: {param path: (shape, sharding)}.
+    default: the sharding for everything else (replicated).
+  """
+  joined = f'/{key}/'
+  best: Optional[str] = None
+  for path in params:
+    if f'/{path}/' in joined and (best is None or len(path) > len(best)):
+      best = path
+  if best is not None and params[best][0] == tuple(shape):
+    return params[best][1]
+  return default
