@@ -13,7 +13,6 @@ import optax
 import pytest
 
 from tests.checkpoints import helpers, t5x_writer
-from tests.checkpoints.conftest import hf_t5, hf_vit  # pylint: disable=unused-import
 from upcycle import checkpoints
 from upcycle.checkpoints import orbax
 from upcycle.models import T5, ViT
