@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.train.test_training import REPO, TINY_T5, run_t5, text
+from tests.train.test_training import REPO, TINY_T5, text
 from upcycle.models import T5
 from upcycle.moe import MoeConfig
 from upcycle.train.objectives import Seq2Seq
@@ -24,9 +24,8 @@ def continue_run(model_dir, config, initializer, steps):
                  train_config, text('train'), text('validation'), initializer=initializer).run()
 
 
-def test_function_preserving_upcycling_starts_from_the_dense_loss(tmp_path):
-  run_t5(tmp_path / 'dense', steps=10)
-  checkpoint = str(tmp_path / 'dense' / 'checkpoints')
+def test_function_preserving_upcycling_starts_from_the_dense_loss(tmp_path, dense_t5_run):
+  checkpoint = str(dense_t5_run[0] / 'checkpoints')
   preserving = dataclasses.replace(
       TINY_T5,
       encoder_moe=MoeConfig(num_experts=4, router='experts_choose', train_capacity_factor=4.0,
@@ -35,11 +34,11 @@ def test_function_preserving_upcycling_starts_from_the_dense_loss(tmp_path):
                             train_capacity_factor=2.0, eval_capacity_factor=2.0,
                             normalize_combine_weights=True))
   dense = continue_run(tmp_path / 'dense_more', TINY_T5,
-                       ContinueFromCheckpoint(checkpoint), steps=12)
+                       ContinueFromCheckpoint(checkpoint), steps=32)
   moe = continue_run(tmp_path / 'moe', preserving,
                      UpcycleFromDense(checkpoint, experts='copy', reuse_optimizer_state=True),
-                     steps=12)
-  assert dense['start_step'] == moe['start_step'] == 10
+                     steps=32)
+  assert dense['start_step'] == moe['start_step'] == 30
   np.testing.assert_allclose(moe['initial_eval']['loss'], dense['initial_eval']['loss'],
                              rtol=1e-5)
   # The first step sees the same batch: same cross-entropy before any update.

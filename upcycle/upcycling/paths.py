@@ -15,6 +15,8 @@ from typing import Any, Dict, Mapping, Tuple
 
 from flax.core import meta
 
+from upcycle.checkpoints.tree import unflatten  # pylint: disable=unused-import  (re-exported)
+
 EXPERT = 'expert'
 ROUTER = 'router'
 
@@ -41,18 +43,6 @@ def flatten(tree: Mapping[str, Any], prefix: str = '') -> Dict[str, Any]:
     else:
       flat[path] = unbox(value)
   return flat
-
-
-def unflatten(flat: Mapping[str, Any]) -> Dict[str, Any]:
-  """{'a/b/c': leaf} -> nested dicts (new dicts; leaves are not copied)."""
-  tree: Dict[str, Any] = {}
-  for path, leaf in flat.items():
-    *parents, name = path.split('/')
-    node = tree
-    for key in parents:
-      node = node.setdefault(key, {})
-    node[name] = leaf
-  return tree
 
 
 def join(*parts: str) -> str:
