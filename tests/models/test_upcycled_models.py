@@ -73,3 +73,18 @@ def test_placement_decides_which_mlps_are_sparse(placement, encoder, decoder):
   sparse = lambda stack: [i for i in range(4)
                           if 'expert' in shapes[stack][f'layers_{i}']['mlp']]
   assert sparse('encoder') == encoder and sparse('decoder') == decoder
+
+
+def test_bfloat16_activations_keep_float32_params_routers_and_logits():
+  moe = MoeConfig(num_experts=4, router='tokens_choose', k=2, eval_capacity_factor=2.0)
+  cfg = dataclasses.replace(TINY_T5, encoder_moe=moe, decoder_moe=moe)
+  enc, dec = tokens(0, (2, 8), cfg.vocab_size), tokens(1, (2, 4), cfg.vocab_size)
+  params = init(T5(cfg), enc, dec)
+  assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype('float32')}
+  f32 = T5(cfg).apply({'params': params}, enc, dec)
+  bf16_model = T5(dataclasses.replace(cfg, dtype='bfloat16'))
+  logits, state = bf16_model.apply({'params': params}, enc, dec, mutable=MOE_COLLECTIONS)
+  assert logits.dtype == np.float32
+  assert aux_losses(state)['router_z_loss'].dtype == np.float32
+  np.testing.assert_allclose(logits, f32, atol=0.05 * float(np.max(np.abs(f32))))
+  assert not np.array_equal(logits, f32)   # the activations really ran in bfloat16
