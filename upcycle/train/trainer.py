@@ -186,8 +186,8 @@ class Trainer:
       if not bool(jax.device_get(finite)):
         manager.wait()
         raise NonFiniteLossError(
-            f'The training loss became NaN or infinite before step {step}. Stopped without '
-            f'saving; the last good checkpoint is step {manager.latest_step()} in '
+            f'The training loss or gradients became NaN or infinite by step {step}. Stopped '
+            f'without saving; the last good checkpoint is step {manager.latest_step()} in '
             f'{manager.directory}. Lower the learning rate or check the data, then restart.')
 
     eval_results, initial_eval = {}, {}
@@ -198,7 +198,7 @@ class Trainer:
       for step in range(start, cfg.train_steps):
         batch = evaluation.global_batch(next(data), self.mesh)
         state, metrics = train_step(state, batch, rng)
-        finite = finite & jnp.isfinite(metrics['loss'])
+        finite = finite & jnp.isfinite(metrics['loss']) & jnp.isfinite(metrics['grad_norm'])
         done = step + 1
         if done % cfg.log_every == 0 or done == cfg.train_steps or done == start + 1:
           checked(done)
