@@ -11,7 +11,6 @@ import os
 import sys
 from typing import Any, Optional, Sequence
 
-import gin
 import jax
 
 from upcycle import gin_utils
@@ -57,13 +56,5 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
   return results
 
 
-def main(argv) -> None:
-  args, bindings = gin_utils.parse_flags(argv, __doc__)
-  gin_utils.maybe_initialize_distributed(args.multi_host)
-  evaluate_using_gin = gin.configurable(evaluate)
-  gin_utils.parse_gin(args, bindings)
-  evaluate_using_gin()
-
-
 if __name__ == '__main__':
-  main(sys.argv[1:])
+  gin_utils.run(evaluate, sys.argv[1:], __doc__)

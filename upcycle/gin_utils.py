@@ -11,7 +11,7 @@ configs/).
 import argparse
 import logging
 import os
-from typing import List, Sequence, Tuple
+from typing import Any, Callable, List, Sequence, Tuple
 
 import gin
 
@@ -85,3 +85,13 @@ def write_config(model_dir: str, operative: bool = False) -> None:
                 else ('config.gin', gin.config_str()))
   with open(os.path.join(model_dir, name), 'w') as f:
     f.write(text)
+
+
+def run(fn: Callable[..., Any], argv: Sequence[str], description: str) -> Any:
+  """An entry point's main: flags, multi-host setup, gin files and bindings, then `fn()` with
+  its arguments bound by gin (gin files refer to it as `__main__.<fn name>`, as in T5X)."""
+  args, bindings = parse_flags(argv, description)
+  maybe_initialize_distributed(args.multi_host)
+  configured = gin.configurable(fn)
+  parse_gin(args, bindings)
+  return configured()

@@ -8,8 +8,6 @@ MIXTURE_OR_TASK_NAME, TASK_FEATURE_LENGTHS, INITIAL_CHECKPOINT_PATH.
 import sys
 from typing import Any, Optional
 
-import gin
-
 from upcycle import gin_utils
 
 
@@ -23,13 +21,5 @@ def train(*, objective: Any, optimizer: Any, config: Any, train_data: Any,
   return result
 
 
-def main(argv) -> None:
-  args, bindings = gin_utils.parse_flags(argv, __doc__)
-  gin_utils.maybe_initialize_distributed(args.multi_host)
-  train_using_gin = gin.configurable(train)
-  gin_utils.parse_gin(args, bindings)
-  train_using_gin()
-
-
 if __name__ == '__main__':
-  main(sys.argv[1:])
+  gin_utils.run(train, sys.argv[1:], __doc__)
