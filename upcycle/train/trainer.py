@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from upcycle.checkpoints.orbax import CheckpointManager
 from upcycle.data.iterator import DataIterator
-from upcycle.train import evaluation, partitioning
+from upcycle.train import evaluation, host_states, partitioning
 from upcycle.train.logger import MetricLogger
 from upcycle.train.objectives import init_params
 from upcycle.train.state import TrainState
@@ -163,7 +163,7 @@ class Trainer:
       state = TrainState(jax.device_put(jnp.asarray(restored.step, jnp.int32), shardings.step),
                          restored.params, restored.optimizer_state)
       if restored.dataset_state is not None:
-        data.set_state(restored.dataset_state)
+        data.set_state(host_states.mine(restored.dataset_state))
       print(f'Resuming from {manager.directory} at step {restored.step}.', flush=True)
     elif self.initializer is not None:
       state = self.initializer(abstract, self.optimizer)
@@ -205,7 +205,7 @@ class Trainer:
           history.append({'step': done, **logger.write(done, jax.device_get(metrics))})
         if done % cfg.checkpoint_every == 0 or done == cfg.train_steps:
           checked(done)
-          manager.save(done, state.params, state.opt_state, data.get_state())
+          manager.save(done, state.params, state.opt_state, host_states.gather(data.get_state()))
         if self.eval_data is not None and (
             (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.train_steps):
           eval_results = self.evaluate(state.params, eval_step)
