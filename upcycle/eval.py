@@ -33,7 +33,7 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
   mesh = partitioning.make_mesh(num_expert_partitions, num_model_partitions)
   host_batch = batch_size // jax.process_count()
   with partitioning.activate(mesh):
-    example = next(iter(evaluation._batches(eval_data, host_batch, 1, seed)))  # pylint: disable=protected-access
+    example = next(iter(evaluation.host_batches(eval_data, host_batch, 1, seed)))
     boxed = jax.eval_shape(lambda: init_params(objective, jax.random.PRNGKey(0), example))
     shardings = partitioning.logical_sharding(boxed, mesh)
     params = jax.tree.map(

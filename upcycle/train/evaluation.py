@@ -10,7 +10,8 @@ from upcycle.data.iterator import DataIterator
 from upcycle.train import fewshot, partitioning
 
 
-def _batches(pipeline, batch_size: int, max_batches: int, seed: int):
+def host_batches(pipeline, batch_size: int, max_batches: int, seed: int):
+  """One epoch of this host's shard of `pipeline`, at most `max_batches` (0: all)."""
   iterator = DataIterator(pipeline, batch_size=batch_size, seed=seed,
                           shard_index=jax.process_index(), num_shards=jax.process_count(),
                           num_epochs=1)
@@ -30,7 +31,7 @@ def evaluate(eval_step, params, pipeline, *, batch_size: int, mesh, max_batches:
              seed: int = 0) -> Dict[str, float]:
   """Token (T5) or image (ViT) weighted loss and accuracy; `eval_step` from step.make_eval_step."""
   totals = None
-  for batch in _batches(pipeline, batch_size, max_batches, seed):
+  for batch in host_batches(pipeline, batch_size, max_batches, seed):
     sums = eval_step(params, global_batch(batch, mesh))
     totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
   if totals is None:
@@ -50,7 +51,7 @@ def linear_fewshot(objective, params, train_pipeline, test_pipeline, *, batch_si
 
   def collect(pipeline):
     xs, ys = [], []
-    for batch in _batches(pipeline, batch_size, max_batches, seed):
+    for batch in host_batches(pipeline, batch_size, max_batches, seed):
       xs.append(np.asarray(jax.device_get(features(params, global_batch(batch, mesh)))))
       ys.append(batch['label'])
     return np.concatenate(xs), np.concatenate(ys)

@@ -106,10 +106,14 @@ class Trainer:
                         shard_index=jax.process_index(), num_shards=jax.process_count(),
                         num_epochs=num_epochs)
 
+  def _global_zeros(self, example_batch: Dict[str, np.ndarray]) -> Dict[str, jax.Array]:
+    """A global batch of zeros shaped like `example_batch` (a host batch), for init."""
+    return {k: jnp.zeros((self.config.batch_size,) + v.shape[1:], v.dtype)
+            for k, v in example_batch.items()}
+
   def abstract_state(self, example_batch: Dict[str, np.ndarray]) -> TrainState:
     """The state's shapes, dtypes and shardings, computed without allocating it."""
-    batch = {k: jnp.zeros((self.config.batch_size,) + v.shape[1:], v.dtype)
-             for k, v in example_batch.items()}
+    batch = self._global_zeros(example_batch)
     rng = jax.random.PRNGKey(self.config.seed)
     boxed = jax.eval_shape(lambda: init_params(self.objective, rng, batch))
     param_shardings = partitioning.logical_sharding(boxed, self.mesh)
@@ -124,8 +128,7 @@ class Trainer:
   def fresh_state(self, abstract: TrainState, example_batch) -> TrainState:
     """Randomly initialized state, created sharded."""
     shardings = jax.tree.map(lambda x: x.sharding, abstract)
-    batch = {k: jnp.zeros((self.config.batch_size,) + v.shape[1:], v.dtype)
-             for k, v in example_batch.items()}
+    batch = self._global_zeros(example_batch)
 
     def init(rng):
       params = nn.meta.unbox(init_params(self.objective, rng, batch))
