@@ -36,6 +36,10 @@ def context(name):
   return [model, run, name]
 
 
+def parse(files, bindings):
+  gin_utils.parse_files_and_bindings(files, bindings, finalize=False)
+
+
 @gin.configurable
 def probe(model=gin.REQUIRED):
   return model
@@ -46,8 +50,6 @@ def entry_points(monkeypatch):
   main = sys.modules['__main__']
   monkeypatch.setattr(main, 'train', train_main.train, raising=False)
   monkeypatch.setattr(main, 'evaluate', eval_main.evaluate, raising=False)
-  for path in (CONFIGS,):
-    gin.add_config_file_search_path(path)
   yield
   gin.clear_config(clear_constants=True)
 
@@ -63,7 +65,7 @@ def test_all_config_groups_are_present():
 
 @pytest.mark.parametrize('name', FILES)
 def test_config_parses_and_builds_its_model(name):
-  gin.parse_config_files_and_bindings(context(name), MACROS + ['probe.model = %MODEL'])
+  parse(context(name), MACROS + ['probe.model = %MODEL'])
   model = probe()
   if isinstance(model, T5):
     args = (jnp.ones((1, 8), jnp.int32), jnp.ones((1, 4), jnp.int32))
@@ -76,15 +78,14 @@ def test_config_parses_and_builds_its_model(name):
 
 
 def test_published_sizes():
-  gin.parse_config_files_and_bindings(['models/t5_1_1/xl.gin'], ['probe.model = %MODEL'])
+  parse(['models/t5_1_1/xl.gin'], ['probe.model = %MODEL'])
   cfg = probe().config
   assert (cfg.d_model, cfg.d_ff, cfg.num_heads, cfg.num_encoder_layers, cfg.vocab_size) == (
       2048, 5120, 32, 24, 32128)
 
 
 def test_paper_default_moe():
-  gin.parse_config_files_and_bindings(['models/t5_1_1/base.gin', 'moe/paper_t5.gin'],
-                                      ['probe.model = %MODEL'])
+  parse(['models/t5_1_1/base.gin', 'moe/paper_t5.gin'], ['probe.model = %MODEL'])
   cfg = probe().config
   assert cfg.encoder_moe.router == 'experts_choose' and cfg.encoder_moe.num_experts == 32
   assert cfg.encoder_moe.train_capacity_factor == 2.0
@@ -94,5 +95,52 @@ def test_paper_default_moe():
 
 def test_a_typo_in_a_binding_is_an_error_that_names_it():
   with pytest.raises(ValueError, match='d_modle'):
-    gin.parse_config_files_and_bindings(['models/t5_1_1/tiny.gin'],
-                                        ['models.T5Config.d_modle = 3'])
+    parse(['models/t5_1_1/tiny.gin'], ['models.T5Config.d_modle = 3'])
+
+
+INCLUDING = [name for name in FILES
+             if 'include ' in open(os.path.join(CONFIGS, name)).read()]
+GROUP_FOLDERS = ('runs', 'data', 'models', 'moe', 'upcycling', 'experiments')
+
+
+def _empty_group_folders(root):
+  for folder in GROUP_FOLDERS:
+    (root / folder).mkdir()
+
+
+def _real_run_outputs(root):
+  run = root / 'runs' / 'quickstart' / 'dense'
+  (run / 'checkpoints' / '100').mkdir(parents=True)
+  (run / 'metrics.jsonl').write_text('{"step": 1, "split": "train", "loss": 3.0}\n')
+  (run / 'config.gin').write_text("MODEL_DIR = 'runs/quickstart/dense'\n")
+
+
+@pytest.mark.parametrize('layout', [_empty_group_folders, _real_run_outputs])
+def test_includes_do_not_depend_on_the_working_directory(layout, tmp_path, monkeypatch):
+  layout(tmp_path)
+  monkeypatch.chdir(tmp_path)
+  assert len(INCLUDING) > 20
+  for name in INCLUDING:
+    gin.clear_config(clear_constants=True)
+    parse(context(name), MACROS + ['probe.model = %MODEL'])
+    assert isinstance(probe(), (T5, ViT)), name
+
+
+def test_a_missing_gin_file_names_the_search_paths(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(IOError, match=r"'models/t5_1_1/tinny.gin' not found in the search paths"):
+    parse(['models/t5_1_1/tinny.gin'], [])
+
+
+def test_search_paths_come_first_then_configs_then_the_working_directory(tmp_path, monkeypatch):
+  mine = tmp_path / 'mine' / 'models' / 't5_1_1'
+  mine.mkdir(parents=True)
+  (mine / 'architecture.gin').write_text(
+      open(os.path.join(CONFIGS, 'models/t5_1_1/architecture.gin')).read().replace(
+          'DROPOUT_RATE = 0.0', 'DROPOUT_RATE = 0.25'))
+  (tmp_path / 'own.gin').write_text('models.T5Config.d_kv = 5\n')
+  monkeypatch.chdir(tmp_path)
+  gin_utils.parse_files_and_bindings(['models/t5_1_1/tiny.gin', 'own.gin'],
+                                     ['probe.model = %MODEL'], [str(tmp_path / 'mine')],
+                                     finalize=False)
+  assert (probe().config.dropout_rate, probe().config.d_kv) == (0.25, 5)

@@ -149,7 +149,7 @@ def convert(source: str, model_config: Union[T5Config, ViTConfig], output_dir: s
   anything is written.
   """
   output_dir = os.path.abspath(os.fspath(output_dir))
-  ckpt = checkpoints.load(source, format)
+  ckpt = checkpoints.load(source, format, lazy=True)
   check_paths(source, ckpt.path, output_dir, overwrite)
   start = _start_step(step, ckpt.step)
   target = validate.expected_params(model_config)

@@ -38,7 +38,7 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
     shardings = partitioning.logical_sharding(boxed, mesh)
     params = jax.tree.map(
         lambda leaf, s: jax.make_array_from_callback(leaf.shape, s, lambda i: leaf[i]),
-        checkpoints.materialize(checkpoint.params), shardings)
+        checkpoint.params, shardings)
     results = evaluation.evaluate(jax.jit(make_eval_step(objective)), params, eval_data,
                                   batch_size=host_batch, mesh=mesh, max_batches=eval_batches,
                                   seed=seed)

@@ -5,13 +5,13 @@ configs/).
   --gin.KEY=VALUE                       shorthand for --gin_bindings='KEY = VALUE'
   --gin_bindings='KEY = VALUE'          repeatable
   --gin_search_paths=a,b                where gin files and their includes are found
-                                        (default: the repository's configs/ and the cwd)
+                                        (then the repository's configs/, then the cwd)
 """
 
 import argparse
-import logging
+import contextlib
 import os
-from typing import Any, Callable, List, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import gin
 
@@ -42,28 +42,65 @@ def parse_flags(argv: Sequence[str], description: str) -> Tuple[argparse.Namespa
   return args, list(args.gin_bindings) + bindings
 
 
-class _QuietSearch(logging.Filter):
-  """gin logs 'Path not found' for every search path it tries before the one that has the file."""
+def search_paths(extra: Sequence[str] = ()) -> List[str]:
+  """Where gin files and their includes are looked up, in order: `extra` (--gin_search_paths),
+  the repository's configs/, then the working directory."""
+  return [os.path.abspath(p) for p in extra if p] + [CONFIGS_DIR, os.getcwd()]
 
-  def filter(self, record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith('Path not found')
+
+def resolve(name: str, paths: Sequence[str]) -> Optional[str]:
+  """The file `name` names: itself if absolute, else the first `paths[i]/name` that exists."""
+  if os.path.isabs(name):
+    return name if os.path.isfile(name) else None
+  return next((os.path.join(p, name) for p in paths if os.path.isfile(os.path.join(p, name))),
+              None)
+
+
+@contextlib.contextmanager
+def _files_from(paths: Sequence[str]) -> Iterator[None]:
+  """While parsing, gin opens every file and include through `resolve` alone.
+
+  gin's own lookup tries the working directory first and then reads `include 'runs/x.gin'`
+  as the Python package `runs`: a folder named like a config group in the working directory
+  (`runs/`, `data/`, ...) makes it crash. gin 0.5 offers no public way to replace its readers,
+  so they are swapped for the duration of the parse and restored after.
+  """
+  def exists(name: str) -> bool:
+    if resolve(name, paths) is None:
+      raise IOError(f'gin file {name!r} not found in the search paths {list(paths)}; '
+                    'pass a path that exists or add its directory with --gin_search_paths')
+    return True
+
+  # pylint: disable=protected-access
+  readers, prefixes = list(gin.config._FILE_READERS), list(gin.config._LOCATION_PREFIXES)
+  gin.config._FILE_READERS[:] = [(lambda name: open(resolve(name, paths)), exists)]
+  gin.config._LOCATION_PREFIXES[:] = ['']
+  try:
+    yield
+  finally:
+    gin.config._FILE_READERS[:] = readers
+    gin.config._LOCATION_PREFIXES[:] = prefixes
+  # pylint: enable=protected-access
+
+
+def parse_files_and_bindings(files: Sequence[str], bindings: Sequence[str],
+                             extra_search_paths: Sequence[str] = (),
+                             finalize: bool = True) -> None:
+  """Parses `files` in order (later ones win), then `bindings`; files and their includes are
+  looked up in `search_paths(extra_search_paths)`, independent of what else the working
+  directory holds."""
+  with _files_from(search_paths(extra_search_paths)):
+    gin.parse_config_files_and_bindings(files, bindings, finalize_config=finalize)
 
 
 def parse_gin(args: argparse.Namespace, bindings: Sequence[str]) -> None:
-  """Registers search paths, then parses files in order and the bindings last."""
-  paths = [p for p in args.gin_search_paths.split(',') if p] + [CONFIGS_DIR, os.getcwd()]
-  for path in paths:
-    gin.add_config_file_search_path(path)
+  """The entry points' gin flags: files in order, the bindings last; errors exit with the cause."""
   if not args.gin_file:
     raise SystemExit('Give at least one --gin_file (see configs/ and the README).')
-  quiet = _QuietSearch()
-  logging.getLogger().addFilter(quiet)
   try:
-    gin.parse_config_files_and_bindings(args.gin_file, bindings, finalize_config=True)
+    parse_files_and_bindings(args.gin_file, bindings, args.gin_search_paths.split(','))
   except (ValueError, IOError, SyntaxError) as e:
     raise SystemExit(f'gin configuration error: {e}') from e
-  finally:
-    logging.getLogger().removeFilter(quiet)
 
 
 def maybe_initialize_distributed(mode: str) -> None:

@@ -82,7 +82,7 @@ def main(argv: Optional[List[str]] = None) -> int:
   parser.add_argument('--json', action='store_true', help='print JSON instead of text')
   args = parser.parse_args(argv)
   try:
-    ckpt = checkpoints.load(args.path, format=args.format)
+    ckpt = checkpoints.load(args.path, format=args.format, lazy=True)
   except checkpoints.CheckpointError as e:
     print(f'error: {e}', file=sys.stderr)
     return 1

@@ -10,8 +10,9 @@ import numpy as np
 from upcycle.checkpoints import tree, validate
 from upcycle.models import T5, T5Config, ViT, ViTConfig
 
-SHARED = pathlib.Path(__file__).parents[2].parent / 'shared'
-T5X_FIXTURE = str(SHARED / 'fixtures' / 't5x' / 'tiny_t5' / 'checkpoint_1')
+# Written by T5X's own checkpointer (t5x/testdata/tiny_t5, Apache-2.0); see its README.md.
+T5X_FIXTURE = str(pathlib.Path(__file__).parents[1] / 'fixtures' / 't5x' / 'tiny_t5' /
+                  'checkpoint_1')
 
 TINY_T5 = T5Config(vocab_size=32, d_model=8, num_heads=2, d_kv=4, d_ff=12, num_encoder_layers=2,
                    num_decoder_layers=2, relative_attention_num_buckets=8,
@@ -49,6 +50,14 @@ def vit_logits(params, config=TINY_VIT, images=IMAGES) -> np.ndarray:
   """[2, classes] logits of `params` on `images` [2, 8, 8, 3]."""
   params = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
   return np.asarray(_jitted_apply(config)({'params': params}, images))
+
+
+def apply_as_documented(params, config) -> np.ndarray:
+  """The README's call, `T5(config).apply({'params': params}, ...)` (or ViT's), on a loader's
+  output exactly as returned: no conversion of the leaves, no jit."""
+  if isinstance(config, T5Config):
+    return np.asarray(T5(config).apply({'params': params}, ENCODER_TOKENS, DECODER_TOKENS))
+  return np.asarray(ViT(config).apply({'params': params}, IMAGES, train=False))
 
 
 def snapshot(path: str) -> dict:

@@ -5,11 +5,13 @@ import json
 import os
 import shutil
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
 
 from tests.checkpoints import helpers
+from upcycle import checkpoints
 from upcycle.checkpoints import CheckpointError, hf, lazy, tree
 from upcycle.models import T5Config, ViTConfig
 
@@ -40,6 +42,23 @@ def test_t5_matches_transformers(hf_t5):
   assert ours.shape == theirs.shape == (2, 4, 32)
   assert np.abs(ours - theirs).max() <= 1e-4
   assert np.abs(theirs).max() > 1  # The comparison is not between near-zero numbers.
+
+
+@pytest.mark.parametrize('fixture', ['hf_t5', 'hf_vit'])
+def test_documented_loaders_feed_the_model_as_returned(fixture, request):
+  """`hf.load` and `checkpoints.load(...).params` return numpy leaves that go straight into
+  `T5.apply` / `ViT.apply`; `lazy=True` returns LazyArrays for streaming."""
+  directory, reference = request.getfixturevalue(fixture)
+  params, config = hf.load(directory)
+  assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(params))
+  if fixture == 'hf_t5':
+    theirs = helpers.torch_t5_logits(reference, helpers.ENCODER_TOKENS, helpers.DECODER_TOKENS)
+  else:
+    theirs = helpers.torch_vit_logits(reference, helpers.IMAGES)
+  for loaded in (params, checkpoints.load(directory).params):
+    assert np.abs(helpers.apply_as_documented(loaded, config) - theirs).max() <= 1e-4
+  lazy_params, _ = hf.load(directory, lazy=True)
+  assert all(isinstance(leaf, lazy.LazyArray) for leaf in jax.tree.leaves(lazy_params))
 
 
 def test_t5_untied_head_and_relpos_layout(hf_t5):

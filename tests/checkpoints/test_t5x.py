@@ -10,6 +10,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from tests.checkpoints import helpers, t5x_writer
+from upcycle import checkpoints
 from upcycle.checkpoints import CheckpointError, lazy, t5x, tree, zarr_leaf
 
 
@@ -67,6 +68,13 @@ def test_written_checkpoint_loads_to_same_logits(written):
     assert got.dtype == value.dtype and got.shape == value.shape, path
     np.testing.assert_array_equal(got, value, err_msg=path)
   np.testing.assert_array_equal(helpers.t5_logits(loaded), helpers.t5_logits(params))
+
+
+def test_load_returns_params_the_model_takes_as_they_are(written):
+  model_dir, params, _ = written
+  loaded = checkpoints.load(model_dir).params
+  np.testing.assert_allclose(helpers.apply_as_documented(loaded, helpers.TINY_T5),
+                             helpers.t5_logits(params), rtol=1e-5, atol=1e-5)
 
 
 def test_leaves_are_lazy_and_typed(written):

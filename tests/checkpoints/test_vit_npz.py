@@ -40,6 +40,9 @@ def test_vit_jax_npz_same_logits(tmp_path):
   np.savez(path, **_vit_jax_arrays(params, slot.astype(np.float32)))
   ckpt = vit_npz.load(path)
   assert ckpt.format == 'vit_jax' and ckpt.notes == ()
+  np.testing.assert_allclose(helpers.apply_as_documented(ckpt.params, helpers.TINY_VIT),
+                             helpers.vit_logits(params), rtol=1e-5, atol=1e-5)
+  assert isinstance(vit_npz.load(path, lazy=True).params['cls'], lazy.LazyArray)
   loaded = lazy.materialize(ckpt.params)
   np.testing.assert_array_equal(loaded['cls'], params['cls'])
   np.testing.assert_array_equal(loaded['pos_embedding'], params['pos_embedding'])
@@ -68,6 +71,8 @@ def test_big_vision_npz_same_logits(tmp_path):
   np.savez(path, **{'params/' + k: v for k, v in tree.flatten(params).items()})
   ckpt = vit_npz.load(path)
   assert ckpt.format == 'big_vision'
+  np.testing.assert_allclose(helpers.apply_as_documented(ckpt.params, helpers.TINY_VIT),
+                             helpers.vit_logits(params), rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(helpers.vit_logits(ckpt.params), helpers.vit_logits(params))
 
 

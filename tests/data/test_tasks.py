@@ -1,7 +1,11 @@
 """Registered tasks and the offline corpus."""
 
 import numpy as np
+import pytest
 import seqio
+import sentencepiece
+import tensorflow as tf
+import tensorflow_datasets as tfds
 
 from upcycle.data import offline_text
 from upcycle.data import tasks
@@ -36,7 +40,7 @@ def test_registered_tasks():
   c4_vocab = c4.output_features['targets'].vocabulary
   assert c4_vocab.sentencepiece_model_file == tasks.T5_VOCABULARY_PATH  # Not loaded: lazy.
   assert c4_vocab.extra_ids == 100
-  assert c4.source.tfds_dataset.name == 'c4/en:3.0.1'
+  assert c4.source.tfds_dataset.name == 'c4/en:3.1.0'
   moved = tasks.add_c4_span_corruption(vocabulary_path='/data/spm.model')
   try:
     assert seqio.get_mixture_or_task(tasks.C4_TASK) is moved
@@ -56,3 +60,44 @@ def test_offline_task_examples():
     np.testing.assert_array_equal(ex['inputs'][ex['inputs'] >= 259], sentinels[:len(
         ex['inputs'][ex['inputs'] >= 259])])
   assert sum(len(ex['inputs']) == 32 for ex in examples) > 40
+
+
+@pytest.fixture(scope='module')
+def sentencepiece_model(tmp_path_factory):
+  """A small SentencePiece model trained on the offline corpus (T5's real one is on GCS)."""
+  prefix = str(tmp_path_factory.mktemp('spm') / 'spm')
+  sentencepiece.SentencePieceTrainer.train(
+      sentence_iterator=iter(offline_text.paragraphs('validation')), model_prefix=prefix,
+      vocab_size=300, model_type='unigram', pad_id=0, eos_id=1, unk_id=2, bos_id=-1)
+  return prefix + '.model'
+
+
+def test_c4_version_is_one_the_pinned_tfds_builds(tmp_path):
+  builder = tfds.builder(tasks.C4_TFDS_NAME, data_dir=str(tmp_path))   # No download.
+  assert str(builder.info.version) == '3.1.0' and 'text' in builder.info.features
+
+
+def test_c4_task_preprocessors_run_on_in_memory_records(sentencepiece_model):
+  task = tasks.add_c4_span_corruption(name='test_c4', vocabulary_path=sentencepiece_model)
+  try:
+    assert seqio.get_mixture_or_task('test_c4').source.tfds_dataset.name == 'c4/en:3.1.0'
+    docs = list(offline_text.paragraphs('validation')[:8])
+    records = tf.data.Dataset.from_tensor_slices({   # c4/en:3.1.0's fields
+        'text': docs, 'url': ['https://example.org'] * 8, 'timestamp': ['2019-04-25'] * 8,
+        'content-type': ['text/plain'] * 8, 'content-length': ['100'] * 8})
+    lengths = {'inputs': 64, 'targets': 16}
+    ds = task.preprocess_postcache(task.preprocess_precache(records, seed=0), lengths, seed=0)
+    examples = list(ds.as_numpy_iterator())
+  finally:
+    seqio.TaskRegistry.remove('test_c4')
+  vocab = task.output_features['targets'].vocabulary
+  assert vocab.vocab_size == 400 and len(examples) >= 4
+  first_sentinel = vocab.vocab_size - 1
+  for ex in examples:
+    assert ex['inputs'][-1] == ex['targets'][-1] == 1   # EOS
+    assert len(ex['inputs']) <= 64 and len(ex['targets']) <= 16
+    sentinels = ex['targets'][ex['targets'] >= 300]
+    np.testing.assert_array_equal(sentinels, first_sentinel - np.arange(len(sentinels)))
+  assert any(len(ex['targets'][ex['targets'] >= 300]) > 0 for ex in examples)
+  pieces = vocab.decode(examples[0]['inputs'][examples[0]['inputs'] < 300].tolist())
+  assert pieces.split()[0] in docs[0]   # real text, tokenized by the task's vocabulary

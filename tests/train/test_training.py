@@ -119,3 +119,18 @@ def test_killed_run_resumes_exactly(tmp_path):
   assert sorted(resumed) == list(range(1, 13))
   for step in range(1, 13):   # rows after the resume overwrite the killed run's
     assert resumed[step] == expected[step], step
+
+
+def test_trains_from_a_working_directory_with_folders_named_like_config_groups(tmp_path):
+  """`include 'moe/experts_choose.gin'` once crashed gin when the working directory held `moe/`
+  (read as a Python namespace package); config lookup no longer looks at the cwd's folders."""
+  for folder in ('data', 'models', 'moe', 'runs', 'upcycling'):
+    (tmp_path / folder).mkdir()
+  model_dir = tmp_path / 'runs' / 'moe'
+  command = _train_command(model_dir, 1) + ['--gin_file=moe/paper_t5.gin',
+                                            '--gin.NUM_EXPERTS=2']
+  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=1 '
+                                    '--xla_backend_optimization_level=0'}
+  done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert list(_train_losses(model_dir)) == [1]

@@ -1,13 +1,10 @@
 """Upcycled training starts where the dense model is, when the configuration preserves it."""
 
 import dataclasses
-import subprocess
-import sys
 
 import numpy as np
-import pytest
 
-from tests.train.test_training import REPO, TINY_T5, text
+from tests.train.test_training import TINY_T5, text
 from upcycle.models import T5
 from upcycle.moe import MoeConfig
 from upcycle.train.objectives import Seq2Seq
@@ -45,12 +42,3 @@ def test_function_preserving_upcycling_starts_from_the_dense_loss(tmp_path, dens
   np.testing.assert_allclose(moe['history'][0]['cross_entropy'],
                              dense['history'][0]['cross_entropy'], rtol=1e-5)
   assert moe['history'][0]['learning_rate'] == dense['history'][0]['learning_rate']
-
-
-@pytest.mark.slow
-def test_quickstart_runs_end_to_end(tmp_path):
-  out = subprocess.run([sys.executable, '-m', 'upcycle.quickstart', f'--output_dir={tmp_path}',
-                        '--pretrain_steps=20', '--extra_steps=10', '--num_experts=4'],
-                       cwd=REPO, check=True, capture_output=True, text=True).stdout
-  assert 'validation loss at step 30' in out
-  assert (tmp_path / 'curves.png').stat().st_size > 10_000

@@ -1,8 +1,8 @@
 """Checkpoint readers and writers, one file per format; `load` picks the format from the files.
 
   ckpt = upcycle.checkpoints.load('gs://bucket/t5_1_1_base/checkpoint_1000000')
-  ckpt.params                      # contract names (DESIGN.md), lazy leaves
-  upcycle.checkpoints.materialize(ckpt.params)   # numpy arrays
+  ckpt.params                      # this project's names, numpy leaves
+  upcycle.checkpoints.load(path, lazy=True).params   # LazyArray leaves, read on demand
 """
 
 import os
@@ -54,7 +54,7 @@ def detect_format(path: str) -> str:
 
 
 def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-builtin
-         model_config: Any = None) -> Checkpoint:
+         model_config: Any = None, lazy: bool = False) -> Checkpoint:
   """Reads any supported checkpoint into contract names; nothing is ever written.
 
   Args:
@@ -62,6 +62,9 @@ def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-b
     format: one of FORMATS, or None to detect it.
     model_config: a T5Config / ViTConfig to check the parameters against (names and
       shapes); a mismatch raises CheckpointError naming the parameter.
+    lazy: return LazyArray leaves (shape and dtype now, data on `np.asarray` or
+      `leaf.read(index)`), for checkpoints larger than memory; by default every leaf is
+      read into a numpy array, usable wherever a jax/numpy array is.
   """
   format = format or detect_format(path)
   if format in ('t5x', 't5x_orbax'):
@@ -69,14 +72,14 @@ def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-b
   elif format == 'orbax':
     ckpt = orbax.load(path)
   elif format == 'hf':
-    ckpt = hf.load_checkpoint(path)
+    ckpt = hf.load_checkpoint(path, lazy=True)
   elif format in ('vit_jax', 'big_vision'):
-    ckpt = vit_npz.load(path)
+    ckpt = vit_npz.load(path, lazy=True)
   else:
     raise checkpoint_error(path, 'unknown format argument', expected=FORMATS, found=repr(format))
   if model_config is not None:
     validate.check_params(ckpt.params, validate.expected_params(model_config), ckpt.path)
-  return ckpt
+  return ckpt if lazy else ckpt.read()
 
 
 __all__ = ['Checkpoint', 'CheckpointError', 'FORMATS', 'LazyArray', 'detect_format', 'load',

@@ -3,14 +3,17 @@
 import dataclasses
 from typing import Any, Optional, Tuple
 
+from upcycle.checkpoints.lazy import materialize
+
 
 @dataclasses.dataclass
 class Checkpoint:
   """A checkpoint read into this project's parameter names.
 
   Attributes:
-    params: nested dict in the naming contract (DESIGN.md). Leaves are numpy
-      arrays or lazy arrays (shape/dtype known, data read on `np.asarray`).
+    params: nested dict in this project's parameter names. Leaves are numpy arrays, or,
+      from a reader called with `lazy=True`, LazyArrays (shape/dtype known, data read
+      on `np.asarray` or block by block).
     step: training step, or None when the format has none.
     optimizer_state: the source's optimizer slots in the source's structure,
       or None.
@@ -28,3 +31,8 @@ class Checkpoint:
   path: str
   model_config: Optional[Any] = None
   notes: Tuple[str, ...] = ()
+
+  def read(self) -> 'Checkpoint':
+    """This checkpoint with every lazy leaf read into a numpy array."""
+    return dataclasses.replace(self, params=materialize(self.params),
+                               optimizer_state=materialize(self.optimizer_state))

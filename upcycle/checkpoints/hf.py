@@ -3,7 +3,8 @@
 `load(path)` returns the parameters in this project's names (DESIGN.md) and the
 T5Config / ViTConfig that reproduces the HuggingFace model's logits. Supported:
 `T5ForConditionalGeneration` with `feed_forward_proj='gated-gelu'` (T5 v1.1, Flan-T5)
-and `ViTForImageClassification`. Leaves are lazy (memory-mapped).
+and `ViTForImageClassification`. Leaves are numpy arrays, or with `lazy=True` memory-mapped
+LazyArrays.
 """
 
 import json
@@ -33,13 +34,14 @@ def is_hf_dir(path: str) -> bool:
           and any(os.path.isfile(os.path.join(path, f)) for f in WEIGHT_FILES))
 
 
-def load(path: str) -> Tuple[Dict[str, Any], Any]:
-  """HuggingFace checkpoint directory -> (params in contract names, T5Config or ViTConfig)."""
-  ckpt = load_checkpoint(path)
+def load(path: str, lazy: bool = False) -> Tuple[Dict[str, Any], Any]:
+  """HuggingFace checkpoint directory -> (params in this project's names, T5Config or
+  ViTConfig); numpy leaves, or LazyArrays with `lazy=True`."""
+  ckpt = load_checkpoint(path, lazy)
   return ckpt.params, ckpt.model_config
 
 
-def load_checkpoint(path: str) -> Checkpoint:
+def load_checkpoint(path: str, lazy: bool = False) -> Checkpoint:
   """Like `load`, as a Checkpoint whose `notes` list what went beyond renaming."""
   path = os.fspath(path)
   config_path = os.path.join(path, 'config.json')
@@ -58,8 +60,9 @@ def load_checkpoint(path: str) -> Checkpoint:
   tensors, weights_path = read_tensors(path)
   params, model_config, notes = ARCHITECTURES[supported[0]](
       tensors, config, config_path, weights_path)
-  return Checkpoint(params=params, step=None, optimizer_state=None, format='hf', path=path,
+  ckpt = Checkpoint(params=params, step=None, optimizer_state=None, format='hf', path=path,
                     model_config=model_config, notes=tuple(notes))
+  return ckpt if lazy else ckpt.read()
 
 
 def read_tensors(path: str) -> Tuple[Dict[str, LazyArray], str]:

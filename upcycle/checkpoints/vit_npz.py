@@ -7,7 +7,8 @@ class-token slot that is added to the class token: we fold it, `cls += pos[:, :1
 and keep `pos_embedding = pos[:, 1:]` (the same function, exactly). big_vision
 (optionally under `params/`) already uses our names; a scanned encoder
 (`Transformer/encoderblock/...` with a leading depth axis) is unstacked. bfloat16 arrays,
-which numpy saves as void `|V2`, come back as bfloat16. Leaves are lazy.
+which numpy saves as void `|V2`, come back as bfloat16. Leaves are numpy arrays, or
+LazyArrays with `lazy=True`.
 """
 
 import os
@@ -121,7 +122,8 @@ def _unscan(flat: Dict[str, LazyArray]) -> Dict[str, Any]:
 
 
 def load(path: str, *, grid: Optional[Tuple[int, int]] = None,
-         num_classes: Optional[int] = None, head: Optional[str] = None) -> Checkpoint:
+         num_classes: Optional[int] = None, head: Optional[str] = None,
+         lazy: bool = False) -> Checkpoint:
   """A vit_jax or big_vision .npz -> Checkpoint with big_vision-named params.
 
   Args:
@@ -129,6 +131,7 @@ def load(path: str, *, grid: Optional[Tuple[int, int]] = None,
     grid: if given, resize `pos_embedding` to this (h, w) patch grid (vit_adapt).
     num_classes: if given and different from the head's, apply `head`.
     head: 'drop' or 'reinit' (zeros), required when `num_classes` differs.
+    lazy: return LazyArray leaves read on demand instead of numpy arrays.
   Every adaptation made is listed in `Checkpoint.notes`.
   """
   path = os.fspath(path)
@@ -144,5 +147,6 @@ def load(path: str, *, grid: Optional[Tuple[int, int]] = None,
   params, notes = vit_adapt.adapt(tree.unflatten(params), grid=grid, num_classes=num_classes,
                                   head=head, source=path)
   opt = {k[len('opt/'):]: v for k, v in rest.items() if k.startswith('opt/')}
-  return Checkpoint(params=params, step=None, optimizer_state=tree.unflatten(opt) or None,
+  ckpt = Checkpoint(params=params, step=None, optimizer_state=tree.unflatten(opt) or None,
                     format=kind, path=path, notes=tuple(notes))
+  return ckpt if lazy else ckpt.read()

@@ -1,7 +1,9 @@
 """Registered seqio span-corruption tasks.
 
-- `c4_span_corruption`: T5's pretraining task, TFDS `c4/en:3.0.1` with the 32k T5 SentencePiece
-  vocabulary (100 extra ids), for real runs. Re-register with another vocabulary path or TFDS data
+- `c4_span_corruption`: T5's pretraining task, TFDS `c4/en:3.1.0` with the 32k T5 SentencePiece
+  vocabulary (100 extra ids), for real runs. T5 named `c4/en:3.0.1`; the pinned TFDS builds only
+  3.1.0 (the same documents, with `content-type`/`content-length` fields added), and the task
+  reads only `text`. Re-register with another vocabulary path or TFDS data
   dir by calling `add_c4_span_corruption(...)` from the entry point.
 - `offline_span_corruption` (default): the same objective over the Python documentation
   (`offline_text`) with `seqio.ByteVocabulary(extra_ids=100)`; needs no download.
@@ -20,7 +22,7 @@ from upcycle.data import span_corruption
 
 C4_TASK = 'c4_span_corruption'
 OFFLINE_TASK = 'offline_span_corruption'
-C4_TFDS_NAME = 'c4/en:3.0.1'
+C4_TFDS_NAME = 'c4/en:3.1.0'
 T5_VOCABULARY_PATH = 'gs://t5-data/vocabs/cc_all.32000/sentencepiece.model'
 EXTRA_IDS = 100
 SPLITS = ('train', 'validation')

@@ -1,6 +1,6 @@
 """T5 v1.1 encoder-decoder with T5X `t5_1_1` parameter names; any MLP block may be MoE.
 
-Parameter tree (see DESIGN.md, "The naming contract"):
+Parameter tree (the README's "Parameter names"):
   token_embedder/embedding [vocab, d_model]
   encoder/relpos_bias/rel_embedding [heads, buckets]
   encoder/layers_{i}/{pre_attention_layer_norm, attention, pre_mlp_layer_norm, mlp}

@@ -215,7 +215,7 @@ class UpcycleFromDense:
           f'ExpertInit instance. A class (gin: @sources.FromCheckpoints, no parentheses) takes '
           f'several source checkpoints: UpcycleFromDense.checkpoint = [path, path, ...]; any '
           f'other initializer needs parentheses (gin: @experts.Drop()).')
-    ckpt = checkpoints.load(self.checkpoint, self.format)
+    ckpt = checkpoints.load(self.checkpoint, self.format, lazy=True)
 
     def make_params(dense, target, rng):
       return upcycle(dense, target, experts=self.experts, router=self.router, rng=rng,
@@ -240,7 +240,7 @@ class UpcycleFromDense:
     if self.step == 'keep' and len(steps) > 1:
       raise ValueError(f'{owner}: the source checkpoints are at different steps {steps}, so '
                        f"step='keep' is ambiguous. Fix: {owner}.step = 'reset' or a number.")
-    init = self.experts(sources=[checkpoints.materialize(c.params) for c in ckpts])
+    init = self.experts(sources=[c.params for c in ckpts])
     if not isinstance(init, MultiSource):
       raise ValueError(f'{owner}.experts(sources=...) returned {init!r}; expected '
                        f'FromCheckpoints or Merge.')
@@ -285,7 +285,7 @@ class ContinueFromCheckpoint:
     _check_step(self.step, 'ContinueFromCheckpoint')
 
   def __call__(self, abstract_state: TrainState, optimizer) -> TrainState:
-    ckpt = checkpoints.load(self.checkpoint, self.format)
+    ckpt = checkpoints.load(self.checkpoint, self.format, lazy=True)
 
     def make_params(source, target, rng):
       del rng
