@@ -23,6 +23,8 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from upcycle.data import host_only
+
 DIGITS = 'sklearn_digits'
 DIGITS_SPLITS = ('train', 'validation')
 _DIGITS_VALIDATION_SIZE = 297
@@ -86,6 +88,7 @@ class ImagePipeline:
 
     Hosts get disjoint shards of equal size (up to num_shards - 1 examples are dropped).
     """
+    host_only.hide_accelerators()
     if self.dataset == DIGITS:
       ds = _digits_shard(self.split, shard_index, num_shards)
     else:

@@ -17,10 +17,12 @@ disjoint shards, and each host checkpoints its own state.
 """
 
 import json
-from typing import Any, Dict, Iterator, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Protocol
 
 import numpy as np
-import tensorflow as tf
+
+if TYPE_CHECKING:  # The pipelines bring TensorFlow; the iterator itself never imports it.
+  import tensorflow as tf
 
 
 class Pipeline(Protocol):
@@ -30,7 +32,7 @@ class Pipeline(Protocol):
     ...
 
   def batches(self, *, seed: int, batch_size: int, shard_index: int, num_shards: int,
-              drop_remainder: bool, skip_batches: int) -> tf.data.Dataset:
+              drop_remainder: bool, skip_batches: int) -> 'tf.data.Dataset':
     ...
 
 
@@ -108,7 +110,7 @@ class DataIterator:
     return ds.prefetch(2).as_numpy_iterator()
 
   @property
-  def element_spec(self) -> Dict[str, tf.TensorSpec]:
+  def element_spec(self) -> Dict[str, 'tf.TensorSpec']:
     """Shapes and dtypes of a batch (builds, but does not run, an epoch's pipeline)."""
     return self._pipeline.batches(
         seed=0, batch_size=self._config['batch_size'], shard_index=self._config['shard_index'],

@@ -13,6 +13,7 @@ from typing import Any, Dict, Mapping
 import seqio
 import tensorflow as tf
 
+from upcycle.data import host_only
 from upcycle.data import tasks  # pylint: disable=unused-import  (registers the default tasks)
 
 
@@ -47,6 +48,7 @@ class TextPipeline:
     The whole epoch is a pure function of (seed, shard_index, num_shards): seqio seeds every
     stochastic preprocessor and shuffle from `seed`. Skipping re-runs the skipped work.
     """
+    host_only.hide_accelerators()
     try:
       task = seqio.get_mixture_or_task(self.task)
     except ValueError as e:
