@@ -1,0 +1,92 @@
+"""launch/tpu_vm.py: the gcloud commands a dry run prints for Cloud TPU VM slices."""
+
+import importlib.util
+import os
+import shlex
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location('tpu_vm', os.path.join(REPO, 'launch', 'tpu_vm.py'))
+tpu_vm = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tpu_vm)
+WHERE = ['--name=moe', '--zone=us-central2-b', '--project=proj']
+
+
+def commands(capsys, *argv):
+  assert tpu_vm.main(list(argv)) == 0
+  return [shlex.split(line[2:]) for line in capsys.readouterr().out.splitlines()
+          if line.startswith('+ ')]
+
+
+@pytest.mark.parametrize('size,workers', [(8, 1), (16, 2), (32, 4), (64, 8), (128, 16),
+                                          (256, 32), (512, 64)])
+def test_create_slices(capsys, size, workers):
+  (create,) = commands(capsys, 'create', *WHERE, f'--accelerator_type=v4-{size}', '--spot',
+                       '--dry_run')
+  assert create == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'create', 'moe',
+                    '--zone=us-central2-b', '--project=proj', f'--accelerator-type=v4-{size}',
+                    '--version=tpu-ubuntu2204-base', '--spot']
+  assert tpu_vm.num_workers(f'v4-{size}') == workers
+
+
+def test_queued_resources(capsys):
+  (create,) = commands(capsys, 'create', *WHERE, '--accelerator_type=v4-128', '--queued',
+                       '--preemptible', '--dry_run')
+  assert create[:6] == ['gcloud', 'compute', 'tpus', 'queued-resources', 'create', 'moe']
+  assert {'--node-id=moe', '--accelerator-type=v4-128', '--runtime-version=tpu-ubuntu2204-base',
+          '--preemptible'} <= set(create)
+  (delete,) = commands(capsys, 'delete', *WHERE, '--queued', '--dry_run')
+  assert delete[3:5] == ['queued-resources', 'delete'] and '--force' in delete
+
+
+@pytest.mark.parametrize('bad', ['v4-12', 'v4-4', 'v4-8192', 'v3-8x', 'tpu-8'])
+def test_bad_accelerator_types_are_refused(bad):
+  with pytest.raises(SystemExit, match=bad):
+    tpu_vm.main(['create', *WHERE, f'--accelerator_type={bad}', '--dry_run'])
+
+
+def test_train_runs_one_command_on_every_worker_at_once(capsys):
+  flags = ['--gin_file=models/t5_1_1/base.gin', '--gin_file=moe/paper_t5.gin',
+           "--gin.MODEL_DIR='gs://bucket/run'", '--gin.TRAIN_STEPS=1000']
+  (ssh,) = commands(capsys, 'train', *WHERE, '--accelerator_type=v4-64', '--dry_run', '--',
+                    *flags)
+  assert ssh[:6] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', 'moe']
+  assert '--worker=all' in ssh
+  remote = shlex.split(next(a for a in ssh if a.startswith('--command='))[len('--command='):])
+  start = remote.index('.venv/bin/python')
+  assert remote[start:start + 3 + len(flags)] == ['.venv/bin/python', '-m', 'upcycle.train',
+                                                   *flags]
+  assert remote[-3:] == ['tee', '-a', tpu_vm.LOG_FILE]   # each worker logs to its own disk
+
+
+def test_train_with_retries_shows_how_a_preempted_vm_is_replaced(capsys):
+  run = commands(capsys, 'train', *WHERE, '--accelerator_type=v4-32', '--spot', '--retries=2',
+                 '--git_url=https://example.org/upcycle.git', '--git_ref=v1', '--dry_run', '--',
+                 '--gin_file=models/t5_1_1/base.gin')
+  verbs = [argv[3:5] for argv in run]
+  assert verbs == [['tpu-vm', 'ssh'], ['tpu-vm', 'delete'], ['tpu-vm', 'create'],
+                   ['tpu-vm', 'ssh']]
+  assert '--spot' in run[2]
+  setup = run[3][-1]
+  assert 'git clone --quiet https://example.org/upcycle.git ~/upcycle' in setup
+  assert "pip install -q 'jax[tpu]==0.10.2'" in setup
+
+
+def test_setup_copies_this_checkout_to_every_worker(capsys):
+  archive, scp, install = commands(capsys, 'setup', *WHERE, f'--source={REPO}', '--dry_run')
+  assert archive[:3] == ['git', '-C', REPO] and 'HEAD' in archive
+  assert scp[3:5] == ['tpu-vm', 'scp'] and '--worker=all' in scp
+  assert '--worker=all' in install and '.venv/bin/pip install -q -e .' in install[-1]
+
+
+def test_train_without_flags_says_what_to_give():
+  with pytest.raises(SystemExit, match='after `--`'):
+    tpu_vm.main(['train', *WHERE, '--dry_run'])
+
+
+def test_logs_and_ssh(capsys):
+  (logs,) = commands(capsys, 'logs', *WHERE, '--worker=3', '--follow', '--dry_run')
+  assert '--worker=3' in logs and logs[-1] == f'--command=tail -n 100 -F {tpu_vm.LOG_FILE}'
+  (ssh,) = commands(capsys, 'ssh', *WHERE, '--dry_run')
+  assert ssh[-1] == '--worker=0'
