@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from tests.checkpoints import helpers
-from upcycle.checkpoints import CheckpointError, hf, lazy, tree
+from upcycle import pretrained, tree
+from upcycle.checkpoints import CheckpointError, lazy
 from upcycle.models import T5Config, ViTConfig
 
 
@@ -31,7 +32,7 @@ def _edit_config(directory, **fields):
 
 def test_t5_matches_transformers(hf_t5):
   directory, reference = hf_t5
-  params, config = hf.load(directory)
+  params, config = pretrained.load_hf(directory)
   assert isinstance(config, T5Config)
   assert (config.d_model, config.d_ff, config.num_heads, config.d_kv) == (8, 12, 2, 4)
   assert not config.logits_via_embedding and 'logits_dense' in params['decoder']
@@ -44,7 +45,7 @@ def test_t5_matches_transformers(hf_t5):
 
 def test_t5_untied_head_and_relpos_layout(hf_t5):
   directory, reference = hf_t5
-  params, _ = hf.load(directory)
+  params, _ = pretrained.load_hf(directory)
   np.testing.assert_array_equal(np.asarray(params['decoder']['logits_dense']['kernel']),
                                 reference.lm_head.weight.detach().numpy().T)
   bias = reference.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
@@ -75,13 +76,13 @@ def test_t5_rescaled_tied_head_uses_embedding(hf_t5, tmp_path):
   del tensors['lm_head.weight']
   save_file(tensors, weights)
   _edit_config(directory, tie_word_embeddings=True)
-  params, config = hf.load(directory)
+  params, config = pretrained.load_hf(directory)
   assert config.logits_via_embedding and 'logits_dense' not in params['decoder']
 
 
 def test_vit_matches_transformers(hf_vit):
   directory, reference = hf_vit
-  params, config = hf.load(directory)
+  params, config = pretrained.load_hf(directory)
   assert isinstance(config, ViTConfig)
   assert config.pool_type == 'token' and not config.approximate_gelu
   assert config.layer_norm_epsilon == 1e-12 and config.num_classes == 5
@@ -101,7 +102,7 @@ def test_bfloat16_safetensors(hf_vit, tmp_path):
   import torch  # pylint: disable=g-import-not-at-top
   bf16_dir = str(tmp_path / 'bf16')
   copy.deepcopy(reference).to(dtype=torch.bfloat16).save_pretrained(bf16_dir)
-  params, _ = hf.load(bf16_dir)
+  params, _ = pretrained.load_hf(bf16_dir)
   kernel = params['head']['kernel']
   assert kernel.dtype == ml_dtypes.bfloat16
   expected = reference.classifier.weight.detach().numpy().T.astype(ml_dtypes.bfloat16)
@@ -121,9 +122,9 @@ def test_sharded_and_torch_bin_read_the_same(hf_vit, tmp_path):
   # A pytorch_model.bin holds the on-disk names (transformers 5 renames modules in memory).
   torch.save(load_file(os.path.join(directory, 'model.safetensors')),
              os.path.join(torch_dir, 'pytorch_model.bin'))
-  want = tree.flatten(lazy.materialize(hf.load(directory)[0]))
+  want = tree.flatten(lazy.materialize(pretrained.load_hf(directory)[0]))
   for other in (sharded, torch_dir):
-    got = tree.flatten(lazy.materialize(hf.load(other)[0]))
+    got = tree.flatten(lazy.materialize(pretrained.load_hf(other)[0]))
     assert got.keys() == want.keys()
     for path in want:
       np.testing.assert_array_equal(got[path], want[path], err_msg=f'{other}: {path}')
@@ -134,7 +135,7 @@ def test_only_gated_gelu_t5(hf_t5, tmp_path):
   _edit_config(directory, feed_forward_proj='relu')
   with pytest.raises(CheckpointError, match=r"config.json: field \"feed_forward_proj\".*"
                      r"'gated-gelu'.*'relu'.*T5 v1.1"):
-    hf.load(directory)
+    pretrained.load_hf(directory)
 
 
 def test_unsupported_architecture(hf_vit, tmp_path):
@@ -142,7 +143,7 @@ def test_unsupported_architecture(hf_vit, tmp_path):
   _edit_config(directory, architectures=['BertModel'])
   with pytest.raises(CheckpointError, match=r'config.json: unsupported architecture in field '
                      r'"architectures".*BertModel'):
-    hf.load(directory)
+    pretrained.load_hf(directory)
 
 
 def test_vit_weights_under_a_t5_config(hf_t5, hf_vit, tmp_path):
@@ -151,7 +152,7 @@ def test_vit_weights_under_a_t5_config(hf_t5, hf_vit, tmp_path):
   before = helpers.snapshot(directory)
   with pytest.raises(CheckpointError, match=r'model.safetensors: tensors that a T5 v1.1 model '
                      r'does not have.*vit\.'):
-    hf.load(directory)
+    pretrained.load_hf(directory)
   assert helpers.snapshot(directory) == before
 
 
@@ -160,7 +161,7 @@ def test_config_shape_mismatch_names_parameter(hf_t5, tmp_path):
   _edit_config(directory, d_ff=24)
   before = helpers.snapshot(directory)
   with pytest.raises(CheckpointError) as e:
-    hf.load(directory)
+    pretrained.load_hf(directory)
   message = str(e.value)
   assert 'model.safetensors' in message
   assert "parameter 'decoder/layers_0/mlp/wi_0/kernel'" in message
@@ -177,7 +178,7 @@ def test_truncated_safetensors(hf_vit, tmp_path):
     f.write(data[:len(data) - 100])
   with pytest.raises(CheckpointError, match=r'model.safetensors: parameter .*does not fit the '
                      r'file.*Re-download'):
-    hf.load(directory)
+    pretrained.load_hf(directory)
 
 
 def test_t5_rescaled_head_with_distinct_lm_head_is_refused(hf_t5, tmp_path):
@@ -185,4 +186,4 @@ def test_t5_rescaled_head_with_distinct_lm_head_is_refused(hf_t5, tmp_path):
   _edit_config(directory, tie_word_embeddings=True)
   with pytest.raises(CheckpointError, match=r'config.json: .*lm_head.weight differs from '
                      r'shared.weight.*"tie_word_embeddings": false'):
-    hf.load(directory)
+    pretrained.load_hf(directory)

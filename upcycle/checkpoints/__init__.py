@@ -6,12 +6,13 @@
 """
 
 import os
-from typing import Any, Optional
+from typing import Optional
 
 from upcycle.checkpoints import hf, orbax, orbax_tree, t5x, validate, vit_npz, zarr_leaf
-from upcycle.checkpoints.checkpoint import Checkpoint
+from upcycle.checkpoints.checkpoint import Checkpoint, ExpectedFn
 from upcycle.checkpoints.errors import CheckpointError, checkpoint_error
 from upcycle.checkpoints.lazy import LazyArray, materialize
+from upcycle.checkpoints.optimizer_state import from_t5x_adafactor
 
 FORMATS = ('t5x', 't5x_orbax', 'orbax', 'hf', 'vit_jax', 'big_vision')
 _LOOKED_FOR = (
@@ -54,14 +55,15 @@ def detect_format(path: str) -> str:
 
 
 def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-builtin
-         model_config: Any = None) -> Checkpoint:
+         expected: Optional[ExpectedFn] = None) -> Checkpoint:
   """Reads any supported checkpoint into contract names; nothing is ever written.
 
   Args:
     path: file or directory (see `detect_format`); T5X accepts gs:// paths.
     format: one of FORMATS, or None to detect it.
-    model_config: a T5Config / ViTConfig to check the parameters against (names and
-      shapes); a mismatch raises CheckpointError naming the parameter.
+    expected: `description (or None) -> tree of shapes` to check the parameters against
+      (names and shapes); a mismatch raises CheckpointError naming the parameter.
+      `upcycle.pretrained.load(path, model_config=...)` passes the model's shapes.
   """
   format = format or detect_format(path)
   if format in ('t5x', 't5x_orbax'):
@@ -69,15 +71,16 @@ def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-b
   elif format == 'orbax':
     ckpt = orbax.load(path)
   elif format == 'hf':
-    ckpt = hf.load_checkpoint(path)
+    return hf.load_checkpoint(path, expected)
   elif format in ('vit_jax', 'big_vision'):
     ckpt = vit_npz.load(path)
   else:
     raise checkpoint_error(path, 'unknown format argument', expected=FORMATS, found=repr(format))
-  if model_config is not None:
-    validate.check_params(ckpt.params, validate.expected_params(model_config), ckpt.path)
+  shapes = expected(ckpt.description) if expected else None
+  if shapes is not None:
+    validate.check_params(ckpt.params, shapes, ckpt.path)
   return ckpt
 
 
-__all__ = ['Checkpoint', 'CheckpointError', 'FORMATS', 'LazyArray', 'detect_format', 'load',
-           'materialize']
+__all__ = ['Checkpoint', 'CheckpointError', 'FORMATS', 'LazyArray', 'detect_format',
+           'from_t5x_adafactor', 'load', 'materialize']
