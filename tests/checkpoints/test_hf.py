@@ -62,7 +62,7 @@ def test_t5_without_lm_head_ties_to_shared(hf_t5, tmp_path):
   del tensors['lm_head.weight']
   save_file(tensors, weights)
   _edit_config(directory, tie_word_embeddings=True, scale_decoder_outputs=False)
-  ckpt = hf.load_checkpoint(directory)
+  ckpt = pretrained.load(directory)
   np.testing.assert_array_equal(np.asarray(ckpt.params['decoder']['logits_dense']['kernel']),
                                 tensors['shared.weight'].T)
   assert any('shared.weight transposed' in note for note in ckpt.notes)

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 from tests.checkpoints import helpers, t5x_writer
-from upcycle import checkpoints, tree
+from upcycle import checkpoints, pretrained, tree
 from upcycle.checkpoints import factored, from_t5x_adafactor, orbax
 from upcycle.models import T5, ViT
 from upcycle.moe import MoeConfig

@@ -120,7 +120,7 @@ def from_registry(init: Any, kind: type, registry: Mapping[str, Callable[[], Any
     return init
   if isinstance(init, str) and init in registry:
     return registry[init]()
-  raise ValueError(f'{flag}={init!r}: expected a {kind.__name__} or one of '
+  raise ValueError(f'{flag}={init!r}: expected a {kind.__name__} instance or one of '
                    f'{tuple(registry)}. {hint}')
 
 
