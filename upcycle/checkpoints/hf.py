@@ -9,7 +9,7 @@ and `ViTForImageClassification`. Leaves are lazy (memory-mapped).
 
 import json
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import ml_dtypes
 import numpy as np

@@ -99,14 +99,6 @@ class Plan:
   order: Tuple[str, ...]
   step: int = 0
 
-  @property
-  def leaves(self) -> Dict[str, Leaf]:
-    """{target path: Leaf} for every target leaf."""
-    out = {leaf.path: leaf for leaf in self.copies}
-    for block in self.blocks:
-      out.update((leaf.path, leaf) for leaf in block.leaves)
-    return out
-
   def report(self) -> UpcycleReport:
     entries = [Entry(c.path, COPIED, c.shape, c.dtype, c.source, self.shared, c.note)
                for c in self.copies]
