@@ -56,15 +56,15 @@ _CHILD = textwrap.dedent('''
 def _dense_checkpoint(directory: str, spec: dict) -> int:
   """Writes the dense model (orbax, step 0); returns its size in bytes."""
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from upcycle.checkpoints import orbax, validate  # pylint: disable=g-import-not-at-top
-  from upcycle.models import T5Config  # pylint: disable=g-import-not-at-top
+  from upcycle.checkpoints import orbax  # pylint: disable=g-import-not-at-top
+  from upcycle.models import T5Config, abstract_params  # pylint: disable=g-import-not-at-top
   config = T5Config(vocab_size=spec['vocab'], d_model=spec['d_model'], num_heads=spec['heads'],
                     d_kv=spec['d_model'] // spec['heads'], d_ff=spec['d_ff'],
                     num_encoder_layers=spec['layers'], num_decoder_layers=spec['layers'])
   rng = np.random.default_rng(0)
   import jax  # pylint: disable=g-import-not-at-top
   params = jax.tree.map(lambda x: rng.normal(0, 0.05, x.shape).astype(np.float32),
-                        validate.expected_params(config))
+                        abstract_params(config))
   with orbax.CheckpointManager(directory, async_save=False) as manager:
     manager.save(0, params)
   return sum(x.nbytes for x in jax.tree.leaves(params))

@@ -8,14 +8,13 @@ import numpy as np
 import pytest
 
 from tests.checkpoints import helpers, t5x_writer
-from upcycle import checkpoints, convert
-from upcycle.checkpoints import validate
-from upcycle.models import T5
+from upcycle import checkpoints, convert, tree
+from upcycle.models import T5, abstract_params
 from upcycle.moe import MoeConfig
 from upcycle.train import objectives, optimizers, partitioning
+from upcycle.train.restore import ContinueFromCheckpoint
 from upcycle.train.trainer import TrainConfig, Trainer
-from upcycle.upcycling import experts, paths, stream
-from upcycle.upcycling.restore import ContinueFromCheckpoint
+from upcycle.upcycling import experts, stream
 from upcycle.upcycling.surgery import upcycle
 
 GIN = '''
@@ -80,11 +79,11 @@ def test_round_trip_equals_in_memory_surgery_and_trains_on(source, tmp_path, cap
   assert 'Wrote' in capsys.readouterr().out
   ckpt = checkpoints.load(str(out))
   assert (ckpt.format, ckpt.step, ckpt.optimizer_state) == ('orbax', 6, None)
-  want, _ = upcycle(source['params'], validate.expected_params(CONFIG), rng=3,
+  want, _ = upcycle(source['params'], abstract_params(CONFIG), rng=3,
                     experts=experts.Drop(0.5, index_sharing='per_matrix'))
-  got = paths.flatten(ckpt.params)
-  assert got.keys() == paths.flatten(want).keys()
-  for path, x in paths.flatten(want).items():
+  got = tree.flatten(ckpt.params)
+  assert got.keys() == tree.flatten(want).keys()
+  for path, x in tree.flatten(want).items():
     np.testing.assert_array_equal(np.asarray(got[path]), np.asarray(x), err_msg=path)
 
   # The trainer's hook reads it as it is, on the mesh.
@@ -98,9 +97,9 @@ def test_round_trip_equals_in_memory_surgery_and_trains_on(source, tmp_path, cap
     state = ContinueFromCheckpoint(str(out), reuse_optimizer_state=False)(abstract,
                                                                           trainer.optimizer)
   assert int(state.step) == 6
-  for path, x in paths.flatten(state.params).items():
+  for path, x in tree.flatten(state.params).items():
     np.testing.assert_array_equal(np.asarray(x), np.asarray(got[path]), err_msg=path)
-    assert x.sharding == paths.flatten(abstract.params)[path].sharding
+    assert x.sharding == tree.flatten(abstract.params)[path].sharding
 
 
 def test_dry_run_prints_the_report_and_writes_nothing(source, tmp_path, capsys):
@@ -143,7 +142,7 @@ class _Killed(Exception):
 def test_a_conversion_that_dies_leaves_no_checkpoint(source, tmp_path, monkeypatch):
   """Dies after the first MoE block: nothing at the output, leftovers not loadable."""
   blocks = []
-  pop = stream._Block.pop  # pylint: disable=protected-access
+  pop = stream.BlockValues.pop
 
   def dying_pop(self, path):
     if blocks and self is not blocks[0]:
@@ -151,7 +150,7 @@ def test_a_conversion_that_dies_leaves_no_checkpoint(source, tmp_path, monkeypat
     blocks[:] = [self]
     return pop(self, path)
 
-  monkeypatch.setattr(stream._Block, 'pop', dying_pop)  # pylint: disable=protected-access
+  monkeypatch.setattr(stream.BlockValues, 'pop', dying_pop)
   monkeypatch.setattr(convert.shutil, 'rmtree', lambda *a, **k: None)  # As if killed.
   out = tmp_path / 'moe'
   with pytest.raises(Exception) as raised:

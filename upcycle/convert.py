@@ -10,14 +10,14 @@ or @models.ViT(); a bare T5Config / ViTConfig works too): its config decides whi
 are MoE, how many experts, shapes and dtypes. --gin_file / --gin.KEY=VALUE /
 --gin_bindings / --gin_search_paths work as for training (upcycle/gin_utils.py).
 
---experts: copy | drop | noise | random | granular, optionally with arguments as Python
+--experts: copy | drop | noise | random | granular (experts.EXPERT_INITS), optionally with arguments as Python
 literals: 'drop(ratio=0.5, index_sharing="per_matrix")', 'granular(granularity=2)'.
---router: normal | uniform | zeros, e.g. 'normal(std=0.02)'.
+--router: normal | uniform | zeros (routers.ROUTER_INITS), e.g. 'normal(std=0.02)'.
 --step: the output's step: keep (the source's, 0 if its format has none), reset (0), or N.
 
 Output: OUTPUT_DIR/<step>/params/ and _CHECKPOINT_METADATA, the layout training writes
 (`upcycle.checkpoints.orbax`), parameters only. Train from it with
-`ContinueFromCheckpoint(OUTPUT_DIR, reuse_optimizer_state=False)` (upcycling/restore.py).
+`ContinueFromCheckpoint(OUTPUT_DIR, reuse_optimizer_state=False)` (train/restore.py).
 Leaves are computed and written one at a time (upcycling/stream.py): peak memory is about
 one MoE block (E copies of one dense MLP) plus bounded write buffers, whatever the model size,
 so a dense checkpoint converts on a machine smaller than the MoE (benchmarks/convert_memory.py
@@ -26,8 +26,8 @@ measures it: +0.46 GiB for a 0.75 GiB MoE, +0.71 GiB for a 3 GiB one).
 Safety: the source is only read. The output may not be, contain or lie inside the source; an
 existing non-empty OUTPUT_DIR is replaced only with --overwrite. Everything is written to a
 hidden sibling `.OUTPUT_DIR.converting-*` and renamed to OUTPUT_DIR at the end, so a killed
-conversion leaves no OUTPUT_DIR (delete the hidden directory). --dry_run prints the report
-and writes nothing.
+conversion leaves no OUTPUT_DIR (delete the hidden directory). --dry_run prints the plan
+(the upcycling report) and writes nothing.
 """
 
 import argparse
@@ -38,15 +38,14 @@ import sys
 import tempfile
 from typing import Any, List, Mapping, Optional, Union
 
-from upcycle import checkpoints, gin_utils
-from upcycle.checkpoints import validate
-from upcycle.models import T5Config, ViTConfig
+from upcycle import checkpoints, gin_utils, pretrained
+from upcycle.models import T5Config, ViTConfig, abstract_params
 from upcycle.upcycling import experts as experts_lib
 from upcycle.upcycling import routers as routers_lib
-from upcycle.upcycling import stream
+from upcycle.upcycling import step_policy, stream
 from upcycle.upcycling.report import UpcycleReport
+from upcycle.upcycling.surgery import make_plan
 
-EXPERT_INITS = {**experts_lib.EXPERT_INITS, 'granular': experts_lib.Granular}
 MODEL_MACRO = 'MODEL'
 
 
@@ -111,20 +110,6 @@ def check_paths(source: str, resolved: str, output_dir: str, overwrite: bool) ->
                          f'choose another directory, or pass --overwrite to replace it.')
 
 
-def _start_step(step: Union[str, int], checkpoint_step: Optional[int]) -> int:
-  if step == 'keep':
-    return int(checkpoint_step or 0)
-  if step == 'reset':
-    return 0
-  try:
-    value = int(step)
-  except ValueError:
-    value = -1
-  if value < 0:
-    raise ConvertError(f"--step={step!r}: expected 'keep', 'reset' or a step number >= 0.")
-  return value
-
-
 def _replace(tmp: str, output_dir: str) -> None:
   """Renames `tmp` to `output_dir`; an old output is moved aside first, deleted last."""
   old = None
@@ -149,32 +134,32 @@ def convert(source: str, model_config: Union[T5Config, ViTConfig], output_dir: s
   anything is written.
   """
   output_dir = os.path.abspath(os.fspath(output_dir))
-  ckpt = checkpoints.load(source, format, lazy=True)
+  try:
+    step = step_policy.check(step, '--step')
+  except ValueError as e:
+    raise ConvertError(str(e)) from e
+  ckpt = pretrained.load(source, format, lazy=True)
   check_paths(source, ckpt.path, output_dir, overwrite)
-  start = _start_step(step, ckpt.step)
-  target = validate.expected_params(model_config)
-  report = stream.plan(ckpt.params, target, experts=experts, router=router, seed=seed,
-                       cast=cast)
-  print(f'{ckpt.path} ({ckpt.format}, step {ckpt.step}) -> {output_dir}/{start}', flush=True)
+  plan = make_plan(ckpt.params, abstract_params(model_config), experts=experts, router=router,
+                   cast=cast, step=step_policy.start(step, ckpt.step))
+  print(f'{ckpt.path} ({ckpt.format}, step {ckpt.step}) -> {output_dir}/{plan.step}', flush=True)
   for note in ckpt.notes:
     print(f'  reader: {note}', flush=True)
-  print(report, flush=True)
+  print(plan, flush=True)
   if dry_run:
     print('Dry run: nothing written.', flush=True)
-    return report
+    return plan.report()
   parent = os.path.dirname(output_dir)
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=f'.{os.path.basename(output_dir)}.converting-', dir=parent)
   try:
-    tree = stream.leaves(ckpt.params, target, report, experts=experts, router=router,
-                         seed=seed, cast=cast)
-    stream.write(tmp, start, tree)
+    stream.write(tmp, plan.step, stream.leaves(plan, ckpt.params, seed))
     _replace(tmp, output_dir)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
-  print(f'Wrote {output_dir}/{start}.', flush=True)
-  return report
+  print(f'Wrote {output_dir}/{plan.step}.', flush=True)
+  return plan.report()
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -203,7 +188,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     report_args = dict(
         format=args.format, seed=args.seed, step=args.step, cast=args.cast,
         overwrite=args.overwrite, dry_run=args.dry_run,
-        experts=parse_init(args.experts, EXPERT_INITS, '--experts'),
+        experts=parse_init(args.experts, experts_lib.EXPERT_INITS, '--experts'),
         router=parse_init(args.router, routers_lib.ROUTER_INITS, '--router'))
     convert(args.source, target_from_gin(), args.output_dir, **report_args)
   except (ConvertError, checkpoints.CheckpointError, ValueError) as e:

@@ -24,12 +24,12 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
              output_dir: Optional[str] = None, seed: int = 0) -> dict:
   """Evaluates `checkpoint_path` with `objective`'s model; returns (and prints) the metrics."""
   # pylint: disable=g-import-not-at-top
-  from upcycle import checkpoints
+  from upcycle import checkpoints, pretrained
   from upcycle.train import evaluation, partitioning
   from upcycle.train.objectives import init_params
   from upcycle.train.step import make_eval_step
   # pylint: enable=g-import-not-at-top
-  checkpoint = checkpoints.load(checkpoint_path, format, model_config=objective.model.config)
+  checkpoint = pretrained.load(checkpoint_path, format, model_config=objective.model.config)
   mesh = partitioning.make_mesh(num_expert_partitions, num_model_partitions)
   host_batch = batch_size // jax.process_count()
   with partitioning.activate(mesh):

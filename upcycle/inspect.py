@@ -10,24 +10,16 @@ import json
 import sys
 from typing import Any, Dict, List, Optional
 
-import jax
 import numpy as np
 
-from upcycle import checkpoints
+from upcycle import checkpoints, pretrained, tree
 from upcycle.checkpoints import describe
-
-
-def _leaves(t: Any) -> Dict[str, Any]:
-  """'/'-joined path -> array-like leaf, for any pytree (optax states included)."""
-  return {jax.tree_util.keystr(path, simple=True, separator='/'): x
-          for path, x in jax.tree_util.tree_leaves_with_path(t)
-          if hasattr(x, 'shape') and hasattr(x, 'dtype')}
 
 
 def summary(ckpt: checkpoints.Checkpoint) -> Dict[str, Any]:
   """The facts `inspect` prints, as a JSON-ready dict."""
-  params = _leaves(ckpt.params)
-  optimizer = _leaves(ckpt.optimizer_state)
+  params = tree.leaves_by_path(ckpt.params)
+  optimizer = tree.leaves_by_path(ckpt.optimizer_state)
   return {
       'path': ckpt.path,
       'format': ckpt.format,
@@ -82,7 +74,7 @@ def main(argv: Optional[List[str]] = None) -> int:
   parser.add_argument('--json', action='store_true', help='print JSON instead of text')
   args = parser.parse_args(argv)
   try:
-    ckpt = checkpoints.load(args.path, format=args.format, lazy=True)
+    ckpt = pretrained.load(args.path, format=args.format, lazy=True)
   except checkpoints.CheckpointError as e:
     print(f'error: {e}', file=sys.stderr)
     return 1

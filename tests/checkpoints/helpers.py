@@ -7,8 +7,8 @@ import pathlib
 import jax
 import numpy as np
 
-from upcycle.checkpoints import tree, validate
-from upcycle.models import T5, T5Config, ViT, ViTConfig
+from upcycle import tree
+from upcycle.models import T5, T5Config, ViT, ViTConfig, abstract_params
 
 # Written by T5X's own checkpointer (t5x/testdata/tiny_t5, Apache-2.0); see its README.md.
 T5X_FIXTURE = str(pathlib.Path(__file__).parents[1] / 'fixtures' / 't5x' / 'tiny_t5' /
@@ -28,7 +28,7 @@ def random_params(config, seed: int = 0, scale: float = 0.5) -> dict:
   """Every parameter of the model normal(0, scale) in float32 (norm scales around 1)."""
   rng = np.random.default_rng(seed)
   flat = {}
-  for path, leaf in tree.flatten(validate.expected_params(config)).items():
+  for path, leaf in tree.flatten(abstract_params(config)).items():
     value = rng.normal(scale=scale, size=leaf.shape).astype(np.float32)
     flat[path] = value + 1 if path.endswith('scale') else value
   return tree.unflatten(flat)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from tests.checkpoints import helpers
-from upcycle import checkpoints
-from upcycle.checkpoints import CheckpointError, hf, lazy, tree
+from upcycle import checkpoints, pretrained, tree
+from upcycle.checkpoints import CheckpointError, lazy
 from upcycle.models import T5Config, ViTConfig
 
 
@@ -33,7 +33,7 @@ def _edit_config(directory, **fields):
 
 def test_t5_matches_transformers(hf_t5):
   directory, reference = hf_t5
-  params, config = hf.load(directory)
+  params, config = pretrained.load_hf(directory)
   assert isinstance(config, T5Config)
   assert (config.d_model, config.d_ff, config.num_heads, config.d_kv) == (8, 12, 2, 4)
   assert not config.logits_via_embedding and 'logits_dense' in params['decoder']
@@ -46,24 +46,25 @@ def test_t5_matches_transformers(hf_t5):
 
 @pytest.mark.parametrize('fixture', ['hf_t5', 'hf_vit'])
 def test_documented_loaders_feed_the_model_as_returned(fixture, request):
-  """`hf.load` and `checkpoints.load(...).params` return numpy leaves that go straight into
-  `T5.apply` / `ViT.apply`; `lazy=True` returns LazyArrays for streaming."""
+  """`pretrained.load_hf`, `pretrained.load(...).params` and `checkpoints.load(...).params`
+  return numpy leaves that go straight into `T5.apply` / `ViT.apply`; `lazy=True` returns
+  LazyArrays for streaming."""
   directory, reference = request.getfixturevalue(fixture)
-  params, config = hf.load(directory)
+  params, config = pretrained.load_hf(directory)
   assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(params))
   if fixture == 'hf_t5':
     theirs = helpers.torch_t5_logits(reference, helpers.ENCODER_TOKENS, helpers.DECODER_TOKENS)
   else:
     theirs = helpers.torch_vit_logits(reference, helpers.IMAGES)
-  for loaded in (params, checkpoints.load(directory).params):
+  for loaded in (params, pretrained.load(directory).params, checkpoints.load(directory).params):
     assert np.abs(helpers.apply_as_documented(loaded, config) - theirs).max() <= 1e-4
-  lazy_params, _ = hf.load(directory, lazy=True)
+  lazy_params, _ = pretrained.load_hf(directory, lazy=True)
   assert all(isinstance(leaf, lazy.LazyArray) for leaf in jax.tree.leaves(lazy_params))
 
 
 def test_t5_untied_head_and_relpos_layout(hf_t5):
   directory, reference = hf_t5
-  params, _ = hf.load(directory)
+  params, _ = pretrained.load_hf(directory)
   np.testing.assert_array_equal(np.asarray(params['decoder']['logits_dense']['kernel']),
                                 reference.lm_head.weight.detach().numpy().T)
   bias = reference.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
@@ -80,7 +81,7 @@ def test_t5_without_lm_head_ties_to_shared(hf_t5, tmp_path):
   del tensors['lm_head.weight']
   save_file(tensors, weights)
   _edit_config(directory, tie_word_embeddings=True, scale_decoder_outputs=False)
-  ckpt = hf.load_checkpoint(directory)
+  ckpt = pretrained.load(directory)
   np.testing.assert_array_equal(np.asarray(ckpt.params['decoder']['logits_dense']['kernel']),
                                 tensors['shared.weight'].T)
   assert any('shared.weight transposed' in note for note in ckpt.notes)
@@ -94,13 +95,13 @@ def test_t5_rescaled_tied_head_uses_embedding(hf_t5, tmp_path):
   del tensors['lm_head.weight']
   save_file(tensors, weights)
   _edit_config(directory, tie_word_embeddings=True)
-  params, config = hf.load(directory)
+  params, config = pretrained.load_hf(directory)
   assert config.logits_via_embedding and 'logits_dense' not in params['decoder']
 
 
 def test_vit_matches_transformers(hf_vit):
   directory, reference = hf_vit
-  params, config = hf.load(directory)
+  params, config = pretrained.load_hf(directory)
   assert isinstance(config, ViTConfig)
   assert config.pool_type == 'token' and not config.approximate_gelu
   assert config.layer_norm_epsilon == 1e-12 and config.num_classes == 5
@@ -120,7 +121,7 @@ def test_bfloat16_safetensors(hf_vit, tmp_path):
   import torch  # pylint: disable=g-import-not-at-top
   bf16_dir = str(tmp_path / 'bf16')
   copy.deepcopy(reference).to(dtype=torch.bfloat16).save_pretrained(bf16_dir)
-  params, _ = hf.load(bf16_dir)
+  params, _ = pretrained.load_hf(bf16_dir)
   kernel = params['head']['kernel']
   assert kernel.dtype == ml_dtypes.bfloat16
   expected = reference.classifier.weight.detach().numpy().T.astype(ml_dtypes.bfloat16)
@@ -140,9 +141,9 @@ def test_sharded_and_torch_bin_read_the_same(hf_vit, tmp_path):
   # A pytorch_model.bin holds the on-disk names (transformers 5 renames modules in memory).
   torch.save(load_file(os.path.join(directory, 'model.safetensors')),
              os.path.join(torch_dir, 'pytorch_model.bin'))
-  want = tree.flatten(lazy.materialize(hf.load(directory)[0]))
+  want = tree.flatten(lazy.materialize(pretrained.load_hf(directory)[0]))
   for other in (sharded, torch_dir):
-    got = tree.flatten(lazy.materialize(hf.load(other)[0]))
+    got = tree.flatten(lazy.materialize(pretrained.load_hf(other)[0]))
     assert got.keys() == want.keys()
     for path in want:
       np.testing.assert_array_equal(got[path], want[path], err_msg=f'{other}: {path}')
@@ -153,7 +154,7 @@ def test_only_gated_gelu_t5(hf_t5, tmp_path):
   _edit_config(directory, feed_forward_proj='relu')
   with pytest.raises(CheckpointError, match=r"config.json: field \"feed_forward_proj\".*"
                      r"'gated-gelu'.*'relu'.*T5 v1.1"):
-    hf.load(directory)
+    pretrained.load_hf(directory)
 
 
 def test_unsupported_architecture(hf_vit, tmp_path):
@@ -161,7 +162,7 @@ def test_unsupported_architecture(hf_vit, tmp_path):
   _edit_config(directory, architectures=['BertModel'])
   with pytest.raises(CheckpointError, match=r'config.json: unsupported architecture in field '
                      r'"architectures".*BertModel'):
-    hf.load(directory)
+    pretrained.load_hf(directory)
 
 
 def test_vit_weights_under_a_t5_config(hf_t5, hf_vit, tmp_path):
@@ -170,7 +171,7 @@ def test_vit_weights_under_a_t5_config(hf_t5, hf_vit, tmp_path):
   before = helpers.snapshot(directory)
   with pytest.raises(CheckpointError, match=r'model.safetensors: tensors that a T5 v1.1 model '
                      r'does not have.*vit\.'):
-    hf.load(directory)
+    pretrained.load_hf(directory)
   assert helpers.snapshot(directory) == before
 
 
@@ -179,7 +180,7 @@ def test_config_shape_mismatch_names_parameter(hf_t5, tmp_path):
   _edit_config(directory, d_ff=24)
   before = helpers.snapshot(directory)
   with pytest.raises(CheckpointError) as e:
-    hf.load(directory)
+    pretrained.load_hf(directory)
   message = str(e.value)
   assert 'model.safetensors' in message
   assert "parameter 'decoder/layers_0/mlp/wi_0/kernel'" in message
@@ -196,7 +197,7 @@ def test_truncated_safetensors(hf_vit, tmp_path):
     f.write(data[:len(data) - 100])
   with pytest.raises(CheckpointError, match=r'model.safetensors: parameter .*does not fit the '
                      r'file.*Re-download'):
-    hf.load(directory)
+    pretrained.load_hf(directory)
 
 
 def test_t5_rescaled_head_with_distinct_lm_head_is_refused(hf_t5, tmp_path):
@@ -204,4 +205,4 @@ def test_t5_rescaled_head_with_distinct_lm_head_is_refused(hf_t5, tmp_path):
   _edit_config(directory, tie_word_embeddings=True)
   with pytest.raises(CheckpointError, match=r'config.json: .*lm_head.weight differs from '
                      r'shared.weight.*"tie_word_embeddings": false'):
-    hf.load(directory)
+    pretrained.load_hf(directory)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from tests.checkpoints import helpers, t5x_writer
-from upcycle import checkpoints
-from upcycle.checkpoints import CheckpointError, orbax, tree
+from upcycle import checkpoints, pretrained, tree
+from upcycle.checkpoints import CheckpointError, orbax
 
 
 @pytest.fixture(scope='module')
@@ -31,7 +31,10 @@ def test_detects_every_format(hf_t5, hf_vit, t5x_dir, tmp_path):
   for path, kind in cases.items():
     assert checkpoints.detect_format(path) == kind, path
     assert checkpoints.load(path).format == kind, path
-  assert checkpoints.load(hf_vit[0]).model_config.num_classes == 5
+  assert pretrained.load(hf_vit[0]).model_config.num_classes == 5
+  # The reader alone describes the model without building it (checkpoints never import models).
+  assert checkpoints.load(hf_vit[0]).description['num_classes'] == 5
+  assert checkpoints.load(hf_vit[0]).model_config is None
 
 
 def test_unknown_format_lists_what_was_looked_for(tmp_path):
@@ -50,7 +53,7 @@ def test_unknown_format_lists_what_was_looked_for(tmp_path):
 def test_vit_checkpoint_given_for_a_t5_model(hf_vit):
   before = helpers.snapshot(hf_vit[0])
   with pytest.raises(CheckpointError) as e:
-    checkpoints.load(hf_vit[0], model_config=helpers.TINY_T5)
+    pretrained.load(hf_vit[0], model_config=helpers.TINY_T5)
   message = str(e.value)
   assert message.startswith(hf_vit[0]) and 'holds a VIT, the model is a T5' in message
   assert 'missing: decoder/' in message and 'unexpected: Transformer/' in message
@@ -61,13 +64,13 @@ def test_shape_that_does_not_fit_the_model_config(t5x_dir):
   config = dataclasses.replace(helpers.TINY_T5, d_ff=16)
   before = helpers.snapshot(t5x_dir)
   with pytest.raises(CheckpointError) as e:
-    checkpoints.load(t5x_dir, model_config=config)
+    pretrained.load(t5x_dir, model_config=config)
   message = str(e.value)
   assert 'checkpoint_3' in message
   assert "parameter 'decoder/layers_0/mlp/wi_0/kernel'" in message
   assert 'Expected (8, 16), found (8, 12)' in message
   assert helpers.snapshot(t5x_dir) == before
-  checkpoints.load(t5x_dir, model_config=helpers.TINY_T5)  # The right config passes.
+  pretrained.load(t5x_dir, model_config=helpers.TINY_T5)  # The right config passes.
 
 
 def test_bad_format_argument(t5x_dir):

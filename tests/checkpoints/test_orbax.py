@@ -11,7 +11,8 @@ import numpy as np
 import optax
 import pytest
 
-from upcycle.checkpoints import CheckpointError, lazy, orbax, tree
+from upcycle import tree
+from upcycle.checkpoints import CheckpointError, lazy, orbax
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

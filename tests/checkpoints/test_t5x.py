@@ -10,8 +10,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from tests.checkpoints import helpers, t5x_writer
-from upcycle import checkpoints
-from upcycle.checkpoints import CheckpointError, lazy, t5x, tree, zarr_leaf
+from upcycle import checkpoints, tree
+from upcycle.checkpoints import CheckpointError, lazy, t5x, zarr_leaf
 
 
 def test_fixture_written_by_t5x():

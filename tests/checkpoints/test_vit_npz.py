@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from tests.checkpoints import helpers
-from upcycle.checkpoints import CheckpointError, lazy, tree, vit_adapt, vit_npz
+from upcycle import tree
+from upcycle.checkpoints import CheckpointError, lazy, vit_adapt, vit_npz
 
 _VIT_JAX_BLOCK = {'MultiHeadDotProductAttention_0': 'MultiHeadDotProductAttention_1',
                   'LayerNorm_1': 'LayerNorm_2', 'MlpBlock_0': 'MlpBlock_3'}

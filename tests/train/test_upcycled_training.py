@@ -9,8 +9,8 @@ from upcycle.models import T5
 from upcycle.moe import MoeConfig
 from upcycle.train.objectives import Seq2Seq
 from upcycle.train.optimizers import Adafactor, rsqrt_schedule
-from upcycle.train.trainer import Trainer, TrainConfig
-from upcycle.upcycling.restore import ContinueFromCheckpoint, UpcycleFromDense
+from upcycle.train.restore import ContinueFromCheckpoint, UpcycleFromDense
+from upcycle.train.trainer import TrainConfig, Trainer
 
 
 def continue_run(model_dir, config, initializer, steps):

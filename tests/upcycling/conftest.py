@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from upcycle import tree
 from upcycle.upcycling import ffn
-from upcycle.upcycling import paths
 
 S = jax.ShapeDtypeStruct
 
@@ -48,7 +48,7 @@ def dense_vit(seed=0, width=8, mlp_dim=32, depth=2):
 
 def moe_target(dense, mlps, num_experts, d_model=8, expert_d_ff=None):
   """Abstract MoE tree: the MLPs at `mlps` become `expert/` + `router/` blocks."""
-  flat = {p: S(np.shape(x), np.asarray(x).dtype) for p, x in paths.flatten(dense).items()}
+  flat = {p: S(np.shape(x), np.asarray(x).dtype) for p, x in tree.flatten(dense).items()}
   out = {}
   for path, leaf in flat.items():
     mlp = next((m for m in mlps if path.startswith(m + '/')), None)
@@ -64,7 +64,7 @@ def moe_target(dense, mlps, num_experts, d_model=8, expert_d_ff=None):
     out[f'{mlp}/expert/{name}'] = S((num_experts, *shape), leaf.dtype)
   for mlp in mlps:
     out[f'{mlp}/router/router_weights/w/kernel'] = S((d_model, num_experts), jnp.float32)
-  return paths.unflatten(out)
+  return tree.unflatten(out)
 
 
 def untouched_units(dense_mlp, experts, num_experts):

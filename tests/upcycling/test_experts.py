@@ -273,3 +273,19 @@ def test_merge_dare_drops_and_rescales():
   assert np.isclose(new[None], candidates, rtol=1e-5, atol=1e-6).any(0).all()
   with pytest.raises(ValueError, match='2 sources but the MoE block at mlp has only 1'):
     experts.Merge(sources[:2])(mlp, 1, KEY, layer='mlp')
+
+
+@pytest.mark.parametrize('name', sorted(experts.EXPERT_INITS))
+def test_every_expert_name_convert_accepts_is_one_get_accepts(name):
+  """`python -m upcycle.convert --experts=NAME` and `experts.get(NAME)` share one registry."""
+  from upcycle import convert  # pylint: disable=g-import-not-at-top
+  parsed = convert.parse_init(name, experts.EXPERT_INITS, '--experts')
+  assert parsed == experts.get(name) == experts.EXPERT_INITS[name]()
+  assert isinstance(parsed, experts.ExpertInit)
+
+
+def test_granular_by_name_is_granular_2():
+  assert experts.get('granular') == experts.Granular(2)
+  with pytest.raises(ValueError, match=r"experts='grain': expected a ExpertInit instance or one of "
+                     r"\('copy', 'drop', 'noise', 'random', 'granular'\)"):
+    experts.get('grain')

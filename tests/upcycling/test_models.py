@@ -8,9 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from upcycle import tree
 from upcycle.models import T5, T5Config, ViT, ViTConfig
 from upcycle.moe import MoeConfig
-from upcycle.upcycling import capture, experts, paths, routers
+from upcycle.upcycling import capture, experts, routers
 from upcycle.upcycling.surgery import upcycle
 
 T5_DENSE = T5Config(vocab_size=32, d_model=8, num_heads=2, d_kv=4, d_ff=16,
@@ -71,7 +72,7 @@ def test_vit_copy_upcycling_is_function_preserving():
   target = jax.eval_shape(ViT(config).init, jax.random.PRNGKey(1), images)['params']
   moe_params, report = upcycle(params, target, rng=0)
   mlp = 'Transformer/encoderblock_1/MlpBlock_0'
-  assert paths.flatten(moe_params)[f'{mlp}/expert/Dense_0/bias'].shape == (4, 16)
+  assert tree.flatten(moe_params)[f'{mlp}/expert/Dense_0/bias'].shape == (4, 16)
   assert report.num_experts == {mlp: 4}
   np.testing.assert_allclose(ViT(config).apply({'params': moe_params}, images),
                              ViT(VIT_DENSE).apply({'params': params}, images), rtol=1e-5, atol=1e-5)
@@ -87,7 +88,7 @@ def test_from_data_router_sends_each_experts_data_to_it(t5_dense):
   assert layers == ['encoder/layers_1/mlp']
   hidden = capture.hidden_states_per_expert(T5(T5_DENSE), {'params': params}, layers, batches)
   moe_params, _ = upcycle(params, target, router=routers.FromData(hidden), rng=0)
-  kernel = paths.flatten(moe_params)['encoder/layers_1/mlp/router/router_weights/w/kernel']
+  kernel = tree.flatten(moe_params)['encoder/layers_1/mlp/router/router_weights/w/kernel']
   for e, batch in enumerate(batches):
     # What the MoE model's router sees at step 0.
     x = capture.mlp_inputs(T5(config), {'params': moe_params}, layers, **batch)[layers[0]]

@@ -6,8 +6,10 @@ import numpy as np
 import optax
 import pytest
 
-from upcycle.upcycling import experts, factored, paths
-from upcycle.upcycling.optimizer import from_t5x_adafactor, upcycle_optimizer_state
+from upcycle import tree
+from upcycle.checkpoints import factored, from_t5x_adafactor
+from upcycle.upcycling import experts
+from upcycle.upcycling.optimizer import upcycle_optimizer_state
 from upcycle.upcycling.surgery import upcycle
 
 MLP = 'encoder/layers_1/mlp'
@@ -42,16 +44,16 @@ def _train_dense(t5, optimizer, steps=3):
 
 def _moe_grads(dense_grads, moe_params, num_experts):
   """Copies get the dense gradient, experts the dense gradient tiled, routers noise."""
-  flat_dense = paths.flatten(dense_grads)
+  flat_dense = tree.flatten(dense_grads)
   out = {}
-  for path, role in paths.classify(paths.flatten(moe_params)).items():
+  for path, role in tree.classify(tree.flatten(moe_params)).items():
     if role.kind == 'copy':
       out[path] = flat_dense[path]
     elif role.kind == 'expert':
       out[path] = jnp.broadcast_to(flat_dense[role.source], (num_experts,) + flat_dense[role.source].shape)
     else:
-      out[path] = jnp.ones(paths.flatten(moe_params)[path].shape)
-  return paths.unflatten(out)
+      out[path] = jnp.ones(tree.flatten(moe_params)[path].shape)
+  return tree.unflatten(out)
 
 
 @pytest.mark.parametrize('name', sorted(OPTIMIZERS))
@@ -63,9 +65,9 @@ def test_first_moe_update_equals_the_dense_update(name, t5, target):
   moe_state = upcycle_optimizer_state(dense_state, moe, optimizer)
   assert jax.tree.structure(moe_state) == jax.tree.structure(optimizer.init(moe))
   grads = _grads(dense, 10)
-  dense_updates = paths.flatten(optimizer.update(grads, dense_state, dense)[0])
-  moe_updates = paths.flatten(optimizer.update(_moe_grads(grads, moe, 2), moe_state, moe)[0])
-  for path, role in paths.classify(moe_updates).items():
+  dense_updates = tree.flatten(optimizer.update(grads, dense_state, dense)[0])
+  moe_updates = tree.flatten(optimizer.update(_moe_grads(grads, moe, 2), moe_state, moe)[0])
+  for path, role in tree.classify(moe_updates).items():
     if role.kind == 'router':
       continue
     want = dense_updates[role.source]
@@ -83,7 +85,7 @@ def test_adam_moments_tiled_router_fresh_step_kept(t5, target):
   adam, dense_adam = state[0], dense_state[0]
   assert int(adam.count) == 3
   for slot in ('mu', 'nu'):
-    flat, flat_dense = paths.flatten(getattr(adam, slot)), paths.flatten(getattr(dense_adam, slot))
+    flat, flat_dense = tree.flatten(getattr(adam, slot)), tree.flatten(getattr(dense_adam, slot))
     np.testing.assert_array_equal(flat[f'{MLP}/expert/wo/kernel'],
                                   np.broadcast_to(flat_dense[f'{MLP}/wo/kernel'], (3, 16, 8)))
     np.testing.assert_array_equal(flat['token_embedder/embedding'], flat_dense['token_embedder/embedding'])
@@ -99,18 +101,18 @@ def test_adafactor_factored_moments_tiled(t5, target):
   state = upcycle_optimizer_state(dense_state, moe, optimizer)
   fs, dense_fs = state[0], dense_state[0]
   assert int(fs.count) == 3
-  v_row, dense_v_row = paths.flatten(fs.v_row), paths.flatten(dense_fs.v_row)
-  v_col, dense_v_col = paths.flatten(fs.v_col), paths.flatten(dense_fs.v_col)
+  v_row, dense_v_row = tree.flatten(fs.v_row), tree.flatten(dense_fs.v_row)
+  v_col, dense_v_col = tree.flatten(fs.v_col), tree.flatten(dense_fs.v_col)
   # wo [16, 8]: v_row drops the largest axis (16) -> [8]; experts [2, 16, 8] -> [2, 8].
   assert dense_v_row[f'{MLP}/wo/kernel'].shape == (8,)
   np.testing.assert_array_equal(v_row[f'{MLP}/expert/wo/kernel'],
                                 np.broadcast_to(dense_v_row[f'{MLP}/wo/kernel'], (2, 8)))
   np.testing.assert_array_equal(v_col[f'{MLP}/expert/wi_0/kernel'],
                                 np.broadcast_to(dense_v_col[f'{MLP}/wi_0/kernel'], (2, 16)))
-  ema = paths.flatten(state[4].ema)
+  ema = tree.flatten(state[4].ema)
   np.testing.assert_array_equal(ema[f'{MLP}/expert/wi_1/kernel'][1],
-                                paths.flatten(dense_state[4].ema)[f'{MLP}/wi_1/kernel'])
-  assert not np.asarray(paths.flatten(fs.v)[ROUTER]).any()
+                                tree.flatten(dense_state[4].ema)[f'{MLP}/wi_1/kernel'])
+  assert not np.asarray(tree.flatten(fs.v)[ROUTER]).any()
 
 
 def test_adafactor_layout_change_rebuilds_the_estimate(t5, target):
@@ -121,8 +123,8 @@ def test_adafactor_layout_change_rebuilds_the_estimate(t5, target):
   fs = upcycle_optimizer_state(dense_state, moe, optimizer)[0]
   dense_fs = dense_state[0]
   name = 'wi_0/kernel'
-  dense_slots = tuple(paths.flatten(getattr(dense_fs, k))[f'{MLP}/{name}'] for k in ('v_row', 'v_col', 'v'))
-  moe_slots = tuple(paths.flatten(getattr(fs, k))[f'{MLP}/expert/{name}'] for k in ('v_row', 'v_col', 'v'))
+  dense_slots = tuple(tree.flatten(getattr(dense_fs, k))[f'{MLP}/{name}'] for k in ('v_row', 'v_col', 'v'))
+  moe_slots = tuple(tree.flatten(getattr(fs, k))[f'{MLP}/expert/{name}'] for k in ('v_row', 'v_col', 'v'))
   assert factored.layout(moe_slots, (32, 8, 16)) == (2, 0)
   want = factored.full_moment(dense_slots, (8, 16))
   got = factored.full_moment(moe_slots, (32, 8, 16))
@@ -137,7 +139,7 @@ def test_lr_at_first_moe_step_is_the_dense_schedule_at_that_step(t5, target):
   ones = jax.tree.map(jnp.ones_like, moe)
   for keep_step, step in ((True, 5), (False, 0)):
     state = upcycle_optimizer_state(dense_state, moe, optimizer, keep_step=keep_step)
-    updates = paths.flatten(optimizer.update(ones, state, moe)[0])
+    updates = tree.flatten(optimizer.update(ones, state, moe)[0])
     np.testing.assert_allclose(updates['token_embedder/embedding'], -schedule(step), rtol=1e-6)
     np.testing.assert_allclose(updates[f'{MLP}/expert/wo/kernel'], -schedule(step), rtol=1e-6)
 
@@ -195,7 +197,7 @@ def _t5x_reference_step(param, grad, slots, step, lr, beta1=0.9, min_dim=4):
 def _t5x_state(params, step, factored_kernels=True):
   rng = np.random.default_rng(0)
   states = {}
-  for path, x in paths.flatten(params).items():
+  for path, x in tree.flatten(params).items():
     shape = x.shape
     slot = {k: np.zeros((1,), np.float32) for k in ('v_row', 'v_col', 'v')}
     if factored_kernels and len(shape) >= 2:
@@ -206,7 +208,7 @@ def _t5x_state(params, step, factored_kernels=True):
       slot['v'] = rng.uniform(0.5, 2, shape).astype(np.float32)
     slot['m'] = rng.normal(0, 0.01, shape).astype(np.float32)
     states[path] = slot
-  return {'step': np.int32(step), 'param_states': paths.unflatten(
+  return {'step': np.int32(step), 'param_states': tree.unflatten(
       {f'{p}/{k}': v for p, slot in states.items() for k, v in slot.items()})}
 
 
@@ -217,16 +219,16 @@ def test_t5x_adafactor_converts_to_optax_and_steps_like_t5x(t5):
   state = from_t5x_adafactor(t5x, params, optimizer)
   fs = state[0]
   assert int(fs.count) == 7 and int(state[4].count) == 7
-  flat_t5x = paths.flatten(t5x['param_states'])
-  np.testing.assert_array_equal(paths.flatten(fs.v_row)[f'{MLP}/wo/kernel'],
+  flat_t5x = tree.flatten(t5x['param_states'])
+  np.testing.assert_array_equal(tree.flatten(fs.v_row)[f'{MLP}/wo/kernel'],
                                 flat_t5x[f'{MLP}/wo/kernel/v_row'])
-  np.testing.assert_array_equal(paths.flatten(state[4].ema)[f'{MLP}/wo/kernel'],
+  np.testing.assert_array_equal(tree.flatten(state[4].ema)[f'{MLP}/wo/kernel'],
                                 flat_t5x[f'{MLP}/wo/kernel/m'])
   grads = _grads(params, 3)
   updates, _ = optimizer.update(grads, state, params)
-  new = paths.flatten(optax.apply_updates(params, updates))
-  flat_grads = paths.flatten(grads)
-  for path, x in paths.flatten(params).items():
+  new = tree.flatten(optax.apply_updates(params, updates))
+  flat_grads = tree.flatten(grads)
+  for path, x in tree.flatten(params).items():
     slots = {k: flat_t5x[f'{path}/{k}'] for k in ('v_row', 'v_col', 'v', 'm')}
     want = _t5x_reference_step(np.asarray(x), np.asarray(flat_grads[path]), slots, 7, 0.01)
     np.testing.assert_allclose(new[path], want, rtol=1e-5, atol=1e-7, err_msg=path)
@@ -237,9 +239,9 @@ def test_t5x_unfactored_moments_are_refactored_for_optax(t5):
   t5x = _t5x_state(params, step=2, factored_kernels=False)
   optimizer = optax.adafactor(0.01, min_dim_size_to_factor=4)
   fs = from_t5x_adafactor(t5x, params, optimizer)[0]
-  v = paths.flatten(t5x['param_states'])[f'{MLP}/wi_0/kernel/v']        # [8, 16]
-  np.testing.assert_allclose(paths.flatten(fs.v_row)[f'{MLP}/wi_0/kernel'], v.mean(1), rtol=1e-6)
-  np.testing.assert_allclose(paths.flatten(fs.v_col)[f'{MLP}/wi_0/kernel'], v.mean(0), rtol=1e-6)
+  v = tree.flatten(t5x['param_states'])[f'{MLP}/wi_0/kernel/v']        # [8, 16]
+  np.testing.assert_allclose(tree.flatten(fs.v_row)[f'{MLP}/wi_0/kernel'], v.mean(1), rtol=1e-6)
+  np.testing.assert_allclose(tree.flatten(fs.v_col)[f'{MLP}/wi_0/kernel'], v.mean(0), rtol=1e-6)
 
 
 def test_t5x_state_then_upcycled(t5, target):
@@ -249,7 +251,7 @@ def test_t5x_state_then_upcycled(t5, target):
   moe, _ = upcycle(params, target(params, [MLP], 2), rng=0)
   state = upcycle_optimizer_state(dense_state, moe, optimizer)
   assert int(state[0].count) == 4
-  np.testing.assert_array_equal(paths.flatten(state[4].ema)[f'{MLP}/expert/wo/kernel'][1],
-                                paths.flatten(dense_state[4].ema)[f'{MLP}/wo/kernel'])
+  np.testing.assert_array_equal(tree.flatten(state[4].ema)[f'{MLP}/expert/wo/kernel'][1],
+                                tree.flatten(dense_state[4].ema)[f'{MLP}/wo/kernel'])
   with pytest.raises(ValueError, match="expected 'param_states' and 'step'"):
     from_t5x_adafactor({'v': 1}, params, optimizer)

@@ -51,3 +51,10 @@ def test_from_data_errors_name_the_layer():
   with pytest.raises(ValueError, match=r'2 batches of hidden states for enc/mlp but its router kernel '
                      r'\(4, 3\) has 3 experts'):
     routers.FromData({'enc/mlp': [np.ones((2, 4))] * 2})(router, KEY, layer='enc/mlp')
+
+
+@pytest.mark.parametrize('name', sorted(routers.ROUTER_INITS))
+def test_every_router_name_convert_accepts_is_one_get_accepts(name):
+  from upcycle import convert  # pylint: disable=g-import-not-at-top
+  parsed = convert.parse_init(name, routers.ROUTER_INITS, '--router')
+  assert parsed == routers.get(name) == routers.ROUTER_INITS[name]()

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from upcycle.upcycling import experts, paths, routers
+from upcycle import tree
+from upcycle.upcycling import experts, routers
 from upcycle.upcycling.surgery import upcycle, upcycle_from_checkpoints
 
 MLP = 'encoder/layers_1/mlp'
@@ -17,7 +18,7 @@ MLP = 'encoder/layers_1/mlp'
 def test_copy_tiles_mlp_and_copies_the_rest(t5, target):
   dense = t5()
   params, _ = upcycle(dense, target(dense, [MLP], 4), rng=0)
-  flat, flat_dense = paths.flatten(params), paths.flatten(dense)
+  flat, flat_dense = tree.flatten(params), tree.flatten(dense)
   for name in ('wi_0/kernel', 'wi_1/kernel', 'wo/kernel'):
     out = np.asarray(flat[f'{MLP}/expert/{name}'])
     assert out.shape == (4,) + flat_dense[f'{MLP}/{name}'].shape
@@ -34,7 +35,7 @@ def test_vit_biases_are_tiled_too(vit, target):
   dense = vit()
   mlp = 'Transformer/encoderblock_1/MlpBlock_0'
   params, report = upcycle(dense, target(dense, [mlp], 3), rng=0)
-  bias = np.asarray(paths.flatten(params)[f'{mlp}/expert/Dense_0/bias'])
+  bias = np.asarray(tree.flatten(params)[f'{mlp}/expert/Dense_0/bias'])
   assert bias.shape == (3, 32)
   np.testing.assert_array_equal(bias, np.tile(dense['Transformer']['encoderblock_1']['MlpBlock_0']
                                               ['Dense_0']['bias'], (3, 1)))
@@ -48,7 +49,7 @@ def test_report_lists_every_leaf_and_prints_a_table(t5, target):
   _, report = upcycle(dense, tgt, experts=experts.Drop(0.25), router='zeros', rng=1)
   assert set(report.experts) == {f'{MLP}/expert/{n}/kernel' for n in ('wi_0', 'wi_1', 'wo')}
   assert report.fresh == (f'{MLP}/router/router_weights/w/kernel',)
-  assert len(report.copied) == len(paths.flatten(tgt)) - 4
+  assert len(report.copied) == len(tree.flatten(tgt)) - 4
   assert 'encoder/layers_0/mlp/wi_0/kernel' in report.copied
   assert report.unused == ('extra/kernel',)
   assert report.num_experts == {MLP: 4}
@@ -76,7 +77,7 @@ def test_boxed_abstract_target_is_unboxed(t5, target):
   boxed = jax.tree.map(lambda s: nn.LogicallyPartitioned(s, ('embed',) * len(s.shape)),
                        target(dense, [MLP], 2))
   params, report = upcycle(dense, boxed, rng=0)
-  assert paths.flatten(params)[f'{MLP}/expert/wo/kernel'].shape == (2, 32, 8)
+  assert tree.flatten(params)[f'{MLP}/expert/wo/kernel'].shape == (2, 32, 8)
   assert report.num_experts == {MLP: 2}
 
 
@@ -86,8 +87,8 @@ def test_same_seed_same_params_and_layers_independent(t5, target):
   b, _ = upcycle(dense, target(dense, [MLP], 4), experts='drop', rng=3)
   jax.tree.map(np.testing.assert_array_equal, a, b)
   both, _ = upcycle(dense, target(dense, ['encoder/layers_0/mlp', MLP], 4), experts='drop', rng=3)
-  np.testing.assert_array_equal(paths.flatten(a)[f'{MLP}/expert/wo/kernel'],
-                                paths.flatten(both)[f'{MLP}/expert/wo/kernel'])
+  np.testing.assert_array_equal(tree.flatten(a)[f'{MLP}/expert/wo/kernel'],
+                                tree.flatten(both)[f'{MLP}/expert/wo/kernel'])
 
 
 def test_target_leaf_matching_nothing_names_path_and_shape(t5, target):
@@ -147,7 +148,7 @@ def test_dtype_mismatch_is_an_error_unless_cast(t5, target):
   with pytest.raises(ValueError, match=r'dtype float32 but dense leaf .* is bfloat16.*cast=True'):
     upcycle(dense, tgt, rng=0)
   params, report = upcycle(dense, tgt, rng=0, cast=True)
-  out = paths.flatten(params)[f'{MLP}/expert/wo/kernel']
+  out = tree.flatten(params)[f'{MLP}/expert/wo/kernel']
   assert out.dtype == jnp.float32
   np.testing.assert_array_equal(out[2], np.asarray(dense['encoder']['layers_1']['mlp']['wo']
                                                    ['kernel'], np.float32))
@@ -183,7 +184,7 @@ def test_from_checkpoints_experts_and_averaged_shared_params(t5, target):
   sources = [t5(seed=s) for s in range(2)]
   params, report = upcycle_from_checkpoints(
       experts.Merge(sources, method='average'), target(sources[0], [MLP], 3), rng=0)
-  flat = paths.flatten(params)
+  flat = tree.flatten(params)
   wo = [s['encoder']['layers_1']['mlp']['wo']['kernel'] for s in sources]
   np.testing.assert_array_equal(flat[f'{MLP}/expert/wo/kernel'][1], wo[1])
   np.testing.assert_allclose(flat[f'{MLP}/expert/wo/kernel'][2], (wo[0] + wo[1]) / 2, rtol=1e-6)

@@ -6,12 +6,13 @@
 """
 
 import os
-from typing import Any, Optional
+from typing import Optional
 
 from upcycle.checkpoints import hf, orbax, orbax_tree, t5x, validate, vit_npz, zarr_leaf
-from upcycle.checkpoints.checkpoint import Checkpoint
+from upcycle.checkpoints.checkpoint import Checkpoint, ExpectedFn
 from upcycle.checkpoints.errors import CheckpointError, checkpoint_error
 from upcycle.checkpoints.lazy import LazyArray, materialize
+from upcycle.checkpoints.optimizer_state import from_t5x_adafactor
 
 FORMATS = ('t5x', 't5x_orbax', 'orbax', 'hf', 'vit_jax', 'big_vision')
 _LOOKED_FOR = (
@@ -54,14 +55,15 @@ def detect_format(path: str) -> str:
 
 
 def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-builtin
-         model_config: Any = None, lazy: bool = False) -> Checkpoint:
+         expected: Optional[ExpectedFn] = None, lazy: bool = False) -> Checkpoint:
   """Reads any supported checkpoint into contract names; nothing is ever written.
 
   Args:
     path: file or directory (see `detect_format`); T5X accepts gs:// paths.
     format: one of FORMATS, or None to detect it.
-    model_config: a T5Config / ViTConfig to check the parameters against (names and
-      shapes); a mismatch raises CheckpointError naming the parameter.
+    expected: `description (or None) -> tree of shapes` to check the parameters against
+      (names and shapes); a mismatch raises CheckpointError naming the parameter.
+      `upcycle.pretrained.load(path, model_config=...)` passes the model's shapes.
     lazy: return LazyArray leaves (shape and dtype now, data on `np.asarray` or
       `leaf.read(index)`), for checkpoints larger than memory; by default every leaf is
       read into a numpy array, usable wherever a jax/numpy array is.
@@ -71,16 +73,17 @@ def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-b
     ckpt = t5x.load(path)
   elif format == 'orbax':
     ckpt = orbax.load(path)
-  elif format == 'hf':
-    ckpt = hf.load_checkpoint(path, lazy=True)
+  elif format == 'hf':   # checks the shapes itself, naming HuggingFace's tensors
+    return hf.load_checkpoint(path, expected, lazy)
   elif format in ('vit_jax', 'big_vision'):
     ckpt = vit_npz.load(path, lazy=True)
   else:
     raise checkpoint_error(path, 'unknown format argument', expected=FORMATS, found=repr(format))
-  if model_config is not None:
-    validate.check_params(ckpt.params, validate.expected_params(model_config), ckpt.path)
+  shapes = expected(ckpt.description) if expected else None
+  if shapes is not None:
+    validate.check_params(ckpt.params, shapes, ckpt.path)
   return ckpt if lazy else ckpt.read()
 
 
-__all__ = ['Checkpoint', 'CheckpointError', 'FORMATS', 'LazyArray', 'detect_format', 'load',
-           'materialize']
+__all__ = ['Checkpoint', 'CheckpointError', 'FORMATS', 'LazyArray', 'detect_format',
+           'from_t5x_adafactor', 'load', 'materialize']

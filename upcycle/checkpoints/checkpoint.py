@@ -1,7 +1,11 @@
 """`Checkpoint`: what every reader returns."""
 
 import dataclasses
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
+
+# description (or None) -> nested tree of leaves with `.shape` the params must fit, or None
+# when there is nothing to check them against.
+ExpectedFn = Callable[[Optional[Dict[str, Any]]], Dict[str, Any]]
 
 from upcycle.checkpoints.lazy import materialize
 
@@ -19,7 +23,10 @@ class Checkpoint:
       or None.
     format: 't5x', 't5x_orbax', 'orbax', 'hf', 'vit_jax', 'big_vision'.
     path: the directory or file that was read.
-    model_config: T5Config / ViTConfig when the format carries one (HF), else None.
+    description: the model hyperparameters the format stores (HF config.json), as
+      {'model': 't5' | 'vit', <T5Config / ViTConfig field>: value}, else None.
+    model_config: the T5Config / ViTConfig the params were checked against, set by
+      `upcycle.pretrained.load` (checkpoint readers never import the models).
     notes: every change the reader made beyond renaming and reshaping (a tied
       head materialized, a position embedding resized, a head dropped), in words.
   """
@@ -29,6 +36,7 @@ class Checkpoint:
   optimizer_state: Optional[Any]
   format: str
   path: str
+  description: Optional[Dict[str, Any]] = None
   model_config: Optional[Any] = None
   notes: Tuple[str, ...] = ()
 

@@ -10,7 +10,7 @@ import math
 import re
 from typing import Any, Dict, List, Optional
 
-from upcycle.checkpoints import tree
+from upcycle import tree
 
 
 def model_kind(params: Any) -> Optional[str]:
@@ -40,7 +40,7 @@ def _moe(flat: Dict[str, Any], layer_pattern: str, mlp: str) -> Dict[int, int]:
   """layer index -> number of experts, for the layers whose MLP has an `expert/` subtree."""
   experts = {}
   for path, leaf in flat.items():
-    m = re.match(layer_pattern + f'/{mlp}/expert/', path)
+    m = re.match(layer_pattern + f'/{mlp}/{tree.EXPERT}/', path)
     if m:
       experts[int(m.group(1))] = leaf.shape[0]
   return experts

@@ -1,7 +1,9 @@
 """HuggingFace checkpoints: `config.json` + safetensors (single or sharded) or `pytorch_model.bin`.
 
-`load(path)` returns the parameters in this project's names (DESIGN.md) and the
-T5Config / ViTConfig that reproduces the HuggingFace model's logits. Supported:
+`load_checkpoint(path)` returns the parameters in this project's names (README, "Parameter
+names") and, as `Checkpoint.description`, the T5Config / ViTConfig fields that reproduce the
+HuggingFace model's logits (`upcycle.pretrained.load_hf` makes the config and checks the
+shapes). Supported:
 `T5ForConditionalGeneration` with `feed_forward_proj='gated-gelu'` (T5 v1.1, Flan-T5)
 and `ViTForImageClassification`. Leaves are numpy arrays, or with `lazy=True` memory-mapped
 LazyArrays.
@@ -9,13 +11,13 @@ LazyArrays.
 
 import json
 import os
-from typing import Any, Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import ml_dtypes
 import numpy as np
 
-from upcycle.checkpoints import hf_t5, hf_vit, safetensors_file
-from upcycle.checkpoints.checkpoint import Checkpoint
+from upcycle.checkpoints import hf_t5, hf_vit, safetensors_file, validate
+from upcycle.checkpoints.checkpoint import Checkpoint, ExpectedFn
 from upcycle.checkpoints.errors import checkpoint_error
 from upcycle.checkpoints.lazy import LazyArray
 
@@ -34,15 +36,16 @@ def is_hf_dir(path: str) -> bool:
           and any(os.path.isfile(os.path.join(path, f)) for f in WEIGHT_FILES))
 
 
-def load(path: str, lazy: bool = False) -> Tuple[Dict[str, Any], Any]:
-  """HuggingFace checkpoint directory -> (params in this project's names, T5Config or
-  ViTConfig); numpy leaves, or LazyArrays with `lazy=True`."""
-  ckpt = load_checkpoint(path, lazy)
-  return ckpt.params, ckpt.model_config
+def load_checkpoint(path: str, expected: Optional[ExpectedFn] = None,
+                    lazy: bool = False) -> Checkpoint:
+  """HuggingFace checkpoint directory -> Checkpoint (params in contract names, description).
 
-
-def load_checkpoint(path: str, lazy: bool = False) -> Checkpoint:
-  """Like `load`, as a Checkpoint whose `notes` list what went beyond renaming."""
+  Args:
+    path: the directory holding config.json and the weights.
+    expected: `description -> tree of shapes` to check the params against (e.g. the
+      model's `abstract_params`); a mismatch names the HF tensor and config.json.
+    lazy: LazyArray (memory-mapped) leaves instead of numpy arrays.
+  """
   path = os.fspath(path)
   config_path = os.path.join(path, 'config.json')
   if not os.path.isfile(config_path):
@@ -58,10 +61,14 @@ def load_checkpoint(path: str, lazy: bool = False) -> Checkpoint:
         expected=f'one of {sorted(ARCHITECTURES)}', found=architectures or None,
         fix='Only T5 v1.1 (gated-GELU) encoder-decoders and ViT classifiers convert')
   tensors, weights_path = read_tensors(path)
-  params, model_config, notes = ARCHITECTURES[supported[0]](
+  params, description, notes, names = ARCHITECTURES[supported[0]](
       tensors, config, config_path, weights_path)
+  shapes = expected(description) if expected else None
+  if shapes is not None:
+    validate.check_params(params, shapes, weights_path, names=names,
+                          fix='Check that config.json matches the weights')
   ckpt = Checkpoint(params=params, step=None, optimizer_state=None, format='hf', path=path,
-                    model_config=model_config, notes=tuple(notes))
+                    description=description, notes=tuple(notes))
   return ckpt if lazy else ckpt.read()
 
 

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
-from upcycle.checkpoints import tree, validate
+from upcycle import tree
 from upcycle.checkpoints.errors import checkpoint_error
 from upcycle.checkpoints.lazy import LazyArray
 
@@ -69,8 +69,9 @@ def _contract_name(name: str) -> Tuple[str, bool]:
   return '', False
 
 
-def _config(hf: Dict[str, Any], config_path: str, logits_via_embedding: bool):
-  from upcycle.models.t5 import T5Config  # pylint: disable=g-import-not-at-top
+def _description(hf: Dict[str, Any], config_path: str,
+                 logits_via_embedding: bool) -> Dict[str, Any]:
+  """config.json -> the T5Config fields it implies (`upcycle.models.config_from_description`)."""
   proj = hf.get('feed_forward_proj', 'relu')
   if proj != 'gated-gelu':
     raise checkpoint_error(
@@ -78,8 +79,8 @@ def _config(hf: Dict[str, Any], config_path: str, logits_via_embedding: bool):
         found=repr(proj), fix='Only T5 v1.1 gated-GELU models (t5-v1_1-*, flan-t5-*) convert; '
         'the original T5 (relu) has a different MLP')
   num_layers = hf['num_layers']
-  return T5Config(
-      vocab_size=hf['vocab_size'], d_model=hf['d_model'], num_heads=hf['num_heads'],
+  return dict(
+      model='t5', vocab_size=hf['vocab_size'], d_model=hf['d_model'], num_heads=hf['num_heads'],
       d_kv=hf['d_kv'], d_ff=hf['d_ff'], num_encoder_layers=num_layers,
       num_decoder_layers=hf.get('num_decoder_layers') or num_layers,
       dropout_rate=hf.get('dropout_rate', 0.0),
@@ -101,8 +102,10 @@ def _rescales_logits(hf: Dict[str, Any]) -> bool:
 
 
 def convert(tensors: Dict[str, LazyArray], hf: Dict[str, Any], config_path: str,
-            weights_path: str) -> Tuple[Dict[str, Any], Any, List[str]]:
-  """HF tensors + config.json -> (nested contract params, T5Config, notes).
+            weights_path: str) -> Tuple[Dict[str, Any], Dict[str, Any], List[str], Dict[str, str]]:
+  """HF tensors + config.json -> (nested contract params, T5Config description, notes, names).
+
+  `names`: contract path -> HF tensor name, for errors.
 
   Output head: with the rescale (see `_rescales_logits`) the logits come from the
   embedding (`logits_via_embedding=True`, no `logits_dense`). Without it the
@@ -110,7 +113,7 @@ def convert(tensors: Dict[str, LazyArray], hf: Dict[str, Any], config_path: str,
   ties it in memory), `shared.weight` transposed into `decoder/logits_dense/kernel`.
   """
   via_embedding = _rescales_logits(hf)
-  config = _config(hf, config_path, via_embedding)
+  description = _description(hf, config_path, via_embedding)
   params, hf_names, notes = {}, {}, []
   unknown = []
   for name, tensor in tensors.items():
@@ -142,7 +145,4 @@ def convert(tensors: Dict[str, LazyArray], hf: Dict[str, Any], config_path: str,
     hf_names[head] = 'shared.weight (tied lm_head)'
     notes.append('no lm_head.weight and no output rescaling: decoder/logits_dense/kernel is '
                  'shared.weight transposed (transformers ties them in memory)')
-  nested = tree.unflatten(params)
-  validate.check_params(nested, validate.expected_params(config), weights_path,
-                        names=hf_names, fix='Check that config.json matches the weights')
-  return nested, config, notes
+  return tree.unflatten(params), description, notes, hf_names

@@ -16,7 +16,8 @@ from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
-from upcycle.checkpoints import tree, validate, vit_adapt
+from upcycle import tree
+from upcycle.checkpoints import vit_adapt
 from upcycle.checkpoints.errors import checkpoint_error
 from upcycle.checkpoints.lazy import LazyArray
 
@@ -74,8 +75,8 @@ def _leaf(t: LazyArray, module: str, kind: str, heads: int) -> LazyArray:
   return t
 
 
-def _config(hf: Dict[str, Any], config_path: str):
-  from upcycle.models.vit import ViTConfig  # pylint: disable=g-import-not-at-top
+def _description(hf: Dict[str, Any], config_path: str) -> Dict[str, Any]:
+  """config.json -> the ViTConfig fields it implies (`upcycle.models.config_from_description`)."""
   act = hf.get('hidden_act', 'gelu')
   if act not in _GELUS:
     raise checkpoint_error(config_path, 'field "hidden_act" is not supported',
@@ -84,8 +85,8 @@ def _config(hf: Dict[str, Any], config_path: str):
     raise checkpoint_error(config_path, 'field "qkv_bias" is false; big_vision attention has '
                            'biases', expected='true', found='false')
   labels = hf.get('id2label')
-  return ViTConfig(
-      num_classes=len(labels) if labels else hf.get('num_labels', 2),
+  return dict(
+      model='vit', num_classes=len(labels) if labels else hf.get('num_labels', 2),
       image_size=_pair(hf.get('image_size', 224)), patch_size=_pair(hf.get('patch_size', 16)),
       num_channels=hf.get('num_channels', 3), width=hf['hidden_size'],
       depth=hf['num_hidden_layers'], mlp_dim=hf['intermediate_size'],
@@ -95,10 +96,13 @@ def _config(hf: Dict[str, Any], config_path: str):
 
 
 def convert(tensors: Dict[str, LazyArray], hf: Dict[str, Any], config_path: str,
-            weights_path: str) -> Tuple[Dict[str, Any], Any, List[str]]:
-  """HF tensors + config.json -> (nested big_vision params, ViTConfig, notes)."""
-  config = _config(hf, config_path)
-  heads = config.num_heads
+            weights_path: str) -> Tuple[Dict[str, Any], Dict[str, Any], List[str], Dict[str, str]]:
+  """HF tensors + config.json -> (nested big_vision params, ViTConfig description, notes, names).
+
+  `names`: contract path -> HF tensor name, for errors.
+  """
+  description = _description(hf, config_path)
+  heads = description['num_heads']
   params, hf_names, unknown = {}, {}, []
   for name, t in tensors.items():
     m = _BLOCK.fullmatch(name)
@@ -129,7 +133,4 @@ def convert(tensors: Dict[str, LazyArray], hf: Dict[str, Any], config_path: str,
     params['cls'], params['pos_embedding'] = vit_adapt.fold_cls(cls, pos)
     hf_names['cls'], hf_names['pos_embedding'] = (
         'vit.embeddings.cls_token', 'vit.embeddings.position_embeddings')
-  nested = tree.unflatten(params)
-  validate.check_params(nested, validate.expected_params(config), weights_path,
-                        names=hf_names, fix='Check that config.json matches the weights')
-  return nested, config, []
+  return tree.unflatten(params), description, [], hf_names

@@ -5,35 +5,11 @@ Dtypes are not compared: a bfloat16 checkpoint legitimately feeds a float32 mode
 
 from typing import Any, Dict, Optional
 
-import jax
-import jax.numpy as jnp
-
-from upcycle.checkpoints import describe, tree
+from upcycle import tree
+from upcycle.checkpoints import describe
 from upcycle.checkpoints.errors import checkpoint_error
 
 _LISTED = 6
-
-
-def expected_params(model_config: Any) -> Dict[str, Any]:
-  """T5Config / ViTConfig -> nested tree of jax.ShapeDtypeStruct, without computing anything."""
-  from flax.core import meta  # pylint: disable=g-import-not-at-top
-  from upcycle.models import t5, vit  # pylint: disable=g-import-not-at-top
-  rngs = {'params': jax.random.key(0)}
-  if isinstance(model_config, t5.T5Config):
-    tokens = jnp.ones((1, 1), jnp.int32)
-    init = lambda: t5.T5(model_config).init(rngs, tokens, tokens)
-  elif isinstance(model_config, vit.ViTConfig):
-    images = jnp.ones((1, *model_config.image_size, model_config.num_channels), jnp.float32)
-    init = lambda: vit.ViT(model_config).init(rngs, images)
-  else:
-    raise TypeError(f'expected_params: expected a T5Config or ViTConfig, got '
-                    f'{type(model_config).__name__}.')
-  # `.value`, not `meta.unbox`: under an active mesh with logical axis rules (the trainer's
-  # `partitioning.activate`, where restore hooks read checkpoints) unbox() applies sharding
-  # constraints, which fail on abstract values.
-  is_box = lambda x: isinstance(x, meta.AxisMetadata)
-  return jax.tree.map(lambda x: x.value if is_box(x) else x, jax.eval_shape(init),
-                      is_leaf=is_box)['params']
 
 
 def _listed(paths) -> str:
@@ -48,7 +24,8 @@ def check_params(params: Dict[str, Any], expected: Dict[str, Any], source: str,
 
   Args:
     params: nested dict read from `source` (leaves with `.shape`).
-    expected: nested dict of objects with `.shape` (e.g. `expected_params(config)`).
+    expected: nested dict of objects with `.shape` (e.g.
+      `upcycle.models.abstract_params(config)`).
     source: the file or directory `params` came from, for the message.
     names: contract path -> the name in the source file, when they differ.
     fix: what to do, appended to the message.

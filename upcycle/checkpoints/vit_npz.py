@@ -19,7 +19,8 @@ from typing import Any, Dict, Optional, Tuple
 import ml_dtypes
 import numpy as np
 
-from upcycle.checkpoints import tree, vit_adapt
+from upcycle import tree
+from upcycle.checkpoints import vit_adapt
 from upcycle.checkpoints.checkpoint import Checkpoint
 from upcycle.checkpoints.errors import checkpoint_error
 from upcycle.checkpoints.lazy import LazyArray

@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from upcycle import tree
 from upcycle.layers import DenseGeneral, constrain
 from upcycle.moe import routing
 from upcycle.moe.config import MoeConfig
@@ -128,7 +129,7 @@ class MoeLayer(nn.Module):
     mask = None if token_mask is None else token_mask.reshape(groups, tokens)
     capacity = cfg.capacity(tokens, deterministic)
 
-    logits = Router(cfg.num_experts, cfg.jitter_noise, name='router')(grouped, deterministic)
+    logits = Router(cfg.num_experts, cfg.jitter_noise, name=tree.ROUTER)(grouped, deterministic)
     probs = jax.nn.softmax(logits, axis=-1)                           # [G, S, E]
     if cfg.router == 'experts_choose':
       decision = routing.experts_choose(probs, capacity, mask)
@@ -142,8 +143,8 @@ class MoeLayer(nn.Module):
     experts = nn.vmap(
         self.expert, in_axes=(0, None), out_axes=0,
         variable_axes={'params': 0}, split_rngs={'params': True, 'dropout': True},
-        metadata_params={nn.PARTITION_NAME: 'expert'},
-    )(intermediate_axes=None, name='expert')
+        metadata_params={nn.PARTITION_NAME: 'expert'},  # the logical axis
+    )(intermediate_axes=None, name=tree.EXPERT)
     out = DISPATCH[cfg.dispatch](grouped, decision,
                                  lambda expert_in: experts(expert_in, deterministic))
 

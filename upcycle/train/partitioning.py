@@ -63,12 +63,6 @@ def logical_sharding(boxed_tree: Any, mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> A
                       is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def unbox(tree: Any) -> Any:
-  """The plain values of a tree of `nn.LogicallyPartitioned` boxes, without constraints."""
-  is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
-  return jax.tree.map(lambda x: x.value if is_box(x) else x, tree, is_leaf=is_box)
-
-
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
   """Inputs `[batch, ...]`: batch over ('expert', 'data'), the rest replicated."""
   return NamedSharding(mesh, PartitionSpec(('expert', 'data'), *([None] * (ndim - 1))))

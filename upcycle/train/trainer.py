@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from upcycle import tree
 from upcycle.checkpoints.orbax import CheckpointManager
 from upcycle.data.iterator import DataIterator
 from upcycle.train import evaluation, host_states, partitioning
@@ -69,7 +70,7 @@ class TrainConfig:
 
 
 # An initializer builds the first state of a run that has no checkpoint of its own
-# (e.g. the upcycling restore hook, upcycle/upcycling/restore.py): it receives the abstract
+# (e.g. the upcycling restore hook, upcycle/train/restore.py): it receives the abstract
 # state (leaves are jax.ShapeDtypeStruct with .sharding) and the run's optax transformation,
 # and returns a TrainState placed accordingly.
 Initializer = Callable[[TrainState, Any], TrainState]
@@ -118,7 +119,7 @@ class Trainer:
     boxed = jax.eval_shape(lambda: init_params(self.objective, rng, batch))
     param_shardings = partitioning.logical_sharding(boxed, self.mesh)
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                          partitioning.unbox(boxed), param_shardings)
+                          tree.unbox(boxed), param_shardings)
     opt_shardings = jax.jit(self.optimizer.init).lower(params).compile().output_shardings
     opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                              jax.eval_shape(self.optimizer.init, params), opt_shardings)

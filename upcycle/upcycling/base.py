@@ -3,7 +3,7 @@
 import abc
 import functools
 import zlib
-from typing import Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -71,7 +71,13 @@ class ExpertInit(abc.ABC):
   of wi_0, wi_1 and wo together.
 
   Subclasses are frozen dataclasses so that entry points (gin) can bind them.
+
+  `traceable`: whether the initializer runs under `jax.jit` on its inputs alone (the
+  restore hook's sharded executor); initializers that read their own sources on the host
+  (Branch-Train-MiX, UpIT) set it False and are run eagerly.
   """
+
+  traceable = True
 
   def expert_shapes(self, mlp_shapes: Mapping[str, Tuple[int, ...]],
                     num_experts: int, layer: str = '') -> Dict[str, Tuple[int, ...]]:
@@ -104,6 +110,18 @@ class ExpertInit(abc.ABC):
     """
     del layer
     return dict(router)
+
+
+def from_registry(init: Any, kind: type, registry: Mapping[str, Callable[[], Any]], flag: str,
+                  hint: str) -> Any:
+  """`init` if it is a `kind`, else `registry[init]()`: the one lookup of `experts.get`,
+  `routers.get` and convert's --experts / --router (so they accept the same names)."""
+  if isinstance(init, kind):
+    return init
+  if isinstance(init, str) and init in registry:
+    return registry[init]()
+  raise ValueError(f'{flag}={init!r}: expected a {kind.__name__} instance or one of '
+                   f'{tuple(registry)}. {hint}')
 
 
 def check_choice(value: str, choices: Sequence[str], what: str):

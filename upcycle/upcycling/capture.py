@@ -12,13 +12,12 @@ from typing import Any, Dict, List, Mapping, Sequence
 import flax.linen as nn
 import jax
 
-from upcycle.upcycling import paths
+from upcycle import tree
 
 
 def moe_layers(target: Mapping[str, Any]) -> List[str]:
   """Paths X of the MoE blocks of a (possibly abstract) MoE param tree."""
-  roles = paths.classify(paths.flatten(target))
-  return sorted({role.layer for role in roles.values() if role.kind == 'expert'})
+  return list(tree.moe_layers(tree.flatten(target)))
 
 
 def mlp_inputs(model: nn.Module, variables: Mapping[str, Any], layers: Sequence[str],

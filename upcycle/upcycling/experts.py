@@ -5,7 +5,7 @@ d_ff], ...}`, to expert leaves `{'wi_0/kernel': [E, d_model, d_ff], ...}`
 (Granular: `[E, d_model, d_ff / G]`). Initializers from several dense
 checkpoints (Branch-Train-MiX, UpIT) live in `sources.py`.
 
-Names for entry points: 'copy', 'drop', 'noise', 'random' (see `get`).
+Names for entry points: 'copy', 'drop', 'noise', 'random', 'granular' (see `get`).
 """
 
 import dataclasses
@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from upcycle.upcycling import ffn
-from upcycle.upcycling.base import (Array, ExpertInit, as_array, check_choice, draw, key_for, tile,
-                                    unit_mask)
-from upcycle.upcycling.paths import shape_of
+from upcycle.upcycling.base import (Array, ExpertInit, as_array, check_choice, draw,
+                                    from_registry, key_for, tile, unit_mask)
+from upcycle.tree import shape_of
 from upcycle.upcycling.sources import FromCheckpoints, Merge
 
 __all__ = ['ExpertInit', 'Copy', 'Drop', 'Noise', 'Random', 'Granular', 'FromCheckpoints',
@@ -293,15 +293,11 @@ class Granular(ExpertInit):
     return tied
 
 
-EXPERT_INITS = {'copy': Copy, 'drop': Drop, 'noise': Noise, 'random': Random}
+EXPERT_INITS = {'copy': Copy, 'drop': Drop, 'noise': Noise, 'random': Random,
+                'granular': Granular}
 
 
 def get(init: Union[str, ExpertInit]) -> ExpertInit:
   """An expert initializer from a name (with defaults) or an instance."""
-  if isinstance(init, ExpertInit):
-    return init
-  if isinstance(init, str) and init in EXPERT_INITS:
-    return EXPERT_INITS[init]()
-  raise ValueError(
-      f'experts={init!r}: expected an ExpertInit or one of {tuple(EXPERT_INITS)}. '
-      f'Granular, FromCheckpoints and Merge need arguments: pass an instance.')
+  return from_registry(init, ExpertInit, EXPERT_INITS, 'experts',
+                       'FromCheckpoints and Merge need sources: pass an instance.')

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from upcycle.upcycling.base import Array, key_for
-from upcycle.upcycling.paths import shape_of
+from upcycle.tree import shape_of
+from upcycle.upcycling.base import Array, from_registry, key_for
 
 __all__ = ['RouterInit', 'Normal', 'Uniform', 'Zeros', 'FromData', 'ROUTER_INITS', 'get']
 
@@ -133,10 +133,5 @@ ROUTER_INITS = {'normal': Normal, 'uniform': Uniform, 'zeros': Zeros}
 
 def get(init: Union[str, RouterInit]) -> RouterInit:
   """A router initializer from a name (with defaults) or an instance."""
-  if isinstance(init, RouterInit):
-    return init
-  if isinstance(init, str) and init in ROUTER_INITS:
-    return ROUTER_INITS[init]()
-  raise ValueError(
-      f'router={init!r}: expected a RouterInit or one of {tuple(ROUTER_INITS)}. '
-      f'FromData needs hidden states: pass an instance.')
+  return from_registry(init, RouterInit, ROUTER_INITS, 'router',
+                       'FromData needs hidden states: pass an instance.')

@@ -23,8 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from upcycle.checkpoints.lazy import LazyArray
-from upcycle.upcycling import paths
-from upcycle.upcycling.report import EXPERTS, UpcycleReport
+from upcycle.upcycling.plan import Plan
 
 
 def _axis_size(mesh, axes) -> int:
@@ -56,20 +55,20 @@ def replicated(sharding: NamedSharding) -> NamedSharding:
   return NamedSharding(sharding.mesh, PartitionSpec())
 
 
-def source_shardings(report: UpcycleReport, target: Mapping[str, Any],
-                     dense: Mapping[str, Any]) -> Dict[str, NamedSharding]:
-  """{dense path: sharding} for every dense leaf the report made something from.
+def source_shardings(plan: Plan, target: Mapping[str, Any]) -> Dict[str, NamedSharding]:
+  """{dense path: sharding} for every dense leaf the plan makes something from.
 
   Args:
-    report: the surgery's report (which target leaf came from which dense leaf).
-    target: flat {path: leaf with .shape and .sharding} of the target params.
-    dense: flat {path: leaf with .shape} of the dense params.
+    plan: the upcycling plan (which target leaf comes from which dense leaf).
+    target: flat {path: leaf with .sharding} of the target params.
   """
   out = {}
-  for entry in report.entries:
-    if entry.source and entry.source not in out:
-      out[entry.source] = fit(target[entry.path].sharding, paths.shape_of(dense[entry.source]),
-                              drop_leading=entry.action == EXPERTS)
+  for leaf in plan.copies:
+    out.setdefault(leaf.source, fit(target[leaf.path].sharding, leaf.source_shape))
+  for block in plan.blocks:
+    for leaf in block.experts.values():
+      out.setdefault(leaf.source, fit(target[leaf.path].sharding, leaf.source_shape,
+                                      drop_leading=True))
   return out
 
 

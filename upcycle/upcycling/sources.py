@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from upcycle.upcycling import paths
+from upcycle import tree
 from upcycle.upcycling.base import Array, ExpertInit, as_array, check_choice, draw, key_for
 
 
@@ -36,7 +36,13 @@ def mean_leaf(leaves: Sequence[Any]) -> Array:
 
 
 class MultiSource(ExpertInit):
-  """Experts from several sources; also decides the shared (non-expert) params."""
+  """Experts from several sources; also decides the shared (non-expert) params.
+
+  A plan source: the plan copies the shared leaves from `shared_params()`, and the
+  experts read the sources themselves (on the host: not traceable).
+  """
+
+  traceable = False
 
   sources: Sequence[Mapping]
   base: Optional[int]
@@ -44,7 +50,7 @@ class MultiSource(ExpertInit):
   def _prepare(self):
     if not self.sources:
       raise ValueError(f'{type(self).__name__}: needs at least one source param tree.')
-    flats = [paths.flatten(s) for s in self.sources]
+    flats = [tree.flatten(s) for s in self.sources]
     ref = flats[0]
     for i, flat in enumerate(flats[1:], 1):
       missing, extra = sorted(set(ref) - set(flat)), sorted(set(flat) - set(ref))
@@ -55,10 +61,10 @@ class MultiSource(ExpertInit):
                          f'the same dense architecture.')
       for path, leaf in ref.items():
         other = flat[path]
-        if paths.shape_of(leaf) != paths.shape_of(other) or leaf.dtype != other.dtype:
+        if tree.shape_of(leaf) != tree.shape_of(other) or leaf.dtype != other.dtype:
           raise ValueError(
-              f'{type(self).__name__}: {path} is {paths.shape_of(leaf)} {leaf.dtype} in source 0 '
-              f'but {paths.shape_of(other)} {other.dtype} in source {i}. All sources must be '
+              f'{type(self).__name__}: {path} is {tree.shape_of(leaf)} {leaf.dtype} in source 0 '
+              f'but {tree.shape_of(other)} {other.dtype} in source {i}. All sources must be '
               f'checkpoints of the same dense architecture.')
     if self.base is not None and not 0 <= self.base < len(flats):
       raise ValueError(f'{type(self).__name__}.base={self.base}: there are {len(flats)} sources.')
@@ -68,20 +74,20 @@ class MultiSource(ExpertInit):
     """The non-expert params: source `base`, or the mean of all sources."""
     flats = self._flats
     if self.base is not None:
-      return paths.unflatten(dict(flats[self.base]))
+      return tree.unflatten(dict(flats[self.base]))
     out = {}
     for path in flats[0]:
       try:
         out[path] = mean_leaf([flat[path] for flat in flats])
       except ValueError as e:
         raise ValueError(f'{type(self).__name__}: {path}: {e} Fix: pick one with base=<index>.') from e
-    return paths.unflatten(out)
+    return tree.unflatten(out)
 
   def _source_mlp(self, index: int, names, layer: str) -> Dict[str, Any]:
     flat = self._flats[index]
     out = {}
     for name in names:
-      path = paths.join(layer, name)
+      path = tree.join(layer, name)
       if path not in flat:
         raise ValueError(f'{type(self).__name__}: source {index} has no leaf {path}.')
       out[name] = flat[path]

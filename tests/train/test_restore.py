@@ -13,15 +13,15 @@ import optax
 import pytest
 
 from tests.checkpoints import helpers, t5x_writer
-from upcycle import checkpoints
-from upcycle.checkpoints import orbax
+from upcycle import checkpoints, pretrained, tree
+from upcycle.checkpoints import factored, from_t5x_adafactor, orbax
 from upcycle.models import T5, ViT
 from upcycle.moe import MoeConfig
 from upcycle.train import objectives, optimizers, partitioning
+from upcycle.train.restore import ContinueFromCheckpoint, UpcycleFromDense
 from upcycle.train.trainer import TrainConfig, Trainer
-from upcycle.upcycling import experts, factored, paths, sharded, stored_state
-from upcycle.upcycling.optimizer import from_t5x_adafactor, upcycle_optimizer_state
-from upcycle.upcycling.restore import ContinueFromCheckpoint, UpcycleFromDense
+from upcycle.upcycling import experts, sharded, step_policy
+from upcycle.upcycling.optimizer import upcycle_optimizer_state
 from upcycle.upcycling.surgery import upcycle
 
 # Capacity = group size: every token reaches an expert, and with normalized combine
@@ -118,7 +118,7 @@ def test_t5x_upcycled_on_the_mesh_equals_unsharded_surgery(t5, capsys):
   state = _run(t5['trainer'], t5['abstract'], UpcycleFromDense(t5['dir']))
   assert helpers.snapshot(t5['dir']) == before
   _assert_placed(state, t5['abstract'])
-  kernel = paths.flatten(state.params)[E_LEAF]
+  kernel = tree.flatten(state.params)[E_LEAF]
   assert kernel.sharding.spec[0] == 'expert'
   assert {s.data.shape for s in kernel.addressable_shards} == {(2, 8, 6)}  # E/2, d_ff/2
   _assert_trees_equal(state.params, _unsharded(t5['params'], t5['abstract'].params))
@@ -145,7 +145,7 @@ def test_drop_experts_and_reused_t5x_adafactor_state(t5):
   _assert_trees_equal(state.params, want, rtol_for_experts=1e-5)
   dense_wo = t5['params']['encoder']['layers_1']['mlp']['wo']['kernel']
   kept = lambda x: (np.asarray(x) == dense_wo[None]).all(-1)  # [E, d_ff] units left as is
-  flat, flat_want = paths.flatten(state.params), paths.flatten(want)
+  flat, flat_want = tree.flatten(state.params), tree.flatten(want)
   wo = 'encoder/layers_1/mlp/expert/wo/kernel'
   np.testing.assert_array_equal(kept(flat[wo]), kept(flat_want[wo]))
   assert kept(flat[wo]).mean() == 0.5
@@ -154,7 +154,7 @@ def test_drop_experts_and_reused_t5x_adafactor_state(t5):
   dense_state = from_t5x_adafactor(t5x_state, t5['params'], optimizer)
   _assert_trees_equal(state.opt_state, upcycle_optimizer_state(dense_state, want, optimizer))
   assert int(state.step) == 6 and int(state.opt_state[0].count) == 6
-  v_row = paths.flatten(state.opt_state[0].v_row)[E_LEAF]
+  v_row = tree.flatten(state.opt_state[0].v_row)[E_LEAF]
   np.testing.assert_array_equal(
       v_row, np.broadcast_to(t5x_state['param_states']['encoder']['layers_1']['mlp']['wi_0'][
           'kernel']['v_row'], (4, 8)))
@@ -165,7 +165,7 @@ def test_step_reset_zeroes_every_count_but_keeps_moments(t5):
   state = _run(t5['trainer'], t5['abstract'], hook)
   assert int(state.step) == 0
   assert int(state.opt_state[0].count) == 0 and int(state.opt_state[2].count) == 0
-  assert np.asarray(paths.flatten(state.opt_state[0].v_row)[E_LEAF]).min() >= 0.5
+  assert np.asarray(tree.flatten(state.opt_state[0].v_row)[E_LEAF]).min() >= 0.5
 
 
 def test_from_checkpoints_of_identical_branches_equals_copy(t5, tmp_path):
@@ -182,7 +182,7 @@ def test_from_checkpoints_of_identical_branches_equals_copy(t5, tmp_path):
 
 def test_hf_t5_upcycled_gives_the_transformers_logits(hf_t5):
   directory, reference = hf_t5
-  dense_config = checkpoints.load(directory).model_config
+  dense_config = pretrained.load(directory).model_config
   config = dataclasses.replace(dense_config, encoder_moe=ENCODER_MOE, decoder_moe=DECODER_MOE)
   trainer, abstract = _trainer(objectives.Seq2Seq(T5(config)), ADAFACTOR, T5_BATCH)
   state = _run(trainer, abstract, UpcycleFromDense(directory))
@@ -196,12 +196,12 @@ def test_hf_t5_upcycled_gives_the_transformers_logits(hf_t5):
 def vit(hf_vit, tmp_path_factory):
   """HF ViT; its params with a trained AdamW state in our orbax format at step 7; trainers."""
   directory, reference = hf_vit
-  ckpt = checkpoints.load(directory)
+  ckpt = pretrained.load(directory)
   dense = checkpoints.materialize(ckpt.params)
   optimizer = ADAMW.build()
   grads = jax.tree.map(lambda x: np.full(x.shape, 0.1, x.dtype), dense)
   _, opt_state = optimizer.update(grads, optimizer.init(dense), dense)
-  opt_state = stored_state.set_counts(opt_state, 7, schedule_only=False)
+  opt_state = step_policy.set_counts(opt_state, 7, schedule_only=False)
   orbax_dir = str(tmp_path_factory.mktemp('orbax'))
   with orbax.CheckpointManager(orbax_dir, async_save=False) as manager:
     manager.save(7, dense, opt_state)

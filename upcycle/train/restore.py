@@ -11,26 +11,22 @@ exactly those shardings.
   ContinueFromCheckpoint  a checkpoint of the model's own architecture -> the same model
                           (continue dense training, or load an MoE checkpoint as it is)
 
-Both read any format `upcycle.checkpoints.load` knows (T5X, T5X-orbax, ours, HF, ViT .npz)
-and build the whole state in one `jax.jit` whose out_shardings are the abstract state's: every
-expert tensor is created already split over the 'expert' mesh axis and no host holds E copies.
-The dense leaves are its inputs, each host reading only the blocks its devices need
-(`sharded.py`). The surgery is traced without data first (`jax.eval_shape`), so a mismatch
-fails before anything is read; the report is printed.
+Both read any format `upcycle.checkpoints.load` knows (T5X, T5X-orbax, ours, HF, ViT .npz),
+build the upcycling plan from shapes alone (`upcycle.upcycling.plan`: every mismatch fails
+before anything is read), print it as the report, and run it in one `jax.jit` whose
+out_shardings are the abstract state's: every expert tensor is created already split over
+the 'expert' mesh axis and no host holds E copies. The dense leaves are its inputs, each host
+reading only the blocks its devices need (`upcycling/sharded.py`). Initializers that read
+their own sources (Branch-Train-MiX, UpIT: `traceable = False`) run the plan eagerly on the
+host instead, and the result is placed on the mesh.
 
-Step handling (`step`):
-  'keep'   the checkpoint's step continues (0 for formats without one: HF, .npz), and so does
-           the learning-rate schedule. A reused optimizer state keeps all its counts; a fresh
-           one gets the step in its schedule counts only, while its moment counts (Adam bias
-           correction, Adafactor decay) start at 0 with the moments.
-  'reset'  step 0 and every count 0.
-  N        step N, schedule counts N (e.g. a HF T5 v1.1 checkpoint known to be at 1M steps).
+`step` is the step policy of `upcycle.upcycling.step_policy`: 'keep', 'reset' or N.
 
 Combine-weight normalization is a model setting (`MoeConfig.normalize_combine_weights`),
 bound in gin with the model, not here. In gin (the training entry point passes
 `initializer` to the Trainer):
 
-  from upcycle.upcycling import restore
+  from upcycle.train import restore
   train_script.train.initializer = @restore.UpcycleFromDense()
   restore.UpcycleFromDense:
     checkpoint = %INITIAL_CHECKPOINT_PATH
@@ -39,127 +35,106 @@ bound in gin with the model, not here. In gin (the training entry point passes
 """
 
 import dataclasses
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from upcycle import checkpoints
+from upcycle import checkpoints, pretrained, tree
+from upcycle.checkpoints import optimizer_state
 from upcycle.train.state import TrainState
-from upcycle.upcycling import paths, sharded, stored_state
+from upcycle.upcycling import execute, sharded, step_policy
+from upcycle.upcycling import plan as plan_lib
 from upcycle.upcycling.base import ExpertInit
+from upcycle.upcycling.experts import Copy
 from upcycle.upcycling.optimizer import upcycle_optimizer_state
-from upcycle.upcycling.routers import RouterInit
+from upcycle.upcycling.plan import Plan
+from upcycle.upcycling.routers import Normal, RouterInit
 from upcycle.upcycling.sources import MultiSource
-from upcycle.upcycling.surgery import copy_params, upcycle, upcycle_from_checkpoints
-
-Step = Union[str, int]
+from upcycle.upcycling.surgery import make_plan
 
 
-def _check_step(step: Step, owner: str) -> None:
-  if step in ('keep', 'reset') or (isinstance(step, int) and not isinstance(step, bool)
-                                   and step >= 0):
-    return
-  raise ValueError(f"{owner}.step={step!r}: expected 'keep', 'reset' or a step number >= 0.")
-
-
-def _start_step(step: Step, checkpoint_step: Optional[int]) -> int:
-  if step == 'keep':
-    return int(checkpoint_step or 0)
-  return 0 if step == 'reset' else int(step)
-
-
-def _with_step_policy(opt_state: Any, step: Step, start: int) -> Any:
-  """A reused optimizer state under the step policy (see the module docstring)."""
-  if step == 'keep':
-    return opt_state
-  if step == 'reset':
-    return stored_state.set_counts(opt_state, 0, schedule_only=False)
-  return stored_state.set_counts(opt_state, start, schedule_only=True)
-
-
-def _abstract(x: Any) -> jax.ShapeDtypeStruct:
-  dtype = x.dtype if hasattr(x, 'dtype') else np.asarray(x).dtype
-  return jax.ShapeDtypeStruct(tuple(np.shape(x)), dtype)
-
-
-def _announce(owner: str, ckpt, start: int, reuse: bool, report) -> None:
+def _announce(owner: str, ckpt, plan: Plan, reuse: bool) -> None:
   if jax.process_index() != 0:
     return
   state = 'reused' if reuse else 'fresh'
-  print(f'{owner}: {ckpt.path} ({ckpt.format}, step {ckpt.step}) -> start at step {start}, '
+  print(f'{owner}: {ckpt.path} ({ckpt.format}, step {ckpt.step}) -> start at step {plan.step}, '
         f'{state} optimizer state.', flush=True)
   for note in ckpt.notes:
     print(f'  reader: {note}', flush=True)
-  print(report, flush=True)
+  print(plan, flush=True)
 
 
-def build_state(ckpt: checkpoints.Checkpoint, abstract_state: TrainState,
-                optimizer, make_params: Callable, *, reuse_optimizer_state: bool,
-                upcycled: bool, step: Step, seed: int, owner: str) -> TrainState:
-  """The shared path of both hooks: trace, report, read sharded, one jit.
+def _plan(owner: str, where: str, make: Callable[[], Plan]) -> Plan:
+  try:
+    return make()
+  except ValueError as e:
+    raise ValueError(f'{owner}({where}): {e}') from e
+
+
+def build_state(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer,
+                plan: Plan, *, reuse_optimizer_state: bool, upcycled: bool,
+                step: step_policy.Step, seed: int, owner: str) -> TrainState:
+  """The sharded executor: the plan and the optimizer state in one jit, placed on the mesh.
 
   Args:
     ckpt: the source checkpoint (lazy leaves).
     abstract_state: the trainer's abstract TrainState (leaves with `.sharding`).
     optimizer: the run's optax transformation.
-    make_params: `(dense tree, target tree, rng) -> (params, report)`, traceable.
+    plan: the plan from `ckpt.params` to `abstract_state.params`.
     reuse_optimizer_state: fill the optimizer state from the checkpoint's.
     upcycled: whether the params are upcycled (the stored state is then the
       dense model's and is tiled) or copied (the stored state is the model's).
     step: the step policy.
-    seed: the rng seed of the surgery.
+    seed: the rng seed of the initializers.
     owner: the hook's class name, for messages and gin bindings.
   """
-  dense = paths.flatten(ckpt.params)
-  dense_abstract = {p: _abstract(x) for p, x in dense.items()}
-  target = paths.flatten(abstract_state.params)
-  start = _start_step(step, ckpt.step)
-  saved = (stored_state.stored(ckpt, f'{owner}.reuse_optimizer_state')
+  dense = tree.flatten(ckpt.params)
+  dense_abstract = {p: tree.abstract(x) for p, x in dense.items()}
+  saved = (optimizer_state.stored(ckpt, f'{owner}.reuse_optimizer_state')
            if reuse_optimizer_state else None)
-  reports = []
 
   def build(inputs, saved_state, rng):
-    tree = paths.unflatten({**dense_abstract, **inputs})
-    params, report = make_params(tree, abstract_state.params, rng)
-    reports.append(report)
+    source = tree.unflatten({**dense_abstract, **inputs})
+    params = execute.run(plan, source, rng)
     if saved_state is None:
-      opt_state = stored_state.set_counts(optimizer.init(params), start, schedule_only=True)
+      opt_state = step_policy.fresh(optimizer.init(params), plan.step)
     else:
-      source = stored_state.as_optax(saved_state, ckpt.format, tree if upcycled else params,
-                                     optimizer, ckpt.path)
+      opt_state = optimizer_state.as_optax(saved_state, ckpt.format,
+                                           source if upcycled else params, optimizer, ckpt.path)
       if upcycled:
-        source = upcycle_optimizer_state(source, params, optimizer)
-      opt_state = _with_step_policy(source, step, start)
-    return TrainState(jnp.asarray(start, abstract_state.step.dtype), params, opt_state)
+        opt_state = upcycle_optimizer_state(opt_state, params, optimizer)
+      opt_state = step_policy.reused(opt_state, step, plan.step)
+    return TrainState(jnp.asarray(plan.step, abstract_state.step.dtype), params, opt_state)
 
   rng = jax.random.PRNGKey(seed)
-  saved_abstract = None if saved is None else jax.tree.map(_abstract, saved)
-  try:
+  saved_abstract = None if saved is None else jax.tree.map(tree.abstract, saved)
+  try:  # The optimizer-state conversion checks, before anything is read.
     jax.eval_shape(build, dense_abstract, saved_abstract, rng)
   except ValueError as e:
     raise ValueError(f'{owner}({ckpt.path!r}, format {ckpt.format!r}): {e}') from e
-  report = reports[-1]
-  _announce(owner, ckpt, start, reuse_optimizer_state, report)
+  _announce(owner, ckpt, plan, reuse_optimizer_state)
 
-  placement = sharded.source_shardings(report, target, dense)
+  placement = sharded.source_shardings(plan, tree.flatten(abstract_state.params))
   inputs = {path: sharded.read(dense[path], sharding) for path, sharding in placement.items()}
   saved_inputs = None
   if saved is not None:
     mesh = abstract_state.step.sharding.mesh
-    slots = {p: (paths.shape_of(dense[p]), s) for p, s in placement.items()}
+    slots = {p: (tree.shape_of(dense[p]), s) for p, s in placement.items()}
     replicated = NamedSharding(mesh, PartitionSpec())
     saved_inputs = jax.tree_util.tree_map_with_path(
         lambda kp, x: sharded.read(x, sharded.slot_sharding(
-            jax.tree_util.keystr(kp, simple=True, separator='/'), np.shape(x), slots,
-            replicated)), saved)
+            tree.key_path(kp), np.shape(x), slots, replicated)), saved)
   out_shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
   donate = () if jax.default_backend() == 'cpu' else (0,)
   return jax.jit(build, out_shardings=out_shardings, donate_argnums=donate)(
       inputs, saved_inputs, rng)
 
+
+def _place(abstract_state: TrainState, state: TrainState) -> TrainState:
+  return jax.device_put(state, jax.tree.map(lambda x: x.sharding, abstract_state))
 
 @dataclasses.dataclass(frozen=True)
 class UpcycleFromDense:
@@ -191,42 +166,50 @@ class UpcycleFromDense:
   experts: Union[str, ExpertInit, Callable[..., MultiSource]] = 'copy'
   router: Union[str, RouterInit] = 'normal'
   reuse_optimizer_state: bool = False
-  step: Step = 'keep'
+  step: step_policy.Step = 'keep'
   seed: int = 0
   cast: bool = False
 
   def __post_init__(self):
-    _check_step(self.step, 'UpcycleFromDense')
+    object.__setattr__(self, 'step', step_policy.check(self.step, 'UpcycleFromDense.step'))
     if isinstance(self.experts, MultiSource):
       raise ValueError(
           f'UpcycleFromDense.experts={self.experts!r}: pass the class instead of an instance '
           f'(gin: experts = @FromCheckpoints, without parentheses) and the source paths as '
           f'UpcycleFromDense.checkpoint = [...]; the hook reads them and calls it with sources=.')
 
-  def _several(self) -> bool:
-    return not isinstance(self.checkpoint, str)
-
   def __call__(self, abstract_state: TrainState, optimizer) -> TrainState:
-    if self._several():
-      return self._from_several(abstract_state, optimizer)
+    owner = 'UpcycleFromDense'
+    several = not isinstance(self.checkpoint, str)
+    ckpt, dense, experts = (self._several(owner) if several else self._one(owner))
+    where = repr(list(self.checkpoint)) if several else f'{ckpt.path!r}, format {ckpt.format!r}'
+    plan = _plan(owner, where, lambda: make_plan(
+        dense, abstract_state.params, experts=experts, router=self.router, cast=self.cast,
+        step=step_policy.start(self.step, ckpt.step)))
+    if plan.experts.traceable:
+      return build_state(ckpt, abstract_state, optimizer, plan,
+                         reuse_optimizer_state=self.reuse_optimizer_state, upcycled=True,
+                         step=self.step, seed=self.seed, owner=owner)
+    # The eager executor: the initializer reads its own sources on the host.
+    _announce(owner, ckpt, plan, False)
+    params = execute.run(plan, dense, jax.random.PRNGKey(self.seed))
+    opt_state = step_policy.fresh(optimizer.init(params), plan.step)
+    return _place(abstract_state, TrainState(
+        jnp.asarray(plan.step, abstract_state.step.dtype), params, opt_state))
+
+  def _one(self, owner: str):
+    """(checkpoint, dense params, initializer) for one dense checkpoint."""
     if not isinstance(self.experts, (str, ExpertInit)):
       raise ValueError(
-          f'UpcycleFromDense.experts={self.experts!r} is neither an initializer name nor an '
+          f'{owner}.experts={self.experts!r} is neither an initializer name nor an '
           f'ExpertInit instance. A class (gin: @sources.FromCheckpoints, no parentheses) takes '
-          f'several source checkpoints: UpcycleFromDense.checkpoint = [path, path, ...]; any '
+          f'several source checkpoints: {owner}.checkpoint = [path, path, ...]; any '
           f'other initializer needs parentheses (gin: @experts.Drop()).')
-    ckpt = checkpoints.load(self.checkpoint, self.format, lazy=True)
+    ckpt = pretrained.load(self.checkpoint, self.format, lazy=True)
+    return ckpt, ckpt.params, self.experts
 
-    def make_params(dense, target, rng):
-      return upcycle(dense, target, experts=self.experts, router=self.router, rng=rng,
-                     cast=self.cast)
-
-    return build_state(ckpt, abstract_state, optimizer, make_params,
-                       reuse_optimizer_state=self.reuse_optimizer_state, upcycled=True,
-                       step=self.step, seed=self.seed, owner='UpcycleFromDense')
-
-  def _from_several(self, abstract_state: TrainState, optimizer) -> TrainState:
-    owner = 'UpcycleFromDense'
+  def _several(self, owner: str):
+    """(first checkpoint, shared params, initializer) for Branch-Train-MiX / UpIT sources."""
     if isinstance(self.experts, (str, ExpertInit)) or not callable(self.experts):
       raise ValueError(
           f'{owner}.checkpoint lists {len(self.checkpoint)} checkpoints, so {owner}.experts must '
@@ -235,7 +218,7 @@ class UpcycleFromDense:
     if self.reuse_optimizer_state:
       raise ValueError(f'{owner}: several source checkpoints have no one optimizer state to '
                        f'reuse. Fix: {owner}.reuse_optimizer_state = False.')
-    ckpts = [checkpoints.load(path, self.format) for path in self.checkpoint]
+    ckpts = [pretrained.load(path, self.format) for path in self.checkpoint]
     steps = sorted({c.step for c in ckpts}, key=lambda s: -1 if s is None else s)
     if self.step == 'keep' and len(steps) > 1:
       raise ValueError(f'{owner}: the source checkpoints are at different steps {steps}, so '
@@ -244,24 +227,15 @@ class UpcycleFromDense:
     if not isinstance(init, MultiSource):
       raise ValueError(f'{owner}.experts(sources=...) returned {init!r}; expected '
                        f'FromCheckpoints or Merge.')
-    try:
-      params, report = upcycle_from_checkpoints(init, abstract_state.params, router=self.router,
-                                                rng=self.seed, cast=self.cast)
-    except ValueError as e:
-      raise ValueError(f'{owner}({list(self.checkpoint)}): {e}') from e
-    start = _start_step(self.step, steps[0])
-    _announce(owner, dataclasses.replace(ckpts[0], path=', '.join(self.checkpoint)), start,
-              False, report)
-    opt_state = stored_state.set_counts(optimizer.init(params), start, schedule_only=True)
-    state = TrainState(jnp.asarray(start, abstract_state.step.dtype), params, opt_state)
-    return jax.device_put(state, jax.tree.map(lambda x: x.sharding, abstract_state))
+    ckpt = dataclasses.replace(ckpts[0], path=', '.join(self.checkpoint))
+    return ckpt, init.shared_params(), init
 
 
 @dataclasses.dataclass(frozen=True)
 class ContinueFromCheckpoint:
   """Initializer: the first state of a run continuing a checkpoint of the same architecture.
 
-  Every parameter is copied from the same path (`surgery.copy_params`): a dense
+  Every parameter is copied from the same path (a plan with `upcycling=False`, as `copy_params`): a dense
   model from a dense checkpoint (continue dense training: the baseline of the
   upcycling experiments), or an MoE model from an MoE checkpoint (one written
   by `python -m upcycle.convert`, or another run's).
@@ -278,20 +252,18 @@ class ContinueFromCheckpoint:
   checkpoint: str
   format: Optional[str] = None
   reuse_optimizer_state: bool = True
-  step: Step = 'keep'
+  step: step_policy.Step = 'keep'
   cast: bool = False
 
   def __post_init__(self):
-    _check_step(self.step, 'ContinueFromCheckpoint')
+    object.__setattr__(self, 'step', step_policy.check(self.step, 'ContinueFromCheckpoint.step'))
 
   def __call__(self, abstract_state: TrainState, optimizer) -> TrainState:
-    ckpt = checkpoints.load(self.checkpoint, self.format, lazy=True)
-
-    def make_params(source, target, rng):
-      del rng
-      return copy_params(source, target, cast=self.cast)
-
-    return build_state(ckpt, abstract_state, optimizer, make_params,
+    owner = 'ContinueFromCheckpoint'
+    ckpt = pretrained.load(self.checkpoint, self.format, lazy=True)
+    plan = _plan(owner, f'{ckpt.path!r}, format {ckpt.format!r}', lambda: plan_lib.make(
+        ckpt.params, abstract_state.params, Copy(), Normal(), cast=self.cast,
+        step=step_policy.start(self.step, ckpt.step), upcycling=False))
+    return build_state(ckpt, abstract_state, optimizer, plan,
                        reuse_optimizer_state=self.reuse_optimizer_state, upcycled=False,
-                       step=self.step, seed=0, owner='ContinueFromCheckpoint')
-
+                       step=self.step, seed=0, owner=owner)

@@ -1,0 +1,112 @@
+"""Dependencies point one way (README "Architecture"): every import of every module, checked.
+
+  tree  <-  layers  <-  moe  <-  models
+  tree  <-  checkpoints  <-  upcycling
+  train, pretrained and the entry points wire everything.
+
+Function-local imports count: hiding an import in a function does not change what a module
+depends on.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / 'upcycle'
+
+# Top-level part of upcycle -> the parts it may import (besides itself and third parties).
+ALLOWED = {
+    'tree': set(),
+    'layers': {'tree'},
+    'moe': {'tree', 'layers'},
+    'models': {'tree', 'layers', 'moe'},
+    'checkpoints': {'tree'},
+    'upcycling': {'tree', 'checkpoints'},
+    'data': set(),
+    'gin_utils': set(),
+}
+# Wiring: may import any part.
+WIRING = {'train', 'pretrained', 'convert', 'eval', 'inspect', 'quickstart', '__init__'}
+
+
+def _part(module: str) -> str:
+  """'upcycle.checkpoints.hf' -> 'checkpoints'; 'upcycle' -> '__init__'."""
+  parts = module.split('.')
+  return parts[1] if len(parts) > 1 else '__init__'
+
+
+def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
+  rel = path.relative_to(root.parent).with_suffix('')
+  parts = list(rel.parts)
+  if parts[-1] == '__init__':
+    parts = parts[:-1]
+  return '.'.join(parts)
+
+
+def imports(path: pathlib.Path, root: pathlib.Path = PACKAGE):
+  """(line, imported module) for every import in the file, nested ones included."""
+  module = _module_name(path, root)
+  package = module if path.name == '__init__.py' else module.rpartition('.')[0]
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Import):
+      for alias in node.names:
+        yield node.lineno, alias.name
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ''
+      if node.level:
+        anchor = package.split('.')[:len(package.split('.')) - node.level + 1]
+        base = '.'.join(anchor + ([base] if base else []))
+      if base == 'upcycle':  # `from upcycle import checkpoints`: each name is a part.
+        for alias in node.names:
+          yield node.lineno, f'upcycle.{alias.name}'
+      else:
+        yield node.lineno, base
+
+
+def violations(paths, root: pathlib.Path = PACKAGE):
+  out = []
+  for path in paths:
+    where = path.relative_to(root.parent)
+    source = _part(_module_name(path, root))
+    if source in WIRING:
+      continue
+    if source not in ALLOWED:
+      out.append(f'{where}: part {source!r} has no place in the '
+                 f'dependency table of tests/test_architecture.py; add it there and to the '
+                 f'README "Architecture" section')
+      continue
+    for line, name in imports(path, root):
+      if name != 'upcycle' and not name.startswith('upcycle.'):
+        continue
+      target = _part(name)
+      if target != source and target not in ALLOWED[source]:
+        out.append(f'{where}:{line}: upcycle.{source} imports '
+                   f'{name}, against the direction (upcycle.{source} may import '
+                   f'{sorted(ALLOWED[source]) or "nothing from upcycle"})')
+  return out
+
+
+def test_every_import_points_the_one_way():
+  found = violations(sorted(PACKAGE.rglob('*.py')))
+  assert not found, 'Imports against the dependency direction:\n  ' + '\n  '.join(found)
+
+
+def test_a_hidden_import_against_the_direction_is_named(tmp_path):
+  """The check itself: a function-local import of the models from checkpoints fails."""
+  fake = tmp_path / 'upcycle' / 'checkpoints' / 'sneaky.py'
+  fake.parent.mkdir(parents=True)
+  fake.write_text('def shapes(config):\n  from upcycle.models import t5\n  return t5\n')
+  relative = tmp_path / 'upcycle' / 'upcycling' / 'relative.py'
+  relative.parent.mkdir(parents=True)
+  relative.write_text('from ..train import state\n')
+  assert violations([fake, relative], tmp_path / 'upcycle') == [
+      'upcycle/checkpoints/sneaky.py:2: upcycle.checkpoints imports upcycle.models, against '
+      "the direction (upcycle.checkpoints may import ['tree'])",
+      'upcycle/upcycling/relative.py:1: upcycle.upcycling imports upcycle.train, against the '
+      "direction (upcycle.upcycling may import ['checkpoints', 'tree'])"]
+
+
+@pytest.mark.parametrize('part', sorted(ALLOWED))
+def test_every_part_exists(part):
+  assert (PACKAGE / part).is_dir() or (PACKAGE / f'{part}.py').is_file()

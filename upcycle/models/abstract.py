@@ -1,0 +1,47 @@
+"""Expected parameter shapes of a model config, and configs from checkpoint descriptions.
+
+The one place that turns a T5Config / ViTConfig into its parameter tree without
+computing anything, and a reader's plain description of a model (`Checkpoint.description`,
+e.g. from a HuggingFace config.json) into the config.
+"""
+
+from typing import Any, Dict, Mapping, Union
+
+import jax
+import jax.numpy as jnp
+
+from upcycle import tree
+from upcycle.models.t5 import T5, T5Config
+from upcycle.models.vit import ViT, ViTConfig
+
+Config = Union[T5Config, ViTConfig]
+CONFIGS = {'t5': T5Config, 'vit': ViTConfig}
+
+
+def abstract_params(config: Config) -> Dict[str, Any]:
+  """T5Config / ViTConfig -> nested dict of `jax.ShapeDtypeStruct`, boxes opened.
+
+  Safe under an active mesh with logical axis rules (no sharding constraint is
+  applied to the abstract values).
+  """
+  rngs = {'params': jax.random.key(0)}
+  if isinstance(config, T5Config):
+    tokens = jnp.ones((1, 1), jnp.int32)
+    init = lambda: T5(config).init(rngs, tokens, tokens)
+  elif isinstance(config, ViTConfig):
+    images = jnp.ones((1, *config.image_size, config.num_channels), jnp.float32)
+    init = lambda: ViT(config).init(rngs, images)
+  else:
+    raise TypeError(f'abstract_params: expected a T5Config or ViTConfig, got '
+                    f'{type(config).__name__}.')
+  return tree.unbox(jax.eval_shape(init))['params']
+
+
+def config_from_description(description: Mapping[str, Any]) -> Config:
+  """{'model': 't5' | 'vit', <config field>: value, ...} -> T5Config / ViTConfig."""
+  fields = dict(description)
+  kind = fields.pop('model', None)
+  if kind not in CONFIGS:
+    raise ValueError(f"config_from_description: 'model' is {kind!r}; expected one of "
+                     f'{sorted(CONFIGS)}.')
+  return CONFIGS[kind](**fields)

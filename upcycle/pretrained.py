@@ -1,0 +1,49 @@
+"""A checkpoint together with the model it fits: where `checkpoints` and `models` meet.
+
+Checkpoint readers know names and arrays (and, for HuggingFace, a plain description of
+the model); `upcycle.models` knows shapes. This module wires the two:
+
+  ckpt = pretrained.load(path, model_config=cfg)   # checked against cfg's shapes
+  params, config = pretrained.load_hf(path)        # the config HF's config.json implies
+"""
+
+import os
+from typing import Any, Dict, Optional, Tuple
+
+from upcycle import checkpoints, models
+
+
+def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-builtin
+         model_config: Any = None, lazy: bool = False) -> checkpoints.Checkpoint:
+  """`checkpoints.load`, every name and shape checked against the model.
+
+  Args:
+    path: file or directory, any supported format.
+    format: one of `checkpoints.FORMATS`; None detects it.
+    model_config: the T5Config / ViTConfig to check against. None: the config the
+      checkpoint describes (HF), or no check for formats without one.
+    lazy: LazyArray leaves, read on demand (see `checkpoints.load`); default numpy arrays.
+
+  Returns:
+    The Checkpoint, `model_config` set to the config it was checked against (or None).
+  """
+
+  def config_for(description: Optional[Dict[str, Any]]):
+    if model_config is not None:
+      return model_config
+    return None if description is None else models.config_from_description(description)
+
+  def expected(description):
+    config = config_for(description)
+    return None if config is None else models.abstract_params(config)
+
+  ckpt = checkpoints.load(os.fspath(path), format, expected, lazy)
+  ckpt.model_config = config_for(ckpt.description)
+  return ckpt
+
+
+def load_hf(path: str, lazy: bool = False) -> Tuple[Dict[str, Any], Any]:
+  """HuggingFace directory -> (params in this project's names, the T5Config / ViTConfig);
+  numpy leaves, or LazyArrays with `lazy=True`."""
+  ckpt = load(path, 'hf', lazy=lazy)
+  return ckpt.params, ckpt.model_config

@@ -1,0 +1,196 @@
+"""Parameter trees: flat paths, flax boxes, key paths, and the MoE naming rule.
+
+Param trees are nested dicts of arrays; a path is the '/'-joined key sequence,
+e.g. 'encoder/layers_1/mlp/expert/wi_0/kernel'. Every package that walks a
+param tree (moe, checkpoints, upcycling, train) does it through this module,
+which imports nothing from `upcycle`.
+
+The naming rule (DESIGN.md) of every MoE block of either model:
+
+  X/expert/Y  the experts of the dense MLP leaf X/Y, a leading expert axis
+  X/router/Z  the router of block X (only where X/expert/... exists too)
+  anything P  the dense leaf P
+"""
+
+import dataclasses
+from typing import Any, Dict, Iterable, Mapping, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.core import meta
+
+EXPERT = 'expert'
+ROUTER = 'router'
+
+
+def _is_box(x: Any) -> bool:
+  return isinstance(x, meta.AxisMetadata)
+
+
+def _value(x: Any) -> Any:
+  while _is_box(x):
+    x = x.value
+  return x
+
+
+def unbox(tree: Any) -> Any:
+  """`tree` (or one leaf) with flax `nn.Partitioned` / `LogicallyPartitioned` boxes opened.
+
+  Abstract trees from `jax.eval_shape(model.init, ...)` carry these boxes. This
+  reads `.value`; unlike `meta.unbox` it applies no sharding constraint, which
+  would fail on abstract values under an active mesh.
+  """
+  return jax.tree.map(_value, tree, is_leaf=_is_box)
+
+
+def flatten(tree: Any) -> Dict[str, Any]:
+  """Nested mappings -> {'a/b/c': leaf}, boxes opened, leaves not copied.
+
+  Empty mappings vanish (they hold no parameter); a non-mapping `tree` is the
+  single leaf at path ''.
+  """
+  flat: Dict[str, Any] = {}
+
+  def walk(node, prefix):
+    if not isinstance(node, Mapping):
+      flat[prefix] = _value(node)
+      return
+    for key, value in node.items():
+      walk(value, f'{prefix}/{key}' if prefix else str(key))
+
+  walk(tree, '')
+  return flat
+
+
+def unflatten(flat: Mapping[str, Any]) -> Dict[str, Any]:
+  """{'a/b/c': leaf} -> nested dicts."""
+  nested: Dict[str, Any] = {}
+  for path, leaf in flat.items():
+    *parents, name = path.split('/')
+    node = nested
+    for key in parents:
+      node = node.setdefault(key, {})
+    node[name] = leaf
+  return nested
+
+
+def join(*parts: str) -> str:
+  return '/'.join(p for p in parts if p)
+
+
+def shape_of(leaf: Any) -> Tuple[int, ...]:
+  return tuple(int(d) for d in np.shape(leaf))
+
+
+def abstract(leaf: Any) -> jax.ShapeDtypeStruct:
+  """Shape and dtype of an array, lazy array or abstract leaf."""
+  dtype = leaf.dtype if hasattr(leaf, 'dtype') else np.asarray(leaf).dtype
+  return jax.ShapeDtypeStruct(shape_of(leaf), dtype)
+
+
+def zeros_for(tree: Any) -> Any:
+  """Boxes opened, abstract leaves replaced by zeros (e.g. for `optimizer.init`)."""
+  concrete = lambda x: x if isinstance(x, (jax.Array, np.ndarray)) else jnp.zeros(x.shape, x.dtype)
+  return jax.tree.map(concrete, unbox(tree))
+
+
+# Key paths of arbitrary pytrees (optax states): one name per key.
+
+def key_names(keypath: Sequence[Any]) -> Tuple[str, ...]:
+  """A jax key path as hashable names: dict keys as is, attributes '.name', indices '[i]'."""
+  out = []
+  for k in keypath:
+    if isinstance(k, jax.tree_util.DictKey):
+      out.append(str(k.key))
+    elif isinstance(k, jax.tree_util.GetAttrKey):
+      out.append(f'.{k.name}')
+    elif isinstance(k, jax.tree_util.SequenceKey):
+      out.append(f'[{k.idx}]')
+    else:
+      out.append(str(k))
+  return tuple(out)
+
+
+def render(names: Iterable[str]) -> str:
+  """`key_names` output as one readable string: '0/mu/encoder/...' or '.count'."""
+  return ''.join(n if n.startswith(('.', '[')) else f'/{n}' for n in names).lstrip('/') or '<root>'
+
+
+def key_path(keypath: Sequence[Any]) -> str:
+  """A jax key path as a '/'-joined path: '0/mu/encoder/layers_0/...'."""
+  return jax.tree_util.keystr(tuple(keypath), simple=True, separator='/')
+
+
+def leaves_by_path(tree: Any) -> Dict[str, Any]:
+  """'/'-joined key path -> array-like leaf, for any pytree (optax states included)."""
+  return {key_path(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)
+          if hasattr(x, 'shape') and hasattr(x, 'dtype')}
+
+
+def split_param_path(keypath: Sequence[Any], param_paths) -> Any:
+  """(prefix names, param path) if `keypath` ends in one of `param_paths`, else None.
+
+  Optax slot trees mirror the param tree, so an optimizer-state leaf belongs to
+  the parameter whose path its key path ends in. The longest suffix wins, so a
+  state nested in dicts (multi_transform, named_chain) keeps its own keys in
+  the prefix.
+  """
+  keypath = tuple(keypath)
+  for i in range(len(keypath)):
+    suffix = keypath[i:]
+    if all(isinstance(k, jax.tree_util.DictKey) for k in suffix):
+      path = '/'.join(str(k.key) for k in suffix)
+      if path in param_paths:
+        return key_names(keypath[:i]), path
+  return None
+
+
+# The MoE naming rule.
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+  """What one leaf of an MoE param tree is.
+
+  Attributes:
+    kind: 'copy', 'expert' or 'router'.
+    layer: X, the path of the MoE block ('' for copied leaves).
+    name: Y below X/expert/ or Z below X/router/ (the full path for copies).
+    source: the dense leaf it comes from: X/Y for experts, the same path for
+      copies, '' for routers.
+  """
+
+  kind: str
+  layer: str
+  name: str
+  source: str
+
+
+def classify(paths: Iterable[str]) -> Dict[str, Role]:
+  """Roles of all paths of an MoE param tree under the naming rule.
+
+  The first 'expert' key of a path splits it into X/expert/Y. A 'router' key
+  marks a router leaf only if its prefix X also has experts, so that a dense
+  model with a module that happens to be called 'router' is copied as usual.
+  """
+  paths = list(paths)
+  layers = {'/'.join(p.split('/')[:p.split('/').index(EXPERT)])
+            for p in paths if EXPERT in p.split('/')}
+  roles = {}
+  for path in paths:
+    keys = path.split('/')
+    for kind in (EXPERT, ROUTER):
+      if kind in keys:
+        i = keys.index(kind)
+        layer, name = '/'.join(keys[:i]), '/'.join(keys[i + 1:])
+        if kind == EXPERT or layer in layers:
+          roles[path] = Role(kind, layer, name, join(layer, name) if kind == EXPERT else '')
+          break
+    else:
+      roles[path] = Role('copy', '', path, path)
+  return roles
+
+
+def moe_layers(paths: Iterable[str]) -> Tuple[str, ...]:
+  """Paths X of the MoE blocks among `paths`, sorted."""
+  return tuple(sorted({role.layer for role in classify(paths).values() if role.kind == EXPERT}))

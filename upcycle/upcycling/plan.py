@@ -1,0 +1,245 @@
+"""The upcycling plan: what every target leaf is made from, decided once, before any data.
+
+One rule for T5 and ViT (`upcycle.tree`, DESIGN.md "the naming contract"):
+
+  X/expert/Y  <- experts(dense X/Y), a new leading expert axis of size E
+  X/router/Z  <- router initializer (float32, fresh)
+  P           <- dense P, copied
+
+The target decides everything: which layers are MoE, E (the leading axis of its expert
+leaves), shapes and dtypes. Dtypes must match exactly unless `cast=True`, which casts dense
+values to the target's dtypes (e.g. a bfloat16 checkpoint into a float32 model); a silent
+cast would hide a wrong model config. Dense leaves nothing is made from are reported, not an
+error: the target is the specification, and e.g. a dense head that the MoE model does not
+have is harmless.
+
+A plan is built from shapes and dtypes only, so every check runs before anything is read.
+It prints as the report. Three executors run it (`execute.py`): eagerly on the host,
+inside one sharded `jax.jit` (the training restore hook), and block by block to disk
+(`stream.py`, `python -m upcycle.convert`).
+"""
+
+import dataclasses
+import difflib
+from typing import Any, Dict, List, Mapping, Tuple
+
+import jax.numpy as jnp
+
+from upcycle import tree
+from upcycle.upcycling.base import ExpertInit
+from upcycle.upcycling.report import COPIED, EXPERTS, Entry, ROUTER, UpcycleReport
+from upcycle.upcycling.routers import RouterInit
+
+UPCYCLE_FIX = ('the MoE model must be the dense architecture with MoE blocks (same config and '
+               'parameter names as the checkpoint)')
+CONTINUE_FIX = ('the model must be the architecture the checkpoint was trained with (same '
+                'config, MoE blocks included, and parameter names)')
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+  """One target leaf and what it is made from.
+
+  Attributes:
+    path: the target path.
+    shape: the target shape.
+    dtype: the target dtype (numpy name).
+    source: the dense path it is made from ('' for routers).
+    source_shape: the dense leaf's shape (() for routers).
+    note: e.g. 'cast bfloat16 -> float32'.
+  """
+
+  path: str
+  shape: Tuple[int, ...]
+  dtype: str
+  source: str = ''
+  source_shape: Tuple[int, ...] = ()
+  note: str = ''
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+  """One MoE block X: its expert leaves (from the dense MLP X/...) and router leaves.
+
+  `experts` and `router` map the name below X/expert/ or X/router/ to the target leaf.
+  """
+
+  layer: str
+  num_experts: int
+  experts: Mapping[str, Leaf]
+  router: Mapping[str, Leaf]
+
+  @property
+  def leaves(self) -> Tuple[Leaf, ...]:
+    return tuple(self.experts.values()) + tuple(self.router.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Every target leaf's origin, the initializers, and the start step.
+
+  Attributes:
+    copies: leaves copied from the dense leaf at `source` (the same path).
+    blocks: the MoE blocks, in path order.
+    unused: dense leaves nothing is made from.
+    experts: the expert initializer (its class decides where experts come from:
+      one dense MLP, or several checkpoints for Branch-Train-MiX / UpIT).
+    router: the router initializer.
+    shared: where copies come from, for the report ('copy', 'mean of 3 sources').
+    order: target paths in target order.
+    step: the step the upcycled model starts at.
+  """
+
+  copies: Tuple[Leaf, ...]
+  blocks: Tuple[Block, ...]
+  unused: Tuple[str, ...]
+  experts: ExpertInit
+  router: RouterInit
+  shared: str
+  order: Tuple[str, ...]
+  step: int = 0
+
+  def report(self) -> UpcycleReport:
+    entries = [Entry(c.path, COPIED, c.shape, c.dtype, c.source, self.shared, c.note)
+               for c in self.copies]
+    for block in self.blocks:
+      entries += [Entry(e.path, EXPERTS, e.shape, e.dtype, e.source, repr(self.experts), e.note)
+                  for e in block.experts.values()]
+      entries += [Entry(r.path, ROUTER, r.shape, r.dtype, '', repr(self.router))
+                  for r in block.router.values()]
+    rank = {path: i for i, path in enumerate(self.order)}
+    entries.sort(key=lambda e: rank[e.path])
+    return UpcycleReport(tuple(entries), self.unused,
+                         {b.layer: b.num_experts for b in self.blocks})
+
+  def __str__(self) -> str:
+    return str(self.report())
+
+
+def _missing_leaf_error(path: str, leaf, dense: Mapping[str, Any], why: str,
+                        fix: str = UPCYCLE_FIX) -> ValueError:
+  close = difflib.get_close_matches(path, list(dense), n=3, cutoff=0.6)
+  hint = f' Closest dense leaves: {", ".join(close)}.' if close else ''
+  root = path.split('/')[0]
+  if root not in {p.split('/')[0] for p in dense}:
+    roots = sorted({p.split('/')[0] for p in dense})
+    hint += (f' The dense tree has top-level keys {roots} and no {root!r}: pass both trees '
+             f'at the same level (e.g. target["params"] for a flax variables dict).')
+  return ValueError(
+      f'Target leaf {path} {tree.shape_of(leaf)} {leaf.dtype} matches nothing: {why}.{hint} '
+      f'Fix: {fix}.')
+
+
+def _cast_note(path: str, target_dtype, source_path: str, source_dtype, cast: bool) -> str:
+  if jnp.dtype(target_dtype) == jnp.dtype(source_dtype):
+    return ''
+  if not cast:
+    raise ValueError(
+        f'Target leaf {path} has dtype {jnp.dtype(target_dtype).name} but dense leaf '
+        f'{source_path} is {jnp.dtype(source_dtype).name}. Fix: pass cast=True to cast dense '
+        f'values to the target dtypes, or build the MoE model with param dtype '
+        f'{jnp.dtype(source_dtype).name}.')
+  return f'cast {jnp.dtype(source_dtype).name} -> {jnp.dtype(target_dtype).name}'
+
+
+def _leaf(path, target_leaf, source='', source_leaf=None, cast=False) -> Leaf:
+  note = '' if source_leaf is None else _cast_note(path, target_leaf.dtype, source,
+                                                  source_leaf.dtype, cast)
+  return Leaf(path, tree.shape_of(target_leaf), jnp.dtype(target_leaf.dtype).name, source,
+              () if source_leaf is None else tree.shape_of(source_leaf), note)
+
+
+def _copy(path, leaf, dense, cast, upcycling) -> Leaf:
+  kind = 'dense' if upcycling else 'checkpoint'
+  if path not in dense:
+    why = f'there is no {kind} leaf {path}'
+    if upcycling:
+      raise _missing_leaf_error(path, leaf, dense, f'{why}, and it is not under X/expert/ or '
+                                f'X/router/ of an MoE block')
+    raise _missing_leaf_error(path, leaf, dense, why, CONTINUE_FIX)
+  if tree.shape_of(dense[path]) != tree.shape_of(leaf):
+    fix = ('the MoE model config must match the dense one in everything but its MoE blocks '
+           '(d_model, heads, vocab, classes, ...)' if upcycling else CONTINUE_FIX)
+    raise ValueError(
+        f'Target leaf {path} has shape {tree.shape_of(leaf)} but {kind} leaf {path} has shape '
+        f'{tree.shape_of(dense[path])}. Fix: {fix}.')
+  return _leaf(path, leaf, path, dense[path], cast)
+
+
+def _block(layer: str, names: List[str], router_names: List[str], tgt, dense,
+           init: ExpertInit, cast: bool) -> Block:
+  paths = {name: tree.join(layer, tree.EXPERT, name) for name in names}
+  sizes = {tree.shape_of(tgt[p])[:1] for p in paths.values()}
+  if len(sizes) != 1 or () in sizes:
+    detail = ', '.join(f'{p} {tree.shape_of(tgt[p])}' for p in paths.values())
+    raise ValueError(f'The expert leaves of the MoE block at {layer} disagree on the number of '
+                     f'experts (leading axis): {detail}.')
+  (num_experts,), = sizes
+  mlp = {}
+  for name, path in paths.items():
+    source = tree.join(layer, name)
+    if source not in dense:
+      under = sorted(p for p in dense if p.startswith(layer + '/'))
+      raise _missing_leaf_error(path, tgt[path], dense, f'expert leaves are made from the dense '
+                                f'leaf {source}, which does not exist (dense leaves under '
+                                f'{layer}: {under or "none"})')
+    mlp[name] = tree.shape_of(dense[source])
+  expected = init.expert_shapes(mlp, num_experts, layer)
+  for name, path in paths.items():
+    if tuple(expected[name]) != tree.shape_of(tgt[path]):
+      raise ValueError(
+          f'Target leaf {path} has shape {tree.shape_of(tgt[path])} but {init!r} makes '
+          f'{tuple(expected[name])} from dense leaf {tree.join(layer, name)} {mlp[name]} with '
+          f'{num_experts} experts. Fix: the experts must have the dense MLP shape (d_model, '
+          f'd_ff) behind the expert axis; for experts of d_ff / G use Granular(G).')
+  experts = {name: _leaf(path, tgt[path], tree.join(layer, name), dense[tree.join(layer, name)],
+                         cast) for name, path in paths.items()}
+  router = {name: _leaf(tree.join(layer, tree.ROUTER, name), tgt[tree.join(layer, tree.ROUTER,
+                                                                             name)])
+            for name in router_names}
+  return Block(layer, num_experts, experts, router)
+
+
+def make(dense: Mapping[str, Any], target: Mapping[str, Any], experts: ExpertInit,
+         router: RouterInit, *, cast: bool = False, shared: str = 'copy', step: int = 0,
+         upcycling: bool = True) -> Plan:
+  """The plan for `target` from `dense`; nothing is read (leaves need `.shape`, `.dtype`).
+
+  Args:
+    dense: nested or flat dict of the dense leaves (arrays, lazy or abstract).
+    target: nested dict of the MoE model's abstract params; flax boxes are opened.
+    experts, router: the initializers.
+    cast: allow dtype casts (listed in the report) instead of failing.
+    shared: where copies come from, for the report.
+    step: the start step.
+    upcycling: False copies every target leaf from the same path (continuing a
+      checkpoint of the target's own architecture, MoE blocks included).
+
+  Raises:
+    ValueError: naming the path and both shapes/dtypes for a target leaf that
+      matches no dense leaf, a shape or dtype mismatch, or an initializer that
+      cannot make the block.
+  """
+  flat_dense, tgt = tree.flatten(dense), tree.flatten(target)
+  roles = (tree.classify(tgt) if upcycling else
+           {p: tree.Role('copy', '', p, p) for p in tgt})
+  if upcycling and not any(role.kind == tree.EXPERT for role in roles.values()):
+    raise ValueError(
+        f'The target has no MoE blocks (no X/{tree.EXPERT}/... leaves), so the expert rule '
+        f'matches nothing. Fix: build the target from the MoE model (T5Config.encoder_moe / '
+        f'decoder_moe or ViTConfig.moe set, placement not "none"); to continue training a '
+        f'checkpoint of the model\'s own architecture, use copy_params '
+        f'(restore.ContinueFromCheckpoint).')
+  members: Dict[str, Dict[str, List[str]]] = {}
+  for role in roles.values():
+    if role.kind != 'copy':
+      members.setdefault(role.layer, {tree.EXPERT: [], tree.ROUTER: []})[role.kind].append(
+          role.name)
+  copies = tuple(_copy(p, tgt[p], flat_dense, cast, upcycling)
+                 for p, role in roles.items() if role.kind == 'copy')
+  blocks = tuple(_block(layer, names[tree.EXPERT], names[tree.ROUTER], tgt, flat_dense, experts,
+                        cast) for layer, names in sorted(members.items()))
+  used = {leaf.source for leaf in copies} | {
+      e.source for b in blocks for e in b.experts.values()}
+  return Plan(copies, blocks, tuple(p for p in flat_dense if p not in used), experts, router,
+              shared, tuple(tgt), int(step))
