@@ -32,19 +32,22 @@ conversion leaves no OUTPUT_DIR (delete the hidden directory). --dry_run prints 
 
 import argparse
 import ast
+import logging
 import os
 import shutil
 import sys
 import tempfile
 from typing import Any, List, Mapping, Optional, Union
 
-from upcycle import checkpoints, gin_utils, pretrained
+from upcycle import checkpoints, console, gin_utils, pretrained
 from upcycle.models import T5Config, ViTConfig, abstract_params
 from upcycle.upcycling import experts as experts_lib
 from upcycle.upcycling import routers as routers_lib
 from upcycle.upcycling import step_policy, stream
 from upcycle.upcycling.report import UpcycleReport
 from upcycle.upcycling.surgery import make_plan
+
+log = logging.getLogger(__name__)
 
 MODEL_MACRO = 'MODEL'
 
@@ -142,12 +145,12 @@ def convert(source: str, model_config: Union[T5Config, ViTConfig], output_dir: s
   check_paths(source, ckpt.path, output_dir, overwrite)
   plan = make_plan(ckpt.params, abstract_params(model_config), experts=experts, router=router,
                    cast=cast, step=step_policy.start(step, ckpt.step))
-  print(f'{ckpt.path} ({ckpt.format}, step {ckpt.step}) -> {output_dir}/{plan.step}', flush=True)
+  log.info('%s (%s, step %s) -> %s/%s', ckpt.path, ckpt.format, ckpt.step, output_dir, plan.step)
   for note in ckpt.notes:
-    print(f'  reader: {note}', flush=True)
-  print(plan, flush=True)
+    log.info('  reader: %s', note)
+  log.info('%s', plan)
   if dry_run:
-    print('Dry run: nothing written.', flush=True)
+    log.info('Dry run: nothing written.')
     return plan.report()
   parent = os.path.dirname(output_dir)
   os.makedirs(parent, exist_ok=True)
@@ -158,12 +161,13 @@ def convert(source: str, model_config: Union[T5Config, ViTConfig], output_dir: s
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
-  print(f'Wrote {output_dir}/{plan.step}.', flush=True)
+  log.info('Wrote %s/%s.', output_dir, plan.step)
   return plan.report()
 
 
 def main(argv: Optional[List[str]] = None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
+  console.show_progress()
   parser = argparse.ArgumentParser(
       prog='python -m upcycle.convert', description=__doc__, allow_abbrev=False,
       formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -15,6 +15,8 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import gin
 
+from upcycle import console
+
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs')
 
 
@@ -127,6 +129,7 @@ def write_config(model_dir: str, operative: bool = False) -> None:
 def run(fn: Callable[..., Any], argv: Sequence[str], description: str) -> Any:
   """An entry point's main: flags, multi-host setup, gin files and bindings, then `fn()` with
   its arguments bound by gin (gin files refer to it as `__main__.<fn name>`, as in T5X)."""
+  console.show_progress()
   args, bindings = parse_flags(argv, description)
   maybe_initialize_distributed(args.multi_host)
   configured = gin.configurable(fn)

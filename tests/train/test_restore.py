@@ -13,7 +13,7 @@ import optax
 import pytest
 
 from tests.checkpoints import helpers, t5x_writer
-from upcycle import checkpoints, pretrained, tree
+from upcycle import checkpoints, console, pretrained, tree
 from upcycle.checkpoints import factored, from_t5x_adafactor, orbax
 from upcycle.models import T5, ViT
 from upcycle.moe import MoeConfig
@@ -114,6 +114,7 @@ def _unsharded(dense, target, **kwargs):
 
 
 def test_t5x_upcycled_on_the_mesh_equals_unsharded_surgery(t5, capsys):
+  console.show_progress()   # as the entry points do
   before = helpers.snapshot(t5['dir'])
   state = _run(t5['trainer'], t5['abstract'], UpcycleFromDense(t5['dir']))
   assert helpers.snapshot(t5['dir']) == before
@@ -233,6 +234,7 @@ def test_orbax_adamw_state_is_tiled_into_the_moe_state(vit):
 
 
 def test_continue_dense_restores_params_and_optimizer_state(vit, capsys):
+  console.show_progress()
   trainer, abstract = _trainer(objectives.Classification(ViT(vit['dense_config'])), ADAMW,
                                VIT_BATCH)
   with pytest.raises(ValueError, match=r'no MoE blocks .*ContinueFromCheckpoint'):

@@ -35,6 +35,7 @@ bound in gin with the model, not here. In gin (the training entry point passes
 """
 
 import dataclasses
+import logging
 from typing import Callable, Optional, Sequence, Union
 
 import jax
@@ -55,16 +56,18 @@ from upcycle.upcycling.routers import Normal, RouterInit
 from upcycle.upcycling.sources import MultiSource
 from upcycle.upcycling.surgery import make_plan
 
+log = logging.getLogger(__name__)
+
 
 def _announce(owner: str, ckpt, plan: Plan, reuse: bool) -> None:
   if jax.process_index() != 0:
     return
   state = 'reused' if reuse else 'fresh'
-  print(f'{owner}: {ckpt.path} ({ckpt.format}, step {ckpt.step}) -> start at step {plan.step}, '
-        f'{state} optimizer state.', flush=True)
+  log.info('%s: %s (%s, step %s) -> start at step %s, %s optimizer state.', owner, ckpt.path,
+           ckpt.format, ckpt.step, plan.step, state)
   for note in ckpt.notes:
-    print(f'  reader: {note}', flush=True)
-  print(plan, flush=True)
+    log.info('  reader: %s', note)
+  log.info('%s', plan)
 
 
 def _plan(owner: str, where: str, make: Callable[[], Plan]) -> Plan:
