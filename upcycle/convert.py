@@ -26,19 +26,24 @@ measures it: +0.46 GiB for a 0.75 GiB MoE, +0.71 GiB for a 3 GiB one).
 Safety: the source is only read. The output may not be, contain or lie inside the source; an
 existing non-empty OUTPUT_DIR is replaced only with --overwrite. Everything is written to a
 hidden sibling `.OUTPUT_DIR.converting-*` and renamed to OUTPUT_DIR at the end, so a killed
-conversion leaves no OUTPUT_DIR (delete the hidden directory). --dry_run prints the report
-and writes nothing.
+conversion leaves no OUTPUT_DIR. The conversion holds an OS lock on `<that directory>.lock`
+while it writes; the next conversion into the same OUTPUT_DIR deletes the hidden
+directories whose lock no live process holds (left by killed conversions, said on the
+console), refuses to start while another conversion into it is running, and lists (without
+deleting) hidden directories that have no lock file. --dry_run prints the report and writes
+nothing.
 """
 
 import argparse
 import ast
+import glob
 import os
 import shutil
 import sys
 import tempfile
 from typing import Any, List, Mapping, Optional, Union
 
-from upcycle import checkpoints, gin_utils
+from upcycle import checkpoints, file_lock, gin_utils
 from upcycle.checkpoints import validate
 from upcycle.models import T5Config, ViTConfig
 from upcycle.upcycling import experts as experts_lib
@@ -111,6 +116,41 @@ def check_paths(source: str, resolved: str, output_dir: str, overwrite: bool) ->
                          f'choose another directory, or pass --overwrite to replace it.')
 
 
+def _work_prefix(output_dir: str) -> str:
+  return os.path.join(os.path.dirname(output_dir), f'.{os.path.basename(output_dir)}.converting-')
+
+
+def clean_leftovers(output_dir: str) -> None:
+  """Deletes the work directories of killed conversions into `output_dir` (see the module doc).
+
+  Raises ConvertError while another conversion into `output_dir` is running.
+  """
+  prefix = _work_prefix(output_dir)
+  for work in sorted(p for p in glob.glob(glob.escape(prefix) + '*') if not p.endswith('.lock')):
+    lock_path = work + '.lock'
+    if not os.path.exists(lock_path):
+      print(f'Note: {work} was left by a conversion that recorded no owner; delete it if no '
+            f'conversion into {output_dir} is running.', flush=True)
+      continue
+    owner = file_lock.describe_holder(lock_path)
+    try:
+      with file_lock.FileLock(lock_path):
+        shutil.rmtree(work, ignore_errors=True)
+    except file_lock.LockHeld:
+      raise ConvertError(f'another conversion into {output_dir} is running ({owner}; it writes '
+                         f'{work}). Fix: wait for it to finish, or choose another '
+                         f'--output_dir.') from None
+    os.remove(lock_path)
+    print(f'Removed {work}, left by a killed conversion ({owner}).', flush=True)
+  for lock_path in glob.glob(glob.escape(prefix) + '*.lock'):   # locks whose directory is gone
+    if not os.path.exists(lock_path[:-len('.lock')]):
+      try:
+        with file_lock.FileLock(lock_path):
+          os.remove(lock_path)
+      except file_lock.LockHeld:
+        pass
+
+
 def _start_step(step: Union[str, int], checkpoint_step: Optional[int]) -> int:
   if step == 'keep':
     return int(checkpoint_step or 0)
@@ -164,7 +204,9 @@ def convert(source: str, model_config: Union[T5Config, ViTConfig], output_dir: s
     return report
   parent = os.path.dirname(output_dir)
   os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=f'.{os.path.basename(output_dir)}.converting-', dir=parent)
+  clean_leftovers(output_dir)
+  tmp = tempfile.mkdtemp(prefix=os.path.basename(_work_prefix(output_dir)), dir=parent)
+  lock = file_lock.FileLock(tmp + '.lock').acquire()
   try:
     tree = stream.leaves(ckpt.params, target, report, experts=experts, router=router,
                          seed=seed, cast=cast)
@@ -173,6 +215,9 @@ def convert(source: str, model_config: Union[T5Config, ViTConfig], output_dir: s
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
+  finally:
+    os.remove(lock.path)
+    lock.release()
   print(f'Wrote {output_dir}/{start}.', flush=True)
   return report
 
