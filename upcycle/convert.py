@@ -120,27 +120,36 @@ def _work_prefix(output_dir: str) -> str:
   return os.path.join(os.path.dirname(output_dir), f'.{os.path.basename(output_dir)}.converting-')
 
 
+def _running(output_dir: str, work: str) -> ConvertError:
+  return ConvertError(
+      f'another conversion into {output_dir} is running '
+      f'({file_lock.describe_holder(work + ".lock")}; it writes {work}). Fix: wait for it to '
+      f'finish, or choose another --output_dir.')
+
+
 def clean_leftovers(output_dir: str) -> None:
   """Deletes the work directories of killed conversions into `output_dir` (see the module doc).
 
-  Raises ConvertError while another conversion into `output_dir` is running.
+  Raises ConvertError, deleting nothing, while another conversion into `output_dir` runs.
   """
   prefix = _work_prefix(output_dir)
-  for work in sorted(p for p in glob.glob(glob.escape(prefix) + '*') if not p.endswith('.lock')):
-    lock_path = work + '.lock'
-    if not os.path.exists(lock_path):
+  works = sorted(p for p in glob.glob(glob.escape(prefix) + '*') if not p.endswith('.lock'))
+  owned = [w for w in works if os.path.exists(w + '.lock')]
+  for work in owned:
+    if file_lock.is_held(work + '.lock'):
+      raise _running(output_dir, work)
+  for work in works:
+    if work not in owned:
       print(f'Note: {work} was left by a conversion that recorded no owner; delete it if no '
             f'conversion into {output_dir} is running.', flush=True)
       continue
-    owner = file_lock.describe_holder(lock_path)
+    owner = file_lock.describe_holder(work + '.lock')
     try:
-      with file_lock.FileLock(lock_path):
+      with file_lock.FileLock(work + '.lock'):
         shutil.rmtree(work, ignore_errors=True)
     except file_lock.LockHeld:
-      raise ConvertError(f'another conversion into {output_dir} is running ({owner}; it writes '
-                         f'{work}). Fix: wait for it to finish, or choose another '
-                         f'--output_dir.') from None
-    os.remove(lock_path)
+      raise _running(output_dir, work) from None
+    os.remove(work + '.lock')
     print(f'Removed {work}, left by a killed conversion ({owner}).', flush=True)
   for lock_path in glob.glob(glob.escape(prefix) + '*.lock'):   # locks whose directory is gone
     if not os.path.exists(lock_path[:-len('.lock')]):

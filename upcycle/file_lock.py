@@ -80,3 +80,13 @@ def holder() -> Dict[str, object]:
   return {'host': socket.gethostname(), 'pid': os.getpid(),
           'since': datetime.datetime.now().astimezone().isoformat(timespec='seconds')}
 
+
+def is_held(path: str) -> bool:
+  """Whether a live process holds the lock on `path` (probed without taking it over)."""
+  with open(path, 'a') as f:
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      return True
+    fcntl.flock(f, fcntl.LOCK_UN)
+    return False
