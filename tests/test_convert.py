@@ -1,7 +1,12 @@
 """`python -m upcycle.convert`: round trip, the trainer reading the output, refusals, dry run."""
 
 import dataclasses
+import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
 
 import gin
 import numpy as np
@@ -9,6 +14,7 @@ import pytest
 
 from tests.checkpoints import helpers, t5x_writer
 from upcycle import checkpoints, convert, tree
+from upcycle.file_lock import FileLock
 from upcycle.models import T5, abstract_params
 from upcycle.moe import MoeConfig
 from upcycle.train import objectives, optimizers, partitioning
@@ -44,6 +50,7 @@ decoder/moe.MoeConfig:
 CONFIG = dataclasses.replace(helpers.TINY_T5, encoder_moe=MoeConfig(num_experts=4),
                              decoder_moe=MoeConfig(num_experts=4, router='tokens_choose'))
 DROP = 'drop(ratio=0.5, index_sharing="per_matrix")'
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(autouse=True)
@@ -169,3 +176,32 @@ def test_target_comes_from_the_model_macro(source):
   gin.clear_config()
   with pytest.raises(convert.ConvertError, match='No gin macro MODEL'):
     convert.target_from_gin()
+
+
+def _killed_conversion(work_dir):
+  """A work directory and lock file as a conversion killed while writing leaves them."""
+  os.makedirs(os.path.join(work_dir, '0'))
+  code = ('import os, signal, sys; from upcycle.file_lock import FileLock; '
+          'FileLock(sys.argv[1]).acquire(); os.kill(os.getpid(), signal.SIGKILL)')
+  killed = subprocess.run([sys.executable, '-c', code, work_dir + '.lock'], cwd=REPO)
+  assert killed.returncode == -signal.SIGKILL
+  return json.loads(open(work_dir + '.lock').read())['pid']
+
+
+def test_a_later_conversion_removes_what_killed_ones_left(source, tmp_path, capsys):
+  stale = str(tmp_path / '.moe.converting-killed')
+  pid = _killed_conversion(stale)
+  unowned = tmp_path / '.moe.converting-unknown'
+  unowned.mkdir()
+  running = str(tmp_path / '.moe.converting-running')
+  os.makedirs(running)
+  with FileLock(running + '.lock'):
+    assert _main(source, tmp_path / 'moe') == 1
+    assert (f'another conversion into {tmp_path}/moe is running (pid {os.getpid()}'
+            in capsys.readouterr().err)
+  shutil.rmtree(running)
+  assert _main(source, tmp_path / 'moe') == 0
+  out = capsys.readouterr().out
+  assert f'Removed {stale}, left by a killed conversion (pid {pid} on host' in out
+  assert f'Note: {unowned} was left by a conversion that recorded no owner' in out
+  assert sorted(os.listdir(tmp_path)) == ['.moe.converting-unknown', 'moe']

@@ -2,20 +2,24 @@
 
 Library code reports through `logging.getLogger(__name__)` (absl-compatible: under
 `absl.app` the records reach absl's handler). The entry points call `show_progress()`, so a
-terminal shows upcycle's INFO messages without prefixes, as print would, and other libraries'
-records only from WARNING on.
+terminal shows upcycle's messages without prefixes, as print would (warnings on stderr), and
+other libraries' records only from WARNING on.
 """
 
 import logging
 import sys
 
 
-class _CurrentStdout(logging.StreamHandler):
-  """Writes to whatever `sys.stdout` is when a record arrives (pytest and notebooks swap it)."""
+class _Current(logging.StreamHandler):
+  """Writes to whatever `sys.<name>` is when a record arrives (pytest and notebooks swap it)."""
+
+  def __init__(self, name: str):
+    super().__init__()
+    self._name = name
 
   @property
   def stream(self):
-    return sys.stdout
+    return getattr(sys, self._name)
 
   @stream.setter
   def stream(self, value):
@@ -23,11 +27,16 @@ class _CurrentStdout(logging.StreamHandler):
 
 
 def show_progress(level: int = logging.INFO) -> None:
-  """Sends the `upcycle` loggers' records at `level` and above to stdout, once per process."""
+  """Sends the `upcycle` loggers' records at `level` and above to the terminal, once per
+  process: warnings and errors to stderr, the rest to stdout."""
   logger = logging.getLogger('upcycle')
   logger.setLevel(level)
-  if not any(isinstance(h, _CurrentStdout) for h in logger.handlers):
-    handler = _CurrentStdout()
+  if any(isinstance(h, _Current) for h in logger.handlers):
+    return
+  out, err = _Current('stdout'), _Current('stderr')
+  out.addFilter(lambda record: record.levelno < logging.WARNING)
+  err.setLevel(logging.WARNING)
+  for handler in (out, err):
     handler.setFormatter(logging.Formatter('%(message)s'))
     logger.addHandler(handler)
-    logger.propagate = False   # TensorFlow / absl put a prefixing handler on the root logger
+  logger.propagate = False   # TensorFlow / absl put a prefixing handler on the root logger

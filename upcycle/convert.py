@@ -26,12 +26,17 @@ measures it: +0.46 GiB for a 0.75 GiB MoE, +0.71 GiB for a 3 GiB one).
 Safety: the source is only read. The output may not be, contain or lie inside the source; an
 existing non-empty OUTPUT_DIR is replaced only with --overwrite. Everything is written to a
 hidden sibling `.OUTPUT_DIR.converting-*` and renamed to OUTPUT_DIR at the end, so a killed
-conversion leaves no OUTPUT_DIR (delete the hidden directory). --dry_run prints the plan
+conversion leaves no OUTPUT_DIR. The conversion holds an OS lock on `<that directory>.lock`
+while it writes; the next conversion into the same OUTPUT_DIR deletes the hidden
+directories whose lock no live process holds (left by killed conversions, said on the
+console), refuses to start while another conversion into it is running, and lists (without
+deleting) hidden directories that have no lock file. --dry_run prints the plan
 (the upcycling report) and writes nothing.
 """
 
 import argparse
 import ast
+import glob
 import logging
 import os
 import shutil
@@ -39,7 +44,7 @@ import sys
 import tempfile
 from typing import Any, List, Mapping, Optional, Union
 
-from upcycle import checkpoints, console, gin_utils, pretrained
+from upcycle import checkpoints, console, file_lock, gin_utils, pretrained
 from upcycle.models import T5Config, ViTConfig, abstract_params
 from upcycle.upcycling import experts as experts_lib
 from upcycle.upcycling import routers as routers_lib
@@ -113,6 +118,50 @@ def check_paths(source: str, resolved: str, output_dir: str, overwrite: bool) ->
                          f'choose another directory, or pass --overwrite to replace it.')
 
 
+def _work_prefix(output_dir: str) -> str:
+  return os.path.join(os.path.dirname(output_dir), f'.{os.path.basename(output_dir)}.converting-')
+
+
+def _running(output_dir: str, work: str) -> ConvertError:
+  return ConvertError(
+      f'another conversion into {output_dir} is running '
+      f'({file_lock.describe_holder(work + ".lock")}; it writes {work}). Fix: wait for it to '
+      f'finish, or choose another --output_dir.')
+
+
+def clean_leftovers(output_dir: str) -> None:
+  """Deletes the work directories of killed conversions into `output_dir` (see the module doc).
+
+  Raises ConvertError, deleting nothing, while another conversion into `output_dir` runs.
+  """
+  prefix = _work_prefix(output_dir)
+  works = sorted(p for p in glob.glob(glob.escape(prefix) + '*') if not p.endswith('.lock'))
+  owned = [w for w in works if os.path.exists(w + '.lock')]
+  for work in owned:
+    if file_lock.is_held(work + '.lock'):
+      raise _running(output_dir, work)
+  for work in works:
+    if work not in owned:
+      log.warning('Note: %s was left by a conversion that recorded no owner; delete it if no '
+                  'conversion into %s is running.', work, output_dir)
+      continue
+    owner = file_lock.describe_holder(work + '.lock')
+    try:
+      with file_lock.FileLock(work + '.lock'):
+        shutil.rmtree(work, ignore_errors=True)
+    except file_lock.LockHeld:
+      raise _running(output_dir, work) from None
+    os.remove(work + '.lock')
+    log.info('Removed %s, left by a killed conversion (%s).', work, owner)
+  for lock_path in glob.glob(glob.escape(prefix) + '*.lock'):   # locks whose directory is gone
+    if not os.path.exists(lock_path[:-len('.lock')]):
+      try:
+        with file_lock.FileLock(lock_path):
+          os.remove(lock_path)
+      except file_lock.LockHeld:
+        pass
+
+
 def _replace(tmp: str, output_dir: str) -> None:
   """Renames `tmp` to `output_dir`; an old output is moved aside first, deleted last."""
   old = None
@@ -154,13 +203,18 @@ def convert(source: str, model_config: Union[T5Config, ViTConfig], output_dir: s
     return plan.report()
   parent = os.path.dirname(output_dir)
   os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=f'.{os.path.basename(output_dir)}.converting-', dir=parent)
+  clean_leftovers(output_dir)
+  tmp = tempfile.mkdtemp(prefix=os.path.basename(_work_prefix(output_dir)), dir=parent)
+  lock = file_lock.FileLock(tmp + '.lock').acquire()
   try:
     stream.write(tmp, plan.step, stream.leaves(plan, ckpt.params, seed))
     _replace(tmp, output_dir)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
+  finally:
+    os.remove(lock.path)
+    lock.release()
   log.info('Wrote %s/%s.', output_dir, plan.step)
   return plan.report()
 

@@ -24,7 +24,7 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
              output_dir: Optional[str] = None, seed: int = 0) -> dict:
   """Evaluates `checkpoint_path` with `objective`'s model; returns (and prints) the metrics."""
   # pylint: disable=g-import-not-at-top
-  from upcycle import checkpoints, pretrained
+  from upcycle import pretrained
   from upcycle.train import evaluation, partitioning
   from upcycle.train.objectives import init_params
   from upcycle.train.step import make_eval_step

@@ -1,8 +1,10 @@
 """Describe a checkpoint without loading its data: format, step, sizes, tree, model.
 
-  python -m upcycle.inspect PATH [--format F] [--json]
+  python -m upcycle.inspect PATH [--format F] [--json] [--verify]
 
 Only metadata is read (shapes and dtypes), so this is cheap on any checkpoint size.
+--verify then reads every array (parameters and optimizer state, one at a time) and exits
+with status 1 naming the parameter and the file if any data is missing or unreadable.
 """
 
 import argparse
@@ -13,7 +15,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from upcycle import checkpoints, pretrained, tree
-from upcycle.checkpoints import describe
+from upcycle.checkpoints import describe, verify
 
 
 def summary(ckpt: checkpoints.Checkpoint) -> Dict[str, Any]:
@@ -72,14 +74,19 @@ def main(argv: Optional[List[str]] = None) -> int:
   parser.add_argument('--format', choices=checkpoints.FORMATS, default=None,
                       help='skip format detection')
   parser.add_argument('--json', action='store_true', help='print JSON instead of text')
+  parser.add_argument('--verify', action='store_true',
+                      help='read every array to check that all data is present')
   args = parser.parse_args(argv)
   try:
     ckpt = pretrained.load(args.path, format=args.format, lazy=True)
+    info = summary(ckpt)
+    print(json.dumps(info, indent=1) if args.json else format_text(info), flush=True)
+    if args.verify:
+      count = verify.verify(ckpt)
+      print(f'verified: all {count} arrays read back complete.', file=sys.stderr)
   except checkpoints.CheckpointError as e:
     print(f'error: {e}', file=sys.stderr)
     return 1
-  info = summary(ckpt)
-  print(json.dumps(info, indent=1) if args.json else format_text(info))
   return 0
 
 

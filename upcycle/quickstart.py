@@ -41,8 +41,9 @@ def stage(name: str, model_dir: str, steps: int, gin_files: List[str], extra: Li
 def read_metrics(model_dir: str) -> Dict[str, List[dict]]:
   rows = [json.loads(line) for line in open(os.path.join(model_dir, 'metrics.jsonl'))]
   by_split = {'train': {}, 'eval': {}}
-  for row in rows:   # a resumed run logs some steps twice: the last one counts
-    by_split[row['split']][row['step']] = row
+  for row in rows:   # warnings are rows too (split 'warning')
+    if row['split'] in by_split:
+      by_split[row['split']][row['step']] = row
   return {split: [rows[s] for s in sorted(rows)] for split, rows in by_split.items()}
 
 

@@ -67,6 +67,10 @@ class CheckpointManager:
   def all_steps(self) -> List[int]:
     return sorted(self._manager.all_steps())
 
+  def reload(self) -> None:
+    """Re-reads the step list after the directory was changed from outside."""
+    self._manager.reload()
+
   def latest_step(self) -> Optional[int]:
     return self._manager.latest_step()
 

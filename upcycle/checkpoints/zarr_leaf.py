@@ -16,6 +16,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 import tensorstore as ts
 
+from upcycle.checkpoints import ocdbt_files
 from upcycle.checkpoints.errors import CheckpointError, checkpoint_error
 from upcycle.checkpoints.flax_msgpack import dtype_from_name
 from upcycle.checkpoints.lazy import LazyArray
@@ -105,9 +106,11 @@ def _read(kvstore, shape, dtype, param, source, metadata, driver, index=None) ->
     raise
   except ValueError as e:  # tensorstore reports every failure as ValueError.
     missing = 'is missing' in str(e) or 'NOT_FOUND' in str(e)
+    what = 'a zarr chunk or array file is missing' if missing else 'the zarr array cannot be read'
+    if kvstore['driver'] == 'ocdbt' and kvstore['base'].startswith('file://'):
+      what += f": {ocdbt_files.damage(kvstore['base'][len('file://'):], kvstore['path'])}"
     raise checkpoint_error(
-        source, ('a zarr chunk or array file is missing' if missing else
-                 'the zarr array cannot be read') + f' under {where}', param=param,
+        source, what + f' (under {where})', param=param,
         expected=f'{shape} {dtype}', found=str(e).split(' [')[0],
         fix=f'The checkpoint copy is incomplete or corrupt; copy {where} again from the source'
         ) from e

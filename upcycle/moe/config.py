@@ -3,6 +3,9 @@
 import dataclasses
 from typing import Optional, Sequence, Union
 
+from upcycle import fields
+from upcycle.moe.placement import sparse_layer_indices
+
 ROUTERS = ('experts_choose', 'tokens_choose')
 DISPATCHES = ('masked', 'indices')
 
@@ -57,22 +60,42 @@ class MoeConfig:
   jitter_noise: float = 0.0
 
   def __post_init__(self):
-    if self.router not in ROUTERS:
-      raise ValueError(f'MoeConfig.router={self.router!r}: expected one of {ROUTERS}.')
-    if self.dispatch not in DISPATCHES:
-      raise ValueError(f'MoeConfig.dispatch={self.dispatch!r}: expected one of {DISPATCHES}.')
-    if self.num_experts < 1:
-      raise ValueError(f'MoeConfig.num_experts={self.num_experts}: must be >= 1.')
-    if self.router == 'tokens_choose' and not 1 <= self.k <= self.num_experts:
-      raise ValueError(
-          f'MoeConfig.k={self.k}: Top-K needs 1 <= k <= num_experts={self.num_experts}.')
-    if self.capacity_multiple_of < 1:
-      raise ValueError(
-          f'MoeConfig.capacity_multiple_of={self.capacity_multiple_of}: must be >= 1.')
-    if self.group_size is not None and self.group_size < 1:
-      raise ValueError(f'MoeConfig.group_size={self.group_size}: must be >= 1 or None.')
-    if not isinstance(self.placement, str):
-      object.__setattr__(self, 'placement', tuple(int(i) for i in self.placement))
+    fields.integer(self, 'num_experts', 1)
+    fields.choice(self, 'router', ROUTERS)
+    fields.integer(self, 'k', 1)
+    if self.router == 'tokens_choose' and self.k > self.num_experts:
+      raise fields.ConfigError(
+          f'{fields.binding(self, "k")} = {self.k}: Top-K needs k <= num_experts '
+          f'({self.num_experts}).')
+    fields.number(self, 'train_capacity_factor', 0.0, strictly=True)
+    fields.number(self, 'eval_capacity_factor', 0.0, strictly=True)
+    fields.integer(self, 'capacity_multiple_of', 1)
+    fields.boolean(self, 'normalize_combine_weights')
+    fields.boolean(self, 'batch_priority_routing')
+    if isinstance(self.placement, str):
+      try:   # Checks the spelling; the layer count is checked when a stack is built.
+        sparse_layer_indices(self.placement, num_layers=10**6)
+      except ValueError as e:
+        raise fields.ConfigError(f'{fields.binding(self, "placement")}: {e}') from None
+    else:
+      try:
+        indices = tuple(int(i) for i in self.placement)
+      except (TypeError, ValueError):
+        raise fields.ConfigError(
+            f'{fields.binding(self, "placement")} = {self.placement!r}: expected a string such '
+            f"as 'every_other' or a sequence of layer indices.") from None
+      if any(i < 0 for i in indices):
+        raise fields.ConfigError(
+            f'{fields.binding(self, "placement")} = {self.placement!r}: layer indices are >= 0.')
+      object.__setattr__(self, 'placement', indices)
+    fields.optional_integer(self, 'group_size', 1)
+    fields.choice(self, 'dispatch', DISPATCHES)
+    fields.number(self, 'load_balancing_loss_weight', 0.0)
+    fields.number(self, 'router_z_loss_weight', 0.0)
+    fields.number(self, 'jitter_noise', 0.0)
+    if self.jitter_noise >= 1:
+      raise fields.ConfigError(f'{fields.binding(self, "jitter_noise")} = {self.jitter_noise}: '
+                               f'expected a number in [0, 1).')
 
   @property
   def experts_per_token(self) -> int:

@@ -15,11 +15,27 @@ def train(*, objective: Any, optimizer: Any, config: Any, train_data: Any,
           eval_data: Optional[Any] = None, initializer: Optional[Any] = None) -> dict:
   """Runs `upcycle.train.trainer.Trainer` with gin-built pieces; returns its result."""
   from upcycle.train.trainer import Trainer  # pylint: disable=g-import-not-at-top
-  gin_utils.write_config(config.model_dir)
-  result = Trainer(objective, optimizer, config, train_data, eval_data, initializer).run()
+  # config.gin is written once the run holds MODEL_DIR and its state is restored or built,
+  # so a refused or failed start leaves the config of the run in MODEL_DIR as it was.
+  trainer = Trainer(objective, optimizer, config, train_data, eval_data, initializer)
+  result = trainer.run(on_start=lambda: gin_utils.write_config(config.model_dir))
   gin_utils.write_config(config.model_dir, operative=True)
   return result
 
 
+def main(argv) -> int:
+  """Runs `train`; refusals (bad config values, MODEL_DIR in use, a checkpoint that does not
+  fit or cannot be read) end with one message and exit status 1 instead of a traceback."""
+  from upcycle import fields  # pylint: disable=g-import-not-at-top
+  from upcycle.checkpoints import CheckpointError  # pylint: disable=g-import-not-at-top
+  from upcycle.train.run_lock import RunDirectoryInUse  # pylint: disable=g-import-not-at-top
+  try:
+    gin_utils.run(train, argv, __doc__)
+  except (fields.ConfigError, RunDirectoryInUse, CheckpointError) as e:
+    print(f'error: {e}', file=sys.stderr, flush=True)
+    return 1
+  return 0
+
+
 if __name__ == '__main__':
-  gin_utils.run(train, sys.argv[1:], __doc__)
+  sys.exit(main(sys.argv[1:]))

@@ -1,6 +1,6 @@
 """Evaluation over a validation split: loss/accuracy for any objective, few-shot for ViT."""
 
-from typing import Dict, Optional, Sequence
+from typing import Dict, Sequence
 
 import jax
 import jax.numpy as jnp

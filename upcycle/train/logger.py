@@ -2,22 +2,55 @@
 
 Only process 0 writes files. `MODEL_DIR/metrics.jsonl` holds one JSON object per
 logged step ({'step': ..., 'split': 'train'|'eval', metrics...}), the file the
-README main job plots from.
+README main job plots from, and one per warning ({'step', 'split': 'warning', 'message',
+...}). A resumed run first cuts the log back to the step it resumes from, so that every
+step appears once; a new run (no checkpoint) starts an empty log. TensorBoard event files
+are appended to as they are (TensorBoard shows the redone steps' latest values).
 """
 
 import json
+import logging
 import os
-import sys
 import time
 from typing import Dict, Mapping, Optional
 
 import jax
 import numpy as np
 
+log = logging.getLogger(__name__)
+
 
 def _format_eta(seconds: float) -> str:
   seconds = int(max(seconds, 0))
   return f'{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}'
+
+
+def truncate_log(path: str, resume_step: Optional[int]) -> int:
+  """Keeps the rows of `path` with step <= resume_step (none if None); returns rows dropped.
+
+  Rewrites through a temporary file and a rename, so a kill leaves the old or the new log.
+  A torn last line (a kill mid-write) is dropped.
+  """
+  if not os.path.exists(path):
+    return 0
+  kept, dropped = [], 0
+  with open(path) as f:
+    for line in f:
+      try:
+        row = json.loads(line)
+      except ValueError:
+        dropped += 1
+        continue
+      if resume_step is not None and row.get('step', 0) <= resume_step:
+        kept.append(line if line.endswith('\n') else line + '\n')
+      else:
+        dropped += 1
+  if dropped:
+    tmp = path + '.tmp'
+    with open(tmp, 'w') as f:
+      f.writelines(kept)
+    os.replace(tmp, path)
+  return dropped
 
 
 def _scalars(metrics: Mapping[str, np.ndarray]) -> Dict[str, float]:
@@ -37,10 +70,11 @@ class MetricLogger:
   """Writes metrics to the console, `metrics.jsonl` and TensorBoard event files."""
 
   def __init__(self, model_dir: str, total_steps: int, tokens_per_step: int,
-               tensorboard: bool = True, stream=sys.stdout):
+               tensorboard: bool = True, resume_step: Optional[int] = None):
+    """`resume_step`: the step a resumed run continues from (rows after it are dropped from
+    metrics.jsonl); None for a new run (an earlier, checkpoint-less attempt's rows go)."""
     self.total_steps = total_steps
     self.tokens_per_step = tokens_per_step
-    self._stream = stream
     self._writes = jax.process_index() == 0
     self._jsonl = None
     self._tb = {}
@@ -48,6 +82,10 @@ class MetricLogger:
     self._model_dir = model_dir
     if self._writes:
       os.makedirs(model_dir, exist_ok=True)
+      dropped = truncate_log(os.path.join(model_dir, 'metrics.jsonl'), resume_step)
+      if dropped:
+        log.info('metrics.jsonl: dropped %d rows after step %d, from the part of an earlier '
+                 'attempt that is redone now.', dropped, resume_step or 0)
       self._jsonl = open(os.path.join(model_dir, 'metrics.jsonl'), 'a')
     self._last = None  # (time, step) of the previous train log
 
@@ -76,9 +114,16 @@ class MetricLogger:
         with self._tb_writer(split).as_default(step=int(step)):
           for name, value in values.items():
             tf.summary.scalar(name, value)
-      self._stream.write(self._line(step, values, split) + '\n')
-      self._stream.flush()
+      log.info('%s', self._line(step, values, split))
     return values
+
+  def warn(self, step: int, message: str, **fields) -> None:
+    """A warning: on the console, and in metrics.jsonl as a row with split 'warning'."""
+    if self._writes:
+      self._jsonl.write(json.dumps({'step': int(step), 'split': 'warning', 'message': message,
+                                    **fields}) + '\n')
+      self._jsonl.flush()
+      log.warning('WARNING at step %d: %s', step, message)
 
   def _line(self, step: int, values: Mapping[str, float], split: str) -> str:
     shown = [f'{split} step {step}/{self.total_steps}']

@@ -7,6 +7,7 @@ reproduces the uninterrupted run exactly.
 """
 
 import dataclasses
+import logging
 import os
 from typing import Any, Callable, Dict, List, Optional
 
@@ -16,14 +17,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from upcycle import tree
+from upcycle import fields, tree
 from upcycle.checkpoints.orbax import CheckpointManager
 from upcycle.data.iterator import DataIterator
-from upcycle.train import evaluation, host_states, partitioning
+from upcycle.train import evaluation, host_states, partitioning, resume, run_lock, stall
 from upcycle.train.logger import MetricLogger
 from upcycle.train.objectives import init_params
 from upcycle.train.state import TrainState
 from upcycle.train.step import make_eval_step, make_train_step
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = 'checkpoints'
 
@@ -51,6 +54,12 @@ class TrainConfig:
     async_checkpoints: write checkpoints in the background.
     eval_at_start: evaluate the initial state before the first step of a new run
       (e.g. the upcycled model at step 0, to compare with the dense model).
+    stall_warning_steps: warn (console and metrics.jsonl) when the loss or the gradient
+      norm has stayed exactly the same for this many consecutive steps, a sign of a
+      degenerate run (e.g. a learning rate so large that every gradient is 0); 0: never.
+
+  Every field is checked at construction (types and ranges), so a wrong gin binding fails
+  before any work, naming the binding.
   """
 
   model_dir: str
@@ -67,6 +76,20 @@ class TrainConfig:
   num_model_partitions: int = 1
   async_checkpoints: bool = True
   eval_at_start: bool = False
+  stall_warning_steps: int = 50
+
+  def __post_init__(self):
+    fields.string(self, 'model_dir')
+    fields.integer(self, 'train_steps', 0)
+    fields.integer(self, 'batch_size', 1)
+    fields.integer(self, 'seed')
+    for name in ('log_every', 'checkpoint_every', 'keep_checkpoints', 'num_microbatches',
+                 'num_expert_partitions', 'num_model_partitions'):
+      fields.integer(self, name, 1)
+    for name in ('eval_every', 'eval_batches', 'stall_warning_steps'):
+      fields.integer(self, name, 0)
+    fields.boolean(self, 'async_checkpoints')
+    fields.boolean(self, 'eval_at_start')
 
 
 # An initializer builds the first state of a run that has no checkpoint of its own
@@ -143,18 +166,21 @@ class Trainer:
                                batch_size=self.host_batch_size, mesh=self.mesh,
                                max_batches=self.config.eval_batches, seed=self.config.seed)
 
-  def run(self) -> Dict[str, Any]:
-    """Trains to `train_steps`.
+  def run(self, on_start: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
+    """Trains to `train_steps`, holding MODEL_DIR (run_lock.py) for the whole run.
+
+    `on_start()` is called once the state is restored or initialized, before the first step
+    (the entry point writes MODEL_DIR/config.gin then, so a failed start leaves it as it was).
 
     Returns {'history': logged train metrics, 'eval': final evaluation,
     'initial_eval': evaluation before the first step (eval_at_start), 'start_step',
     'state': the final TrainState}.
     """
     cfg = self.config
-    with partitioning.activate(self.mesh):
-      return self._run(cfg)
+    with run_lock.hold(cfg.model_dir), partitioning.activate(self.mesh):
+      return self._run(cfg, on_start or (lambda: None))
 
-  def _run(self, cfg: TrainConfig) -> Dict[str, Any]:
+  def _run(self, cfg: TrainConfig, on_start: Callable[[], None]) -> Dict[str, Any]:
     data = self._iterator(self.train_data)
     example = {k: np.zeros(v.shape, v.dtype.as_numpy_dtype)
                for k, v in data.element_spec.items()}
@@ -162,18 +188,19 @@ class Trainer:
     shardings = jax.tree.map(lambda x: x.sharding, abstract)
     manager = CheckpointManager(os.path.join(cfg.model_dir, CHECKPOINT_DIR),
                                 keep=cfg.keep_checkpoints, async_save=cfg.async_checkpoints)
-    if manager.latest_step() is not None:
-      restored = manager.restore(params=abstract.params, optimizer_state=abstract.opt_state)
+    restored = resume.restore(manager, abstract, cfg.model_dir)
+    if restored is not None:
       state = TrainState(jax.device_put(jnp.asarray(restored.step, jnp.int32), shardings.step),
                          restored.params, restored.optimizer_state)
       if restored.dataset_state is not None:
         data.set_state(host_states.mine(restored.dataset_state))
-      print(f'Resuming from {manager.directory} at step {restored.step}.', flush=True)
+      log.info('Resuming from %s at step %s.', manager.directory, restored.step)
     elif self.initializer is not None:
       state = self.initializer(abstract, self.optimizer)
     else:
       state = self.fresh_state(abstract, example)
     start = int(jax.device_get(state.step))
+    resumed = restored is not None
 
     train_step = jax.jit(
         make_train_step(self.objective, self.optimizer, self.schedule, cfg.num_microbatches),
@@ -181,7 +208,11 @@ class Trainer:
         donate_argnums=(0,))
     eval_step = jax.jit(make_eval_step(self.objective))
     tokens = self.objective.tokens_per_batch(example) * jax.process_count()
-    logger = MetricLogger(cfg.model_dir, cfg.train_steps, tokens)
+    # Rows past the resumed step are from the stopped run's steps that are now redone.
+    logger = MetricLogger(cfg.model_dir, cfg.train_steps, tokens,
+                          resume_step=start if resumed else None)
+    watch = stall.Watch(('loss', 'grad_norm'), cfg.stall_warning_steps)
+    on_start()
     rng = jax.random.PRNGKey(cfg.seed + 1)
     history: List[Dict[str, float]] = []
     finite = jnp.array(True)
@@ -189,10 +220,14 @@ class Trainer:
     def checked(step: int) -> None:
       if not bool(jax.device_get(finite)):
         manager.wait()
+        last = manager.latest_step()
+        where = (f'the last good checkpoint is step {last} in {manager.directory}; a restart '
+                 f'resumes from it' if last is not None else
+                 f'no checkpoint has been written yet, so a restart starts this run over '
+                 f'from step {start}')
         raise NonFiniteLossError(
             f'The training loss or gradients became NaN or infinite by step {step}. Stopped '
-            f'without saving; the last good checkpoint is step {manager.latest_step()} in '
-            f'{manager.directory}. Lower the learning rate or check the data, then restart.')
+            f'without saving; {where}. Lower the learning rate or check the data first.')
 
     eval_results, initial_eval = {}, {}
     try:
@@ -203,10 +238,13 @@ class Trainer:
         batch = evaluation.global_batch(next(data), self.mesh)
         state, metrics = train_step(state, batch, rng)
         finite = finite & jnp.isfinite(metrics['loss']) & jnp.isfinite(metrics['grad_norm'])
+        watch.update(metrics)
         done = step + 1
         if done % cfg.log_every == 0 or done == cfg.train_steps or done == start + 1:
           checked(done)
           history.append({'step': done, **logger.write(done, jax.device_get(metrics))})
+          for message, details in watch.warnings(done):
+            logger.warn(done, message, **details)
         if done % cfg.checkpoint_every == 0 or done == cfg.train_steps:
           checked(done)
           manager.save(done, state.params, state.opt_state, host_states.gather(data.get_state()))

@@ -1,0 +1,69 @@
+"""Which data files of an OCDBT database hold an array, and whether they are whole.
+
+Orbax stores every array of an item in one OCDBT database: a B-tree whose leaves map keys
+(`<array name>/<chunk>`) to byte ranges of data files (`ocdbt.process_N/d/<hash>`). A read
+error from tensorstore names the key but not the file; `damage` follows the B-tree to the
+files and says which is missing or shorter than the ranges it must hold.
+"""
+
+import os
+import re
+from typing import Iterator, List, NamedTuple
+
+import tensorstore as ts
+
+_LOCATION = re.compile(r'(?:value|btreenode):(.*):(.+):(\d+):(\d+)')
+
+
+class ValueRef(NamedTuple):
+  path: str     # absolute path of the data file
+  offset: int
+  length: int
+
+
+def _parse(directory: str, location: str) -> ValueRef:
+  base, relative, offset, length = _LOCATION.fullmatch(location).groups()
+  return ValueRef(os.path.join(directory, base, relative), int(offset), int(length))
+
+
+def _walk(store: ts.KvStore, location: str, prefix: bytes) -> Iterator[str]:
+  """Indirect value locations of keys starting with `prefix`, under the node `location`."""
+  for entry in ts.ocdbt.dump(store, location).result().get('entries', []):
+    key = entry.get('key', b'')
+    for value in entry.values():
+      if isinstance(value, str) and value.startswith('btreenode:'):
+        yield from _walk(store, value, prefix)
+      elif isinstance(value, str) and value.startswith('value:') and key.startswith(prefix):
+        yield value
+
+
+def value_refs(directory: str, array: str) -> List[ValueRef]:
+  """Where the chunks of `array` (its '.'-joined name) lie in the database at `directory`."""
+  store = ts.KvStore.open({'driver': 'file', 'path': directory.rstrip('/') + '/'}).result()
+  manifest = ts.ocdbt.dump(store).result()
+  refs = []
+  for version in manifest.get('versions', [])[-1:]:
+    refs += [_parse(directory, v)
+             for v in _walk(store, version['root']['location'], array.encode() + b'/')]
+  return refs
+
+
+def damage(directory: str, array: str) -> str:
+  """A sentence naming the data files of `array` and what is wrong with them, if it can tell."""
+  try:
+    refs = value_refs(directory, array)
+  except (ValueError, AttributeError, KeyError) as e:  # The B-tree itself is unreadable.
+    return f'the OCDBT index under {directory} is unreadable ({str(e).split(" [")[0]})'
+  if not refs:
+    return f'the OCDBT index under {directory} has no data for it'
+  problems = []
+  for ref in sorted(set(refs)):
+    if not os.path.exists(ref.path):
+      problems.append(f'data file {ref.path} is missing')
+    elif os.path.getsize(ref.path) < ref.offset + ref.length:
+      problems.append(f'data file {ref.path} is truncated ({os.path.getsize(ref.path)} bytes; '
+                      f'this parameter is at bytes {ref.offset}-{ref.offset + ref.length})')
+  if problems:
+    return '; '.join(dict.fromkeys(problems))
+  files = sorted({ref.path for ref in refs})
+  return f'its data is in {", ".join(files)} (present, but the bytes do not decode)'

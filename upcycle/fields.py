@@ -1,0 +1,67 @@
+"""Checks for config dataclass fields, run at construction so a bad value fails before any work.
+
+Each check names the field as a gin binding would (`trainer.TrainConfig.checkpoint_every`:
+module, class, field), since that is where wrong values usually come from. Booleans are not
+accepted as numbers; ints are accepted as floats.
+"""
+
+import numbers
+import sys
+from typing import Any, Optional, Sequence
+
+
+class ConfigError(ValueError):
+  """A config field has a value of the wrong type or out of range."""
+
+
+def binding(obj: Any, field: str) -> str:
+  """'trainer.TrainConfig.checkpoint_every' for TrainConfig (upcycle/train/trainer.py),
+  'moe.MoeConfig.k' for MoeConfig (defined in upcycle/moe/config.py, exported by upcycle.moe):
+  the last name of the outermost module that exports the class."""
+  cls = type(obj)
+  module = cls.__module__
+  while '.' in module:
+    parent = module.rsplit('.', 1)[0]
+    if getattr(sys.modules.get(parent), cls.__name__, None) is not cls:
+      break
+    module = parent
+  return f'{module.rsplit(".", 1)[-1]}.{cls.__name__}.{field}'
+
+
+def _fail(obj: Any, field: str, expected: str) -> ConfigError:
+  return ConfigError(f'{binding(obj, field)} = {getattr(obj, field)!r}: expected {expected}.')
+
+
+def integer(obj: Any, field: str, minimum: Optional[int] = None) -> None:
+  value = getattr(obj, field)
+  ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+  if not ok or (minimum is not None and value < minimum):
+    raise _fail(obj, field, 'an integer' + (f' >= {minimum}' if minimum is not None else ''))
+
+
+def optional_integer(obj: Any, field: str, minimum: int) -> None:
+  if getattr(obj, field) is not None:
+    integer(obj, field, minimum)
+
+
+def number(obj: Any, field: str, minimum: float = 0.0, strictly: bool = False) -> None:
+  """A real number >= minimum (> minimum when `strictly`)."""
+  value = getattr(obj, field)
+  ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+  if not ok or value < minimum or (strictly and value == minimum):
+    raise _fail(obj, field, f"a number {'>' if strictly else '>='} {minimum}")
+
+
+def boolean(obj: Any, field: str) -> None:
+  if not isinstance(getattr(obj, field), bool):
+    raise _fail(obj, field, 'True or False')
+
+
+def choice(obj: Any, field: str, choices: Sequence[Any]) -> None:
+  if getattr(obj, field) not in choices:
+    raise _fail(obj, field, f'one of {tuple(choices)}')
+
+
+def string(obj: Any, field: str) -> None:
+  if not isinstance(getattr(obj, field), str) or not getattr(obj, field):
+    raise _fail(obj, field, 'a non-empty string')

@@ -1,0 +1,93 @@
+"""Resuming a run from its own checkpoints: check the model first, skip corrupt steps.
+
+`restore` is what the trainer does when MODEL_DIR already holds checkpoints:
+
+1. The latest step's parameter metadata (names and shapes, no data) is compared with the
+   model's abstract parameters. A different model (another d_model, other layers) stops
+   the run with one message naming the first differing parameter and both shapes: resuming
+   needs the gin config the run was started with (MODEL_DIR/config.gin), or a new MODEL_DIR.
+2. The latest step is restored. If that fails (a data file missing or truncated), the
+   checkpoint is read leaf by leaf to name the parameter and the file, the step directory is
+   moved to MODEL_DIR/corrupt_checkpoints/<step> (kept for inspection, out of the manager's
+   way), and the previous step is tried, with a loud message. With no readable step left the
+   run stops with the reasons.
+"""
+
+import logging
+import os
+import time
+from typing import Any, List, Optional
+
+import jax
+
+from upcycle.checkpoints import CheckpointError, orbax_tree, validate, verify
+from upcycle.checkpoints.orbax import OPTIMIZER, PARAMS, CheckpointManager, TrainingCheckpoint
+
+log = logging.getLogger(__name__)
+
+CORRUPT_DIR = 'corrupt_checkpoints'
+
+
+def check_model(step_dir: str, abstract_params: Any, model_dir: str) -> None:
+  """Raises CheckpointError unless the checkpoint at `step_dir` has the model's parameters."""
+  params_dir = os.path.join(step_dir, PARAMS)
+  validate.check_params(
+      orbax_tree.read(params_dir), abstract_params,
+      f'Cannot resume from {params_dir} (found) with the model this config builds (expected)',
+      fix=f'Resume with the gin config this run was started with ({model_dir}/config.gin), or '
+      f'train this model in a new MODEL_DIR')
+
+
+def diagnose(step_dir: str, error: BaseException) -> str:
+  """Why the step at `step_dir` cannot be restored, naming the parameter and file if it can."""
+  try:
+    for item in (PARAMS, OPTIMIZER):
+      if os.path.isdir(os.path.join(step_dir, item)):
+        verify.verify_tree(orbax_tree.read(os.path.join(step_dir, item)))
+  except CheckpointError as e:
+    return str(e)
+  lines = [line for line in str(error).splitlines() if line.strip()]
+  return f'{step_dir}: {type(error).__name__}: {lines[-1] if lines else ""}'
+
+
+def _set_aside(manager: CheckpointManager, step: int, model_dir: str) -> str:
+  """Moves the step's directory to MODEL_DIR/corrupt_checkpoints/ (process 0); all reload."""
+  target = os.path.join(model_dir, CORRUPT_DIR, f'{step}-{time.strftime("%Y%m%d-%H%M%S")}')
+  if jax.process_index() == 0:
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    os.rename(os.path.join(manager.directory, str(step)), target)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    multihost_utils.sync_global_devices(f'set aside corrupt checkpoint {step}')
+  manager.reload()
+  return target
+
+
+def _loud(message: str) -> None:
+  bar = '!' * 100
+  log.warning('%s\nWARNING: %s\n%s', bar, message, bar)
+
+
+def restore(manager: CheckpointManager, abstract: Any, model_dir: str
+            ) -> Optional[TrainingCheckpoint]:
+  """The latest readable checkpoint of the run (None if there is none), restored onto the
+  shardings of `abstract` (a TrainState of jax.ShapeDtypeStruct)."""
+  steps = manager.all_steps()
+  if not steps:
+    return None
+  check_model(os.path.join(manager.directory, str(steps[-1])), abstract.params, model_dir)
+  reasons: List[str] = []
+  for step in reversed(steps):
+    try:
+      return manager.restore(step, params=abstract.params, optimizer_state=abstract.opt_state)
+    except Exception as e:  # pylint: disable=broad-except  (orbax raises many kinds)
+      reason = diagnose(os.path.join(manager.directory, str(step)), e)
+      moved = _set_aside(manager, step, model_dir)
+      reasons.append(f'step {step}: {reason}')
+      earlier = [s for s in steps if s < step]
+      _loud(f'Checkpoint step {step} is corrupt and was moved to {moved}. {reason}' + (
+          f' Falling back to the previous checkpoint, step {earlier[-1]}.' if earlier else ''))
+  raise CheckpointError(
+      f'No checkpoint in {manager.directory} can be restored (the unreadable ones were moved '
+      f'to {os.path.join(model_dir, CORRUPT_DIR)}). ' + ' '.join(reasons) + ' Restore the '
+      f'files from a copy, or delete {model_dir} to start the run over.')

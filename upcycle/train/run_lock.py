@@ -1,0 +1,72 @@
+"""One trainer per MODEL_DIR: an exclusive lock on MODEL_DIR/run.lock for the whole run.
+
+Two trainers writing one run directory interleave their metrics and break each other's
+checkpoint saves (orbax renames and deletes step directories), losing the last checkpoint.
+The lock is an OS file lock (`upcycle.file_lock`): the kernel drops it when the trainer
+exits or is killed, so a dead run never blocks a restart, and a refused trainer is told
+which host and pid holds the directory and since when.
+
+Multi-host: MODEL_DIR is one shared directory (README: a mount every host sees), and the
+hosts of one job are one trainer, so process 0 alone takes the lock and tells the others
+whether it got it (a broadcast), so that every host of a refused job stops before any work.
+Whether a second job on other machines is refused depends on the shared filesystem
+enforcing flock across clients: NFS and Filestore do; FUSE mounts (gcsfuse) do not.
+
+gs:// run directories are not supported (MODEL_DIR must be a filesystem path; the trainer
+refuses gs:// here). The mechanism there would be a lock object created with the
+`ifGenerationMatch=0` precondition (create-if-absent, atomic in GCS) holding host/pid/start
+time and a heartbeat time the holder refreshes; a starting trainer would take over only an
+object whose heartbeat is older than a timeout, again with a generation precondition. That
+is not implemented.
+"""
+
+import contextlib
+import os
+from typing import Iterator
+
+import jax
+import numpy as np
+
+from upcycle.file_lock import FileLock, LockHeld
+
+LOCK_FILE = 'run.lock'
+
+
+class RunDirectoryInUse(RuntimeError):
+  """Another trainer holds MODEL_DIR."""
+
+
+def _refusal(model_dir: str, held: LockHeld) -> RunDirectoryInUse:
+  return RunDirectoryInUse(
+      f'MODEL_DIR {model_dir} is in use by another trainer: {held} Two trainers on one '
+      f'MODEL_DIR corrupt each other\'s checkpoints and metrics, so this one stops before any '
+      f'work. Wait for that run to end (or stop it), or give this run another MODEL_DIR.')
+
+
+def _all_hosts_agree(ok: bool) -> bool:
+  """Process 0's `ok`, on every host."""
+  if jax.process_count() == 1:
+    return ok
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
+
+
+@contextlib.contextmanager
+def hold(model_dir: str) -> Iterator[None]:
+  """Holds MODEL_DIR for the duration of the block; raises RunDirectoryInUse if taken."""
+  if str(model_dir).startswith('gs://'):
+    raise ValueError(f'MODEL_DIR {model_dir}: gs:// run directories are not supported; use a '
+                     f'filesystem path (a local disk, or a mount every host sees).')
+  lock, error = FileLock(os.path.join(model_dir, LOCK_FILE)), None
+  if jax.process_index() == 0:
+    try:
+      lock.acquire()
+    except LockHeld as e:
+      error = _refusal(model_dir, e)
+  if not _all_hosts_agree(error is None):
+    raise error or RunDirectoryInUse(
+        f'MODEL_DIR {model_dir} is in use by another trainer (process 0 says why in its log).')
+  try:
+    yield
+  finally:
+    lock.release()
