@@ -21,6 +21,7 @@ from upcycle import fields, tree
 from upcycle.checkpoints.orbax import CheckpointManager
 from upcycle.data.iterator import DataIterator
 from upcycle.train import evaluation, host_states, partitioning, resume, run_lock, stall
+from upcycle.train.interfaces import Initializer, Objective, Optimizer
 from upcycle.train.logger import MetricLogger
 from upcycle.train.objectives import init_params
 from upcycle.train.state import TrainState
@@ -92,13 +93,6 @@ class TrainConfig:
     fields.boolean(self, 'eval_at_start')
 
 
-# An initializer builds the first state of a run that has no checkpoint of its own
-# (e.g. the upcycling restore hook, upcycle/train/restore.py): it receives the abstract
-# state (leaves are jax.ShapeDtypeStruct with .sharding) and the run's optax transformation,
-# and returns a TrainState placed accordingly.
-Initializer = Callable[[TrainState, Any], TrainState]
-
-
 def _host_batch_size(config: TrainConfig) -> int:
   hosts = jax.process_count()
   if config.batch_size % hosts:
@@ -110,8 +104,8 @@ def _host_batch_size(config: TrainConfig) -> int:
 class Trainer:
   """Owns the mesh, the compiled steps and the state shardings of one run."""
 
-  def __init__(self, objective, optimizer, config: TrainConfig, train_data,
-               eval_data=None, initializer: Optional[Initializer] = None,
+  def __init__(self, objective: Objective, optimizer: Optimizer, config: TrainConfig,
+               train_data, eval_data=None, initializer: Optional[Initializer] = None,
                devices: Optional[List[jax.Device]] = None):
     self.objective, self.config = objective, config
     self.optimizer = optimizer.build()

@@ -1,0 +1,61 @@
+"""What the trainer's pluggable parts must provide: an objective, an optimizer, an initializer.
+
+`objectives.Seq2Seq` / `Classification`, `optimizers.Adafactor` / `AdamW` and
+`restore.UpcycleFromDense` / `ContinueFromCheckpoint` are the implementations here; a new one
+needs only these members (structural typing, nothing to inherit).
+"""
+
+from typing import Any, Dict, Mapping, Optional, Protocol, Tuple, runtime_checkable
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+
+from upcycle.train.state import TrainState
+
+Array = jax.Array
+Batch = Mapping[str, Array]
+
+
+@runtime_checkable
+class Objective(Protocol):
+  """Batch -> model inputs, logits -> loss, for one model family."""
+
+  model: nn.Module
+
+  def init_batch(self, batch: Batch) -> Tuple[Array, ...]:
+    """The positional inputs `model.init` takes, from a batch."""
+
+  def apply(self, params: Any, batch: Batch, *, train: bool,
+            rngs: Optional[Mapping[str, Array]] = None) -> Tuple[Array, Any]:
+    """-> (logits, the mutated MoE collections)."""
+
+  def loss(self, logits: Array, batch: Batch) -> Dict[str, Array]:
+    """-> summed 'loss' (and other summed metrics) over the batch's real examples/tokens."""
+
+  def loss_weight_sum(self, batch: Batch) -> Array:
+    """What the summed loss is divided by (real target tokens, or images)."""
+
+  def tokens_per_batch(self, batch: Mapping[str, np.ndarray]) -> int:
+    """Tokens one batch feeds the model, for the tokens/s shown while training."""
+
+
+@runtime_checkable
+class Optimizer(Protocol):
+  """An optax transformation and the schedule it follows (for the logged learning rate)."""
+
+  schedule: optax.Schedule
+
+  def build(self) -> optax.GradientTransformation:
+    """The transformation; its state's step count drives `schedule`."""
+
+
+@runtime_checkable
+class Initializer(Protocol):
+  """The first state of a run that has no checkpoint of its own (e.g. the upcycling hook)."""
+
+  def __call__(self, abstract_state: TrainState,
+               optimizer: optax.GradientTransformation) -> TrainState:
+    """`abstract_state`'s leaves are jax.ShapeDtypeStruct with `.sharding`; the returned
+    state must be placed accordingly."""
