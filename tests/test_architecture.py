@@ -18,13 +18,16 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / 'upcycle'
 # Top-level part of upcycle -> the parts it may import (besides itself and third parties).
 ALLOWED = {
     'tree': set(),
+    'fields': set(),
+    'file_lock': set(),
+    'console': set(),
     'layers': {'tree'},
-    'moe': {'tree', 'layers'},
-    'models': {'tree', 'layers', 'moe'},
+    'moe': {'tree', 'layers', 'fields'},
+    'models': {'tree', 'layers', 'moe', 'fields'},
     'checkpoints': {'tree'},
     'upcycling': {'tree', 'checkpoints'},
     'data': set(),
-    'gin_utils': set(),
+    'gin_utils': {'console'},
 }
 # Wiring: may import any part.
 WIRING = {'train', 'pretrained', 'convert', 'eval', 'inspect', 'quickstart', '__init__'}
