@@ -201,7 +201,7 @@ def test_a_later_conversion_removes_what_killed_ones_left(source, tmp_path, caps
             in capsys.readouterr().err)
   shutil.rmtree(running)
   assert _main(source, tmp_path / 'moe') == 0
-  out = capsys.readouterr().out
-  assert f'Removed {stale}, left by a killed conversion (pid {pid} on host' in out
-  assert f'Note: {unowned} was left by a conversion that recorded no owner' in out
+  printed = capsys.readouterr()
+  assert f'Removed {stale}, left by a killed conversion (pid {pid} on host' in printed.out
+  assert f'Note: {unowned} was left by a conversion that recorded no owner' in printed.err
   assert sorted(os.listdir(tmp_path)) == ['.moe.converting-unknown', 'moe']
