@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from upcycle import layers
-from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, metrics, routing
+from upcycle.moe import (MOE_COLLECTIONS, ROUTER_LOGITS, MoeConfig, MoeLayer, aux_losses,
+                         grouping, metrics, router_logits, routing)
 
 D_MODEL, D_FF, E = 8, 16, 4
 EXPERT = functools.partial(layers.GatedMlp, d_ff=D_FF)
@@ -147,3 +148,44 @@ def test_jitter_applies_only_in_training_and_uses_its_own_rng():
   assert not np.allclose(train[0], train[2])
   with pytest.raises(Exception, match='jitter'):
     run(config, params, x, False, {})
+
+
+def test_batch_priority_routing_in_a_causal_stack_is_refused():
+  x, _, _ = dense_setup()
+  config = MoeConfig(num_experts=E, router='tokens_choose', k=2, batch_priority_routing=True)
+  with pytest.raises(ValueError, match='batch_priority_routing=True cannot be used in a causal'):
+    MoeLayer(config, EXPERT, causal=True).init(jax.random.PRNGKey(0), x, True)
+
+
+@pytest.mark.parametrize('router', ['tokens_choose', 'experts_choose'])
+def test_flaxformer_groups_span_examples_like_fixed_groups(router):
+  # [2, 8] = 16 tokens, E = 4, N = 4: 16 // 4 = 4 groups of 4 consecutive tokens of the flattened
+  # batch, exactly what group_size=4 routes; with little capacity so that grouping matters.
+  x, _, _ = dense_setup()
+  fixed = MoeConfig(num_experts=E, router=router, k=2, group_size=4, eval_capacity_factor=1.0,
+                    capacity_convention='t5x', min_expert_capacity=1)
+  flax_rule = MoeConfig(**{**fixed.__dict__, 'group_size': None, 'max_group_size': 4})
+  params = moe_params(fixed, x)
+  np.testing.assert_array_equal(run(flax_rule, params, x)[0], run(fixed, params, x)[0])
+
+
+def test_flaxformer_padding_is_masked_and_sliced_off():
+  # [2, 3] = 6 tokens, E = 4: whole examples need b = 2 (+6 tokens), positions s = 1 (+2), so
+  # one position per example: 8 tokens, max(8 // 4, 4) = 4 groups of 2. The padding claims no
+  # slot, so the output is that of the same layer on the explicitly padded, masked input.
+  x = dense_setup()[0][:, :3]
+  config = MoeConfig(num_experts=E, router='tokens_choose', k=2, eval_capacity_factor=1.0,
+                     capacity_convention='t5x', max_group_size=4, normalize_combine_weights=True)
+  assert config.group_plan(2, 3) == grouping.GroupPlan(4, 2, 0, 1)
+  params = moe_params(config, x)
+  out, state = MoeLayer(config, EXPERT).apply({'params': params}, x, True,
+                                              mutable=[ROUTER_LOGITS])
+  assert out.shape == x.shape
+  padded = jnp.pad(x, ((0, 0), (0, 1), (0, 0)))
+  mask = jnp.array([[True, True, True, False]] * 2)
+  reference = MoeLayer(MoeConfig(**{**config.__dict__, 'max_group_size': None, 'group_size': 2}),
+                       EXPERT).apply({'params': params}, padded, True, mask)
+  np.testing.assert_allclose(out, reference[:, :3], atol=1e-6)
+  logits = router_logits(state)['']
+  np.testing.assert_allclose(logits, x @ params['router']['router_weights']['w']['kernel'],
+                             atol=1e-5)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from upcycle.upcycling import experts, ffn
+from upcycle.upcycling import sources as sources_lib
 from upcycle.upcycling.sources import most_distant_pair
 
 KEY = jax.random.PRNGKey(0)
@@ -262,17 +263,47 @@ def test_merge_picks_the_most_distant_pair():
   assert not np.allclose(wi[4], wi[3])  # the next expert merges a different pair
 
 
-def test_merge_dare_drops_and_rescales():
+def _mlp_of(source):
+  return {'wi/kernel': source['mlp']['wi']['kernel'], 'wo/kernel': source['mlp']['wo']['kernel']}
+
+
+def test_merge_dare_adds_dropped_and_rescaled_deltas_to_the_base():
   sources = _sources_with_known_distances()
-  mlp = {'wi/kernel': sources[0]['mlp']['wi']['kernel'], 'wo/kernel': sources[0]['mlp']['wo']['kernel']}
-  out = experts.Merge(sources, method='dare', drop_rate=0.5)(mlp, 4, KEY, layer='mlp')
-  a, c = sources[0]['mlp']['wi']['kernel'], sources[2]['mlp']['wi']['kernel']
+  base = {'mlp': {'wi': {'kernel': np.full((4, 6), 0.5, np.float32)},
+                  'wo': {'kernel': np.full((6, 4), 0.5, np.float32)}}}
+  out = experts.Merge(sources, method='dare', drop_rate=0.5, dare_base=base)(
+      _mlp_of(sources[0]), 4, KEY, layer='mlp')
+  a, c, b0 = sources[0]['mlp']['wi']['kernel'], sources[2]['mlp']['wi']['kernel'], 0.5
   new = np.asarray(out['wi/kernel'][3])
-  # Each entry is (ma * a / 0.5 + mc * c / 0.5) / 2 for masks ma, mc in {0, 1}.
-  candidates = np.stack([np.zeros_like(a), a, c, a + c])
-  assert np.isclose(new[None], candidates, rtol=1e-5, atol=1e-6).any(0).all()
+  # Each entry is b0 + (ma * (a - b0) + mc * (c - b0)) / 0.5 / 2 for masks ma, mc in {0, 1}.
+  candidates = np.stack([np.full_like(a, b0), a, c, a + c - b0])
+  matches = np.isclose(new[None], candidates, rtol=1e-5, atol=1e-6)
+  assert matches.any(0).all()
+  assert matches[0].any() and matches[3].any()   # both masks varied
+  with pytest.raises(ValueError, match='sources.Merge.dare_base'):
+    experts.Merge(sources, method='dare')
   with pytest.raises(ValueError, match='2 sources but the MoE block at mlp has only 1'):
-    experts.Merge(sources[:2])(mlp, 1, KEY, layer='mlp')
+    experts.Merge(sources[:2])(_mlp_of(sources[0]), 1, KEY, layer='mlp')
+
+
+@pytest.mark.parametrize('drop_rate,seed', [(0.0, 0), (0.3, 1), (0.5, 2), (0.9, 3)])
+def test_dare_of_experts_equal_to_the_base_is_the_base_exactly(drop_rate, seed):
+  theta = np.random.default_rng(seed).normal(size=(5, 7)).astype(np.float32)
+  merged = sources_lib.dare_merge([{'w': theta}, {'w': theta.copy()}], {'w': theta}, drop_rate,
+                                  jax.random.PRNGKey(seed))
+  np.testing.assert_array_equal(np.asarray(merged['w']), theta)
+
+
+def test_dare_is_unbiased_around_the_base():
+  # Constant deltas 1 and 3 around base 2: E[merge] = 2 + (1 + 3) / 2 = 4 per entry; the mean of
+  # n entries has standard deviation sqrt(p / (1 - p) * (1 + 9) / 4 / n) (independent masks).
+  n, p = 40000, 0.5
+  base = np.full((n,), 2.0, np.float32)
+  merged = np.asarray(sources_lib.dare_merge([{'w': base + 1}, {'w': base + 3}], {'w': base}, p,
+                                             jax.random.PRNGKey(0))['w'])
+  std = np.sqrt(p / (1 - p) * 10 / 4 / n)
+  assert abs(merged.mean() - 4.0) < 5 * std
+  assert set(np.unique(merged).tolist()) == {2.0, 3.0, 5.0, 6.0}   # 2 + (m1 * 2 + m2 * 6) / 2
 
 
 @pytest.mark.parametrize('name', sorted(experts.EXPERT_INITS))

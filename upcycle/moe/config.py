@@ -4,10 +4,12 @@ import dataclasses
 from typing import Optional, Sequence, Union
 
 from upcycle import fields
+from upcycle.moe import grouping
 from upcycle.moe.placement import sparse_layer_indices
 
 ROUTERS = ('experts_choose', 'tokens_choose')
 DISPATCHES = ('masked', 'indices')
+CAPACITY_CONVENTIONS = ('vmoe', 't5x')
 
 Placement = Union[str, Sequence[int]]
 
@@ -21,20 +23,41 @@ class MoeConfig:
     router: 'experts_choose' (each expert takes its top-capacity tokens of a
       group; never in a causal decoder) or 'tokens_choose' (Top-K).
     k: experts per token for 'tokens_choose'. Expert Choice counts K = 1.
-    train_capacity_factor: C during training. Capacity per expert and group is
-      ceil(K * C * group_size / E), rounded up to `capacity_multiple_of` and
-      capped at group_size.
+    train_capacity_factor: C during training (see `capacity_convention`).
     eval_capacity_factor: C at evaluation (`deterministic=True`).
-    capacity_multiple_of: capacity is rounded up to a multiple of this (1 = none).
+    capacity_convention: how C becomes slots per expert and group (S tokens):
+      'vmoe' (V-MoE, the vision runs): ceil(K * C * S / E) rounded up to a
+      multiple of `capacity_multiple_of`; C counts slots per token choice.
+      't5x' (T5X / Flaxformer, the language runs): max(round(C * S / E),
+      `min_expert_capacity`), not multiplied by K. Both are capped at S (a
+      token fills at most one slot per expert, so the cap changes no output).
+    capacity_multiple_of: 'vmoe' rounds capacity up to a multiple of this
+      (1 = none); unused by 't5x'.
+    min_expert_capacity: 't5x' capacity is at least this (Flaxformer's
+      default 4); unused by 'vmoe'.
     normalize_combine_weights: rescale each token's combine weights over the
       experts that took it to sum to 1; with identical experts the block then
       computes exactly the dense MLP for every routed token.
     batch_priority_routing: Top-K only; tokens claim expert slots in order of
       their top-1 router probability instead of their position in the group.
+      Refused in a causal decoder (an earlier token's slot would depend on
+      later tokens).
     placement: which blocks of the stack are MoE: 'every_other' (1, 3, 5, ...),
       'all', 'none', 'last_N' (e.g. 'last_2'), 'first_N', or explicit indices.
     group_size: tokens per routing group. None: each example's tokens form one
       group. Otherwise batch * length must be a multiple of it.
+    max_group_size: Flaxformer's grouping instead of `group_size` (T5X's
+      GROUP_SIZE = 4096): groups span the examples of the batch; their number
+      is the smallest n >= max(tokens // max_group_size, E * R) dividing the
+      token count with n a multiple of E * R (`grouping.flaxformer_num_groups`);
+      a token count that is not a multiple of E * R is first padded (masked
+      padding, as Flaxformer's `_maybe_pad` places it).
+    num_expert_replicas: R for `max_group_size`. Flaxformer infers it from the
+      mesh as device_count // (num_expert_partitions * num_model_partitions),
+      assuming a ['data', 'expert', 'model'] mesh with experts replicated over
+      'data'; here it is explicit so that the groups (and so the routing) do
+      not change with the number of devices. 1 = one copy of each expert
+      (Flaxformer on a mesh with data * expert * model = E devices, or fewer).
     dispatch: 'masked' (one-hot einsum, TPU friendly) or 'indices'
       (gather/scatter, CPU/GPU friendly). Both compute the same function.
     load_balancing_loss_weight: weight of the Switch load-balancing loss
@@ -49,11 +72,15 @@ class MoeConfig:
   k: int = 2
   train_capacity_factor: float = 2.0
   eval_capacity_factor: float = 2.0
+  capacity_convention: str = 'vmoe'
   capacity_multiple_of: int = 4
+  min_expert_capacity: int = 4
   normalize_combine_weights: bool = False
   batch_priority_routing: bool = False
   placement: Placement = 'every_other'
   group_size: Optional[int] = None
+  max_group_size: Optional[int] = None
+  num_expert_replicas: int = 1
   dispatch: str = 'masked'
   load_balancing_loss_weight: float = 0.01
   router_z_loss_weight: float = 0.0001
@@ -69,7 +96,9 @@ class MoeConfig:
           f'({self.num_experts}).')
     fields.number(self, 'train_capacity_factor', 0.0, strictly=True)
     fields.number(self, 'eval_capacity_factor', 0.0, strictly=True)
+    fields.choice(self, 'capacity_convention', CAPACITY_CONVENTIONS)
     fields.integer(self, 'capacity_multiple_of', 1)
+    fields.integer(self, 'min_expert_capacity', 1)
     fields.boolean(self, 'normalize_combine_weights')
     fields.boolean(self, 'batch_priority_routing')
     if isinstance(self.placement, str):
@@ -89,6 +118,13 @@ class MoeConfig:
             f'{fields.binding(self, "placement")} = {self.placement!r}: layer indices are >= 0.')
       object.__setattr__(self, 'placement', indices)
     fields.optional_integer(self, 'group_size', 1)
+    fields.optional_integer(self, 'max_group_size', 1)
+    fields.integer(self, 'num_expert_replicas', 1)
+    if self.group_size is not None and self.max_group_size is not None:
+      raise fields.ConfigError(
+          f'{fields.binding(self, "group_size")} = {self.group_size} and '
+          f'{fields.binding(self, "max_group_size")} = {self.max_group_size}: set one of them '
+          f'(group_size: fixed groups; max_group_size: Flaxformer\'s rule).')
     fields.choice(self, 'dispatch', DISPATCHES)
     fields.number(self, 'load_balancing_loss_weight', 0.0)
     fields.number(self, 'router_z_loss_weight', 0.0)
@@ -101,12 +137,23 @@ class MoeConfig:
   def experts_per_token(self) -> int:
     return 1 if self.router == 'experts_choose' else self.k
 
+  def group_plan(self, batch: int, length: int) -> grouping.GroupPlan:
+    """How a `[batch, length, d_model]` input is cut into routing groups."""
+    return grouping.plan_groups(
+        batch, length, group_size=self.group_size, max_group_size=self.max_group_size,
+        num_experts=self.num_experts, num_expert_replicas=self.num_expert_replicas)
+
   def capacity(self, group_size: int, deterministic: bool) -> int:
-    """Slots per expert and group: ceil(K·C·S/E), rounded up, at most S."""
+    """Slots per expert and group of `group_size` tokens (see `capacity_convention`)."""
     factor = self.eval_capacity_factor if deterministic else self.train_capacity_factor
-    # Round before ceil so that e.g. 2 * 2.0 * 8 / 4 does not become 9.
-    raw = self.experts_per_token * factor * group_size / self.num_experts
-    capacity = max(1, -(-round(raw, 6) // 1))
-    multiple = self.capacity_multiple_of
-    capacity = int(-(-capacity // multiple) * multiple)
+    if self.capacity_convention == 't5x':
+      # Flaxformer's MoeLayer.__call__: int(round(C * S / E)), then the minimum.
+      capacity = max(int(round(factor * group_size / self.num_experts)),
+                     self.min_expert_capacity)
+    else:
+      # Round before ceil so that e.g. 2 * 2.0 * 8 / 4 does not become 9.
+      raw = self.experts_per_token * factor * group_size / self.num_experts
+      capacity = max(1, -(-round(raw, 6) // 1))
+      multiple = self.capacity_multiple_of
+      capacity = int(-(-capacity // multiple) * multiple)
     return min(capacity, group_size)

@@ -8,6 +8,8 @@ Auxiliary losses and metrics are sown (see `upcycle.moe.summary`):
   'aux_loss':    load_balancing_loss, router_z_loss, weighted (their weighted sum)
   'moe_metrics': fraction_dropped_tokens, router_confidence, expert_usage [E],
                  tokens_per_expert [E]
+  'router_logits': logits [batch, length, E] (float32; only when the collection is
+                 mutable, e.g. for `upcycling.router_training`)
 """
 
 from typing import Callable, Optional
@@ -18,7 +20,7 @@ import jax.numpy as jnp
 
 from upcycle import tree
 from upcycle.layers import DenseGeneral, constrain
-from upcycle.moe import routing
+from upcycle.moe import grouping, routing
 from upcycle.moe.config import MoeConfig
 
 Array = jax.Array
@@ -50,19 +52,6 @@ class Router(nn.Module):
       x = x * jax.random.uniform(self.make_rng('jitter'), x.shape, jnp.float32,
                                  1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
     return RouterWeights(self.num_experts, name='router_weights')(x)
-
-
-def group_tokens(x: Array, group_size: Optional[int]) -> Array:
-  """`[batch, length, d] -> [groups, group_size, d]`."""
-  batch, length, d = x.shape
-  if group_size is None:
-    return x
-  if (batch * length) % group_size:
-    raise ValueError(
-        f'MoeConfig.group_size={group_size} does not divide the {batch * length} tokens of '
-        f'this batch ([batch={batch}, length={length}]). Choose a group size that divides '
-        f'batch * length, or group_size=None to route each example as one group.')
-  return x.reshape(batch * length // group_size, group_size, d)
 
 
 def dispatch_masked(x: Array, decision: routing.RoutingDecision, experts_fn) -> Array:
@@ -105,7 +94,8 @@ class MoeLayer(nn.Module):
     config: routing, capacity, dispatch and loss settings.
     expert: factory of the dense MLP module; called with
       `intermediate_axes=None`, its `__call__(x, deterministic)` must be rank agnostic.
-    causal: True in a decoder; Expert Choice is then refused.
+    causal: True in a decoder; Expert Choice and Batch Priority Routing are
+      then refused.
   """
 
   config: MoeConfig
@@ -123,10 +113,19 @@ class MoeLayer(nn.Module):
           'picks its top tokens among all positions of a group, so the output at position t '
           'depends on tokens after t (it reads the future, and training/decoding disagree). '
           "Use router='tokens_choose' (Top-K) for decoder MoE blocks.")
+    if self.causal and cfg.batch_priority_routing:
+      raise ValueError(
+          f'{self.name}: batch_priority_routing=True cannot be used in a causal decoder: tokens '
+          'claim expert slots in order of their router probability over the whole group, so '
+          'a later token can take the slot of an earlier one and the output at position t '
+          'depends on tokens after t (training/decoding disagree). Set '
+          'decoder/moe.MoeConfig.batch_priority_routing = False (T5X uses BPR in the encoder '
+          'only).')
     batch, length, d_model = x.shape
-    grouped = constrain(group_tokens(x, cfg.group_size), GROUP_AXES)
+    plan = cfg.group_plan(batch, length)
+    grouped, mask = grouping.group_tokens(x, token_mask, plan)
+    grouped = constrain(grouped, GROUP_AXES)
     groups, tokens, _ = grouped.shape
-    mask = None if token_mask is None else token_mask.reshape(groups, tokens)
     capacity = cfg.capacity(tokens, deterministic)
 
     logits = Router(cfg.num_experts, cfg.jitter_noise, name=tree.ROUTER)(grouped, deterministic)
@@ -148,13 +147,14 @@ class MoeLayer(nn.Module):
     out = DISPATCH[cfg.dispatch](grouped, decision,
                                  lambda expert_in: experts(expert_in, deterministic))
 
+    self.sow('router_logits', 'logits', grouping.ungroup_tokens(logits, batch, length, plan))
     z_loss = routing.router_z_loss(logits)
     self.sow('aux_loss', 'load_balancing_loss', balance)
     self.sow('aux_loss', 'router_z_loss', z_loss)
     self.sow('aux_loss', 'weighted',
              cfg.load_balancing_loss_weight * balance + cfg.router_z_loss_weight * z_loss)
     self._sow_metrics(probs, decision, mask)
-    return out.reshape(batch, length, d_model)
+    return grouping.ungroup_tokens(out, batch, length, plan)
 
   def _sow_metrics(self, probs: Array, decision: routing.RoutingDecision,
                    mask: Optional[Array]) -> None:

@@ -6,6 +6,8 @@ import flax
 import jax.numpy as jnp
 
 MOE_COLLECTIONS = ('aux_loss', 'moe_metrics')
+# Sown only when asked for (`mutable=[ROUTER_LOGITS]`): each MoE layer's router logits.
+ROUTER_LOGITS = 'router_logits'
 
 
 def _per_layer(collection: Mapping, name: str) -> Dict[str, jnp.ndarray]:
@@ -37,3 +39,12 @@ def metrics(state: Mapping) -> Dict[str, jnp.ndarray]:
   """Per-layer routing metrics: {'encoder/layers_1/mlp/fraction_dropped_tokens': ..., ...}."""
   flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(state.get('moe_metrics', {})))
   return {'/'.join(path): values[-1] for path, values in flat.items()}
+
+
+def router_logits(state: Mapping) -> Dict[str, jnp.ndarray]:
+  """Router logits per MoE layer, `{'encoder/layers_1/mlp': [batch, length, E]}`.
+
+  Args:
+    state: the collections returned by `apply(..., mutable=[ROUTER_LOGITS, ...])`.
+  """
+  return _per_layer(state.get(ROUTER_LOGITS, {}), 'logits')

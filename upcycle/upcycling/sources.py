@@ -7,13 +7,13 @@ sources, or taken from one of them), so they are used through
 """
 
 import dataclasses
-from typing import Any, Dict, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from upcycle import tree
+from upcycle import checkpoints, tree
 from upcycle.upcycling.base import Array, ExpertInit, as_array, check_choice, draw, key_for
 
 
@@ -164,6 +164,39 @@ def most_distant_pair(vectors: Array, exclude: Set[Tuple[int, int]] = frozenset(
   return pair
 
 
+def dare_merge(experts: Sequence[Mapping[str, Array]], base: Mapping[str, Array],
+               drop_rate: float, rng: Array) -> Dict[str, Array]:
+  """DARE (Drop And REscale) merge of several experts around their common base.
+
+  For every leaf name: tau_i = theta_i - theta_base; each entry of each tau_i is
+  dropped with probability p = `drop_rate` and the kept ones are scaled by
+  1 / (1 - p), so E[DARE(tau_i)] = tau_i; the merge is
+  theta_base + mean_i DARE(tau_i). Experts equal to the base merge back to the
+  base exactly, for any p and rng.
+
+  Args:
+    experts: per expert `{name: array}` (one MLP), all with the same names and shapes.
+    base: `{name: array}`, the MLP of the model the experts were fine-tuned from.
+    drop_rate: p in [0, 1).
+    rng: key of the drop masks.
+  Returns:
+    `{name: float32 array}`.
+  """
+  names = sorted(base)
+  keep = 1.0 - drop_rate
+  shapes = [tuple(base[name].shape) for name in names] * len(experts)
+  uniform = draw(rng, shapes, jax.random.uniform)
+  out = {}
+  for j, name in enumerate(names):
+    theta_base = as_array(base[name]).astype(jnp.float32)
+    total = jnp.zeros_like(theta_base)
+    for i, expert in enumerate(experts):
+      delta = as_array(expert[name]).astype(jnp.float32) - theta_base
+      total = total + jnp.where(uniform[i * len(names) + j] < keep, delta / keep, 0.0)
+    out[name] = theta_base + total / len(experts)
+  return out
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Merge(MultiSource):
   """UpIT expert expansion: more experts than sources, by merging.
@@ -176,40 +209,65 @@ class Merge(MultiSource):
 
   Attributes:
     sources: dense param trees of one architecture.
-    method: 'average' ((a + b) / 2) or 'dare' (each of a and b keeps each entry
-      with probability 1 - drop_rate, rescaled by 1 / (1 - drop_rate); then
-      the average).
+    method: 'average' ((a + b) / 2) or 'dare' (`dare_merge` of a and b around
+      `dare_base`: each entry of the deltas a - base, b - base is dropped with
+      probability `drop_rate`, the kept ones rescaled by 1 / (1 - drop_rate);
+      base + their mean).
     drop_rate: DARE's p in [0, 1).
     base: source index for the non-expert params; None averages all sources.
+    dare_base: for 'dare', the model the sources were fine-tuned from (UpIT: the
+      pre-trained model before instruction tuning): a dense param tree of the
+      same architecture, or a checkpoint path (read with
+      `upcycle.checkpoints.load`).
   """
 
   sources: Sequence[Mapping]
   method: str = 'average'
   drop_rate: float = 0.5
   base: Optional[int] = None
+  dare_base: Union[None, str, Mapping] = None
 
   def __post_init__(self):
     check_choice(self.method, ('average', 'dare'), 'Merge.method')
     if not 0.0 <= self.drop_rate < 1.0:
       raise ValueError(f'Merge.drop_rate={self.drop_rate}: must be in [0, 1).')
+    if self.method == 'dare' and self.dare_base is None:
+      raise ValueError(
+          "Merge(method='dare') merges deltas from the model the sources were fine-tuned from, "
+          'and none was given. Fix: sources.Merge.dare_base = \'<checkpoint path>\' (gin) or '
+          "dare_base=<param tree>; or method='average'.")
     self._prepare()
+    if self.method == 'dare':
+      base = self.dare_base
+      if isinstance(base, str):
+        base = checkpoints.load(base).params
+      object.__setattr__(self, '_dare_base', tree.flatten(base))
 
   def __repr__(self):
     return (f'Merge({len(self.sources)} sources, method={self.method!r}, '
-            f'drop_rate={self.drop_rate}, base={self.base})')
+            f'drop_rate={self.drop_rate}, base={self.base}'
+            + (', dare_base given)' if self.method == 'dare' else ')'))
 
-  def _merge(self, a: Dict[str, Array], b: Dict[str, Array], rng: Array) -> Dict[str, Array]:
+  def _base_mlp(self, names, layer: str) -> Dict[str, Any]:
+    out = {}
+    for name in names:
+      path = tree.join(layer, name)
+      if path not in self._dare_base:
+        raise ValueError(f'Merge: dare_base has no leaf {path}; it must be a checkpoint of the '
+                         f'sources\' dense architecture.')
+      leaf = self._dare_base[path]
+      expected = tree.shape_of(self._flats[0][path])
+      if tree.shape_of(leaf) != expected:
+        raise ValueError(f'Merge: dare_base {path} is {tree.shape_of(leaf)}; the sources have '
+                         f'{expected}.')
+      out[name] = leaf
+    return out
+
+  def _merge(self, a: Dict[str, Array], b: Dict[str, Array], rng: Array,
+             layer: str) -> Dict[str, Array]:
     if self.method == 'average':
       return {name: (a[name] + b[name]) / 2 for name in a}
-    keep = 1.0 - self.drop_rate
-    names = sorted(a)
-    uniform = draw(rng, [a[name].shape for name in names] * 2, jax.random.uniform)
-    out = {}
-    for i, name in enumerate(names):
-      da = jnp.where(uniform[i] < keep, a[name] / keep, 0.0)
-      db = jnp.where(uniform[len(names) + i] < keep, b[name] / keep, 0.0)
-      out[name] = (da + db) / 2
-    return out
+    return dare_merge([a, b], self._base_mlp(sorted(a), layer), self.drop_rate, rng)
 
   def __call__(self, mlp, num_experts, rng, *, layer=''):
     n = len(self.sources)
@@ -227,5 +285,5 @@ class Merge(MultiSource):
       vectors = jnp.stack([jnp.concatenate([e[name].ravel() for name in names]) for e in pool])
       i, j = most_distant_pair(vectors, merged)
       merged.add((i, j))
-      pool.append(self._merge(pool[i], pool[j], key_for(rng, str(len(pool)))))
+      pool.append(self._merge(pool[i], pool[j], key_for(rng, str(len(pool))), layer))
     return {name: jnp.stack([e[name] for e in pool]).astype(mlp[name].dtype) for name in names}
