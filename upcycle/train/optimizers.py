@@ -64,13 +64,10 @@ def big_vision_schedule(total_steps: int, decay_type: str = 'rsqrt', warmup_step
   if decay_type not in ('rsqrt', 'cosine', 'linear'):
     raise ValueError(f"big_vision_schedule.decay_type={decay_type!r}: expected 'rsqrt', "
                      f"'cosine' or 'linear'.")
-  if total_steps <= warmup_steps:
-    raise ValueError(f'big_vision_schedule.total_steps={total_steps} must exceed warmup_steps='
-                     f'{warmup_steps}: it is the whole budget, dense and upcycled steps.')
 
   def schedule(step):
     step = jnp.asarray(step, jnp.float32)
-    progress = jnp.clip((step - warmup_steps) / (total_steps - warmup_steps), 0.0, 1.0)
+    progress = jnp.clip((step - warmup_steps) / max(total_steps - warmup_steps, 1), 0.0, 1.0)
     if decay_type == 'rsqrt':
       lr = jnp.where(step > warmup_steps,
                      1.0 / jnp.sqrt((step + timescale - warmup_steps) / timescale), 1.0)
