@@ -1,5 +1,8 @@
 """T5X's Adafactor against a numpy transcription of `t5x/adafactor.py` (Adafactor._parse_rule,
-_factored_dims, _decay_rate_pow, apply_param_gradient), written here from T5X's code."""
+_factored_dims, _decay_rate_pow, apply_param_gradient), written here from T5X's code; and its
+state through the trainer, orbax and the upcycling hook."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -7,12 +10,16 @@ import numpy as np
 import optax
 import pytest
 
+from tests.train.test_training import TINY_T5, text
 from upcycle import tree
 from upcycle.models import T5, T5Config
 from upcycle.moe import MoeConfig
 from upcycle.train import optimizers, partitioning
+from upcycle.train.objectives import Seq2Seq
+from upcycle.train.restore import UpcycleFromDense
 from upcycle.train.t5x_adafactor import FactorDim, factor_rules, moe_logical_factor_rules
 from upcycle.train.t5x_adafactor import t5x_adafactor
+from upcycle.train.trainer import TrainConfig, Trainer
 from upcycle.upcycling import step_policy
 
 ROW, COL, BATCH, NONE = FactorDim.ROW, FactorDim.COLUMN, FactorDim.BATCH, FactorDim.NONE
@@ -197,3 +204,37 @@ def test_factor_rules_of_an_moe_t5_follow_t5x_moe_rules():
     factor_rules({'head/kernel': ('embed', 'classes')}, moe_logical_factor_rules())
   with pytest.raises(ValueError, match=r'needs the params\' logical axis names'):
     optimizers.T5XAdafactor().build()
+
+
+def test_trainer_saves_resumes_and_upcycles_the_t5x_state(tmp_path):
+  """Through the trainer, orbax and the restore hook: fresh state at the dense step, reuse."""
+  optimizer = optimizers.T5XAdafactor(schedule=optimizers.rsqrt_schedule(1.0, 100))
+
+  def trainer(name, config, steps, initializer=None):
+    cfg = TrainConfig(str(tmp_path / name), train_steps=steps, batch_size=8, log_every=1,
+                      checkpoint_every=1000, async_checkpoints=False)
+    return Trainer(Seq2Seq(T5(config)), optimizer, cfg, text('train'), None,
+                   initializer=initializer)
+
+  trainer('dense', TINY_T5, 2).run()
+  dense = trainer('dense', TINY_T5, 3).run()   # resumes from step 2: the state through orbax
+  assert dense['start_step'] == 2 and int(dense['state'].opt_state.count) == 3
+  moe_config = dataclasses.replace(
+      TINY_T5, encoder_moe=MoeConfig(num_experts=4, router='experts_choose'),
+      decoder_moe=MoeConfig(num_experts=4, router='tokens_choose', k=2))
+  checkpoint = str(tmp_path / 'dense' / 'checkpoints')
+  example = {'encoder_input_tokens': np.zeros((8, 64), np.int32),
+             'decoder_input_tokens': np.zeros((8, 16), np.int32),
+             'decoder_target_tokens': np.zeros((8, 16), np.int32)}
+  moe = trainer('moe', moe_config, 4)
+  with partitioning.activate(moe.mesh):
+    abstract = moe.abstract_state(example)
+    fresh = UpcycleFromDense(checkpoint)(abstract, moe.optimizer)
+    reused = UpcycleFromDense(checkpoint, reuse_optimizer_state=True)(abstract, moe.optimizer)
+  assert int(fresh.opt_state.count) == int(reused.opt_state.count) == 3
+  expert = reused.opt_state.param_states['encoder']['layers_1']['mlp']['expert']['wi_0']['kernel']
+  source = dense['state'].opt_state.param_states['encoder']['layers_1']['mlp']['wi_0']['kernel']
+  assert (expert.rows, expert.cols) == ((1,), (2,)) and not source.rows  # d_ff 64 < 128
+  for e in range(4):
+    np.testing.assert_allclose(np.asarray(expert.v_row[e]), np.asarray(source.v).mean(axis=1),
+                               rtol=1e-6)
