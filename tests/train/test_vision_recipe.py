@@ -4,6 +4,7 @@ Adafactor, the dense optimizer state reused, the dense run's schedule continued.
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -17,6 +18,7 @@ from upcycle.train.objectives import Classification
 from upcycle.train.optimizers import BigVisionAdafactor, big_vision_schedule
 from upcycle.train.restore import UpcycleFromDense
 from upcycle.train.trainer import TrainConfig, Trainer
+from upcycle.upcycling import step_policy
 
 DENSE_STEPS, BUDGET = 6, 12   # the schedule runs over the whole budget, dense + upcycled
 OPTIMIZER = BigVisionAdafactor(
@@ -78,3 +80,13 @@ def test_upcycled_vit_reuses_the_state_and_continues_the_learning_rate(tmp_path)
                              rtol=1e-6)
   assert np.isfinite(first['loss'])
   jax.clear_caches()
+
+
+def test_weight_decay_is_decoupled_scheduled_and_on_kernels_only():
+  """Zero gradients: the update is -decay_schedule(t) * weight_decay * p for kernels (not x lr)."""
+  opt = OPTIMIZER.build()
+  params = {'a': {'kernel': jnp.full((2, 3), 2.0), 'bias': jnp.ones((3,))}}
+  state = step_policy.fresh(opt.init(params), DENSE_STEPS)
+  updates, _ = opt.update(jax.tree.map(jnp.zeros_like, params), state, params)
+  np.testing.assert_allclose(np.asarray(updates['a']['kernel']), -2e-4 / np.sqrt(2), rtol=1e-6)
+  assert not np.asarray(updates['a']['bias']).any()
