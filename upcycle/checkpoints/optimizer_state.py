@@ -17,7 +17,7 @@ import numpy as np
 import optax
 
 from upcycle import tree
-from upcycle.checkpoints import factored
+from upcycle.checkpoints import adafactor_state, factored
 from upcycle.checkpoints.checkpoint import Checkpoint
 
 T5X_FORMATS = ('t5x', 't5x_orbax')
@@ -93,6 +93,11 @@ def from_t5x_adafactor(t5x_state: Mapping[str, Any], params: Mapping[str, Any],
                        optimizer: optax.GradientTransformation) -> Any:
   """A T5X Adafactor state as the optax state of `optimizer` for the same params.
 
+  For the run's own T5X Adafactor (`upcycle.train.t5x_adafactor`, state
+  `adafactor_state.T5XAdafactorState`) the layout is T5X's: each parameter's slots are taken
+  as stored where their shapes are the optimizer's, else rebuilt from T5X's heuristic layout
+  and refactored (`adafactor_state.from_stored`); the step is the count. For `optax.adafactor`:
+
   T5X stores `{'step': [], 'param_states': {<param path>: {'v_row', 'v_col',
   'v', 'm'}}}` with `[1]` placeholders in unused slots. Its default
   (heuristic) factoring is optax's: for a parameter whose two largest axes
@@ -107,7 +112,8 @@ def from_t5x_adafactor(t5x_state: Mapping[str, Any], params: Mapping[str, Any],
     t5x_state: the T5X optimizer `state` dict, as the T5X checkpoint reader
       returns it.
     params: the dense params (or their shapes), in contract names.
-    optimizer: `optax.adafactor(...)` with the T5X run's hyperparameters.
+    optimizer: T5X's Adafactor (`optimizers.T5XAdafactor`), or `optax.adafactor(...)`, with
+      the T5X run's hyperparameters.
 
   Returns:
     `optimizer.init(params)`'s structure filled from T5X; upcycle it with
@@ -130,10 +136,16 @@ def from_t5x_adafactor(t5x_state: Mapping[str, Any], params: Mapping[str, Any],
                      f'({len(missing)} params missing). Fix: pass the params of the same checkpoint.')
   fresh = optimizer.init(params)
   is_factored = lambda x: isinstance(x, optax.FactoredState)
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(fresh, is_leaf=is_factored)
+  is_unit = lambda x: is_factored(x) or adafactor_state.is_slots(x)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(fresh, is_leaf=is_unit)
   out = []
   for keypath, leaf in leaves:
     names = tree.key_names(keypath)
+    if adafactor_state.is_slots(leaf):
+      _, path = tree.split_param_path(keypath, flat_params)
+      out.append(adafactor_state.from_stored(slots[path], leaf,
+                                             tree.shape_of(flat_params[path]), path))
+      continue
     if is_factored(leaf):
       new = {'v_row': {}, 'v_col': {}, 'v': {}}
       fresh_slots = {k: tree.flatten(getattr(leaf, k)) for k in new}
@@ -158,5 +170,6 @@ def from_t5x_adafactor(t5x_state: Mapping[str, Any], params: Mapping[str, Any],
       continue
     raise ValueError(
         f'T5X Adafactor has no slot for the optax state leaf {tree.render(names)}: T5X keeps '
-        f'v_row, v_col, v and m only. Fix: convert with optimizer=optax.adafactor(...).')
+        f'v_row, v_col, v and m only. Fix: train with optimizers.T5XAdafactor (or '
+        f'optax.adafactor), or do not reuse the T5X optimizer state.')
   return jax.tree_util.tree_unflatten(treedef, out)

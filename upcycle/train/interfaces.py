@@ -1,11 +1,13 @@
 """What the trainer's pluggable parts must provide: an objective, an optimizer, an initializer.
 
-`objectives.Seq2Seq` / `Classification`, `optimizers.Adafactor` / `AdamW` and
+`objectives.Seq2Seq` / `Classification`, `optimizers.T5XAdafactor` / `BigVisionAdafactor` /
+`Adafactor` / `AdamW` and
 `restore.UpcycleFromDense` / `ContinueFromCheckpoint` are the implementations here; a new one
 needs only these members (structural typing, nothing to inherit).
 """
 
-from typing import Any, Dict, Mapping, Optional, Protocol, Tuple, runtime_checkable
+from typing import (Any, Dict, Mapping, Optional, Protocol, Sequence, Tuple,
+                    runtime_checkable)
 
 import flax.linen as nn
 import jax
@@ -47,8 +49,15 @@ class Optimizer(Protocol):
 
   schedule: optax.Schedule
 
-  def build(self) -> optax.GradientTransformation:
-    """The transformation; its state's step count drives `schedule`."""
+  def build(self, param_axes: Mapping[str, Optional[Sequence[Optional[str]]]]
+            ) -> optax.GradientTransformation:
+    """The transformation; its state's step count drives `schedule`.
+
+    `param_axes`: param path -> the logical axis names the model gives it
+    (`partitioning.logical_axes` of the boxed abstract params; None for unnamed leaves), for
+    optimizers that treat axes by name (T5XAdafactor factors by them); others ignore it. The
+    Trainer calls `build` once it knows the params, in `abstract_state`.
+    """
 
 
 @runtime_checkable

@@ -6,7 +6,7 @@ they live. The batch is split over ('expert', 'data'), expert weights over
 """
 
 import contextlib
-from typing import Any, Iterator, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -61,6 +61,16 @@ def logical_sharding(boxed_tree: Any, mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> A
   mesh_specs = nn.logical_to_mesh(specs, rules)
   return jax.tree.map(lambda spec: NamedSharding(mesh, spec), mesh_specs,
                       is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def logical_axes(boxed_tree: Any) -> Dict[str, Optional[Tuple[Optional[str], ...]]]:
+  """param path -> its logical axis names (None for an unboxed leaf), e.g. for T5XAdafactor."""
+  flat = {}
+  for keypath, box in jax.tree_util.tree_flatten_with_path(
+      boxed_tree, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))[0]:
+    path = '/'.join(str(k.key) for k in keypath)
+    flat[path] = tuple(box.names) if isinstance(box, nn.LogicallyPartitioned) else None
+  return flat
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:

@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from upcycle import fields, tree
@@ -108,7 +109,8 @@ class Trainer:
                train_data, eval_data=None, initializer: Optional[Initializer] = None,
                devices: Optional[List[jax.Device]] = None):
     self.objective, self.config = objective, config
-    self.optimizer = optimizer.build()
+    self.optimizer_config = optimizer
+    self.optimizer: Optional[optax.GradientTransformation] = None  # Built by abstract_state.
     self.schedule = optimizer.schedule
     self.train_data, self.eval_data, self.initializer = train_data, eval_data, initializer
     self.mesh = partitioning.make_mesh(config.num_expert_partitions, config.num_model_partitions,
@@ -130,10 +132,15 @@ class Trainer:
             for k, v in example_batch.items()}
 
   def abstract_state(self, example_batch: Dict[str, np.ndarray]) -> TrainState:
-    """The state's shapes, dtypes and shardings, computed without allocating it."""
+    """The state's shapes, dtypes and shardings, computed without allocating it.
+
+    Builds `self.optimizer` on first use, from the params' logical axis names.
+    """
     batch = self._global_zeros(example_batch)
     rng = jax.random.PRNGKey(self.config.seed)
     boxed = jax.eval_shape(lambda: init_params(self.objective, rng, batch))
+    if self.optimizer is None:
+      self.optimizer = self.optimizer_config.build(partitioning.logical_axes(boxed))
     param_shardings = partitioning.logical_sharding(boxed, self.mesh)
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           tree.unbox(boxed), param_shardings)

@@ -20,8 +20,11 @@ is handled without knowing it. Adafactor's factored second moments
 unit: their layout can differ between a dense `[d_model, d_ff]` kernel and
 its `[E, d_model, d_ff]` experts.
 
-A T5X Adafactor state is first converted into the optax state of `optax.adafactor`
-(`upcycle.checkpoints.optimizer_state.from_t5x_adafactor`), then upcycled here.
+T5X Adafactor slots (`adafactor_state.ParamSlots`, the state of
+`upcycle.train.t5x_adafactor`) are handled per parameter too; they carry their layout, so
+expert slots factored with the expert axis as a batch axis are the dense slots tiled
+(`adafactor_state.upcycle`). A T5X-written Adafactor state is first converted into the run's
+optimizer state (`upcycle.checkpoints.optimizer_state.from_t5x_adafactor`), then upcycled here.
 """
 
 from typing import Any, Dict, Mapping, Tuple
@@ -32,10 +35,12 @@ import numpy as np
 import optax
 
 from upcycle import tree
-from upcycle.checkpoints import factored
+from upcycle.checkpoints import adafactor_state, factored
 
-def _is_factored(x) -> bool:
-  return isinstance(x, optax.FactoredState)
+
+def _per_param(x) -> bool:
+  """A state node filled per parameter as a unit: Adafactor second moments, T5X slots."""
+  return isinstance(x, optax.FactoredState) or adafactor_state.is_slots(x)
 
 
 class _Filler:
@@ -46,7 +51,7 @@ class _Filler:
     self.tile_moments = tile_moments
     self.keep_step = keep_step
     self.dense: Dict[Tuple[str, ...], Any] = {}
-    leaves, _ = jax.tree_util.tree_flatten_with_path(dense_state, is_leaf=_is_factored)
+    leaves, _ = jax.tree_util.tree_flatten_with_path(dense_state, is_leaf=_per_param)
     for keypath, leaf in leaves:
       self.dense[tree.key_names(keypath)] = leaf
 
@@ -66,6 +71,20 @@ class _Filler:
     where = f'slot {tree.render(prefix + tuple(path.split("/")))} {tuple(fresh.shape)}'
     dense = self.lookup(prefix + tuple(role.source.split('/')), where)
     return _fit(dense, fresh, role, where)
+
+  def t5x_slots(self, prefix, path, fresh: adafactor_state.ParamSlots, shape):
+    """T5X Adafactor slots of MoE parameter `path`."""
+    role = self.roles[path]
+    if role.kind == 'router' or not self.tile_moments:
+      return fresh
+    where = f'slots {tree.render(prefix + tuple(path.split("/")))}'
+    dense = self.lookup(prefix + tuple(role.source.split('/')), where)
+    if not adafactor_state.is_slots(dense):
+      raise ValueError(f'Optimizer-state upcycling: {where} need T5X Adafactor slots of '
+                       f'{role.source}; the dense state has {type(dense).__name__}. Fix: the '
+                       f'dense run must use the same optimizer (T5XAdafactor).')
+    return adafactor_state.upcycle(dense, fresh, shape[0] if role.kind == 'expert' else None,
+                                   where)
 
   def other(self, names, fresh):
     """A leaf that belongs to no parameter: step counts, hyperparameters."""
@@ -141,13 +160,16 @@ def upcycle_optimizer_state(dense_state: Any, moe_params: Mapping[str, Any],
   roles = tree.classify(flat_params)
   shapes = {p: tree.shape_of(x) for p, x in flat_params.items()}
   filler = _Filler(dense_state, roles, tile_moments, keep_step)
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(fresh, is_leaf=_is_factored)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(fresh, is_leaf=_per_param)
   out = []
   for keypath, leaf in leaves:
-    if _is_factored(leaf):
+    split = tree.split_param_path(keypath, roles)
+    if adafactor_state.is_slots(leaf):
+      out.append(filler.t5x_slots(split[0], split[1], leaf, shapes[split[1]]))
+      continue
+    if isinstance(leaf, optax.FactoredState):
       out.append(filler.factored_state(tree.key_names(keypath), leaf, shapes))
       continue
-    split = tree.split_param_path(keypath, roles)
     if split is None:
       out.append(filler.other(tree.key_names(keypath), leaf))
     else:

@@ -10,7 +10,9 @@
 Optax keeps one count per stateful transformation. The learning rate follows the count of
 `scale_by_schedule` (`ScaleByScheduleState`, also inside `inject_hyperparams`); moment
 estimators keep their own for bias correction (Adam) and decay (Adafactor), which belong
-with their moments.
+with their moments. T5X's Adafactor (`T5XAdafactorState`) has one count, the global step,
+for its learning rate and its decay rate alike (T5X's `state.step`): a schedule count, so a
+fresh state after upcycling carries the dense step there too.
 """
 
 from typing import Any, Optional, Union
@@ -19,6 +21,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from upcycle.checkpoints.adafactor_state import T5XAdafactorState
+
+SCHEDULE_COUNTS = (optax.ScaleByScheduleState, T5XAdafactorState)
 Step = Union[str, int]
 
 
@@ -53,7 +58,7 @@ def set_counts(state: Any, step: Any, schedule_only: bool) -> Any:
     if isinstance(x, optax.InjectHyperparamsState):
       return x._replace(count=jnp.full_like(x.count, step),
                         inner_state=set_counts(x.inner_state, step, schedule_only))
-    if schedule_only and not isinstance(x, optax.ScaleByScheduleState):
+    if schedule_only and not isinstance(x, SCHEDULE_COUNTS):
       return x
     return x._replace(count=jnp.full_like(x.count, step))
 
