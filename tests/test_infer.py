@@ -7,7 +7,6 @@ import os
 import sys
 
 import gin
-import numpy as np
 import pytest
 
 from upcycle import eval as eval_main
