@@ -49,7 +49,7 @@ def predictions(decode_fn, params: Any, pipeline: Any, *, batch_size: int,
 def target_vocabulary(task: str) -> Optional[Any]:
   """The seqio vocabulary of `task`'s 'targets' feature, or None if it has none."""
   import seqio  # pylint: disable=g-import-not-at-top
-  from upcycle.data import tasks  # pylint: disable=g-import-not-at-top,unused-import  (registers them)
+  from upcycle.data import tasks  # pylint: disable=g-import-not-at-top,unused-import  (registers)
   try:
     return seqio.get_mixture_or_task(task).output_features['targets'].vocabulary
   except (ValueError, KeyError):
