@@ -1,6 +1,6 @@
 """Dependencies point one way (README "Architecture"): every import of every module, checked.
 
-  tree  <-  layers  <-  moe  <-  models
+  tree  <-  layers  <-  moe  <-  models  <-  decoding
   tree  <-  checkpoints  <-  upcycling
   train, pretrained and the entry points wire everything.
 
@@ -24,13 +24,15 @@ ALLOWED = {
     'layers': {'tree'},
     'moe': {'tree', 'layers', 'fields'},
     'models': {'tree', 'layers', 'moe', 'fields'},
+    'decoding': {'tree', 'layers', 'moe', 'models', 'fields'},
     'checkpoints': {'tree'},
     'upcycling': {'tree', 'checkpoints'},
     'data': set(),
     'gin_utils': {'console'},
 }
 # Wiring: may import any part.
-WIRING = {'train', 'pretrained', 'convert', 'eval', 'inspect', 'quickstart', '__init__'}
+WIRING = {'train', 'pretrained', 'convert', 'eval', 'infer', 'inspect', 'quickstart',
+          '__init__'}
 
 
 def _part(module: str) -> str:

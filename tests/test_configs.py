@@ -11,6 +11,7 @@ import pytest
 
 from upcycle import eval as eval_main
 from upcycle import gin_utils
+from upcycle import infer as infer_main
 from upcycle.models import T5, ViT
 from upcycle.train import __main__ as train_main
 
@@ -50,6 +51,7 @@ def entry_points(monkeypatch):
   main = sys.modules['__main__']
   monkeypatch.setattr(main, 'train', train_main.train, raising=False)
   monkeypatch.setattr(main, 'evaluate', eval_main.evaluate, raising=False)
+  monkeypatch.setattr(main, 'infer', infer_main.infer, raising=False)
   yield
   gin.clear_config(clear_constants=True)
 
@@ -59,7 +61,8 @@ def test_all_config_groups_are_present():
                    'models/vit/l32.gin', 'moe/experts_choose.gin', 'moe/tokens_choose_top2.gin',
                    'moe/switch.gin', 'upcycling/drop.gin', 'upcycling/btx.gin',
                    'upcycling/upit.gin', 'runs/pretrain.gin', 'runs/upcycle.gin',
-                   'runs/continue_dense.gin', 'runs/finetune.gin', 'runs/eval.gin']:
+                   'runs/continue_dense.gin', 'runs/finetune.gin', 'runs/eval.gin',
+                   'runs/infer.gin']:
     assert expected in FILES
 
 

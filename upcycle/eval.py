@@ -2,7 +2,8 @@
 
 Reads any checkpoint `upcycle.checkpoints.load` supports (this project's orbax runs, T5X,
 HF, vit_jax/big_vision npz), checks it against the gin-configured model, and reports
-validation loss and accuracy; for ViT also few-shot linear accuracy. Gin files bind
+validation loss and accuracy; for T5 also sequence accuracy (exact match of greedy-decoded
+targets, `decode_data`); for ViT also few-shot linear accuracy. Gin files bind
 `eval_script.evaluate` (`import __main__ as eval_script`); see configs/runs/eval.gin.
 """
 
@@ -12,18 +13,44 @@ import sys
 from typing import Any, Optional, Sequence
 
 import jax
+import numpy as np
 
 from upcycle import gin_utils
+
+
+def sequence_accuracy(model: Any, params: Any, pipeline: Any, decoding: Any, *,
+                      batch_size: int, max_batches: int, seed: int) -> dict:
+  """Fraction of `pipeline`'s examples whose decoded targets equal the reference exactly
+  (T5's sequence accuracy, on token ids), and how many examples were decoded."""
+  # pylint: disable=g-import-not-at-top
+  from upcycle import decoding as decoding_lib
+  from upcycle import infer
+  # pylint: enable=g-import-not-at-top
+  decode_fn = decoding_lib.make_decode_fn(model, decoding, pipeline.feature_lengths['targets'])
+  matches = [np.asarray(decoding_lib.exact_match(tokens, batch['decoder_target_tokens']))
+             for batch, tokens, _ in infer.predictions(
+                 decode_fn, params, pipeline, batch_size=batch_size, max_batches=max_batches,
+                 seed=seed)]
+  matches = np.concatenate(matches)
+  return {'sequence_accuracy': float(matches.mean()), 'decoded_examples': int(matches.size)}
 
 
 def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size: int,
              format: Optional[str] = None,  # pylint: disable=redefined-builtin
              eval_batches: int = 0, fewshot_train_data: Optional[Any] = None,
              fewshot_shots: Sequence[int] = (1, 5, 10), fewshot_l2_reg: float = 2.0 ** 10,
+             decode_data: Optional[Any] = None, decoding: Optional[Any] = None,
+             decode_batches: int = 0,
              num_expert_partitions: int = 1, num_model_partitions: int = 1,
              output_dir: Optional[str] = None, seed: int = 0) -> dict:
-  """Evaluates `checkpoint_path` with `objective`'s model; returns (and prints) the metrics."""
+  """Evaluates `checkpoint_path` with `objective`'s model; returns (and prints) the metrics.
+
+  `decode_data` (an unpacked seq2seq split; None: skip) adds `sequence_accuracy` from decoded
+  outputs (`decoding`, an `upcycle.decoding.DecodeConfig`; None: greedy) over at most
+  `decode_batches` batches (0: all) and `decoded_examples`, their number.
+  """
   # pylint: disable=g-import-not-at-top
+  from upcycle import decoding as decoding_lib
   from upcycle import pretrained
   from upcycle.train import evaluation, partitioning
   from upcycle.train.objectives import init_params
@@ -46,6 +73,10 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
       results.update(evaluation.linear_fewshot(
           objective, params, fewshot_train_data, eval_data, batch_size=host_batch, mesh=mesh,
           shots=fewshot_shots, l2_reg=fewshot_l2_reg, max_batches=eval_batches, seed=seed))
+  if decode_data is not None:
+    results.update(sequence_accuracy(
+        objective.model, params, decode_data, decoding or decoding_lib.DecodeConfig(),
+        batch_size=host_batch, max_batches=decode_batches, seed=seed))
   results = {'checkpoint': os.fspath(checkpoint_path), 'format': checkpoint.format,
              'step': checkpoint.step, **results}
   print(json.dumps(results, indent=2), flush=True)

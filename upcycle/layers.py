@@ -180,12 +180,19 @@ def make_causal_mask(length: int) -> Array:
 
 
 class MultiHeadAttention(nn.Module):
-  """Multi-head dot-product attention in two parameter layouts.
+  """Multi-head dot-product attention in two parameter layouts, with a decoding cache.
 
   T5X (`joined_kv=True`): kernels `[d_model, heads * head_dim]`, no biases, no
   1/sqrt(head_dim) on the logits (T5 folds it into the query initializer).
   big_vision (`joined_kv=False`): kernels `[d_model, heads, head_dim]` with biases
   `[heads, head_dim]`, logits scaled by 1/sqrt(head_dim).
+
+  Decoding (`decode=True`) keeps projected keys and values in the `'cache'` collection
+  (`cached_key`, `cached_value`: `[batch, cache_length, heads, head_dim]`), as `kv_cache` says:
+    'append' (causal self-attention): the first call creates zeros of the key length; each
+      later call takes one query token and writes its key/value at `position`.
+    'fixed' (cross-attention): the first call projects `inputs_kv` (the encoder output)
+      once; later calls read them and may pass `inputs_kv=None`.
   """
 
   num_heads: int
@@ -196,11 +203,17 @@ class MultiHeadAttention(nn.Module):
   dropout_rate: float = 0.0
   dtype: jnp.dtype = jnp.float32
   kernel_init: Initializer = default_kernel_init
+  kv_cache: Optional[str] = None  # None (never decodes), 'append' or 'fixed'.
 
   @nn.compact
-  def __call__(self, inputs_q: Array, inputs_kv: Array, bias: Optional[Array],
-               deterministic: bool) -> Array:
-    """inputs `[batch, q|k, d_model]`, bias `[batch|1, heads|1, q, k]` -> `[batch, q, d_model]`."""
+  def __call__(self, inputs_q: Array, inputs_kv: Optional[Array], bias: Optional[Array],
+               deterministic: bool, decode: bool = False,
+               position: Optional[Array] = None) -> Array:
+    """inputs `[batch, q|k, d_model]`, bias `[batch|1, heads|1, q, k]` -> `[batch, q, d_model]`.
+
+    With `decode=True` and a cache already in place, `inputs_q` is `[batch, 1, d_model]`, `k`
+    is the cache length, and 'append' needs `position` (scalar int32, the query's index).
+    """
     h, d = self.num_heads, self.head_dim
     d_model = inputs_q.shape[-1]
     if self.joined_kv:
@@ -214,13 +227,12 @@ class MultiHeadAttention(nn.Module):
       # T5: scale the query initializer instead of the logits.
       query_init = lambda *a: self.kernel_init(*a) / np.sqrt(d).astype(np.float32)
     dense = functools.partial(DenseGeneral, use_bias=self.use_bias, dtype=self.dtype)
-    q = dense(features, in_axes, kernel_init=query_init, name='query')(inputs_q)
-    k = dense(features, in_axes, kernel_init=self.kernel_init, name='key')(inputs_kv)
-    v = dense(features, in_axes, kernel_init=self.kernel_init, name='value')(inputs_kv)
-    q, k, v = (x.reshape(x.shape[:2] + (h, d)) for x in (q, k, v))
-    q = constrain(q, ('batch', 'length', 'heads', 'kv'))
-    k = constrain(k, ('batch', 'length', 'heads', 'kv'))
-    v = constrain(v, ('batch', 'length', 'heads', 'kv'))
+    heads = lambda x: constrain(x.reshape(x.shape[:2] + (h, d)), ('batch', 'length', 'heads', 'kv'))
+    project_kv = lambda: tuple(
+        heads(dense(features, in_axes, kernel_init=self.kernel_init, name=name)(inputs_kv))
+        for name in ('key', 'value'))
+    q = heads(dense(features, in_axes, kernel_init=query_init, name='query')(inputs_q))
+    k, v = self._cached(project_kv, position) if decode else project_kv()
     if self.scale_logits:
       q = q / jnp.sqrt(d).astype(q.dtype)
     logits = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32)
@@ -233,6 +245,29 @@ class MultiHeadAttention(nn.Module):
       y = y.reshape(y.shape[:2] + (h * d,))
     y = dense(d_model, out_axes, in_features=out_in, kernel_init=self.kernel_init, name='out')(y)
     return constrain(y, ('batch', 'length', 'embed'))
+
+  def _cached(self, project_kv: Callable[[], Tuple[Array, Array]],
+              position: Optional[Array]) -> Tuple[Array, Array]:
+    """Keys and values `[batch, cache_length, heads, head_dim]` through the 'cache' collection."""
+    if self.kv_cache not in ('append', 'fixed'):
+      raise ValueError(f'{self.name}: decode=True needs kv_cache="append" (causal '
+                       f'self-attention) or "fixed" (cross-attention), not {self.kv_cache!r}.')
+    if not self.has_variable('cache', 'cached_key'):   # The first call creates the cache.
+      k, v = project_kv()
+      fill = jnp.zeros_like if self.kv_cache == 'append' else (lambda x: x)
+      self.variable('cache', 'cached_key', lambda: fill(k))
+      self.variable('cache', 'cached_value', lambda: fill(v))
+      return k, v
+    cached_key = self.variable('cache', 'cached_key')
+    cached_value = self.variable('cache', 'cached_value')
+    if self.kv_cache == 'append':
+      if position is None:
+        raise ValueError(f'{self.name}: an "append" cache step needs the query position.')
+      k, v = project_kv()   # [batch, 1, heads, head_dim]
+      cached_key.value = jax.lax.dynamic_update_slice_in_dim(cached_key.value, k, position, 1)
+      cached_value.value = jax.lax.dynamic_update_slice_in_dim(
+          cached_value.value, v, position, 1)
+    return cached_key.value, cached_value.value
 
 
 def relative_position_bucket(relative_position: np.ndarray, bidirectional: bool,

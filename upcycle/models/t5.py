@@ -8,6 +8,14 @@ Parameter tree (the README's "Parameter names"):
                       pre_cross_attention_layer_norm, encoder_decoder_attention,
                       pre_mlp_layer_norm, mlp}
   {encoder/encoder_norm, decoder/decoder_norm}/scale, decoder/logits_dense/kernel
+
+Decoding (`T5.prefill`, then `T5.decode_step` per token, both applied with
+`mutable=['cache']`) keeps a 'cache' collection: per decoder layer the self-attention's keys
+and values `[batch, max_decode_length, heads, d_kv]` and the cross-attention's, computed once
+from the encoder output `[batch, src_len, heads, d_kv]`; at the decoder's top `position`
+(scalar int32: the next step's index), `key_valid` `[batch, max_decode_length]` (positions
+written so far) and `cross_bias` `[batch, 1, 1, src_len]` (encoder padding). Every non-scalar
+cache leaf has the batch axis first, so beam search can expand and reorder it.
 """
 
 import dataclasses
@@ -61,6 +69,7 @@ class T5Config:
 
 
 def _mlp(config: T5Config, moe: Optional[MoeConfig], sparse: bool, causal: bool) -> nn.Module:
+  """The dense MLP, or an MoE block of `moe` in its place."""
   expert = functools.partial(layers.GatedMlp, d_ff=config.d_ff, dropout_rate=config.dropout_rate,
                              dtype=config.dtype)
   if sparse:
@@ -68,10 +77,11 @@ def _mlp(config: T5Config, moe: Optional[MoeConfig], sparse: bool, causal: bool)
   return expert(name='mlp')
 
 
-def _attention(config: T5Config, name: str) -> nn.Module:
+def _attention(config: T5Config, name: str, kv_cache: Optional[str] = None) -> nn.Module:
   return layers.MultiHeadAttention(
       num_heads=config.num_heads, head_dim=config.d_kv, joined_kv=True, use_bias=False,
-      scale_logits=False, dropout_rate=config.dropout_rate, dtype=config.dtype, name=name)
+      scale_logits=False, dropout_rate=config.dropout_rate, dtype=config.dtype,
+      kv_cache=kv_cache, name=name)
 
 
 class EncoderLayer(nn.Module):
@@ -98,19 +108,33 @@ class DecoderLayer(nn.Module):
   sparse: bool = False
 
   @nn.compact
-  def __call__(self, x, encoded, self_bias, cross_bias, token_mask, deterministic):
+  def __call__(self, x, encoded, self_bias, cross_bias, token_mask, deterministic,
+               decode=False, position=None):
+    """x `[batch, length, d_model]`; a decode step (`position` set) has length 1."""
     cfg = self.config
     norm = functools.partial(layers.RMSNorm, cfg.layer_norm_epsilon, cfg.dtype)
     dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
     y = norm(name='pre_self_attention_layer_norm')(x)
-    y = _attention(cfg, 'self_attention')(y, y, self_bias, deterministic)
+    y = _attention(cfg, 'self_attention', 'append')(
+        y, y, self_bias, deterministic, decode, position)
     x = x + dropout(y, deterministic=deterministic)
     y = norm(name='pre_cross_attention_layer_norm')(x)
-    y = _attention(cfg, 'encoder_decoder_attention')(y, encoded, cross_bias, deterministic)
+    y = _attention(cfg, 'encoder_decoder_attention', 'fixed')(
+        y, encoded, cross_bias, deterministic, decode)
     x = x + dropout(y, deterministic=deterministic)
     y = norm(name='pre_mlp_layer_norm')(x)
-    mlp = _mlp(cfg, cfg.decoder_moe, self.sparse, causal=True)
-    y = mlp(y, deterministic, token_mask) if self.sparse else mlp(y, deterministic)
+    if not self.sparse:
+      y = _mlp(cfg, None, False, causal=True)(y, deterministic)
+    elif position is None:
+      y = _mlp(cfg, cfg.decoder_moe, True, causal=True)(y, deterministic, token_mask)
+    else:
+      # A decode step routes its batch's tokens (one per sequence) as one group: Top-K with
+      # the eval capacity over [1, batch] tokens (README "Inference"), whatever the training
+      # grouping (`group_size` or Flaxformer's `max_group_size`).
+      step_moe = dataclasses.replace(cfg.decoder_moe, group_size=None, max_group_size=None)
+      batch, _, d_model = y.shape
+      y = _mlp(cfg, step_moe, True, causal=True)(
+          y.reshape(1, batch, d_model), deterministic).reshape(batch, 1, d_model)
     x = x + dropout(y, deterministic=deterministic)
     return layers.constrain(x, ('batch', 'length', 'embed'))
 
@@ -147,30 +171,47 @@ class Decoder(nn.Module):
 
   @nn.compact
   def __call__(self, encoded, encoder_tokens, decoder_tokens, decoder_target_tokens,
-               encoder_segment_ids, decoder_segment_ids, deterministic):
-    """-> logits `[batch, target_length, vocab]` (float32)."""
+               encoder_segment_ids, decoder_segment_ids, deterministic, decode=False):
+    """-> logits `[batch, target_length, vocab]` (float32).
+
+    `decode=True`: the first call (no cache yet; `decoder_tokens` `[batch, max_decode_length]`,
+    e.g. zeros) runs as usual and creates the cache; every later call is one step:
+    `decoder_tokens` `[batch, 1]` is the token at `cache/position`, `encoded` and
+    `encoder_tokens` may be None, and the logits are `[batch, 1, vocab]`.
+    """
     cfg = self.config
-    length = decoder_tokens.shape[1]
-    decoder_valid = (jnp.ones(decoder_tokens.shape, bool) if decoder_target_tokens is None
-                     else decoder_target_tokens > 0)
-    segments = lambda q, k: None if q is None else layers.make_segment_mask(q, k)
-    self_mask = layers.combine_masks(
-        layers.make_causal_mask(length), layers.make_attention_mask(decoder_valid, decoder_valid),
-        segments(decoder_segment_ids, decoder_segment_ids))
-    cross_mask = layers.combine_masks(
-        layers.make_attention_mask(decoder_valid, encoder_tokens > 0),
-        segments(decoder_segment_ids, encoder_segment_ids))
     relpos = layers.RelativePositionBias(
         cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance,
-        cfg.num_heads, bidirectional=False, dtype=cfg.dtype, name='relpos_bias')(length, length)
-    self_bias = relpos + layers.attention_bias_from_mask(self_mask, cfg.dtype)
-    cross_bias = layers.attention_bias_from_mask(cross_mask, cfg.dtype)
+        cfg.num_heads, bidirectional=False, dtype=cfg.dtype, name='relpos_bias')
+    position = None
+    if decode and self.has_variable('cache', 'position'):
+      self_bias, cross_bias, position = self._step_biases(relpos)
+      decoder_valid = None
+    else:
+      if decode and (encoder_segment_ids is not None or decoder_segment_ids is not None):
+        raise ValueError('T5 decoding takes unpacked examples: pass no segment ids '
+                         '(an unpacked TextPipeline, pack=False).')
+      length = decoder_tokens.shape[1]
+      decoder_valid = (jnp.ones(decoder_tokens.shape, bool) if decoder_target_tokens is None
+                       else decoder_target_tokens > 0)
+      segments = lambda q, k: None if q is None else layers.make_segment_mask(q, k)
+      self_mask = layers.combine_masks(
+          layers.make_causal_mask(length),
+          layers.make_attention_mask(decoder_valid, decoder_valid),
+          segments(decoder_segment_ids, decoder_segment_ids))
+      cross_mask = layers.combine_masks(
+          layers.make_attention_mask(decoder_valid, encoder_tokens > 0),
+          segments(decoder_segment_ids, encoder_segment_ids))
+      self_bias = relpos(length, length) + layers.attention_bias_from_mask(self_mask, cfg.dtype)
+      cross_bias = layers.attention_bias_from_mask(cross_mask, cfg.dtype)
+      if decode:
+        self._create_cache(decoder_tokens.shape, encoder_tokens)
     dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
     x = dropout(self.embedder(decoder_tokens), deterministic=deterministic)
     sparse = cfg.sparse_layers('decoder')
     for i in range(cfg.num_decoder_layers):
       x = DecoderLayer(cfg, i in sparse, name=f'layers_{i}')(
-          x, encoded, self_bias, cross_bias, decoder_valid, deterministic)
+          x, encoded, self_bias, cross_bias, decoder_valid, deterministic, decode, position)
     x = layers.RMSNorm(cfg.layer_norm_epsilon, cfg.dtype, name='decoder_norm')(x)
     x = dropout(x, deterministic=deterministic)
     if cfg.logits_via_embedding:
@@ -180,6 +221,30 @@ class Decoder(nn.Module):
       logits = layers.DenseGeneral(cfg.vocab_size, ('embed', 'vocab'), dtype=cfg.dtype,
                                    name='logits_dense')(x)
     return layers.constrain(jnp.asarray(logits, jnp.float32), ('batch', 'length', 'vocab'))
+
+  def _create_cache(self, decoder_shape, encoder_tokens) -> None:
+    """The decoder-level cache: next position, written key positions, encoder padding bias."""
+    batch, max_decode_length = decoder_shape
+    one_query = jnp.ones((batch, 1), bool)
+    self.variable('cache', 'position', lambda: jnp.zeros((), jnp.int32))
+    self.variable('cache', 'key_valid', lambda: jnp.zeros((batch, max_decode_length), bool))
+    self.variable('cache', 'cross_bias', lambda: layers.attention_bias_from_mask(
+        layers.make_attention_mask(one_query, encoder_tokens > 0), self.config.dtype))
+
+  def _step_biases(self, relpos):
+    """-> self bias `[batch, heads, 1, max_len]`, cross bias `[batch, 1, 1, src_len]`, position;
+    advances `cache/position` and marks it in `cache/key_valid`."""
+    position_var = self.variable('cache', 'position')
+    key_valid_var = self.variable('cache', 'key_valid')
+    position = position_var.value
+    length = key_valid_var.value.shape[1]
+    key_valid = key_valid_var.value.at[:, position].set(True)
+    key_valid_var.value = key_valid
+    position_var.value = position + 1
+    row = jax.lax.dynamic_slice_in_dim(relpos(length, length), position, 1, axis=2)
+    self_bias = row + layers.attention_bias_from_mask(key_valid[:, None, None, :],
+                                                      self.config.dtype)
+    return self_bias, self.variable('cache', 'cross_bias').value, position
 
 
 class T5(nn.Module):
@@ -201,6 +266,23 @@ class T5(nn.Module):
 
   def encode(self, encoder_input_tokens, encoder_segment_ids=None, enable_dropout=False):
     return self.encoder(encoder_input_tokens, encoder_segment_ids, not enable_dropout)
+
+  def prefill(self, encoder_input_tokens: Array, max_decode_length: int) -> None:
+    """Encodes `[batch, src_len]` and creates the decoding cache for `max_decode_length` steps.
+
+    Apply with `mutable=['cache']`; the returned variables' 'cache' is the initial cache.
+    """
+    encoded = self.encode(encoder_input_tokens)
+    placeholder = jnp.zeros((encoder_input_tokens.shape[0], max_decode_length), jnp.int32)
+    self.decoder(encoded, encoder_input_tokens, placeholder, None, None, None, True, decode=True)
+
+  def decode_step(self, decoder_tokens: Array) -> Array:
+    """One cached step: `[batch, 1]` tokens at `cache/position` -> logits `[batch, vocab]`.
+
+    Apply with `{'params': p, 'cache': c}` and `mutable=['cache']` (the advanced cache).
+    """
+    logits = self.decoder(None, None, decoder_tokens, None, None, None, True, decode=True)
+    return logits[:, 0]
 
   def __call__(self, encoder_input_tokens: Array, decoder_input_tokens: Array,
                decoder_target_tokens: Optional[Array] = None,

@@ -1,0 +1,80 @@
+"""The decoding loops on hand-made step functions whose probabilities are known exactly."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from upcycle.decoding import beam_search, brevity_penalty, exact_match, temperature_sample
+
+EOS = 1
+
+
+def table_step(log_probs):
+  """A step function whose next-token log-probabilities depend only on the input token:
+  `log_probs[token]` `[vocab]`. Its cache counts the steps (a scalar, shared by beams)."""
+  table = jnp.asarray(log_probs, jnp.float32)
+
+  def step(tokens, cache):
+    return table[tokens], {'steps': cache['steps'] + 1}
+
+  return step
+
+
+def test_t5x_brevity_penalty():
+  np.testing.assert_allclose(brevity_penalty(0.6, 7), (12 / 6) ** 0.6, rtol=1e-6)
+  assert float(brevity_penalty(0.0, 30)) == 1.0
+
+
+def test_alpha_decides_between_a_short_and_a_long_finished_sequence():
+  # From the start (token 0): EOS 0.4, token 2 0.6; after token 2: EOS 0.6, token 2 0.4.
+  # [EOS]: log 0.4 = -0.916 at length 1; [2, EOS]: 2 log 0.6 = -1.022 at length 2.
+  # alpha = 0 keeps the short one; alpha = 1 divides the long one by 7/6 -> -0.876: it wins.
+  never = -1e9
+  step = table_step([[never, np.log(0.4), np.log(0.6)],
+                     [never, 0.0, never],
+                     [never, np.log(0.6), np.log(0.4)]])
+  run = lambda alpha: beam_search(step, {'steps': jnp.zeros((), jnp.int32)}, batch_size=1,
+                                  max_length=3, eos_id=EOS, num_beams=2, alpha=alpha)
+  sequences, scores = run(0.0)
+  np.testing.assert_array_equal(sequences[0], [[1, 0, 0], [2, 1, 0]])
+  np.testing.assert_allclose(scores[0], [np.log(0.4), 2 * np.log(0.6)], rtol=1e-6)
+  sequences, scores = run(1.0)
+  np.testing.assert_array_equal(sequences[0, 0], [2, 1, 0])
+  np.testing.assert_allclose(scores[0, 0], 2 * np.log(0.6) / (7 / 6), rtol=1e-6)
+  np.testing.assert_allclose(scores[0, 1], np.log(0.4), rtol=1e-6)
+
+
+def test_greedy_stops_at_eos_and_pads():
+  # 0 -> 3 -> 4 -> EOS, then padding; the loop ends early (3 steps of max 6).
+  never = -1e9
+  table = np.full((5, 5), never)
+  table[0, 3], table[3, 4], table[4, EOS], table[EOS, 2] = 0.0, 0.0, np.log(0.9), 0.0
+  table[4, 2] = np.log(0.1)
+  cache = {'steps': jnp.zeros((), jnp.int32)}
+  tokens, log_prob = temperature_sample(table_step(table), cache, batch_size=2, max_length=6,
+                                        eos_id=EOS, rng=jax.random.PRNGKey(0), temperature=0.0)
+  np.testing.assert_array_equal(tokens, [[3, 4, 1, 0, 0, 0]] * 2)
+  np.testing.assert_allclose(log_prob, [np.log(0.9)] * 2, rtol=1e-6)
+
+
+def test_sampling_follows_temperature_and_top_k():
+  logits = np.log(np.array([0.0001, 0.1, 0.2, 0.3, 0.3999]))
+  step = table_step(np.tile(logits, (5, 1)))
+  n = 4000
+  sample = lambda **kw: np.asarray(temperature_sample(
+      step, {'steps': jnp.zeros((), jnp.int32)}, batch_size=n, max_length=1, eos_id=EOS,
+      rng=jax.random.PRNGKey(1), **kw)[0][:, 0])
+  frequencies = lambda t: np.bincount(t, minlength=5) / n
+  # Temperature 2: p ~ sqrt(p); top-k 2 keeps tokens 3 and 4 only, renormalized.
+  expected = np.sqrt(np.exp(logits)) / np.sqrt(np.exp(logits)).sum()
+  np.testing.assert_allclose(frequencies(sample(temperature=2.0)), expected, atol=0.03)
+  top2 = frequencies(sample(temperature=1.0, topk=2))
+  np.testing.assert_allclose(top2, [0, 0, 0, 0.3 / 0.6999, 0.3999 / 0.6999], atol=0.03)
+  assert top2[:3].sum() == 0
+
+
+def test_exact_match_compares_tokens_eos_and_padding():
+  targets = np.array([[5, 6, 1, 0], [5, 6, 1, 0], [5, 6, 1, 0], [7, 8, 9, 2]])
+  predictions = np.array([[5, 6, 1, 0], [5, 6, 6, 1], [5, 1, 0, 0], [7, 8, 9, 2]])
+  np.testing.assert_array_equal(exact_match(predictions, targets), [True, False, False, True])
+  np.testing.assert_array_equal(exact_match(predictions[:, :3], targets), [True] + [False] * 3)

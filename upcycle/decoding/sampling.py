@@ -1,0 +1,69 @@
+"""Greedy decoding and temperature sampling (optionally top-k), as a `jax.lax.while_loop`.
+
+T5X semantics (`t5x/decoding.py: temperature_sample`): the first input token is 0 (T5's
+decoder start), each step feeds the previous output, a sequence ends at its first `eos_id`
+and emits 0 (padding) afterwards, and the loop stops when every sequence has ended or
+`max_length` tokens are out. Temperature 0 is greedy (argmax).
+"""
+
+from typing import Any, Callable, Tuple
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+Cache = Any
+# tokens `[n]` int32, cache -> next-token logits `[n, vocab]` (float32), advanced cache.
+StepFn = Callable[[Array, Cache], Tuple[Array, Cache]]
+
+
+def temperature_sample(step_fn: StepFn, cache: Cache, *, batch_size: int, max_length: int,
+                       eos_id: int, rng: Array, temperature: float = 1.0,
+                       topk: int = 0) -> Tuple[Array, Array]:
+  """Samples one continuation per example.
+
+  Args:
+    step_fn: one cached decoder step (see `StepFn`).
+    cache: the decoder cache for `batch_size` examples.
+    batch_size: examples decoded at once.
+    max_length: tokens to decode at most.
+    eos_id: end-of-sequence token.
+    rng: PRNG key (unused when `temperature == 0`).
+    temperature: a Python float; 0 picks the argmax (greedy).
+    topk: sample among the `topk` most likely tokens only (0: all).
+
+  Returns:
+    tokens `[batch, max_length]` int32 (0 after EOS) and their log-probability under the model
+    `[batch]` (float32, EOS included; not rescaled by temperature or top-k).
+  """
+  if temperature < 0:
+    raise ValueError(f'temperature={temperature}: expected >= 0 (0 is greedy).')
+
+  def pick(logits: Array, key: Array) -> Array:
+    if temperature == 0:
+      return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / temperature
+    if topk:
+      kth_best = jax.lax.top_k(scaled, topk)[0][:, -1:]
+      scaled = jnp.where(scaled < kth_best, -jnp.inf, scaled)
+    return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+
+  def cond(state):
+    i, _, _, _, ended, _, _ = state
+    return (i < max_length) & ~jnp.all(ended)
+
+  def body(state):
+    i, token, sequences, cache, ended, log_prob, key = state
+    logits, cache = step_fn(token, cache)
+    key, subkey = jax.random.split(key)
+    token = jnp.where(ended, 0, pick(logits, subkey))
+    token_log_prob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], -1)[:, 0]
+    log_prob = log_prob + jnp.where(ended, 0.0, token_log_prob)
+    sequences = jax.lax.dynamic_update_slice_in_dim(sequences, token[:, None], i, axis=1)
+    return i + 1, token, sequences, cache, ended | (token == eos_id), log_prob, key
+
+  state = (jnp.zeros((), jnp.int32), jnp.zeros((batch_size,), jnp.int32),
+           jnp.zeros((batch_size, max_length), jnp.int32), cache,
+           jnp.zeros((batch_size,), bool), jnp.zeros((batch_size,), jnp.float32), rng)
+  _, _, sequences, _, _, log_prob, _ = jax.lax.while_loop(cond, body, state)
+  return sequences, log_prob
