@@ -18,8 +18,7 @@ from upcycle.train import partitioning
 T5_MOE = dataclasses.replace(
     TINY_T5, num_encoder_layers=2, num_decoder_layers=2,
     encoder_moe=MoeConfig(num_experts=8, train_capacity_factor=1.0, eval_capacity_factor=1.0),
-    decoder_moe=MoeConfig(num_experts=8, router='tokens_choose', k=2,
-                          batch_priority_routing=True, dispatch='indices'))
+    decoder_moe=MoeConfig(num_experts=8, router='tokens_choose', k=2, dispatch='indices'))
 VIT_MOE = dataclasses.replace(TINY_VIT, moe=MoeConfig(num_experts=8, router='tokens_choose',
                                                       k=2, group_size=10))
 
