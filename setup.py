@@ -35,6 +35,11 @@ setuptools.setup(
             'torch==2.13.0',
             'transformers==5.24.0',
             'safetensors==0.8.0',
+            # notebooks/ run in a real kernel by tests/test_notebooks.py
+            'nbclient==0.11.0',
+            'nbformat==5.11.1',
+            'ipykernel==7.4.0',
+            'jupyter-client==8.10.0',
         ],
     },
 )

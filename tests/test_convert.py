@@ -109,6 +109,24 @@ def test_round_trip_equals_in_memory_surgery_and_trains_on(source, tmp_path, cap
     assert x.sharding == tree.flatten(abstract.params)[path].sharding
 
 
+def test_t5x_output_is_t5x_native_with_flaxformer_moe_names(source, tmp_path, capsys):
+  out = tmp_path / 'moe_t5x'
+  assert _main(source, out, '--experts', DROP, '--seed', '3', '--output_format', 't5x') == 0
+  assert f'Wrote {out}/checkpoint_6.' in capsys.readouterr().out
+  assert os.listdir(tmp_path) == ['moe_t5x'] and os.listdir(out) == ['checkpoint_6']
+  assert os.path.isdir(out / 'checkpoint_6' / 'target.encoder.layers_1.mlp.expert.wi_0.kernel')
+  ckpt = checkpoints.load(str(out))
+  assert (ckpt.format, ckpt.step) == ('t5x', 6)
+  assert ckpt.optimizer_state == {'step': 6, 'param_states': {}}
+  want, _ = upcycle(source['params'], abstract_params(CONFIG), rng=3,
+                    experts=experts.Drop(0.5, index_sharing='per_matrix'))
+  got = tree.flatten(ckpt.params)
+  assert got.keys() == tree.flatten(want).keys()
+  assert got['decoder/layers_1/mlp/router/router_weights/w/kernel'].shape == (8, 4)
+  for path, x in tree.flatten(want).items():
+    np.testing.assert_array_equal(got[path], np.asarray(x), err_msg=path)
+
+
 def test_dry_run_prints_the_report_and_writes_nothing(source, tmp_path, capsys):
   out = tmp_path / 'moe'
   assert _main(source, out, '--dry_run', '--router', 'zeros', '--step', 'reset') == 0

@@ -3,7 +3,8 @@
   python -m upcycle.convert --source=/ckpt/t5_1_1_base/checkpoint_1000000 \\
     --gin_file=models/t5_1_1/base.gin --gin_file=moe/paper_t5.gin \\
     --output_dir=/ckpt/t5_base_moe32 [--experts='drop(ratio=0.5)'] [--router=normal] \\
-    [--format=t5x] [--seed=0] [--step=keep] [--cast] [--overwrite] [--dry_run]
+    [--format=t5x] [--output_format=orbax|t5x] [--seed=0] [--step=keep] [--cast] \\
+    [--overwrite] [--dry_run]
 
 The target model is the gin macro MODEL, as configs/models/* bind it (MODEL = @models.T5()
 or @models.ViT(); a bare T5Config / ViTConfig works too): its config decides which blocks
@@ -15,9 +16,12 @@ literals: 'drop(ratio=0.5, index_sharing="per_matrix")', 'granular(granularity=2
 --router: normal | uniform | zeros (routers.ROUTER_INITS), e.g. 'normal(std=0.02)'.
 --step: the output's step: keep (the source's, 0 if its format has none), reset (0), or N.
 
-Output: OUTPUT_DIR/<step>/params/ and _CHECKPOINT_METADATA, the layout training writes
-(`upcycle.checkpoints.orbax`), parameters only. Train from it with
-`ContinueFromCheckpoint(OUTPUT_DIR, reuse_optimizer_state=False)` (train/restore.py).
+Output (--output_format): `orbax` (default): OUTPUT_DIR/<step>/params/ and
+_CHECKPOINT_METADATA, the layout training writes (`upcycle.checkpoints.orbax`), parameters
+only; train from it with `ContinueFromCheckpoint(OUTPUT_DIR, reuse_optimizer_state=False)`
+(train/restore.py). `t5x`: OUTPUT_DIR/checkpoint_<step>/, T5X's native layout
+(`upcycle.checkpoints.t5x_writer`): parameters under `optimizer/target` with Flaxformer's MoE
+names, `state/step`, an empty `state/param_states` (restore it in T5X as the README says).
 Leaves are computed and written one at a time (upcycling/stream.py): peak memory is about
 one MoE block (E copies of one dense MLP) plus bounded write buffers, whatever the model size,
 so a dense checkpoint converts on a machine smaller than the MoE (benchmarks/convert_memory.py
@@ -45,6 +49,7 @@ import tempfile
 from typing import Any, List, Mapping, Optional, Union
 
 from upcycle import checkpoints, console, file_lock, gin_utils, pretrained
+from upcycle.checkpoints import t5x_writer
 from upcycle.models import T5Config, ViTConfig, abstract_params
 from upcycle.upcycling import experts as experts_lib
 from upcycle.upcycling import routers as routers_lib
@@ -55,6 +60,7 @@ from upcycle.upcycling.surgery import make_plan
 log = logging.getLogger(__name__)
 
 MODEL_MACRO = 'MODEL'
+OUTPUT_FORMATS = ('orbax', 't5x')
 
 
 class ConvertError(ValueError):
@@ -178,14 +184,17 @@ def convert(source: str, model_config: Union[T5Config, ViTConfig], output_dir: s
             format: Optional[str] = None,  # pylint: disable=redefined-builtin
             experts: Any = 'copy', router: Any = 'normal', seed: int = 0,
             step: Union[str, int] = 'keep', cast: bool = False, overwrite: bool = False,
-            dry_run: bool = False) -> UpcycleReport:
-  """Upcycles checkpoint `source` into the model of `model_config`, written to `output_dir`.
+            dry_run: bool = False, output_format: str = 'orbax') -> UpcycleReport:
+  """Upcycles checkpoint `source` into the model of `model_config`, written to `output_dir`
+  as `output_format` ('orbax': `<step>/`, 't5x': `checkpoint_<step>/`, T5X's native layout).
 
   Returns the surgery report (also printed). Raises ConvertError (refusals),
   CheckpointError (unreadable source) or ValueError (surgery mismatches) before
   anything is written.
   """
   output_dir = os.path.abspath(os.fspath(output_dir))
+  if output_format not in OUTPUT_FORMATS:
+    raise ConvertError(f'--output_format={output_format!r}: expected one of {OUTPUT_FORMATS}.')
   try:
     step = step_policy.check(step, '--step')
   except ValueError as e:
@@ -194,7 +203,8 @@ def convert(source: str, model_config: Union[T5Config, ViTConfig], output_dir: s
   check_paths(source, ckpt.path, output_dir, overwrite)
   plan = make_plan(ckpt.params, abstract_params(model_config), experts=experts, router=router,
                    cast=cast, step=step_policy.start(step, ckpt.step))
-  log.info('%s (%s, step %s) -> %s/%s', ckpt.path, ckpt.format, ckpt.step, output_dir, plan.step)
+  written = str(plan.step) if output_format == 'orbax' else f'checkpoint_{plan.step}'
+  log.info('%s (%s, step %s) -> %s/%s', ckpt.path, ckpt.format, ckpt.step, output_dir, written)
   for note in ckpt.notes:
     log.info('  reader: %s', note)
   log.info('%s', plan)
@@ -207,7 +217,11 @@ def convert(source: str, model_config: Union[T5Config, ViTConfig], output_dir: s
   tmp = tempfile.mkdtemp(prefix=os.path.basename(_work_prefix(output_dir)), dir=parent)
   lock = file_lock.FileLock(tmp + '.lock').acquire()
   try:
-    stream.write(tmp, plan.step, stream.leaves(plan, ckpt.params, seed))
+    leaves = stream.leaves(plan, ckpt.params, seed)
+    if output_format == 't5x':
+      t5x_writer.write(tmp, plan.step, leaves)
+    else:
+      stream.write(tmp, plan.step, leaves)
     _replace(tmp, output_dir)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
@@ -215,7 +229,7 @@ def convert(source: str, model_config: Union[T5Config, ViTConfig], output_dir: s
   finally:
     os.remove(lock.path)
     lock.release()
-  log.info('Wrote %s/%s.', output_dir, plan.step)
+  log.info('Wrote %s/%s.', output_dir, written)
   return plan.report()
 
 
@@ -229,6 +243,8 @@ def main(argv: Optional[List[str]] = None) -> int:
   parser.add_argument('--format', choices=checkpoints.FORMATS, default=None,
                       help='skip format detection')
   parser.add_argument('--output_dir', required=True, help='where the MoE checkpoint goes')
+  parser.add_argument('--output_format', choices=OUTPUT_FORMATS, default='orbax',
+                      help="orbax (this project's runs) or t5x (T5X native checkpoint_<step>/)")
   parser.add_argument('--experts', default='copy', help="e.g. copy, 'drop(ratio=0.5)'")
   parser.add_argument('--router', default='normal', help="e.g. normal, 'normal(std=0.02)'")
   parser.add_argument('--seed', type=int, default=0, help='expert and router initializer seed')
@@ -245,7 +261,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     gin_utils.parse_gin(gin_args, bindings)
     report_args = dict(
         format=args.format, seed=args.seed, step=args.step, cast=args.cast,
-        overwrite=args.overwrite, dry_run=args.dry_run,
+        overwrite=args.overwrite, dry_run=args.dry_run, output_format=args.output_format,
         experts=parse_init(args.experts, experts_lib.EXPERT_INITS, '--experts'),
         router=parse_init(args.router, routers_lib.ROUTER_INITS, '--router'))
     convert(args.source, target_from_gin(), args.output_dir, **report_args)

@@ -42,6 +42,10 @@ class Objective(Protocol):
   def tokens_per_batch(self, batch: Mapping[str, np.ndarray]) -> int:
     """Tokens one batch feeds the model, for the tokens/s shown while training."""
 
+  def train_flops(self, batch: Mapping[str, Any]) -> int:
+    """Matmul FLOPs of one training step on `batch` (arrays or shapes), as the step groups
+    and routes it (`upcycle.models.flops`)."""
+
 
 @runtime_checkable
 class Optimizer(Protocol):

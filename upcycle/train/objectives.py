@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from upcycle.models import T5, ViT
+from upcycle.models import T5, ViT, flops
 from upcycle.moe import MOE_COLLECTIONS
 from upcycle.train import losses
 
@@ -53,6 +53,11 @@ class Seq2Seq:
   def tokens_per_batch(self, batch: Mapping[str, np.ndarray]) -> int:
     return int(np.size(batch['encoder_input_tokens']) + np.size(batch['decoder_input_tokens']))
 
+  def train_flops(self, batch: Mapping[str, Any]) -> int:
+    batch_size, inputs = np.shape(batch['encoder_input_tokens'])
+    return flops.train_flops(flops.t5_forward_flops(
+        self.model.config, batch_size, inputs, np.shape(batch['decoder_input_tokens'])[1]))
+
 
 @dataclasses.dataclass(frozen=True)
 class Classification:
@@ -82,6 +87,10 @@ class Classification:
   def tokens_per_batch(self, batch: Mapping[str, np.ndarray]) -> int:
     cfg = self.model.config
     return int(batch['image'].shape[0] * np.prod(cfg.grid))
+
+  def train_flops(self, batch: Mapping[str, Any]) -> int:
+    return flops.train_flops(flops.vit_forward_flops(self.model.config,
+                                                     np.shape(batch['image'])[0]))
 
 
 def init_params(objective, rng: Array, batch: Batch) -> Any:

@@ -209,6 +209,10 @@ class Trainer:
         donate_argnums=(0,))
     eval_step = jax.jit(make_eval_step(self.objective))
     tokens = self.objective.tokens_per_batch(example) * jax.process_count()
+    # Each microbatch of the global batch is one forward/backward pass (and routes as one).
+    micro = {k: jax.ShapeDtypeStruct((cfg.batch_size // cfg.num_microbatches,) + v.shape[1:],
+                                     v.dtype) for k, v in example.items()}
+    step_flops = float(self.objective.train_flops(micro) * cfg.num_microbatches)
     # Rows past the resumed step are from the stopped run's steps that are now redone.
     logger = MetricLogger(cfg.model_dir, cfg.train_steps, tokens,
                           resume_step=start if resumed else None)
@@ -243,7 +247,8 @@ class Trainer:
         done = step + 1
         if done % cfg.log_every == 0 or done == cfg.train_steps or done == start + 1:
           checked(done)
-          history.append({'step': done, **logger.write(done, jax.device_get(metrics))})
+          logged = {**jax.device_get(metrics), 'train_flops_per_step': step_flops}
+          history.append({'step': done, **logger.write(done, logged)})
           for message, details in watch.warnings(done):
             logger.warn(done, message, **details)
         if done % cfg.checkpoint_every == 0 or done == cfg.train_steps:
