@@ -35,6 +35,10 @@ setuptools.setup(
             'torch==2.13.0',
             'transformers==5.24.0',
             'safetensors==0.8.0',
+            # GCS: gcsfs for etils.epath's gs:// backend in tests/train/test_gcs.py, and the
+            # local emulator that test runs against.
+            'gcsfs==2026.10.1',
+            'gcp-storage-emulator==2026.7.19',
         ],
     },
 )

@@ -57,6 +57,14 @@ def process_env(index: int, num_processes: int, devices: int, port: int,
   return env
 
 
+def _say(message: str) -> None:
+  """To stderr; a closed stderr (the caller died) must not keep the launcher from stopping."""
+  try:
+    print(message, file=sys.stderr, flush=True)
+  except OSError:
+    pass
+
+
 def _describe(returncode: int) -> str:
   if returncode < 0:
     return f'was killed by {signal.Signals(-returncode).name}'
@@ -82,7 +90,7 @@ class Job:
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True)
       self.procs.append(proc)
-      print(f'launch/local.py: process {i} is pid {proc.pid}', file=sys.stderr, flush=True)
+      _say(f'launch/local.py: process {i} is pid {proc.pid}')
       thread = threading.Thread(target=self._pump, args=(i, proc, log), daemon=True)
       thread.start()
       self._threads.append(thread)
@@ -93,13 +101,16 @@ class Job:
         log.write(line)
         log.flush()
       if not self.quiet:
-        sys.stdout.write(f'[process {index}] {line}')
-        sys.stdout.flush()
+        try:
+          sys.stdout.write(f'[process {index}] {line}')
+          sys.stdout.flush()
+        except OSError:   # Nobody reads the console any more; keep draining the pipe.
+          self.quiet = True
 
   def stop(self) -> None:
     """SIGTERM to every live process (and its children), SIGKILL after the grace period."""
     live = [p for p in self.procs if p.poll() is None]
-    for p in live:
+    for p in live:   # jax.distributed traps SIGTERM (preemption notice): SIGKILL follows.
       os.killpg(p.pid, signal.SIGTERM)
     deadline = time.time() + self.grace_seconds
     for p in live:
@@ -116,17 +127,16 @@ class Job:
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
           index, code = failed[0]
-          print(f'launch/local.py: process {index} {_describe(code)}; stopping the other '
-                f'{sum(c is None for c in codes)} process(es) so that none waits for it '
-                'forever.', file=sys.stderr, flush=True)
+          _say(f'launch/local.py: process {index} {_describe(code)}; stopping the other '
+               f'{sum(c is None for c in codes)} process(es) so that none waits for it forever.')
           self.stop()
           return code if code > 0 else 128 - code
         if all(c == 0 for c in codes):
           return 0
         time.sleep(poll_seconds)
     except KeyboardInterrupt:
-      print('launch/local.py: interrupted; stopping every process.', file=sys.stderr, flush=True)
       self.stop()
+      _say('launch/local.py: interrupted; stopped every process.')
       return 130
     finally:
       for thread in self._threads:

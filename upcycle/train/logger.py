@@ -63,7 +63,7 @@ def truncate_log(path, resume_step: Optional[int]) -> int:
     else:
       tmp = path.parent / (path.name + '.tmp')
       tmp.write_text(''.join(kept))
-      tmp.rename(path)
+      tmp.replace(path)
   return dropped
 
 
