@@ -1,4 +1,5 @@
-"""MODEL_DIR on gs://, for real against a local GCS emulator (gcp-storage-emulator on 127.0.0.1).
+"""MODEL_DIR on gs://, for real against a local GCS emulator (gcp-storage-emulator on 127.0.0.1,
+with the generation header tensorstore needs: gcs_emulator.py).
 
 What is pointed at the emulator: tensorstore's GCS driver (TENSORSTORE_GCS_HTTP_URL: checkpoint
 arrays, the run lock) and etils.epath through gcsfs (STORAGE_EMULATOR_HOST, with
@@ -33,8 +34,8 @@ def _port():
 def emulator(tmp_path_factory):
   port = _port()
   url = f'http://127.0.0.1:{port}'
-  server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), 'gcp-storage-emulator'),
-                             'start', '--host=127.0.0.1', f'--port={port}', '--in-memory'],
+  server = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__),
+                                                         'gcs_emulator.py'), str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   for _ in range(100):
     try:
@@ -89,22 +90,24 @@ def test_train_kill_resume_and_inspect_on_gcs(tmp_path, emulator):
   extra = ['--gin.trainer.TrainConfig.tensorboard=False']
   subprocess.run(_train_command(local, 8) + extra, cwd=REPO, env=env, check=True,
                  capture_output=True)
+  log = open(tmp_path / 'killed.log', 'w')
   proc = subprocess.Popen(_train_command(remote, 8) + extra, cwd=REPO, env=env,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                          stdout=log, stderr=subprocess.STDOUT)
   os.environ.update(emulator)
   from etils import epath  # pylint: disable=g-import-not-at-top
   deadline = time.time() + 300
   while time.time() < deadline and proc.poll() is None:
-    if (epath.Path(remote) / 'checkpoints' / '4' / '_CHECKPOINT_METADATA').exists():
+    if (epath.Path(remote) / 'checkpoints' / '4' / 'commit_success.txt').exists():
       proc.send_signal(signal.SIGKILL)
       break
     time.sleep(0.2)
   proc.wait()
-  assert proc.returncode == -signal.SIGKILL, 'the run ended before it could be killed'
+  assert proc.returncode == -signal.SIGKILL, (
+      'the run ended before it could be killed: ' + open(tmp_path / 'killed.log').read()[-3000:])
   done = subprocess.run(_train_command(remote, 8) + extra, cwd=REPO, env=env, capture_output=True,
                         text=True)
   assert done.returncode == 0, done.stderr[-3000:]
-  assert 'Resuming from gs://bucket/run/checkpoints at step 4' in done.stderr
+  assert 'Resuming from gs://bucket/run/checkpoints at step 4' in done.stdout + done.stderr
   expected = {r['step']: r['loss'] for r in map(json.loads, open(local / 'metrics.jsonl'))
               if r['split'] == 'train'}
   resumed = [r for r in _rows(emulator, f'{remote}/metrics.jsonl') if r['split'] == 'train']

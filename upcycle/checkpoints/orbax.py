@@ -25,6 +25,8 @@ from upcycle.checkpoints.lazy import materialize
 
 PARAMS, OPTIMIZER, DATASET = 'params', 'optimizer_state', 'dataset'
 _MARKER = '_CHECKPOINT_METADATA'
+# On GCS (no atomic rename) orbax writes a step in place and marks it finished with this file.
+_COMMITTED = 'commit_success.txt'
 
 
 class TrainingCheckpoint(NamedTuple):
@@ -115,6 +117,8 @@ class CheckpointManager:
 
 
 def is_step_dir(path: str) -> bool:
+  if paths.is_url(path) and not paths.isfile(os.path.join(path, _COMMITTED)):
+    return False
   return (paths.isfile(os.path.join(path, _MARKER))
           and orbax_tree.is_item_dir(os.path.join(path, PARAMS)))
 
