@@ -40,6 +40,10 @@ setuptools.setup(
             'nbformat==5.11.1',
             'ipykernel==7.4.0',
             'jupyter-client==8.10.0',
+            # GCS: gcsfs for etils.epath's gs:// backend in tests/train/test_gcs.py, and the
+            # local emulator that test runs against.
+            'gcsfs==2026.10.1',
+            'gcp-storage-emulator==2026.7.19',
         ],
     },
 )

@@ -30,7 +30,8 @@ def parse_flags(argv: Sequence[str], description: str) -> Tuple[argparse.Namespa
   parser.add_argument('--gin_search_paths', default='',
                       help='comma-separated directories to look for gin files in')
   parser.add_argument('--multi_host', choices=('auto', 'yes', 'no'), default='auto',
-                      help='call jax.distributed.initialize() (auto: on multi-host TPU VMs)')
+                      help='call jax.distributed.initialize() (auto: on multi-host TPU VMs and '
+                           'under launch/local.py)')
   bindings, rest = [], []
   for arg in argv:
     if arg.startswith('--gin.'):
@@ -105,25 +106,61 @@ def parse_gin(args: argparse.Namespace, bindings: Sequence[str]) -> None:
     raise SystemExit(f'gin configuration error: {e}') from e
 
 
+# Set by `launch/local.py` for each of the N processes it starts on one machine.
+COORDINATOR_ENV = 'UPCYCLE_COORDINATOR_ADDRESS'   # host:port of process 0's coordinator
+NUM_PROCESSES_ENV = 'UPCYCLE_NUM_PROCESSES'
+PROCESS_ID_ENV = 'UPCYCLE_PROCESS_ID'
+
+
+def distributed_settings(environ=os.environ) -> Optional[dict]:
+  """`jax.distributed.initialize` arguments from the launcher's variables (None if unset)."""
+  names = (COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV)
+  given = [name for name in names if environ.get(name)]
+  if not given:
+    return None
+  if len(given) < len(names):
+    raise SystemExit(f'Set all of {", ".join(names)} or none (only {", ".join(given)} are '
+                     'set); launch/local.py sets them for every process it starts.')
+  try:
+    return {'coordinator_address': environ[COORDINATOR_ENV],
+            'num_processes': int(environ[NUM_PROCESSES_ENV]),
+            'process_id': int(environ[PROCESS_ID_ENV])}
+  except ValueError as e:
+    raise SystemExit(f'{NUM_PROCESSES_ENV} and {PROCESS_ID_ENV} must be integers: {e}') from e
+
+
 def maybe_initialize_distributed(mode: str) -> None:
-  """Joins the hosts of a TPU pod slice before JAX is used (every host runs the same command)."""
+  """Joins the processes of one job before JAX is used (every process runs the same command).
+
+  On a multi-host TPU VM slice (TPU_WORKER_HOSTNAMES lists several hosts) JAX finds the
+  coordinator itself. Processes started by `launch/local.py` are told it through
+  UPCYCLE_COORDINATOR_ADDRESS / UPCYCLE_NUM_PROCESSES / UPCYCLE_PROCESS_ID; their CPU devices
+  run collectives across processes with gloo.
+  """
   import jax  # pylint: disable=g-import-not-at-top
+  settings = distributed_settings()
   hosts = os.environ.get('TPU_WORKER_HOSTNAMES', '')
-  if mode == 'yes' or (mode == 'auto' and ',' in hosts):
+  if mode == 'no':
+    return
+  if settings is not None:
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+    jax.distributed.initialize(**settings)
+  elif mode == 'yes' or (mode == 'auto' and ',' in hosts):
     jax.distributed.initialize()
 
 
 def write_config(model_dir: str, operative: bool = False) -> None:
   """Writes MODEL_DIR/config.gin (everything parsed, at start) or operative_config.gin (what
-  was actually used, at the end), as T5X does. Process 0 only."""
+  was actually used, at the end), as T5X does; MODEL_DIR may be gs://. Process 0 only."""
   import jax  # pylint: disable=g-import-not-at-top
+  from etils import epath  # pylint: disable=g-import-not-at-top
   if jax.process_index() != 0:
     return
-  os.makedirs(model_dir, exist_ok=True)
+  directory = epath.Path(model_dir)
+  directory.mkdir(parents=True, exist_ok=True)
   name, text = (('operative_config.gin', gin.operative_config_str()) if operative
                 else ('config.gin', gin.config_str()))
-  with open(os.path.join(model_dir, name), 'w') as f:
-    f.write(text)
+  (directory / name).write_text(text)
 
 
 def run(fn: Callable[..., Any], argv: Sequence[str], description: str) -> Any:

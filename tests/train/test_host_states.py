@@ -1,4 +1,4 @@
-"""Per-host data positions in the checkpoint."""
+"""Per-shard data positions in the checkpoint."""
 
 import json
 
@@ -7,14 +7,20 @@ import pytest
 from upcycle.train import host_states
 
 
-def test_positions_round_trip_through_json_per_host():
+def test_positions_round_trip_through_json_per_shard():
   state = {'pipeline': {'kind': 'text'}, 'seed': 3, 'shard_index': 0, 'epoch': 1,
            'batch_in_epoch': 7, 'batches': 20}
-  saved = json.loads(json.dumps(host_states.gather(state)))
-  assert saved == {'hosts': {'0': state}}
-  assert host_states.mine(saved) == state
+  other = dict(state, shard_index=1, batch_in_epoch=6)
+  saved = json.loads(json.dumps(host_states.gather({0: state, 1: other})))
+  assert saved == {'shards': {'0': state, '1': other}}
+  assert host_states.mine(saved, [0, 1]) == {0: state, 1: other}
+  assert host_states.mine(saved, [1]) == {1: other}
 
 
-def test_a_checkpoint_from_another_host_layout_is_refused():
-  with pytest.raises(ValueError, match=r"hosts \['1', '2'\], not for host 0"):
-    host_states.mine({'hosts': {'1': {}, '2': {}}})
+def test_checkpoints_keyed_by_host_still_read():
+  assert host_states.mine({'hosts': {'0': {'epoch': 2}}}, [0]) == {0: {'epoch': 2}}
+
+
+def test_a_checkpoint_from_another_shard_layout_is_refused():
+  with pytest.raises(ValueError, match=r"data shards \['1', '2'\], not for shard\(s\) \[0\]"):
+    host_states.mine({'shards': {'1': {}, '2': {}}}, [0])

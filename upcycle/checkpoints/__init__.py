@@ -8,7 +8,7 @@
 import os
 from typing import Optional
 
-from upcycle.checkpoints import hf, orbax, orbax_tree, t5x, validate, vit_npz, zarr_leaf
+from upcycle.checkpoints import hf, orbax, orbax_tree, paths, t5x, validate, vit_npz, zarr_leaf
 from upcycle.checkpoints.checkpoint import Checkpoint, ExpectedFn
 from upcycle.checkpoints.errors import CheckpointError, checkpoint_error
 from upcycle.checkpoints.lazy import LazyArray, materialize
@@ -27,6 +27,8 @@ def detect_format(path: str) -> str:
   """The format of `path`, from the files present (nothing is parsed but .npz keys)."""
   path = os.fspath(path)
   if zarr_leaf.split_gcs(path):
+    if orbax.is_step_dir(path) or orbax.finished_steps(path):
+      return 'orbax'
     return t5x.find_checkpoint(path)[1]
   if os.path.isfile(path):
     if path.endswith('.npz'):
@@ -59,7 +61,7 @@ def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-b
   """Reads any supported checkpoint into contract names; nothing is ever written.
 
   Args:
-    path: file or directory (see `detect_format`); T5X accepts gs:// paths.
+    path: file or directory (see `detect_format`); T5X and orbax (ours) accept gs:// paths.
     format: one of FORMATS, or None to detect it.
     expected: `description (or None) -> tree of shapes` to check the parameters against
       (names and shapes); a mismatch raises CheckpointError naming the parameter.

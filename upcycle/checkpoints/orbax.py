@@ -8,7 +8,8 @@
 Orbax writes a step into `<step>.orbax-checkpoint-tmp-*` and renames it when every item
 is on disk, so a save killed midway leaves the previous steps intact and the
 unfinished one invisible. Saves run in the background (`async_save`); only the
-last `keep` steps stay.
+last `keep` steps stay. MODEL_DIR may be a local path or gs:// (orbax writes through
+`etils.epath` and tensorstore's GCS driver).
 """
 
 import os
@@ -17,13 +18,15 @@ from typing import Any, List, NamedTuple, Optional
 
 import orbax.checkpoint as ocp
 
-from upcycle.checkpoints import orbax_tree
+from upcycle.checkpoints import orbax_tree, paths
 from upcycle.checkpoints.checkpoint import Checkpoint
 from upcycle.checkpoints.errors import checkpoint_error
 from upcycle.checkpoints.lazy import materialize
 
 PARAMS, OPTIMIZER, DATASET = 'params', 'optimizer_state', 'dataset'
 _MARKER = '_CHECKPOINT_METADATA'
+# On GCS (no atomic rename) orbax writes a step in place and marks it finished with this file.
+_COMMITTED = 'commit_success.txt'
 
 
 class TrainingCheckpoint(NamedTuple):
@@ -43,7 +46,7 @@ class CheckpointManager:
 
   def __init__(self, directory: str, *, keep: Optional[int] = 3, save_interval_steps: int = 1,
                async_save: bool = True):
-    self.directory = os.path.abspath(os.fspath(directory))
+    self.directory = paths.absolute(directory)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, save_interval_steps=save_interval_steps, create=True,
         cleanup_tmp_directories=True, enable_async_checkpointing=async_save)
@@ -86,7 +89,7 @@ class CheckpointManager:
     step_dir = os.path.join(self.directory, str(step))
     targets = {PARAMS: params, OPTIMIZER: optimizer_state}
     present = {name for name in (PARAMS, OPTIMIZER, DATASET)
-               if os.path.isdir(os.path.join(step_dir, name))}
+               if paths.isdir(os.path.join(step_dir, name))}
     args = {name: ocp.args.StandardRestore(target) for name, target in targets.items()
             if target is not None and name in present}
     if DATASET in present:
@@ -114,32 +117,32 @@ class CheckpointManager:
 
 
 def is_step_dir(path: str) -> bool:
-  return (os.path.isfile(os.path.join(path, _MARKER))
+  if paths.is_url(path) and not paths.isfile(os.path.join(path, _COMMITTED)):
+    return False
+  return (paths.isfile(os.path.join(path, _MARKER))
           and orbax_tree.is_item_dir(os.path.join(path, PARAMS)))
 
 
 def finished_steps(directory: str) -> dict:
   """step -> step directory, for committed steps (temporary directories are skipped)."""
-  if not os.path.isdir(directory):
-    return {}
-  return {int(name): os.path.join(directory, name) for name in os.listdir(directory)
+  return {int(name): os.path.join(directory, name) for name in paths.listdir(directory)
           if re.fullmatch(r'\d+', name) and is_step_dir(os.path.join(directory, name))}
 
 
 def load(path: str) -> Checkpoint:
   """A step directory or a MODEL_DIR (latest step) -> Checkpoint with lazy leaves."""
-  path = os.path.abspath(os.fspath(path))
+  path = paths.absolute(path)
   if not is_step_dir(path):
     steps = finished_steps(path)
     if not steps:
       raise checkpoint_error(path, 'no finished orbax checkpoint here',
                              expected=f'<step>/{_MARKER} and <step>/{PARAMS}/',
-                             found=sorted(os.listdir(path))[:10] if os.path.isdir(path) else
+                             found=paths.listdir(path)[:10] if paths.isdir(path) else
                              'no such directory', fix='Pass MODEL_DIR or MODEL_DIR/<step>')
     path = steps[max(steps)]
   optimizer_dir = os.path.join(path, OPTIMIZER)
   return Checkpoint(
       params=orbax_tree.read(os.path.join(path, PARAMS)),
       step=int(os.path.basename(path)),
-      optimizer_state=orbax_tree.read(optimizer_dir) if os.path.isdir(optimizer_dir) else None,
+      optimizer_state=orbax_tree.read(optimizer_dir) if paths.isdir(optimizer_dir) else None,
       format='orbax', path=path)

@@ -3,6 +3,7 @@
 Orbax records the tree in `_METADATA` (names, shapes, dtypes); each array is a
 zarr array named by its '.'-joined key path, inside the directory's OCDBT
 database when `manifest.ocdbt` is present, else in a sub-directory of that name.
+The directory may be local or gs:// (read with tensorstore's GCS driver).
 """
 
 import os
@@ -10,14 +11,15 @@ from typing import Any
 
 import jax
 
+from upcycle.checkpoints import paths
 from upcycle.checkpoints.errors import checkpoint_error
-from upcycle.checkpoints.zarr_leaf import zarr_array
+from upcycle.checkpoints.zarr_leaf import kvstore_for, zarr_array
 
 METADATA = '_METADATA'
 
 
 def is_item_dir(path: str) -> bool:
-  return os.path.isfile(os.path.join(path, METADATA))
+  return paths.isfile(os.path.join(path, METADATA))
 
 
 def read(directory: str) -> Any:
@@ -28,23 +30,24 @@ def read(directory: str) -> Any:
   """
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   from etils import epath  # pylint: disable=g-import-not-at-top
-  directory = os.path.abspath(os.fspath(directory))
+  directory = paths.absolute(directory)
   try:
     metadata = ocp.PyTreeCheckpointHandler().metadata(epath.Path(directory))
   except (FileNotFoundError, ValueError) as e:
     raise checkpoint_error(
         directory, f'not a readable orbax checkpoint item ({e})',
-        expected=f'{METADATA} written by orbax', found=sorted(os.listdir(directory)),
+        expected=f'{METADATA} written by orbax', found=paths.listdir(directory),
         fix='Pass a finished checkpoint; unfinished saves live in *.orbax-checkpoint-tmp-* '
         'directories and are not readable') from e
-  ocdbt = os.path.isfile(os.path.join(directory, 'manifest.ocdbt'))
+  ocdbt = paths.isfile(os.path.join(directory, 'manifest.ocdbt'))
+  base = f'{directory}/' if paths.is_url(directory) else f'file://{directory}/'
   driver = 'zarr3' if metadata.use_zarr3 else 'zarr'
 
   def leaf(meta: Any) -> Any:
     if not hasattr(meta, 'shape') or not hasattr(meta, 'name'):
       return meta
-    kvstore = ({'driver': 'ocdbt', 'base': f'file://{directory}/', 'path': meta.name}
-               if ocdbt else {'driver': 'file', 'path': os.path.join(directory, meta.name)})
+    kvstore = ({'driver': 'ocdbt', 'base': base, 'path': meta.name}
+               if ocdbt else kvstore_for(directory, meta.name))
     return zarr_array(kvstore, tuple(meta.shape), meta.dtype, meta.name.replace('.', '/'),
                       directory, driver=driver)
 

@@ -88,7 +88,9 @@ def _has_zarray(kvstore: Dict[str, Any]) -> bool:
 
 def _read(kvstore, shape, dtype, param, source, metadata, driver, index=None) -> np.ndarray:
   """Opens the array (from its .zarray, else from the spec's metadata) and reads [index]."""
-  spec = {'driver': driver, 'kvstore': kvstore, 'fill_missing_data_reads': False}
+  # Checkpoints are immutable once written: no revalidation reads (as orbax reads them).
+  spec = {'driver': driver, 'kvstore': kvstore, 'fill_missing_data_reads': False,
+          'recheck_cached_data': False, 'recheck_cached_metadata': False}
   where = _location(kvstore)
   try:
     if driver == 'zarr' and metadata is not None and not _has_zarray(kvstore):

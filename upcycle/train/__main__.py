@@ -5,7 +5,9 @@ configs/runs/. Macros used there: MODEL_DIR, TRAIN_STEPS, BATCH_SIZE,
 MIXTURE_OR_TASK_NAME, TASK_FEATURE_LENGTHS, INITIAL_CHECKPOINT_PATH.
 """
 
+import os
 import sys
+import traceback
 from typing import Any, Optional
 
 from upcycle import gin_utils
@@ -33,8 +35,24 @@ def main(argv) -> int:
     gin_utils.run(train, argv, __doc__)
   except (fields.ConfigError, RunDirectoryInUse, CheckpointError) as e:
     print(f'error: {e}', file=sys.stderr, flush=True)
+    _exit_now_if_one_of_many(1)
     return 1
+  except BaseException:
+    traceback.print_exc()
+    _exit_now_if_one_of_many(1)
+    raise
   return 0
+
+
+def _exit_now_if_one_of_many(status: int) -> None:
+  """Exits at once when this is one process of several: a normal exit would first wait (up
+  to jax.distributed's shutdown timeout, minutes) for peers that may be stuck in a collective
+  with the dead process; exiting lets the launcher (launch/local.py, or the pod's) stop them."""
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.process_count() > 1:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # pylint: disable=protected-access
 
 
 if __name__ == '__main__':

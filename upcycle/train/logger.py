@@ -1,21 +1,26 @@
 """Progress and metrics: console line with steps/s, tokens/s and ETA; JSONL; TensorBoard.
 
-Only process 0 writes files. `MODEL_DIR/metrics.jsonl` holds one JSON object per
+Only process 0 writes files, through `etils.epath`, so MODEL_DIR may be a local path or
+gs://. `MODEL_DIR/metrics.jsonl` holds one JSON object per
 logged step ({'step': ..., 'split': 'train'|'eval', metrics...}), the file the
 README main job plots from, and one per warning ({'step', 'split': 'warning', 'message',
 ...}). A resumed run first cuts the log back to the step it resumes from, so that every
 step appears once; a new run (no checkpoint) starts an empty log. TensorBoard event files
 are appended to as they are (TensorBoard shows the redone steps' latest values).
+
+A GCS object cannot be appended to: on gs:// the log is kept in memory and the whole object
+rewritten by `flush()` (the trainer calls it before every checkpoint, so the log always
+reaches the step a restart resumes from), at most every FLUSH_SECONDS otherwise, and on close.
 """
 
 import json
 import logging
-import os
 import time
 from typing import Dict, Mapping, Optional
 
 import jax
 import numpy as np
+from etils import epath
 
 log = logging.getLogger(__name__)
 
@@ -25,32 +30,72 @@ def _format_eta(seconds: float) -> str:
   return f'{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}'
 
 
-def truncate_log(path: str, resume_step: Optional[int]) -> int:
+FLUSH_SECONDS = 30.0
+
+
+def _is_gcs(path: epath.Path) -> bool:
+  return str(path).startswith('gs://')
+
+
+def truncate_log(path, resume_step: Optional[int]) -> int:
   """Keeps the rows of `path` with step <= resume_step (none if None); returns rows dropped.
 
-  Rewrites through a temporary file and a rename, so a kill leaves the old or the new log.
-  A torn last line (a kill mid-write) is dropped.
+  Rewrites through a temporary file and a rename locally (a kill leaves the old or the new
+  log), in one object write on gs://. A torn last line (a kill mid-write) is dropped.
   """
-  if not os.path.exists(path):
+  path = epath.Path(path)
+  if not path.exists():
     return 0
   kept, dropped = [], 0
-  with open(path) as f:
-    for line in f:
-      try:
-        row = json.loads(line)
-      except ValueError:
-        dropped += 1
-        continue
-      if resume_step is not None and row.get('step', 0) <= resume_step:
-        kept.append(line if line.endswith('\n') else line + '\n')
-      else:
-        dropped += 1
+  for line in path.read_text().splitlines(keepends=True):
+    try:
+      row = json.loads(line)
+    except ValueError:
+      dropped += 1
+      continue
+    if resume_step is not None and row.get('step', 0) <= resume_step:
+      kept.append(line if line.endswith('\n') else line + '\n')
+    else:
+      dropped += 1
   if dropped:
-    tmp = path + '.tmp'
-    with open(tmp, 'w') as f:
-      f.writelines(kept)
-    os.replace(tmp, path)
+    if _is_gcs(path):
+      path.write_text(''.join(kept))
+    else:
+      tmp = path.parent / (path.name + '.tmp')
+      tmp.write_text(''.join(kept))
+      tmp.replace(path)
   return dropped
+
+
+class _Jsonl:
+  """Appends lines to a local file, or to a gs:// object rewritten whole (see module doc)."""
+
+  def __init__(self, path: epath.Path):
+    self.path, self._gcs = path, _is_gcs(path)
+    self._lines = [path.read_text()] if self._gcs and path.exists() else []
+    self._file = None if self._gcs else path.open('a')
+    self._flushed = time.time()
+
+  def write(self, line: str) -> None:
+    if self._gcs:
+      self._lines.append(line)
+      if time.time() - self._flushed > FLUSH_SECONDS:
+        self.flush()
+    else:
+      self._file.write(line)
+      self._file.flush()
+
+  def flush(self) -> None:
+    if self._gcs:
+      self.path.write_text(''.join(self._lines))
+      self._flushed = time.time()
+    else:
+      self._file.flush()
+
+  def close(self) -> None:
+    self.flush()
+    if self._file is not None:
+      self._file.close()
 
 
 def _scalars(metrics: Mapping[str, np.ndarray]) -> Dict[str, float]:
@@ -79,21 +124,21 @@ class MetricLogger:
     self._jsonl = None
     self._tb = {}
     self._tensorboard = tensorboard
-    self._model_dir = model_dir
+    self._model_dir = epath.Path(model_dir)
     if self._writes:
-      os.makedirs(model_dir, exist_ok=True)
-      dropped = truncate_log(os.path.join(model_dir, 'metrics.jsonl'), resume_step)
+      self._model_dir.mkdir(parents=True, exist_ok=True)
+      dropped = truncate_log(self._model_dir / 'metrics.jsonl', resume_step)
       if dropped:
         log.info('metrics.jsonl: dropped %d rows after step %d, from the part of an earlier '
                  'attempt that is redone now.', dropped, resume_step or 0)
-      self._jsonl = open(os.path.join(model_dir, 'metrics.jsonl'), 'a')
+      self._jsonl = _Jsonl(self._model_dir / 'metrics.jsonl')
     self._last = None  # (time, step) of the previous train log
 
   def _tb_writer(self, split: str):
     if split not in self._tb:
       import tensorflow as tf  # pylint: disable=g-import-not-at-top  (training imports TF anyway)
       self._tb[split] = tf.summary.create_file_writer(
-          os.path.join(self._model_dir, 'tensorboard', split))
+          str(self._model_dir / 'tensorboard' / split))
     return self._tb[split]
 
   def write(self, step: int, metrics: Mapping[str, np.ndarray], split: str = 'train') -> Dict:
@@ -108,7 +153,6 @@ class MetricLogger:
       self._last = (now, step)
     if self._writes:
       self._jsonl.write(json.dumps({'step': int(step), 'split': split, **values}) + '\n')
-      self._jsonl.flush()
       if self._tensorboard:
         import tensorflow as tf  # pylint: disable=g-import-not-at-top
         with self._tb_writer(split).as_default(step=int(step)):
@@ -122,7 +166,6 @@ class MetricLogger:
     if self._writes:
       self._jsonl.write(json.dumps({'step': int(step), 'split': 'warning', 'message': message,
                                     **fields}) + '\n')
-      self._jsonl.flush()
       log.warning('WARNING at step %d: %s', step, message)
 
   def _line(self, step: int, values: Mapping[str, float], split: str) -> str:
@@ -135,6 +178,11 @@ class MetricLogger:
       shown.append(f'{rate:.2f} steps/s, {values["tokens_per_sec"]:.0f} tokens/s, '
                    f'ETA {_format_eta((self.total_steps - step) / max(rate, 1e-9))}')
     return ' | '.join(shown)
+
+  def flush(self) -> None:
+    """Makes everything logged so far durable (metrics.jsonl; TensorBoard flushes itself)."""
+    if self._jsonl is not None:
+      self._jsonl.flush()
 
   def close(self) -> None:
     if self._jsonl is not None:

@@ -20,7 +20,9 @@ from typing import Any, List, Optional
 
 import jax
 
-from upcycle.checkpoints import CheckpointError, orbax_tree, validate, verify
+from etils import epath
+
+from upcycle.checkpoints import CheckpointError, orbax_tree, paths, validate, verify
 from upcycle.checkpoints.orbax import OPTIMIZER, PARAMS, CheckpointManager, TrainingCheckpoint
 
 log = logging.getLogger(__name__)
@@ -42,7 +44,7 @@ def diagnose(step_dir: str, error: BaseException) -> str:
   """Why the step at `step_dir` cannot be restored, naming the parameter and file if it can."""
   try:
     for item in (PARAMS, OPTIMIZER):
-      if os.path.isdir(os.path.join(step_dir, item)):
+      if paths.isdir(os.path.join(step_dir, item)):
         verify.verify_tree(orbax_tree.read(os.path.join(step_dir, item)))
   except CheckpointError as e:
     return str(e)
@@ -54,8 +56,8 @@ def _set_aside(manager: CheckpointManager, step: int, model_dir: str) -> str:
   """Moves the step's directory to MODEL_DIR/corrupt_checkpoints/ (process 0); all reload."""
   target = os.path.join(model_dir, CORRUPT_DIR, f'{step}-{time.strftime("%Y%m%d-%H%M%S")}')
   if jax.process_index() == 0:
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    os.rename(os.path.join(manager.directory, str(step)), target)
+    epath.Path(target).parent.mkdir(parents=True, exist_ok=True)
+    epath.Path(manager.directory, str(step)).rename(target)
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     multihost_utils.sync_global_devices(f'set aside corrupt checkpoint {step}')

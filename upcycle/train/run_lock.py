@@ -12,12 +12,9 @@ whether it got it (a broadcast), so that every host of a refused job stops befor
 Whether a second job on other machines is refused depends on the shared filesystem
 enforcing flock across clients: NFS and Filestore do; FUSE mounts (gcsfuse) do not.
 
-gs:// run directories are not supported (MODEL_DIR must be a filesystem path; the trainer
-refuses gs:// here). The mechanism there would be a lock object created with the
-`ifGenerationMatch=0` precondition (create-if-absent, atomic in GCS) holding host/pid/start
-time and a heartbeat time the holder refreshes; a starting trainer would take over only an
-object whose heartbeat is older than a timeout, again with a generation precondition. That
-is not implemented.
+On gs:// the lock is an object created only if absent, with a heartbeat (`gcs_lock.py`):
+GCS makes the creation atomic, and a killed run's lock is taken over by its restart on the
+same host at once, or anywhere once its heartbeat is older than `gcs_lock.STALE_SECONDS`.
 """
 
 import contextlib
@@ -28,6 +25,7 @@ import jax
 import numpy as np
 
 from upcycle.file_lock import FileLock, LockHeld
+from upcycle.train.gcs_lock import GcsLock
 
 LOCK_FILE = 'run.lock'
 
@@ -54,10 +52,9 @@ def _all_hosts_agree(ok: bool) -> bool:
 @contextlib.contextmanager
 def hold(model_dir: str) -> Iterator[None]:
   """Holds MODEL_DIR for the duration of the block; raises RunDirectoryInUse if taken."""
-  if str(model_dir).startswith('gs://'):
-    raise ValueError(f'MODEL_DIR {model_dir}: gs:// run directories are not supported; use a '
-                     f'filesystem path (a local disk, or a mount every host sees).')
-  lock, error = FileLock(os.path.join(model_dir, LOCK_FILE)), None
+  path = os.path.join(model_dir, LOCK_FILE)
+  lock = GcsLock(path) if str(model_dir).startswith('gs://') else FileLock(path)
+  error = None
   if jax.process_index() == 0:
     try:
       lock.acquire()

@@ -20,8 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from upcycle import fields, tree
 from upcycle.checkpoints.orbax import CheckpointManager
-from upcycle.data.iterator import DataIterator
 from upcycle.train import evaluation, host_states, partitioning, resume, run_lock, stall
+from upcycle.train.host_data import HostData
 from upcycle.train.interfaces import Initializer, Objective, Optimizer
 from upcycle.train.logger import MetricLogger
 from upcycle.train.objectives import init_params
@@ -56,6 +56,10 @@ class TrainConfig:
     async_checkpoints: write checkpoints in the background.
     eval_at_start: evaluate the initial state before the first step of a new run
       (e.g. the upcycled model at step 0, to compare with the dense model).
+    data_shards: how many shards the training data is read in (0: one per host); each host
+      reads its own shards, so with the same number the examples of every step do not depend
+      on the number of hosts (a multiple of it).
+    tensorboard: write TensorBoard event files (MODEL_DIR/tensorboard/).
     stall_warning_steps: warn (console and metrics.jsonl) when the loss or the gradient
       norm has stayed exactly the same for this many consecutive steps, a sign of a
       degenerate run (e.g. a learning rate so large that every gradient is 0); 0: never.
@@ -79,6 +83,8 @@ class TrainConfig:
   async_checkpoints: bool = True
   eval_at_start: bool = False
   stall_warning_steps: int = 50
+  data_shards: int = 0
+  tensorboard: bool = True
 
   def __post_init__(self):
     fields.string(self, 'model_dir')
@@ -88,10 +94,11 @@ class TrainConfig:
     for name in ('log_every', 'checkpoint_every', 'keep_checkpoints', 'num_microbatches',
                  'num_expert_partitions', 'num_model_partitions'):
       fields.integer(self, name, 1)
-    for name in ('eval_every', 'eval_batches', 'stall_warning_steps'):
+    for name in ('eval_every', 'eval_batches', 'stall_warning_steps', 'data_shards'):
       fields.integer(self, name, 0)
     fields.boolean(self, 'async_checkpoints')
     fields.boolean(self, 'eval_at_start')
+    fields.boolean(self, 'tensorboard')
 
 
 def _host_batch_size(config: TrainConfig) -> int:
@@ -120,11 +127,6 @@ class Trainer:
       raise ValueError(
           f'TrainConfig.batch_size={config.batch_size} must be divisible by the data x expert '
           f'mesh axes ({self.mesh.shape["data"]} x {self.mesh.shape["expert"]}).')
-
-  def _iterator(self, pipeline, num_epochs=None) -> DataIterator:
-    return DataIterator(pipeline, batch_size=self.host_batch_size, seed=self.config.seed,
-                        shard_index=jax.process_index(), num_shards=jax.process_count(),
-                        num_epochs=num_epochs)
 
   def _global_zeros(self, example_batch: Dict[str, np.ndarray]) -> Dict[str, jax.Array]:
     """A global batch of zeros shaped like `example_batch` (a host batch), for init."""
@@ -182,22 +184,24 @@ class Trainer:
       return self._run(cfg, on_start or (lambda: None))
 
   def _run(self, cfg: TrainConfig, on_start: Callable[[], None]) -> Dict[str, Any]:
-    data = self._iterator(self.train_data)
-    example = {k: np.zeros(v.shape, v.dtype.as_numpy_dtype)
-               for k, v in data.element_spec.items()}
+    data = HostData(self.train_data, global_batch_size=cfg.batch_size, seed=cfg.seed,
+                    num_shards=cfg.data_shards)
+    example = data.example()
     abstract = self.abstract_state(example)
     shardings = jax.tree.map(lambda x: x.sharding, abstract)
     manager = CheckpointManager(os.path.join(cfg.model_dir, CHECKPOINT_DIR),
                                 keep=cfg.keep_checkpoints, async_save=cfg.async_checkpoints)
+    host_states.wait_for_all_hosts('restore')
     restored = resume.restore(manager, abstract, cfg.model_dir)
     if restored is not None:
       state = TrainState(jax.device_put(jnp.asarray(restored.step, jnp.int32), shardings.step),
                          restored.params, restored.optimizer_state)
       if restored.dataset_state is not None:
-        data.set_state(host_states.mine(restored.dataset_state))
+        data.set_state(host_states.mine(restored.dataset_state, data.shards))
       log.info('Resuming from %s at step %s.', manager.directory, restored.step)
     elif self.initializer is not None:
       state = self.initializer(abstract, self.optimizer)
+      host_states.wait_for_all_hosts('initialized')
     else:
       state = self.fresh_state(abstract, example)
     start = int(jax.device_get(state.step))
@@ -214,10 +218,11 @@ class Trainer:
                                      v.dtype) for k, v in example.items()}
     step_flops = float(self.objective.train_flops(micro) * cfg.num_microbatches)
     # Rows past the resumed step are from the stopped run's steps that are now redone.
-    logger = MetricLogger(cfg.model_dir, cfg.train_steps, tokens,
+    logger = MetricLogger(cfg.model_dir, cfg.train_steps, tokens, tensorboard=cfg.tensorboard,
                           resume_step=start if resumed else None)
     watch = stall.Watch(('loss', 'grad_norm'), cfg.stall_warning_steps)
     on_start()
+    host_states.wait_for_all_hosts('first step')
     rng = jax.random.PRNGKey(cfg.seed + 1)
     history: List[Dict[str, float]] = []
     finite = jnp.array(True)
@@ -253,6 +258,7 @@ class Trainer:
             logger.warn(done, message, **details)
         if done % cfg.checkpoint_every == 0 or done == cfg.train_steps:
           checked(done)
+          logger.flush()
           manager.save(done, state.params, state.opt_state, host_states.gather(data.get_state()))
         if self.eval_data is not None and (
             (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.train_steps):

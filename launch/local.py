@@ -1,0 +1,190 @@
+"""Run one training command as N JAX processes on this machine: the multi-host path, locally.
+
+  python launch/local.py --num_processes=2 --devices_per_process=4 -- \
+      --gin_file=models/t5_1_1/tiny.gin --gin_file=runs/pretrain.gin ... \
+      --gin.trainer.TrainConfig.num_expert_partitions=2 \
+      --gin.trainer.TrainConfig.num_model_partitions=2
+
+Every process runs `python -m upcycle.train <the flags after -->`, exactly what each worker of
+a TPU VM slice runs (`launch/tpu_vm.py train`), with its own simulated CPU devices
+(`XLA_FLAGS=--xla_force_host_platform_device_count`), joined by `jax.distributed` through a
+coordinator on 127.0.0.1 (UPCYCLE_COORDINATOR_ADDRESS, UPCYCLE_NUM_PROCESSES,
+UPCYCLE_PROCESS_ID; see `upcycle.gin_utils.maybe_initialize_distributed`). Each process's
+output goes to the console prefixed with `[process i]` and, with --log_dir, to
+`<log_dir>/process_<i>.log`.
+
+A process that exits with an error takes the others down: the launcher says which process
+failed and how, stops the rest (SIGTERM, then SIGKILL after --grace_seconds) and exits with the
+failed process's status, so a crash never leaves its peers waiting in a collective. Ctrl-C or
+SIGTERM to the launcher stops every process the same way.
+"""
+
+import argparse
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import List, Optional, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def process_env(index: int, num_processes: int, devices: int, port: int,
+                base: Optional[dict] = None) -> dict:
+  """The environment of process `index`: its CPU devices and the coordinator's address."""
+  env = dict(os.environ if base is None else base)
+  flags = [f for f in env.get('XLA_FLAGS', '').split()
+           if not f.startswith('--xla_force_host_platform_device_count')]
+  env.update({
+      'XLA_FLAGS': ' '.join(flags + [f'--xla_force_host_platform_device_count={devices}']),
+      'JAX_PLATFORMS': 'cpu',
+      'UPCYCLE_COORDINATOR_ADDRESS': f'127.0.0.1:{port}',
+      'UPCYCLE_NUM_PROCESSES': str(num_processes),
+      'UPCYCLE_PROCESS_ID': str(index),
+      'PYTHONUNBUFFERED': '1',
+  })
+  env['PYTHONPATH'] = os.pathsep.join([REPO] + [p for p in [env.get('PYTHONPATH')] if p])
+  return env
+
+
+def _say(message: str) -> None:
+  """To stderr; a closed stderr (the caller died) must not keep the launcher from stopping."""
+  try:
+    print(message, file=sys.stderr, flush=True)
+  except OSError:
+    pass
+
+
+def _describe(returncode: int) -> str:
+  if returncode < 0:
+    return f'was killed by {signal.Signals(-returncode).name}'
+  return f'exited with status {returncode}'
+
+
+class Job:
+  """N processes of one command; `wait()` returns the job's exit status."""
+
+  def __init__(self, command: Sequence[str], num_processes: int, devices: int,
+               log_dir: Optional[str] = None, grace_seconds: float = 10.0, quiet: bool = False):
+    self.grace_seconds, self.quiet = grace_seconds, quiet
+    port = free_port()
+    self.logs = []
+    if log_dir:
+      os.makedirs(log_dir, exist_ok=True)
+    self.procs: List[subprocess.Popen] = []
+    self._threads = []
+    for i in range(num_processes):
+      log = open(os.path.join(log_dir, f'process_{i}.log'), 'w') if log_dir else None
+      self.logs.append(log)
+      proc = subprocess.Popen(list(command), env=process_env(i, num_processes, devices, port),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+      self.procs.append(proc)
+      _say(f'launch/local.py: process {i} is pid {proc.pid}')
+      thread = threading.Thread(target=self._pump, args=(i, proc, log), daemon=True)
+      thread.start()
+      self._threads.append(thread)
+
+  def _pump(self, index: int, proc: subprocess.Popen, log) -> None:
+    for line in proc.stdout:
+      if log:
+        log.write(line)
+        log.flush()
+      if not self.quiet:
+        try:
+          sys.stdout.write(f'[process {index}] {line}')
+          sys.stdout.flush()
+        except OSError:   # Nobody reads the console any more; keep draining the pipe.
+          self.quiet = True
+
+  def stop(self) -> None:
+    """SIGTERM to every live process (and its children), SIGKILL after the grace period."""
+    live = [p for p in self.procs if p.poll() is None]
+    for p in live:   # jax.distributed traps SIGTERM (preemption notice): SIGKILL follows.
+      os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.time() + self.grace_seconds
+    for p in live:
+      try:
+        p.wait(timeout=max(deadline - time.time(), 0.01))
+      except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+  def wait(self, poll_seconds: float = 0.2) -> int:
+    try:
+      while True:
+        codes = [p.poll() for p in self.procs]
+        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+          index, code = failed[0]
+          _say(f'launch/local.py: process {index} {_describe(code)}; stopping the other '
+               f'{sum(c is None for c in codes)} process(es) so that none waits for it forever.')
+          self.stop()
+          return code if code > 0 else 128 - code
+        if all(c == 0 for c in codes):
+          return 0
+        time.sleep(poll_seconds)
+    except KeyboardInterrupt:
+      self.stop()
+      _say('launch/local.py: interrupted; stopped every process.')
+      return 130
+    finally:
+      for thread in self._threads:
+        thread.join(timeout=5)
+      for log in self.logs:
+        if log:
+          log.close()
+
+
+def _interrupt(signum, frame):
+  raise KeyboardInterrupt
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+      usage='python launch/local.py [options] -- <python -m upcycle.train flags>')
+  parser.add_argument('--num_processes', type=int, default=2, help='JAX processes (hosts)')
+  parser.add_argument('--devices_per_process', type=int, default=4,
+                      help='simulated CPU devices of each process')
+  parser.add_argument('--module', default='upcycle.train',
+                      help='the entry point every process runs (python -m MODULE)')
+  parser.add_argument('--log_dir', default=None, help='also write process_<i>.log here')
+  parser.add_argument('--grace_seconds', type=float, default=10.0,
+                      help='after SIGTERM, how long the others get before SIGKILL')
+  parser.add_argument('--dry_run', action='store_true',
+                      help='print each process\'s command and environment, run none')
+  return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  split = argv.index('--') if '--' in argv else len(argv)
+  args = build_parser().parse_args(argv[:split])
+  if args.num_processes < 1 or args.devices_per_process < 1:
+    raise SystemExit('--num_processes and --devices_per_process must be >= 1.')
+  command = [sys.executable, '-m', args.module] + argv[split + 1:]
+  if args.dry_run:
+    port = free_port()
+    for i in range(args.num_processes):
+      env = process_env(i, args.num_processes, args.devices_per_process, port, base={})
+      print('+ ' + ' '.join(f'{k}={shlex.quote(v)}' for k, v in sorted(env.items()))
+            + ' ' + shlex.join(command))
+    return 0
+  signal.signal(signal.SIGTERM, _interrupt)
+  return Job(command, args.num_processes, args.devices_per_process, args.log_dir,
+             args.grace_seconds).wait()
+
+
+if __name__ == '__main__':
+  sys.exit(main())
