@@ -19,7 +19,7 @@ T5_MOE = dataclasses.replace(
     TINY_T5, num_encoder_layers=2, num_decoder_layers=2,
     encoder_moe=MoeConfig(num_experts=8, train_capacity_factor=1.0, eval_capacity_factor=1.0),
     decoder_moe=MoeConfig(num_experts=8, router='tokens_choose', k=2,
-                          batch_priority_routing=True, dispatch='indices'))
+                          batch_priority_routing=False, dispatch='indices'))
 VIT_MOE = dataclasses.replace(TINY_VIT, moe=MoeConfig(num_experts=8, router='tokens_choose',
                                                       k=2, group_size=10))
 
