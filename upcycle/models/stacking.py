@@ -68,21 +68,24 @@ class Period(nn.Module):
     return x, None
 
 
-def apply_stack(layer: Type[nn.Module], config: Any, x: jax.Array, dynamic: Sequence[Any],
-                static: Sequence[Any], *, num_layers: int, sparse: Sequence[int], scan: bool,
-                remat_policy: str, block_name: str, scanned_name: str) -> jax.Array:
-  """Applies `num_layers` blocks `layer(config, i in sparse)` to `x` `[batch, length, d]`.
+def apply_stack(layer: Type[nn.Module], config: Any, stack: int, x: jax.Array,
+                dynamic: Sequence[Any], static: Sequence[Any]) -> jax.Array:
+  """Applies stack number `stack` of `config.layer_stacks()` to `x` `[batch, length, d]`.
 
   Args:
-    layer: the block class; called `(x, *dynamic, *static)`.
+    layer: the block class, built `layer(config, sparse)` and called `(x, *dynamic, *static)`.
+    config: a T5Config / ViTConfig: its `layer_stacks()` (names, depth, MoE layers),
+      `scan_layers` and `remat_policy` (a key of `REMAT_POLICIES`).
     dynamic: arrays (or None) every block reads, e.g. attention biases.
     static: trailing Python values (deterministic, decode flags).
-    scan: False: blocks `block_name.format(i)`; True: one scanned module `scanned_name` over
-      `num_layers / p` periods (`scan_layout`), parameters `[num_layers / p, ...]`.
-    remat_policy: a key of `REMAT_POLICIES`.
+  Unrolled, the blocks are `block_name.format(i)`; scanned, one module `scanned_name` runs
+  `num_layers / p` periods (`scan_layout`), its parameters `[num_layers / p, ...]`.
   """
+  _, block_name, scanned_name, num_layers, sparse = config.layer_stacks()[stack]
+  scan = config.scan_layers
   first_static = 2 + len(dynamic)
-  block = remat(layer, remat_policy, range(first_static, first_static + len(static)), scan)
+  block = remat(layer, config.remat_policy, range(first_static, first_static + len(static)),
+                scan)
   if not scan:
     for i in range(num_layers):
       x = block(config, i in set(sparse), name=block_name.format(i))(x, *dynamic, *static)

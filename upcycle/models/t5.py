@@ -8,6 +8,8 @@ Parameter tree (the README's "Parameter names"):
                       pre_cross_attention_layer_norm, encoder_decoder_attention,
                       pre_mlp_layer_norm, mlp}
   {encoder/encoder_norm, decoder/decoder_norm}/scale, decoder/logits_dense/kernel
+With `scan_layers=True` each stack's `layers_{i}` become `layers/subblock_{j}` with a leading
+`layers` axis (`scan_layout`); `remat_policy` recomputes block activations (`stacking`).
 
 Decoding (`T5.prefill`, then `T5.decode_step` per token, both applied with
 `mutable=['cache']`) keeps a 'cache' collection: per decoder layer the self-attention's keys
@@ -75,7 +77,7 @@ class T5Config:
     return () if moe is None else sparse_layer_indices(moe.placement, num_layers)
 
   def layer_stacks(self) -> list:
-    """(prefix, unrolled block name, scanned name, num_layers, sparse) per stack (`scan_layout`)."""
+    """(prefix, unrolled block name, scanned name, num_layers, sparse): encoder, decoder."""
     return [(stack, 'layers_{}', 'layers', n, self.sparse_layers(stack))
             for stack, n in (('encoder', self.num_encoder_layers),
                              ('decoder', self.num_decoder_layers))]
@@ -171,11 +173,7 @@ class Encoder(nn.Module):
     bias = relpos + layers.attention_bias_from_mask(mask, cfg.dtype)
     dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
     x = dropout(self.embedder(tokens), deterministic=deterministic)
-    x = stacking.apply_stack(
-        EncoderLayer, cfg, x, (bias, valid), (deterministic,),
-        num_layers=cfg.num_encoder_layers, sparse=cfg.sparse_layers('encoder'),
-        scan=cfg.scan_layers, remat_policy=cfg.remat_policy, block_name='layers_{}',
-        scanned_name='layers')
+    x = stacking.apply_stack(EncoderLayer, cfg, 0, x, (bias, valid), (deterministic,))
     x = layers.RMSNorm(cfg.layer_norm_epsilon, cfg.dtype, name='encoder_norm')(x)
     return dropout(x, deterministic=deterministic)
 
@@ -224,10 +222,8 @@ class Decoder(nn.Module):
     dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
     x = dropout(self.embedder(decoder_tokens), deterministic=deterministic)
     x = stacking.apply_stack(
-        DecoderLayer, cfg, x, (encoded, self_bias, cross_bias, decoder_valid, position),
-        (deterministic, decode), num_layers=cfg.num_decoder_layers,
-        sparse=cfg.sparse_layers('decoder'), scan=cfg.scan_layers,
-        remat_policy=cfg.remat_policy, block_name='layers_{}', scanned_name='layers')
+        DecoderLayer, cfg, 1, x, (encoded, self_bias, cross_bias, decoder_valid, position),
+        (deterministic, decode))
     x = layers.RMSNorm(cfg.layer_norm_epsilon, cfg.dtype, name='decoder_norm')(x)
     x = dropout(x, deterministic=deterministic)
     if cfg.logits_via_embedding:

@@ -6,6 +6,8 @@
   Transformer/encoderblock_{i}/{LayerNorm_0, MultiHeadDotProductAttention_0, LayerNorm_1,
                                 MlpBlock_0/{Dense_0, Dense_1}}
   Transformer/encoder_norm, [pre_logits], head, [MAPHead_0]
+With `scan_layers=True`, `encoderblock_{i}` become `encoderblock/subblock_{j}` with a leading
+`layers` axis (`scan_layout`); `remat_policy` recomputes block activations (`stacking`).
 """
 
 import dataclasses
@@ -129,10 +131,7 @@ class Transformer(nn.Module):
   @nn.compact
   def __call__(self, x: Array, deterministic: bool) -> Array:
     cfg = self.config
-    x = stacking.apply_stack(
-        EncoderBlock, cfg, x, (), (deterministic,), num_layers=cfg.depth,
-        sparse=cfg.sparse_layers(), scan=cfg.scan_layers, remat_policy=cfg.remat_policy,
-        block_name='encoderblock_{}', scanned_name='encoderblock')
+    x = stacking.apply_stack(EncoderBlock, cfg, 0, x, (), (deterministic,))
     return layers.LayerNorm(cfg.layer_norm_epsilon, cfg.dtype, name='encoder_norm')(x)
 
 
