@@ -8,6 +8,8 @@ Parameter tree (the README's "Parameter names"):
                       pre_cross_attention_layer_norm, encoder_decoder_attention,
                       pre_mlp_layer_norm, mlp}
   {encoder/encoder_norm, decoder/decoder_norm}/scale, decoder/logits_dense/kernel
+With `scan_layers=True` each stack's `layers_{i}` become `layers/subblock_{j}` with a leading
+`layers` axis (`scan_layout`); `remat_policy` recomputes block activations (`stacking`).
 
 Decoding (`T5.prefill`, then `T5.decode_step` per token, both applied with
 `mutable=['cache']`) keeps a 'cache' collection: per decoder layer the self-attention's keys
@@ -27,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from upcycle import layers
+from upcycle.models import scan_layout, stacking
 from upcycle.moe.config import MoeConfig
 from upcycle.moe.layer import MoeLayer
 from upcycle.moe.placement import sparse_layer_indices
@@ -53,8 +56,14 @@ class T5Config:
   dtype: str = 'float32'
   encoder_moe: Optional[MoeConfig] = None
   decoder_moe: Optional[MoeConfig] = None
+  scan_layers: bool = False
+  remat_policy: str = 'none'
 
   def __post_init__(self):
+    stacking.check_remat_policy(self.remat_policy, 'T5Config.remat_policy')
+    if self.scan_layers:
+      for stack, _, _, num_layers, sparse in self.layer_stacks():
+        scan_layout.check_scannable(sparse, num_layers, f'T5Config.{stack}_moe.placement')
     if self.decoder_moe is not None and self.decoder_moe.router == 'experts_choose':
       raise ValueError(
           "T5Config.decoder_moe.router='experts_choose': Expert Choice lets each expert pick "
@@ -66,6 +75,12 @@ class T5Config:
     moe = self.encoder_moe if stack == 'encoder' else self.decoder_moe
     num_layers = self.num_encoder_layers if stack == 'encoder' else self.num_decoder_layers
     return () if moe is None else sparse_layer_indices(moe.placement, num_layers)
+
+  def layer_stacks(self) -> list:
+    """(prefix, unrolled block name, scanned name, num_layers, sparse): encoder, decoder."""
+    return [(stack, 'layers_{}', 'layers', n, self.sparse_layers(stack))
+            for stack, n in (('encoder', self.num_encoder_layers),
+                             ('decoder', self.num_decoder_layers))]
 
 
 def _mlp(config: T5Config, moe: Optional[MoeConfig], sparse: bool, causal: bool) -> nn.Module:
@@ -108,8 +123,8 @@ class DecoderLayer(nn.Module):
   sparse: bool = False
 
   @nn.compact
-  def __call__(self, x, encoded, self_bias, cross_bias, token_mask, deterministic,
-               decode=False, position=None):
+  def __call__(self, x, encoded, self_bias, cross_bias, token_mask, position, deterministic,
+               decode=False):
     """x `[batch, length, d_model]`; a decode step (`position` set) has length 1."""
     cfg = self.config
     norm = functools.partial(layers.RMSNorm, cfg.layer_norm_epsilon, cfg.dtype)
@@ -158,9 +173,7 @@ class Encoder(nn.Module):
     bias = relpos + layers.attention_bias_from_mask(mask, cfg.dtype)
     dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
     x = dropout(self.embedder(tokens), deterministic=deterministic)
-    sparse = cfg.sparse_layers('encoder')
-    for i in range(cfg.num_encoder_layers):
-      x = EncoderLayer(cfg, i in sparse, name=f'layers_{i}')(x, bias, valid, deterministic)
+    x = stacking.apply_stack(EncoderLayer, cfg, 0, x, (bias, valid), (deterministic,))
     x = layers.RMSNorm(cfg.layer_norm_epsilon, cfg.dtype, name='encoder_norm')(x)
     return dropout(x, deterministic=deterministic)
 
@@ -208,10 +221,9 @@ class Decoder(nn.Module):
         self._create_cache(decoder_tokens.shape, encoder_tokens)
     dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
     x = dropout(self.embedder(decoder_tokens), deterministic=deterministic)
-    sparse = cfg.sparse_layers('decoder')
-    for i in range(cfg.num_decoder_layers):
-      x = DecoderLayer(cfg, i in sparse, name=f'layers_{i}')(
-          x, encoded, self_bias, cross_bias, decoder_valid, deterministic, decode, position)
+    x = stacking.apply_stack(
+        DecoderLayer, cfg, 1, x, (encoded, self_bias, cross_bias, decoder_valid, position),
+        (deterministic, decode))
     x = layers.RMSNorm(cfg.layer_norm_epsilon, cfg.dtype, name='decoder_norm')(x)
     x = dropout(x, deterministic=deterministic)
     if cfg.logits_via_embedding:

@@ -6,6 +6,8 @@
   Transformer/encoderblock_{i}/{LayerNorm_0, MultiHeadDotProductAttention_0, LayerNorm_1,
                                 MlpBlock_0/{Dense_0, Dense_1}}
   Transformer/encoder_norm, [pre_logits], head, [MAPHead_0]
+With `scan_layers=True`, `encoderblock_{i}` become `encoderblock/subblock_{j}` with a leading
+`layers` axis (`scan_layout`); `remat_policy` recomputes block activations (`stacking`).
 """
 
 import dataclasses
@@ -17,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from upcycle import layers
+from upcycle.models import scan_layout, stacking
 from upcycle.moe.config import MoeConfig
 from upcycle.moe.layer import MoeLayer
 from upcycle.moe.placement import sparse_layer_indices
@@ -46,8 +49,13 @@ class ViTConfig:
   head_zeroinit: bool = True
   dtype: str = 'float32'
   moe: Optional[MoeConfig] = None
+  scan_layers: bool = False
+  remat_policy: str = 'none'
 
   def __post_init__(self):
+    stacking.check_remat_policy(self.remat_policy, 'ViTConfig.remat_policy')
+    if self.scan_layers:
+      scan_layout.check_scannable(self.sparse_layers(), self.depth, 'ViTConfig.moe.placement')
     object.__setattr__(self, 'image_size', tuple(self.image_size))
     object.__setattr__(self, 'patch_size', tuple(self.patch_size))
     if self.pool_type not in POOL_TYPES:
@@ -64,6 +72,10 @@ class ViTConfig:
 
   def sparse_layers(self) -> tuple:
     return () if self.moe is None else sparse_layer_indices(self.moe.placement, self.depth)
+
+  def layer_stacks(self) -> list:
+    """(prefix, unrolled block name, scanned name, num_layers, sparse) per stack (`scan_layout`)."""
+    return [('Transformer', 'encoderblock_{}', 'encoderblock', self.depth, self.sparse_layers())]
 
 
 def _attention(cfg: ViTConfig) -> nn.Module:
@@ -119,9 +131,7 @@ class Transformer(nn.Module):
   @nn.compact
   def __call__(self, x: Array, deterministic: bool) -> Array:
     cfg = self.config
-    sparse = cfg.sparse_layers()
-    for i in range(cfg.depth):
-      x = EncoderBlock(cfg, i in sparse, name=f'encoderblock_{i}')(x, deterministic)
+    x = stacking.apply_stack(EncoderBlock, cfg, 0, x, (), (deterministic,))
     return layers.LayerNorm(cfg.layer_norm_epsilon, cfg.dtype, name='encoder_norm')(x)
 
 

@@ -30,13 +30,20 @@ def aux_losses(state: Mapping) -> Dict[str, jnp.ndarray]:
   out = {}
   for name, key in (('load_balancing_loss', 'load_balancing_loss'),
                     ('router_z_loss', 'router_z_loss'), ('total', 'weighted')):
-    values = list(_per_layer(losses, key).values())
-    out[name] = jnp.mean(jnp.stack(values)) if values else jnp.zeros((), jnp.float32)
+    # A scanned stack sows one value per layer along a leading `layers` axis: average the
+    # layers' values, whatever the layout.
+    values = [jnp.ravel(v) for v in _per_layer(losses, key).values()]
+    out[name] = jnp.mean(jnp.concatenate(values)) if values else jnp.zeros((), jnp.float32)
   return out
 
 
 def metrics(state: Mapping) -> Dict[str, jnp.ndarray]:
-  """Per-layer routing metrics: {'encoder/layers_1/mlp/fraction_dropped_tokens': ..., ...}."""
+  """Per-layer routing metrics: {'encoder/layers_1/mlp/fraction_dropped_tokens': ..., ...}.
+
+  A scanned model's are per sub-block with a leading `layers` axis
+  ('encoder/layers/subblock_1/mlp/...' `[layers, ...]`); `models.scan_layout.unstack` of the
+  collection gives the per-layer names.
+  """
   flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(state.get('moe_metrics', {})))
   return {'/'.join(path): values[-1] for path, values in flat.items()}
 

@@ -2,7 +2,8 @@
 
 Models name their axes (layers.py, moe/layer.py); only this table decides where
 they live. The batch is split over ('expert', 'data'), expert weights over
-'expert', MLP/heads/vocab over 'model'. Everything else is replicated.
+'expert', MLP/heads/vocab over 'model'. Everything else is replicated, the
+`layers` axis of scanned parameters included (as T5X's default rules).
 """
 
 import contextlib
@@ -31,6 +32,7 @@ LOGICAL_AXIS_RULES: Tuple[Tuple[str, Any], ...] = (
     ('relpos_buckets', None),
     ('unmodeled', None),
     ('classes', None),
+    ('layers', None),       # the stacked axis of scanned layers: every device holds all layers
 )
 
 
