@@ -1,10 +1,11 @@
 """Test session setup: 8 simulated CPU devices, so sharding tests can build real meshes, and
 session fixtures: tiny HuggingFace T5 v1.1 and ViT checkpoints, built and saved once."""
 
-import json
 import os
 
 import pytest
+
+from tests import hf_files
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 _flags = os.environ.get('XLA_FLAGS', '')
@@ -30,13 +31,10 @@ def _perturb(model, seed: int):
 def hf_t5(tmp_path_factory):
   """(directory, reference torch model) of an untied T5 v1.1 with its own lm_head.weight.
 
-  transformers 5 ties lm_head to shared in memory and saves no lm_head; a real v1.1
-  file carries one, so the test file is written with a distinct random lm_head.weight
-  and `tie_word_embeddings: false`, and the reference is re-read with from_pretrained.
+  Written as a real v1.1 file (`hf_files.save_untied_t5`); the reference is re-read from it.
   """
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
-  from safetensors.torch import save_file  # pylint: disable=g-import-not-at-top
   torch.manual_seed(0)
   config = transformers.T5Config(
       vocab_size=32, d_model=8, d_kv=4, d_ff=12, num_layers=2, num_decoder_layers=2,
@@ -45,20 +43,7 @@ def hf_t5(tmp_path_factory):
   model = transformers.T5ForConditionalGeneration(config)
   _perturb(model, 1)
   directory = str(tmp_path_factory.mktemp('hf_t5'))
-  model.save_pretrained(directory)
-  state = {k: v.contiguous() for k, v in model.state_dict().items()
-           if k not in ('encoder.embed_tokens.weight', 'decoder.embed_tokens.weight')}
-  state['lm_head.weight'] = torch.randn(32, 8, generator=torch.Generator().manual_seed(2))
-  save_file(state, os.path.join(directory, 'model.safetensors'), metadata={'format': 'pt'})
-  config_path = os.path.join(directory, 'config.json')
-  with open(config_path) as f:
-    hf_config = json.load(f)
-  hf_config['tie_word_embeddings'] = False
-  hf_config.pop('scale_decoder_outputs', None)
-  with open(config_path, 'w') as f:
-    json.dump(hf_config, f)
-  reference = transformers.T5ForConditionalGeneration.from_pretrained(directory).eval()
-  assert not torch.equal(reference.lm_head.weight, reference.shared.weight)
+  reference = hf_files.save_untied_t5(model, directory)
   return directory, reference
 
 

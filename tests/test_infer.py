@@ -9,6 +9,7 @@ import sys
 import gin
 import pytest
 
+from tests import hf_files
 from upcycle import eval as eval_main
 from upcycle import gin_utils
 from upcycle import infer as infer_main
@@ -21,24 +22,13 @@ def byte_vocab_t5(tmp_path_factory):
   """(directory, reference) of a tiny untied HF T5 v1.1 over the offline task's 384 ids."""
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
-  from safetensors.torch import save_file  # pylint: disable=g-import-not-at-top
   torch.manual_seed(0)
   config = transformers.T5Config(
       vocab_size=384, d_model=8, d_kv=4, d_ff=12, num_layers=1, num_decoder_layers=1,
       num_heads=2, feed_forward_proj='gated-gelu', tie_word_embeddings=False, dropout_rate=0.0)
   model = transformers.T5ForConditionalGeneration(config)
   directory = str(tmp_path_factory.mktemp('byte_t5'))
-  model.save_pretrained(directory)
-  state = {k: v.contiguous() for k, v in model.state_dict().items()
-           if k not in ('encoder.embed_tokens.weight', 'decoder.embed_tokens.weight')}
-  state['lm_head.weight'] = torch.randn(384, 8, generator=torch.Generator().manual_seed(2))
-  save_file(state, os.path.join(directory, 'model.safetensors'), metadata={'format': 'pt'})
-  with open(os.path.join(directory, 'config.json')) as f:
-    hf_config = json.load(f)
-  hf_config['tie_word_embeddings'] = False
-  with open(os.path.join(directory, 'config.json'), 'w') as f:
-    json.dump(hf_config, f)
-  return directory, transformers.T5ForConditionalGeneration.from_pretrained(directory).eval()
+  return directory, hf_files.save_untied_t5(model, directory)
 
 
 @pytest.fixture

@@ -1,0 +1,34 @@
+"""HuggingFace checkpoints in the exact public format, written by transformers itself."""
+
+import json
+import os
+
+
+def save_untied_t5(model, directory: str, seed: int = 2):
+  """Saves `model` (a T5ForConditionalGeneration) as a real T5 v1.1 file: with its own
+  `lm_head.weight` (random, from `seed`) and `tie_word_embeddings: false`; returns the model
+  re-read with `from_pretrained`, the reference.
+
+  transformers 5 ties lm_head to shared in memory and saves no lm_head; a real v1.1 file
+  carries one, and `from_pretrained` then unties it.
+  """
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  from safetensors.torch import save_file  # pylint: disable=g-import-not-at-top
+  model.save_pretrained(directory)
+  state = {k: v.contiguous() for k, v in model.state_dict().items()
+           if k not in ('encoder.embed_tokens.weight', 'decoder.embed_tokens.weight')}
+  vocab, d_model = model.shared.weight.shape
+  state['lm_head.weight'] = torch.randn(vocab, d_model,
+                                        generator=torch.Generator().manual_seed(seed))
+  save_file(state, os.path.join(directory, 'model.safetensors'), metadata={'format': 'pt'})
+  config_path = os.path.join(directory, 'config.json')
+  with open(config_path) as f:
+    hf_config = json.load(f)
+  hf_config['tie_word_embeddings'] = False
+  hf_config.pop('scale_decoder_outputs', None)
+  with open(config_path, 'w') as f:
+    json.dump(hf_config, f)
+  reference = transformers.T5ForConditionalGeneration.from_pretrained(directory).eval()
+  assert not torch.equal(reference.lm_head.weight, reference.shared.weight)
+  return reference
