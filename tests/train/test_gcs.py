@@ -14,14 +14,14 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 
 import pytest
 
 from tests.train.test_training import REPO, _train_command
 
-pytest.importorskip('gcp_storage_emulator')
-pytest.importorskip('gcsfs')
 
 
 def _port():
@@ -58,10 +58,27 @@ def _env(emulator):
                        '--xla_backend_optimization_level=0'}
 
 
+def _object(emulator, url: str, media: bool = False) -> bytes:
+  """The object at gs://`url` through the emulator's JSON API, from this test's own process
+  (whose etils.epath may already use TensorFlow's GCS client, which cannot be redirected)."""
+  bucket, _, name = url[len('gs://'):].partition('/')
+  query = '?alt=media' if media else ''
+  return urllib.request.urlopen(f"{emulator['STORAGE_EMULATOR_HOST']}/storage/v1/b/{bucket}/o/"
+                                f"{urllib.parse.quote(name, safe='')}{query}").read()
+
+
+def _exists(emulator, url: str) -> bool:
+  try:
+    _object(emulator, url)
+    return True
+  except urllib.error.HTTPError as e:
+    if e.code == 404:
+      return False
+    raise
+
+
 def _rows(emulator, url):
-  from etils import epath  # pylint: disable=g-import-not-at-top
-  os.environ.update(emulator)
-  return [json.loads(line) for line in epath.Path(url).read_text().splitlines()]
+  return [json.loads(line) for line in _object(emulator, url, media=True).decode().splitlines()]
 
 
 def test_the_run_lock_on_gcs(emulator, monkeypatch):
@@ -93,11 +110,9 @@ def test_train_kill_resume_and_inspect_on_gcs(tmp_path, emulator):
   log = open(tmp_path / 'killed.log', 'w')
   proc = subprocess.Popen(_train_command(remote, 8) + extra, cwd=REPO, env=env,
                           stdout=log, stderr=subprocess.STDOUT)
-  os.environ.update(emulator)
-  from etils import epath  # pylint: disable=g-import-not-at-top
   deadline = time.time() + 300
   while time.time() < deadline and proc.poll() is None:
-    if (epath.Path(remote) / 'checkpoints' / '4' / 'commit_success.txt').exists():
+    if _exists(emulator, f'{remote}/checkpoints/4/commit_success.txt'):
       proc.send_signal(signal.SIGKILL)
       break
     time.sleep(0.2)
@@ -113,9 +128,9 @@ def test_train_kill_resume_and_inspect_on_gcs(tmp_path, emulator):
   resumed = [r for r in _rows(emulator, f'{remote}/metrics.jsonl') if r['split'] == 'train']
   assert [r['step'] for r in resumed] == list(range(1, 9))
   assert {r['step']: r['loss'] for r in resumed} == expected
-  assert (epath.Path(remote) / 'config.gin').exists()
-  assert (epath.Path(remote) / 'operative_config.gin').exists()
-  assert not (epath.Path(remote) / 'run.lock').exists()
+  assert _exists(emulator, f'{remote}/config.gin')
+  assert _exists(emulator, f'{remote}/operative_config.gin')
+  assert not _exists(emulator, f'{remote}/run.lock')
   info = subprocess.run([sys.executable, '-m', 'upcycle.inspect', f'{remote}/checkpoints',
                          '--json', '--verify'], cwd=REPO, env=env, capture_output=True, text=True)
   assert info.returncode == 0, info.stderr[-3000:]
