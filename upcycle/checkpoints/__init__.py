@@ -8,7 +8,7 @@
 import os
 from typing import Optional
 
-from upcycle.checkpoints import hf, orbax, orbax_tree, paths, t5x, validate, vit_npz, zarr_leaf
+from upcycle.checkpoints import hf, orbax, orbax_tree, t5x, validate, vit_npz, zarr_leaf
 from upcycle.checkpoints.checkpoint import Checkpoint, ExpectedFn
 from upcycle.checkpoints.errors import CheckpointError, checkpoint_error
 from upcycle.checkpoints.lazy import LazyArray, materialize
