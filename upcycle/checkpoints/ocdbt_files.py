@@ -8,7 +8,7 @@ files and says which is missing or shorter than the ranges it must hold.
 
 import os
 import re
-from typing import Iterator, List, NamedTuple
+from typing import Iterator, List, NamedTuple, Tuple
 
 import tensorstore as ts
 
@@ -26,26 +26,52 @@ def _parse(directory: str, location: str) -> ValueRef:
   return ValueRef(os.path.join(directory, base, relative), int(offset), int(length))
 
 
-def _walk(store: ts.KvStore, location: str, prefix: bytes) -> Iterator[str]:
-  """Indirect value locations of keys starting with `prefix`, under the node `location`."""
-  for entry in ts.ocdbt.dump(store, location).result().get('entries', []):
-    key = entry.get('key', b'')
-    for value in entry.values():
-      if isinstance(value, str) and value.startswith('btreenode:'):
-        yield from _walk(store, value, prefix)
-      elif isinstance(value, str) and value.startswith('value:') and key.startswith(prefix):
-        yield value
-
-
 def value_refs(directory: str, array: str) -> List[ValueRef]:
   """Where the chunks of `array` (its '.'-joined name) lie in the database at `directory`."""
   store = ts.KvStore.open({'driver': 'file', 'path': directory.rstrip('/') + '/'}).result()
-  manifest = ts.ocdbt.dump(store).result()
-  refs = []
-  for version in manifest.get('versions', [])[-1:]:
-    refs += [_parse(directory, v)
-             for v in _walk(store, version['root']['location'], array.encode() + b'/')]
-  return refs
+  prefix = array.encode() + b'/'
+  return [_parse(directory, value) for key, value in _latest_values(store)
+          if key.startswith(prefix)]
+
+
+def _latest_values(store: ts.KvStore) -> Iterator[Tuple[bytes, str]]:
+  """(key, indirect value location) of every key of the database's latest version."""
+  for version in ts.ocdbt.dump(store).result().get('versions', [])[-1:]:
+    yield from _walk_keys(store, version['root']['location'])
+
+
+def _problems(refs: List[ValueRef]) -> List[str]:
+  """What is wrong with the data files holding `refs`: missing, or shorter than a range."""
+  problems = []
+  for ref in sorted(set(refs)):
+    if not os.path.exists(ref.path):
+      problems.append(f'data file {ref.path} is missing')
+    elif os.path.getsize(ref.path) < ref.offset + ref.length:
+      problems.append(f'data file {ref.path} is truncated ({os.path.getsize(ref.path)} bytes; '
+                      f'this parameter is at bytes {ref.offset}-{ref.offset + ref.length})')
+  return list(dict.fromkeys(problems))
+
+
+def incomplete_arrays(directory: str) -> List[str]:
+  """Names of the arrays in the local database at `directory` whose data files are missing or
+  truncated; reads the B-tree only (no array data), so it is cheap to run before a restore.
+
+  Raises ValueError if the B-tree itself cannot be read.
+  """
+  store = ts.KvStore.open({'driver': 'file', 'path': directory.rstrip('/') + '/'}).result()
+  return sorted({key.decode(errors='replace').rsplit('/', 1)[0]
+                 for key, value in _latest_values(store)
+                 if _problems([_parse(directory, value)])})
+
+
+def _walk_keys(store: ts.KvStore, location: str) -> Iterator[Tuple[bytes, str]]:
+  """(key, indirect value location) of every key under the node `location`."""
+  for entry in ts.ocdbt.dump(store, location).result().get('entries', []):
+    for value in entry.values():
+      if isinstance(value, str) and value.startswith('btreenode:'):
+        yield from _walk_keys(store, value)
+      elif isinstance(value, str) and value.startswith('value:'):
+        yield entry.get('key', b''), value
 
 
 def damage(directory: str, array: str) -> str:
@@ -56,14 +82,8 @@ def damage(directory: str, array: str) -> str:
     return f'the OCDBT index under {directory} is unreadable ({str(e).split(" [")[0]})'
   if not refs:
     return f'the OCDBT index under {directory} has no data for it'
-  problems = []
-  for ref in sorted(set(refs)):
-    if not os.path.exists(ref.path):
-      problems.append(f'data file {ref.path} is missing')
-    elif os.path.getsize(ref.path) < ref.offset + ref.length:
-      problems.append(f'data file {ref.path} is truncated ({os.path.getsize(ref.path)} bytes; '
-                      f'this parameter is at bytes {ref.offset}-{ref.offset + ref.length})')
+  problems = _problems(refs)
   if problems:
-    return '; '.join(dict.fromkeys(problems))
+    return '; '.join(problems)
   files = sorted({ref.path for ref in refs})
   return f'its data is in {", ".join(files)} (present, but the bytes do not decode)'

@@ -6,8 +6,10 @@
    model's abstract parameters. A different model (another d_model, other layers) stops
    the run with one message naming the first differing parameter and both shapes: resuming
    needs the gin config the run was started with (MODEL_DIR/config.gin), or a new MODEL_DIR.
-2. The latest step is restored. If that fails (a data file missing or truncated), the
-   checkpoint is read leaf by leaf to name the parameter and the file, the step directory is
+2. The latest step is restored. Local steps are first checked without reading array data:
+   every data file the OCDBT index points into must exist and hold the bytes it points to
+   (the damage an interrupted copy leaves). If a step is damaged, or its restore fails (the
+   checkpoint is then read leaf by leaf to name the parameter and the file), the step directory is
    moved to MODEL_DIR/corrupt_checkpoints/<step> (kept for inspection, out of the manager's
    way), and the previous step is tried, with a loud message. With no readable step left the
    run stops with the reasons.
@@ -22,7 +24,8 @@ import jax
 
 from etils import epath
 
-from upcycle.checkpoints import CheckpointError, orbax_tree, paths, validate, verify
+from upcycle.checkpoints import (CheckpointError, ocdbt_files, orbax_tree, paths, validate,
+                                 verify)
 from upcycle.checkpoints.orbax import OPTIMIZER, PARAMS, CheckpointManager, TrainingCheckpoint
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,29 @@ def diagnose(step_dir: str, error: BaseException) -> str:
     return str(e)
   lines = [line for line in str(error).splitlines() if line.strip()]
   return f'{step_dir}: {type(error).__name__}: {lines[-1] if lines else ""}'
+
+
+def missing_data(step_dir: str) -> Optional[str]:
+  """Why the local step at `step_dir` cannot be restored, if its OCDBT index points to data
+  files that are missing or too short; None if they are whole (or the step is remote).
+
+  Reads the index only. Finding this before orbax's restore matters: a restore that fails
+  midway leaves its other reads running and prints their errors as the process goes on.
+  """
+  for item in (PARAMS, OPTIMIZER):
+    item_dir = os.path.join(step_dir, item)
+    if paths.is_url(item_dir) or not os.path.isfile(os.path.join(item_dir, 'manifest.ocdbt')):
+      continue
+    try:
+      broken = ocdbt_files.incomplete_arrays(item_dir)
+    except ValueError as e:
+      return f'{item_dir}: the OCDBT index is unreadable ({str(e).split(" [")[0]})'
+    if broken:
+      return (f"{item_dir}: parameter '{broken[0].replace('.', '/')}'"
+              f"{f' (and {len(broken) - 1} more)' if len(broken) > 1 else ''}: "
+              f'{ocdbt_files.damage(item_dir, broken[0])}. The checkpoint copy is incomplete '
+              f'or corrupt; copy {item_dir} again from the source')
+  return None
 
 
 def _set_aside(manager: CheckpointManager, step: int, model_dir: str) -> str:
@@ -80,15 +106,18 @@ def restore(manager: CheckpointManager, abstract: Any, model_dir: str
   check_model(os.path.join(manager.directory, str(steps[-1])), abstract.params, model_dir)
   reasons: List[str] = []
   for step in reversed(steps):
-    try:
-      return manager.restore(step, params=abstract.params, optimizer_state=abstract.opt_state)
-    except Exception as e:  # pylint: disable=broad-except  (orbax raises many kinds)
-      reason = diagnose(os.path.join(manager.directory, str(step)), e)
-      moved = _set_aside(manager, step, model_dir)
-      reasons.append(f'step {step}: {reason}')
-      earlier = [s for s in steps if s < step]
-      _loud(f'Checkpoint step {step} is corrupt and was moved to {moved}. {reason}' + (
-          f' Falling back to the previous checkpoint, step {earlier[-1]}.' if earlier else ''))
+    step_dir = os.path.join(manager.directory, str(step))
+    reason = missing_data(step_dir)
+    if reason is None:
+      try:
+        return manager.restore(step, params=abstract.params, optimizer_state=abstract.opt_state)
+      except Exception as e:  # pylint: disable=broad-except  (orbax raises many kinds)
+        reason = diagnose(step_dir, e)
+    moved = _set_aside(manager, step, model_dir)
+    reasons.append(f'step {step}: {reason}')
+    earlier = [s for s in steps if s < step]
+    _loud(f'Checkpoint step {step} is corrupt and was moved to {moved}. {reason}' + (
+        f' Falling back to the previous checkpoint, step {earlier[-1]}.' if earlier else ''))
   raise CheckpointError(
       f'No checkpoint in {manager.directory} can be restored (the unreadable ones were moved '
       f'to {os.path.join(model_dir, CORRUPT_DIR)}). ' + ' '.join(reasons) + ' Restore the '
