@@ -1,4 +1,5 @@
-"""T5X-format output: T5X's chunking rule, our reader, and an independent reader written here."""
+"""T5X-format output: T5X's chunking rule, our reader, and the independent reader of
+tests/checkpoints/t5x_reader.py."""
 
 import dataclasses
 import os
@@ -8,9 +9,8 @@ import ml_dtypes
 import msgpack
 import numpy as np
 import pytest
-import tensorstore as ts
 
-from tests.checkpoints import helpers
+from tests.checkpoints import helpers, t5x_reader
 from upcycle import checkpoints, tree
 from upcycle.checkpoints import flax_msgpack, t5x_writer
 from upcycle.models import T5
@@ -20,44 +20,6 @@ from upcycle.train import optimizers, partitioning
 E = 4
 MOE = dataclasses.replace(helpers.TINY_T5, encoder_moe=MoeConfig(num_experts=E),
                           decoder_moe=MoeConfig(num_experts=E, router='tokens_choose'))
-
-
-# An independent minimal reader of T5X's native format, following t5x/checkpoints.py
-# (`Checkpointer.restore` / `_read_ts`): msgpack with flax's ext types, tensorstore specs whose
-# kvstore path is relative to the checkpoint directory. It shares no code with upcycle.
-
-def _ext(code, data):
-  shape, dtype, buffer = msgpack.unpackb(data, raw=False)
-  array = np.frombuffer(buffer, dtype=getattr(ml_dtypes, dtype, None) or np.dtype(dtype))
-  array = array.reshape(shape)
-  return array[()] if code == 3 else array
-
-
-def _resolve(node, checkpoint_dir):
-  if isinstance(node, dict) and {'driver', 'kvstore', 'metadata'} <= set(node):
-    spec = {**node, 'kvstore': {**node['kvstore']}, 'metadata': dict(node['metadata'])}
-    del spec['metadata']['chunks'], spec['metadata']['compressor']   # as T5X's _read_ts
-    spec['kvstore']['path'] = os.path.join(checkpoint_dir, spec['kvstore']['path'])
-    return ts.open(spec).result().read().result()
-  if isinstance(node, dict):
-    return {k: _resolve(v, checkpoint_dir) for k, v in node.items()}
-  return node
-
-
-def independent_read(checkpoint_dir):
-  with open(os.path.join(checkpoint_dir, 'checkpoint'), 'rb') as f:
-    raw = msgpack.unpackb(f.read(), ext_hook=_ext, raw=False)
-  return raw, _resolve(raw['optimizer'], checkpoint_dir)
-
-
-def _paths(node, prefix=''):
-  """path -> leaf, stopping at spec dicts."""
-  if isinstance(node, dict) and not {'driver', 'kvstore'} <= set(node):
-    out = {}
-    for k, v in node.items():
-      out.update(_paths(v, f'{prefix}/{k}' if prefix else k))
-    return out
-  return {prefix: node}
 
 
 @pytest.fixture(scope='module')
@@ -98,13 +60,13 @@ def test_chunk_shape_is_t5x_rule():
 
 
 def test_layout_read_by_independent_reader(written):
-  raw, state = independent_read(written['dir'])
+  raw, state = t5x_reader.read(written['dir'])
   assert raw['version'] == 3 and set(raw) == {'version', 'optimizer'}
   assert set(raw['optimizer']) == {'target', 'state'}
   assert set(raw['optimizer']['state']) == {'step', 'param_states'}
   step = raw['optimizer']['state']['step']
   assert isinstance(step, np.int32) and step == 3     # inline numpy scalar, as T5X writes it
-  specs = _paths(raw['optimizer']['target'])
+  specs = t5x_reader.by_path(raw['optimizer']['target'])
   expert = specs['encoder/layers_1/mlp/expert/wi_0/kernel']
   assert expert['metadata']['shape'] == [E, 8, 12]
   assert expert['kvstore'] == {'driver': 'file',
@@ -113,13 +75,13 @@ def test_layout_read_by_independent_reader(written):
   assert specs['decoder/layers_1/mlp/router/router_weights/w/kernel']['metadata']['shape'] == \
       [8, E]
   assert specs['token_embedder/embedding']['dtype'] == 'bfloat16'
-  got = _paths(state['target'])
+  got = t5x_reader.by_path(state['target'])
   want = tree.flatten(written['params'])
   assert got.keys() == want.keys()
   for path, value in want.items():
     assert got[path].dtype == value.dtype, path
     np.testing.assert_array_equal(got[path], value, err_msg=path)
-  slots = _paths(state['state']['param_states'])
+  slots = t5x_reader.by_path(state['state']['param_states'])
   for path, s in tree.flatten(written['state'].param_states).items():
     for name in ('v_row', 'v_col', 'v', 'm'):
       np.testing.assert_array_equal(slots[f'{path}/{name}'], np.asarray(getattr(s, name)),
@@ -133,9 +95,9 @@ def test_spec_has_the_form_t5x_writes(written):
   """Same keys and compressor as a spec in the T5X-written fixture (T5X writes 'gfile' there
   for its internal filesystem; 'file' is what T5X's code writes for a local directory)."""
   with open(os.path.join(helpers.T5X_FIXTURE, 'checkpoint'), 'rb') as f:
-    fixture = msgpack.unpackb(f.read(), ext_hook=_ext, raw=False)
+    fixture = msgpack.unpackb(f.read(), ext_hook=t5x_reader.ext_hook, raw=False)
   theirs = fixture['optimizer']['state']['param_states']['kernel']
-  raw, _ = independent_read(written['dir'])
+  raw, _ = t5x_reader.read(written['dir'])
   ours = raw['optimizer']['target']['decoder']['logits_dense']['kernel']
   assert set(ours) == set(theirs) and set(ours['metadata']) == set(theirs['metadata'])
   assert set(ours['kvstore']) == set(theirs['kvstore'])

@@ -24,6 +24,7 @@ from upcycle.checkpoints.errors import checkpoint_error
 from upcycle.checkpoints.lazy import materialize
 
 PARAMS, OPTIMIZER, DATASET = 'params', 'optimizer_state', 'dataset'
+RUN_CHECKPOINTS = 'checkpoints'   # a training run's steps: MODEL_DIR/checkpoints/<step>/
 _MARKER = '_CHECKPOINT_METADATA'
 # On GCS (no atomic rename) orbax writes a step in place and marks it finished with this file.
 _COMMITTED = 'commit_success.txt'

@@ -18,8 +18,9 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from upcycle import fields, tree
-from upcycle.checkpoints.orbax import CheckpointManager
+from upcycle import export, fields, tree
+from upcycle.checkpoints import paths
+from upcycle.checkpoints.orbax import RUN_CHECKPOINTS, CheckpointManager
 from upcycle.train import evaluation, host_states, partitioning, resume, run_lock, stall
 from upcycle.train.host_data import HostData
 from upcycle.train.interfaces import Initializer, Objective, Optimizer
@@ -30,7 +31,10 @@ from upcycle.train.step import make_eval_step, make_train_step
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_DIR = 'checkpoints'
+CHECKPOINT_DIR = RUN_CHECKPOINTS
+T5X_DIR = 't5x'
+# Other processes wait this long for process 0's T5X export (a large MoE takes a while).
+EXPORT_TIMEOUT_SECONDS = 24 * 3600
 
 
 class NonFiniteLossError(RuntimeError):
@@ -63,6 +67,10 @@ class TrainConfig:
     stall_warning_steps: warn (console and metrics.jsonl) when the loss or the gradient
       norm has stayed exactly the same for this many consecutive steps, a sign of a
       degenerate run (e.g. a learning rate so large that every gradient is 0); 0: never.
+    export_t5x: at the end of the run, also write its final step in T5X's native layout to
+      MODEL_DIR/t5x/checkpoint_<step>/ (`upcycle.export`: with the optimizer slots for
+      `optimizers.T5XAdafactor`, else parameters only); a local MODEL_DIR only. A restarted
+      finished run writes it if it is missing.
 
   Every field is checked at construction (types and ranges), so a wrong gin binding fails
   before any work, naming the binding.
@@ -85,6 +93,7 @@ class TrainConfig:
   stall_warning_steps: int = 50
   data_shards: int = 0
   tensorboard: bool = True
+  export_t5x: bool = False
 
   def __post_init__(self):
     fields.string(self, 'model_dir')
@@ -99,6 +108,12 @@ class TrainConfig:
     fields.boolean(self, 'async_checkpoints')
     fields.boolean(self, 'eval_at_start')
     fields.boolean(self, 'tensorboard')
+    fields.boolean(self, 'export_t5x')
+    if self.export_t5x and paths.is_url(self.model_dir):
+      raise fields.ConfigError(
+          f'{fields.binding(self, "export_t5x")} = True with model_dir={self.model_dir}: the '
+          f'T5X writer writes local directories. Set it False and run python -m upcycle.export '
+          f'into a local directory after the run.')
 
 
 def _host_batch_size(config: TrainConfig) -> int:
@@ -168,6 +183,16 @@ class Trainer:
     return evaluation.evaluate(eval_step, params, self.eval_data,
                                batch_size=self.host_batch_size, mesh=self.mesh,
                                max_batches=self.config.eval_batches, seed=self.config.seed)
+
+  def _export_t5x(self, checkpoint_dir: str, step: int) -> None:
+    """Writes MODEL_DIR/t5x/checkpoint_<step> from the saved `step` (process 0; the others
+    wait for it); an existing export (a restarted finished run) is kept."""
+    if jax.process_index() == 0:
+      try:
+        export.export(checkpoint_dir, os.path.join(self.config.model_dir, T5X_DIR), step=step)
+      except export.AlreadyExported as e:
+        log.info('T5X export kept: %s', e)
+    host_states.wait_for_all_hosts('t5x export', EXPORT_TIMEOUT_SECONDS)
 
   def run(self, on_start: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
     """Trains to `train_steps`, holding MODEL_DIR (run_lock.py) for the whole run.
@@ -270,5 +295,7 @@ class Trainer:
       manager.wait()
       manager.close()
       logger.close()
+    if cfg.export_t5x and (resumed or start < cfg.train_steps):   # else no step was saved
+      self._export_t5x(manager.directory, max(start, cfg.train_steps))
     return {'history': history, 'eval': eval_results, 'initial_eval': initial_eval,
             'start_step': start, 'state': state}

@@ -1,0 +1,154 @@
+"""Export a training run of ours to T5X's native checkpoint layout.
+
+  python -m upcycle.export --model_dir=/tmp/moe --output_dir=/tmp/moe_t5x \\
+    [--step=N] [--no_optimizer_state]
+
+--model_dir is the run's MODEL_DIR (or the directory holding its `<step>/` checkpoints,
+MODEL_DIR/checkpoints); --step defaults to the latest finished step. Written:
+OUTPUT_DIR/checkpoint_<step>/ as T5X's `Checkpointer.save` writes it (`checkpoints/t5x_writer.py`):
+the parameters under `optimizer/target` in Flaxformer's (MoE) names, and
+
+  - a run trained with `optimizers.T5XAdafactor`: its slots as T5X's `state/param_states`
+    (`{<param path>: {v_row, v_col, v, m}}`, the same layout) and `state/step` = the state's
+    count, the step T5X's Adafactor runs on (the run's step unless the run's state says
+    otherwise; the directory is named after it);
+  - any other optimizer (optax Adafactor, AdamW, ...): the parameters only, with the run's step,
+    said in one log line: T5X could not use those slots (restore with
+    `fallback_to_scratch`, README "Restoring in T5X"). So does --no_optimizer_state.
+
+The checkpoint is read one leaf at a time (lazy leaves), so memory holds one array. The run is
+only read; an output inside its checkpoint directory, or an existing
+OUTPUT_DIR/checkpoint_<step>, is refused before anything is written. The T5X writer writes
+local directories: export there, then copy to gs:// (`gcloud storage cp -r`). The trainer
+exports its final step the same way with `TrainConfig.export_t5x` (MODEL_DIR/t5x/).
+"""
+
+import argparse
+import logging
+import os
+import sys
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import numpy as np
+
+from upcycle import checkpoints, console, tree
+from upcycle.checkpoints import adafactor_state, orbax, paths, t5x_writer
+
+log = logging.getLogger('upcycle.export')   # by name: under python -m, __name__ is __main__
+
+
+class ExportError(ValueError):
+  """An export refused before anything was written."""
+
+
+class AlreadyExported(ExportError):
+  """OUTPUT_DIR/checkpoint_<step> exists already (exports never overwrite)."""
+
+
+def run_steps(model_dir: str) -> Tuple[str, Dict[int, str]]:
+  """(the directory holding the run's step directories, {step: step directory})."""
+  model_dir = paths.absolute(model_dir)
+  for root in (os.path.join(model_dir, orbax.RUN_CHECKPOINTS), model_dir):
+    steps = orbax.finished_steps(root)
+    if steps:
+      return root, steps
+  raise ExportError(
+      f'{model_dir}: no finished checkpoint of a run here. Expected '
+      f'{orbax.RUN_CHECKPOINTS}/<step>/ (as the trainer writes) or <step>/ directories, found '
+      f'{paths.listdir(model_dir)[:10] or "nothing"}. Fix: pass the run\'s MODEL_DIR as '
+      f'--model_dir.')
+
+
+def t5x_param_states(optimizer_state, params: Mapping) -> Optional[dict]:
+  """T5X's `param_states` (the stored, lazy leaves) when the run's stored optimizer state is
+  `optimizers.T5XAdafactor`'s (`{'count', 'param_states': {<param path>: {v_row, v_col, v,
+  m}}}` for exactly the params), else None."""
+  if not (isinstance(optimizer_state, Mapping) and
+          set(optimizer_state) == {'count', 'param_states'}):
+    return None
+  stored = tree.flatten(optimizer_state['param_states'])
+  wanted = [f'{path}/{slot}' for path in tree.flatten(params) for slot in adafactor_state.SLOTS]
+  if set(stored) != set(wanted):
+    return None
+  return tree.unflatten({key: stored[key] for key in wanted})
+
+
+def _check_output(output_dir: str, root: str) -> None:
+  if paths.is_url(output_dir):
+    raise ExportError(f'--output_dir={output_dir}: the T5X writer writes local directories. '
+                      f'Fix: export to a local directory, then copy it (gcloud storage cp -r).')
+  if not paths.is_url(root):
+    out, source = os.path.realpath(output_dir), os.path.realpath(root)
+    if os.path.commonpath([out, source]) == source:
+      raise ExportError(f'--output_dir={output_dir} lies inside the run\'s checkpoints '
+                        f'{source}, which are never written to. Fix: choose a directory '
+                        f'outside it (the trainer uses MODEL_DIR/t5x).')
+
+
+def export(model_dir: str, output_dir: str, step: Optional[int] = None,
+           optimizer_state: bool = True) -> str:
+  """Writes step `step` (default: the latest) of the run in `model_dir` as
+  `output_dir/checkpoint_<step>/` in T5X's layout (module docstring); returns that directory.
+
+  Raises:
+    ExportError: no finished checkpoint in `model_dir`, no step `step`, an output inside the
+      run's checkpoints or on gs://; AlreadyExported: the output step exists.
+  """
+  root, steps = run_steps(model_dir)
+  output_dir = paths.absolute(output_dir)
+  _check_output(output_dir, root)
+  step = max(steps) if step is None else int(step)
+  if step not in steps:
+    raise ExportError(f'{root}: no finished checkpoint for step {step}; the run has steps '
+                      f'{sorted(steps)}. Fix: pass one of them as --step, or none for the '
+                      f'latest ({max(steps)}).')
+  ckpt = checkpoints.load(steps[step], format='orbax', lazy=True)
+  slots = t5x_param_states(ckpt.optimizer_state, ckpt.params)
+  out_step = step
+  if not optimizer_state:
+    log.info('Exporting the parameters only (no optimizer state asked for).')
+  elif slots is None:
+    what = ('has no optimizer state' if ckpt.optimizer_state is None else
+            "holds an optimizer state that is not optimizers.T5XAdafactor's, whose slots T5X "
+            "could not use")
+    log.info('%s %s: exporting the parameters only.', ckpt.path, what)
+  else:
+    out_step = int(np.asarray(ckpt.optimizer_state['count']))
+    if out_step != step:
+      log.info("Run step %d: T5X's Adafactor runs on state/step, so the export is at the "
+               "optimizer state's count, %d.", step, out_step)
+  target = os.path.join(output_dir, f'checkpoint_{out_step}')
+  if os.path.exists(target):
+    raise AlreadyExported(f'{target} already exists; an export never overwrites. Fix: delete '
+                          f'it, or pass another --output_dir.')
+  written = t5x_writer.write(output_dir, out_step, ckpt.params,
+                             slots if optimizer_state else None)
+  log.info('Wrote %s (T5X, step %d%s).', written, out_step,
+           ', with T5X Adafactor state' if optimizer_state and slots is not None else '')
+  return written
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  console.show_progress()
+  parser = argparse.ArgumentParser(
+      prog='python -m upcycle.export', description=__doc__, allow_abbrev=False,
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--model_dir', required=True,
+                      help="the run's MODEL_DIR (or its checkpoints/ directory)")
+  parser.add_argument('--step', type=int, default=None, help='default: the latest step')
+  parser.add_argument('--output_dir', required=True,
+                      help='T5X model directory; checkpoint_<step>/ is written into it')
+  parser.add_argument('--no_optimizer_state', action='store_true',
+                      help='parameters only, also for a T5XAdafactor run')
+  args = parser.parse_args(argv)
+  try:
+    export(args.model_dir, args.output_dir, args.step, not args.no_optimizer_state)
+  except (ExportError, checkpoints.CheckpointError) as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
