@@ -1,7 +1,14 @@
 """Test session setup: 8 simulated CPU devices, so sharding tests can build real meshes, and
-session fixtures: tiny HuggingFace T5 v1.1 and ViT checkpoints, built and saved once."""
+session fixtures: tiny HuggingFace T5 v1.1 and ViT checkpoints, built and saved once, and a
+local GCS emulator."""
 
+import json
 import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 
 import pytest
 
@@ -62,3 +69,31 @@ def hf_vit(tmp_path_factory):
   model.save_pretrained(directory)
   return directory, model
 
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture(scope='session')
+def gcs_emulator():
+  """The environment that points tensorstore and etils.epath (through gcsfs) at a GCS emulator
+  (tests/gcs_emulator.py) on 127.0.0.1 holding an empty bucket `bucket`, for the session."""
+  url = f'http://127.0.0.1:{_free_port()}'
+  server = subprocess.Popen(
+      [sys.executable, os.path.join(os.path.dirname(__file__), 'gcs_emulator.py'),
+       url.rsplit(':', 1)[1]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  for _ in range(100):
+    try:
+      urllib.request.urlopen(urllib.request.Request(
+          f'{url}/storage/v1/b', data=json.dumps({'name': 'bucket'}).encode(),
+          headers={'Content-Type': 'application/json'}))
+      break
+    except OSError:
+      time.sleep(0.1)
+  yield {'STORAGE_EMULATOR_HOST': url, 'TENSORSTORE_GCS_HTTP_URL': url,
+         'GOOGLE_AUTH_TOKEN_FOR_TESTING': 'emulator', 'EPATH_USE_TF': 'false'}
+  server.terminate()
+  server.wait()

@@ -223,3 +223,84 @@ def test_a_later_conversion_removes_what_killed_ones_left(source, tmp_path, caps
   assert f'Removed {stale}, left by a killed conversion (pid {pid} on host' in printed.out
   assert f'Note: {unowned} was left by a conversion that recorded no owner' in printed.err
   assert sorted(os.listdir(tmp_path)) == ['.moe.converting-unknown', 'moe']
+
+
+def _convert_on_gcs(source_dir: str, gin_file: str, out: str) -> None:
+  """Run in a subprocess pointed at the GCS emulator (this test process's etils.epath may use
+  TensorFlow's GCS client, which cannot be redirected): conversions into gs://bucket/moe and
+  gs://bucket/moe_t5x, each refusal, and what the project's readers read back, into `out`."""
+  import contextlib  # pylint: disable=g-import-not-at-top
+  import io  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  from upcycle.checkpoints import gcs  # pylint: disable=g-import-not-at-top
+  from upcycle.train.gcs_lock import GcsLock  # pylint: disable=g-import-not-at-top
+  runs = []
+
+  def run(output_dir, *extra):
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+      code = convert.main(['--source', source_dir, '--gin_file', gin_file, '--output_dir',
+                           output_dir, '--experts', DROP, '--seed', '3', *extra])
+    runs.append([code, printed.getvalue()])
+
+  with GcsLock('gs://bucket/.moe.converting.lock'):
+    run('gs://bucket/moe')                                 # 0: another conversion is running
+  killed = {'host': 'elsewhere', 'pid': 1, 'since': 'then', 'heartbeat': time.time() - 3600}
+  gcs.write_bytes('gs://bucket/.moe.converting.lock', json.dumps(killed).encode())
+  gcs.write_bytes('gs://bucket/.moe.converting-1700000000-4242/6/params/_METADATA', b'{}')
+  gcs.write_bytes('gs://bucket/.moe.converting-x.converting-1-2/6/_METADATA', b'{}')  # not ours
+  gcs.write_bytes('gs://bucket/moe/notes.txt', b'mine')
+  run('gs://bucket/moe')                                 # 1: exists
+  run('gs://bucket/moe', '--overwrite')                  # 2: takes the lock over, cleans, replaces
+  run('gs://bucket/moe_t5x', '--output_format', 't5x')   # 3
+  arrays = {}
+  for name, url in (('orbax', 'gs://bucket/moe'), ('t5x', 'gs://bucket/moe_t5x')):
+    ckpt = checkpoints.load(url)
+    runs.append([ckpt.format, ckpt.step, ckpt.path])
+    arrays.update({f'{name}/{k}': np.asarray(v) for k, v in tree.flatten(ckpt.params).items()})
+  arrays['t5x_msgpack'] = np.frombuffer(
+      gcs.read_bytes('gs://bucket/moe_t5x/checkpoint_6/checkpoint'), np.uint8)
+  np.savez(os.path.join(out, 'gcs.npz'), **arrays)
+  listing = {'moe': gcs.names('gs://bucket/moe'), 'hidden': gcs.names_starting_with(
+      'gs://bucket/.moe')}
+  with open(os.path.join(out, 'gcs.json'), 'w') as f:
+    json.dump({'runs': runs, 'listing': listing, 'pid': os.getpid()}, f)
+
+
+def test_gcs_output_equals_the_local_one_and_is_refused_and_cleaned_alike(
+    source, tmp_path, gcs_emulator):
+  env = {**os.environ, **gcs_emulator}   # the same XLA_FLAGS: initializers' values are exact
+  code = ('import sys; from tests.test_convert import _convert_on_gcs; '
+          '_convert_on_gcs(*sys.argv[1:])')
+  done = subprocess.run([sys.executable, '-c', code, source['dir'], source['gin'], str(tmp_path)],
+                        cwd=REPO, env=env, capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr[-3000:]
+  report = json.load(open(tmp_path / 'gcs.json'))
+  runs = report['runs']
+  assert [code for code, _ in runs[:4]] == [1, 1, 0, 0], runs
+  assert ('error: another conversion into gs://bucket/moe is running: '
+          f"gs://bucket/.moe.converting.lock is held by pid {report['pid']} on host") in runs[0][1]
+  assert 'gs://bucket/moe already exists and is not empty' in runs[1][1]
+  assert ('Taking over gs://bucket/.moe.converting.lock from pid 1 on host elsewhere, since then: '
+          'its last heartbeat was') in runs[2][1]
+  assert ('Removed gs://bucket/.moe.converting-1700000000-4242, left by a killed conversion.'
+          in runs[2][1])
+  assert 'Wrote gs://bucket/moe/6.' in runs[2][1]
+  assert 'Wrote gs://bucket/moe_t5x/checkpoint_6.' in runs[3][1]
+  assert runs[4:] == [['orbax', 6, 'gs://bucket/moe/6'],
+                      ['t5x', 6, 'gs://bucket/moe_t5x/checkpoint_6']]
+  assert report['listing']['moe'] and all(n.startswith('6/') for n in report['listing']['moe'])
+  assert report['listing']['hidden'] == [   # no work directory, no lock left
+      'gs://bucket/.moe.converting-x.converting-1-2/6/_METADATA']
+
+  remote = np.load(tmp_path / 'gcs.npz')
+  for name, out, extra in (('orbax', 'moe', []), ('t5x', 'moe_t5x', ['--output_format', 't5x'])):
+    assert _main(source, tmp_path / out, '--experts', DROP, '--seed', '3', *extra) == 0
+    local = tree.flatten(checkpoints.load(str(tmp_path / out)).params)
+    got = {k[len(name) + 1:]: remote[k] for k in remote.files if k.startswith(name + '/')}
+    assert got.keys() == local.keys()
+    for path, x in local.items():
+      np.testing.assert_array_equal(got[path], np.asarray(x), err_msg=path)
+      assert got[path].dtype == np.asarray(x).dtype, path
+  msgpack = open(tmp_path / 'moe_t5x' / 'checkpoint_6' / 'checkpoint', 'rb').read()
+  assert remote['t5x_msgpack'].tobytes() == msgpack

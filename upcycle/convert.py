@@ -36,6 +36,18 @@ directories whose lock no live process holds (left by killed conversions, said o
 console), refuses to start while another conversion into it is running, and lists (without
 deleting) hidden directories that have no lock file. --dry_run prints the plan
 (the upcycling report) and writes nothing.
+
+OUTPUT_DIR may be gs://BUCKET/PATH. GCS has no rename and no OS locks, so there: one lock object
+`.OUTPUT_DIR.converting.lock` beside it (train/gcs_lock.py: created only if absent, with a
+heartbeat; a dead holder's is taken over at once on its own host, elsewhere after 5 minutes)
+is held for the whole conversion, and its holder deletes the hidden work directories it finds
+(only a holder writes one, so they are a killed conversion's). Everything is written into a
+hidden `.OUTPUT_DIR.converting-<time>-<pid>/`, then copied object by object into OUTPUT_DIR
+(an old output is deleted just before) with the files that mark a step complete last (orbax's
+`<step>/commit_success.txt`, T5X's `checkpoint_<step>/checkpoint`; checkpoints/gcs.py), and
+the work directory deleted. Readers (ours, orbax's, T5X's) see no step until its marker
+exists, so a killed conversion leaves nothing that looks valid; one killed while copying
+leaves an OUTPUT_DIR without markers (refused as non-empty: rerun with --overwrite).
 """
 
 import argparse
@@ -43,21 +55,26 @@ import ast
 import glob
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
-from typing import Any, List, Mapping, Optional, Union
+import time
+from typing import Any, Callable, List, Mapping, Optional, Union
 
 from upcycle import checkpoints, console, file_lock, gin_utils, pretrained
-from upcycle.checkpoints import t5x_writer
+from upcycle.checkpoints import gcs, paths, t5x_writer, zarr_leaf
 from upcycle.models import T5Config, ViTConfig, abstract_params
+from upcycle.train.gcs_lock import STALE_SECONDS, GcsLock
 from upcycle.upcycling import experts as experts_lib
 from upcycle.upcycling import routers as routers_lib
 from upcycle.upcycling import step_policy, stream
 from upcycle.upcycling.report import UpcycleReport
 from upcycle.upcycling.surgery import make_plan
 
-log = logging.getLogger(__name__)
+# Named, not __name__: under `python -m upcycle.convert` this module is __main__, whose records
+# console.show_progress (the `upcycle` loggers) would not show.
+log = logging.getLogger('upcycle.convert')
 
 MODEL_MACRO = 'MODEL'
 OUTPUT_FORMATS = ('orbax', 't5x')
@@ -110,18 +127,42 @@ def _inside(path: str, directory: str) -> bool:
   return os.path.commonpath([path, directory]) == directory
 
 
+def _touches_source(output_dir: str, src: str) -> ConvertError:
+  return ConvertError(
+      f'--output_dir={output_dir} is, contains or lies inside the source {src}; the source '
+      f'is never written to. Fix: choose an output directory outside it.')
+
+
+def _exists_refusal(output_dir: str) -> ConvertError:
+  return ConvertError(f'--output_dir={output_dir} already exists and is not empty. Fix: '
+                      f'choose another directory, or pass --overwrite to replace it.')
+
+
 def check_paths(source: str, resolved: str, output_dir: str, overwrite: bool) -> None:
   """Refuses outputs that touch the source, and existing outputs without `overwrite`."""
+  if paths.is_url(output_dir):
+    return _check_url_paths(source, resolved, output_dir, overwrite)
   out = os.path.realpath(output_dir)
   for src in {os.path.realpath(source), os.path.realpath(resolved)}:
     if out == src or _inside(src, out) or (os.path.isdir(src) and _inside(out, src)):
-      raise ConvertError(
-          f'--output_dir={output_dir} is, contains or lies inside the source {src}; the source '
-          f'is never written to. Fix: choose an output directory outside it.')
+      raise _touches_source(output_dir, src)
   if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
     if not overwrite:
-      raise ConvertError(f'--output_dir={output_dir} already exists and is not empty. Fix: '
-                         f'choose another directory, or pass --overwrite to replace it.')
+      raise _exists_refusal(output_dir)
+
+
+def _check_url_paths(source: str, resolved: str, output_dir: str, overwrite: bool) -> None:
+  """check_paths for a gs:// output: prefixes instead of real paths; placeholders are empty."""
+  where = zarr_leaf.split_gcs(output_dir)
+  if not where or not where[1]:
+    raise ConvertError(f'--output_dir={output_dir}: an output URL must be gs://BUCKET/PATH (a '
+                       f'path inside a bucket). Fix: e.g. --output_dir=gs://BUCKET/moe.')
+  for src in {paths.absolute(source), paths.absolute(resolved)}:
+    if paths.is_url(src) and (src == output_dir or src.startswith(output_dir + '/') or
+                              output_dir.startswith(src + '/')):
+      raise _touches_source(output_dir, src)
+  if not overwrite and gcs.has_content(output_dir):
+    raise _exists_refusal(output_dir)
 
 
 def _work_prefix(output_dir: str) -> str:
@@ -180,6 +221,90 @@ def _replace(tmp: str, output_dir: str) -> None:
     shutil.rmtree(old)
 
 
+def _convert_locally(output_dir: str, write: Callable[[str], None]) -> None:
+  """`write(work_dir)`, then `work_dir` renamed to `output_dir` (see the module doc)."""
+  parent = os.path.dirname(output_dir)
+  os.makedirs(parent, exist_ok=True)
+  clean_leftovers(output_dir)
+  tmp = tempfile.mkdtemp(prefix=os.path.basename(_work_prefix(output_dir)), dir=parent)
+  lock = file_lock.FileLock(tmp + '.lock').acquire()
+  try:
+    write(tmp)
+    _replace(tmp, output_dir)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  finally:
+    os.remove(lock.path)
+    lock.release()
+
+
+# gs:// outputs (the module doc): one lock object per output, work directories, the copy into
+# place with the completion markers last.
+
+def _gcs_sibling(output_dir: str, suffix: str) -> str:
+  parent, name = output_dir.rsplit('/', 1)
+  return f'{parent}/.{name}.converting{suffix}'
+
+
+def _lock_gcs(output_dir: str) -> GcsLock:
+  try:
+    return GcsLock(_gcs_sibling(output_dir, '.lock')).acquire()
+  except file_lock.LockHeld as held:
+    raise ConvertError(f'another conversion into {output_dir} is running: {held} Fix: wait for '
+                       f'it to finish, or choose another --output_dir.') from None
+
+
+def clean_gcs_leftovers(output_dir: str) -> None:
+  """Deletes the work directories of killed conversions into gs:// `output_dir`; the caller
+  holds its lock (`_lock_gcs`). Only `<time>-<pid>` names: `.moe.converting-x.converting-*`
+  belongs to an output named `moe.converting-x`."""
+  prefix = _gcs_sibling(output_dir, '-')
+  ids = {url[len(prefix):].split('/', 1)[0] for url in gcs.names_starting_with(prefix)}
+  for work in sorted(prefix + i for i in ids if re.fullmatch(r'\d+-\d+', i)):
+    gcs.delete_tree(work)
+    log.info('Removed %s, left by a killed conversion.', work)
+
+
+def _replace_gcs(work: str, output_dir: str, lock: GcsLock) -> None:
+  """Copies `work` to `output_dir` (markers last), an old output deleted first, then `work`."""
+  if not lock.still_held():
+    raise ConvertError(
+        f'{lock.url} was taken over by another conversion while this one wrote {work} (its '
+        f'heartbeat had been silent for over {STALE_SECONDS:.0f}s); {output_dir} was left as it '
+        f'was. Fix: run the conversion again once the other one has finished.')
+  if gcs.names(output_dir) or gcs.is_object(output_dir):
+    gcs.delete_tree(output_dir)
+  gcs.copy_tree(work, output_dir)
+  gcs.delete_tree(work)
+
+
+def _delete_quietly(work: str) -> None:
+  try:
+    gcs.delete_tree(work)
+  except Exception as e:  # pylint: disable=broad-except  (the error being raised matters more)
+    log.warning('Could not delete %s (%s); the next conversion into the same output deletes '
+                'it.', work, e)
+
+
+def _convert_into_gcs(output_dir: str, write: Callable[[str], None], overwrite: bool) -> None:
+  """`write(work_dir)` into a gs:// work directory, then copied into place (see above)."""
+  lock = _lock_gcs(output_dir)
+  try:
+    if not overwrite and gcs.has_content(output_dir):  # written since check_paths looked
+      raise _exists_refusal(output_dir)
+    clean_gcs_leftovers(output_dir)
+    work = _gcs_sibling(output_dir, f'-{int(time.time())}-{os.getpid()}')
+    try:
+      write(work)
+      _replace_gcs(work, output_dir, lock)
+    except BaseException:
+      _delete_quietly(work)
+      raise
+  finally:
+    lock.release()
+
+
 def convert(source: str, model_config: Union[T5Config, ViTConfig], output_dir: str, *,
             format: Optional[str] = None,  # pylint: disable=redefined-builtin
             experts: Any = 'copy', router: Any = 'normal', seed: int = 0,
@@ -192,7 +317,7 @@ def convert(source: str, model_config: Union[T5Config, ViTConfig], output_dir: s
   CheckpointError (unreadable source) or ValueError (surgery mismatches) before
   anything is written.
   """
-  output_dir = os.path.abspath(os.fspath(output_dir))
+  output_dir = paths.absolute(output_dir)
   if output_format not in OUTPUT_FORMATS:
     raise ConvertError(f'--output_format={output_format!r}: expected one of {OUTPUT_FORMATS}.')
   try:
@@ -211,24 +336,17 @@ def convert(source: str, model_config: Union[T5Config, ViTConfig], output_dir: s
   if dry_run:
     log.info('Dry run: nothing written.')
     return plan.report()
-  parent = os.path.dirname(output_dir)
-  os.makedirs(parent, exist_ok=True)
-  clean_leftovers(output_dir)
-  tmp = tempfile.mkdtemp(prefix=os.path.basename(_work_prefix(output_dir)), dir=parent)
-  lock = file_lock.FileLock(tmp + '.lock').acquire()
-  try:
+  def write(work: str) -> None:
     leaves = stream.leaves(plan, ckpt.params, seed)
     if output_format == 't5x':
-      t5x_writer.write(tmp, plan.step, leaves)
+      t5x_writer.write(work, plan.step, leaves)
     else:
-      stream.write(tmp, plan.step, leaves)
-    _replace(tmp, output_dir)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
-  finally:
-    os.remove(lock.path)
-    lock.release()
+      stream.write(work, plan.step, leaves)
+
+  if paths.is_url(output_dir):
+    _convert_into_gcs(output_dir, write, overwrite)
+  else:
+    _convert_locally(output_dir, write)
   log.info('Wrote %s/%s.', output_dir, written)
   return plan.report()
 

@@ -1,5 +1,6 @@
 """MODEL_DIR on gs://, for real against a local GCS emulator (gcp-storage-emulator on 127.0.0.1,
-with the generation header tensorstore needs: gcs_emulator.py).
+with the fixes tensorstore needs: tests/gcs_emulator.py; the session fixture `gcs_emulator` of
+tests/conftest.py starts it).
 
 What is pointed at the emulator: tensorstore's GCS driver (TENSORSTORE_GCS_HTTP_URL: checkpoint
 arrays, the run lock) and etils.epath through gcsfs (STORAGE_EMULATOR_HOST, with
@@ -23,53 +24,25 @@ import pytest
 from tests.train.test_training import REPO, _train_command
 
 
-
-def _port():
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
-
-
-@pytest.fixture(scope='module')
-def emulator(tmp_path_factory):
-  port = _port()
-  url = f'http://127.0.0.1:{port}'
-  server = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__),
-                                                         'gcs_emulator.py'), str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  for _ in range(100):
-    try:
-      urllib.request.urlopen(urllib.request.Request(
-          f'{url}/storage/v1/b', data=json.dumps({'name': 'bucket'}).encode(),
-          headers={'Content-Type': 'application/json'}))
-      break
-    except OSError:
-      time.sleep(0.1)
-  env = {'STORAGE_EMULATOR_HOST': url, 'TENSORSTORE_GCS_HTTP_URL': url,
-         'GOOGLE_AUTH_TOKEN_FOR_TESTING': 'emulator', 'EPATH_USE_TF': 'false'}
-  yield env
-  server.terminate()
-  server.wait()
-
-
-def _env(emulator):
-  return {**os.environ, **emulator,
+def _env(gcs_emulator):
+  return {**os.environ, **gcs_emulator,
           'XLA_FLAGS': '--xla_force_host_platform_device_count=1 '
                        '--xla_backend_optimization_level=0'}
 
 
-def _object(emulator, url: str, media: bool = False) -> bytes:
+def _object(gcs_emulator, url: str, media: bool = False) -> bytes:
   """The object at gs://`url` through the emulator's JSON API, from this test's own process
   (whose etils.epath may already use TensorFlow's GCS client, which cannot be redirected)."""
   bucket, _, name = url[len('gs://'):].partition('/')
   query = '?alt=media' if media else ''
-  return urllib.request.urlopen(f"{emulator['STORAGE_EMULATOR_HOST']}/storage/v1/b/{bucket}/o/"
+  host = gcs_emulator['STORAGE_EMULATOR_HOST']
+  return urllib.request.urlopen(f"{host}/storage/v1/b/{bucket}/o/"
                                 f"{urllib.parse.quote(name, safe='')}{query}").read()
 
 
-def _exists(emulator, url: str) -> bool:
+def _exists(gcs_emulator, url: str) -> bool:
   try:
-    _object(emulator, url)
+    _object(gcs_emulator, url)
     return True
   except urllib.error.HTTPError as e:
     if e.code == 404:
@@ -77,12 +50,13 @@ def _exists(emulator, url: str) -> bool:
     raise
 
 
-def _rows(emulator, url):
-  return [json.loads(line) for line in _object(emulator, url, media=True).decode().splitlines()]
+def _rows(gcs_emulator, url):
+  text = _object(gcs_emulator, url, media=True).decode()
+  return [json.loads(line) for line in text.splitlines()]
 
 
-def test_the_run_lock_on_gcs(emulator, monkeypatch):
-  for k, v in emulator.items():
+def test_the_run_lock_on_gcs(gcs_emulator, monkeypatch):
+  for k, v in gcs_emulator.items():
     monkeypatch.setenv(k, v)
   from upcycle.file_lock import LockHeld  # pylint: disable=g-import-not-at-top
   from upcycle.train.gcs_lock import GcsLock  # pylint: disable=g-import-not-at-top
@@ -101,8 +75,8 @@ def test_the_run_lock_on_gcs(emulator, monkeypatch):
   taken.release()
 
 
-def test_train_kill_resume_and_inspect_on_gcs(tmp_path, emulator):
-  env = _env(emulator)
+def test_train_kill_resume_and_inspect_on_gcs(tmp_path, gcs_emulator):
+  env = _env(gcs_emulator)
   local, remote = tmp_path / 'local', 'gs://bucket/run'
   extra = ['--gin.trainer.TrainConfig.tensorboard=False']
   subprocess.run(_train_command(local, 8) + extra, cwd=REPO, env=env, check=True,
@@ -112,7 +86,7 @@ def test_train_kill_resume_and_inspect_on_gcs(tmp_path, emulator):
                           stdout=log, stderr=subprocess.STDOUT)
   deadline = time.time() + 300
   while time.time() < deadline and proc.poll() is None:
-    if _exists(emulator, f'{remote}/checkpoints/4/commit_success.txt'):
+    if _exists(gcs_emulator, f'{remote}/checkpoints/4/commit_success.txt'):
       proc.send_signal(signal.SIGKILL)
       break
     time.sleep(0.2)
@@ -125,12 +99,12 @@ def test_train_kill_resume_and_inspect_on_gcs(tmp_path, emulator):
   assert 'Resuming from gs://bucket/run/checkpoints at step 4' in done.stdout + done.stderr
   expected = {r['step']: r['loss'] for r in map(json.loads, open(local / 'metrics.jsonl'))
               if r['split'] == 'train'}
-  resumed = [r for r in _rows(emulator, f'{remote}/metrics.jsonl') if r['split'] == 'train']
+  resumed = [r for r in _rows(gcs_emulator, f'{remote}/metrics.jsonl') if r['split'] == 'train']
   assert [r['step'] for r in resumed] == list(range(1, 9))
   assert {r['step']: r['loss'] for r in resumed} == expected
-  assert _exists(emulator, f'{remote}/config.gin')
-  assert _exists(emulator, f'{remote}/operative_config.gin')
-  assert not _exists(emulator, f'{remote}/run.lock')
+  assert _exists(gcs_emulator, f'{remote}/config.gin')
+  assert _exists(gcs_emulator, f'{remote}/operative_config.gin')
+  assert not _exists(gcs_emulator, f'{remote}/run.lock')
   info = subprocess.run([sys.executable, '-m', 'upcycle.inspect', f'{remote}/checkpoints',
                          '--json', '--verify'], cwd=REPO, env=env, capture_output=True, text=True)
   assert info.returncode == 0, info.stderr[-3000:]

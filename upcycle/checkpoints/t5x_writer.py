@@ -18,7 +18,10 @@ the msgpack (T5X reads either form for any leaf). Leaves may be `LazyArray`s: ea
 written and dropped in turn, so memory holds one leaf at a time.
 
 The step directory is written as `checkpoint_<step>.tmp-<time>` and renamed when complete
-(T5X's own convention), so readers never see a partial checkpoint.
+(T5X's own convention), so readers never see a partial checkpoint. On gs:// (no rename) it is
+written in place and the `checkpoint` msgpack last: T5X (`checkpoints.all_steps`) and this
+project's reader take a step to exist only once that file does. The zarr specs stay relative
+(`'driver': 'file'`), as T5X resolves them against the checkpoint's own location (gcs there).
 """
 
 import os
@@ -30,7 +33,7 @@ import numpy as np
 import tensorstore as ts
 
 from upcycle import tree
-from upcycle.checkpoints import adafactor_state
+from upcycle.checkpoints import adafactor_state, gcs, paths, zarr_leaf
 
 VERSION = 3
 CHUNK_BYTES = 64 * 2**20   # T5X's _DESIRED_CHUNK_SIZE_BYTES
@@ -76,8 +79,8 @@ def _write_leaf(directory: str, path: str, leaf: Any) -> Any:
   if _inline(array):
     return array
   leaf_spec = spec(path, array.shape, array.dtype)
-  absolute = {**leaf_spec, 'kvstore': {'driver': 'file', 'path': os.path.join(
-      directory, leaf_spec['kvstore']['path'])}}
+  absolute = {**leaf_spec,
+              'kvstore': zarr_leaf.kvstore_for(directory, leaf_spec['kvstore']['path'])}
   store = ts.open(absolute, create=True, open=False).result()
   store.write(array).result()
   return leaf_spec
@@ -105,6 +108,8 @@ def write(model_dir: str, step: int, params: Mapping[str, Any],
   Raises:
     FileExistsError: `checkpoint_<step>` exists already (nothing is written).
   """
+  if paths.is_url(model_dir):
+    return _write_gcs(paths.absolute(model_dir), step, params, param_states)
   model_dir = os.path.abspath(os.fspath(model_dir))
   final = os.path.join(model_dir, f'checkpoint_{int(step)}')
   if os.path.exists(final):
@@ -112,13 +117,33 @@ def write(model_dir: str, step: int, params: Mapping[str, Any],
                           f'Fix: write another step or into another model directory.')
   tmp = f'{final}.tmp-{int(time.time())}-{os.getpid()}'
   os.makedirs(tmp)
-  state = {'target': params,
-           'state': {'step': np.int32(step), 'param_states': param_states or {}}}
-  written = _encode(state, '', tmp)
-  data = flax.serialization.msgpack_serialize({'version': VERSION, 'optimizer': written})
+  data = _serialize(tmp, step, params, param_states)
   with open(os.path.join(tmp, CHECKPOINT_FILE), 'wb') as f:
     f.write(data)
   os.rename(tmp, final)
+  return final
+
+
+def _serialize(directory: str, step: int, params: Mapping[str, Any],
+               param_states: Optional[Mapping[str, Any]]) -> bytes:
+  """Writes the array leaves under `directory`; returns the `checkpoint` msgpack."""
+  state = {'target': params,
+           'state': {'step': np.int32(step), 'param_states': param_states or {}}}
+  written = _encode(state, '', directory)
+  return flax.serialization.msgpack_serialize({'version': VERSION, 'optimizer': written})
+
+
+def _write_gcs(model_dir: str, step: int, params: Mapping[str, Any],
+               param_states: Optional[Mapping[str, Any]]) -> str:
+  """`write` on gs://: in place, the `checkpoint` file (the step's marker) last."""
+  final = f'{model_dir}/checkpoint_{int(step)}'
+  if gcs.has_content(final):
+    unfinished = ('' if gcs.is_object(f'{final}/{CHECKPOINT_FILE}') else
+                  f' (it has no {CHECKPOINT_FILE} file: a write that did not finish; delete it '
+                  f'with `gcloud storage rm -r {final}` to write it again)')
+    raise FileExistsError(f'{final} already exists{unfinished}; T5X checkpoints are never '
+                          f'overwritten. Fix: write another step or into another model directory.')
+  gcs.write_bytes(f'{final}/{CHECKPOINT_FILE}', _serialize(final, step, params, param_states))
   return final
 
 

@@ -1,4 +1,5 @@
-"""`GcsLock`: one holder of a gs:// object at a time, with a heartbeat (MODEL_DIR/run.lock).
+"""`GcsLock`: one holder of a gs:// object at a time, with a heartbeat (MODEL_DIR/run.lock, and
+`.OUTPUT.converting.lock` beside a conversion's gs:// output).
 
 GCS has no OS locks. The lock is an object created with the precondition "only if absent"
 (`ifGenerationMatch=0`, what tensorstore's conditional write sends for a missing key), so of two
@@ -97,7 +98,7 @@ class GcsLock:
       log.warning('Taking over %s from %s: %s.', self.url, who, dead)
       self._store.write(self.key, None).result()
     if not self._write(_ABSENT):
-      raise LockHeld(f'{self.url} was taken by another trainer at the same moment.')
+      raise LockHeld(f'{self.url} was taken by another process at the same moment.')
     self._stop.clear()
     self._thread = threading.Thread(target=self._beat, daemon=True, name='gcs-lock-heartbeat')
     self._thread.start()
@@ -107,11 +108,19 @@ class GcsLock:
     while not self._stop.wait(HEARTBEAT_SECONDS):
       try:
         if not self._write(self._generation):
-          log.error('%s was taken over by another trainer: this run no longer holds its '
-                    'MODEL_DIR; stop it.', self.url)
+          log.error('%s was taken over by another process: this one no longer holds it; '
+                    'stop it.', self.url)
           return
       except ValueError as e:
         log.warning('Heartbeat of %s failed (retrying): %s', self.url, e)
+
+  def still_held(self) -> bool:
+    """Whether the object still names this holder (False once another process took it over)."""
+    current = self._store.read(self.key).result()
+    if current.state != 'value':
+      return False
+    record = json.loads(bytes(current.value).decode() or '{}')
+    return all(record.get(k) == self._record[k] for k in ('host', 'pid', 'since'))
 
   def release(self) -> None:
     if self._thread is None:
@@ -127,3 +136,9 @@ class GcsLock:
   @property
   def held(self) -> bool:
     return self._thread is not None
+
+  def __enter__(self) -> 'GcsLock':
+    return self.acquire()
+
+  def __exit__(self, *exc) -> None:
+    self.release()

@@ -51,8 +51,12 @@ def wait_for_all_hosts(name: str, timeout_seconds: int = 600) -> None:
   peer that starts a collective more than 30 s after the others (the context set-up has a fixed
   timeout), which a loaded machine reaches while one process still compiles or reads a
   checkpoint. The trainer waits here before its first collectives.
+
+  JAX has no public call for it (`jax.distributed` exposes initialize / shutdown only, and
+  `multihost_utils.sync_global_devices` is a device collective); orbax's public
+  `multihost.get_barrier_sync_fn` is the coordination client's `wait_at_barrier`.
   """
   if jax.process_count() == 1:
     return
-  from jax._src import distributed  # pylint: disable=g-import-not-at-top
-  distributed.global_state.client.wait_at_barrier(name, timeout_in_ms=timeout_seconds * 1000)
+  from orbax.checkpoint import multihost  # pylint: disable=g-import-not-at-top
+  multihost.get_barrier_sync_fn()(key=name, timeout_ms=timeout_seconds * 1000)
