@@ -88,13 +88,14 @@ def main(argv=None) -> None:
             f'upcycled MoE (E={args.num_experts})': read_metrics(moe)}
   first = lambda m: m['eval'][0]
   last = lambda m: m['eval'][-1]
+  loss = lambda row: f'{row["loss"]:.4f} ± {row["loss_stderr"]:.4f}' if 'loss_stderr' in row else (
+      f'{row["loss"]:.4f}')
   dense_c, moe_m = curves['dense (continued)'], curves[f'upcycled MoE (E={args.num_experts})']
   table = [
       ('', 'dense', 'upcycled MoE'),
-      (f'validation loss at step {args.pretrain_steps} (start)',
-       f'{first(dense_c)["loss"]:.4f}', f'{first(moe_m)["loss"]:.4f}'),
-      (f'validation loss at step {total}', f'{last(dense_c)["loss"]:.4f}',
-       f'{last(moe_m)["loss"]:.4f}'),
+      (f'validation loss ± s.e. at step {args.pretrain_steps} (start)',
+       loss(first(dense_c)), loss(first(moe_m))),
+      (f'validation loss ± s.e. at step {total}', loss(last(dense_c)), loss(last(moe_m))),
       (f'validation accuracy at step {total}', f'{last(dense_c)["accuracy"]:.4f}',
        f'{last(moe_m)["accuracy"]:.4f}'),
       ('train loss, last logged step', f'{dense_c["train"][-1]["loss"]:.4f}',

@@ -49,6 +49,7 @@ def test_tiny_t5_learns_the_offline_span_corruption(dense_t5_run):
   first, last = np.mean(losses(result)[:3]), np.mean(losses(result)[-3:])
   assert last < first - 1.0, (first, last)
   assert 0 < result['eval']['accuracy'] <= 1 and np.isfinite(result['eval']['loss'])
+  assert result['eval']['batches'] == 2 and 0 < result['eval']['loss_stderr'] < 1
   logged = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
   assert [r['step'] for r in logged if r['split'] == 'train'] == list(range(1, 31))
   assert {'loss', 'accuracy', 'learning_rate', 'z_loss', 'grad_norm'} <= set(logged[-2])

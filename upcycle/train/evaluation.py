@@ -3,7 +3,6 @@
 from typing import Dict, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from upcycle.data.iterator import DataIterator
@@ -27,20 +26,40 @@ def global_batch(local: Dict[str, np.ndarray], mesh) -> Dict[str, jax.Array]:
           for k, v in local.items()}
 
 
+def ratio_stderr(numerators: np.ndarray, denominators: np.ndarray) -> float:
+  """Standard error of sum(numerators) / sum(denominators) over `n` batches `[n]`.
+
+  The ratio (delta-method) estimator: sqrt(n / (n - 1) * sum((a_b - R w_b)^2)) / sum(w_b),
+  R the ratio; with equal denominators it is the standard error of the batch means. Batches,
+  not tokens, are the units: tokens of one sequence are not independent. NaN for n < 2.
+  """
+  a, w = np.asarray(numerators, np.float64), np.asarray(denominators, np.float64)
+  n = a.size
+  if n < 2:
+    return float('nan')
+  ratio = a.sum() / w.sum()
+  return float(np.sqrt(n / (n - 1) * np.sum((a - ratio * w) ** 2)) / w.sum())
+
+
 def evaluate(eval_step, params, pipeline, *, batch_size: int, mesh, max_batches: int = 0,
              seed: int = 0) -> Dict[str, float]:
-  """Token (T5) or image (ViT) weighted loss and accuracy; `eval_step` from step.make_eval_step."""
-  totals = None
+  """Token (T5) or image (ViT) weighted loss and accuracy, the loss's standard error over
+  batches (`loss_stderr`, from 2 batches on) and the number of batches; `eval_step` from step.make_eval_step."""
+  per_batch = []
   for batch in host_batches(pipeline, batch_size, max_batches, seed):
-    sums = eval_step(params, global_batch(batch, mesh))
-    totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
-  if totals is None:
+    per_batch.append(eval_step(params, global_batch(batch, mesh)))
+  if not per_batch:
     raise ValueError(f'The validation pipeline {pipeline.describe()} gave no full batch of '
                      f'{batch_size}; lower the batch size.')
-  totals = jax.device_get(totals)
-  weight = max(float(totals['weight_sum']), 1.0)
-  return {'loss': (float(totals['loss']) - float(totals['z_loss'])) / weight,
-          'accuracy': float(totals['correct']) / weight}
+  sums = {k: np.array([float(b[k]) for b in jax.device_get(per_batch)], np.float64)
+          for k in per_batch[0]}
+  losses, weights = sums['loss'] - sums['z_loss'], sums['weight_sum']
+  weight = max(float(weights.sum()), 1.0)
+  metrics = {'loss': float(losses.sum()) / weight,
+             'accuracy': float(sums['correct'].sum()) / weight, 'batches': len(per_batch)}
+  if len(per_batch) > 1:
+    metrics['loss_stderr'] = ratio_stderr(losses, weights)
+  return metrics
 
 
 def linear_fewshot(objective, params, train_pipeline, test_pipeline, *, batch_size: int,
