@@ -24,7 +24,7 @@ COMMON = ['--gin_file=data/offline_span_corruption.gin',
           '--gin.trainer.TrainConfig.log_every=10',
           '--gin.trainer.TrainConfig.checkpoint_every=100',
           '--gin.trainer.TrainConfig.eval_every=50',
-          '--gin.trainer.TrainConfig.eval_batches=8',
+          '--gin.trainer.TrainConfig.eval_batches=0',   # the whole validation split (12 batches)
           '--gin.trainer.TrainConfig.eval_at_start=True']
 
 
