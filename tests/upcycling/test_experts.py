@@ -4,9 +4,11 @@ import jax
 import numpy as np
 import pytest
 
+from upcycle import tree
 from upcycle.upcycling import experts, ffn
 from upcycle.upcycling import sources as sources_lib
 from upcycle.upcycling.sources import most_distant_pair
+from upcycle.upcycling.surgery import make_plan, upcycle
 
 KEY = jax.random.PRNGKey(0)
 
@@ -100,6 +102,97 @@ def test_drop_rejects_bad_arguments():
     experts.Drop(0.5, 'global')
 
 
+def test_layer_position_of_t5_and_vit_paths():
+  assert experts.layer_position('encoder/layers_3/mlp') == ('encoder/layers', 3)
+  assert experts.layer_position('decoder/layers_11/mlp') == ('decoder/layers', 11)
+  assert experts.layer_position('Transformer/encoderblock_5/MlpBlock_0') == (
+      'Transformer/encoderblock', 5)
+
+
+def test_linear_ratio_ramps_over_each_stacks_moe_layers():
+  drop = experts.Drop('linear:0.2:0.8').for_layers(
+      ['decoder/layers_3/mlp', 'decoder/layers_5/mlp', 'encoder/layers_1/mlp',
+       'encoder/layers_11/mlp', 'encoder/layers_3/mlp', 'Transformer/encoderblock_7/MlpBlock_0'])
+  ratios = {layer: drop.ratio_at(layer) for layer in drop.moe_layers}
+  np.testing.assert_allclose(
+      [ratios[f'encoder/layers_{i}/mlp'] for i in (1, 3, 11)], [0.2, 0.32, 0.8])
+  np.testing.assert_allclose([ratios['decoder/layers_3/mlp'], ratios['decoder/layers_5/mlp']],
+                             [0.2, 0.8])
+  assert ratios['Transformer/encoderblock_7/MlpBlock_0'] == 0.2   # a stack's only MoE layer
+  assert repr(drop) == "Drop(ratio='linear:0.2:0.8', index_sharing='shared')"
+
+
+def test_mapping_ratio_by_index_with_paths_overriding():
+  drop = experts.Drop({1: 0.25, 3: 0.5, 'decoder/layers_3/mlp': 0.0})
+  assert drop.ratio_at('encoder/layers_3/mlp') == 0.5
+  assert drop.ratio_at('decoder/layers_3/mlp') == 0.0
+  assert drop.ratio_at('decoder/layers_1/mlp') == 0.25
+
+
+@pytest.mark.parametrize('ratio,expected', [
+    ('linear:0.25:0.75', {0: 0.25, 2: 0.5, 4: 0.75}),
+    ({0: 0.75, 2: 0.0, 4: 0.5}, {0: 0.75, 2: 0.0, 4: 0.5})])
+def test_layerwise_drop_redraws_each_layers_ratio_of_units(ratio, expected, t5, target):
+  d_ff, num_experts = 32, 4
+  dense = t5(d_ff=d_ff, num_layers=5)
+  mlps = [f'encoder/layers_{i}/mlp' for i in expected]
+  params, _ = upcycle(dense, target(dense, mlps, num_experts), experts=experts.Drop(ratio), rng=0)
+  flat, flat_dense = tree.flatten(params), tree.flatten(dense)
+  for i, r in expected.items():
+    wi = np.asarray(flat[f'encoder/layers_{i}/mlp/expert/wi_0/kernel'])  # [E, d_model, d_ff]
+    redrawn = (wi != flat_dense[f'encoder/layers_{i}/mlp/wi_0/kernel'][None]).any(axis=1)
+    np.testing.assert_array_equal(redrawn.sum(1), round(r * d_ff))
+
+
+def test_constant_schedules_are_bit_identical_to_a_float_ratio(t5, target):
+  dense = t5(num_layers=4)
+  tgt = target(dense, ['encoder/layers_1/mlp', 'encoder/layers_3/mlp'], 4)
+  base, _ = upcycle(dense, tgt, experts=experts.Drop(0.25), rng=0)
+  for ratio in ('linear:0.25:0.25', {1: 0.25, 3: 0.25}):
+    same, _ = upcycle(dense, tgt, experts=experts.Drop(ratio), rng=0)
+    jax.tree.map(np.testing.assert_array_equal, same, base)
+  mlp = tree.flatten(dense['encoder']['layers_1']['mlp'])
+  direct = experts.Drop(0.25)(mlp, 4, jax.random.PRNGKey(5), layer='encoder/layers_1/mlp')
+  bound = experts.Drop(0.25).for_layers(['encoder/layers_1/mlp'])(
+      mlp, 4, jax.random.PRNGKey(5), layer='encoder/layers_1/mlp')
+  jax.tree.map(np.testing.assert_array_equal, direct, bound)
+
+
+@pytest.mark.parametrize('ratio,message', [
+    ('linaer:0.2:0.8', r"Drop.ratio='linaer:0.2:0.8': not a schedule. Fix: Drop.ratio is a "
+                       r"float in \[0, 1\], 'linear:R_FIRST:R_LAST'"),
+    ('linear:0.2', r"Drop.ratio='linear:0.2': not a schedule"),
+    ('linear:0.2:x', r"Drop.ratio='linear:0.2:x': not a schedule"),
+    ('linear:0.2:1.5', r"Drop.ratio='linear:0.2:1.5': R_LAST=1.5: must be in \[0, 1\]"),
+    ({}, r'Drop.ratio=\{\}: an empty mapping gives no layer a ratio'),
+    ({-1: 0.2}, r'Drop.ratio=\{-1: 0.2\}: key -1 is neither a layer index'),
+    ({1: 2.0}, r'Drop.ratio\[1\]=2.0: must be in \[0, 1\]'),
+    ({1: 'x'}, r"Drop.ratio\[1\]='x': not a number"),
+    ([0.2, 0.4], r'Drop.ratio=\[0.2, 0.4\]: not a number. Fix: Drop.ratio is a float'),
+])
+def test_drop_rejects_bad_ratio_specs(ratio, message):
+  with pytest.raises(ValueError, match=message):
+    experts.Drop(ratio)
+
+
+def test_layerwise_ratio_errors_name_the_layer_and_the_fix(t5, target):
+  mlp = _t5_mlp(t5)
+  with pytest.raises(ValueError, match=r"Drop.ratio='linear:0.2:0.8' ramps over the MoE layers "
+                     r'of each stack, but encoder/layers_1/mlp is not among.*for_layers'):
+    experts.Drop('linear:0.2:0.8')(mlp, 2, KEY, layer='encoder/layers_1/mlp')
+  with pytest.raises(ValueError, match=r"Drop.ratio=\{1: 0.2\} varies with the layer index. The "
+                     r"MLP path 'enc/mlp' has no layer index.*Fix: a float Drop.ratio"):
+    experts.Drop({1: 0.2})(mlp, 2, KEY, layer='enc/mlp')
+  dense = t5(num_layers=4)
+  tgt = target(dense, ['encoder/layers_1/mlp', 'encoder/layers_3/mlp'], 2)
+  with pytest.raises(ValueError, match=r'Drop.ratio=\{1: 0.2\} has no ratio for the MoE layer '
+                     r"encoder/layers_3/mlp. Fix: add 3 \(every stack\) or 'encoder/layers_3/mlp'"):
+    make_plan(dense, tgt, experts=experts.Drop({1: 0.2}))   # before anything is read
+  with pytest.raises(ValueError, match=r"\['encoder/layer_3/mlp'\] are not MoE layers of the "
+                     r"model \(\['encoder/layers_1/mlp', 'encoder/layers_3/mlp'\]\)"):
+    make_plan(dense, tgt, experts=experts.Drop({1: 0.2, 'encoder/layer_3/mlp': 0.5}))
+
+
 def test_unknown_mlp_is_a_clear_error():
   mlp = {'fc1/kernel': np.zeros((4, 8), np.float32), 'fc2/kernel': np.zeros((8, 4), np.float32)}
   with pytest.raises(ValueError, match=r"'fc1/kernel' in the MLP at enc/mlp is not in the d_ff axis "
@@ -147,6 +240,41 @@ def test_random_ignores_dense_values_and_scales_by_fan_in(t5):
 def test_random_vit_biases_are_zero(vit):
   out = experts.Random()(_vit_mlp(vit), 2, KEY)
   assert not np.asarray(out['Dense_0/bias']).any() and not np.asarray(out['Dense_1/bias']).any()
+
+
+@pytest.mark.parametrize('model,copied', [('t5', 2), ('t5', 4), ('vit', 1)])
+def test_partial_copies_the_first_experts_and_draws_the_rest_as_random(model, copied, t5, vit):
+  num_experts = 4
+  mlp = _t5_mlp(t5) if model == 't5' else _vit_mlp(vit)
+  out = experts.Partial(copied=copied)(mlp, num_experts, KEY)
+  scratch = experts.Random()(mlp, num_experts, KEY)
+  for name, x in mlp.items():
+    w = np.asarray(out[name])
+    assert w.shape == (num_experts,) + x.shape and w.dtype == x.dtype
+    np.testing.assert_array_equal(w[:copied], np.broadcast_to(x, (copied,) + x.shape))
+    np.testing.assert_array_equal(w[copied:], np.asarray(scratch[name])[copied:])
+    assert not any(np.array_equal(w[e], x) for e in range(copied, num_experts))
+
+
+def test_partial_passes_its_scratch_initializer_on():
+  mlp = {'wi/kernel': np.ones((4, 8), np.float32)}
+  zeros = experts.Random(init_fn=jax.nn.initializers.zeros)
+  out = np.asarray(experts.Partial(1, zeros)(mlp, 3, KEY)['wi/kernel'])
+  assert out[0].all() and not out[1:].any()
+
+
+def test_partial_rejects_bad_arguments(t5, target):
+  for copied in (-1, 1.5, True):
+    with pytest.raises(ValueError, match=rf'Partial.copied={copied!r}: must be an int >= 0'):
+      experts.Partial(copied=copied)
+  with pytest.raises(ValueError, match=r'Partial.scratch=Copy\(\): must be a Random'):
+    experts.Partial(1, experts.Copy())
+  with pytest.raises(ValueError, match=r'Partial.copied=5 at enc/mlp: the MoE block has only 4 '
+                     r'experts. Fix: Partial.copied <= 4'):
+    experts.Partial(5)(_t5_mlp(t5), 4, KEY, layer='enc/mlp')
+  dense = t5()
+  with pytest.raises(ValueError, match=r'Partial.copied=5 at encoder/layers_1/mlp'):
+    make_plan(dense, target(dense, ['encoder/layers_1/mlp'], 4), experts=experts.Partial(5))
 
 
 def _gelu(x):
@@ -318,5 +446,5 @@ def test_every_expert_name_convert_accepts_is_one_get_accepts(name):
 def test_granular_by_name_is_granular_2():
   assert experts.get('granular') == experts.Granular(2)
   with pytest.raises(ValueError, match=r"experts='grain': expected a ExpertInit instance or one of "
-                     r"\('copy', 'drop', 'noise', 'random', 'granular'\)"):
+                     r"\('copy', 'drop', 'noise', 'random', 'partial', 'granular'\)"):
     experts.get('grain')

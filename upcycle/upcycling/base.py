@@ -102,6 +102,16 @@ class ExpertInit(abc.ABC):
       {same names: `[E, ...]` arrays} in the dense leaves' dtypes.
     """
 
+  def for_layers(self, layers: Sequence[str]) -> 'ExpertInit':
+    """This initializer for a plan whose MoE blocks are `layers` (all of them); self by default.
+
+    The plan calls it once, before anything is read, so that an initializer whose values
+    depend on where a layer sits among the MoE layers (Drop's 'linear' ratio) learns them,
+    and rejects a layer it cannot make early.
+    """
+    del layers
+    return self
+
   def tie_router(self, router: Mapping[str, Array], layer: str = '') -> Dict[str, Array]:
     """Constrains the freshly made router of the block; identity by default.
 

@@ -5,12 +5,21 @@ d_ff], ...}`, to expert leaves `{'wi_0/kernel': [E, d_model, d_ff], ...}`
 (Granular: `[E, d_model, d_ff / G]`). Initializers from several dense
 checkpoints (Branch-Train-MiX, UpIT) live in `sources.py`.
 
-Names for entry points: 'copy', 'drop', 'noise', 'random', 'granular' (see `get`).
+  Copy      Sparse Upcycling: every expert a copy
+  Drop      Drop-Upcycling: copies with a fraction of d_ff units redrawn; the fraction is
+            constant, a linear ramp over each stack's MoE layers, or given per layer
+  Noise     copies plus Gaussian noise
+  Random    from-scratch experts
+  Partial   the first N experts copies, the others from scratch (as Random)
+  Granular  fine-grained: each expert one of G slices of the dense FFN
+
+Names for entry points: 'copy', 'drop', 'noise', 'random', 'partial', 'granular' (see `get`).
 """
 
 import dataclasses
 import functools
-from typing import Callable, Dict, Mapping, Optional, Union
+import re
+from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +30,8 @@ from upcycle.upcycling.base import (Array, ExpertInit, as_array, check_choice, d
 from upcycle.tree import shape_of
 from upcycle.upcycling.sources import FromCheckpoints, Merge
 
-__all__ = ['ExpertInit', 'Copy', 'Drop', 'Noise', 'Random', 'Granular', 'FromCheckpoints',
-           'Merge', 'EXPERT_INITS', 'get']
+__all__ = ['ExpertInit', 'Copy', 'Drop', 'Noise', 'Random', 'Partial', 'Granular',
+           'FromCheckpoints', 'Merge', 'EXPERT_INITS', 'get', 'layer_position']
 
 
 def _tiled(mlp: Mapping[str, Array], num_experts: int) -> Dict[str, Array]:
@@ -68,39 +77,150 @@ def redraw(w: Array, mask: Array, z: Array) -> Array:
   return jnp.where(mask, (mean + std * z).astype(w.dtype), w)
 
 
+def layer_position(layer: str) -> Tuple[str, int]:
+  """`(stack, i)`: the MLP at `layer` is in layer i of `stack`, its parent `<block>_<i>`.
+
+  'encoder/layers_3/mlp' -> ('encoder/layers', 3); 'Transformer/encoderblock_5/MlpBlock_0' ->
+  ('Transformer/encoderblock', 5). Initializers see unrolled paths only: upcycling into a
+  scanned model upcycles the unrolled tree, then stacks it (`models.scan_layout`).
+  """
+  match = re.fullmatch(r'(.+)_(\d+)/[^/]+', layer)
+  if match is None:
+    raise ValueError(f"The MLP path {layer!r} has no layer index: expected its parent to be "
+                     f"'<block>_<i>', as in 'encoder/layers_3/mlp'.")
+  return match.group(1), int(match.group(2))
+
+
+_RATIO_FORMS = ("Fix: Drop.ratio is a float in [0, 1], 'linear:R_FIRST:R_LAST' (e.g. "
+                "'linear:0.2:0.8'), or a mapping {layer index or MLP path: ratio} (e.g. "
+                "{1: 0.2, 3: 0.5}).")
+
+
+def _fraction(value, what: str) -> float:
+  """`value` as a float in [0, 1]; else a ValueError that starts with `what`."""
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise ValueError(f'{what}: not a number. {_RATIO_FORMS}')
+  if not 0.0 <= value <= 1.0:
+    raise ValueError(f'{what}: must be in [0, 1]. {_RATIO_FORMS}')
+  return float(value)
+
+
+def _linear(ratio: str) -> Tuple[float, float]:
+  """'linear:R_FIRST:R_LAST' -> (R_FIRST, R_LAST), each in [0, 1]."""
+  kind, *ends = ratio.split(':')
+  try:
+    r_first, r_last = map(float, ends)
+  except ValueError:
+    r_first = r_last = None
+  if kind != 'linear' or r_first is None:
+    raise ValueError(f'Drop.ratio={ratio!r}: not a schedule. {_RATIO_FORMS}')
+  return (_fraction(r_first, f'Drop.ratio={ratio!r}: R_FIRST={r_first}'),
+          _fraction(r_last, f'Drop.ratio={ratio!r}: R_LAST={r_last}'))
+
+
+def _check_ratio(ratio) -> None:
+  if isinstance(ratio, str):
+    _linear(ratio)
+  elif isinstance(ratio, Mapping):
+    if not ratio:
+      raise ValueError(f'Drop.ratio={{}}: an empty mapping gives no layer a ratio. {_RATIO_FORMS}')
+    for key, value in ratio.items():
+      if isinstance(key, bool) or not isinstance(key, (int, str)) or key == '' or (
+          isinstance(key, int) and key < 0):
+        raise ValueError(f'Drop.ratio={ratio!r}: key {key!r} is neither a layer index (an int '
+                         f">= 0) nor an MLP path ('encoder/layers_3/mlp'). {_RATIO_FORMS}")
+      _fraction(value, f'Drop.ratio[{key!r}]={value!r}')
+  else:
+    _fraction(ratio, f'Drop.ratio={ratio!r}')
+
+
 @dataclasses.dataclass(frozen=True)
 class Drop(ExpertInit):
-  """Drop-Upcycling (Nakamura et al., ICLR 2025).
+  """Drop-Upcycling (Nakamura et al., ICLR 2025), with an optional layer-wise ratio.
 
-  Each expert starts as a copy, then `round(ratio * d_ff)` of its intermediate
-  units are re-initialized: their columns of the input projections (wi_0,
-  wi_1 / Dense_0 and Dense_0's bias entries) and their rows of the output
-  projection (wo / Dense_1). New values are drawn from a normal with the mean
-  and std of the values they replace, one pair per expert and leaf.
+  Each expert starts as a copy, then `round(r * d_ff)` of its intermediate
+  units are re-initialized, r the layer's ratio (`ratio_at`): their columns of
+  the input projections (wi_0, wi_1 / Dense_0 and Dense_0's bias entries) and
+  their rows of the output projection (wo / Dense_1). New values are drawn
+  from a normal with the mean and std of the values they replace, one pair per
+  expert and leaf.
 
   Attributes:
-    ratio: r in [0, 1]. 0 is Copy exactly; 1 re-draws whole FFNs with the
-      dense weights' statistics.
+    ratio: r, in [0, 1] everywhere. 0 is Copy exactly; 1 re-draws whole FFNs
+      with the dense weights' statistics. One of:
+      - a float: the same r in every layer (the paper's Drop-Upcycling);
+      - 'linear:R_FIRST:R_LAST': linear in the layer index i over the MoE
+        layers of each stack (encoder, decoder; ViT's encoder), from R_FIRST at
+        its first MoE layer i0 to R_LAST at its last i1: R_FIRST + (R_LAST -
+        R_FIRST) * (i - i0) / (i1 - i0); R_FIRST where a stack has one MoE
+        layer. Which layers are MoE comes from the upcycling plan
+        (`for_layers`);
+      - a mapping {layer index i or MLP path: r}: an explicit r per layer; an
+        MLP path ('decoder/layers_3/mlp') overrides its index (3, in every
+        stack). Every MoE layer needs one.
+      The layer index is read from the MLP path (`layer_position`).
     index_sharing: 'shared': one index set per expert used by all matrices (as
       the paper writes it), so a fraction 1 - r of units stay intact.
       'per_matrix': an independent set per matrix (as the authors' released
       code does), so only (1 - r)^m of units stay intact in expectation, m = 3
       for T5's gated MLP, 2 for ViT. A bias follows its kernel's set.
+    moe_layers: every MoE layer's path, set by `for_layers` (the plan); not an
+      argument.
   """
 
-  ratio: float = 0.5
+  ratio: Union[float, str, Mapping[Union[int, str], float]] = 0.5
   index_sharing: str = 'shared'
+  moe_layers: Tuple[str, ...] = dataclasses.field(default=(), init=False, repr=False)
 
   def __post_init__(self):
-    if not 0.0 <= self.ratio <= 1.0:
-      raise ValueError(f'Drop.ratio={self.ratio}: must be in [0, 1].')
+    _check_ratio(self.ratio)
     check_choice(self.index_sharing, ('shared', 'per_matrix'), 'Drop.index_sharing')
+
+  def for_layers(self, layers: Sequence[str]) -> 'Drop':
+    """Drop with the plan's MoE layers (the linear ramp's ends); checks every layer's ratio."""
+    keys = self.ratio if isinstance(self.ratio, Mapping) else {}
+    unknown = [key for key in keys if isinstance(key, str) and key not in layers]
+    if unknown:
+      raise ValueError(f'Drop.ratio={self.ratio!r}: {unknown} are not MoE layers of the model '
+                       f'({list(layers)}). Fix: name MoE layers, or use layer indices as keys.')
+    bound = dataclasses.replace(self)
+    object.__setattr__(bound, 'moe_layers', tuple(layers))
+    for layer in layers:
+      bound.ratio_at(layer)
+    return bound
+
+  def ratio_at(self, layer: str) -> float:
+    """r of the MLP at `layer` ('encoder/layers_3/mlp')."""
+    if not isinstance(self.ratio, (str, Mapping)):
+      return float(self.ratio)
+    try:
+      stack, index = layer_position(layer)
+      moe = [layer_position(other) for other in self.moe_layers]
+    except ValueError as e:
+      raise ValueError(f'Drop.ratio={self.ratio!r} varies with the layer index. {e} Fix: a '
+                       f'float Drop.ratio.') from e
+    if isinstance(self.ratio, Mapping):
+      if layer in self.ratio or index in self.ratio:
+        return float(self.ratio[layer if layer in self.ratio else index])
+      raise ValueError(f'Drop.ratio={self.ratio!r} has no ratio for the MoE layer {layer}. Fix: '
+                       f'add {index} (every stack) or {layer!r} to the mapping.')
+    r_first, r_last = _linear(self.ratio)
+    depths = sorted(i for s, i in moe if s == stack)
+    if index not in depths:
+      raise ValueError(
+          f'Drop.ratio={self.ratio!r} ramps over the MoE layers of each stack, but {layer} is '
+          f'not among the MoE layers Drop was given ({list(self.moe_layers)}). Fix: upcycle '
+          f'through the plan (upcycling.upcycle, UpcycleFromDense, convert), which gives them, '
+          f'or call Drop(...).for_layers(every MoE layer path) first.')
+    first, last = depths[0], depths[-1]
+    return r_first if first == last else r_first + (r_last - r_first) * (index - first) / (
+        last - first)
 
   def __call__(self, mlp, num_experts, rng, *, layer=''):
     shapes = {name: shape_of(x) for name, x in mlp.items()}
     axes = ffn.d_ff_axes(shapes, layer)
     d_ff = ffn.d_ff(shapes, layer)
-    count = int(round(self.ratio * d_ff))
+    count = int(round(self.ratio_at(layer) * d_ff))
     out = _tiled(mlp, num_experts)
     if count == 0:
       return out
@@ -189,6 +309,11 @@ class Random(ExpertInit):
   bias_init_fn: Optional[Callable] = None
 
   def __call__(self, mlp, num_experts, rng, *, layer=''):
+    return self.tail(mlp, num_experts, rng, 0, layer=layer)
+
+  def tail(self, mlp: Mapping[str, Array], num_experts: int, rng: Array, first: int, *,
+           layer: str = '') -> Dict[str, Array]:
+    """Experts [first, E) of `self(mlp, E, rng)`, drawing only those: `{name: [E - first, ...]}`."""
     out = {}
     for name, x in sorted(mlp.items()):
       leaf = name.split('/')[-1]
@@ -200,10 +325,53 @@ class Random(ExpertInit):
         raise ValueError(
             f'Random: MLP leaf {layer}/{name} {shape_of(x)} is neither a kernel nor a bias, so it '
             f'has no default initializer. Fix: rename it, or upcycle it with Copy.')
-      keys = jax.random.split(key_for(rng, name), num_experts)
+      keys = jax.random.split(key_for(rng, name), num_experts)[first:]
       shape, dtype = shape_of(x), x.dtype
       out[name] = jax.vmap(lambda k, fn=fn, shape=shape, dtype=dtype: fn(k, shape, dtype))(keys)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Partial(ExpertInit):
+  """Partial upcycling: the first `copied` experts copy the dense MLP, the rest start from scratch.
+
+  Experts [0, N) are exact copies of the dense MLP; experts [N, E) are exactly
+  experts [N, E) of `scratch(mlp, E, rng)`, i.e. what from-scratch upcycling
+  (Random) draws for them. N = 0 is `scratch`, N = E is Copy.
+
+  Attributes:
+    copied: N, the number of copied experts (the first N), 0 <= N <= E.
+    scratch: the Random initializer of experts [N, E) (its init_fn and
+      bias_init_fn; for ViT pass big_vision's xavier_uniform as for Random).
+  """
+
+  copied: int = 1
+  scratch: Random = Random()
+
+  def __post_init__(self):
+    if isinstance(self.copied, bool) or not isinstance(self.copied, int) or self.copied < 0:
+      raise ValueError(f'Partial.copied={self.copied!r}: must be an int >= 0, the number of '
+                       f'experts (the first ones) copied from the dense MLP.')
+    if not isinstance(self.scratch, Random):
+      raise ValueError(f'Partial.scratch={self.scratch!r}: must be a Random (gin: '
+                       f'experts.Partial.scratch = @experts.Random()).')
+
+  def _check(self, num_experts, layer):
+    if self.copied > num_experts:
+      raise ValueError(
+          f'Partial.copied={self.copied} at {layer}: the MoE block has only {num_experts} '
+          f'experts. Fix: Partial.copied <= {num_experts}, or more experts '
+          f'(MoeConfig.num_experts).')
+
+  def expert_shapes(self, mlp_shapes, num_experts, layer=''):
+    self._check(num_experts, layer)
+    return super().expert_shapes(mlp_shapes, num_experts, layer)
+
+  def __call__(self, mlp, num_experts, rng, *, layer=''):
+    self._check(num_experts, layer)
+    copies = _tiled(mlp, self.copied)
+    fresh = self.scratch.tail(mlp, num_experts, rng, self.copied, layer=layer)
+    return {name: jnp.concatenate([copies[name], fresh[name]]) for name in mlp}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,7 +462,7 @@ class Granular(ExpertInit):
 
 
 EXPERT_INITS = {'copy': Copy, 'drop': Drop, 'noise': Noise, 'random': Random,
-                'granular': Granular}
+                'partial': Partial, 'granular': Granular}
 
 
 def get(init: Union[str, ExpertInit]) -> ExpertInit:

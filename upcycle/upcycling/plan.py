@@ -83,7 +83,8 @@ class Plan:
     blocks: the MoE blocks, in path order.
     unused: dense leaves nothing is made from.
     experts: the expert initializer (its class decides where experts come from:
-      one dense MLP, or several checkpoints for Branch-Train-MiX / UpIT).
+      one dense MLP, or several checkpoints for Branch-Train-MiX / UpIT), given
+      the plan's MoE layers (`ExpertInit.for_layers`).
     router: the router initializer.
     shared: where copies come from, for the report ('copy', 'mean of 3 sources').
     order: target paths in target order.
@@ -208,7 +209,7 @@ def make(dense: Mapping[str, Any], target: Mapping[str, Any], experts: ExpertIni
   Args:
     dense: nested or flat dict of the dense leaves (arrays, lazy or abstract).
     target: nested dict of the MoE model's abstract params; flax boxes are opened.
-    experts, router: the initializers.
+    experts, router: the initializers; the plan keeps `experts.for_layers(its MoE layers)`.
     cast: allow dtype casts (listed in the report) instead of failing.
     shared: where copies come from, for the report.
     step: the start step.
@@ -241,5 +242,6 @@ def make(dense: Mapping[str, Any], target: Mapping[str, Any], experts: ExpertIni
                         cast) for layer, names in sorted(members.items()))
   used = {leaf.source for leaf in copies} | {
       e.source for b in blocks for e in b.experts.values()}
-  return Plan(copies, blocks, tuple(p for p in flat_dense if p not in used), experts, router,
-              shared, tuple(tgt), int(step))
+  return Plan(copies, blocks, tuple(p for p in flat_dense if p not in used),
+              experts.for_layers(tuple(b.layer for b in blocks)), router, shared, tuple(tgt),
+              int(step))
