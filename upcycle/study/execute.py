@@ -1,0 +1,79 @@
+"""Runs the study's training runs, `jobs` at a time, in dependency order, resumably.
+
+Each run's output goes to its directory's `study.log`; a run that finished (its `study.done`
+marker exists) is not run again, so an interrupted study continues where it stopped. A failed
+run stops the study with the tail of its log.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Dict, List, Sequence
+
+from upcycle.study.runs import Run
+from upcycle.study.scale import Scale
+
+DONE = 'study.done'
+LOG = 'study.log'
+
+
+def finished(run: Run, runs_dir: str) -> bool:
+  return os.path.exists(os.path.join(run.directory(runs_dir), DONE))
+
+
+def _failure(run: Run, runs_dir: str, code: int) -> RuntimeError:
+  with open(os.path.join(run.directory(runs_dir), LOG)) as f:
+    tail = ''.join(f.readlines()[-30:])
+  return RuntimeError(f'{run.name} failed (exit status {code}); the end of '
+                      f'{os.path.join(run.directory(runs_dir), LOG)}:\n{tail}')
+
+
+def run_all(runs: Sequence[Run], runs_dir: str, scale: Scale, *, jobs: int = 2,
+            repository: str = '.', python: str = sys.executable) -> None:
+  """Runs every run not yet finished; prints one line per start and end, with an ETA."""
+  todo: List[Run] = [r for r in runs if not finished(r, runs_dir)]
+  names = {r.name for r in runs}
+  for r in runs:
+    missing = [d for d in r.dependencies() if d not in names]
+    if missing:
+      raise ValueError(f'{r.name} starts from {missing}, which the study does not run.')
+  running: Dict[str, tuple] = {}
+  total, done, start = len(todo), 0, time.time()
+  print(f'study: {len(runs)} runs, {len(runs) - total} already finished, {total} to run, '
+        f'{jobs} at a time; logs in <run>/{LOG}', flush=True)
+  while todo or running:
+    ready = [r for r in todo if all(d not in running and d not in {t.name for t in todo}
+                                    for d in r.dependencies())]
+    while ready and len(running) < jobs:
+      run = ready.pop(0)
+      todo.remove(run)
+      os.makedirs(run.directory(runs_dir), exist_ok=True)
+      log = open(os.path.join(run.directory(runs_dir), LOG), 'w')
+      command = run.command(runs_dir, scale, python)
+      with open(os.path.join(run.directory(runs_dir), 'study.json'), 'w') as f:
+        json.dump({'command': command, 'source': run.source}, f)
+      log.write(' '.join(command) + '\n')
+      log.flush()
+      proc = subprocess.Popen(command, cwd=repository, stdout=log, stderr=subprocess.STDOUT)
+      running[run.name] = (run, proc, log, time.time())
+    time.sleep(0.5)
+    for name, (run, proc, log, began) in list(running.items()):
+      code = proc.poll()
+      if code is None:
+        continue
+      log.close()
+      del running[name]
+      if code != 0:
+        for _, other, other_log, _ in running.values():
+          other.kill()
+          other_log.close()
+        raise _failure(run, runs_dir, code)
+      with open(os.path.join(run.directory(runs_dir), DONE), 'w') as f:
+        f.write(f'{time.time() - began:.1f}\n')   # seconds the run took
+      done += 1
+      elapsed = time.time() - start
+      eta = elapsed / done * (total - done)
+      print(f'study: [{done}/{total}] {name} in {time.time() - began:.0f} s; '
+            f'elapsed {elapsed / 60:.1f} min, ETA {eta / 60:.1f} min', flush=True)

@@ -1,0 +1,134 @@
+"""docs/RESULTS.md and its plots from a finished study."""
+
+import json
+import os
+from typing import Dict, List, Sequence
+
+import numpy as np
+
+from upcycle.study import claims
+from upcycle.study.curves import Results
+
+PLOTS = 'results'
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+  lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
+  lines += ['| ' + ' | '.join(str(c) for c in row) + ' |' for row in rows]
+  return '\n'.join(lines)
+
+
+def _mean_curve(results: Results, family: str, arm: str, metric: str, axis: str):
+  curves = results.curves(family, arm)
+  n = min(len(c.steps) for c in curves)
+  x = np.mean([getattr(c, axis)[:n] for c in curves], axis=0)
+  y = np.array([c.metric(metric)[:n] for c in curves])
+  return x, y.mean(0), y.std(0, ddof=1) if len(curves) > 1 else np.zeros(n)
+
+
+def plot(results: Results, family: str, arms: Dict[str, str], metric: str, axis: str,
+         path: str, title: str) -> bool:
+  """Mean ± std over seeds of `metric` against `axis` for the arms that ran; False if none."""
+  arms = {arm: label for arm, label in arms.items() if results.has(family, arm)}
+  if not arms:
+    return False
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(6.5, 4))
+  for arm, label in arms.items():
+    x, mean, std = _mean_curve(results, family, arm, metric, axis)
+    ax.plot(x, mean, 'o-' if arm != 'pretrain' else 'k.-', markersize=3, label=label)
+    ax.fill_between(x, mean - std, mean + std, alpha=0.2)
+  ax.set_xlabel({'total_flops': 'training FLOPs (dense pretraining included)',
+                 'extra_flops': 'training FLOPs after the upcycling point',
+                 'steps': 'step'}[axis])
+  ax.set_ylabel(f'validation {metric}')
+  ax.set_title(title, fontsize=10)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
+
+
+def ablations(results: Results, family: str, arms: Sequence[str], metric: str) -> List[tuple]:
+  """(arm, at the start, final, FLOPs/step, final - moe's final ± s.e.) of the arms that ran."""
+  rows = []
+  base = results.final(family, 'moe', metric) if results.has(family, 'moe') else None
+  for arm in arms:
+    if not results.has(family, arm):
+      continue
+    final = results.final(family, arm, metric)
+    diff = '—'
+    if base is not None and arm != 'moe':
+      d = final - base
+      se = d.std(ddof=1) / np.sqrt(len(d)) if len(d) > 1 else float('nan')
+      diff = f'{d.mean():+.4f} ± {se:.4f}'
+    rows.append((arm, claims.mean_std(results.start(family, arm, metric)),
+                 claims.mean_std(final), f'{results.curves(family, arm)[0].flops_per_step:.3g}',
+                 diff))
+  return rows
+
+
+def write(out: str, results: Results, header: str, arms: Dict[str, Dict[str, str]],
+          drop_units: List[dict]) -> str:
+  """Writes out/RESULTS.md, out/results/*.png and out/results/study.json; returns the path."""
+  os.makedirs(os.path.join(out, PLOTS), exist_ok=True)
+  parts = [header]
+  sections = claims.rows(results)
+  for title, rows in sections:
+    parts += [f'### {title}', table(('claim', "paper's number", 'ours (mean ± std over seeds)',
+                                     'agrees?'),
+                                    [(r.claim, r.paper, r.ours, r.agrees) for r in rows])]
+  if drop_units:
+    parts += ['### Drop-Upcycling: untouched units (measured on the seed-0 dense T5, first '
+              'encoder MoE block)',
+              table(('index sharing', 'r', 'untouched units', 'expected', 'untouched in both of '
+                     'two experts', 'expected'),
+                    [(d['index_sharing'], d['ratio'], f"{d['untouched']:.4f}",
+                      f"{d['untouched_expected']:.4f}", f"{d['shared_by_two']:.4f}",
+                      f"{d['shared_by_two_expected']:.4f}") for d in drop_units])]
+  for family, metric in (('t5', 'loss'), ('vit', 'accuracy')):
+    rows = ablations(results, family, list(arms[family]), metric)
+    if rows:
+      parts += [f'### Every {family.upper()} arm (validation {metric})',
+                table(('arm', 'at the start', 'final', 'training FLOPs / step',
+                       'final − moe (± s.e., paired by seed)'),
+                      [(f'`{r[0]}` ({arms[family][r[0]]})', *r[1:]) for r in rows])]
+  figures = [
+      ('t5_flops.png', 't5', {'pretrain': 'dense (pretraining)', 'dense': 'dense (continued)',
+                              'moe': 'upcycled MoE', 'moe_from_half': 'upcycled at P/2',
+                              'scratch': 'MoE from scratch'}, 'loss', 'total_flops',
+       'T5: validation loss against training FLOPs'),
+      ('vit_flops.png', 'vit', {'pretrain': 'dense (pretraining)', 'dense': 'dense (continued)',
+                                'moe': 'upcycled MoE', 'scratch': 'MoE from scratch'},
+       'accuracy', 'total_flops', 'ViT: validation accuracy against training FLOPs'),
+      ('t5_drop.png', 't5', {'moe': 'naive upcycling (r=0)', 'drop_0.5': 'Drop r=0.5',
+                             'drop_1.0': 'Drop r=1.0'}, 'loss', 'extra_flops',
+       'T5: Drop-Upcycling after the upcycling point'),
+      ('t5_routing.png', 't5', {'moe': 'Expert Choice C=2, E=8', 'top2_encoder': 'Top-2 encoder',
+                                'capacity_1': 'C=1', 'capacity_3': 'C=3',
+                                'experts_4': 'E=4', 'experts_16': 'E=16',
+                                'placement_all': 'all layers', 'placement_last_2': 'last 2'},
+       'loss', 'extra_flops', 'T5: routing and placement after the upcycling point'),
+  ]
+  drawn = [f for f, *rest in figures if plot(results, *rest[:4], os.path.join(out, PLOTS, f),
+                                              rest[4])]
+  if drawn:
+    parts += ['### Plots'] + [f'![{f}]({PLOTS}/{f})' for f in drawn]
+  text = '\n\n'.join(parts) + '\n'
+  path = os.path.join(out, 'RESULTS.md')
+  with open(path, 'w') as f:
+    f.write(text)
+  data = {family: {arm: {str(s): {k: getattr(results.curve(family, arm, s), k).tolist()
+                                  for k in ('steps', 'extra_flops', 'total_flops', 'loss',
+                                            'accuracy')}
+                         for s in results.seeds}
+                   for arm in arms[family] if results.has(family, arm)}
+          for family in arms}
+  data['claims'] = {title: [r.__dict__ for r in rows] for title, rows in sections}
+  data['drop_units'] = drop_units
+  with open(os.path.join(out, PLOTS, 'study.json'), 'w') as f:
+    json.dump(data, f, indent=1)
+  return path

@@ -1,0 +1,186 @@
+"""The study's runs: every arm of every claim as a `python -m upcycle.train` command.
+
+A `Run` is one training run of one arm and seed, in RUNS/<family>/<arm>/seed<seed>. Runs that
+start from another run's checkpoint (`source`) wait for it; a run whose length depends on
+another's measured FLOPs (dense continuation at equal extra compute) computes it when it starts.
+"""
+
+import dataclasses
+import json
+import math
+import os
+from typing import Callable, Dict, List, Optional, Tuple
+
+from upcycle.study.scale import Scale
+
+T5_MODEL = 'models/t5_1_1/tiny.gin'
+T5_DATA = 'data/offline_span_corruption.gin'
+VIT_MODEL = 'models/vit/tiny.gin'
+VIT_DATA = 'data/offline_digits.gin'
+T5_MOE = ('moe/paper_t5.gin',)
+VIT_MOE = ('moe/paper_vit.gin',)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One `python -m upcycle.train` run.
+
+  Attributes:
+    family: 't5' or 'vit'.
+    arm: the arm's name, e.g. 'moe' or 'drop_0.5'.
+    seed: SEED (parameter init, data order, upcycling draws).
+    gin_files: under configs/, after the model file and before the data file.
+    bindings: extra `--gin.` bindings (without the prefix).
+    steps: TRAIN_STEPS, or a function of the runs directory computing it when the run starts.
+    source: (arm, step) whose checkpoint INITIAL_CHECKPOINT_PATH points at; None from scratch.
+    after: arms (same family and seed) that must finish first, besides `source`.
+  """
+
+  family: str
+  arm: str
+  seed: int
+  gin_files: Tuple[str, ...]
+  bindings: Tuple[str, ...] = ()
+  steps: object = 0
+  source: Optional[Tuple[str, int]] = None
+  after: Tuple[str, ...] = ()
+
+  @property
+  def name(self) -> str:
+    return f'{self.family}/{self.arm}/seed{self.seed}'
+
+  def directory(self, runs_dir: str, arm: Optional[str] = None) -> str:
+    return os.path.join(runs_dir, self.family, arm or self.arm, f'seed{self.seed}')
+
+  def dependencies(self) -> Tuple[str, ...]:
+    arms = ((self.source[0],) if self.source else ()) + self.after
+    return tuple(f'{self.family}/{arm}/seed{self.seed}' for arm in arms)
+
+  def train_steps(self, runs_dir: str) -> int:
+    return self.steps(self, runs_dir) if callable(self.steps) else self.steps
+
+  def command(self, runs_dir: str, scale: Scale, python: str) -> List[str]:
+    model, data = (T5_MODEL, T5_DATA) if self.family == 't5' else (VIT_MODEL, VIT_DATA)
+    steps = self.train_steps(runs_dir)
+    bindings = [f"MODEL_DIR='{self.directory(runs_dir)}'", f'TRAIN_STEPS={steps}',
+                f'SEED={self.seed}', f'trainer.TrainConfig.eval_every={scale.eval_every}',
+                f'trainer.TrainConfig.log_every={scale.log_every}',
+                f'trainer.TrainConfig.checkpoint_every={scale.checkpoint_every}',
+                'trainer.TrainConfig.eval_batches=0', 'trainer.TrainConfig.eval_at_start=True']
+    if self.source:
+      arm, step = self.source
+      path = os.path.join(self.directory(runs_dir, arm), 'checkpoints', str(step))
+      bindings.append(f"INITIAL_CHECKPOINT_PATH='{path}'")
+    return [python, '-m', 'upcycle.train', f'--gin_file={model}',
+            *[f'--gin_file={f}' for f in self.gin_files], f'--gin_file={data}',
+            *[f'--gin.{b}' for b in (*bindings, *scale.family_bindings(self.family),
+                                     *self.bindings)]]
+
+
+def last_logged(run_dir: str, split: str, key: str) -> float:
+  """`key` of the last `split` row of a finished run's metrics.jsonl."""
+  with open(os.path.join(run_dir, 'metrics.jsonl')) as f:
+    rows = [json.loads(line) for line in f]
+  values = [r[key] for r in rows if r.get('split') == split and key in r]
+  if not values:
+    raise ValueError(f'{run_dir}/metrics.jsonl has no {split} row with {key!r}.')
+  return values[-1]
+
+
+def equal_flops_steps(start: int, extra: int, reference_arm: str) -> Callable[[Run, str], int]:
+  """TRAIN_STEPS giving a dense continuation the extra FLOPs `reference_arm` spent in `extra`
+  steps: extra * (its FLOPs/step) / (dense FLOPs/step, from the pretraining run)."""
+
+  def steps(run: Run, runs_dir: str) -> int:
+    moe = last_logged(run.directory(runs_dir, reference_arm), 'train', 'train_flops_per_step')
+    dense = last_logged(run.directory(runs_dir, 'pretrain'), 'train', 'train_flops_per_step')
+    return start + int(math.ceil(extra * moe / dense))
+
+  return steps
+
+
+def t5_runs(scale: Scale, seed: int, extra_arms: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]]
+            ) -> List[Run]:
+  """The language runs of one seed (tiny T5 v1.1, span corruption over Python's docs)."""
+  p, x = scale.t5_pretrain_steps, scale.t5_extra_steps
+  e = f'NUM_EXPERTS={scale.num_experts}'
+  run = lambda arm, files, bindings=(), **kw: Run('t5', arm, seed, tuple(files), tuple(bindings),
+                                                  **kw)
+  upcycle = lambda arm, files=(), bindings=(), source=('pretrain', p), steps=p + x: run(
+      arm, (*T5_MOE, 'runs/upcycle.gin', *files), (e, *bindings), steps=steps, source=source)
+  capacity = lambda c: (f'encoder/moe.MoeConfig.train_capacity_factor={c}',
+                        f'encoder/moe.MoeConfig.eval_capacity_factor={c}')
+  runs = [
+      run('pretrain', ['runs/pretrain.gin'], steps=p),
+      upcycle('moe'),
+      run('dense', ['runs/continue_dense.gin'], steps=equal_flops_steps(p, x, 'moe'),
+          source=('pretrain', p), after=('moe',)),
+      run('scratch', [*T5_MOE, 'runs/pretrain.gin'], [e], steps=p + x),
+      upcycle('moe_from_half', source=('pretrain', p // 2), steps=p // 2 + x),
+      upcycle('top2_encoder', ['moe/tokens_choose_top2.gin']),
+      upcycle('capacity_1', bindings=capacity(1.0)),
+      upcycle('capacity_3', bindings=capacity(3.0)),
+      *[upcycle(f'experts_{n}', bindings=(f'NUM_EXPERTS={n}',))
+        for n in scale.expert_counts if n != scale.num_experts],
+      upcycle('reuse_optimizer_state', ['upcycling/reuse_optimizer_state.gin']),
+      upcycle('normalize_combine_weights', ['upcycling/normalize_combine_weights.gin']),
+      upcycle('lr_restart', bindings=("restore.UpcycleFromDense.step='reset'",), steps=x),
+      upcycle('placement_last_2', ['moe/placement/last_2.gin']),
+      upcycle('placement_all', ['moe/placement/all.gin']),
+      *[upcycle(f'drop_{r}', ['upcycling/drop.gin'], (f'DROP_RATIO={r}',)) for r in (0.5, 1.0)],
+  ]
+  runs += [upcycle(arm, files, bindings) for arm, (files, bindings) in extra_arms.items()]
+  return runs
+
+
+def vit_runs(scale: Scale, seed: int) -> List[Run]:
+  """The vision runs of one seed (tiny ViT, scikit-learn's digits)."""
+  p, x = scale.vit_pretrain_steps, scale.vit_extra_steps
+  e = f'NUM_EXPERTS={scale.num_experts}'
+  run = lambda arm, files, bindings=(), **kw: Run('vit', arm, seed, tuple(files), tuple(bindings),
+                                                  **kw)
+  upcycle = lambda arm, files=(), bindings=(): run(
+      arm, (*VIT_MOE, 'runs/vit_upcycle.gin', *files), (e, *bindings), steps=p + x,
+      source=('pretrain', p))
+  return [
+      run('pretrain', ['runs/vit_pretrain.gin'], [f'SCHEDULE_STEPS={p + x}'], steps=p),
+      upcycle('moe'),
+      run('dense', ['runs/vit_continue_dense.gin'], steps=equal_flops_steps(p, x, 'moe'),
+          source=('pretrain', p), after=('moe',)),
+      run('scratch', [*VIT_MOE, 'runs/vit_pretrain.gin'], [e], steps=p + x),
+      upcycle('top2', ['moe/tokens_choose_top2.gin']),
+      upcycle('fresh_optimizer_state',
+              bindings=('restore.UpcycleFromDense.reuse_optimizer_state=False',)),
+      upcycle('unnormalized_combine_weights',
+              bindings=('encoder/moe.MoeConfig.normalize_combine_weights=False',)),
+  ]
+
+
+DESCRIPTIONS = {
+    't5': {
+        'pretrain': 'dense pretraining, P steps',
+        'moe': 'upcycled: paper T5 recipe (Expert Choice C=2 encoder, Top-2 decoder, T5X '
+               'capacity, copied experts, fresh optimizer state, unnormalized)',
+        'dense': 'dense continued for the extra FLOPs of `moe`',
+        'scratch': '`moe`\'s architecture trained from scratch for P + X steps',
+        'moe_from_half': 'upcycled at P/2',
+        'top2_encoder': 'Top-2 with BPR in the encoder',
+        'capacity_1': 'encoder C=1', 'capacity_3': 'encoder C=3',
+        'experts_4': 'E=4', 'experts_16': 'E=16',
+        'reuse_optimizer_state': 'dense optimizer state reused',
+        'normalize_combine_weights': 'combine weights normalized',
+        'lr_restart': 'step and learning-rate schedule restarted at 0',
+        'placement_last_2': 'MoE in the last 2 layers', 'placement_all': 'MoE in every layer',
+        'drop_0.5': 'Drop-Upcycling r=0.5', 'drop_1.0': 'Drop-Upcycling r=1.0',
+    },
+    'vit': {
+        'pretrain': 'dense pretraining, P steps (schedule over P + X)',
+        'moe': 'upcycled: paper ViT recipe (Expert Choice C=2, normalized, optimizer state '
+               'reused, schedule continued)',
+        'dense': 'dense continued for the extra FLOPs of `moe`',
+        'scratch': '`moe`\'s architecture trained from scratch for P + X steps',
+        'top2': 'Top-2 with BPR',
+        'fresh_optimizer_state': 'fresh optimizer state',
+        'unnormalized_combine_weights': 'combine weights not normalized',
+    },
+}

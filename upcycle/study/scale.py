@@ -1,0 +1,52 @@
+"""How big the study is: steps, seeds, evaluation cadence (the full study and `--quick`)."""
+
+import dataclasses
+from typing import Tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+  """Step counts and seeds of one study.
+
+  Attributes:
+    t5_pretrain_steps: dense T5 pretraining (P); `moe_from_half` upcycles at P / 2.
+    t5_extra_steps: steps after the upcycling point (X); the dense continuation gets the
+      steps that cost the same training FLOPs as X MoE steps.
+    vit_pretrain_steps, vit_extra_steps: the same for ViT. The dense ViT's schedule is
+      defined over P + X, which the upcycled runs continue.
+    seeds: one run of every arm per seed.
+    num_experts: E of every MoE arm but the expert-count ones.
+    expert_counts: E of the expert-count claim.
+    eval_every, log_every, checkpoint_every: the trainer's cadence (checkpoints must land on
+      P and P / 2).
+    t5_batch_size, t5_feature_lengths: None keeps the offline default's (16; 128 / 32).
+  """
+
+  t5_pretrain_steps: int
+  t5_extra_steps: int
+  vit_pretrain_steps: int
+  vit_extra_steps: int
+  seeds: Tuple[int, ...]
+  num_experts: int = 8
+  expert_counts: Tuple[int, ...] = (4, 8, 16)
+  eval_every: int = 50
+  log_every: int = 10
+  checkpoint_every: int = 100
+  t5_batch_size: int = 0
+  t5_feature_lengths: str = ''
+
+  def family_bindings(self, family: str) -> Tuple[str, ...]:
+    if family != 't5':
+      return ()
+    return ((f'BATCH_SIZE={self.t5_batch_size}',) if self.t5_batch_size else ()) + (
+        (f'TASK_FEATURE_LENGTHS={self.t5_feature_lengths}',) if self.t5_feature_lengths else ())
+
+
+# The main job's setting (quickstart: tiny T5, batch 16, P = 200), with 3x its extra steps.
+FULL = Scale(t5_pretrain_steps=200, t5_extra_steps=300, vit_pretrain_steps=200,
+             vit_extra_steps=200, seeds=(0, 1, 2))
+
+# A smoke run of every arm, one seed, a few steps on shorter sequences (the test suite runs it).
+QUICK = Scale(t5_pretrain_steps=4, t5_extra_steps=4, vit_pretrain_steps=4, vit_extra_steps=4,
+              seeds=(0,), expert_counts=(4, 8), eval_every=4, log_every=2, checkpoint_every=2,
+              t5_batch_size=4, t5_feature_lengths="{'inputs': 32, 'targets': 8}")
