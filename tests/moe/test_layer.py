@@ -189,3 +189,81 @@ def test_flaxformer_padding_is_masked_and_sliced_off():
   logits = router_logits(state)['']
   np.testing.assert_allclose(logits, x @ params['router']['router_weights']['w']['kernel'],
                              atol=1e-5)
+
+
+
+# Two Top-1 layers of one stack, E = 2, two groups (examples) of two tokens; the choices are
+# the argmax. Per group (f; p), layer 0: ([1, 0]; [.8, .2]), ([.5, .5]; [.4, .6]); layer 1:
+# ([0, 1]; [.2, .8]), ([0, 1]; [.3, .7]).
+STACK_PROBS = np.array([[[[.9, .1], [.7, .3]], [[.6, .4], [.2, .8]]],
+                        [[[.3, .7], [.1, .9]], [[.4, .6], [.2, .8]]]], np.float32)
+
+
+def pooled_sow(probs, scope, z_loss):
+  """What a layer with load_balancing_layers='pooled' sows for `probs` (weights .5 and .25)."""
+  fraction, mean_prob = routing.load_balancing_statistics(
+      probs, jax.lax.top_k(probs, 1)[1], scope)
+  return {'balance_fraction': (fraction,), 'balance_probability': (mean_prob,),
+          'load_balancing_weight': (jnp.float32(0.5),), 'router_z_loss': (z_loss,),
+          'weighted': (0.25 * z_loss,)}
+
+
+# Pooled over the two layers, (f; p) per group: ([.5, .5]; [.5, .5]), ([.25, .75]; [.35, .65]);
+# over the batch: ([.375, .625]; [.425, .575]). Separate, the layers' losses would be 1.3 and 1.5
+# ('group'), 1.1 and 1.5 ('batch').
+@pytest.mark.parametrize('scope,own_loss_0,stack_loss', [('group', 1.3, 1.075),
+                                                         ('batch', 1.1, 1.0375)])
+def test_pooled_load_balancing_closed_form(scope, own_loss_0, stack_loss):
+  decoder = {f'layers_{i}': {'mlp': pooled_sow(STACK_PROBS[i], scope, jnp.float32(i))}
+             for i in range(2)}
+  encoder = {'layers_0': {'mlp': pooled_sow(STACK_PROBS[0], scope, jnp.float32(2.0))}}
+  losses = aux_losses({'aux_loss': {'encoder': encoder, 'decoder': decoder}})
+  # Each stack pools its own layers: the encoder's one layer keeps its own loss.
+  expected = (own_loss_0 + 2 * stack_loss) / 3
+  np.testing.assert_allclose(losses['load_balancing_loss'], expected, rtol=1e-6)
+  np.testing.assert_allclose(losses['router_z_loss'], 1.0, rtol=1e-6)
+  np.testing.assert_allclose(losses['total'], 0.5 * expected + 0.25 * 1.0, rtol=1e-6)
+  # A scanned stack sows the same with a leading `layers` axis.
+  scanned = jax.tree.map(lambda *v: jnp.stack(v), decoder['layers_0'], decoder['layers_1'])
+  unrolled = aux_losses({'aux_loss': {'decoder': decoder}})
+  for name, value in aux_losses({'aux_loss': {'decoder': {'layers': scanned}}}).items():
+    np.testing.assert_allclose(value, unrolled[name], rtol=1e-6)
+
+
+# The shapes of test_without_normalization_output_is_dense_scaled_by_summed_weights.
+LAYER_CONFIG = dict(num_experts=E, k=2, eval_capacity_factor=0.5, capacity_multiple_of=1,
+                    dispatch='indices')
+
+
+@pytest.mark.parametrize('scope', ['group', 'batch'])
+def test_layer_losses_in_each_scope_and_pooled_over_one_layer(scope):
+  x, _, _ = dense_setup()
+  separate = MoeConfig(router='tokens_choose', load_balancing_scope=scope, **LAYER_CONFIG)
+  params = moe_params(separate, x)
+  _, state = MoeLayer(separate, EXPERT).apply({'params': params}, x, True,
+                                              mutable=MOE_COLLECTIONS + (ROUTER_LOGITS,))
+  probs = jax.nn.softmax(router_logits(state)[''])             # one group per example: [G, S, E]
+  p = np.asarray(probs, np.float64)
+  chosen = np.eye(E)[np.argsort(-p, axis=-1)[..., :2]].max(axis=-2)  # [G, S, E]
+  axes = 1 if scope == 'group' else (0, 1)
+  expected = E * np.mean(np.sum(chosen.mean(axes) * p.mean(axes), axis=-1))
+  losses = aux_losses(state)
+  np.testing.assert_allclose(losses['load_balancing_loss'], expected, rtol=1e-5)
+  if scope == 'group':   # the default: bit for bit the loss as computed before the options
+    one_hot = jax.nn.one_hot(jax.lax.top_k(probs, 2)[1], E, dtype=jnp.float32)
+    before = jnp.mean(jnp.mean(jnp.max(one_hot, axis=-2), axis=1) * jnp.mean(probs, axis=1))
+    np.testing.assert_array_equal(state['aux_loss']['load_balancing_loss'][0], before * E ** 2)
+  pooled = MoeConfig(**{**separate.__dict__, 'load_balancing_layers': 'pooled'})
+  _, state = run(pooled, params, x)
+  assert 'load_balancing_loss' not in state['aux_loss']
+  for name, value in aux_losses(state).items():
+    np.testing.assert_allclose(value, losses[name], rtol=1e-6)
+
+
+def test_expert_choice_has_no_load_balancing_loss_in_any_scope():
+  x, _, _ = dense_setup()
+  config = MoeConfig(router='experts_choose', load_balancing_scope='batch',
+                     load_balancing_layers='pooled', **LAYER_CONFIG)
+  _, state = run(config, moe_params(config, x), x)
+  assert 'balance_fraction' not in state['aux_loss']
+  assert float(aux_losses(state)['load_balancing_loss']) == 0.0

@@ -1,9 +1,11 @@
 """Routers on cases worked out by hand, capacity arithmetic, and losses against numpy."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from upcycle import fields
 from upcycle.moe import MoeConfig, routing
 
 # One group, 4 tokens, 2 experts. Top-1 choices: t0->e0, t1->e0, t2->e1, t3->e0.
@@ -97,11 +99,55 @@ def test_load_balancing_loss_against_numpy():
       fraction = np.mean([e in top2[g, s] for s in range(10)])
       expected += fraction * probs[g, :, e].mean()
   expected *= 4 ** 2 / (3 * 4)
-  got = routing.load_balancing_loss(probs, jax.lax.top_k(probs, 2)[1])
+  got = routing.load_balancing_loss(
+      *routing.load_balancing_statistics(probs, jax.lax.top_k(probs, 2)[1]))
   np.testing.assert_allclose(got, expected, rtol=1e-5)
   uniform = np.full((1, 8, 4), 0.25, np.float32)
   balanced_choice = np.arange(8).reshape(1, 8, 1) % 4
-  np.testing.assert_allclose(routing.load_balancing_loss(uniform, balanced_choice), 1.0, rtol=1e-6)
+  np.testing.assert_allclose(
+      routing.load_balancing_loss(*routing.load_balancing_statistics(uniform, balanced_choice)),
+      1.0, rtol=1e-6)
+
+
+# Top-1, E = 2, two groups of two tokens; the choices are the argmax. Per group (f; p):
+# group 0 ([1, 0]; [.8, .2]), group 1 ([.5, .5]; [.4, .6]). Per batch: ([.75, .25]; [.6, .4]).
+TINY_PROBS = np.array([[[.9, .1], [.7, .3]], [[.6, .4], [.2, .8]]], np.float32)
+
+
+def switch_loss_before_scopes(probs, expert_index):
+  """The load-balancing loss as computed before `load_balancing_scope` existed."""
+  experts = probs.shape[-1]
+  chosen = jnp.max(jax.nn.one_hot(expert_index, experts, dtype=jnp.float32), axis=-2)
+  return jnp.mean(jnp.mean(chosen, axis=1) * jnp.mean(probs, axis=1)) * experts ** 2
+
+
+def test_load_balancing_scopes_closed_form():
+  choice = jax.lax.top_k(TINY_PROBS, 1)[1]
+  loss = lambda scope: routing.load_balancing_loss(
+      *routing.load_balancing_statistics(TINY_PROBS, choice, scope))
+  # 'group': E * mean_g sum_e f_ge p_ge = 2 * (.8 + .5) / 2; 'batch': 2 * (.75 * .6 + .25 * .4).
+  np.testing.assert_allclose(loss('group'), 1.3, rtol=1e-6)
+  np.testing.assert_allclose(loss('batch'), 1.1, rtol=1e-6)
+  fraction, mean_prob = routing.load_balancing_statistics(TINY_PROBS, choice, 'batch')
+  np.testing.assert_allclose(fraction, [[.75, .25]], rtol=1e-6)
+  np.testing.assert_allclose(mean_prob, [[.6, .4]], rtol=1e-6)
+
+
+def test_default_load_balancing_scope_is_the_loss_as_before():
+  logits = np.random.default_rng(2).normal(size=(3, 10, 4)).astype(np.float32) * 2
+  probs = jax.nn.softmax(logits)
+  choice = jax.lax.top_k(probs, 2)[1]
+  np.testing.assert_array_equal(
+      routing.load_balancing_loss(*routing.load_balancing_statistics(probs, choice)),
+      switch_loss_before_scopes(probs, choice))
+
+
+@pytest.mark.parametrize('field', ['load_balancing_scope', 'load_balancing_layers'])
+def test_load_balancing_options_are_checked(field):
+  assert MoeConfig().load_balancing_scope == 'group'
+  assert MoeConfig().load_balancing_layers == 'separate'
+  with pytest.raises(fields.ConfigError, match=f"MoeConfig.{field} = 'global': expected one of"):
+    MoeConfig(**{field: 'global'})
 
 
 def test_router_z_loss_against_numpy():

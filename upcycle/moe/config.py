@@ -10,6 +10,8 @@ from upcycle.moe.placement import sparse_layer_indices
 ROUTERS = ('experts_choose', 'tokens_choose')
 DISPATCHES = ('masked', 'indices')
 CAPACITY_CONVENTIONS = ('vmoe', 't5x')
+LOAD_BALANCING_SCOPES = ('group', 'batch')
+LOAD_BALANCING_LAYERS = ('separate', 'pooled')
 
 Placement = Union[str, Sequence[int]]
 
@@ -61,7 +63,19 @@ class MoeConfig:
     dispatch: 'masked' (one-hot einsum, TPU friendly) or 'indices'
       (gather/scatter, CPU/GPU friendly). Both compute the same function.
     load_balancing_loss_weight: weight of the Switch load-balancing loss
-      (Top-K only; Expert Choice is balanced by construction).
+      E * mean_g sum_e f_ge * p_ge, f_ge the fraction of group g's tokens that chose
+      expert e among their K (summing to K), p_ge their mean router probability of e
+      (`routing.load_balancing_loss`; Top-K only: Expert Choice is balanced by
+      construction, and the two fields below then change nothing).
+    load_balancing_scope: the tokens f and p are counted over in a layer: 'group'
+      (each routing group, the loss averaged over groups; with `group_size=None` one
+      group per sequence, Megatron-LM's 'seq_aux_loss' up to its factor 1/K) or
+      'batch' (all tokens of the batch as one group: over all devices, i.e. Megatron-LM's
+      'global_aux_loss' statistics with one microbatch; with microbatches, over each one).
+    load_balancing_layers: 'separate' (each layer's loss on its own statistics) or
+      'pooled': f and p averaged over the MoE layers of the stack (expert e of every
+      layer counted as one expert), one loss for the stack (`summary.aux_losses`), as
+      HF transformers' Switch Transformers (per group) and Mixtral (per batch) compute it.
     router_z_loss_weight: weight of the router z-loss.
     jitter_noise: multiplicative uniform noise in [1 - j, 1 + j] on the router
       input, training only, drawn from the 'jitter' rng stream.
@@ -83,6 +97,8 @@ class MoeConfig:
   num_expert_replicas: int = 1
   dispatch: str = 'masked'
   load_balancing_loss_weight: float = 0.01
+  load_balancing_scope: str = 'group'
+  load_balancing_layers: str = 'separate'
   router_z_loss_weight: float = 0.0001
   jitter_noise: float = 0.0
 
@@ -127,6 +143,8 @@ class MoeConfig:
           f'(group_size: fixed groups; max_group_size: Flaxformer\'s rule).')
     fields.choice(self, 'dispatch', DISPATCHES)
     fields.number(self, 'load_balancing_loss_weight', 0.0)
+    fields.choice(self, 'load_balancing_scope', LOAD_BALANCING_SCOPES)
+    fields.choice(self, 'load_balancing_layers', LOAD_BALANCING_LAYERS)
     fields.number(self, 'router_z_loss_weight', 0.0)
     fields.number(self, 'jitter_noise', 0.0)
     if self.jitter_noise >= 1:

@@ -5,14 +5,17 @@ The layer stands where the dense MLP stood, under the same name. Its parameters:
   router/router_weights/w/kernel                          [d_model, E], float32
 
 Auxiliary losses and metrics are sown (see `upcycle.moe.summary`):
-  'aux_loss':    load_balancing_loss, router_z_loss, weighted (their weighted sum)
+  'aux_loss':    load_balancing_loss, router_z_loss, weighted (their weighted sum); with
+                 load_balancing_layers='pooled' instead of load_balancing_loss:
+                 balance_fraction and balance_probability [groups, experts] and
+                 load_balancing_weight, weighted then being the weighted z-loss only
   'moe_metrics': fraction_dropped_tokens, router_confidence, expert_usage [E],
                  tokens_per_expert [E]
   'router_logits': logits [batch, length, E] (float32; only when the collection is
                  mutable, e.g. for `upcycling.router_training`)
 """
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -134,10 +137,11 @@ class MoeLayer(nn.Module):
     probs = jax.nn.softmax(logits, axis=-1)                           # [G, S, E]
     if cfg.router == 'experts_choose':
       decision = routing.experts_choose(probs, capacity, mask)
-      balance = jnp.zeros((), jnp.float32)
+      statistics = None
     else:
       decision = routing.tokens_choose(probs, cfg.k, capacity, cfg.batch_priority_routing, mask)
-      balance = routing.load_balancing_loss(probs, jax.lax.top_k(probs, cfg.k)[1])
+      statistics = routing.load_balancing_statistics(
+          probs, jax.lax.top_k(probs, cfg.k)[1], cfg.load_balancing_scope)
     if cfg.normalize_combine_weights:
       decision = routing.normalize_combine_weights(decision, tokens)
 
@@ -159,13 +163,27 @@ class MoeLayer(nn.Module):
     out = DISPATCH[cfg.dispatch](grouped, decision, run_experts)
 
     self.sow('router_logits', 'logits', grouping.ungroup_tokens(logits, batch, length, plan))
-    z_loss = routing.router_z_loss(logits)
-    self.sow('aux_loss', 'load_balancing_loss', balance)
-    self.sow('aux_loss', 'router_z_loss', z_loss)
-    self.sow('aux_loss', 'weighted',
-             cfg.load_balancing_loss_weight * balance + cfg.router_z_loss_weight * z_loss)
+    self._sow_aux_losses(statistics, routing.router_z_loss(logits))
     self._sow_metrics(probs, decision, mask)
     return grouping.ungroup_tokens(out, batch, length, plan)
+
+  def _sow_aux_losses(self, statistics: Optional[Tuple[Array, Array]], z_loss: Array) -> None:
+    """statistics: the load-balancing (f, p) `[groups, experts]`, None for Expert Choice."""
+    cfg = self.config
+    weighted_z_loss = cfg.router_z_loss_weight * z_loss
+    self.sow('aux_loss', 'router_z_loss', z_loss)
+    if statistics is not None and cfg.load_balancing_layers == 'pooled':
+      # `summary.aux_losses` computes the stack's loss and adds it, weighted, to 'weighted'.
+      self.sow('aux_loss', 'balance_fraction', statistics[0])
+      self.sow('aux_loss', 'balance_probability', statistics[1])
+      self.sow('aux_loss', 'load_balancing_weight',
+               jnp.asarray(cfg.load_balancing_loss_weight, jnp.float32))
+      self.sow('aux_loss', 'weighted', weighted_z_loss)
+      return
+    balance = (jnp.zeros((), jnp.float32) if statistics is None
+               else routing.load_balancing_loss(*statistics))
+    self.sow('aux_loss', 'load_balancing_loss', balance)
+    self.sow('aux_loss', 'weighted', cfg.load_balancing_loss_weight * balance + weighted_z_loss)
 
   def _sow_metrics(self, probs: Array, decision: routing.RoutingDecision,
                    mask: Optional[Array]) -> None:

@@ -6,7 +6,7 @@ Both routers describe their decision the same way, per group and expert slot:
 (False for a slot no token filled). Dispatch implementations (layer.py) only read this.
 """
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import flax.struct
 import jax
@@ -120,20 +120,31 @@ def tokens_choose(probs: Array, k: int, capacity: int, batch_priority: bool = Fa
   return RoutingDecision(token_index, combine_weight, valid)
 
 
-def load_balancing_loss(probs: Array, expert_index: Array) -> Array:
-  """Switch Transformer auxiliary loss, E^2 * mean_{g,e}(f_ge * p_ge).
+def load_balancing_statistics(probs: Array, expert_index: Array,
+                              scope: str = 'group') -> Tuple[Array, Array]:
+  """Per-expert statistics of the Switch load-balancing loss: (f, p), `[groups, experts]`.
 
   Args:
     probs: `[groups, tokens, experts]`.
     expert_index: `[groups, tokens, k]` the experts each token chose.
-  f_ge is the fraction of group g's tokens that chose e (among their K), p_ge
-  the mean probability of e. 1.0 when routing is uniform.
+    scope: 'group': f_ge is the fraction of group g's tokens that chose e (among
+      their K; it sums to K over e), p_ge the mean probability of e in group g.
+      'batch': the same over all tokens of all groups, as one group (`[1, experts]`).
   """
   experts = probs.shape[-1]
   chosen = jnp.max(jax.nn.one_hot(expert_index, experts, dtype=jnp.float32), axis=-2)
-  fraction = jnp.mean(chosen, axis=1)
-  mean_prob = jnp.mean(probs, axis=1)
-  return jnp.mean(fraction * mean_prob) * experts ** 2
+  if scope == 'batch':
+    chosen, probs = chosen.reshape(1, -1, experts), probs.reshape(1, -1, experts)
+  return jnp.mean(chosen, axis=1), jnp.mean(probs, axis=1)
+
+
+def load_balancing_loss(fraction: Array, mean_prob: Array) -> Array:
+  """Switch Transformer auxiliary loss, E^2 * mean_{g,e}(f_ge * p_ge) = E * mean_g sum_e f_ge p_ge.
+
+  fraction, mean_prob: `[groups, experts]` (`load_balancing_statistics`). K when routing is
+  uniform.
+  """
+  return jnp.mean(fraction * mean_prob) * fraction.shape[-1] ** 2
 
 
 def router_z_loss(logits: Array) -> Array:

@@ -1,9 +1,11 @@
 """Collect what the MoE layers sowed during `model.apply(..., mutable=MOE_COLLECTIONS)`."""
 
-from typing import Dict, Mapping
+from typing import Dict, Mapping, Tuple
 
 import flax
 import jax.numpy as jnp
+
+from upcycle.moe import routing
 
 MOE_COLLECTIONS = ('aux_loss', 'moe_metrics')
 # Sown only when asked for (`mutable=[ROUTER_LOGITS]`): each MoE layer's router logits.
@@ -16,6 +18,33 @@ def _per_layer(collection: Mapping, name: str) -> Dict[str, jnp.ndarray]:
   return {'/'.join(path[:-1]): values[-1] for path, values in flat.items() if path[-1] == name}
 
 
+def _pooled_balance(losses: Mapping) -> Tuple[Dict[str, jnp.ndarray], Dict[str, jnp.ndarray]]:
+  """Load-balancing loss of the layers with `load_balancing_layers='pooled'`.
+
+  The layers of one stack (the first name of their path: 'encoder', 'decoder', ViT's
+  'Transformer') pool their statistics: f_ge and p_ge, `[groups, experts]` per layer, are
+  averaged over the stack's layers and give one loss, E^2 * mean_{g,e}(f_ge * p_ge).
+  Returns ({path: that loss}, {path: weighted, the layer's weighted z-loss plus its weight
+  times that loss}), per layer as sown (`[layers]` in a scanned stack).
+  """
+  fractions = _per_layer(losses, 'balance_fraction')
+  probabilities = _per_layer(losses, 'balance_probability')
+  weights = _per_layer(losses, 'load_balancing_weight')
+  weighted = _per_layer(losses, 'weighted')
+  stacks = {}
+  for path in fractions:
+    stacks.setdefault(path.split('/')[0], []).append(path)
+  balance, total = {}, {}
+  for paths in stacks.values():
+    pooled = [jnp.mean(jnp.concatenate([v[p].reshape((-1,) + v[p].shape[-2:]) for p in paths]),
+                       axis=0) for v in (fractions, probabilities)]     # [G, E] each
+    loss = routing.load_balancing_loss(*pooled)
+    for p in paths:
+      balance[p] = jnp.full(weights[p].shape, loss)
+      total[p] = weighted[p] + weights[p] * loss
+  return balance, total
+
+
 def aux_losses(state: Mapping) -> Dict[str, jnp.ndarray]:
   """Auxiliary losses averaged over the MoE layers of a model.
 
@@ -23,16 +52,18 @@ def aux_losses(state: Mapping) -> Dict[str, jnp.ndarray]:
     state: the mutable collections returned by `apply(..., mutable=MOE_COLLECTIONS)`.
   Returns:
     {'load_balancing_loss', 'router_z_loss', 'total'}: 'total' is the mean over
-    layers of each layer's weighted sum, what the training loss adds. All zero
+    layers of each layer's weighted sum, what the training loss adds. A layer whose
+    load-balancing loss is pooled over its stack counts the stack's loss. All zero
     for a dense model.
   """
   losses = state.get('aux_loss', {})
+  balance, total = _pooled_balance(losses)
   out = {}
-  for name, key in (('load_balancing_loss', 'load_balancing_loss'),
-                    ('router_z_loss', 'router_z_loss'), ('total', 'weighted')):
+  for name, key, pooled in (('load_balancing_loss', 'load_balancing_loss', balance),
+                            ('router_z_loss', 'router_z_loss', {}), ('total', 'weighted', total)):
     # A scanned stack sows one value per layer along a leading `layers` axis: average the
     # layers' values, whatever the layout.
-    values = [jnp.ravel(v) for v in _per_layer(losses, key).values()]
+    values = [jnp.ravel(v) for v in {**_per_layer(losses, key), **pooled}.values()]
     out[name] = jnp.mean(jnp.concatenate(values)) if values else jnp.zeros((), jnp.float32)
   return out
 
