@@ -97,12 +97,9 @@ def _train_losses(model_dir):
   return {r['step']: r['loss'] for r in rows if r['split'] == 'train'}
 
 
-def test_killed_run_resumes_exactly(tmp_path):
-  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=1 '
-                                    '--xla_backend_optimization_level=0'}
-  straight = tmp_path / 'straight'
-  subprocess.run(_train_command(straight, 12), cwd=REPO, env=env, check=True,
-                 capture_output=True)
+def test_killed_run_resumes_exactly(tmp_path, straight_run):
+  from tests.train.conftest import RESUME_XLA_FLAGS  # pylint: disable=g-import-not-at-top
+  env = {**os.environ, 'XLA_FLAGS': RESUME_XLA_FLAGS}
   killed = tmp_path / 'killed'
   proc = subprocess.Popen(_train_command(killed, 12), cwd=REPO, env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -116,7 +113,7 @@ def test_killed_run_resumes_exactly(tmp_path):
   assert proc.returncode == -signal.SIGKILL, 'the run ended before it could be killed'
   assert max(_train_losses(killed)) < 12
   subprocess.run(_train_command(killed, 12), cwd=REPO, env=env, check=True, capture_output=True)
-  expected, resumed = _train_losses(straight), _train_losses(killed)
+  expected, resumed = _train_losses(straight_run), _train_losses(killed)
   rows = [json.loads(line) for line in open(killed / 'metrics.jsonl')]
   assert [r['step'] for r in rows if r['split'] == 'train'] == list(range(1, 13))  # each once
   for step in range(1, 13):

@@ -18,8 +18,7 @@ from upcycle.study import drop_units, execute, render, runs as runs_lib
 from upcycle.study.curves import Results
 from upcycle.study.scale import FULL, QUICK
 
-QUICK_ARMS = {'t5': ('pretrain', 'moe', 'dense', 'scratch', 'drop_0.5'),
-              'vit': ('pretrain', 'moe', 'dense')}
+QUICK_ARMS = {'t5': ('pretrain', 'moe', 'dense', 'scratch'), 'vit': ('pretrain', 'moe')}
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -27,7 +26,7 @@ def plan(scale, quick: bool):
   """All runs of the study, in the order they are started."""
   out = []
   for seed in scale.seeds:
-    out += runs_lib.t5_runs(scale, seed, {}) + runs_lib.vit_runs(scale, seed)
+    out += runs_lib.t5_runs(scale, seed) + runs_lib.vit_runs(scale, seed)
   if quick:
     out = [r for r in out if r.arm in QUICK_ARMS[r.family]]
   return out

@@ -9,7 +9,7 @@ import dataclasses
 import json
 import math
 import os
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from upcycle.study.scale import Scale
 
@@ -99,8 +99,15 @@ def equal_flops_steps(start: int, extra: int, reference_arm: str) -> Callable[[R
   return steps
 
 
-def t5_runs(scale: Scale, seed: int, extra_arms: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]]
-            ) -> List[Run]:
+# Switches beyond the papers' anchors, upcycled like `moe` otherwise: (gin files, bindings).
+BEYOND_T5 = {
+    'drop_layerwise': (('upcycling/drop_layerwise.gin',), ("DROP_RATIO='linear:0.25:0.75'",)),
+    'partial': (('upcycling/partial.gin',), ('COPIED_EXPERTS=4',)),
+    'load_balancing_pooled_batch': (('experiments/load_balancing_pooled_batch.gin',), ()),
+}
+
+
+def t5_runs(scale: Scale, seed: int) -> List[Run]:
   """The language runs of one seed (tiny T5 v1.1, span corruption over Python's docs)."""
   p, x = scale.t5_pretrain_steps, scale.t5_extra_steps
   e = f'NUM_EXPERTS={scale.num_experts}'
@@ -129,7 +136,7 @@ def t5_runs(scale: Scale, seed: int, extra_arms: Dict[str, Tuple[Tuple[str, ...]
       upcycle('placement_all', ['moe/placement/all.gin']),
       *[upcycle(f'drop_{r}', ['upcycling/drop.gin'], (f'DROP_RATIO={r}',)) for r in (0.5, 1.0)],
   ]
-  runs += [upcycle(arm, files, bindings) for arm, (files, bindings) in extra_arms.items()]
+  runs += [upcycle(arm, files, bindings) for arm, (files, bindings) in BEYOND_T5.items()]
   return runs
 
 
@@ -172,6 +179,10 @@ DESCRIPTIONS = {
         'lr_restart': 'step and learning-rate schedule restarted at 0',
         'placement_last_2': 'MoE in the last 2 layers', 'placement_all': 'MoE in every layer',
         'drop_0.5': 'Drop-Upcycling r=0.5', 'drop_1.0': 'Drop-Upcycling r=1.0',
+        'drop_layerwise': 'Drop-Upcycling, r from 0.25 (first MoE layer) to 0.75 (last)',
+        'partial': 'partial upcycling: 4 experts copied, 4 from scratch',
+        'load_balancing_pooled_batch': 'load balancing over the batch, pooled over each '
+                                       "stack's layers (HF Mixtral's loss)",
     },
     'vit': {
         'pretrain': 'dense pretraining, P steps (schedule over P + X)',
