@@ -5,7 +5,8 @@ d_ff], ...}`, to expert leaves `{'wi_0/kernel': [E, d_model, d_ff], ...}`
 (Granular: `[E, d_model, d_ff / G]`). Initializers from several dense
 checkpoints (Branch-Train-MiX, UpIT) live in `sources.py`.
 
-Names for entry points: 'copy', 'drop', 'noise', 'random', 'granular' (see `get`).
+Names for entry points: 'copy', 'drop', 'noise', 'random', 'granular', 'zero_output'
+(see `get`).
 """
 
 import dataclasses
@@ -21,8 +22,8 @@ from upcycle.upcycling.base import (Array, ExpertInit, as_array, check_choice, d
 from upcycle.tree import shape_of
 from upcycle.upcycling.sources import FromCheckpoints, Merge
 
-__all__ = ['ExpertInit', 'Copy', 'Drop', 'Noise', 'Random', 'Granular', 'FromCheckpoints',
-           'Merge', 'EXPERT_INITS', 'get']
+__all__ = ['ExpertInit', 'Copy', 'Drop', 'Noise', 'Random', 'Granular', 'ZeroOutput',
+           'FromCheckpoints', 'Merge', 'EXPERT_INITS', 'get']
 
 
 def _tiled(mlp: Mapping[str, Array], num_experts: int) -> Dict[str, Array]:
@@ -293,8 +294,45 @@ class Granular(ExpertInit):
     return tied
 
 
+@dataclasses.dataclass(frozen=True)
+class ZeroOutput(ExpertInit):
+  """The experts of `inner` with their output projection (wo, Dense_1: kernel and bias) zero.
+
+  The routed experts then output exactly zero for every token, whatever the routing, capacity
+  or combine weights, so an MoE block with a shared expert (`MoeConfig.shared_expert`, copied
+  from the dense MLP at the dense d_ff) computes exactly the dense MLP at step 0: the
+  function-preserving init for shared experts. (Copied experts with normalized combine weights
+  would add a second dense MLP output: 2 x dense(x) for every routed token.) At step 0 the
+  experts' input projections and the router get no gradient from the task loss (the experts
+  output zero); they start learning once the output projections have moved.
+
+  Attributes:
+    inner: the initializer whose experts are kept but for the output projection (an
+      instance, or a name of `EXPERT_INITS`).
+  """
+
+  inner: Union[str, ExpertInit] = Copy()
+
+  def __post_init__(self):
+    object.__setattr__(self, 'inner', get(self.inner))
+    if not self.inner.traceable:
+      raise ValueError(f'ZeroOutput(inner={self.inner!r}): wraps initializers of one dense MLP '
+                       f'(Copy, Drop, Noise, Random, Granular), not several checkpoints.')
+
+  def expert_shapes(self, mlp_shapes, num_experts, layer=''):
+    return self.inner.expert_shapes(mlp_shapes, num_experts, layer)
+
+  def __call__(self, mlp, num_experts, rng, *, layer=''):
+    out = self.inner(mlp, num_experts, rng, layer=layer)
+    return {name: jnp.zeros_like(x) if ffn.is_output(name, layer) else x
+            for name, x in out.items()}
+
+  def tie_router(self, router, layer=''):
+    return self.inner.tie_router(router, layer)
+
+
 EXPERT_INITS = {'copy': Copy, 'drop': Drop, 'noise': Noise, 'random': Random,
-                'granular': Granular}
+                'granular': Granular, 'zero_output': ZeroOutput}
 
 
 def get(init: Union[str, ExpertInit]) -> ExpertInit:
