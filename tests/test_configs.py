@@ -96,6 +96,14 @@ def test_paper_default_moe():
   assert cfg.sparse_layers('encoder') == (1, 3, 5, 7, 9, 11)
 
 
+def test_shared_expert_gin_adds_one_to_every_moe_stack():
+  parse(['models/t5_1_1/base.gin', 'moe/paper_t5.gin', 'moe/shared_expert.gin',
+         'upcycling/zero_output.gin'], MACROS[:1] + ['probe.model = %MODEL'])
+  cfg = probe().config
+  assert cfg.encoder_moe.shared_d_ff(cfg.d_ff) == cfg.decoder_moe.shared_d_ff(cfg.d_ff) == 2048
+  assert cfg.encoder_moe.router == 'experts_choose'   # the moe/ file's settings kept
+
+
 def test_a_typo_in_a_binding_is_an_error_that_names_it():
   with pytest.raises(ValueError, match='d_modle'):
     parse(['models/t5_1_1/tiny.gin'], ['models.T5Config.d_modle = 3'])

@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from tests.models.helpers import TINY_T5, TINY_VIT, tokens
+from upcycle import tree
 from upcycle.models import T5, ViT
 from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses
 from upcycle.train import partitioning
@@ -85,6 +86,18 @@ def test_rules_put_experts_on_the_expert_axis_and_mlp_on_model():
   assert spec('encoder', 'layers_0', 'mlp', 'wo', 'kernel') == P('model', None)
   assert spec('token_embedder', 'embedding') == P('model', None)
   assert spec('decoder', 'layers_0', 'self_attention', 'query', 'kernel') == P(None, 'model')
+
+
+def test_shared_expert_is_sharded_like_the_dense_mlp():
+  moe = dataclasses.replace(T5_MOE.encoder_moe, shared_expert=True)
+  boxed = jax.eval_shape(T5(dataclasses.replace(T5_MOE, encoder_moe=moe)).init,
+                         jax.random.PRNGKey(0), *t5_case()[1])['params']
+  axes = partitioning.logical_axes(boxed)
+  assert axes['encoder/layers_1/mlp/shared_expert/wi_0/kernel'] == ('embed', 'mlp')
+  assert axes['encoder/layers_1/mlp/shared_expert/wo/kernel'] == ('mlp', 'embed')
+  shardings = tree.flatten(partitioning.logical_sharding(boxed, partitioning.make_mesh(2, 2)))
+  assert shardings['encoder/layers_1/mlp/shared_expert/wi_1/kernel'].spec == P(None, 'model')
+  assert shardings['encoder/layers_1/mlp/shared_expert/wo/kernel'].spec == P('model', None)
 
 
 def test_mesh_must_divide_the_devices():

@@ -11,9 +11,11 @@ or @models.ViT(); a bare T5Config / ViTConfig works too): its config decides whi
 are MoE, how many experts, shapes and dtypes. --gin_file / --gin.KEY=VALUE /
 --gin_bindings / --gin_search_paths work as for training (upcycle/gin_utils.py).
 
---experts: copy | drop | noise | random | partial | granular (experts.EXPERT_INITS), optionally with
-arguments as Python literals: 'drop(ratio=0.5, index_sharing="per_matrix")',
-'drop(ratio="linear:0.2:0.8")', 'partial(copied=4)', 'granular(granularity=2)'.
+--experts: copy | drop | noise | random | partial | granular | zero_output
+(experts.EXPERT_INITS), optionally with arguments as Python literals:
+'drop(ratio=0.5, index_sharing="per_matrix")', 'drop(ratio="linear:0.2:0.8")',
+'partial(copied=4)', 'granular(granularity=2)', 'zero_output(inner="drop")' (with a shared
+expert: the dense model at step 0).
 --router: normal | uniform | zeros (routers.ROUTER_INITS), e.g. 'normal(std=0.02)'.
 --step: the output's step: keep (the source's, 0 if its format has none), reset (0), or N.
 

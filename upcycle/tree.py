@@ -9,6 +9,8 @@ The naming rule (DESIGN.md) of every MoE block of either model:
 
   X/expert/Y  the experts of the dense MLP leaf X/Y, a leading expert axis
   X/router/Z  the router of block X (only where X/expert/... exists too)
+  X/shared_expert/Y  the shared expert of block X: the dense MLP leaf X/Y (only
+              where X/expert/... exists too)
   anything P  the dense leaf P
 """
 
@@ -22,6 +24,7 @@ from flax.core import meta
 
 EXPERT = 'expert'
 ROUTER = 'router'
+SHARED_EXPERT = 'shared_expert'
 
 
 def _is_box(x: Any) -> bool:
@@ -153,11 +156,12 @@ class Role:
   """What one leaf of an MoE param tree is.
 
   Attributes:
-    kind: 'copy', 'expert' or 'router'.
+    kind: 'copy', 'expert', 'router' or 'shared_expert'.
     layer: X, the path of the MoE block ('' for copied leaves).
-    name: Y below X/expert/ or Z below X/router/ (the full path for copies).
-    source: the dense leaf it comes from: X/Y for experts, the same path for
-      copies, '' for routers.
+    name: Y below X/expert/ or X/shared_expert/, Z below X/router/ (the full path
+      for copies).
+    source: the dense leaf it comes from: X/Y for experts and the shared expert,
+      the same path for copies, '' for routers.
   """
 
   kind: str
@@ -169,9 +173,10 @@ class Role:
 def classify(paths: Iterable[str]) -> Dict[str, Role]:
   """Roles of all paths of an MoE param tree under the naming rule.
 
-  The first 'expert' key of a path splits it into X/expert/Y. A 'router' key
-  marks a router leaf only if its prefix X also has experts, so that a dense
-  model with a module that happens to be called 'router' is copied as usual.
+  The first 'expert' key of a path splits it into X/expert/Y. A 'router' or
+  'shared_expert' key marks a router or shared-expert leaf only if its prefix X
+  also has experts, so that a dense model with a module that happens to be
+  called so is copied as usual.
   """
   paths = list(paths)
   layers = {'/'.join(p.split('/')[:p.split('/').index(EXPERT)])
@@ -179,12 +184,12 @@ def classify(paths: Iterable[str]) -> Dict[str, Role]:
   roles = {}
   for path in paths:
     keys = path.split('/')
-    for kind in (EXPERT, ROUTER):
+    for kind in (EXPERT, ROUTER, SHARED_EXPERT):
       if kind in keys:
         i = keys.index(kind)
         layer, name = '/'.join(keys[:i]), '/'.join(keys[i + 1:])
         if kind == EXPERT or layer in layers:
-          roles[path] = Role(kind, layer, name, join(layer, name) if kind == EXPERT else '')
+          roles[path] = Role(kind, layer, name, '' if kind == ROUTER else join(layer, name))
           break
     else:
       roles[path] = Role('copy', '', path, path)

@@ -58,3 +58,18 @@ def test_vit_closed_form_and_objectives():
            'decoder_input_tokens': np.zeros((2, 4), np.int32)}
   assert seq2seq.train_flops(batch) == 3 * 67584
   assert objectives.Classification(ViT(cfg)).train_flops({'image': images}) == 3 * 41136
+
+
+def test_shared_expert_counts_on_every_token():
+  # Encoder layer 1, shared d_ff 6: 12 tokens x 3*8*6 = 1728 multiply-adds; decoder layer 1, the
+  # dense d_ff 12: 8 tokens x 3*8*12 = 2304. ViT block 1 (5 tokens, 3 images): 15 x 2*8*12.
+  moe = MoeConfig(num_experts=4, router='tokens_choose', k=1)
+  shared = dataclasses.replace(moe, shared_expert=True)
+  t5 = lambda enc, dec: dataclasses.replace(T5_TINY, encoder_moe=enc, decoder_moe=dec)
+  extra = (flops.t5_forward_flops(t5(dataclasses.replace(shared, shared_expert_d_ff=6), shared),
+                                  2, 6, 4) - flops.t5_forward_flops(t5(moe, moe), 2, 6, 4))
+  assert extra == 2 * (1728 + 2304)
+  vit = ViTConfig(num_classes=5, image_size=(8, 8), patch_size=(4, 4), width=8, depth=2,
+                  mlp_dim=12, num_heads=2)
+  assert (flops.vit_forward_flops(dataclasses.replace(vit, moe=shared), 3)
+          - flops.vit_forward_flops(dataclasses.replace(vit, moe=moe), 3)) == 2 * 15 * 192

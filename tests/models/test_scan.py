@@ -116,6 +116,19 @@ def test_stacked_parameters_have_the_layers_axis():
   assert dict(partitioning.LOGICAL_AXIS_RULES)['layers'] is None
 
 
+def test_shared_expert_is_stacked_with_its_moe_sub_block():
+  moe = dataclasses.replace(T5_MOE.encoder_moe, shared_expert=True, shared_expert_d_ff=8)
+  config = dataclasses.replace(T5_MOE, encoder_moe=moe)
+  scanned = dataclasses.replace(config, scan_layers=True)
+  boxed = jax.eval_shape(T5(scanned).init, jax.random.PRNGKey(0),
+                         *_model_and_inputs(scanned)[1])['params']
+  path = 'encoder/layers/subblock_1/mlp/shared_expert/wi_0/kernel'
+  assert partitioning.logical_axes(boxed)[path] == ('layers', 'embed', 'mlp')
+  shapes = lambda t: {p: tuple(x.shape) for p, x in tree.flatten(t).items()}
+  assert shapes(boxed)[path] == (2, 16, 8)
+  assert shapes(scan_layout.stack(abstract_params(config), config)) == shapes(boxed)
+
+
 @pytest.mark.parametrize('name', ['t5_moe', 'vit_moe', 'vit_dense'])
 def test_stack_unstack_round_trip_and_abstract_shapes(name):
   config = CONFIGS[name]

@@ -2,6 +2,7 @@
 the dense model's logits (identical experts, normalized combine weights, enough capacity)."""
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 
 from tests.models.helpers import TINY_T5, TINY_VIT, tile_experts, tokens
-from upcycle.models import T5, T5Config, ViT
+from upcycle import upcycling
+from upcycle.models import T5, T5Config, ViT, abstract_params
 from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses, metrics
 
 
@@ -17,13 +19,22 @@ def init(model, *args):
   return nn.meta.unbox(model.init(jax.random.PRNGKey(0), *args))['params']
 
 
+@functools.lru_cache(maxsize=None)
+def dense_model(name):
+  """(model class, config, inputs, params, logits) of a dense 4-layer T5 or ViT."""
+  if name == 't5':
+    model, cfg = T5, dataclasses.replace(TINY_T5, num_encoder_layers=4, num_decoder_layers=4)
+    inputs = (tokens(0, (2, 12), cfg.vocab_size), tokens(1, (2, 6), cfg.vocab_size))
+  else:
+    model, cfg = ViT, dataclasses.replace(TINY_VIT, depth=4)
+    inputs = (jax.random.normal(jax.random.PRNGKey(3), (2, 8, 8, 3)),)
+  params = init(model(cfg), *inputs)
+  return model, cfg, inputs, params, model(cfg).apply({'params': params}, *inputs)
+
+
 @pytest.mark.parametrize('dispatch', ['masked', 'indices'])
 def test_upcycled_t5_gives_the_dense_logits(dispatch):
-  cfg = dataclasses.replace(TINY_T5, num_encoder_layers=4, num_decoder_layers=4)
-  enc, dec = tokens(0, (2, 12), cfg.vocab_size), tokens(1, (2, 6), cfg.vocab_size)
-  dense = T5(cfg)
-  dense_params = init(dense, enc, dec)
-  dense_logits = dense.apply({'params': dense_params}, enc, dec)
+  _, cfg, (enc, dec), dense_params, dense_logits = dense_model('t5')
   moe_cfg = dataclasses.replace(
       cfg,
       encoder_moe=MoeConfig(num_experts=4, router='experts_choose', eval_capacity_factor=4.0,
@@ -43,16 +54,12 @@ def test_upcycled_t5_gives_the_dense_logits(dispatch):
 
 
 def test_upcycled_vit_gives_the_dense_logits():
-  images = jax.random.normal(jax.random.PRNGKey(3), (2, 8, 8, 3))
-  cfg = dataclasses.replace(TINY_VIT, depth=4)
-  dense = ViT(cfg)
-  dense_params = init(dense, images)
+  _, cfg, (images,), dense_params, dense_logits = dense_model('vit')
   moe_cfg = dataclasses.replace(cfg, moe=MoeConfig(
       num_experts=4, eval_capacity_factor=4.0, normalize_combine_weights=True))
   moe = ViT(moe_cfg)
   params = tile_experts(dense_params, init(moe, images))
-  np.testing.assert_allclose(moe.apply({'params': params}, images),
-                             dense.apply({'params': dense_params}, images), atol=1e-5)
+  np.testing.assert_allclose(moe.apply({'params': params}, images), dense_logits, atol=1e-5)
 
 
 def test_t5_refuses_expert_choice_in_the_decoder():
@@ -88,3 +95,21 @@ def test_bfloat16_activations_keep_float32_params_routers_and_logits():
   assert aux_losses(state)['router_z_loss'].dtype == np.float32
   np.testing.assert_allclose(logits, f32, atol=0.05 * float(np.max(np.abs(f32))))
   assert not np.array_equal(logits, f32)   # the activations really ran in bfloat16
+
+
+def test_shared_expert_with_zero_output_experts_gives_the_dense_logits():
+  """Shared expert = the dense MLP, routed experts output zero (`experts.ZeroOutput`): the
+  dense model exactly, in T5's encoder and decoder and in ViT (the MoE configs above)."""
+  top2 = MoeConfig(num_experts=4, router='tokens_choose', k=2, eval_capacity_factor=2.0,
+                   normalize_combine_weights=True, shared_expert=True)
+  choice = MoeConfig(num_experts=4, router='experts_choose', eval_capacity_factor=4.0,
+                     normalize_combine_weights=True, shared_expert=True)
+  for name, fields in [('t5', dict(encoder_moe=choice, decoder_moe=top2)),
+                       ('vit', dict(moe=choice))]:
+    model, cfg, inputs, dense_params, dense_logits = dense_model(name)
+    moe_cfg = dataclasses.replace(cfg, **fields)
+    params, report = upcycling.upcycle(dense_params, abstract_params(moe_cfg),
+                                       experts='zero_output', rng=0)
+    assert len(report.shared) == len(report.experts) > 0
+    np.testing.assert_allclose(model(moe_cfg).apply({'params': params}, *inputs), dense_logits,
+                               atol=1e-6)

@@ -267,3 +267,39 @@ def test_expert_choice_has_no_load_balancing_loss_in_any_scope():
   _, state = run(config, moe_params(config, x), x)
   assert 'balance_fraction' not in state['aux_loss']
   assert float(aux_losses(state)['load_balancing_loss']) == 0.0
+
+
+def test_shared_expert_adds_its_mlp_to_the_routed_output():
+  x, _, _ = dense_setup()
+  config = MoeConfig(num_experts=E, router='tokens_choose', k=2, eval_capacity_factor=0.5,
+                     capacity_multiple_of=1, dispatch='indices', shared_expert=True)
+  shared = functools.partial(layers.GatedMlp, d_ff=4)
+  layer = MoeLayer(config, EXPERT, shared_expert=shared)
+  params = nn.meta.unbox(layer.init(jax.random.PRNGKey(2), x, True))['params']
+  assert {n: w['kernel'].shape for n, w in params['shared_expert'].items()} == {
+      'wi_0': (D_MODEL, 4), 'wi_1': (D_MODEL, 4), 'wo': (4, D_MODEL)}
+  out, _ = layer.apply({'params': params}, x, True, mutable=MOE_COLLECTIONS)
+  routed_params = {k: v for k, v in params.items() if k != 'shared_expert'}
+  routed, _ = run(MoeConfig(**{**config.__dict__, 'shared_expert': False}), routed_params, x)
+  by_hand = routed + shared().apply({'params': params['shared_expert']}, x, True)
+  np.testing.assert_allclose(out, by_hand, atol=1e-6)
+  with pytest.raises(ValueError, match='shared_expert=True but the model passed no shared_expert'):
+    run(config, routed_params, x)
+  with pytest.raises(ValueError, match='shared_expert_d_ff = 4 without a shared expert'):
+    MoeConfig(shared_expert_d_ff=4)
+
+
+def test_copied_shared_expert_is_dense_only_with_zero_routed_output():
+  """Why upcycling a shared expert zeroes the routed experts' output (`experts.ZeroOutput`):
+  copied experts, even with normalized combine weights, add a second dense output."""
+  x, dense_params, dense_out = dense_setup()
+  config = MoeConfig(num_experts=E, router='tokens_choose', k=2, eval_capacity_factor=float(E),
+                     normalize_combine_weights=True, shared_expert=True)
+  routed = MoeConfig(**{**config.__dict__, 'shared_expert': False})
+  params = {**moe_params(routed, x, dense_params), 'shared_expert': dense_params}
+  layer = MoeLayer(config, EXPERT, shared_expert=EXPERT)
+  out, _ = layer.apply({'params': params}, x, True, mutable=MOE_COLLECTIONS)
+  np.testing.assert_allclose(out, 2 * dense_out, atol=1e-5)
+  params['expert']['wo']['kernel'] = jnp.zeros_like(params['expert']['wo']['kernel'])
+  out, _ = layer.apply({'params': params}, x, True, mutable=MOE_COLLECTIONS)
+  np.testing.assert_array_equal(out, dense_out)

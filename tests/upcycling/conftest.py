@@ -46,8 +46,9 @@ def dense_vit(seed=0, width=8, mlp_dim=32, depth=2):
   return tree
 
 
-def moe_target(dense, mlps, num_experts, d_model=8, expert_d_ff=None):
-  """Abstract MoE tree: the MLPs at `mlps` become `expert/` + `router/` blocks."""
+def moe_target(dense, mlps, num_experts, d_model=8, expert_d_ff=None, shared_d_ff=None):
+  """Abstract MoE tree: the MLPs at `mlps` become `expert/` + `router/` blocks, plus a
+  `shared_expert/` MLP of `shared_d_ff` units when given."""
   flat = {p: S(np.shape(x), np.asarray(x).dtype) for p, x in tree.flatten(dense).items()}
   out = {}
   for path, leaf in flat.items():
@@ -62,6 +63,11 @@ def moe_target(dense, mlps, num_experts, d_model=8, expert_d_ff=None):
       if axis is not None:
         shape[axis] = expert_d_ff
     out[f'{mlp}/expert/{name}'] = S((num_experts, *shape), leaf.dtype)
+    if shared_d_ff is not None:
+      shape, axis = list(leaf.shape), ffn.d_ff_axis(name)
+      if axis is not None:
+        shape[axis] = shared_d_ff
+      out[f'{mlp}/shared_expert/{name}'] = S(tuple(shape), leaf.dtype)
   for mlp in mlps:
     out[f'{mlp}/router/router_weights/w/kernel'] = S((d_model, num_experts), jnp.float32)
   return tree.unflatten(out)

@@ -446,5 +446,5 @@ def test_every_expert_name_convert_accepts_is_one_get_accepts(name):
 def test_granular_by_name_is_granular_2():
   assert experts.get('granular') == experts.Granular(2)
   with pytest.raises(ValueError, match=r"experts='grain': expected a ExpertInit instance or one of "
-                     r"\('copy', 'drop', 'noise', 'random', 'partial', 'granular'\)"):
+                     r"\('copy', 'drop', 'noise', 'random', 'partial', 'granular', 'zero_output'\)"):
     experts.get('grain')

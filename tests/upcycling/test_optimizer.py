@@ -43,12 +43,13 @@ def _train_dense(t5, optimizer, steps=3):
 
 
 def _moe_grads(dense_grads, moe_params, num_experts):
-  """Copies get the dense gradient, experts the dense gradient tiled, routers noise."""
+  """Copies and shared experts get the dense gradient, experts the dense gradient tiled,
+  routers noise."""
   flat_dense = tree.flatten(dense_grads)
   out = {}
   for path, role in tree.classify(tree.flatten(moe_params)).items():
-    if role.kind == 'copy':
-      out[path] = flat_dense[path]
+    if role.kind in ('copy', 'shared_expert'):
+      out[path] = flat_dense[role.source]
     elif role.kind == 'expert':
       out[path] = jnp.broadcast_to(flat_dense[role.source], (num_experts,) + flat_dense[role.source].shape)
     else:
@@ -58,10 +59,11 @@ def _moe_grads(dense_grads, moe_params, num_experts):
 
 @pytest.mark.parametrize('name', sorted(OPTIMIZERS))
 def test_first_moe_update_equals_the_dense_update(name, t5, target):
-  """Tiled moments + carried step: each expert and copy moves exactly as the dense param would."""
+  """Tiled moments + carried step: each expert, shared expert and copy moves exactly as the
+  dense param would."""
   optimizer = OPTIMIZERS[name]()
   dense, dense_state = _train_dense(t5, optimizer)
-  moe, _ = upcycle(dense, target(dense, [MLP], 2), rng=0)
+  moe, _ = upcycle(dense, target(dense, [MLP], 2, shared_d_ff=16), rng=0)
   moe_state = upcycle_optimizer_state(dense_state, moe, optimizer)
   assert jax.tree.structure(moe_state) == jax.tree.structure(optimizer.init(moe))
   grads = _grads(dense, 10)
@@ -159,6 +161,16 @@ def test_shape_changing_experts_need_fresh_moments(t5, target):
   moe, _ = upcycle(dense, target(dense, [MLP], 4, expert_d_ff=8), experts=experts.Granular(2), rng=0)
   with pytest.raises(ValueError, match=r'slot .*expert/wi_0/kernel \(4, 8, 8\) cannot be made from '
                      r'the dense slot of encoder/layers_1/mlp/wi_0/kernel \(8, 16\).*tile_moments=False'):
+    upcycle_optimizer_state(dense_state, moe, optimizer)
+  upcycle_optimizer_state(dense_state, moe, optimizer, tile_moments=False)
+
+
+@pytest.mark.parametrize('name', sorted(OPTIMIZERS))
+def test_narrower_shared_expert_needs_fresh_moments(name, t5, target):
+  optimizer = OPTIMIZERS[name]()
+  dense, dense_state = _train_dense(t5, optimizer)
+  moe, _ = upcycle(dense, target(dense, [MLP], 2, shared_d_ff=4), rng=0)
+  with pytest.raises(ValueError, match=r'shared_expert/w.*tile_moments=False'):
     upcycle_optimizer_state(dense_state, moe, optimizer)
   upcycle_optimizer_state(dense_state, moe, optimizer, tile_moments=False)
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from upcycle import tree
-from upcycle.upcycling import experts, routers
-from upcycle.upcycling.surgery import upcycle, upcycle_from_checkpoints
+from upcycle.upcycling import experts, routers, stream
+from upcycle.upcycling.surgery import make_plan, upcycle, upcycle_from_checkpoints
 
 MLP = 'encoder/layers_1/mlp'
 
@@ -209,3 +209,56 @@ def test_upcycle_traces_under_jit(init, t5, target):
   eager, _ = upcycle(dense, tgt, experts=init, rng=jax.random.PRNGKey(2))
   jitted = jax.jit(lambda d, k: upcycle(d, tgt, experts=init, rng=k)[0])(dense, jax.random.PRNGKey(2))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), jitted, eager)
+
+
+def test_shared_expert_is_the_dense_mlp_in_every_executor(t5, target):
+  dense = t5()
+  tgt = target(dense, [MLP], 4, shared_d_ff=32)
+  params, report = upcycle(dense, tgt, experts='zero_output', rng=0)
+  flat, flat_dense = tree.flatten(params), tree.flatten(dense)
+  for name in ('wi_0/kernel', 'wi_1/kernel', 'wo/kernel'):
+    mlp = flat_dense[f'{MLP}/{name}']
+    np.testing.assert_array_equal(flat[f'{MLP}/shared_expert/{name}'], mlp)
+    expert = 0 * mlp if name == 'wo/kernel' else mlp   # ZeroOutput zeroes the output projection
+    np.testing.assert_array_equal(flat[f'{MLP}/expert/{name}'], np.broadcast_to(expert, (4,) + mlp.shape))
+  assert set(report.shared) == {f'{MLP}/shared_expert/{n}/kernel' for n in ('wi_0', 'wi_1', 'wo')}
+  assert report.unused == ()
+  assert ', 3 shared-expert leaves; ' in report.summary()
+  assert f'{MLP}/shared_expert/wo/kernel' in str(report)
+  plan = make_plan(dense, tgt, experts='zero_output')
+  streamed = {p: x.read() for p, x in tree.flatten(stream.leaves(plan, dense, 0)).items()}
+  jitted = tree.flatten(jax.jit(lambda d: upcycle(d, tgt, experts='zero_output', rng=0)[0])(
+      jax.tree.map(jnp.asarray, dense)))
+  for path, value in flat.items():
+    np.testing.assert_array_equal(streamed[path], value, err_msg=path)
+    np.testing.assert_allclose(jitted[path], value, rtol=1e-6, atol=1e-6, err_msg=path)
+
+
+def test_narrower_shared_expert_takes_the_first_units_wider_is_refused(vit, target):
+  dense = vit()
+  mlp = 'Transformer/encoderblock_1/MlpBlock_0'
+  params, report = upcycle(dense, target(dense, [mlp], 2, shared_d_ff=12), rng=0)
+  flat, flat_dense = tree.flatten(params), tree.flatten(dense)
+  shared = lambda name: np.asarray(flat[f'{mlp}/shared_expert/{name}'])
+  src = lambda name: flat_dense[f'{mlp}/{name}']
+  np.testing.assert_array_equal(shared('Dense_0/kernel'), src('Dense_0/kernel')[:, :12])
+  np.testing.assert_array_equal(shared('Dense_0/bias'), src('Dense_0/bias')[:12])
+  np.testing.assert_array_equal(shared('Dense_1/kernel'), src('Dense_1/kernel')[:12])
+  np.testing.assert_array_equal(shared('Dense_1/bias'), src('Dense_1/bias'))
+  assert 'first 12 of 32 d_ff units' in str(report)
+  with pytest.raises(ValueError, match=rf'{mlp}/shared_expert/Dense_0/kernel has shape \(8, 64\) '
+                     rf'but dense leaf {mlp}/Dense_0/kernel has shape \(8, 32\).*'
+                     rf'shared_expert_d_ff <= the dense d_ff'):
+    upcycle(dense, target(dense, [mlp], 2, shared_d_ff=64), rng=0)
+
+
+def test_zero_output_wraps_an_initializer_by_name():
+  init = experts.get('zero_output')
+  assert init == experts.ZeroOutput(experts.Copy())
+  assert experts.ZeroOutput('drop') == experts.ZeroOutput(experts.Drop())
+  mlp = {'Dense_0/kernel': np.ones((2, 3), np.float32), 'Dense_0/bias': np.ones(3, np.float32),
+         'Dense_1/kernel': np.ones((3, 2), np.float32), 'Dense_1/bias': np.ones(2, np.float32)}
+  out = init(mlp, 2, jax.random.PRNGKey(0))
+  assert not np.any(out['Dense_1/kernel']) and not np.any(out['Dense_1/bias'])
+  np.testing.assert_array_equal(out['Dense_0/kernel'], np.ones((2, 2, 3)))
+  np.testing.assert_array_equal(out['Dense_0/bias'], np.ones((2, 3)))

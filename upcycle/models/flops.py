@@ -5,7 +5,8 @@ softmaxes, activations, the router's top-k and the MoE dispatch/combine (a gathe
 with `dispatch='indices'`) are left out. A training step is 3 forward passes (the backward
 pass costs two). An MoE block computes its experts on every capacity slot, filled or not:
 groups x E x capacity slots of one expert MLP each, plus the router (d x E per token), with
-the training capacity factor and the grouping of `MoeConfig` (padding included).
+the training capacity factor and the grouping of `MoeConfig` (padding included), and its
+shared expert (`MoeConfig.shared_expert`) on every token.
 """
 
 from typing import Optional
@@ -22,13 +23,17 @@ def _attention(queries: int, keys: int, d_in: int, inner: int) -> int:
   return 2 * (2 * queries * d_in * inner + 2 * keys * d_in * inner + 2 * queries * keys * inner)
 
 
-def _mlp_block(moe: Optional[MoeConfig], batch: int, length: int, d: int, mlp_flops: int) -> int:
-  """A dense MLP of `mlp_flops` per token on batch x length tokens, or an MoE block of it."""
+def _mlp_block(moe: Optional[MoeConfig], batch: int, length: int, d: int, d_ff: int,
+               unit_flops: int) -> int:
+  """A dense MLP of `d_ff` units, `unit_flops` per unit and token, on batch x length tokens,
+  or an MoE block of it: its experts on every capacity slot, its router, its shared expert."""
+  tokens = batch * length
   if moe is None:
-    return batch * length * mlp_flops
+    return tokens * d_ff * unit_flops
   plan = moe.group_plan(batch, length)
   slots = plan.num_groups * moe.num_experts * moe.capacity(plan.group_size, deterministic=False)
-  return slots * mlp_flops + 2 * batch * length * d * moe.num_experts
+  shared = tokens * (moe.shared_d_ff(d_ff) or 0) * unit_flops
+  return slots * d_ff * unit_flops + 2 * tokens * d * moe.num_experts + shared
 
 
 def t5_forward_flops(config: T5Config, batch: int, inputs_length: int,
@@ -36,16 +41,17 @@ def t5_forward_flops(config: T5Config, batch: int, inputs_length: int,
   """Forward FLOPs of T5 on `[batch, inputs_length]` inputs and `[batch, targets_length]`
   decoder tokens."""
   d, inner = config.d_model, config.num_heads * config.d_kv
-  mlp = 2 * 3 * d * config.d_ff                   # wi_0, wi_1, wo
+  unit = 2 * 3 * d                                # wi_0, wi_1, wo per d_ff unit
   le, ld = inputs_length, targets_length
   total = 0
   for i in range(config.num_encoder_layers):
     moe = config.encoder_moe if i in config.sparse_layers('encoder') else None
-    total += batch * _attention(le, le, d, inner) + _mlp_block(moe, batch, le, d, mlp)
+    total += batch * _attention(le, le, d, inner)
+    total += _mlp_block(moe, batch, le, d, config.d_ff, unit)
   for i in range(config.num_decoder_layers):
     moe = config.decoder_moe if i in config.sparse_layers('decoder') else None
     total += batch * (_attention(ld, ld, d, inner) + _attention(ld, le, d, inner))
-    total += _mlp_block(moe, batch, ld, d, mlp)
+    total += _mlp_block(moe, batch, ld, d, config.d_ff, unit)
   return total + 2 * batch * ld * d * config.vocab_size   # logits
 
 
@@ -54,14 +60,14 @@ def vit_forward_flops(config: ViTConfig, batch: int) -> int:
   w, (gh, gw), (ph, pw) = config.width, config.grid, config.patch_size
   patches = gh * gw
   n = patches + (1 if config.pool_type == 'token' else 0)
-  mlp = 2 * 2 * w * config.mlp_dim                # Dense_0, Dense_1
+  unit = 2 * 2 * w                                # Dense_0, Dense_1 per mlp_dim unit
   total = 2 * batch * patches * ph * pw * config.num_channels * w   # patch embedding
   sparse = config.sparse_layers()
   for i in range(config.depth):
     moe = config.moe if i in sparse else None
-    total += batch * _attention(n, n, w, w) + _mlp_block(moe, batch, n, w, mlp)
+    total += batch * _attention(n, n, w, w) + _mlp_block(moe, batch, n, w, config.mlp_dim, unit)
   if config.pool_type == 'map':                   # one probe query, then an MLP on it
-    total += batch * (_attention(1, n, w, w) + mlp)
+    total += batch * (_attention(1, n, w, w) + config.mlp_dim * unit)
   features = w
   if config.representation_size is not None:
     total += 2 * batch * w * config.representation_size

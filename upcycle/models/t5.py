@@ -4,6 +4,7 @@ Parameter tree (the README's "Parameter names"):
   token_embedder/embedding [vocab, d_model]
   encoder/relpos_bias/rel_embedding [heads, buckets]
   encoder/layers_{i}/{pre_attention_layer_norm, attention, pre_mlp_layer_norm, mlp}
+    (an MoE block's mlp/{expert, router[, shared_expert]}: `upcycle.moe.layer`)
   decoder/layers_{i}/{pre_self_attention_layer_norm, self_attention,
                       pre_cross_attention_layer_norm, encoder_decoder_attention,
                       pre_mlp_layer_norm, mlp}
@@ -84,12 +85,14 @@ class T5Config:
 
 
 def _mlp(config: T5Config, moe: Optional[MoeConfig], sparse: bool, causal: bool) -> nn.Module:
-  """The dense MLP, or an MoE block of `moe` in its place."""
-  expert = functools.partial(layers.GatedMlp, d_ff=config.d_ff, dropout_rate=config.dropout_rate,
-                             dtype=config.dtype)
-  if sparse:
-    return MoeLayer(moe, expert, causal=causal, name='mlp')
-  return expert(name='mlp')
+  """The dense MLP, or an MoE block of `moe` in its place (with its shared expert, if any)."""
+  mlp = functools.partial(layers.GatedMlp, dropout_rate=config.dropout_rate, dtype=config.dtype)
+  expert = functools.partial(mlp, d_ff=config.d_ff)
+  if not sparse:
+    return expert(name='mlp')
+  shared_d_ff = moe.shared_d_ff(config.d_ff)
+  shared = None if shared_d_ff is None else functools.partial(mlp, d_ff=shared_d_ff)
+  return MoeLayer(moe, expert, causal=causal, shared_expert=shared, name='mlp')
 
 
 def _attention(config: T5Config, name: str, kv_cache: Optional[str] = None) -> nn.Module:

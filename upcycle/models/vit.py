@@ -5,6 +5,7 @@
   cls [1, 1, width]                              (prepended after the position embedding)
   Transformer/encoderblock_{i}/{LayerNorm_0, MultiHeadDotProductAttention_0, LayerNorm_1,
                                 MlpBlock_0/{Dense_0, Dense_1}}
+    (an MoE block's MlpBlock_0/{expert, router[, shared_expert]}: `upcycle.moe.layer`)
   Transformer/encoder_norm, [pre_logits], head, [MAPHead_0]
 With `scan_layers=True`, `encoderblock_{i}` become `encoderblock/subblock_{j}` with a leading
 `layers` axis (`scan_layout`); `remat_policy` recomputes block activations (`stacking`).
@@ -86,9 +87,15 @@ def _attention(cfg: ViTConfig) -> nn.Module:
 
 
 def _mlp(cfg: ViTConfig, sparse: bool) -> nn.Module:
-  expert = functools.partial(layers.Mlp, mlp_dim=cfg.mlp_dim, dropout_rate=cfg.dropout_rate,
-                             approximate_gelu=cfg.approximate_gelu, dtype=cfg.dtype)
-  return MoeLayer(cfg.moe, expert, name='MlpBlock_0') if sparse else expert(name='MlpBlock_0')
+  """The dense MLP, or an MoE block of `cfg.moe` in its place (with its shared expert, if any)."""
+  mlp = functools.partial(layers.Mlp, dropout_rate=cfg.dropout_rate,
+                          approximate_gelu=cfg.approximate_gelu, dtype=cfg.dtype)
+  expert = functools.partial(mlp, mlp_dim=cfg.mlp_dim)
+  if not sparse:
+    return expert(name='MlpBlock_0')
+  shared_dim = cfg.moe.shared_d_ff(cfg.mlp_dim)
+  shared = None if shared_dim is None else functools.partial(mlp, mlp_dim=shared_dim)
+  return MoeLayer(cfg.moe, expert, shared_expert=shared, name='MlpBlock_0')
 
 
 class EncoderBlock(nn.Module):

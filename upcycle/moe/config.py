@@ -79,6 +79,12 @@ class MoeConfig:
     router_z_loss_weight: weight of the router z-loss.
     jitter_noise: multiplicative uniform noise in [1 - j, 1 + j] on the router
       input, training only, drawn from the 'jitter' rng stream.
+    shared_expert: add an always-on expert (DeepSeekMoE, Qwen-MoE): the block computes
+      routed MoE(x) + shared_expert(x), the shared expert a dense MLP of the experts' type
+      under `X/shared_expert/` with the dense MLP's parameter names and logical axes.
+      Upcycling copies the dense MLP into it (`upcycling.plan`).
+    shared_expert_d_ff: the shared expert's d_ff (ViT: mlp_dim); None: the dense
+      MLP's. Requires `shared_expert`.
   """
 
   num_experts: int = 32
@@ -101,6 +107,8 @@ class MoeConfig:
   load_balancing_layers: str = 'separate'
   router_z_loss_weight: float = 0.0001
   jitter_noise: float = 0.0
+  shared_expert: bool = False
+  shared_expert_d_ff: Optional[int] = None
 
   def __post_init__(self):
     fields.integer(self, 'num_experts', 1)
@@ -150,10 +158,22 @@ class MoeConfig:
     if self.jitter_noise >= 1:
       raise fields.ConfigError(f'{fields.binding(self, "jitter_noise")} = {self.jitter_noise}: '
                                f'expected a number in [0, 1).')
+    fields.boolean(self, 'shared_expert')
+    fields.optional_integer(self, 'shared_expert_d_ff', 1)
+    if self.shared_expert_d_ff is not None and not self.shared_expert:
+      raise fields.ConfigError(
+          f'{fields.binding(self, "shared_expert_d_ff")} = {self.shared_expert_d_ff} without a '
+          f'shared expert: set {fields.binding(self, "shared_expert")} = True too.')
 
   @property
   def experts_per_token(self) -> int:
     return 1 if self.router == 'experts_choose' else self.k
+
+  def shared_d_ff(self, dense_d_ff: int) -> Optional[int]:
+    """The shared expert's d_ff in a model whose dense MLP has `dense_d_ff`; None: none."""
+    if not self.shared_expert:
+      return None
+    return dense_d_ff if self.shared_expert_d_ff is None else self.shared_expert_d_ff
 
   def group_plan(self, batch: int, length: int) -> grouping.GroupPlan:
     """How a `[batch, length, d_model]` input is cut into routing groups."""

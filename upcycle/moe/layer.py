@@ -3,6 +3,9 @@
 The layer stands where the dense MLP stood, under the same name. Its parameters:
   expert/<dense MLP params with a leading expert axis>   e.g. expert/wi_0/kernel [E, d_model, d_ff]
   router/router_weights/w/kernel                          [d_model, E], float32
+  shared_expert/<dense MLP params>                        with `MoeConfig.shared_expert`,
+                                                          e.g. shared_expert/wi_0/kernel
+                                                          [d_model, shared d_ff]
 
 Auxiliary losses and metrics are sown (see `upcycle.moe.summary`):
   'aux_loss':    load_balancing_loss, router_z_loss, weighted (their weighted sum); with
@@ -93,7 +96,8 @@ DISPATCH = {'masked': dispatch_masked, 'indices': dispatch_indices}
 
 
 class MoeLayer(nn.Module):
-  """A sparse MLP block: E copies of `expert` (a dense MLP module), one router.
+  """A sparse MLP block: E copies of `expert` (a dense MLP module), one router, and
+  optionally a shared expert every token goes through.
 
   Attributes:
     config: routing, capacity, dispatch and loss settings.
@@ -101,11 +105,15 @@ class MoeLayer(nn.Module):
       `intermediate_axes=None`, its `__call__(x, deterministic)` must be rank agnostic.
     causal: True in a decoder; Expert Choice and Batch Priority Routing are
       then refused.
+    shared_expert: factory of the shared expert's dense MLP module (the experts' type,
+      `config.shared_d_ff(...)` units), given iff `config.shared_expert`; called with
+      `name='shared_expert'` only, so it keeps the dense MLP's logical axes.
   """
 
   config: MoeConfig
   expert: Callable[..., nn.Module]
   causal: bool = False
+  shared_expert: Optional[Callable[..., nn.Module]] = None
 
   @nn.compact
   def __call__(self, x: Array, deterministic: bool,
@@ -126,6 +134,11 @@ class MoeLayer(nn.Module):
           'depends on tokens after t (training/decoding disagree). Set '
           'decoder/moe.MoeConfig.batch_priority_routing = False (T5X uses BPR in the encoder '
           'only).')
+    if cfg.shared_expert != (self.shared_expert is not None):
+      raise ValueError(
+          f'{self.name}: MoeConfig.shared_expert={cfg.shared_expert} but the model passed '
+          f'{"no" if self.shared_expert is None else "a"} shared_expert module factory; the '
+          f'model must build it exactly when the config asks for it.')
     batch, length, d_model = x.shape
     plan = cfg.group_plan(batch, length)
     grouped, mask = grouping.group_tokens(x, token_mask, plan)
@@ -165,7 +178,10 @@ class MoeLayer(nn.Module):
     self.sow('router_logits', 'logits', grouping.ungroup_tokens(logits, batch, length, plan))
     self._sow_aux_losses(statistics, routing.router_z_loss(logits))
     self._sow_metrics(probs, decision, mask)
-    return grouping.ungroup_tokens(out, batch, length, plan)
+    out = grouping.ungroup_tokens(out, batch, length, plan)
+    if self.shared_expert is None:
+      return out
+    return out + self.shared_expert(name=tree.SHARED_EXPERT)(x, deterministic)
 
   def _sow_aux_losses(self, statistics: Optional[Tuple[Array, Array]], z_loss: Array) -> None:
     """statistics: the load-balancing (f, p) `[groups, experts]`, None for Expert Choice."""

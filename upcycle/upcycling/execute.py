@@ -17,13 +17,17 @@ from upcycle.upcycling.plan import Block, Leaf, Plan
 
 
 def copy(leaf: Leaf, value: Any) -> jax.Array:
-  """The copied leaf: the dense value in the target dtype."""
-  return as_array(value).astype(leaf.dtype)
+  """The copied leaf: the dense value in the target dtype; a narrower shared-expert leaf takes
+  the leading entries (its first d_ff units: the plan allows only the d_ff axis to shrink)."""
+  x = as_array(value)
+  if tree.shape_of(x) != leaf.shape:
+    x = x[tuple(slice(0, n) for n in leaf.shape)]
+  return x.astype(leaf.dtype)
 
 
 def block(plan: Plan, moe_block: Block, dense: Mapping[str, Any], rng: jax.Array
           ) -> Dict[str, jax.Array]:
-  """{target path: array} for the expert and router leaves of one MoE block.
+  """{target path: array} for the expert, router and shared-expert leaves of one MoE block.
 
   Args:
     plan: the plan (for its initializers).
@@ -52,6 +56,8 @@ def block(plan: Plan, moe_block: Block, dense: Mapping[str, Any], rng: jax.Array
       raise ValueError(f'{plan.router!r} returned {tree.shape_of(routers[name])} for '
                        f'{leaf.path}; the target wants {leaf.shape}.')
     out[leaf.path] = jnp.asarray(routers[name], leaf.dtype)
+  for leaf in moe_block.shared.values():
+    out[leaf.path] = copy(leaf, dense[leaf.source])
   return out
 
 

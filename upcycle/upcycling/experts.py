@@ -12,8 +12,10 @@ checkpoints (Branch-Train-MiX, UpIT) live in `sources.py`.
   Random    from-scratch experts
   Partial   the first N experts copies, the others from scratch (as Random)
   Granular  fine-grained: each expert one of G slices of the dense FFN
+  ZeroOutput  another initializer's experts with a zero output projection (shared experts)
 
-Names for entry points: 'copy', 'drop', 'noise', 'random', 'partial', 'granular' (see `get`).
+Names for entry points: 'copy', 'drop', 'noise', 'random', 'partial', 'granular',
+'zero_output' (see `get`).
 """
 
 import dataclasses
@@ -31,7 +33,7 @@ from upcycle.tree import shape_of
 from upcycle.upcycling.sources import FromCheckpoints, Merge
 
 __all__ = ['ExpertInit', 'Copy', 'Drop', 'Noise', 'Random', 'Partial', 'Granular',
-           'FromCheckpoints', 'Merge', 'EXPERT_INITS', 'get', 'layer_position']
+           'ZeroOutput', 'FromCheckpoints', 'Merge', 'EXPERT_INITS', 'get', 'layer_position']
 
 
 def _tiled(mlp: Mapping[str, Array], num_experts: int) -> Dict[str, Array]:
@@ -461,8 +463,48 @@ class Granular(ExpertInit):
     return tied
 
 
+@dataclasses.dataclass(frozen=True)
+class ZeroOutput(ExpertInit):
+  """The experts of `inner` with their output projection (wo, Dense_1: kernel and bias) zero.
+
+  The routed experts then output exactly zero for every token, whatever the routing, capacity
+  or combine weights, so an MoE block with a shared expert (`MoeConfig.shared_expert`, copied
+  from the dense MLP at the dense d_ff) computes exactly the dense MLP at step 0: the
+  function-preserving init for shared experts. (Copied experts with normalized combine weights
+  would add a second dense MLP output: 2 x dense(x) for every routed token.) At step 0 the
+  experts' input projections and the router get no gradient from the task loss (the experts
+  output zero); they start learning once the output projections have moved.
+
+  Attributes:
+    inner: the initializer whose experts are kept but for the output projection (an
+      instance, or a name of `EXPERT_INITS`).
+  """
+
+  inner: Union[str, ExpertInit] = Copy()
+
+  def __post_init__(self):
+    object.__setattr__(self, 'inner', get(self.inner))
+    if not self.inner.traceable:
+      raise ValueError(f'ZeroOutput(inner={self.inner!r}): wraps initializers of one dense MLP '
+                       f'(Copy, Drop, Noise, Random, Granular), not several checkpoints.')
+
+  def expert_shapes(self, mlp_shapes, num_experts, layer=''):
+    return self.inner.expert_shapes(mlp_shapes, num_experts, layer)
+
+  def __call__(self, mlp, num_experts, rng, *, layer=''):
+    out = self.inner(mlp, num_experts, rng, layer=layer)
+    return {name: jnp.zeros_like(x) if ffn.is_output(name, layer) else x
+            for name, x in out.items()}
+
+  def tie_router(self, router, layer=''):
+    return self.inner.tie_router(router, layer)
+
+  def for_layers(self, layers):
+    return dataclasses.replace(self, inner=self.inner.for_layers(layers))
+
+
 EXPERT_INITS = {'copy': Copy, 'drop': Drop, 'noise': Noise, 'random': Random,
-                'partial': Partial, 'granular': Granular}
+                'partial': Partial, 'granular': Granular, 'zero_output': ZeroOutput}
 
 
 def get(init: Union[str, ExpertInit]) -> ExpertInit:

@@ -64,6 +64,12 @@ def d_ff(mlp_shapes: Mapping[str, Sequence[int]], layer: str = '') -> int:
   return next(tuple(mlp_shapes[n])[a] for n, a in axes.items() if a is not None)
 
 
+def is_output(name: str, layer: str = '') -> bool:
+  """Whether MLP leaf `name` belongs to the output projection (wo, Dense_1: kernel and bias)."""
+  d_ff_axis(name, layer)   # raises for a leaf the table does not know
+  return matrix_of(name) not in INPUT_LAYERS
+
+
 def matrix_of(name: str) -> str:
   """The layer a leaf belongs to: 'Dense_0/bias' -> 'Dense_0'.
 

@@ -7,6 +7,8 @@ filled by path from the dense state with the weights' rule (`tree.classify`):
                           (whatever the expert initializer: Drop and Noise
                           experts get the dense moments too)
   slots of X/router/Z  <- fresh, as `optimizer.init` makes them
+  slots of X/shared_expert/Y <- the dense slots of X/Y (a shared expert of the
+                          dense shape; a narrower one cannot reuse them)
   slots of P           <- the dense slots of P
   other leaves         <- the dense leaves (step counts, injected
                           hyperparameters): training continues the dense
@@ -114,7 +116,12 @@ class _Filler:
           raise ValueError(f'Optimizer-state upcycling: the dense Adafactor state '
                            f'{tree.render(names)} has no second moments for {role.source}.')
         experts = shape[0] if role.kind == 'expert' else None
-        slots = factored.upcycle_slots(source, slots, shape, experts, where=path)
+        try:
+          slots = factored.upcycle_slots(source, slots, shape, experts, where=path)
+        except ValueError as e:
+          raise ValueError(f'Optimizer-state upcycling: {e} Fix: pass tile_moments=False for '
+                           f'parameters not of the dense shape (Granular experts, a shared '
+                           f'expert narrower than the dense MLP).') from e
       for k, value in zip(('v_row', 'v_col', 'v'), slots):
         out[k][path] = value
     return optax.FactoredState(count=count, **{k: tree.unflatten(v) for k, v in out.items()})
@@ -132,7 +139,18 @@ def _fit(dense, fresh, role, where):
       f'Optimizer-state upcycling: {where} cannot be made from the dense slot of {role.source} '
       f'{dense_shape}: only copies and experts of the dense shape ([E, *dense]) can reuse dense '
       f'moments. Fix: pass tile_moments=False for expert initializers that change shapes '
-      f'(Granular).')
+      f'(Granular) or a shared expert narrower than the dense MLP.')
+
+
+def _check_shapes(keypath, made, fresh) -> None:
+  """Raises unless the state node `made` has the shapes `optimizer.init` gave `fresh`."""
+  got, want = ([tuple(np.shape(x)) for x in jax.tree.leaves(t)] for t in (made, fresh))
+  if got != want:
+    raise ValueError(
+        f'Optimizer-state upcycling: {tree.key_path(keypath)} came out with shapes {got} but '
+        f'the MoE state needs {want}: only copies and experts of the dense shape can reuse '
+        f'dense moments. Fix: pass tile_moments=False for expert initializers that change '
+        f'shapes (Granular) or a shared expert narrower than the dense MLP.')
 
 
 def upcycle_optimizer_state(dense_state: Any, moe_params: Mapping[str, Any],
@@ -166,12 +184,11 @@ def upcycle_optimizer_state(dense_state: Any, moe_params: Mapping[str, Any],
     split = tree.split_param_path(keypath, roles)
     if adafactor_state.is_slots(leaf):
       out.append(filler.t5x_slots(split[0], split[1], leaf, shapes[split[1]]))
-      continue
-    if isinstance(leaf, optax.FactoredState):
+    elif isinstance(leaf, optax.FactoredState):
       out.append(filler.factored_state(tree.key_names(keypath), leaf, shapes))
-      continue
-    if split is None:
+    elif split is None:
       out.append(filler.other(tree.key_names(keypath), leaf))
     else:
       out.append(filler.slot(split[0], split[1], leaf))
+    _check_shapes(keypath, out[-1], leaf)
   return jax.tree_util.tree_unflatten(treedef, out)

@@ -2,9 +2,16 @@
 
 One rule for T5 and ViT (`upcycle.tree`, DESIGN.md "the naming contract"):
 
-  X/expert/Y  <- experts(dense X/Y), a new leading expert axis of size E
-  X/router/Z  <- router initializer (float32, fresh)
-  P           <- dense P, copied
+  X/expert/Y         <- experts(dense X/Y), a new leading expert axis of size E
+  X/router/Z         <- router initializer (float32, fresh)
+  X/shared_expert/Y  <- dense X/Y, copied; a shared expert of smaller d_ff takes the first
+                        d_ff units (columns of the input projections and their biases, rows
+                        of the output projection; `ffn.D_FF_AXES`), a larger one is refused
+  P                  <- dense P, copied
+
+A shared expert copied whole makes the upcycled block routed(x) + dense(x): the dense MLP
+exactly only if the routed experts' output starts at zero (`experts.ZeroOutput`); copied
+experts with normalized combine weights give 2 x dense(x) for every routed token.
 
 The target decides everything: which layers are MoE, E (the leading axis of its expert
 leaves), shapes and dtypes. Dtypes must match exactly unless `cast=True`, which casts dense
@@ -26,8 +33,9 @@ from typing import Any, Dict, List, Mapping, Tuple
 import jax.numpy as jnp
 
 from upcycle import tree
+from upcycle.upcycling import ffn
 from upcycle.upcycling.base import ExpertInit
-from upcycle.upcycling.report import COPIED, EXPERTS, Entry, ROUTER, UpcycleReport
+from upcycle.upcycling.report import COPIED, EXPERTS, Entry, ROUTER, SHARED, UpcycleReport
 from upcycle.upcycling.routers import RouterInit
 
 UPCYCLE_FIX = ('the MoE model must be the dense architecture with MoE blocks (same config and '
@@ -59,19 +67,23 @@ class Leaf:
 
 @dataclasses.dataclass(frozen=True)
 class Block:
-  """One MoE block X: its expert leaves (from the dense MLP X/...) and router leaves.
+  """One MoE block X: its expert and shared-expert leaves (from the dense MLP X/...) and
+  router leaves.
 
-  `experts` and `router` map the name below X/expert/ or X/router/ to the target leaf.
+  `experts`, `router` and `shared` map the name below X/expert/, X/router/ or
+  X/shared_expert/ to the target leaf (`shared` is empty without a shared expert).
   """
 
   layer: str
   num_experts: int
   experts: Mapping[str, Leaf]
   router: Mapping[str, Leaf]
+  shared: Mapping[str, Leaf]
 
   @property
   def leaves(self) -> Tuple[Leaf, ...]:
-    return tuple(self.experts.values()) + tuple(self.router.values())
+    return (tuple(self.experts.values()) + tuple(self.router.values())
+            + tuple(self.shared.values()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +120,8 @@ class Plan:
                   for e in block.experts.values()]
       entries += [Entry(r.path, ROUTER, r.shape, r.dtype, '', repr(self.router))
                   for r in block.router.values()]
+      entries += [Entry(s.path, SHARED, s.shape, s.dtype, s.source, self.shared, s.note)
+                  for s in block.shared.values()]
     rank = {path: i for i, path in enumerate(self.order)}
     entries.sort(key=lambda e: rank[e.path])
     return UpcycleReport(tuple(entries), self.unused,
@@ -167,8 +181,38 @@ def _copy(path, leaf, dense, cast, upcycling) -> Leaf:
   return _leaf(path, leaf, path, dense[path], cast)
 
 
-def _block(layer: str, names: List[str], router_names: List[str], tgt, dense,
-           init: ExpertInit, cast: bool) -> Block:
+def _source(path: str, source: str, tgt, dense, layer: str) -> None:
+  """Raises unless the dense MLP leaf `source` that target leaf `path` is made from exists."""
+  if source not in dense:
+    under = sorted(p for p in dense if p.startswith(layer + '/'))
+    raise _missing_leaf_error(path, tgt[path], dense, f'it is made from the dense leaf '
+                              f'{source}, which does not exist (dense leaves under {layer}: '
+                              f'{under or "none"})')
+
+
+def _shared(layer: str, name: str, tgt, dense, cast: bool) -> Leaf:
+  """The shared-expert leaf X/shared_expert/`name`: dense X/`name`, or its first d_ff units."""
+  path, source = tree.join(layer, tree.SHARED_EXPERT, name), tree.join(layer, name)
+  _source(path, source, tgt, dense, layer)
+  leaf = _leaf(path, tgt[path], source, dense[source], cast)
+  if leaf.shape == leaf.source_shape:
+    return leaf
+  axis = ffn.d_ff_axis(name, layer)
+  narrow = list(leaf.source_shape)
+  if axis is not None and len(leaf.shape) == len(narrow):
+    narrow[axis] = leaf.shape[axis]
+  if axis is None or tuple(narrow) != leaf.shape or leaf.shape[axis] > leaf.source_shape[axis]:
+    raise ValueError(
+        f'Target leaf {path} has shape {leaf.shape} but dense leaf {source} has shape '
+        f'{leaf.source_shape}: a shared expert is the dense MLP or its first d_ff units, so '
+        f'only its d_ff axis may differ, and be smaller. Fix: MoeConfig.shared_expert_d_ff <= '
+        f'the dense d_ff (None: the dense d_ff, the function-preserving choice).')
+  units = f'first {leaf.shape[axis]} of {leaf.source_shape[axis]} d_ff units'
+  return dataclasses.replace(leaf, note=', '.join(n for n in (units, leaf.note) if n))
+
+
+def _block(layer: str, names: List[str], router_names: List[str], shared_names: List[str],
+           tgt, dense, init: ExpertInit, cast: bool) -> Block:
   paths = {name: tree.join(layer, tree.EXPERT, name) for name in names}
   sizes = {tree.shape_of(tgt[p])[:1] for p in paths.values()}
   if len(sizes) != 1 or () in sizes:
@@ -179,11 +223,7 @@ def _block(layer: str, names: List[str], router_names: List[str], tgt, dense,
   mlp = {}
   for name, path in paths.items():
     source = tree.join(layer, name)
-    if source not in dense:
-      under = sorted(p for p in dense if p.startswith(layer + '/'))
-      raise _missing_leaf_error(path, tgt[path], dense, f'expert leaves are made from the dense '
-                                f'leaf {source}, which does not exist (dense leaves under '
-                                f'{layer}: {under or "none"})')
+    _source(path, source, tgt, dense, layer)
     mlp[name] = tree.shape_of(dense[source])
   expected = init.expert_shapes(mlp, num_experts, layer)
   for name, path in paths.items():
@@ -198,7 +238,8 @@ def _block(layer: str, names: List[str], router_names: List[str], tgt, dense,
   router = {name: _leaf(tree.join(layer, tree.ROUTER, name), tgt[tree.join(layer, tree.ROUTER,
                                                                              name)])
             for name in router_names}
-  return Block(layer, num_experts, experts, router)
+  shared = {name: _shared(layer, name, tgt, dense, cast) for name in shared_names}
+  return Block(layer, num_experts, experts, router, shared)
 
 
 def make(dense: Mapping[str, Any], target: Mapping[str, Any], experts: ExpertInit,
@@ -234,14 +275,15 @@ def make(dense: Mapping[str, Any], target: Mapping[str, Any], experts: ExpertIni
   members: Dict[str, Dict[str, List[str]]] = {}
   for role in roles.values():
     if role.kind != 'copy':
-      members.setdefault(role.layer, {tree.EXPERT: [], tree.ROUTER: []})[role.kind].append(
-          role.name)
+      members.setdefault(role.layer, {tree.EXPERT: [], tree.ROUTER: [], tree.SHARED_EXPERT: []}
+                         )[role.kind].append(role.name)
   copies = tuple(_copy(p, tgt[p], flat_dense, cast, upcycling)
                  for p, role in roles.items() if role.kind == 'copy')
-  blocks = tuple(_block(layer, names[tree.EXPERT], names[tree.ROUTER], tgt, flat_dense, experts,
-                        cast) for layer, names in sorted(members.items()))
+  blocks = tuple(_block(layer, names[tree.EXPERT], names[tree.ROUTER],
+                        names[tree.SHARED_EXPERT], tgt, flat_dense, experts, cast)
+                 for layer, names in sorted(members.items()))
   used = {leaf.source for leaf in copies} | {
-      e.source for b in blocks for e in b.experts.values()}
+      leaf.source for b in blocks for leaf in b.leaves if leaf.source}
   return Plan(copies, blocks, tuple(p for p in flat_dense if p not in used),
               experts.for_layers(tuple(b.layer for b in blocks)), router, shared, tuple(tgt),
               int(step))

@@ -3,7 +3,7 @@
 import dataclasses
 from typing import Dict, Tuple
 
-COPIED, EXPERTS, ROUTER = 'copied', 'experts', 'router'
+COPIED, EXPERTS, ROUTER, SHARED = 'copied', 'experts', 'router', 'shared'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -13,12 +13,13 @@ class Entry:
   Attributes:
     path: the target path.
     action: 'copied' (from `source`), 'experts' (expert initializer applied to
-      the dense MLP leaf `source`) or 'router' (initialized fresh).
+      the dense MLP leaf `source`), 'router' (initialized fresh) or 'shared' (a
+      shared expert's leaf: the dense MLP leaf `source`, or its first d_ff units).
     shape: the target shape.
     dtype: the target dtype.
     source: dense path it came from; '' for routers.
     init: the initializer (repr), or where copies came from.
-    note: e.g. 'cast float64 -> float32'.
+    note: e.g. 'cast float64 -> float32', 'first 16 of 32 d_ff units'.
   """
 
   path: str
@@ -32,7 +33,8 @@ class Entry:
 
 @dataclasses.dataclass(frozen=True)
 class UpcycleReport:
-  """Which leaves were copied, made into experts, initialized fresh, left unused.
+  """Which leaves were copied, made into experts or shared experts, initialized fresh, left
+  unused.
 
   Attributes:
     entries: one per target leaf, in path order.
@@ -59,15 +61,20 @@ class UpcycleReport:
   def fresh(self) -> Tuple[str, ...]:
     return self._paths(ROUTER)
 
+  @property
+  def shared(self) -> Tuple[str, ...]:
+    return self._paths(SHARED)
+
   def summary(self) -> str:
     inits = sorted({e.init for e in self.entries if e.action == EXPERTS})
     routers = sorted({e.init for e in self.entries if e.action == ROUTER})
     experts = sorted(set(self.num_experts.values()))
     blocks = len(self.num_experts)
+    shared = f', {len(self.shared)} shared-expert leaves' if self.shared else ''
     return (f'{len(self.entries)} target leaves: {len(self.copied)} copied, '
             f'{len(self.experts)} expert leaves in {blocks} MoE block{"s" * (blocks != 1)} '
             f'(experts {", ".join(map(str, experts)) or "-"}; {", ".join(inits) or "-"}), '
-            f'{len(self.fresh)} router leaves ({", ".join(routers) or "-"}); '
+            f'{len(self.fresh)} router leaves ({", ".join(routers) or "-"}){shared}; '
             f'{len(self.unused)} dense leaves unused.')
 
   def __str__(self) -> str:
@@ -75,6 +82,8 @@ class UpcycleReport:
     for e in self.entries:
       if e.action == EXPERTS:
         origin = f'<- {e.source}  {e.init}'
+      elif e.action == SHARED:
+        origin = f'<- {e.source}'
       elif e.action == ROUTER:
         origin = e.init
       else:

@@ -9,7 +9,9 @@ outputs they feed:
                            (expert) axis, e.g. P('expert', None, 'model') ->
                            P(None, 'model'): the dense MLP is split over
                            'model' like each expert, and replicated over
-                           'expert' (every expert group needs all of it)
+                           'expert' (every expert group needs all of it);
+                           the shared expert X/shared_expert/Y reads it
+                           there too (without X/expert/Y: like its own leaf)
 
 so no device holds more of a dense leaf than its expert needs, and no host
 ever holds E copies. A mesh axis that does not divide a dimension is dropped
@@ -69,6 +71,8 @@ def source_shardings(plan: Plan, target: Mapping[str, Any]) -> Dict[str, NamedSh
     for leaf in block.experts.values():
       out.setdefault(leaf.source, fit(target[leaf.path].sharding, leaf.source_shape,
                                       drop_leading=True))
+    for leaf in block.shared.values():
+      out.setdefault(leaf.source, fit(target[leaf.path].sharding, leaf.source_shape))
   return out
 
 

@@ -62,7 +62,7 @@ class BlockValues:
   def pop(self, path: str) -> np.ndarray:
     if self.made is None:
       mlp = {leaf.source: np.asarray(self.dense[leaf.source])
-             for leaf in self.block.experts.values()}
+             for leaf in self.block.leaves if leaf.source}
       self.made = execute.block(self.plan, self.block, mlp, self.rng)
     return np.asarray(self.made.pop(path))
 
