@@ -18,7 +18,8 @@ out_shardings are the abstract state's: every expert tensor is created already s
 the 'expert' mesh axis and no host holds E copies. The dense leaves are its inputs, each host
 reading only the blocks its devices need (`upcycling/sharded.py`). Initializers that read
 their own sources (Branch-Train-MiX, UpIT: `traceable = False`) run the plan eagerly on the
-host instead, and the result is placed on the mesh.
+host instead, and the result is placed on the mesh. The hooks that grow a trained checkpoint,
+with more experts or more layers (`grow.py`), share the executor (`place_state`).
 
 `step` is the step policy of `upcycle.upcycling.step_policy`: 'keep', 'reset' or N.
 
@@ -36,7 +37,7 @@ bound in gin with the model, not here. In gin (the training entry point passes
 
 import dataclasses
 import logging
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -80,7 +81,7 @@ def _plan(owner: str, where: str, make: Callable[[], Plan]) -> Plan:
 def build_state(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer,
                 plan: Plan, *, reuse_optimizer_state: bool, upcycled: bool,
                 step: step_policy.Step, seed: int, owner: str) -> TrainState:
-  """The sharded executor: the plan and the optimizer state in one jit, placed on the mesh.
+  """The sharded executor of a plan: params and optimizer state in one jit, placed on the mesh.
 
   Args:
     ckpt: the source checkpoint (lazy leaves).
@@ -94,6 +95,37 @@ def build_state(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimi
     seed: the rng seed of the initializers.
     owner: the hook's class name, for messages and gin bindings.
   """
+  carry = ((lambda state, params: upcycle_optimizer_state(state, params, optimizer))
+           if upcycled else None)
+  return place_state(
+      ckpt, abstract_state, optimizer, plan,
+      sharded.source_shardings(plan, tree.flatten(abstract_state.params)),
+      lambda source, rng: execute.run(plan, source, rng), carry,
+      reuse_optimizer_state=reuse_optimizer_state, step=step, seed=seed, owner=owner)
+
+
+def place_state(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer, plan,
+                placement: Mapping[str, NamedSharding],
+                make_params: Callable[[Any, jax.Array], Any],
+                carry_state: Optional[Callable[[Any, Any], Any]], *,
+                reuse_optimizer_state: bool, step: step_policy.Step, seed: int,
+                owner: str) -> TrainState:
+  """Params and optimizer state made from a checkpoint in one jit, placed on the mesh.
+
+  Args:
+    ckpt: the source checkpoint (lazy leaves).
+    abstract_state: the trainer's abstract TrainState (leaves with `.sharding`).
+    optimizer: the run's optax transformation.
+    plan: a `Plan` or `Remap`: its `step` starts the run, its `str` is the report.
+    placement: {source path: sharding} of every source leaf `make_params` reads.
+    make_params: (source params, rng) -> the new params; traceable.
+    carry_state: (the stored state as the optax state of the source params, new params)
+      -> the new params' state; None: the stored state is the new params' own.
+    reuse_optimizer_state: fill the optimizer state from the checkpoint's.
+    step: the step policy.
+    seed: the rng seed of `make_params`.
+    owner: the hook's class name, for messages and gin bindings.
+  """
   dense = tree.flatten(ckpt.params)
   dense_abstract = {p: tree.abstract(x) for p, x in dense.items()}
   saved = (optimizer_state.stored(ckpt, f'{owner}.reuse_optimizer_state')
@@ -101,14 +133,15 @@ def build_state(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimi
 
   def build(inputs, saved_state, rng):
     source = tree.unflatten({**dense_abstract, **inputs})
-    params = execute.run(plan, source, rng)
+    params = make_params(source, rng)
     if saved_state is None:
       opt_state = step_policy.fresh(optimizer.init(params), plan.step)
     else:
       opt_state = optimizer_state.as_optax(saved_state, ckpt.format,
-                                           source if upcycled else params, optimizer, ckpt.path)
-      if upcycled:
-        opt_state = upcycle_optimizer_state(opt_state, params, optimizer)
+                                           params if carry_state is None else source, optimizer,
+                                           ckpt.path)
+      if carry_state is not None:
+        opt_state = carry_state(opt_state, params)
       opt_state = step_policy.reused(opt_state, step, plan.step)
     return TrainState(jnp.asarray(plan.step, abstract_state.step.dtype), params, opt_state)
 
@@ -120,7 +153,6 @@ def build_state(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimi
     raise ValueError(f'{owner}({ckpt.path!r}, format {ckpt.format!r}): {e}') from e
   _announce(owner, ckpt, plan, reuse_optimizer_state)
 
-  placement = sharded.source_shardings(plan, tree.flatten(abstract_state.params))
   inputs = {path: sharded.read(dense[path], sharding) for path, sharding in placement.items()}
   saved_inputs = None
   if saved is not None:

@@ -1,0 +1,105 @@
+"""The growth restore hooks on a 2x2x2 mesh: a trained MoE checkpoint (ours, with an AdamW
+state) grown to more experts and to more layers equals the library's growth."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from tests.checkpoints import helpers
+from upcycle import console, tree
+from upcycle.checkpoints import orbax
+from upcycle.models import T5
+from upcycle.moe import MoeConfig
+from upcycle.train import objectives, optimizers, partitioning
+from upcycle.train.grow import GrowDepth, GrowExperts
+from upcycle.train.trainer import TrainConfig, Trainer
+from upcycle.upcycling import depth_growth, expert_growth, remap_optimizer_state
+from upcycle.upcycling import remap as remap_lib
+
+ADAMW = optimizers.AdamW(optax.linear_schedule(0.0, 1e-3, 10_000))
+BATCH = {'encoder_input_tokens': np.zeros((4, 6), np.int32),
+         'decoder_input_tokens': np.zeros((4, 4), np.int32),
+         'decoder_target_tokens': np.zeros((4, 4), np.int32)}
+SMALL = dataclasses.replace(
+    helpers.TINY_T5, num_encoder_layers=1, num_decoder_layers=1,
+    encoder_moe=MoeConfig(num_experts=2, router='experts_choose', placement='all'),
+    decoder_moe=MoeConfig(num_experts=2, router='tokens_choose', k=1, placement='all'))
+WO = 'encoder/layers_0/mlp/expert/wo/kernel'
+
+
+def _abstract(config):
+  trainer = Trainer(objectives.Seq2Seq(T5(config)), ADAMW,
+                    TrainConfig(model_dir='unused', train_steps=1, batch_size=4,
+                                num_expert_partitions=2, num_model_partitions=2), train_data=None)
+  with partitioning.activate(trainer.mesh):
+    return trainer, trainer.abstract_state(BATCH)
+
+
+@pytest.fixture(scope='module')
+def moe(tmp_path_factory):
+  """The small MoE's params and a trained AdamW state, in our orbax format at step 5."""
+  params = helpers.random_params(SMALL)
+  optimizer = ADAMW.build()
+  grads = jax.tree.map(lambda x: np.full(x.shape, 0.1, x.dtype), params)
+  _, opt_state = jax.jit(optimizer.update)(grads, optimizer.init(params), params)
+  directory = str(tmp_path_factory.mktemp('moe'))
+  with orbax.CheckpointManager(directory, async_save=False) as manager:
+    manager.save(5, params, opt_state)
+  return dict(dir=directory, params=params, opt_state=opt_state)
+
+
+def _assert_equal(got, want):
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def _assert_placed(state, abstract):
+  assert jax.tree.structure(state) == jax.tree.structure(abstract)
+  for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(abstract)):
+    assert got.sharding == want.sharding
+
+
+def _assert_grown(moe, state, remap, abstract, optimizer):
+  _assert_equal(state.params, remap_lib.run(remap, moe['params']))
+  _assert_equal(state.opt_state,
+                remap_optimizer_state(moe['opt_state'], remap, abstract.params, optimizer))
+  assert int(state.step) == 5 and int(state.opt_state[1][0].count) == 1
+
+
+def test_grow_experts_hook_equals_the_library(moe, capsys, tmp_path):
+  console.show_progress()   # as the entry points do
+  grown = dataclasses.replace(
+      SMALL, encoder_moe=dataclasses.replace(SMALL.encoder_moe, num_experts=4))
+  usage = tmp_path / 'usage.json'
+  usage.write_text(json.dumps({'encoder/layers_0/mlp': [0.25, 0.75]}))
+  trainer, abstract = _abstract(grown)
+  with partitioning.activate(trainer.mesh):
+    state = GrowExperts(moe['dir'], sources='most_used', usage=str(usage))(
+        abstract, trainer.optimizer)
+  _assert_placed(state, abstract)
+  remap = expert_growth.plan(moe['params'], abstract.params, sources=[1, 0])
+  _assert_grown(moe, state, remap, abstract, trainer.optimizer)
+  np.testing.assert_array_equal(tree.flatten(state.params)[WO][2],
+                                tree.flatten(moe['params'])[WO][1])
+  out = capsys.readouterr().out
+  assert 'encoder/layers_0/mlp: 2 -> 4 experts, new experts [2, 3] copy [1, 0]' in out
+
+
+def test_grow_depth_hook_equals_the_library_and_names_the_binding(moe):
+  deep = dataclasses.replace(SMALL, num_encoder_layers=2)
+  trainer, abstract = _abstract(deep)
+  with partitioning.activate(trainer.mesh):
+    with pytest.raises(ValueError, match=r"GrowDepth\('.*', format 'orbax'\): "
+                       r'grow.GrowDepth.layer_map=\[0, 1\] for encoder/layers, which grows from '
+                       r'1 to 2 layers: expected 2 source layers, each in \[0, 1\)'):
+      GrowDepth(moe['dir'], layer_map=[0, 1])(abstract, trainer.optimizer)
+    state = GrowDepth(moe['dir'])(abstract, trainer.optimizer)
+  remap = depth_growth.plan(moe['params'], abstract.params)
+  _assert_grown(moe, state, remap, abstract, trainer.optimizer)
+  mu = tree.flatten(state.opt_state[1][0].mu)
+  np.testing.assert_array_equal(mu[WO.replace('layers_0', 'layers_1')], mu[WO])

@@ -1,0 +1,132 @@
+"""Restore hooks that grow a trained checkpoint: more experts per MoE block, or more layers.
+
+  GrowExperts  a trained MoE checkpoint -> the same MoE with more experts per block, every new
+               expert (and its router column) a copy of an old one (`upcycling/expert_growth.py`)
+  GrowDepth    a checkpoint with L layers per stack -> L' layers, each a copy of one of them
+               (`upcycling/depth_growth.py`)
+
+Like `restore.UpcycleFromDense` they read any format `checkpoints.load` knows, check every
+name and shape before reading (sources='router_norm' reads the router kernels), print the
+report, and build the state in one `jax.jit` placed with the run's shardings
+(`restore.place_state`). A reused optimizer state is taken like the parameters (new experts
+and layers get their sources' moments, `upcycling/remap_optimizer.py`) and keeps its counts
+under step='keep', so the schedule continues. In gin (upcycling/grow.gin, upcycling/depth.gin):
+
+  from upcycle.train import grow
+  train_script.train.initializer = @grow.GrowExperts()
+  grow.GrowExperts:
+    checkpoint = %INITIAL_CHECKPOINT_PATH
+    sources = 'tile'
+"""
+
+import dataclasses
+import json
+from typing import Mapping, Optional, Sequence, Union
+
+from etils import epath
+
+from upcycle import fields, pretrained, tree
+from upcycle.train import restore
+from upcycle.train.state import TrainState
+from upcycle.upcycling import depth_growth, expert_growth, sharded, step_policy
+from upcycle.upcycling import remap as remap_lib
+from upcycle.upcycling.remap import Remap
+from upcycle.upcycling.remap_optimizer import remap_optimizer_state
+
+Usage = Union[str, Mapping[str, Sequence[float]]]
+
+
+def _build(owner: str, hook, abstract_state: TrainState, optimizer, make_remap) -> TrainState:
+  """The state of `hook` (checkpoint, format, reuse_optimizer_state, step) via `make_remap`."""
+  ckpt = pretrained.load(hook.checkpoint, hook.format, lazy=True)
+  first = step_policy.start(hook.step, ckpt.step)
+  try:
+    remap: Remap = make_remap(ckpt.params, abstract_state.params, first)
+  except ValueError as e:
+    raise ValueError(f'{owner}({ckpt.path!r}, format {ckpt.format!r}): {e}') from e
+  return restore.place_state(
+      ckpt, abstract_state, optimizer, remap,
+      sharded.remap_shardings(remap, tree.flatten(abstract_state.params)),
+      lambda source, rng: remap_lib.run(remap, source),
+      lambda state, params: remap_optimizer_state(state, remap, params, optimizer),
+      reuse_optimizer_state=hook.reuse_optimizer_state, step=hook.step, seed=0, owner=owner)
+
+
+@dataclasses.dataclass(frozen=True)
+class GrowExperts:
+  """Initializer: a trained MoE checkpoint with more experts per block.
+
+  The model is the checkpoint's with a larger num_experts (and, for an exactly preserved
+  function, capacity factor or k scaled: `upcycling/expert_growth.py`).
+
+  Attributes:
+    checkpoint: the MoE checkpoint (file or directory, any supported format).
+    format: one of `upcycle.checkpoints.FORMATS`; None detects it.
+    sources: which experts the new ones copy: 'tile', 'most_used' (with `usage`),
+      'router_norm', a list of expert indices, or {MoE block: list}.
+    usage: {MoE block: [E] usage} for sources='most_used' (e.g.
+      `expert_growth.router_usage`), or a JSON file (local or gs://) holding that mapping.
+    reuse_optimizer_state: take the checkpoint's optimizer state like the parameters
+      (the run's optimizer must be the checkpoint's); False: fresh state.
+    step: 'keep', 'reset' or a step number (`upcycling/step_policy.py`).
+  """
+
+  checkpoint: str
+  format: Optional[str] = None
+  sources: expert_growth.Sources = 'tile'
+  usage: Optional[Usage] = None
+  reuse_optimizer_state: bool = True
+  step: step_policy.Step = 'keep'
+
+  def __post_init__(self):
+    object.__setattr__(self, 'step', step_policy.check(self.step, fields.binding(self, 'step')))
+
+  def _usage(self) -> Optional[Mapping[str, Sequence[float]]]:
+    if not isinstance(self.usage, str):
+      return self.usage
+    try:
+      return json.loads(epath.Path(self.usage).read_text())
+    except (OSError, ValueError) as e:
+      raise ValueError(f'{fields.binding(self, "usage")}={self.usage!r}: cannot read a JSON '
+                       f'mapping {{MoE block: [E] usage}} from it ({e}).') from e
+
+  def __call__(self, abstract_state: TrainState, optimizer) -> TrainState:
+    usage = self._usage()
+    return _build('GrowExperts', self, abstract_state, optimizer,
+                  lambda params, target, first: expert_growth.plan(
+                      params, target, sources=self.sources, usage=usage, step=first,
+                      binding=fields.binding(self, 'sources')))
+
+
+@dataclasses.dataclass(frozen=True)
+class GrowDepth:
+  """Initializer: a checkpoint with more layers per stack, each a copy of one of its layers.
+
+  The model is the checkpoint's with more layers (num_encoder_layers / num_decoder_layers,
+  ViT depth). Not function-preserving (`upcycling/depth_growth.py`).
+
+  Attributes:
+    checkpoint: file or directory, any supported format.
+    format: one of `upcycle.checkpoints.FORMATS`; None detects it.
+    layer_map: 'tile' ([0, ..., L-1, 0, ...]), 'repeat' ([0, 0, 1, 1, ...]), a list of source
+      layers, or {stack: one of these} ('encoder/layers', 'decoder/layers',
+      'Transformer/encoderblock').
+    reuse_optimizer_state: take the checkpoint's optimizer state like the parameters;
+      False: fresh state.
+    step: 'keep', 'reset' or a step number (`upcycling/step_policy.py`).
+  """
+
+  checkpoint: str
+  format: Optional[str] = None
+  layer_map: depth_growth.LayerMap = 'tile'
+  reuse_optimizer_state: bool = True
+  step: step_policy.Step = 'keep'
+
+  def __post_init__(self):
+    object.__setattr__(self, 'step', step_policy.check(self.step, fields.binding(self, 'step')))
+
+  def __call__(self, abstract_state: TrainState, optimizer) -> TrainState:
+    return _build('GrowDepth', self, abstract_state, optimizer,
+                  lambda params, target, first: depth_growth.plan(
+                      params, target, layer_map=self.layer_map, step=first,
+                      binding=fields.binding(self, 'layer_map')))
