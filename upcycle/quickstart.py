@@ -28,10 +28,12 @@ COMMON = ['--gin_file=data/offline_span_corruption.gin',
           '--gin.trainer.TrainConfig.eval_at_start=True']
 
 
-def stage(name: str, model_dir: str, steps: int, gin_files: List[str], extra: List[str]) -> None:
+def stage(name: str, model_dir: str, steps: int, gin_files: List[str], extra: List[str],
+          seed: int) -> None:
   command = [sys.executable, '-m', 'upcycle.train', '--gin_file=models/t5_1_1/tiny.gin',
              *[f'--gin_file={f}' for f in gin_files], *COMMON,
-             f"--gin.MODEL_DIR='{model_dir}'", f'--gin.TRAIN_STEPS={steps}', *extra]
+             f"--gin.MODEL_DIR='{model_dir}'", f'--gin.TRAIN_STEPS={steps}', f'--gin.SEED={seed}',
+             *extra]
   print(f'\n=== {name}: {" ".join(command[1:])}', flush=True)
   start = time.time()
   subprocess.run(command, check=True)
@@ -72,17 +74,20 @@ def main(argv=None) -> None:
   parser.add_argument('--pretrain_steps', type=int, default=200)
   parser.add_argument('--extra_steps', type=int, default=100)
   parser.add_argument('--num_experts', type=int, default=8)
+  parser.add_argument('--seed', type=int, default=0,
+                      help='SEED of every stage: initialization, data order, upcycling draws')
   args = parser.parse_args(argv)
   out = os.path.abspath(args.output_dir)
   dense, continued, moe = (os.path.join(out, d) for d in ('dense', 'dense_continued', 'moe'))
   total = args.pretrain_steps + args.extra_steps
-  stage('1/3 pretrain dense', dense, args.pretrain_steps, ['runs/pretrain.gin'], [])
+  stage('1/3 pretrain dense', dense, args.pretrain_steps, ['runs/pretrain.gin'], [], args.seed)
   checkpoint = [f"--gin.INITIAL_CHECKPOINT_PATH='{os.path.join(dense, 'checkpoints')}'"]
-  stage('2/3 continue dense', continued, total, ['runs/continue_dense.gin'], checkpoint)
+  stage('2/3 continue dense', continued, total, ['runs/continue_dense.gin'], checkpoint,
+        args.seed)
   stage('3/3 upcycle and train MoE', moe, total,
         ['moe/paper_t5.gin', 'runs/upcycle.gin', 'upcycling/normalize_combine_weights.gin',
          'upcycling/reuse_optimizer_state.gin'],
-        checkpoint + [f'--gin.NUM_EXPERTS={args.num_experts}'])
+        checkpoint + [f'--gin.NUM_EXPERTS={args.num_experts}'], args.seed)
 
   curves = {'dense (pretrain)': read_metrics(dense), 'dense (continued)': read_metrics(continued),
             f'upcycled MoE (E={args.num_experts})': read_metrics(moe)}

@@ -150,6 +150,21 @@ def test_expert_kernel_updates_are_each_experts_own():
   assert np.abs(np.asarray(updates['w'][1]) - first_alone).max() > 2 * np.abs(first_alone).max()
 
 
+def test_units_without_gradient_get_no_update_not_nan():
+  """A fresh state after upcycling (step 200), an expert whose gradient is zero but for one
+  row: the second-moment factors of the zero rows and columns are ~1e-32, their product
+  underflows in float32; T5X's factor order keeps the update finite (0 where g is 0)."""
+  param, _ = _data((2, 64, 256), 1, seed=3)
+  grad = np.zeros_like(param)
+  grad[0] = np.random.default_rng(4).normal(size=(64, 256))
+  grad[1, 0] = 1e-3 * np.random.default_rng(5).normal(size=256)   # one embed row of expert 1
+  ours, _ = run_ours(param, [grad], (BATCH, ROW, COL), first_step=200)
+  ref, _ = run_ref(param, [grad], (BATCH, ROW, COL), first_step=200)
+  assert np.isfinite(ours[0]).all()
+  np.testing.assert_allclose(ours[0], ref[0], rtol=2e-5, atol=1e-7)
+  np.testing.assert_array_equal(ours[0][1, 1:], param[1, 1:].astype(np.float32))
+
+
 @pytest.mark.parametrize('shape,rule,hp', [
     ((6, 5), HEURISTIC, dict(min_dim_size_to_factor=4)),          # factored, rows = axis 1
     ((6, 5), (ROW, COL), dict(min_dim_size_to_factor=4)),         # rank 2: the heuristic

@@ -2,7 +2,8 @@
 
 Each run's output goes to its directory's `study.log`; a run that finished (its `study.done`
 marker exists) is not run again, so an interrupted study continues where it stopped. A failed
-run stops the study with the tail of its log.
+run is reported (its `study.failed` holds the end of its log), the runs that start from it are
+skipped, and the others go on.
 """
 
 import json
@@ -16,6 +17,7 @@ from upcycle.study.runs import Run
 from upcycle.study.scale import Scale
 
 DONE = 'study.done'
+FAILED = 'study.failed'
 LOG = 'study.log'
 
 
@@ -31,8 +33,10 @@ def _failure(run: Run, runs_dir: str, code: int) -> RuntimeError:
 
 
 def run_all(runs: Sequence[Run], runs_dir: str, scale: Scale, *, jobs: int = 2,
-            repository: str = '.', python: str = sys.executable) -> None:
-  """Runs every run not yet finished; prints one line per start and end, with an ETA."""
+            repository: str = '.', python: str = sys.executable) -> List[str]:
+  """Runs every run not yet finished, printing one line per finished run with an ETA; returns
+  the runs that failed (their `study.failed` holds the end of the log) or could not start
+  because a run they start from failed. A failed run is tried again by the next invocation."""
   todo: List[Run] = [r for r in runs if not finished(r, runs_dir)]
   names = {r.name for r in runs}
   for r in runs:
@@ -40,7 +44,10 @@ def run_all(runs: Sequence[Run], runs_dir: str, scale: Scale, *, jobs: int = 2,
     if missing:
       raise ValueError(f'{r.name} starts from {missing}, which the study does not run.')
   running: Dict[str, tuple] = {}
+  # Runs of one arm differ only in their seed: they compile the same programs, once.
+  env = {**os.environ, 'JAX_COMPILATION_CACHE_DIR': os.path.join(runs_dir, '.jax_cache')}
   total, done, start = len(todo), 0, time.time()
+  failed: List[str] = []
   print(f'study: {len(runs)} runs, {len(runs) - total} already finished, {total} to run, '
         f'{jobs} at a time; logs in <run>/{LOG}', flush=True)
   while todo or running:
@@ -56,7 +63,8 @@ def run_all(runs: Sequence[Run], runs_dir: str, scale: Scale, *, jobs: int = 2,
         json.dump({'command': command, 'source': run.source}, f)
       log.write(' '.join(command) + '\n')
       log.flush()
-      proc = subprocess.Popen(command, cwd=repository, stdout=log, stderr=subprocess.STDOUT)
+      proc = subprocess.Popen(command, cwd=repository, stdout=log, stderr=subprocess.STDOUT,
+                              env=env)
       running[run.name] = (run, proc, log, time.time())
     time.sleep(0.5)
     for name, (run, proc, log, began) in list(running.items()):
@@ -66,14 +74,19 @@ def run_all(runs: Sequence[Run], runs_dir: str, scale: Scale, *, jobs: int = 2,
       log.close()
       del running[name]
       if code != 0:
-        for _, other, other_log, _ in running.values():
-          other.kill()
-          other_log.close()
-        raise _failure(run, runs_dir, code)
-      with open(os.path.join(run.directory(runs_dir), DONE), 'w') as f:
-        f.write(f'{time.time() - began:.1f}\n')   # seconds the run took
+        error = _failure(run, runs_dir, code)
+        with open(os.path.join(run.directory(runs_dir), FAILED), 'w') as f:
+          f.write(str(error))
+        failed.append(run.name)
+        print(f'study: {error}', flush=True)
+        blocked = [r for r in todo if run.name in r.dependencies()]
+        for r in blocked:      # they would start from a run that does not exist
+          todo.remove(r)
+          failed.append(r.name)
+        continue
       done += 1
       elapsed = time.time() - start
       eta = elapsed / done * (total - done)
       print(f'study: [{done}/{total}] {name} in {time.time() - began:.0f} s; '
             f'elapsed {elapsed / 60:.1f} min, ETA {eta / 60:.1f} min', flush=True)
+  return failed

@@ -104,6 +104,7 @@ BEYOND_T5 = {
     'drop_layerwise': (('upcycling/drop_layerwise.gin',), ("DROP_RATIO='linear:0.25:0.75'",)),
     'partial': (('upcycling/partial.gin',), ('COPIED_EXPERTS=4',)),
     'load_balancing_pooled_batch': (('experiments/load_balancing_pooled_batch.gin',), ()),
+    'shared_expert': (('moe/shared_expert.gin', 'upcycling/zero_output.gin'), ()),
 }
 
 
@@ -137,6 +138,9 @@ def t5_runs(scale: Scale, seed: int) -> List[Run]:
       *[upcycle(f'drop_{r}', ['upcycling/drop.gin'], (f'DROP_RATIO={r}',)) for r in (0.5, 1.0)],
   ]
   runs += [upcycle(arm, files, bindings) for arm, (files, bindings) in BEYOND_T5.items()]
+  runs.append(run('depth', ['runs/continue_dense.gin', 'upcycling/depth.gin'],
+                  ['models.T5Config.num_encoder_layers=8', 'models.T5Config.num_decoder_layers=8'],
+                  steps=p + x, source=('pretrain', p)))
   return runs
 
 
@@ -183,6 +187,9 @@ DESCRIPTIONS = {
         'partial': 'partial upcycling: 4 experts copied, 4 from scratch',
         'load_balancing_pooled_batch': 'load balancing over the batch, pooled over each '
                                        "stack's layers (HF Mixtral's loss)",
+        'shared_expert': 'a shared expert copied from the dense MLP, routed experts with zero '
+                         'output projections (function-preserving)',
+        'depth': 'depth upcycling: the dense model tiled to 8+8 layers, trained densely',
     },
     'vit': {
         'pretrain': 'dense pretraining, P steps (schedule over P + X)',
