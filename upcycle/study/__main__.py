@@ -23,25 +23,45 @@ REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__f
 
 
 def plan(scale, quick: bool):
-  """All runs of the study, in the order they are started."""
+  """All runs of the study, in the order they are started: arm by arm (every seed of an arm
+  before the next arm), the papers' claims first, so that a study stopped early has whole
+  arms."""
   out = []
   for seed in scale.seeds:
     out += runs_lib.t5_runs(scale, seed) + runs_lib.vit_runs(scale, seed)
   if quick:
     out = [r for r in out if r.arm in QUICK_ARMS[r.family]]
-  return out
+  first = [(f, a) for f in ('t5', 'vit') for a in ('pretrain', 'moe', 'dense')]
+  beyond = set(runs_lib.BEYOND_T5) | {'depth'}
+  order = {}
+  for r in out:    # the first appearance of an arm fixes its place within its group
+    order.setdefault((r.family, r.arm), len(order))
+
+  def rank(r):
+    key = (r.family, r.arm)
+    group = (0 if key in first else 1 if r.family == 'vit' else 3 if r.arm in beyond else 2)
+    return group, first.index(key) if key in first else order[key], r.seed
+
+  return sorted(out, key=rank)
 
 
 def header(args, scale, runs, seconds: float) -> str:
-  run_time = sum(float(open(os.path.join(r.directory(args.runs_dir), execute.DONE)).read() or 0)
-                 for r in runs)
-  command = 'python -m upcycle.study ' + ' '.join(sys.argv[1:])
+  done = [os.path.join(r.directory(args.runs_dir), execute.DONE) for r in runs]
+  done = [p for p in done if os.path.exists(p)]
+  run_time = sum(float(open(p).read() or 0) for p in done)
+  first = min(os.path.getmtime(os.path.join(os.path.dirname(p), 'study.json')) for p in done)
+  span = max(os.path.getmtime(p) for p in done) - first
+  command = 'python -m upcycle.study ' + ' '.join(a for a in sys.argv[1:] if a != '--render_only')
+  partial = (f' **This file was written with `--render_only` from the {len(done)} runs finished '
+             f'so far; arms without every seed finished are marked "not finished".**'
+             if len(done) < len(runs) else '')
   return f"""# Results: the papers' claims at CPU scale
 
-Regenerate with `{command}` (from the repository root; {len(runs)} training runs, {run_time / 60:.0f}
-minutes of run time, {seconds / 60:.0f} minutes wall time for the last invocation, on
-{os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}; written
-{datetime.date.today().isoformat()}).
+Regenerate with `{command}` (from the repository root): {len(runs)} training runs, {len(done)}
+finished, {run_time / 60:.0f} minutes of run time in all, {span / 60:.0f} minutes from the first
+run's start to the last run's end, {args.jobs} at a time, on {os.cpu_count()} CPU cores
+({platform.machine()}, Python {platform.python_version()}); the last invocation took
+{seconds / 60:.0f} minutes; written {datetime.date.today().isoformat()}.{partial}
 
 **Setting.** Language: the tiny T5 v1.1 of the main job (`models/t5_1_1/tiny.gin`, 4+4 layers,
 d_model 64, byte vocabulary) trained with span corruption on the offline corpus (Python's own
@@ -76,12 +96,15 @@ def main(argv=None) -> None:
   parser.add_argument('--runs_dir', default='runs/study', help='the training runs')
   parser.add_argument('--quick', action='store_true', help='a few arms, one seed, a few steps')
   parser.add_argument('--jobs', type=int, default=2, help='training runs at a time')
+  parser.add_argument('--render_only', action='store_true',
+                      help='write RESULTS.md from the runs finished so far; train nothing')
   args = parser.parse_args(argv)
   args.runs_dir = os.path.abspath(args.runs_dir)
   scale = QUICK if args.quick else FULL
   runs = plan(scale, args.quick)
   start = time.time()
-  execute.run_all(runs, args.runs_dir, scale, jobs=args.jobs, repository=REPOSITORY)
+  failed = [] if args.render_only else execute.run_all(runs, args.runs_dir, scale,
+                                                       jobs=args.jobs, repository=REPOSITORY)
   results = Results(args.runs_dir, scale.seeds)
   units = drop_units.statistics(
       os.path.join(args.runs_dir, 't5', 'pretrain', f'seed{scale.seeds[0]}', 'checkpoints',
@@ -93,6 +116,9 @@ def main(argv=None) -> None:
   path = render.write(args.out, results, header(args, scale, runs, time.time() - start), arms,
                       units)
   print(f'study: wrote {path}', flush=True)
+  if failed:
+    sys.exit(f'study: {len(failed)} runs failed or could not start: {", ".join(failed)} '
+             f'(see their study.failed); run the same command again to retry them.')
 
 
 if __name__ == '__main__':

@@ -93,8 +93,11 @@ class Claim:
     return (self.a, self.b)
 
   def row(self, results: Results) -> Row:
+    failed = [arm for arm in self.arms() if results.failed(self.family, arm)]
+    if failed:
+      return Row(self.claim, self.paper, f'a run of {failed[0]} failed (its study.failed)', '—')
     if not all(results.has(self.family, arm) for arm in self.arms()):
-      return Row(self.claim, self.paper, 'not run', '—')
+      return Row(self.claim, self.paper, 'not finished', '—')
     f, m = self.family, self.metric
     if self.where == 'start':
       a, b = results.start(f, self.a, m), results.start(f, self.b, m)

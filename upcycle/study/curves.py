@@ -75,6 +75,10 @@ class Results:
     return all(os.path.exists(os.path.join(self.runs_dir, family, arm, f'seed{s}', 'study.done'))
                for s in self.seeds)
 
+  def failed(self, family: str, arm: str) -> bool:
+    return any(os.path.exists(os.path.join(self.runs_dir, family, arm, f'seed{s}',
+                                           'study.failed')) for s in self.seeds)
+
   def curve(self, family: str, arm: str, seed: int) -> Curve:
     key = (family, arm, seed)
     if key not in self._cache:
