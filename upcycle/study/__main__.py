@@ -79,8 +79,8 @@ sequences of text never seen in training; ViT: the held-out digits), every
 {scale.eval_every} steps and at each run's start. Training FLOPs are counted per step from the
 model config and the routing capacity (`upcycle.models.flops`, logged as
 `train_flops_per_step`); "at equal extra FLOPs" means the dense continuation runs as many steps
-as cost what the upcycled model spent in X steps; "at equal total FLOPs" interpolates the other
-arm's curve at the FLOPs the first ended at, dense pretraining included. **Verdicts**
+as cost what the upcycled model spent in X steps; "at equal total FLOPs" interpolates both arms'
+curves at the FLOPs where the cheaper one ended, dense pretraining included. **Verdicts**
 (`upcycle.study.claims`): d = the seed-paired difference (positive when the first-named arm is
 better), s.e. = std(d)/sqrt(n); 'yes' when the paper's direction holds by more than 2 s.e.,
 'no' when the opposite does, 'not resolved' otherwise. After a verdict that is not 'yes', the

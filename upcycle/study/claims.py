@@ -74,8 +74,8 @@ class Claim:
     a, b: arms.
     metric: 'loss' or 'accuracy'.
     expect: 'better', 'not better' or 'same' (of A relative to B).
-    where: 'final' (last evaluations), 'start' (at the upcycling point), or 'flops' (B at the
-      total training FLOPs A ended at, dense pretraining included).
+    where: 'final' (last evaluations), 'start' (at the upcycling point), or 'flops' (both at
+      the total training FLOPs, dense pretraining included, where the cheaper run ended).
     if_not: the most likely reason when ours disagrees.
   """
 
@@ -102,7 +102,7 @@ class Claim:
     if self.where == 'start':
       a, b = results.start(f, self.a, m), results.start(f, self.b, m)
     elif self.where == 'flops':
-      a, b = results.final(f, self.a, m), results.at_flops_of(f, self.b, self.a, m)
+      a, b = results.at_common_flops(f, self.a, self.b, m)
     else:
       a, b = results.final(f, self.a, m), results.final(f, self.b, m)
     d = paired(a, b, m)

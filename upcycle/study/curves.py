@@ -102,8 +102,13 @@ class Results:
     """`[seeds]` the evaluation at each run's starting point (before its first step)."""
     return np.array([c.metric(metric)[0] for c in self.curves(family, arm)])
 
-  def at_flops_of(self, family: str, arm: str, reference: str, metric: str,
-                  axis: str = 'total_flops') -> np.ndarray:
-    """`[seeds]` `arm`'s metric interpolated at the FLOPs `reference` ended at (same seed)."""
-    return np.array([self.curve(family, arm, s).at(
-        metric, getattr(self.curve(family, reference, s), axis)[-1], axis) for s in self.seeds])
+  def at_common_flops(self, family: str, a: str, b: str, metric: str,
+                      axis: str = 'total_flops') -> tuple:
+    """(`[seeds]`, `[seeds]`) both arms' metric at the FLOPs where the cheaper one ended."""
+    out_a, out_b = [], []
+    for s in self.seeds:
+      ca, cb = self.curve(family, a, s), self.curve(family, b, s)
+      flops = min(getattr(ca, axis)[-1], getattr(cb, axis)[-1])
+      out_a.append(ca.at(metric, flops, axis))
+      out_b.append(cb.at(metric, flops, axis))
+    return np.array(out_a), np.array(out_b)

@@ -84,6 +84,8 @@ def run_all(runs: Sequence[Run], runs_dir: str, scale: Scale, *, jobs: int = 2,
           todo.remove(r)
           failed.append(r.name)
         continue
+      if os.path.exists(os.path.join(run.directory(runs_dir), FAILED)):
+        os.remove(os.path.join(run.directory(runs_dir), FAILED))   # an earlier try's
       with open(os.path.join(run.directory(runs_dir), DONE), 'w') as f:
         f.write(f'{time.time() - began:.1f}\n')   # seconds the run took
       done += 1
