@@ -32,7 +32,7 @@ ALLOWED = {
 }
 # Wiring: may import any part.
 WIRING = {'train', 'pretrained', 'convert', 'export', 'eval', 'infer', 'inspect', 'quickstart',
-          '__init__'}
+          'study', '__init__'}
 
 
 def _part(module: str) -> str:

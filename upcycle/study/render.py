@@ -36,10 +36,15 @@ def plot(results: Results, family: str, arms: Dict[str, str], metric: str, axis:
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, ax = plt.subplots(figsize=(6.5, 4))
+  shown = []     # every point but a from-scratch run's first: it would flatten the rest
   for arm, label in arms.items():
     x, mean, std = _mean_curve(results, family, arm, metric, axis)
-    ax.plot(x, mean, 'o-' if arm != 'pretrain' else 'k.-', markersize=3, label=label)
-    ax.fill_between(x, mean - std, mean + std, alpha=0.2)
+    line, = ax.plot(x, mean, 'o-' if arm != 'pretrain' else 'k.-', markersize=3, label=label)
+    ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.15)
+    shown += list(mean[1:] if x[0] == 0 else mean)
+  if shown:
+    low, high = min(shown), max(shown)
+    ax.set_ylim(low - 0.1 * (high - low), high + 0.1 * (high - low))
   ax.set_xlabel({'total_flops': 'training FLOPs (dense pretraining included)',
                  'extra_flops': 'training FLOPs after the upcycling point',
                  'steps': 'step'}[axis])
