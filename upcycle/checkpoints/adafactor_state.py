@@ -71,14 +71,21 @@ def init_slots(shape: Sequence[int], rows: Axes, cols: Axes,
   return ParamSlots(placeholder(), placeholder(), jnp.zeros(shape, jnp.float32), m)
 
 
+def factors(slots: ParamSlots) -> Tuple[jax.Array, jax.Array]:
+  """Factored slots' (row, column) factors, each broadcastable to `[*shape]`; their product
+  is the second-moment estimate: row = v_row / mean(v_row), column = v_col."""
+  v_row, v_col = jnp.asarray(slots.v_row, jnp.float32), jnp.asarray(slots.v_col, jnp.float32)
+  reduced = tuple(d - sum(c < d for c in slots.cols) for d in slots.rows)
+  row = v_row / jnp.mean(v_row, axis=reduced, keepdims=True)
+  return jnp.expand_dims(row, slots.cols), jnp.expand_dims(v_col, slots.rows)
+
+
 def estimate(slots: ParamSlots) -> jax.Array:
   """The second-moment estimate `[*shape]` the slots precondition with."""
   if not slots.rows:
     return jnp.asarray(slots.v, jnp.float32)
-  v_row, v_col = jnp.asarray(slots.v_row, jnp.float32), jnp.asarray(slots.v_col, jnp.float32)
-  reduced = tuple(d - sum(c < d for c in slots.cols) for d in slots.rows)
-  row = v_row / jnp.mean(v_row, axis=reduced, keepdims=True)
-  return jnp.expand_dims(row, slots.cols) * jnp.expand_dims(v_col, slots.rows)
+  row, col = factors(slots)
+  return row * col
 
 
 def refactor(full: jax.Array, like: ParamSlots) -> ParamSlots:

@@ -36,13 +36,19 @@ def mean_std(x: np.ndarray) -> str:
   return f'{x.mean():.4f} ± {x.std(ddof=1):.4f}'
 
 
+def standard_error(d: np.ndarray) -> float:
+  """std(d) / sqrt(n) over seeds; NaN with one seed."""
+  d = np.asarray(d, float)
+  return d.std(ddof=1) / np.sqrt(len(d)) if len(d) > 1 else float('nan')
+
+
 def verdict(d: np.ndarray, expect: str) -> str:
   d = np.asarray(d, float)
   if np.isnan(d).any():
     return 'not measured (outside the curve)'
   if len(d) < 2:
     return 'not resolved (1 seed)'
-  m, se = d.mean(), d.std(ddof=1) / np.sqrt(len(d))
+  m, se = d.mean(), standard_error(d)
   if expect == 'better':
     return 'yes' if m > 2 * se else 'no' if m < -2 * se else 'not resolved'
   if expect == 'not better':
@@ -59,7 +65,7 @@ def paired(a: np.ndarray, b: np.ndarray, metric: str) -> np.ndarray:
 
 def describe(label_a: str, a, label_b: str, b, d) -> str:
   d = np.asarray(d, float)
-  se = d.std(ddof=1) / np.sqrt(len(d)) if len(d) > 1 else float('nan')
+  se = standard_error(d)
   return f'{label_a} {mean_std(a)}, {label_b} {mean_std(b)}; d = {d.mean():+.4f} (s.e. {se:.4f})'
 
 

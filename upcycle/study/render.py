@@ -68,8 +68,7 @@ def ablations(results: Results, family: str, arms: Sequence[str], metric: str) -
     diff = '—'
     if base is not None and arm != 'moe':
       d = final - base
-      se = d.std(ddof=1) / np.sqrt(len(d)) if len(d) > 1 else float('nan')
-      diff = f'{d.mean():+.4f} ± {se:.4f}'
+      diff = f'{d.mean():+.4f} ± {claims.standard_error(d):.4f}'
     rows.append((arm, claims.mean_std(results.start(family, arm, metric)),
                  claims.mean_std(final), f'{results.curves(family, arm)[0].flops_per_step:.3g}',
                  diff))

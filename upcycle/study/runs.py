@@ -6,11 +6,11 @@ another's measured FLOPs (dense continuation at equal extra compute) computes it
 """
 
 import dataclasses
-import json
 import math
 import os
 from typing import Callable, List, Optional, Tuple
 
+from upcycle.study import curves
 from upcycle.study.scale import Scale
 
 T5_MODEL = 'models/t5_1_1/tiny.gin'
@@ -79,9 +79,7 @@ class Run:
 
 def last_logged(run_dir: str, split: str, key: str) -> float:
   """`key` of the last `split` row of a finished run's metrics.jsonl."""
-  with open(os.path.join(run_dir, 'metrics.jsonl')) as f:
-    rows = [json.loads(line) for line in f]
-  values = [r[key] for r in rows if r.get('split') == split and key in r]
+  values = [r[key] for r in curves.read_rows(run_dir) if r.get('split') == split and key in r]
   if not values:
     raise ValueError(f'{run_dir}/metrics.jsonl has no {split} row with {key!r}.')
   return values[-1]

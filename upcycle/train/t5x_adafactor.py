@@ -193,10 +193,8 @@ def t5x_adafactor(learning_rate: Callable[[jax.Array], jax.Array],
       # T5X's order: g * row_factor * col_factor. The estimate itself (their product) can
       # underflow to 0 in float32 where both are tiny (units with no gradient), and then
       # rsqrt(0) * 0 = NaN; the factors apart stay finite.
-      reduced = tuple(d - sum(c < d for c in s.cols) for d in s.rows)
-      row_factor = jax.lax.rsqrt(v_row / jnp.mean(v_row, axis=reduced, keepdims=True))
-      y = (g * jnp.expand_dims(row_factor, s.cols)) * jnp.expand_dims(jax.lax.rsqrt(v_col),
-                                                                      s.rows)
+      row, col = adafactor_state.factors(s)
+      y = (g * jax.lax.rsqrt(row)) * jax.lax.rsqrt(col)
     else:
       s = s.replace(v=decay * s.v + mixing * grad_sqr)
       y = g * jax.lax.rsqrt(s.v)
