@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from upcycle.study import claims, runs as runs_lib
-from upcycle.study.__main__ import QUICK_ARMS, plan
-from upcycle.study.curves import Curve
+from upcycle.study.__main__ import QUICK_ARMS, SUITES, plan, suite_of
+from upcycle.study.curves import Curve, Results
 from upcycle.study.scale import FULL, QUICK
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -62,7 +62,7 @@ def test_every_claim_compares_arms_the_full_study_runs():
       assert {(c.family, c.a), (c.family, c.b)} <= arms, c.claim
   assert {(r.family, r.arm) for r in plan(QUICK, quick=True)} == {
       (f, a) for f, arms_of in QUICK_ARMS.items() for a in arms_of}
-  for r in plan(FULL, quick=False):
+  for r in plan(FULL, quick=False, suites=SUITES):
     assert r.arm in runs_lib.DESCRIPTIONS[r.family], r.arm
     for f in r.gin_files:
       assert os.path.exists(os.path.join(REPO, 'configs', f)), f
@@ -95,3 +95,76 @@ def test_quick_study_writes_results_and_resumes(tmp_path):
   again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
   assert again.returncode == 0, again.stderr[-3000:]
   assert 'already finished, 0 to run' in again.stdout
+
+
+def _write_run(runs_dir, arm, seed, source, rate, evals):
+  """A finished run: `evals` {step: loss}, `rate` training FLOPs per step."""
+  run_dir = os.path.join(runs_dir, 't5', arm, f'seed{seed}')
+  os.makedirs(run_dir)
+  with open(os.path.join(run_dir, 'study.json'), 'w') as f:
+    json.dump({'command': [], 'source': source}, f)
+  with open(os.path.join(run_dir, 'study.done'), 'w') as f:
+    f.write('1\n')
+  with open(os.path.join(run_dir, 'metrics.jsonl'), 'w') as f:
+    for step, loss in evals.items():
+      f.write(json.dumps({'split': 'eval', 'step': step, 'loss': loss, 'accuracy': 0.0}) + '\n')
+    f.write(json.dumps({'split': 'train', 'step': max(evals), 'train_flops_per_step': rate}) +
+            '\n')
+
+
+def test_final_values_average_the_last_evaluations_and_flops_follow_the_chain(tmp_path):
+  runs_dir = str(tmp_path)
+  _write_run(runs_dir, 'pretrain', 0, None, 1.0, {0: 9.0, 100: 4.0, 200: 3.0})
+  _write_run(runs_dir, 'experts_4', 0, ['pretrain', 200], 2.0,
+             {200: 3.0, 250: 2.9, 300: 2.8, 350: 2.7})
+  _write_run(runs_dir, 'grown', 0, ['experts_4', 300], 3.0,
+             {300: 2.8, 350: 2.6, 400: 2.5, 450: 2.3})
+  results = Results(runs_dir, (0,), final_window=3)
+  np.testing.assert_allclose(results.final('t5', 'grown', 'loss'), [(2.6 + 2.5 + 2.3) / 3])
+  # grown starts where experts_4 was at step 300: 200 dense steps + 100 steps at 2 FLOPs.
+  grown = results.curve('t5', 'grown', 0)
+  np.testing.assert_allclose(grown.total_flops, [400.0, 550.0, 700.0, 850.0])
+  # At common FLOPs: experts_4 is cheaper (ends at 500); both curves at its last 3 points
+  # (300, 400, 500 FLOPs), where grown exists only at 500 -> NaN, never extrapolated.
+  a, b = results.at_common_flops('t5', 'experts_4', 'grown', 'loss')
+  assert np.isnan(b).all() and a == pytest.approx((2.9 + 2.8 + 2.7) / 3)
+  with pytest.raises(ValueError, match='final_window'):
+    Results(runs_dir, (0,), final_window=0)
+
+
+@pytest.mark.parametrize('scale', [FULL, QUICK], ids=['full', 'quick'])
+def test_every_run_starts_from_a_checkpoint_its_source_keeps(scale):
+  """A source step must be one its run saves (a multiple of checkpoint_every, or its last
+  step) and still holds at the end (keep_checkpoints, 3 unless the run binds more)."""
+  runs = {r.name: r for r in plan(scale, quick=False, suites=SUITES)}
+  assert len(runs) == len(plan(scale, quick=False, suites=SUITES))   # shared runs planned once
+  for r in runs.values():
+    if not r.source:
+      continue
+    arm, step = r.source
+    source = runs[f'{r.family}/{arm}/seed{r.seed}']
+    last = source.steps if isinstance(source.steps, int) else None
+    keep = 3
+    for b in source.bindings:
+      if b.startswith('trainer.TrainConfig.keep_checkpoints='):
+        keep = int(b.split('=')[1])
+    assert step % scale.checkpoint_every == 0 or step == last, r.name
+    if last is not None:
+      saved = sorted({s for s in range(scale.checkpoint_every, last + 1, scale.checkpoint_every)}
+                     | {last})
+      assert step in saved[-keep:], (r.name, step, saved[-keep:])
+
+
+def test_suites_split_the_arms_and_plan_each_run_after_the_runs_it_starts_from():
+  everything = {r.name for r in plan(FULL, quick=False, suites=SUITES)}
+  own = {}
+  for suite in SUITES:
+    runs = plan(FULL, quick=False, suites=(suite,))
+    position = {r.name: i for i, r in enumerate(runs)}
+    for r in runs:
+      assert all(position[d] < position[r.name] for d in r.dependencies()), r.name
+    own[suite] = {r.name for r in runs if suite_of(r) == suite}
+  assert sum(len(names) for names in own.values()) == len(everything)
+  assert set.union(*own.values()) == everything
+  assert {n.split('/')[1] for n in own['beyond']} == set(runs_lib.BEYOND_ARMS)
+  assert {n.split('/')[1] for n in own['trails']} == set(runs_lib.TRAIL_ARMS)

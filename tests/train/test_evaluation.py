@@ -1,7 +1,10 @@
-"""The validation loss's standard error (`evaluation.ratio_stderr`) against closed forms."""
+"""The validation loss's standard error (`evaluation.ratio_stderr`) against closed forms, and
+the trainer's cached validation batches against re-reading the split."""
 
+import json
 import math
 
+import jax.numpy as jnp
 import numpy as np
 
 from upcycle.train.evaluation import ratio_stderr
@@ -23,3 +26,43 @@ def test_unequal_batches_use_the_ratio_estimator():
 
 def test_one_batch_has_no_standard_error():
   assert math.isnan(ratio_stderr([3.0], [2.0]))
+
+
+class CountingPipeline:
+  """A pipeline that counts how often its batches are read."""
+
+  def __init__(self, pipeline):
+    self.pipeline, self.reads = pipeline, 0
+
+  def describe(self):
+    return self.pipeline.describe()
+
+  def batches(self, **kwargs):
+    self.reads += 1
+    return self.pipeline.batches(**kwargs)
+
+
+def test_cached_validation_batches_give_the_numbers_of_reading_the_split_again(tmp_path):
+  from tests.train.test_training import TINY_T5, text   # pylint: disable=g-import-not-at-top
+  from upcycle.models import T5   # pylint: disable=g-import-not-at-top
+  from upcycle.train.objectives import Seq2Seq   # pylint: disable=g-import-not-at-top
+  from upcycle.train.optimizers import Adafactor   # pylint: disable=g-import-not-at-top
+  from upcycle.train.trainer import Trainer, TrainConfig   # pylint: disable=g-import-not-at-top
+
+  def eval_step(params, batch):   # sums of the batch's token ids: any change of data shows
+    targets = batch['decoder_target_tokens']
+    return {'loss': jnp.sum(targets * params), 'z_loss': jnp.sum(batch['encoder_input_tokens']),
+            'weight_sum': jnp.sum(targets > 0), 'correct': jnp.sum(targets % 7 == 0)}
+
+  def evaluations(cache):
+    validation = CountingPipeline(text('validation'))
+    config = TrainConfig(str(tmp_path / str(cache)), train_steps=2, batch_size=8,
+                         eval_batches=3, cache_eval_batches=cache)
+    trainer = Trainer(Seq2Seq(T5(TINY_T5)), Adafactor(), config, text('train'), validation)
+    return [trainer.evaluate(params, eval_step) for params in (1.0, 2.0, 1.0)], validation.reads
+
+  cached, reads_cached = evaluations(True)
+  fresh, reads_fresh = evaluations(False)
+  assert cached == fresh and cached[0] == cached[2] != cached[1]
+  assert cached[0]['batches'] == 3
+  assert (reads_cached, reads_fresh) == (1, 3)

@@ -22,51 +22,95 @@ QUICK_ARMS = {'t5': ('pretrain', 'moe', 'dense', 'scratch'), 'vit': ('pretrain',
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def plan(scale, quick: bool):
-  """All runs of the study, in the order they are started: arm by arm (every seed of an arm
-  before the next arm), the papers' claims first, so that a study stopped early has whole
-  arms."""
-  out = []
+SUITES = ('claims', 'beyond', 'trails')
+
+
+def suite_of(run) -> str:
+  """'claims': the papers' claims; 'beyond': the switches beyond the papers' anchors;
+  'trails': why the upcycled T5 trails the dense one (`runs.trail_runs`)."""
+  if run.arm in runs_lib.TRAIL_ARMS:
+    return 'trails'
+  return 'beyond' if run.arm in runs_lib.BEYOND_ARMS else 'claims'
+
+
+def plan(scale, quick: bool, suites=('claims',)):
+  """The runs of `suites` and the runs they start from, in the order they are started: suite
+  by suite, arm by arm (every seed of an arm before the next arm), the papers' claims first, so
+  that a study stopped early has whole arms. A run several suites need is planned once."""
+  every = {}
   for seed in scale.seeds:
-    out += runs_lib.t5_runs(scale, seed) + runs_lib.vit_runs(scale, seed)
+    for r in (runs_lib.t5_runs(scale, seed) + runs_lib.vit_runs(scale, seed) +
+              runs_lib.trail_runs(scale, seed)):
+      every.setdefault(r.name, r)
+  wanted = [r for r in every.values() if suite_of(r) in suites]
   if quick:
-    out = [r for r in out if r.arm in QUICK_ARMS[r.family]]
+    wanted = [r for r in wanted if r.arm in QUICK_ARMS[r.family]]
+  out, names = [], set()
+
+  def add(r):
+    for name in r.dependencies():
+      add(every[name])
+    if r.name not in names:
+      names.add(r.name)
+      out.append(r)
+
+  for r in wanted:
+    add(r)
   first = [(f, a) for f in ('t5', 'vit') for a in ('pretrain', 'moe', 'dense')]
-  beyond = set(runs_lib.BEYOND_T5) | {'depth'}
   order = {}
-  for r in out:    # the first appearance of an arm fixes its place within its group
+  for r in every.values():    # an arm's first appearance fixes its place within its group
     order.setdefault((r.family, r.arm), len(order))
 
   def rank(r):
     key = (r.family, r.arm)
-    group = (0 if key in first else 1 if r.family == 'vit' else 3 if r.arm in beyond else 2)
+    group = (0 if key in first else 1 if r.family == 'vit' else
+             2 + SUITES.index(suite_of(r)))
     return group, first.index(key) if key in first else order[key], r.seed
 
   return sorted(out, key=rank)
 
 
-def header(args, scale, runs, seconds: float) -> str:
-  done = [os.path.join(r.directory(args.runs_dir), execute.DONE) for r in runs]
+def _suite_line(args, scale, suite: str) -> str:
+  """The suite's command and how its own runs went: how many finished, their run time and the
+  wall-clock span from the first one's start to the last one's end."""
+  own = [r for r in plan(scale, args.quick, (suite,)) if suite_of(r) == suite]
+  done = [os.path.join(r.directory(args.runs_dir), execute.DONE) for r in own]
   done = [p for p in done if os.path.exists(p)]
+  command = ('python -m upcycle.study' + (' --quick' if args.quick else '') +
+             ('' if suite == 'claims' else f' --suite {suite}') + f' --out {args.out}' +
+             (f' --runs_dir {args.runs_dir_given}' if args.runs_dir_given else ''))
+  starts = ('' if suite == 'claims' else
+            ' (it starts from runs of the claims suite, which it runs first when they are missing)')
+  if not done:
+    return f'- `{command}`: {len(own)} training runs{starts}, none finished yet.'
   run_time = sum(float(open(p).read() or 0) for p in done)
   first = min(os.path.getmtime(os.path.join(os.path.dirname(p), 'study.json')) for p in done)
   span = max(os.path.getmtime(p) for p in done) - first
-  command = 'python -m upcycle.study ' + ' '.join(a for a in sys.argv[1:] if a != '--render_only')
-  partial = (f' **This file was written with `--render_only` from the {len(done)} runs finished '
-             f'so far; arms without every seed finished are marked "not finished".**'
-             if len(done) < len(runs) else '')
+  return (f'- `{command}`: {len(own)} training runs{starts}, {len(done)} finished'
+          f'{"" if len(done) == len(own) else " (arms without every seed: not finished)"}; '
+          f'{run_time / 60:.0f} minutes of run time, {span / 60:.0f} minutes from the first '
+          f'start to the last end, {args.jobs} at a time.')
+
+
+def header(args, scale, seconds: float) -> str:
+  suites = '\n'.join(_suite_line(args, scale, s) for s in SUITES)
+  last = ('rendered from the finished runs (`--render_only`)' if args.render_only else
+          f'the last invocation took {seconds / 60:.0f} minutes')
   return f"""# Results: the papers' claims at CPU scale
 
-Regenerate with `{command}` (from the repository root): {len(runs)} training runs, {len(done)}
-finished, {run_time / 60:.0f} minutes of run time in all, {span / 60:.0f} minutes from the first
-run's start to the last run's end, {args.jobs} at a time, on {os.cpu_count()} CPU cores
-({platform.machine()}, Python {platform.python_version()}); the last invocation took
-{seconds / 60:.0f} minutes; written {datetime.date.today().isoformat()}.{partial}
+Regenerate from the repository root (a run that finished is not run again; each command
+re-renders this file from every finished run):
+
+{suites}
+
+On {os.cpu_count()} CPU cores ({platform.machine()}, Python {platform.python_version()});
+{last}; written {datetime.date.today().isoformat()}.
 
 **Setting.** Language: the tiny T5 v1.1 of the main job (`models/t5_1_1/tiny.gin`, 4+4 layers,
 d_model 64, byte vocabulary) trained with span corruption on the offline corpus (Python's own
 documentation) with T5X's Adafactor and rsqrt schedule; dense pretraining P = {scale.t5_pretrain_steps}
-steps, then X = {scale.t5_extra_steps} extra steps; batch {scale.t5_batch_size or 16}. Vision: the tiny ViT
+steps, then X = {scale.t5_extra_steps} extra steps; batch {scale.t5_batch_size or 16} throughout (the main job's pretraining batch;
+the main job continues with 4x that, the setting of the `trails` suite's last row). Vision: the tiny ViT
 (`models/vit/tiny.gin`, 4 blocks, width 64) on scikit-learn's 8x8 handwritten digits (1,797 real
 scans, upsampled to 16x16), big_vision's Adafactor, schedule over P + X = {scale.vit_pretrain_steps} +
 {scale.vit_extra_steps} steps. Every MoE arm has E = {scale.num_experts} experts unless named otherwise;
@@ -76,7 +120,10 @@ pretrains its own dense model and runs every arm from it, so arms are compared s
 
 **Measurements.** Validation loss / accuracy on the whole validation split (T5: 12 batches of 16
 sequences of text never seen in training; ViT: the held-out digits), every
-{scale.eval_every} steps and at each run's start. Training FLOPs are counted per step from the
+{scale.eval_every} steps and at each run's start. A run's final value is the mean of its last
+{scale.final_window} evaluations (the last {(scale.final_window - 1) * scale.eval_every} steps): one evaluation of these small models moves
+by several hundredths between neighbouring evaluations, more than many differences compared
+here; "at equal total FLOPs" averages likewise. Training FLOPs are counted per step from the
 model config and the routing capacity (`upcycle.models.flops`, logged as
 `train_flops_per_step`); "at equal extra FLOPs" means the dense continuation runs as many steps
 as cost what the upcycled model spent in X steps; "at equal total FLOPs" interpolates both arms'
@@ -94,27 +141,36 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--out', default='docs', help='where RESULTS.md and results/ go')
   parser.add_argument('--runs_dir', default='runs/study', help='the training runs')
-  parser.add_argument('--quick', action='store_true', help='a few arms, one seed, a few steps')
+  parser.add_argument('--suite', choices=(*SUITES, 'all'), default='claims',
+                      help="which runs to train: the papers' claims (~50 min), the switches "
+                           "beyond the papers' anchors (~15 min), why the upcycled T5 trails the "
+                           'dense one (~40 min), or all; RESULTS.md always shows every finished '
+                           'run')
+  parser.add_argument('--quick', action='store_true',
+                      help='a few claims arms, one seed, a few steps')
   parser.add_argument('--jobs', type=int, default=2, help='training runs at a time')
   parser.add_argument('--render_only', action='store_true',
                       help='write RESULTS.md from the runs finished so far; train nothing')
   args = parser.parse_args(argv)
+  args.runs_dir_given = None if args.runs_dir == 'runs/study' else args.runs_dir
   args.runs_dir = os.path.abspath(args.runs_dir)
   scale = QUICK if args.quick else FULL
-  runs = plan(scale, args.quick)
+  suites = SUITES if args.suite == 'all' else (args.suite,)
+  runs = plan(scale, args.quick, suites)
+  shown = plan(scale, args.quick, SUITES)
   start = time.time()
   failed = [] if args.render_only else execute.run_all(runs, args.runs_dir, scale,
                                                        jobs=args.jobs, repository=REPOSITORY)
-  results = Results(args.runs_dir, scale.seeds)
+  results = Results(args.runs_dir, scale.seeds, scale.final_window)
   units = drop_units.statistics(
       os.path.join(args.runs_dir, 't5', 'pretrain', f'seed{scale.seeds[0]}', 'checkpoints',
                    str(scale.t5_pretrain_steps)),
       'encoder/layers_1/mlp', scale.num_experts, (0.5, 1.0), seed=scale.seeds[0])
   arms = {family: {arm: runs_lib.DESCRIPTIONS[family][arm] for arm in
-                   dict.fromkeys(r.arm for r in runs if r.family == family)}
+                   dict.fromkeys(r.arm for r in shown if r.family == family)}
           for family in ('t5', 'vit')}
-  path = render.write(args.out, results, header(args, scale, runs, time.time() - start), arms,
-                      units)
+  path = render.write(args.out, results, header(args, scale, time.time() - start), arms, units,
+                      scale)
   print(f'study: wrote {path}', flush=True)
   if failed:
     sys.exit(f'study: {len(failed)} runs failed or could not start: {", ".join(failed)} '

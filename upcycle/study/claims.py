@@ -120,6 +120,9 @@ class Claim:
 
 SCALE_NOTE = ('a 4+4-layer d=64 T5 on 370 KB of text for a few hundred steps, far from the '
               "paper's T5 Base+ on C4 for 100k+ steps")
+BATCH_NOTE = ('at batch 16 each decoder expert gets about 80 token slots per step (encoder: 512); '
+              "with 4x the batch the main job's recipe is level with dense at equal steps (the "
+              '`trails` table below); the paper trained T5 Base+ on C4 for 100k+ steps')
 VIT_NOTE = 'a 4-block width-64 ViT on 8x8 digits, not ViT-B on JFT/ImageNet'
 
 CLAIMS = {
@@ -128,7 +131,7 @@ CLAIMS = {
               'training FLOPs (validation loss)',
               'T5-Base / Large upcycled: +1.5–2 SuperGLUE points over dense with 46–55% '
               'extra pretraining compute', 'moe', 'dense', 'loss', 'better',
-              if_not=SCALE_NOTE),
+              if_not=BATCH_NOTE),
         Claim('vit', 'ViT: upcycled MoE beats dense at equal extra FLOPs (validation accuracy)',
               'ViT-B/16: +1% ImageNet 10-shot with 13% extra compute; dense needs 58%',
               'moe', 'dense', 'accuracy', 'better', if_not=VIT_NOTE),

@@ -35,6 +35,10 @@ class Curve:
   def metric(self, name: str) -> np.ndarray:
     return getattr(self, name)
 
+  def total_flops_at_step(self, step: int) -> float:
+    """Training FLOPs up to `step` of this run, the run it started from included."""
+    return float(self.total_flops[0] + (step - self.steps[0]) * self.flops_per_step)
+
   def at(self, name: str, flops: float, axis: str = 'total_flops') -> float:
     """`name` interpolated linearly at `flops`; NaN outside the curve."""
     x = getattr(self, axis)
@@ -65,10 +69,16 @@ def read_curve(run_dir: str, start_flops: float = 0.0) -> Curve:
 
 
 class Results:
-  """`curve(family, arm, seed)` of every finished run under a study's runs directory."""
+  """`curve(family, arm, seed)` of every finished run under a study's runs directory.
 
-  def __init__(self, runs_dir: str, seeds):
-    self.runs_dir, self.seeds = runs_dir, tuple(seeds)
+  A run's final value is the mean of its last `final_window` evaluations: single evaluations
+  of these small models move by several hundredths between neighbouring evaluations.
+  """
+
+  def __init__(self, runs_dir: str, seeds, final_window: int = 1):
+    if final_window < 1:
+      raise ValueError(f'final_window={final_window}: expected >= 1 evaluations.')
+    self.runs_dir, self.seeds, self.final_window = runs_dir, tuple(seeds), final_window
     self._cache: Dict[tuple, Optional[Curve]] = {}
 
   def has(self, family: str, arm: str) -> bool:
@@ -86,8 +96,8 @@ class Results:
       with open(os.path.join(run_dir, 'study.json')) as f:
         source = json.load(f)['source']     # [arm, step] it started from, or None
       start_flops = 0.0
-      if source:
-        start_flops = source[1] * self.curve(family, source[0], seed).flops_per_step
+      if source:   # what the run it starts from spent up to that step, its own source too
+        start_flops = self.curve(family, source[0], seed).total_flops_at_step(source[1])
       self._cache[key] = read_curve(run_dir, start_flops)
     return self._cache[key]
 
@@ -95,8 +105,18 @@ class Results:
     return [self.curve(family, arm, s) for s in self.seeds]
 
   def final(self, family: str, arm: str, metric: str) -> np.ndarray:
-    """`[seeds]` the last evaluation of each seed's run."""
-    return np.array([c.metric(metric)[-1] for c in self.curves(family, arm)])
+    """`[seeds]` the mean of each seed's last `final_window` evaluations."""
+    return np.array([c.metric(metric)[-self.final_window:].mean()
+                     for c in self.curves(family, arm)])
+
+  def until(self, family: str, arm: str, metric: str, step: int) -> np.ndarray:
+    """`[seeds]` like `final` for the run stopped at `step`: the mean of its last
+    `final_window` evaluations at or before `step`."""
+    out = []
+    for c in self.curves(family, arm):
+      values = c.metric(metric)[c.steps <= step][-self.final_window:]
+      out.append(values.mean() if len(values) else float('nan'))
+    return np.array(out)
 
   def start(self, family: str, arm: str, metric: str) -> np.ndarray:
     """`[seeds]` the evaluation at each run's starting point (before its first step)."""
@@ -104,11 +124,13 @@ class Results:
 
   def at_common_flops(self, family: str, a: str, b: str, metric: str,
                       axis: str = 'total_flops') -> tuple:
-    """(`[seeds]`, `[seeds]`) both arms' metric at the FLOPs where the cheaper one ended."""
+    """(`[seeds]`, `[seeds]`) both arms' metric where the cheaper one ended: the mean of both
+    curves at the FLOPs of the cheaper run's last `final_window` evaluations."""
     out_a, out_b = [], []
     for s in self.seeds:
       ca, cb = self.curve(family, a, s), self.curve(family, b, s)
-      flops = min(getattr(ca, axis)[-1], getattr(cb, axis)[-1])
-      out_a.append(ca.at(metric, flops, axis))
-      out_b.append(cb.at(metric, flops, axis))
+      cheaper = ca if getattr(ca, axis)[-1] <= getattr(cb, axis)[-1] else cb
+      points = getattr(cheaper, axis)[-self.final_window:]
+      out_a.append(np.mean([ca.at(metric, x, axis) for x in points]))
+      out_b.append(np.mean([cb.at(metric, x, axis) for x in points]))
     return np.array(out_a), np.array(out_b)

@@ -6,7 +6,7 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
-from upcycle.study import claims
+from upcycle.study import claims, runs as runs_lib
 from upcycle.study.curves import Results
 
 PLOTS = 'results'
@@ -75,8 +75,38 @@ def ablations(results: Results, family: str, arms: Sequence[str], metric: str) -
   return rows
 
 
+def trails(results: Results, scale) -> List[tuple]:
+  """(setting, dense, the MoE, d = how much the MoE is better (± s.e.), its FLOPs per step over
+  the dense model's) for the settings of the `trails` suite that ran: the main job's recipe
+  against the dense model continued for the same steps."""
+  p, x = scale.t5_pretrain_steps, scale.t5_extra_steps
+  long, late = scale.trail_long_steps, scale.trail_late_upcycling_step
+  settings = [
+      (f'upcycled at P = {p}, after X = {x} steps (the claims\' horizon)', 'main_dense_long',
+       p + x, 'main_moe_long', p + x),
+      (f'upcycled at P = {p}, after {long} steps ({long // x}x X)', 'main_dense_long', p + long,
+       'main_moe_long', p + long),
+      (f'upcycled at step {late} of `main_dense_long`, after X = {x} steps', 'main_dense_long',
+       late + x, 'main_moe_late', late + x),
+      (f'batch 4x ({4 * (scale.t5_batch_size or 16)} sequences), after X = {x} steps',
+       'main_dense_batch4x', p + x, 'main_moe_batch4x', p + x),
+  ]
+  rows = []
+  for label, dense_arm, dense_step, other, other_step in settings:
+    if not (results.has('t5', dense_arm) and results.has('t5', other)):
+      continue
+    dense = results.until('t5', dense_arm, 'loss', dense_step)
+    moe = results.until('t5', other, 'loss', other_step)
+    d = claims.paired(moe, dense, 'loss')
+    rate = (results.curves('t5', other)[0].flops_per_step /
+            results.curves('t5', dense_arm)[0].flops_per_step)
+    rows.append((label, claims.mean_std(dense), f'`{other}` {claims.mean_std(moe)}',
+                 f'{d.mean():+.4f} ± {claims.standard_error(d):.4f}', f'{rate:.2f}'))
+  return rows
+
+
 def write(out: str, results: Results, header: str, arms: Dict[str, Dict[str, str]],
-          drop_units: List[dict]) -> str:
+          drop_units: List[dict], scale) -> str:
   """Writes out/RESULTS.md, out/results/*.png and out/results/study.json; returns the path."""
   os.makedirs(os.path.join(out, PLOTS), exist_ok=True)
   parts = [header]
@@ -93,13 +123,26 @@ def write(out: str, results: Results, header: str, arms: Dict[str, Dict[str, str
                     [(d['index_sharing'], d['ratio'], f"{d['untouched']:.4f}",
                       f"{d['untouched_expected']:.4f}", f"{d['shared_by_two']:.4f}",
                       f"{d['shared_by_two_expected']:.4f}") for d in drop_units])]
+  trail_rows = trails(results, scale)
+  if trail_rows:
+    parts += ["### Why the upcycled T5 trails the dense one (the `trails` suite)",
+              "The main job's recipe (`moe/paper_t5.gin`, E = "
+              f"{scale.num_experts}, combine weights normalized, dense optimizer state reused) "
+              'against the dense model continued from the same checkpoint for the same steps, '
+              'each the mean of its last evaluations up to the step named; d > 0 when the '
+              'second column beats the dense one.',
+              table(('setting', 'dense continued', 'the other arm',
+                     'd (paired by seed, ± s.e.)', 'its training FLOPs / step vs dense'),
+                    trail_rows)]
   for family, metric in (('t5', 'loss'), ('vit', 'accuracy')):
-    rows = ablations(results, family, list(arms[family]), metric)
+    shown = [a for a in arms[family] if a not in runs_lib.TRAIL_ARMS]
+    rows = ablations(results, family, shown, metric)
     if rows:
       parts += [f'### Every {family.upper()} arm (validation {metric})',
                 table(('arm', 'at the start', 'final', 'training FLOPs / step',
                        'final − moe (± s.e., paired by seed)'),
                       [(f'`{r[0]}` ({arms[family][r[0]]})', *r[1:]) for r in rows])]
+  batch = scale.t5_batch_size or 16
   figures = [
       ('t5_flops.png', 't5', {'pretrain': 'dense (pretraining)', 'dense': 'dense (continued)',
                               'moe': 'upcycled MoE', 'moe_from_half': 'upcycled at P/2',
@@ -111,6 +154,13 @@ def write(out: str, results: Results, header: str, arms: Dict[str, Dict[str, str
       ('t5_drop.png', 't5', {'moe': 'naive upcycling (r=0)', 'drop_0.5': 'Drop r=0.5',
                              'drop_1.0': 'Drop r=1.0'}, 'loss', 'extra_flops',
        'T5: Drop-Upcycling after the upcycling point'),
+      ('t5_trails.png', 't5', {'main_dense_long': f'dense continued, batch {batch}',
+                               'main_moe_long': f'upcycled MoE, batch {batch}',
+                               'main_moe_late': 'upcycled at step '
+                                                f'{scale.trail_late_upcycling_step}',
+                               'main_dense_batch4x': f'dense continued, batch {4 * batch}',
+                               'main_moe_batch4x': f'upcycled MoE, batch {4 * batch}'},
+       'loss', 'steps', "T5: the main job's recipe vs dense (the trails suite)"),
       ('t5_routing.png', 't5', {'moe': 'Expert Choice C=2, E=8', 'top2_encoder': 'Top-2 encoder',
                                 'capacity_1': 'C=1', 'capacity_3': 'C=3',
                                 'experts_4': 'E=4', 'experts_16': 'E=16',

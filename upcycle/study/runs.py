@@ -106,6 +106,10 @@ BEYOND_T5 = {
 }
 
 
+# The beyond-the-anchors arms (their own suite): BEYOND_T5, depth upcycling, a grown MoE.
+BEYOND_ARMS = (*BEYOND_T5, 'depth', 'grown')
+
+
 def t5_runs(scale: Scale, seed: int) -> List[Run]:
   """The language runs of one seed (tiny T5 v1.1, span corruption over Python's docs)."""
   p, x = scale.t5_pretrain_steps, scale.t5_extra_steps
@@ -136,10 +140,48 @@ def t5_runs(scale: Scale, seed: int) -> List[Run]:
       *[upcycle(f'drop_{r}', ['upcycling/drop.gin'], (f'DROP_RATIO={r}',)) for r in (0.5, 1.0)],
   ]
   runs += [upcycle(arm, files, bindings) for arm, (files, bindings) in BEYOND_T5.items()]
+  # Grow an MoE: experts_4 trained on to `grown_at`, its 4 experts tiled to 8, trained to P + X.
+  grown_at = p + max(scale.checkpoint_every, (x // 3) // scale.checkpoint_every *
+                     scale.checkpoint_every)
+  runs.append(upcycle('grown', ['upcycling/grow.gin'], source=('experts_4', grown_at)))
   runs.append(run('depth', ['runs/continue_dense.gin', 'upcycling/depth.gin'],
                   ['models.T5Config.num_encoder_layers=8', 'models.T5Config.num_decoder_layers=8'],
                   steps=p + x, source=('pretrain', p)))
   return runs
+
+
+# The main job's MoE recipe (scripts/quickstart.sh): paper T5 routing with normalized combine
+# weights and the dense optimizer state reused.
+MAIN_JOB_MOE = (*T5_MOE, 'runs/upcycle.gin', 'upcycling/normalize_combine_weights.gin',
+                'upcycling/reuse_optimizer_state.gin')
+
+
+TRAIL_ARMS = ('main_dense_long', 'main_moe_long', 'main_moe_late', 'main_dense_batch4x',
+              'main_moe_batch4x')
+
+
+def trail_runs(scale: Scale, seed: int) -> List[Run]:
+  """Why the upcycled T5 trails the dense one: the main job's recipe against its dense
+  continuation over a 5x longer horizon, upcycled later (from a dense model trained 5x
+  longer), and with a 4x larger batch (4x the tokens per expert)."""
+  p, x, long, late = (scale.t5_pretrain_steps, scale.t5_extra_steps, scale.trail_long_steps,
+                      scale.trail_late_upcycling_step)
+  e = f'NUM_EXPERTS={scale.num_experts}'
+  batch = f'BATCH_SIZE={4 * (scale.t5_batch_size or 16)}'
+  run = lambda arm, files, bindings=(), **kw: Run('t5', arm, seed, tuple(files), tuple(bindings),
+                                                  **kw)
+  # dense_long keeps its checkpoints: main_moe_late upcycles its step `late`.
+  keep = f'trainer.TrainConfig.keep_checkpoints={(p + long) // scale.checkpoint_every}'
+  return [
+      run('pretrain', ['runs/pretrain.gin'], steps=p),
+      run('main_dense_long', ['runs/continue_dense.gin'], [keep], steps=p + long,
+          source=('pretrain', p)),
+      run('main_moe_long', MAIN_JOB_MOE, [e], steps=p + long, source=('pretrain', p)),
+      run('main_moe_late', MAIN_JOB_MOE, [e], steps=late + x, source=('main_dense_long', late)),
+      run('main_dense_batch4x', ['runs/continue_dense.gin'], [batch], steps=p + x,
+          source=('pretrain', p)),
+      run('main_moe_batch4x', MAIN_JOB_MOE, [e, batch], steps=p + x, source=('pretrain', p)),
+  ]
 
 
 def vit_runs(scale: Scale, seed: int) -> List[Run]:
@@ -188,6 +230,15 @@ DESCRIPTIONS = {
         'shared_expert': 'a shared expert copied from the dense MLP, routed experts with zero '
                          'output projections (function-preserving)',
         'depth': 'depth upcycling: the dense model tiled to 8+8 layers, trained densely',
+        'main_dense_long': 'dense continued for 5x the extra steps (checkpoints kept)',
+        'main_moe_long': "the main job's MoE (normalized, dense optimizer state reused) for 5x "
+                         'the extra steps',
+        'main_moe_late': "the main job's MoE upcycled from `main_dense_long` at its late "
+                         'upcycling step, trained X steps',
+        'main_dense_batch4x': 'dense continued with a 4x larger batch',
+        'main_moe_batch4x': "the main job's MoE with a 4x larger batch",
+        'grown': '`experts_4` grown to 8 experts (each copied once, router columns too; '
+                 'optimizer state taken alike) a third of the way through X, trained on',
     },
     'vit': {
         'pretrain': 'dense pretraining, P steps (schedule over P + X)',

@@ -20,6 +20,10 @@ class Scale:
     eval_every, log_every, checkpoint_every: the trainer's cadence (checkpoints must land on
       P and P / 2).
     t5_batch_size, t5_feature_lengths: None keeps the offline default's (16; 128 / 32).
+    final_window: a run's final value is the mean of its last `final_window` evaluations.
+    trail_long_steps: the `trails` suite's long horizon after P.
+    trail_late_upcycling_step: where its late upcycling starts (a multiple of
+      checkpoint_every, between P and P + trail_long_steps).
   """
 
   t5_pretrain_steps: int
@@ -34,6 +38,9 @@ class Scale:
   checkpoint_every: int = 100
   t5_batch_size: int = 0
   t5_feature_lengths: str = ''
+  final_window: int = 1
+  trail_long_steps: int = 1500
+  trail_late_upcycling_step: int = 1000
 
   def family_bindings(self, family: str) -> Tuple[str, ...]:
     if family != 't5':
@@ -44,9 +51,10 @@ class Scale:
 
 # The main job's setting (quickstart: tiny T5, batch 16, P = 200), with 3x its extra steps.
 FULL = Scale(t5_pretrain_steps=200, t5_extra_steps=300, vit_pretrain_steps=200,
-             vit_extra_steps=200, seeds=(0, 1, 2))
+             vit_extra_steps=200, seeds=(0, 1, 2), final_window=3)
 
 # A smoke run of every arm, one seed, a few steps on shorter sequences (the test suite runs it).
 QUICK = Scale(t5_pretrain_steps=4, t5_extra_steps=4, vit_pretrain_steps=4, vit_extra_steps=4,
               seeds=(0,), expert_counts=(4, 8), eval_every=4, log_every=2, checkpoint_every=2,
-              t5_batch_size=4, t5_feature_lengths="{'inputs': 32, 'targets': 8}")
+              t5_batch_size=4, t5_feature_lengths="{'inputs': 32, 'targets': 8}",
+              trail_long_steps=8, trail_late_upcycling_step=8)

@@ -1,6 +1,6 @@
 """Evaluation over a validation split: loss/accuracy for any objective, few-shot for ViT."""
 
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
 
 import jax
 import numpy as np
@@ -42,11 +42,15 @@ def ratio_stderr(numerators: np.ndarray, denominators: np.ndarray) -> float:
 
 
 def evaluate(eval_step, params, pipeline, *, batch_size: int, mesh, max_batches: int = 0,
-             seed: int = 0) -> Dict[str, float]:
+             seed: int = 0, batches: Optional[Sequence[Dict[str, np.ndarray]]] = None
+             ) -> Dict[str, float]:
   """Token (T5) or image (ViT) weighted loss and accuracy, the loss's standard error over
-  batches (`loss_stderr`, from 2 batches on) and the number of batches; `eval_step` from step.make_eval_step."""
+  batches (`loss_stderr`, from 2 batches on) and the number of batches; `eval_step` from
+  step.make_eval_step. `batches`: this host's validation batches already read (`host_batches`,
+  e.g. kept by the trainer); None reads them from `pipeline`."""
   per_batch = []
-  for batch in host_batches(pipeline, batch_size, max_batches, seed):
+  source = host_batches(pipeline, batch_size, max_batches, seed) if batches is None else batches
+  for batch in source:
     per_batch.append(eval_step(params, global_batch(batch, mesh)))
   if not per_batch:
     raise ValueError(f'The validation pipeline {pipeline.describe()} gave no full batch of '

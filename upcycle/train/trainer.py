@@ -54,6 +54,11 @@ class TrainConfig:
     seed: parameter init, dropout and data order.
     log_every / checkpoint_every / eval_every: in steps (eval_every 0: at the end only).
     eval_batches: batches per evaluation (0: the whole validation split).
+    cache_eval_batches: keep this host's validation batches in host memory after the first
+      evaluation and evaluate on them again (the split is read in the same order with the same
+      seed every time, so the numbers are those of re-reading it); False re-reads the pipeline
+      for every evaluation (for a split too large for host memory: eval_batches x host batch
+      of token ids or images).
     keep_checkpoints: how many recent checkpoints stay on disk.
     num_microbatches: gradient accumulation steps per batch.
     num_expert_partitions / num_model_partitions: mesh shape; data = rest.
@@ -84,6 +89,7 @@ class TrainConfig:
   checkpoint_every: int = 100
   eval_every: int = 0
   eval_batches: int = 0
+  cache_eval_batches: bool = True
   keep_checkpoints: int = 3
   num_microbatches: int = 1
   num_expert_partitions: int = 1
@@ -107,6 +113,7 @@ class TrainConfig:
       fields.integer(self, name, 0)
     fields.boolean(self, 'async_checkpoints')
     fields.boolean(self, 'eval_at_start')
+    fields.boolean(self, 'cache_eval_batches')
     fields.boolean(self, 'tensorboard')
     fields.boolean(self, 'export_t5x')
     if self.export_t5x and paths.is_url(self.model_dir):
@@ -138,6 +145,7 @@ class Trainer:
     self.mesh = partitioning.make_mesh(config.num_expert_partitions, config.num_model_partitions,
                                        devices)
     self.host_batch_size = _host_batch_size(config)
+    self._eval_batches: Optional[List[Dict[str, np.ndarray]]] = None   # cache_eval_batches
     if config.batch_size % (self.mesh.shape['data'] * self.mesh.shape['expert']):
       raise ValueError(
           f'TrainConfig.batch_size={config.batch_size} must be divisible by the data x expert '
@@ -180,9 +188,14 @@ class Trainer:
 
   def evaluate(self, params, eval_step) -> Dict[str, float]:
     """Loss and accuracy over the validation split (or `eval_batches` of it)."""
+    cfg = self.config
+    if cfg.cache_eval_batches and self._eval_batches is None:
+      self._eval_batches = list(evaluation.host_batches(
+          self.eval_data, self.host_batch_size, cfg.eval_batches, cfg.seed))
     return evaluation.evaluate(eval_step, params, self.eval_data,
                                batch_size=self.host_batch_size, mesh=self.mesh,
-                               max_batches=self.config.eval_batches, seed=self.config.seed)
+                               max_batches=cfg.eval_batches, seed=cfg.seed,
+                               batches=self._eval_batches)
 
   def _export_t5x(self, checkpoint_dir: str, step: int) -> None:
     """Writes MODEL_DIR/t5x/checkpoint_<step> from the saved `step` (process 0; the others
