@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fresh virtualenv, the package with its test extra, then the test suite.
-# Extra arguments go to pytest (e.g. `-m slow` for the long end-to-end runs).
+# Extra arguments go to pytest (e.g. `tests/moe -x`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv

@@ -1,6 +1,7 @@
 """DataIterator: determinism, exact resumption from a JSON state, disjoint host shards."""
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -68,6 +69,16 @@ def test_text_shards_are_disjoint(letters_task):
     letters.append({chr(t - 3) for t in tokens if 3 <= t < 259})
   assert not letters[0] & letters[1]
   assert letters[0] | letters[1] == set(LETTERS) and len(letters[0]) == 26
+
+
+def test_seqio_shuffle_warning_is_logged_at_most_once_not_per_epoch(letters_task, caplog):
+  del letters_task
+  pipeline = text.TextPipeline(LETTERS_TASK, 'train', TEXT_LENGTHS)
+  it = iterator.DataIterator(pipeline, batch_size=4, seed=0, num_epochs=3)
+  with caplog.at_level(logging.WARNING, logger='absl'):
+    assert len(list(it)) >= 3 and it.get_state()['epoch'] == 3
+  warnings = [r for r in caplog.records if 'uncached FunctionDataset' in r.getMessage()]
+  assert len(warnings) <= 1
 
 
 def test_image_resumes_across_epochs():

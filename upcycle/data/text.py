@@ -8,6 +8,7 @@ Segment ids and positions exist only with `pack=True`.
 """
 
 import dataclasses
+import logging
 from typing import Any, Dict, Mapping
 
 import seqio
@@ -15,6 +16,29 @@ import tensorflow as tf
 
 from upcycle.data import host_only
 from upcycle.data import tasks  # pylint: disable=unused-import  (registers the default tasks)
+
+
+class _OnceFilter(logging.Filter):
+  """Lets a log message that starts with `prefix` through once per process.
+
+  seqio warns on every shuffled read of a `FunctionDataSource` that restarts reshuffle poorly.
+  `DataIterator` opens each epoch with its own seed and resumes inside the same epoch, so the
+  warning (once per epoch) says nothing new after the first time.
+  """
+
+  def __init__(self, prefix: str):
+    super().__init__()
+    self._prefix = prefix
+    self._seen = False
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if not str(record.msg).startswith(self._prefix):
+      return True
+    seen, self._seen = self._seen, True
+    return not seen
+
+
+logging.getLogger('absl').addFilter(_OnceFilter('Using an uncached FunctionDataset'))
 
 
 @dataclasses.dataclass(frozen=True)
