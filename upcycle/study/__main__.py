@@ -109,7 +109,7 @@ On {os.cpu_count()} CPU cores ({platform.machine()}, Python {platform.python_ver
 **Setting.** Language: the tiny T5 v1.1 of the main job (`models/t5_1_1/tiny.gin`, 4+4 layers,
 d_model 64, byte vocabulary) trained with span corruption on the offline corpus (Python's own
 documentation) with T5X's Adafactor and rsqrt schedule; dense pretraining P = {scale.t5_pretrain_steps}
-steps, then X = {scale.t5_extra_steps} extra steps; batch {scale.t5_batch_size or 16} throughout (the main job's pretraining batch;
+steps, then X = {scale.t5_extra_steps} extra steps; batch {scale.t5_batch} throughout (the main job's pretraining batch;
 the main job continues with 4x that, the setting of the `trails` suite's last row). Vision: the tiny ViT
 (`models/vit/tiny.gin`, 4 blocks, width 64) on scikit-learn's 8x8 handwritten digits (1,797 real
 scans, upsampled to 16x16), big_vision's Adafactor, schedule over P + X = {scale.vit_pretrain_steps} +

@@ -106,10 +106,9 @@ class Results:
 
   def final(self, family: str, arm: str, metric: str) -> np.ndarray:
     """`[seeds]` the mean of each seed's last `final_window` evaluations."""
-    return np.array([c.metric(metric)[-self.final_window:].mean()
-                     for c in self.curves(family, arm)])
+    return self.until(family, arm, metric, np.inf)
 
-  def until(self, family: str, arm: str, metric: str, step: int) -> np.ndarray:
+  def until(self, family: str, arm: str, metric: str, step: float) -> np.ndarray:
     """`[seeds]` like `final` for the run stopped at `step`: the mean of its last
     `final_window` evaluations at or before `step`."""
     out = []

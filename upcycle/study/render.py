@@ -88,7 +88,7 @@ def trails(results: Results, scale) -> List[tuple]:
        'main_moe_long', p + long),
       (f'upcycled at step {late} of `main_dense_long`, after X = {x} steps', 'main_dense_long',
        late + x, 'main_moe_late', late + x),
-      (f'batch 4x ({4 * (scale.t5_batch_size or 16)} sequences), after X = {x} steps',
+      (f'batch 4x ({4 * scale.t5_batch} sequences), after X = {x} steps',
        'main_dense_batch4x', p + x, 'main_moe_batch4x', p + x),
   ]
   rows = []
@@ -142,7 +142,7 @@ def write(out: str, results: Results, header: str, arms: Dict[str, Dict[str, str
                 table(('arm', 'at the start', 'final', 'training FLOPs / step',
                        'final − moe (± s.e., paired by seed)'),
                       [(f'`{r[0]}` ({arms[family][r[0]]})', *r[1:]) for r in rows])]
-  batch = scale.t5_batch_size or 16
+  batch = scale.t5_batch
   figures = [
       ('t5_flops.png', 't5', {'pretrain': 'dense (pretraining)', 'dense': 'dense (continued)',
                               'moe': 'upcycled MoE', 'moe_from_half': 'upcycled at P/2',

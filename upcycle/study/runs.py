@@ -167,7 +167,7 @@ def trail_runs(scale: Scale, seed: int) -> List[Run]:
   p, x, long, late = (scale.t5_pretrain_steps, scale.t5_extra_steps, scale.trail_long_steps,
                       scale.trail_late_upcycling_step)
   e = f'NUM_EXPERTS={scale.num_experts}'
-  batch = f'BATCH_SIZE={4 * (scale.t5_batch_size or 16)}'
+  batch = f'BATCH_SIZE={4 * scale.t5_batch}'
   run = lambda arm, files, bindings=(), **kw: Run('t5', arm, seed, tuple(files), tuple(bindings),
                                                   **kw)
   # dense_long keeps its checkpoints: main_moe_late upcycles its step `late`.

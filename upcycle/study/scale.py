@@ -3,6 +3,8 @@
 import dataclasses
 from typing import Tuple
 
+OFFLINE_BATCH_SIZE = 16   # BATCH_SIZE of configs/data/offline_span_corruption.gin
+
 
 @dataclasses.dataclass(frozen=True)
 class Scale:
@@ -19,7 +21,8 @@ class Scale:
     expert_counts: E of the expert-count claim.
     eval_every, log_every, checkpoint_every: the trainer's cadence (checkpoints must land on
       P and P / 2).
-    t5_batch_size, t5_feature_lengths: None keeps the offline default's (16; 128 / 32).
+    t5_batch_size, t5_feature_lengths: 0 / '' keep the offline default's (16; 128 / 32);
+      `t5_batch` is the batch the T5 runs train with.
     final_window: a run's final value is the mean of its last `final_window` evaluations.
     trail_long_steps: the `trails` suite's long horizon after P.
     trail_late_upcycling_step: where its late upcycling starts (a multiple of
@@ -41,6 +44,10 @@ class Scale:
   final_window: int = 1
   trail_long_steps: int = 1500
   trail_late_upcycling_step: int = 1000
+
+  @property
+  def t5_batch(self) -> int:
+    return self.t5_batch_size or OFFLINE_BATCH_SIZE
 
   def family_bindings(self, family: str) -> Tuple[str, ...]:
     if family != 't5':
