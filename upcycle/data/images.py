@@ -78,6 +78,12 @@ class ImagePipeline:
     """JSON-serializable identity; a resumed iterator must see the same one."""
     return {'kind': 'image', **dataclasses.asdict(self)}
 
+  def batch_spec(self, batch_size: int) -> Dict[str, Tuple[Tuple[int, ...], np.dtype]]:
+    """{feature: (shape, dtype)} of a batch of `batch_size` (nothing is read)."""
+    size = self.image_size
+    return {'image': ((batch_size, size, size, 3), np.dtype(np.float32)),
+            'label': ((batch_size,), np.dtype(np.int32))}
+
   @property
   def _shuffle(self) -> bool:
     return self.train if self.shuffle is None else self.shuffle

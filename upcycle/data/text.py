@@ -9,8 +9,9 @@ Segment ids and positions exist only with `pack=True`.
 
 import dataclasses
 import logging
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Mapping, Tuple
 
+import numpy as np
 import seqio
 import tensorflow as tf
 
@@ -64,6 +65,13 @@ class TextPipeline:
     return {'kind': 'text', 'task': self.task, 'split': self.split,
             'feature_lengths': dict(sorted(self.feature_lengths.items())),
             'pack': self.pack, 'shuffle': self.shuffle}
+
+  def batch_spec(self, batch_size: int) -> Dict[str, Tuple[Tuple[int, ...], np.dtype]]:
+    """{feature: (shape, dtype)} of a batch of `batch_size`, from the feature lengths alone
+    (nothing is read: the task's data need not exist here)."""
+    converter = seqio.EncDecFeatureConverter(pack=self.pack)
+    lengths = converter.get_model_feature_lengths(dict(self.feature_lengths))
+    return {k: ((batch_size, n), np.dtype(np.int32)) for k, n in lengths.items()}
 
   def batches(self, *, seed: int, batch_size: int, shard_index: int, num_shards: int,
               drop_remainder: bool, skip_batches: int) -> tf.data.Dataset:

@@ -31,9 +31,18 @@ from upcycle.moe.config import MoeConfig
 
 Array = jax.Array
 
-EXPERT_AXES = ('expert', 'expert_group', 'unmodeled', 'embed')  # [E, G, C, d_model]
-EXPERT_SLOT_AXES = ('expert', 'expert_group', 'embed')           # [E, G*C, d_model]
 GROUP_AXES = ('batch', 'length', 'embed')                       # [G, S, d_model]
+# Expert slots [E, G, C, d_model] in two layouts: where their groups' tokens are (groups split
+# like the batch: dispatch and combine are local there) and where their experts are (experts
+# over 'expert', groups over 'data'). The masked dispatch computes in the first and then moves
+# to the second (one all-to-all), the experts' outputs move back before combining, as
+# Flaxformer does (the indices dispatch gathers straight into the experts' layout, which
+# measured less temporary memory on the TPU compiler: benchmarks/moe_layer.py). Asking the dispatch einsum for the experts' layout directly makes XLA's TPU SPMD
+# partitioner crash in its windowed-einsum pass when 'expert' is 32 and the one-hot
+# [G, E, C, S] is large (T5 groups of 4096 tokens), and costs far more temporary memory.
+TOKEN_SLOT_AXES = (None, 'batch', None, 'embed')
+EXPERT_AXES = ('expert', 'expert_group', 'unmodeled', 'embed')
+EXPERT_SLOT_AXES = ('expert', 'expert_group', 'embed')           # [E, G*C, d_model]
 
 
 class RouterWeights(nn.Module):
@@ -69,10 +78,17 @@ def dispatch_masked(x: Array, decision: routing.RoutingDecision, experts_fn) -> 
   tokens = x.shape[1]
   dispatch = jax.nn.one_hot(decision.token_index, tokens, dtype=x.dtype)
   dispatch = dispatch * decision.valid[..., None].astype(x.dtype)     # [G, E, C, S]
-  expert_in = constrain(jnp.einsum('gecs,gsd->egcd', dispatch, x), EXPERT_AXES)
-  expert_out = constrain(experts_fn(expert_in), EXPERT_AXES)
+  expert_in = constrain(jnp.einsum('gecs,gsd->egcd', dispatch, x), TOKEN_SLOT_AXES)
+  expert_out = _run_where_experts_are(experts_fn, expert_in)
   combine = dispatch * decision.combine_weight[..., None].astype(x.dtype)
   return jnp.einsum('gecs,egcd->gsd', combine, expert_out)
+
+
+def _run_where_experts_are(experts_fn, expert_in: Array) -> Array:
+  """`[E, G, C, d]` slots in the tokens' layout -> the experts' outputs, in that layout."""
+  expert_in = constrain(expert_in, EXPERT_AXES)
+  expert_out = constrain(experts_fn(expert_in), EXPERT_AXES)
+  return constrain(expert_out, TOKEN_SLOT_AXES)
 
 
 def dispatch_indices(x: Array, decision: routing.RoutingDecision, experts_fn) -> Array:

@@ -8,7 +8,7 @@
 Like `restore.UpcycleFromDense` they read any format `checkpoints.load` knows, check every
 name and shape before reading (sources='router_norm' reads the router kernels), print the
 report, and build the state in one `jax.jit` placed with the run's shardings
-(`restore.place_state`). A reused optimizer state is taken like the parameters (new experts
+(`restore.state_jit`). A reused optimizer state is taken like the parameters (new experts
 and layers get their sources' moments, `upcycling/remap_optimizer.py`) and keeps its counts
 under step='keep', so the schedule continues. In gin (upcycling/grow.gin, upcycling/depth.gin):
 
@@ -23,6 +23,7 @@ import dataclasses
 import json
 from typing import Mapping, Optional, Sequence, Union
 
+import jax
 from etils import epath
 
 from upcycle import fields, pretrained, tree
@@ -36,15 +37,17 @@ from upcycle.upcycling.remap_optimizer import remap_optimizer_state
 Usage = Union[str, Mapping[str, Sequence[float]]]
 
 
-def _build(owner: str, hook, abstract_state: TrainState, optimizer, make_remap) -> TrainState:
-  """The state of `hook` (checkpoint, format, reuse_optimizer_state, step) via `make_remap`."""
+def _jit(owner: str, hook, abstract_state: TrainState, optimizer,
+         make_remap) -> restore.StateJit:
+  """The state jit of `hook` (checkpoint, format, reuse_optimizer_state, step) via
+  `make_remap`."""
   ckpt = pretrained.load(hook.checkpoint, hook.format, lazy=True)
   first = step_policy.start(hook.step, ckpt.step)
   try:
     remap: Remap = make_remap(ckpt.params, abstract_state.params, first)
   except ValueError as e:
     raise ValueError(f'{owner}({ckpt.path!r}, format {ckpt.format!r}): {e}') from e
-  return restore.place_state(
+  return restore.state_jit(
       ckpt, abstract_state, optimizer, remap,
       sharded.remap_shardings(remap, tree.flatten(abstract_state.params)),
       lambda source, rng: remap_lib.run(remap, source),
@@ -91,11 +94,18 @@ class GrowExperts:
                        f'mapping {{MoE block: [E] usage}} from it ({e}).') from e
 
   def __call__(self, abstract_state: TrainState, optimizer) -> TrainState:
+    return self._jit(abstract_state, optimizer)()
+
+  def lower(self, abstract_state: TrainState, optimizer) -> jax.stages.Lowered:
+    """The hook's sharded jit lowered on abstract inputs (`upcycle.aot`)."""
+    return self._jit(abstract_state, optimizer).lower()
+
+  def _jit(self, abstract_state: TrainState, optimizer) -> restore.StateJit:
     usage = self._usage()
-    return _build('GrowExperts', self, abstract_state, optimizer,
-                  lambda params, target, first: expert_growth.plan(
-                      params, target, sources=self.sources, usage=usage, step=first,
-                      binding=fields.binding(self, 'sources')))
+    return _jit('GrowExperts', self, abstract_state, optimizer,
+                lambda params, target, first: expert_growth.plan(
+                    params, target, sources=self.sources, usage=usage, step=first,
+                    binding=fields.binding(self, 'sources')))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +136,14 @@ class GrowDepth:
     object.__setattr__(self, 'step', step_policy.check(self.step, fields.binding(self, 'step')))
 
   def __call__(self, abstract_state: TrainState, optimizer) -> TrainState:
-    return _build('GrowDepth', self, abstract_state, optimizer,
-                  lambda params, target, first: depth_growth.plan(
-                      params, target, layer_map=self.layer_map, step=first,
-                      binding=fields.binding(self, 'layer_map')))
+    return self._jit(abstract_state, optimizer)()
+
+  def lower(self, abstract_state: TrainState, optimizer) -> jax.stages.Lowered:
+    """The hook's sharded jit lowered on abstract inputs (`upcycle.aot`)."""
+    return self._jit(abstract_state, optimizer).lower()
+
+  def _jit(self, abstract_state: TrainState, optimizer) -> restore.StateJit:
+    return _jit('GrowDepth', self, abstract_state, optimizer,
+                lambda params, target, first: depth_growth.plan(
+                    params, target, layer_map=self.layer_map, step=first,
+                    binding=fields.binding(self, 'layer_map')))

@@ -19,7 +19,7 @@ the 'expert' mesh axis and no host holds E copies. The dense leaves are its inpu
 reading only the blocks its devices need (`upcycling/sharded.py`). Initializers that read
 their own sources (Branch-Train-MiX, UpIT: `traceable = False`) run the plan eagerly on the
 host instead, and the result is placed on the mesh. The hooks that grow a trained checkpoint,
-with more experts or more layers (`grow.py`), share the executor (`place_state`).
+with more experts or more layers (`grow.py`), share the executor (`state_jit`).
 
 `step` is the step policy of `upcycle.upcycling.step_policy`: 'keep', 'reset' or N.
 
@@ -41,11 +41,11 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from upcycle import checkpoints, pretrained, tree
 from upcycle.checkpoints import optimizer_state
+from upcycle.train import slots
 from upcycle.train.state import TrainState
 from upcycle.upcycling import execute, sharded, step_policy
 from upcycle.upcycling import plan as plan_lib
@@ -78,9 +78,9 @@ def _plan(owner: str, where: str, make: Callable[[], Plan]) -> Plan:
     raise ValueError(f'{owner}({where}): {e}') from e
 
 
-def build_state(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer,
-                plan: Plan, *, reuse_optimizer_state: bool, upcycled: bool,
-                step: step_policy.Step, seed: int, owner: str) -> TrainState:
+def plan_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer,
+             plan: Plan, *, reuse_optimizer_state: bool, upcycled: bool,
+             step: step_policy.Step, seed: int, owner: str) -> 'StateJit':
   """The sharded executor of a plan: params and optimizer state in one jit, placed on the mesh.
 
   Args:
@@ -97,19 +97,49 @@ def build_state(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimi
   """
   carry = ((lambda state, params: upcycle_optimizer_state(state, params, optimizer))
            if upcycled else None)
-  return place_state(
+  return state_jit(
       ckpt, abstract_state, optimizer, plan,
       sharded.source_shardings(plan, tree.flatten(abstract_state.params)),
       lambda source, rng: execute.run(plan, source, rng), carry,
       reuse_optimizer_state=reuse_optimizer_state, step=step, seed=seed, owner=owner)
 
 
-def place_state(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer, plan,
-                placement: Mapping[str, NamedSharding],
-                make_params: Callable[[Any, jax.Array], Any],
-                carry_state: Optional[Callable[[Any, Any], Any]], *,
-                reuse_optimizer_state: bool, step: step_policy.Step, seed: int,
-                owner: str) -> TrainState:
+@dataclasses.dataclass(frozen=True)
+class StateJit:
+  """A restore hook's one jit, its output placed with the run's shardings, and its inputs:
+  `()` reads the inputs, each placed where the jit needs it, and runs it; `lower()` lowers it
+  on abstract inputs without reading anything (`upcycle.aot`)."""
+
+  jitted: Any
+  sources: Mapping[str, Any]               # {path: lazy source leaf}
+  placement: Mapping[str, NamedSharding]   # {path: its sharding}
+  saved: Any                               # the stored optimizer state (lazy leaves) or None
+  saved_shardings: Any                     # a tree like `saved`
+  seed: int
+
+  def __call__(self) -> TrainState:
+    inputs = {p: sharded.read(self.sources[p], s) for p, s in self.placement.items()}
+    saved = (None if self.saved is None else
+             jax.tree.map(sharded.read, self.saved, self.saved_shardings))
+    return self.jitted(inputs, saved, jax.random.PRNGKey(self.seed))
+
+  def lower(self) -> jax.stages.Lowered:
+    def placed(leaf, sharding):
+      abstract = tree.abstract(leaf)
+      return jax.ShapeDtypeStruct(abstract.shape, abstract.dtype, sharding=sharding)
+
+    inputs = {p: placed(self.sources[p], s) for p, s in self.placement.items()}
+    saved = (None if self.saved is None else
+             jax.tree.map(placed, self.saved, self.saved_shardings))
+    return self.jitted.lower(inputs, saved, jax.ShapeDtypeStruct((2,), jnp.uint32))
+
+
+def state_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer, plan,
+              placement: Mapping[str, NamedSharding],
+              make_params: Callable[[Any, jax.Array], Any],
+              carry_state: Optional[Callable[[Any, Any], Any]], *,
+              reuse_optimizer_state: bool, step: step_policy.Step, seed: int,
+              owner: str) -> StateJit:
   """Params and optimizer state made from a checkpoint in one jit, placed on the mesh.
 
   Args:
@@ -145,27 +175,53 @@ def place_state(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimi
       opt_state = step_policy.reused(opt_state, step, plan.step)
     return TrainState(jnp.asarray(plan.step, abstract_state.step.dtype), params, opt_state)
 
-  rng = jax.random.PRNGKey(seed)
   saved_abstract = None if saved is None else jax.tree.map(tree.abstract, saved)
   try:  # The optimizer-state conversion checks, before anything is read.
-    jax.eval_shape(build, dense_abstract, saved_abstract, rng)
+    jax.eval_shape(build, dense_abstract, saved_abstract, jax.ShapeDtypeStruct((2,), jnp.uint32))
   except ValueError as e:
     raise ValueError(f'{owner}({ckpt.path!r}, format {ckpt.format!r}): {e}') from e
   _announce(owner, ckpt, plan, reuse_optimizer_state)
 
-  inputs = {path: sharded.read(dense[path], sharding) for path, sharding in placement.items()}
-  saved_inputs = None
-  if saved is not None:
-    mesh = abstract_state.step.sharding.mesh
-    slots = {p: (tree.shape_of(dense[p]), s) for p, s in placement.items()}
-    replicated = NamedSharding(mesh, PartitionSpec())
-    saved_inputs = jax.tree_util.tree_map_with_path(
-        lambda kp, x: sharded.read(x, sharded.slot_sharding(
-            tree.key_path(kp), np.shape(x), slots, replicated)), saved)
+  saved_shardings = None if saved is None else _saved_shardings(
+      saved, dense_abstract, placement, optimizer, abstract_state.step.sharding.mesh)
   out_shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
-  donate = () if jax.default_backend() == 'cpu' else (0,)
-  return jax.jit(build, out_shardings=out_shardings, donate_argnums=donate)(
-      inputs, saved_inputs, rng)
+  donate = () if abstract_state.step.sharding.mesh.devices.flat[0].platform == 'cpu' else (0,)
+  return StateJit(jax.jit(build, out_shardings=out_shardings, donate_argnums=donate), dense,
+                  placement, saved, saved_shardings, seed)
+
+
+def _saved_shardings(saved: Any, source: Mapping[str, jax.ShapeDtypeStruct],
+                     placement: Mapping[str, NamedSharding], optimizer, mesh) -> Any:
+  """Where each stored optimizer-state leaf is read, a tree like `saved`.
+
+  A leaf at the key path and of the shape of a leaf of the optimizer's state of the source
+  params (every leaf of our orbax checkpoints; T5X slots of T5X Adafactor in the run's layout)
+  is read like that slot (`slots.py`: along its parameter's placement); others (T5X slots
+  read into optax Adafactor, or in another layout) by `sharded.slot_sharding`.
+
+  Args:
+    saved: the stored optimizer state (lazy leaves).
+    source: {path: abstract leaf} of the source params.
+    placement: {source path: sharding} of the source leaves that are read.
+    optimizer: the run's optax transformation.
+    mesh: the run's mesh.
+  """
+  replicated = NamedSharding(mesh, PartitionSpec())
+  params = tree.unflatten(source)
+  like = jax.eval_shape(optimizer.init, params)
+  derived = slots.state_shardings(
+      like, params, tree.unflatten({p: placement.get(p, replicated) for p in source}))
+  by_key = {tree.key_path(kp): (tree.shape_of(x), s) for (kp, x), s in zip(
+      jax.tree_util.tree_leaves_with_path(like), jax.tree.leaves(derived))}
+  placed = {p: (tree.shape_of(source[p]), s) for p, s in placement.items()}
+
+  def where(keypath, leaf) -> NamedSharding:
+    key, shape = tree.key_path(keypath), tree.shape_of(leaf)
+    if key in by_key and by_key[key][0] == shape:
+      return by_key[key][1]
+    return sharded.slot_sharding(key, shape, placed, replicated)
+
+  return jax.tree_util.tree_map_with_path(where, saved)
 
 
 def _place(abstract_state: TrainState, state: TrainState) -> TrainState:
@@ -215,22 +271,39 @@ class UpcycleFromDense:
 
   def __call__(self, abstract_state: TrainState, optimizer) -> TrainState:
     owner = 'UpcycleFromDense'
-    several = not isinstance(self.checkpoint, str)
-    ckpt, dense, experts = (self._several(owner) if several else self._one(owner))
-    where = repr(list(self.checkpoint)) if several else f'{ckpt.path!r}, format {ckpt.format!r}'
-    plan = _plan(owner, where, lambda: make_plan(
-        dense, abstract_state.params, experts=experts, router=self.router, cast=self.cast,
-        step=step_policy.start(self.step, ckpt.step)))
+    ckpt, dense, plan = self._plan(abstract_state, owner)
     if plan.experts.traceable:
-      return build_state(ckpt, abstract_state, optimizer, plan,
-                         reuse_optimizer_state=self.reuse_optimizer_state, upcycled=True,
-                         step=self.step, seed=self.seed, owner=owner)
+      return plan_jit(ckpt, abstract_state, optimizer, plan,
+                      reuse_optimizer_state=self.reuse_optimizer_state, upcycled=True,
+                      step=self.step, seed=self.seed, owner=owner)()
     # The eager executor: the initializer reads its own sources on the host.
     _announce(owner, ckpt, plan, False)
     params = execute.run(plan, dense, jax.random.PRNGKey(self.seed))
     opt_state = step_policy.fresh(optimizer.init(params), plan.step)
     return _place(abstract_state, TrainState(
         jnp.asarray(plan.step, abstract_state.step.dtype), params, opt_state))
+
+  def lower(self, abstract_state: TrainState, optimizer) -> jax.stages.Lowered:
+    """The hook's sharded jit lowered on abstract inputs: only the checkpoint's metadata is
+    read (`upcycle.aot`)."""
+    owner = 'UpcycleFromDense'
+    ckpt, _, plan = self._plan(abstract_state, owner)
+    if not plan.experts.traceable:
+      raise ValueError(f'{owner}: experts from several checkpoints are made on the host, '
+                       f'not in one sharded jit; there is nothing to compile.')
+    return plan_jit(ckpt, abstract_state, optimizer, plan,
+                    reuse_optimizer_state=self.reuse_optimizer_state, upcycled=True,
+                    step=self.step, seed=self.seed, owner=owner).lower()
+
+  def _plan(self, abstract_state: TrainState, owner: str):
+    """(checkpoint, dense params, plan to the MoE params)."""
+    several = not isinstance(self.checkpoint, str)
+    ckpt, dense, experts = (self._several(owner) if several else self._one(owner))
+    where = repr(list(self.checkpoint)) if several else f'{ckpt.path!r}, format {ckpt.format!r}'
+    plan = _plan(owner, where, lambda: make_plan(
+        dense, abstract_state.params, experts=experts, router=self.router, cast=self.cast,
+        step=step_policy.start(self.step, ckpt.step)))
+    return ckpt, dense, plan
 
   def _one(self, owner: str):
     """(checkpoint, dense params, initializer) for one dense checkpoint."""
@@ -294,11 +367,18 @@ class ContinueFromCheckpoint:
     object.__setattr__(self, 'step', step_policy.check(self.step, 'ContinueFromCheckpoint.step'))
 
   def __call__(self, abstract_state: TrainState, optimizer) -> TrainState:
+    return self._jit(abstract_state, optimizer)()
+
+  def lower(self, abstract_state: TrainState, optimizer) -> jax.stages.Lowered:
+    """The hook's sharded jit lowered on abstract inputs (`upcycle.aot`)."""
+    return self._jit(abstract_state, optimizer).lower()
+
+  def _jit(self, abstract_state: TrainState, optimizer) -> StateJit:
     owner = 'ContinueFromCheckpoint'
     ckpt = pretrained.load(self.checkpoint, self.format, lazy=True)
     plan = _plan(owner, f'{ckpt.path!r}, format {ckpt.format!r}', lambda: plan_lib.make(
         ckpt.params, abstract_state.params, Copy(), Normal(), cast=self.cast,
         step=step_policy.start(self.step, ckpt.step), upcycling=False))
-    return build_state(ckpt, abstract_state, optimizer, plan,
-                       reuse_optimizer_state=self.reuse_optimizer_state, upcycled=False,
-                       step=self.step, seed=0, owner=owner)
+    return plan_jit(ckpt, abstract_state, optimizer, plan,
+                    reuse_optimizer_state=self.reuse_optimizer_state, upcycled=False,
+                    step=self.step, seed=0, owner=owner)

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from upcycle import export, fields, tree
 from upcycle.checkpoints import paths
 from upcycle.checkpoints.orbax import RUN_CHECKPOINTS, CheckpointManager
-from upcycle.train import evaluation, host_states, partitioning, resume, run_lock, stall
+from upcycle.train import evaluation, host_states, partitioning, resume, run_lock, slots, stall
 from upcycle.train.host_data import HostData
 from upcycle.train.interfaces import Initializer, Objective, Optimizer
 from upcycle.train.logger import MetricLogger
@@ -151,40 +151,60 @@ class Trainer:
           f'TrainConfig.batch_size={config.batch_size} must be divisible by the data x expert '
           f'mesh axes ({self.mesh.shape["data"]} x {self.mesh.shape["expert"]}).')
 
-  def _global_zeros(self, example_batch: Dict[str, np.ndarray]) -> Dict[str, jax.Array]:
-    """A global batch of zeros shaped like `example_batch` (a host batch), for init."""
-    return {k: jnp.zeros((self.config.batch_size,) + v.shape[1:], v.dtype)
-            for k, v in example_batch.items()}
+  def _global_batch(self, example_batch: Dict[str, Any]) -> Dict[str, jax.ShapeDtypeStruct]:
+    """The global batch's shapes, from a host batch: arrays, or (shape, dtype) pairs as
+    pipelines' `batch_spec` gives them."""
+    out = {}
+    for k, v in example_batch.items():
+      shape, dtype = v if isinstance(v, tuple) else (v.shape, v.dtype)
+      out[k] = jax.ShapeDtypeStruct((self.config.batch_size,) + tuple(shape[1:]), dtype)
+    return out
 
-  def abstract_state(self, example_batch: Dict[str, np.ndarray]) -> TrainState:
+  def abstract_state(self, example_batch: Dict[str, Any]) -> TrainState:
     """The state's shapes, dtypes and shardings, computed without allocating it.
 
-    Builds `self.optimizer` on first use, from the params' logical axis names.
+    `example_batch`: a host batch (arrays or `batch_spec` pairs). Parameters are sharded by
+    their logical axes, every optimizer-state slot like its parameter along the axes it keeps
+    (`slots.py`). Builds `self.optimizer` on first use, from the params' logical axis names.
     """
-    batch = self._global_zeros(example_batch)
-    rng = jax.random.PRNGKey(self.config.seed)
-    boxed = jax.eval_shape(lambda: init_params(self.objective, rng, batch))
+    seed = self.config.seed
+    boxed = jax.eval_shape(
+        lambda batch: init_params(self.objective, jax.random.PRNGKey(seed), batch),
+        self._global_batch(example_batch))
     if self.optimizer is None:
       self.optimizer = self.optimizer_config.build(partitioning.logical_axes(boxed))
     param_shardings = partitioning.logical_sharding(boxed, self.mesh)
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           tree.unbox(boxed), param_shardings)
-    opt_shardings = jax.jit(self.optimizer.init).lower(params).compile().output_shardings
+    opt_state = jax.eval_shape(self.optimizer.init, params)
     opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                             jax.eval_shape(self.optimizer.init, params), opt_shardings)
+                             opt_state, slots.state_shardings(opt_state, params, param_shardings))
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(self.mesh, PartitionSpec()))
     return TrainState(step, params, opt_state)
 
   def fresh_state(self, abstract: TrainState, example_batch) -> TrainState:
     """Randomly initialized state, created sharded."""
     shardings = jax.tree.map(lambda x: x.sharding, abstract)
-    batch = self._global_zeros(example_batch)
+    shapes = self._global_batch(example_batch)
 
     def init(rng):
+      batch = {k: jnp.zeros(v.shape, v.dtype) for k, v in shapes.items()}
       params = nn.meta.unbox(init_params(self.objective, rng, batch))
       return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
 
     return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(self.config.seed))
+
+  def jit_train_step(self, shardings: TrainState):
+    """The training step `(state, batch, rng) -> (state, metrics)`, jitted with the state's
+    shardings, the state donated (after `abstract_state`, which builds the optimizer)."""
+    step = make_train_step(self.objective, self.optimizer, self.schedule,
+                           self.config.num_microbatches)
+    return jax.jit(step, in_shardings=(shardings, None, None), out_shardings=(shardings, None),
+                   donate_argnums=(0,))
+
+  def jit_eval_step(self):
+    """The evaluation step `(params, batch) -> summed metrics`, jitted."""
+    return jax.jit(make_eval_step(self.objective))
 
   def evaluate(self, params, eval_step) -> Dict[str, float]:
     """Loss and accuracy over the validation split (or `eval_batches` of it)."""
@@ -245,11 +265,8 @@ class Trainer:
     start = int(jax.device_get(state.step))
     resumed = restored is not None
 
-    train_step = jax.jit(
-        make_train_step(self.objective, self.optimizer, self.schedule, cfg.num_microbatches),
-        in_shardings=(shardings, None, None), out_shardings=(shardings, None),
-        donate_argnums=(0,))
-    eval_step = jax.jit(make_eval_step(self.objective))
+    train_step = self.jit_train_step(shardings)
+    eval_step = self.jit_eval_step()
     tokens = self.objective.tokens_per_batch(example) * jax.process_count()
     # Each microbatch of the global batch is one forward/backward pass (and routes as one).
     micro = {k: jax.ShapeDtypeStruct((cfg.batch_size // cfg.num_microbatches,) + v.shape[1:],

@@ -126,13 +126,15 @@ def read(leaf: Any, sharding: NamedSharding) -> jax.Array:
 def slot_sharding(key: str, shape: Tuple[int, ...],
                   params: Mapping[str, Tuple[Tuple[int, ...], NamedSharding]],
                   default: NamedSharding) -> NamedSharding:
-  """Where an optimizer-state leaf goes: like its parameter when it has the parameter's shape.
+  """Where a stored optimizer-state leaf goes: like its parameter when it has its shape.
 
   A slot belongs to the parameter whose path appears in its key path (optax
   `0/mu/<param path>`, T5X `param_states/<param path>/m`). Full-shape slots
   (Adam moments, momentum, unfactored Adafactor `v`) are then sharded like the
-  parameter; factored rows/columns, scalars and `[1]` placeholders are small
-  and replicated.
+  parameter; everything else is replicated. The restore hook reads a stored leaf so only
+  where the run's optimizer has no leaf of its key path and shape (a T5X-written state
+  read into optax Adafactor, or in another layout); the others are read as
+  `upcycle.train.slots` derives them, factored rows and columns included.
 
   Args:
     key: the leaf's '/'-joined key path.

@@ -1,0 +1,70 @@
+"""python -m upcycle.aot --topology=v4:4x4x4 --gin_file=... [--json=OUT.json]: will this run fit?
+
+Takes exactly the training command's gin files and bindings, builds the same trainer, mesh and
+shardings over the devices of a TPU topology (libtpu's description: no TPU needed) and compiles
+the train step, the upcycling / restore hook's sharded jit (when the run has one) and the eval
+step for it, allocating nothing. Prints per function the per-device bytes (parameters,
+optimizer state, arguments, outputs, temporaries, total) against the device's HBM, FLOPs per
+device and compile time, and what to change when it does not fit (`upcycle/train/aot.py`).
+Needs libtpu: pip install -e '.[tpu]'.
+"""
+
+import argparse
+import json
+import sys
+from typing import Any, Optional, Sequence
+
+from upcycle import gin_utils
+
+_FLAGS = argparse.Namespace(topology='v4:2x2x1', megacore=True, json=None)
+
+
+def train(*, objective: Any, optimizer: Any, config: Any, train_data: Any,
+          eval_data: Optional[Any] = None, initializer: Optional[Any] = None) -> dict:
+  """What `python -m upcycle.train` would run, compiled for `--topology` instead of run."""
+  from upcycle.train import aot  # pylint: disable=g-import-not-at-top
+  devices = aot.topology_devices(_FLAGS.topology, _FLAGS.megacore)
+  run = aot.compile_run(objective=objective, optimizer=optimizer, config=config,
+                        train_data=train_data, eval_data=eval_data, initializer=initializer,
+                        devices=devices, megacore=_FLAGS.megacore)
+  print(aot.table(run), flush=True)
+  document = run.describe(_FLAGS.topology)
+  if _FLAGS.json:
+    from etils import epath  # pylint: disable=g-import-not-at-top
+    path = epath.Path(_FLAGS.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=2) + '\n')
+  return document
+
+
+def _own_flags(argv: Sequence[str]) -> Sequence[str]:
+  """Takes --topology, --json and --no_megacore out of argv; the rest are the train flags."""
+  parser = argparse.ArgumentParser(add_help=False)
+  parser.add_argument('--topology', default=_FLAGS.topology)
+  parser.add_argument('--json', default=None)
+  parser.add_argument('--no_megacore', action='store_true')
+  known, rest = parser.parse_known_args(argv)
+  _FLAGS.topology, _FLAGS.json, _FLAGS.megacore = known.topology, known.json, not known.no_megacore
+  return rest
+
+
+def main(argv: Sequence[str]) -> int:
+  from upcycle import fields  # pylint: disable=g-import-not-at-top
+  from upcycle.checkpoints import CheckpointError  # pylint: disable=g-import-not-at-top
+  from upcycle.train.aot import TopologyError  # pylint: disable=g-import-not-at-top
+  if any(a in ('-h', '--help') for a in argv):
+    print(__doc__.strip() + '\n\nflags: --topology=v4:AxBxC (chips per axis), --json=PATH, '
+          '--no_megacore (one device per TensorCore), then the training flags '
+          '(--gin_file, --gin.KEY=VALUE, --gin_bindings, --gin_search_paths).')
+    return 0
+  rest = _own_flags(argv)
+  try:
+    gin_utils.run(train, [*rest, '--multi_host=no'], __doc__)
+  except (fields.ConfigError, CheckpointError, TopologyError, ValueError) as e:
+    print(f'error: {e}', file=sys.stderr, flush=True)
+    return 1
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,276 @@
+"""Ahead-of-time compilation of a run for a TPU topology: will it fit, and what dominates.
+
+The run's trainer (mesh, shardings, steps: exactly what `python -m upcycle.train` builds) is
+built over the devices of a TPU topology description, and its compiled functions are lowered
+on abstract inputs (`jax.ShapeDtypeStruct`s with the run's shardings) and compiled by the TPU
+compiler (libtpu), on any host: nothing is allocated or executed. The compiler's memory
+analysis gives the bytes per device; the parameters', optimizer state's and batch's shares
+are counted from their shardings.
+
+  train_step    the jitted training step (state donated, as the trainer runs it)
+  restore_hook  the upcycling / restore initializer's one sharded jit (when the run has one)
+  eval_step     the jitted evaluation step
+"""
+
+import dataclasses
+import os
+import time
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from upcycle.train import partitioning
+
+# Compiling needs libtpu's compiler only: no TPU, no metadata server (libtpu otherwise asks
+# GCE's), and a training process holding libtpu's lock file on a TPU VM is no obstacle.
+LIBTPU_ENV = {'TPU_SKIP_MDS_QUERY': '1', 'TPU_ACCELERATOR_TYPE': 'v4-8',
+              'TPU_WORKER_HOSTNAMES': 'localhost', 'ALLOW_MULTIPLE_LIBTPU_LOAD': '1'}
+
+GIB = 2 ** 30
+# HBM of one JAX device: a chip in megacore mode (v4, v5p: what a Cloud TPU VM shows), one
+# core otherwise. Cloud TPU system architecture pages.
+HBM_BYTES = {'TPU v4': 32 * GIB, 'TPU v5': 95 * GIB, 'TPU v5p': 95 * GIB,
+             'TPU v5 lite': 16 * GIB, 'TPU v6 lite': 32 * GIB}
+MEGACORE = ('v4', 'v5p')   # topology prefixes whose chips have two cores JAX shows as one
+
+
+class TopologyError(ValueError):
+  pass
+
+
+def topology_devices(name: str, megacore: bool = True) -> List[jax.Device]:
+  """The devices of a TPU topology such as 'v4:4x4x4' (64 chips), without a TPU.
+
+  With `megacore` (v4 / v5p) one device per chip, as a Cloud TPU VM shows them; else one per
+  TensorCore (two per v4 chip), each with half the chip's HBM.
+  """
+  for key, value in LIBTPU_ENV.items():
+    os.environ.setdefault(key, value)
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  kind = name.partition(':')[0]
+  options = {}
+  if kind in MEGACORE:
+    options = {'chip_config_name': 'megacore' if megacore else 'default',
+               'chips_per_host_bounds': (2, 2, 1), 'num_slices': 1}
+  try:
+    return list(topologies.get_topology_desc(topology_name=name, platform='tpu',
+                                             **options).devices)
+  except ImportError as e:
+    raise TopologyError(f'--topology={name}: compiling for TPU needs libtpu. Fix: pip install '
+                        f"-e '.[tpu]' (libtpu, the version jax[tpu] pins).") from e
+  except Exception as e:  # pylint: disable=broad-except  (libtpu's errors are plain)
+    raise TopologyError(f'--topology={name}: libtpu could not describe it ({e}). Give a '
+                        f"topology such as 'v4:2x2x1' or 'v4:4x4x4' (chips per axis).") from e
+
+
+def hbm_bytes(device: jax.Device, megacore: bool = True) -> int:
+  """HBM of one device of `device`'s kind (per chip in megacore mode, else per core)."""
+  kind = device.device_kind
+  if kind not in HBM_BYTES:
+    raise TopologyError(f'No HBM size known for {kind!r}; known: {sorted(HBM_BYTES)}.')
+  per_chip = HBM_BYTES[kind]
+  return per_chip if megacore or kind not in ('TPU v4', 'TPU v5', 'TPU v5p') else per_chip // 2
+
+
+def per_device_bytes(tree: Any) -> int:
+  """Bytes one device holds of a tree of ShapeDtypeStructs with shardings (the largest
+  shard of each leaf, summed)."""
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+    total += int(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
+  return total
+
+
+@dataclasses.dataclass(frozen=True)
+class FunctionReport:
+  """One compiled function's per-device memory and compute.
+
+  `arguments` / `outputs` / `temp` are the TPU compiler's (`memory_analysis()`); `total` is
+  what the device holds at once: arguments + outputs not aliased to donated arguments +
+  temporaries + code. `parts` splits the arguments into parameters, optimizer state and
+  batch, counted from their shardings.
+  """
+
+  arguments: int
+  outputs: int
+  alias: int
+  temp: int
+  code: int
+  hbm: int
+  flops_per_device: float
+  devices: int
+  compile_seconds: float
+  parts: Mapping[str, int]
+
+  @property
+  def total(self) -> int:
+    return self.arguments + self.outputs - self.alias + self.temp + self.code
+
+  @property
+  def fits(self) -> bool:
+    return self.total <= self.hbm
+
+  def dominant(self) -> str:
+    """The largest of parameters, optimizer state and activations (temp)."""
+    shares = {**{k: v for k, v in self.parts.items() if k != 'batch'}, 'activations': self.temp}
+    return max(shares, key=shares.get)
+
+  def as_json(self) -> Dict[str, Any]:
+    return {'per_device_bytes': {'arguments': self.arguments, 'outputs': self.outputs,
+                                 'aliased': self.alias, 'temp': self.temp, 'code': self.code,
+                                 'total': self.total, **{k: v for k, v in self.parts.items()}},
+            'hbm_bytes_per_device': self.hbm, 'fits': self.fits,
+            'flops_per_device': self.flops_per_device,
+            'flops_per_step': self.flops_per_device * self.devices,
+            'compile_seconds': round(self.compile_seconds, 1)}
+
+
+def compile_report(lowered: jax.stages.Lowered, *, hbm: int, devices: int,
+                   parts: Mapping[str, int]) -> FunctionReport:
+  """Compiles `lowered` and reads the compiler's per-device memory and FLOPs."""
+  start = time.perf_counter()
+  compiled = lowered.compile()
+  seconds = time.perf_counter() - start
+  memory = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return FunctionReport(
+      arguments=int(memory.argument_size_in_bytes), outputs=int(memory.output_size_in_bytes),
+      alias=int(memory.alias_size_in_bytes), temp=int(memory.temp_size_in_bytes),
+      code=int(memory.generated_code_size_in_bytes), hbm=hbm,
+      flops_per_device=float((cost or {}).get('flops', 0.0)), devices=devices,
+      compile_seconds=seconds, parts=dict(parts))
+
+
+LEVERS = {
+    'parameters': ('trainer.TrainConfig.num_model_partitions (shards MLP, heads and vocab) or '
+                   'num_expert_partitions (shards experts)'),
+    'optimizer_state': ('trainer.TrainConfig.num_model_partitions / num_expert_partitions '
+                        '(slots are sharded like their parameters), or a factored optimizer '
+                        '(T5XAdafactor) in place of AdamW'),
+    'activations': ("a smaller BATCH_SIZE or trainer.TrainConfig.num_microbatches, "
+                    "T5Config/ViTConfig.scan_layers = True with remat_policy = 'full'"),
+}
+
+
+def advice(report: FunctionReport) -> str:
+  """One line: by how much `report` fits or not, and what to change when it does not."""
+  margin = (report.hbm - report.total) / GIB
+  if report.fits:
+    return f'fits, {margin:.2f} GiB to spare'
+  part = report.dominant()
+  return (f'does NOT fit: {-margin:.2f} GiB over; {part.replace("_", " ")} dominate(s) '
+          f'({report.parts.get(part, report.temp) / GIB:.2f} GiB): {LEVERS[part]}')
+
+
+def table(run: 'CompiledRun') -> str:
+  """The console table of a compiled run (GiB per device)."""
+  reports = run.reports
+  head = ('function', 'params', 'opt state', 'args', 'outputs', 'temp', 'total', 'HBM',
+          'TFLOP/dev', 'compile s')
+  rows = [head]
+  for name, r in reports.items():
+    rows.append((name, *(f'{x / GIB:.2f}' for x in (
+        r.parts.get('parameters', 0), r.parts.get('optimizer_state', 0), r.arguments,
+        r.outputs - r.alias, r.temp, r.total, r.hbm)),
+                 f'{r.flops_per_device / 1e12:.2f}', f'{r.compile_seconds:.0f}'))
+  widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+  lines = ['  '.join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+           for row in rows]
+  mesh = ' x '.join(f'{k} {v}' for k, v in run.mesh.shape.items())
+  lines.insert(0, f'{len(run.devices)} x {run.devices[0].device_kind} '
+                  f'({"megacore: one device per chip" if run.megacore else "one device per core"}'
+                  f'), mesh {mesh}')
+  lines += [f'{name}: {advice(r)}' for name, r in reports.items()]
+  lines += [f'{name}: {reason}' for name, reason in run.not_compiled.items()]
+  return '\n'.join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledRun:
+  """A run compiled for a topology: its mesh, a report per compiled function, and the
+  functions that were not compiled with the one-line reason (e.g. the compiler's
+  RESOURCE_EXHAUSTED, or a restore hook whose checkpoint cannot be read here)."""
+
+  devices: Sequence[jax.Device]
+  mesh: jax.sharding.Mesh
+  megacore: bool
+  reports: Dict[str, FunctionReport]
+  not_compiled: Dict[str, str]
+
+  def describe(self, topology: str) -> Dict[str, Any]:
+    """The `--json` document."""
+    return {'topology': topology, 'devices': len(self.devices),
+            'device_kind': self.devices[0].device_kind, 'megacore': self.megacore,
+            'mesh': {name: int(size) for name, size in self.mesh.shape.items()},
+            'functions': {k: r.as_json() for k, r in self.reports.items()},
+            'not_compiled': dict(self.not_compiled)}
+
+
+def _batch(spec: Mapping[str, Any], mesh: jax.sharding.Mesh) -> Dict[str, jax.ShapeDtypeStruct]:
+  """{feature: (shape, dtype)} -> ShapeDtypeStructs placed as the trainer places batches."""
+  return {k: jax.ShapeDtypeStruct(shape, dtype,
+                                  sharding=partitioning.batch_sharding(mesh, len(shape)))
+          for k, (shape, dtype) in spec.items()}
+
+
+def _compile_or_reason(name: str, lower, *, hbm: int, devices: int, parts: Mapping[str, int],
+                       reports: Dict[str, FunctionReport], not_compiled: Dict[str, str]) -> None:
+  try:
+    lowered = lower()
+  except (ValueError, OSError) as e:   # e.g. a restore hook's checkpoint that is not here
+    not_compiled[name] = f'not lowered: {str(e).splitlines()[0]}'
+    return
+  try:
+    reports[name] = compile_report(lowered, hbm=hbm, devices=devices, parts=parts)
+  except jax.errors.JaxRuntimeError as e:
+    first = str(e).splitlines()[0]
+    if 'RESOURCE_EXHAUSTED' not in first:
+      raise
+    not_compiled[name] = (f'does NOT fit: the TPU compiler refused it ({first}); parameters '
+                          f'{parts.get("parameters", 0) / GIB:.2f} GiB, optimizer state '
+                          f'{parts.get("optimizer_state", 0) / GIB:.2f} GiB per device. '
+                          f'Levers: {LEVERS["activations"]}; {LEVERS["parameters"]}.')
+
+
+def compile_run(*, objective, optimizer, config, train_data, eval_data=None, initializer=None,
+                devices: Sequence[jax.Device], megacore: bool = True) -> CompiledRun:
+  """Builds the run's trainer over `devices` and compiles its functions (module docstring).
+
+  The arguments are `python -m upcycle.train`'s (gin-built); nothing is read from the data,
+  nothing is written to the run's directory, and a restore hook reads only its checkpoint's
+  metadata.
+  """
+  from upcycle.train.trainer import Trainer  # pylint: disable=g-import-not-at-top
+  trainer = Trainer(objective, optimizer, config, train_data, eval_data, initializer,
+                    devices=list(devices))
+  mesh, hbm, n = trainer.mesh, hbm_bytes(devices[0], megacore), len(devices)
+  reports: Dict[str, FunctionReport] = {}
+  not_compiled: Dict[str, str] = {}
+  with partitioning.activate(mesh):
+    abstract = trainer.abstract_state(train_data.batch_spec(trainer.host_batch_size))
+    state_parts = {'parameters': per_device_bytes(abstract.params),
+                   'optimizer_state': per_device_bytes(abstract.opt_state)}
+    batch = _batch(train_data.batch_spec(config.batch_size), mesh)
+    rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, PartitionSpec()))
+    train_step = trainer.jit_train_step(jax.tree.map(lambda x: x.sharding, abstract))
+    _compile_or_reason('train_step', lambda: train_step.lower(abstract, batch, rng), hbm=hbm,
+                       devices=n, parts={**state_parts, 'batch': per_device_bytes(batch)},
+                       reports=reports, not_compiled=not_compiled)
+    if initializer is not None:
+      _compile_or_reason('restore_hook', lambda: initializer.lower(abstract, trainer.optimizer),
+                         hbm=hbm, devices=n, parts=state_parts, reports=reports,
+                         not_compiled=not_compiled)
+    if eval_data is not None:
+      eval_batch = _batch(eval_data.batch_spec(config.batch_size), mesh)
+      _compile_or_reason(
+          'eval_step', lambda: trainer.jit_eval_step().lower(abstract.params, eval_batch),
+          hbm=hbm, devices=n,
+          parts={'parameters': state_parts['parameters'],
+                 'batch': per_device_bytes(eval_batch)},
+          reports=reports, not_compiled=not_compiled)
+  return CompiledRun(list(devices), mesh, megacore, reports, not_compiled)
