@@ -30,7 +30,11 @@ setuptools.setup(
         'matplotlib==3.11.2',
     ],
     extras_require={
+        # The TPU compiler, for `python -m upcycle.aot` (compile for a TPU topology on any
+        # host) and the TPU runtime on a TPU VM: the libtpu that jax[tpu]==0.10.2 pins.
+        'tpu': ['libtpu==0.0.42.1'],
         'test': [
+            'libtpu==0.0.42.1',   # tests/test_aot.py compiles for TPU v4
             'pytest==9.2.0',
             'torch==2.13.0',
             'transformers==5.24.0',

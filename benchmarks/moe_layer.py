@@ -1,6 +1,7 @@
 """MoE layer speed and memory: each dispatch against pure experts, the dense MLP, Flaxformer.
 
   python benchmarks/moe_layer.py [--flaxformer DIR] [--quick] [--repeats 5]
+  python benchmarks/moe_layer.py --topology v4:2x2x1 [--mesh 1x4x1] [--flaxformer DIR]
 
 Work (forward + backward: value_and_grad of sum(y^2) w.r.t. the parameters and the input),
 float32, tokens [8, 512, 768], gated-GELU experts with d_ff 2048; three cases:
@@ -25,44 +26,94 @@ Groups and capacity follow T5X/Flaxformer (`capacity_convention='t5x'`,
 
 Times are medians over repeats after compilation; memory is XLA's compiled temporary
 memory. Prints a table and writes benchmarks/results/moe_layer.json.
+
+With --topology (e.g. v4:2x2x1) nothing runs: the same cases (rows as above, without
++metrics) are compiled by the TPU compiler (libtpu) for that topology's devices, on this
+host. Activations are bfloat16 (as on TPU), parameters float32. The mesh is the trainer's
+('data', 'expert', 'model'), by default 1 x devices x 1 (--mesh DxExM); parameters are sharded
+by their logical axes as in training, the tokens' batch over ('expert', 'data'), the pure
+experts' input [E, slots, d] like the layer's expert slots (experts over 'expert'). The batch
+is 32 sequences per data x expert shard (128 on v4:2x2x1: 16,384 tokens per chip; a given
+--batch is rounded up to a multiple of the shards), so group counts differ from the CPU
+cases (printed per case): at the CPU mode's 1,024 tokens per chip the compiler kept the
+scratch of the E=8 EC rows in the v4 chip's on-chip memory (0 temporary HBM bytes for all).
+Flaxformer's layer gets T5X's MoE rule `expert_replicas` -> 'data' and num_expert_partitions =
+the 'expert' axis, as T5X runs it (it counts expert replicas from this host's devices: 1, so
+its groups match only a mesh with data 1); its equality check with ours needs execution, so
+it is done in the CPU mode only. Per case and row, per device: temporary HBM bytes
+(`memory_analysis()`), the compiler's FLOPs and bytes accessed (`cost_analysis()`) and the
+compile seconds. Prints a table and writes benchmarks/results/moe_layer_tpu.json.
 """
 
 import argparse
+import contextlib
 import functools
 import json
+import math
 import os
 import sys
 import time
 import types
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from upcycle import layers
 from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses
+from upcycle.moe.layer import EXPERT_SLOT_AXES
+from upcycle.train import partitioning
 
 CASES = (  # name, experts, router, k, T5X capacity factor
     ('EC C=2, E=8', 8, 'experts_choose', 1, 2.0),
     ('EC C=2, E=32', 32, 'experts_choose', 1, 2.0),
     ('Top-2 BPR, E=8', 8, 'tokens_choose', 2, 2.5),
 )
+TOKEN_AXES = ('batch', 'length', 'embed')
 
 
 class Compiled:
-  """A jitted value_and_grad, compiled once; `()` runs it, `.temp_bytes` is its scratch."""
+  """value_and_grad of `loss(params, x)` w.r.t. both, jitted and compiled once; the params
+  are `init(x)`, boxed with their logical axes. Without a mesh, `()` runs it. With one,
+  params and `x` are abstract, sharded over it, and nothing runs. Keeps XLA's per-device
+  temporary bytes, FLOPs and bytes accessed, and the compile seconds."""
 
-  def __init__(self, loss, *args, has_aux=False):
-    grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=has_aux)
-    self._compiled = jax.jit(grad).lower(*args).compile()
-    self._args = args
+  def __init__(self, loss, init, x, mesh=None, has_aux=False):
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=has_aux))
+    if mesh is None:
+      self.params = nn.meta.unbox(init(x))
+    else:
+      boxed = jax.eval_shape(init, x)
+      self.params = jax.tree.map(
+          lambda sharding, box: jax.ShapeDtypeStruct(box.value.shape, box.value.dtype,
+                                                     sharding=sharding),
+          partitioning.logical_sharding(boxed, mesh), boxed)
+    start = time.perf_counter()
+    self._compiled = grad.lower(self.params, x).compile()
+    self.compile_seconds = time.perf_counter() - start
     memory = self._compiled.memory_analysis()
     self.temp_bytes = getattr(memory, 'temp_size_in_bytes', None) if memory else None
-    self()
+    cost = self._compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+    self.flops, self.bytes_accessed = cost.get('flops'), cost.get('bytes accessed')
+    self._args = (self.params, x)
+    if mesh is None:
+      self()
 
   def __call__(self):
     return jax.block_until_ready(self._compiled(*self._args))
+
+
+def inputs(shape, axes, mesh=None, seed=0):
+  """float32 values; for a mesh, abstract bfloat16 (as on TPU) sharded by logical `axes`."""
+  if mesh is None:
+    return jax.random.normal(jax.random.PRNGKey(seed), shape)
+  sharding = nn.logical_to_mesh_sharding(PartitionSpec(*axes), mesh,
+                                         partitioning.LOGICAL_AXIS_RULES)
+  return jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sharding)
 
 
 def median_seconds(runs, repeats):
@@ -76,24 +127,28 @@ def median_seconds(runs, repeats):
   return {name: float(np.median(t)) for name, t in times.items()}
 
 
-def expert_mlp(d_ff):
-  return functools.partial(layers.GatedMlp, d_ff=d_ff)
+def sum_squares(y):
+  return jnp.sum(jnp.square(y.astype(jnp.float32)))
 
 
-def dense(x, d_ff):
-  mlp = expert_mlp(d_ff)()
-  params = nn.meta.unbox(mlp.init(jax.random.PRNGKey(1), x, True))['params']
-  return Compiled(lambda p, x: jnp.sum(mlp.apply({'params': p}, x, True) ** 2), params, x)
+def expert_mlp(d_ff, dtype):
+  return functools.partial(layers.GatedMlp, d_ff=d_ff, dtype=dtype)
 
 
-def pure_experts(num_experts, slots, d_model, d_ff):
+def dense(x, d_ff, mesh=None):
+  mlp = expert_mlp(d_ff, x.dtype)()
+  return Compiled(lambda p, x: sum_squares(mlp.apply({'params': p}, x, True)),
+                  lambda x: mlp.init(jax.random.PRNGKey(1), x, True)['params'], x, mesh)
+
+
+def pure_experts(num_experts, slots, d_model, d_ff, mesh=None):
   """The vmapped expert MLPs on `[E, slots, d_model]` inputs, nothing else."""
-  experts = nn.vmap(expert_mlp(d_ff), in_axes=(0, None), out_axes=0,
+  x = inputs((num_experts, slots, d_model), EXPERT_SLOT_AXES, mesh, seed=3)
+  experts = nn.vmap(expert_mlp(d_ff, x.dtype), in_axes=(0, None), out_axes=0,
                     variable_axes={'params': 0}, split_rngs={'params': True},
                     metadata_params={nn.PARTITION_NAME: 'expert'})(intermediate_axes=None)
-  x = jax.random.normal(jax.random.PRNGKey(3), (num_experts, slots, d_model))
-  params = nn.meta.unbox(experts.init(jax.random.PRNGKey(1), x, True))['params']
-  return Compiled(lambda p, x: jnp.sum(experts.apply({'params': p}, x, True) ** 2), params, x)
+  return Compiled(lambda p, x: sum_squares(experts.apply({'params': p}, x, True)),
+                  lambda x: experts.init(jax.random.PRNGKey(1), x, True)['params'], x, mesh)
 
 
 def moe_config(num_experts, router, k, factor, length, dispatch):
@@ -103,17 +158,18 @@ def moe_config(num_experts, router, k, factor, length, dispatch):
                    batch_priority_routing=router == 'tokens_choose')
 
 
-def ours(x, config, d_ff, with_metrics=False):
-  layer = MoeLayer(config, expert_mlp(d_ff))
-  params = nn.meta.unbox(layer.init(jax.random.PRNGKey(1), x, True))['params']
+def ours(x, config, d_ff, mesh=None, with_metrics=False):
+  """(Compiled, the layer)."""
+  layer = MoeLayer(config, expert_mlp(d_ff, x.dtype))
 
   def loss(p, x):
     y, state = layer.apply({'params': p}, x, True, mutable=MOE_COLLECTIONS)
     if not with_metrics:
-      return jnp.sum(y ** 2)
-    return jnp.sum(y ** 2) + aux_losses(state)['total'], state['moe_metrics']
+      return sum_squares(y)
+    return sum_squares(y) + aux_losses(state)['total'], state['moe_metrics']
 
-  return Compiled(loss, params, x, has_aux=with_metrics), layer, params
+  init = lambda x: layer.init(jax.random.PRNGKey(1), x, True)['params']
+  return Compiled(loss, init, x, mesh, has_aux=with_metrics), layer
 
 
 def import_flaxformer(directory):
@@ -137,13 +193,13 @@ def import_flaxformer(directory):
   return moe_layers, routing, ff_dense
 
 
-FLAXFORMER_RULES = [(name, None) for name in (
-    'batch', 'length', 'embed', 'mlp', 'heads', 'kv', 'vocab', 'expert', 'expert_group',
-    'expert_replicas', 'unmodeled', 'mlp_activations', 'joined_kv')]
+# The trainer's rules plus T5X's MoE rule for Flaxformer's own axis name (t5x/contrib/moe/
+# partitioning.py); no-ops on CPU, where there is no mesh.
+FLAXFORMER_RULES = partitioning.LOGICAL_AXIS_RULES + (('expert_replicas', 'data'),)
 
 
-def flaxformer(flax_modules, x, num_experts, router, k, factor, d_ff, scatter):
-  """Flaxformer's MoeLayer on `x`: (Compiled, apply(params, x) -> y, its params)."""
+def flaxformer(flax_modules, x, num_experts, router, k, factor, d_ff, scatter, mesh=None):
+  """Flaxformer's MoeLayer on `x`: (Compiled, apply(params, x) -> y)."""
   moe_layers, routing, ff_dense = flax_modules
   weights = routing.RouterWeights(dtype=jnp.float32, use_bias=False)
   common = dict(router_weights=weights, jitter_noise=0.0, dtype=jnp.float32,
@@ -155,22 +211,28 @@ def flaxformer(flax_modules, x, num_experts, router, k, factor, d_ff, scatter):
     ff_router = cls(num_selected_experts=k, batch_prioritized_routing=True, **common)
   expert = ff_dense.MlpBlock(use_bias=False, intermediate_dim=d_ff,
                              activations=('gelu', 'linear'), intermediate_dropout_rate=0.0,
-                             final_dropout_rate=0.0, dtype=jnp.float32)
+                             final_dropout_rate=0.0, dtype=x.dtype)
   layer = moe_layers.MoeLayer(
       num_experts=num_experts, max_group_size=x.shape[1], train_capacity_factor=factor,
       eval_capacity_factor=factor, expert=expert, router=ff_router,
-      num_expert_partitions=num_experts, num_model_partitions=1, dropout_rate=0.0,
-      dtype=jnp.float32, min_expert_capacity=1)
+      num_expert_partitions=mesh.shape['expert'] if mesh else num_experts,
+      num_model_partitions=mesh.shape['model'] if mesh else 1, dropout_rate=0.0,
+      dtype=x.dtype, min_expert_capacity=1)
 
   def apply(p, x):
     with nn.logical_axis_rules(FLAXFORMER_RULES):
       return layer.apply({'params': p}, x, enable_dropout=False, mutable=['intermediates'])[0]
 
-  with nn.logical_axis_rules(FLAXFORMER_RULES):
-    params = nn.meta.unbox(layer.init(
-        {'params': jax.random.PRNGKey(1), 'jitter': jax.random.PRNGKey(2)}, x,
-        enable_dropout=False))['params']
-  return Compiled(lambda p, x: jnp.sum(apply(p, x) ** 2), params, x), apply, params
+  def init(x):
+    """Its params, boxed with the logical axes it keeps in 'params_axes'."""
+    with nn.logical_axis_rules(FLAXFORMER_RULES):
+      variables = layer.init({'params': jax.random.PRNGKey(1), 'jitter': jax.random.PRNGKey(2)},
+                             x, enable_dropout=False)
+    axes = flax.core.unfreeze(nn.partitioning.get_axis_names(variables['params_axes']))
+    return jax.tree.map(lambda v, names: nn.LogicallyPartitioned(v, tuple(names)),
+                        variables['params'], axes)
+
+  return Compiled(lambda p, x: sum_squares(apply(p, x)), init, x, mesh), apply
 
 
 def check_same_function(our_layer, our_params, ff_apply, ff_params, x):
@@ -195,67 +257,61 @@ def check_same_function(our_layer, our_params, ff_apply, ff_params, x):
                              rtol=0)
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--flaxformer', default=None,
-                      help='directory holding a flaxformer/ checkout, to measure it alongside')
-  parser.add_argument('--batch', type=int, default=8)
-  parser.add_argument('--length', type=int, default=512)
-  parser.add_argument('--d_model', type=int, default=768)
-  parser.add_argument('--d_ff', type=int, default=2048)
-  parser.add_argument('--repeats', type=int, default=5)
-  parser.add_argument('--quick', action='store_true', help='4x128 tokens, d 128, d_ff 256')
-  parser.add_argument('--output', default=os.path.join(os.path.dirname(__file__), 'results',
-                                                       'moe_layer.json'))
-  args = parser.parse_args()
-  if args.quick:
-    args.batch, args.length, args.d_model, args.d_ff, args.repeats = 4, 128, 128, 256, 3
-  flax_modules = import_flaxformer(args.flaxformer) if args.flaxformer else None
-  x = jax.random.normal(jax.random.PRNGKey(0), (args.batch, args.length, args.d_model))
-  print(f'{args.batch}x{args.length} tokens, d_model {args.d_model}, d_ff {args.d_ff} (gated '
-        f'GELU), float32, forward+backward, backend {jax.default_backend()}, '
-        f'{os.cpu_count()} CPUs, median of {args.repeats}', flush=True)
-  dense_run = dense(x, args.d_ff)
-  rows, verdicts = [], []
-  for name, num_experts, router, k, factor in CASES:
-    config = moe_config(num_experts, router, k, factor, args.length, 'indices')
-    plan = config.group_plan(args.batch, args.length)
-    capacity = config.capacity(plan.group_size, deterministic=True)
-    runs = {'dense MLP': dense_run,
-            'pure experts': pure_experts(num_experts, plan.num_groups * capacity,
-                                         args.d_model, args.d_ff)}
-    for dispatch in ('masked', 'indices'):
-      config = moe_config(num_experts, router, k, factor, args.length, dispatch)
-      runs[f'ours {dispatch}'], layer, params = ours(x, config, args.d_ff)
+def case_runs(case, x, args, dense_run, flax_modules, mesh=None):
+  """One case's rows, name -> Compiled (on CPU also `+metrics`, and Flaxformer's layer is
+  first checked to compute ours' function); prints the case's groups and capacity."""
+  name, num_experts, router, k, factor = case
+  batch, length, d_model = x.shape
+  config = moe_config(num_experts, router, k, factor, length, 'indices')
+  plan = config.group_plan(batch, length)
+  capacity = config.capacity(plan.group_size, deterministic=True)
+  runs = {'dense MLP': dense_run,
+          'pure experts': pure_experts(num_experts, plan.num_groups * capacity, d_model,
+                                       args.d_ff, mesh)}
+  for dispatch in ('masked', 'indices'):
+    config = moe_config(num_experts, router, k, factor, length, dispatch)
+    runs[f'ours {dispatch}'], layer = ours(x, config, args.d_ff, mesh)
+  if mesh is None:
     runs['ours indices +metrics'] = ours(x, config, args.d_ff, with_metrics=True)[0]
-    if flax_modules:
-      for scatter in ((False, True) if router == 'tokens_choose' else (False,)):
-        run, apply, ff_params = flaxformer(flax_modules, x, num_experts, router, k, factor,
-                                           args.d_ff, scatter)
-        check_same_function(layer, params, apply, ff_params, x)
-        runs[f'flaxformer {"scatter" if scatter else "masked"}'] = run
-    seconds = median_seconds(runs, args.repeats)
-    pure = seconds['pure experts']
-    print(f'\n{name}: {plan.num_groups} groups x {plan.group_size} tokens, {capacity} slots per '
-          f'expert and group')
-    print(f'  {"":24s} {"ms":>8s} {"x pure":>7s} {"temp MiB":>9s} {"x pure":>7s}')
-    for impl, run in runs.items():
-      temp = run.temp_bytes
-      ratio = '' if temp is None else f'{temp / runs["pure experts"].temp_bytes:7.2f}'
-      print(f'  {impl:24s} {seconds[impl] * 1e3:8.1f} {seconds[impl] / pure:7.2f} '
-            f'{"" if temp is None else f"{temp / 2**20:9.1f}"} {ratio}')
-      rows.append({'case': name, 'impl': impl, 'seconds': seconds[impl], 'temp_bytes': temp})
-    best = min(('ours masked', 'ours indices'), key=seconds.get)
-    verdict = {'case': name, 'ours_best': best,
-               'ours_over_pure_time': seconds[best] / pure,
-               'ours_over_pure_memory': runs[best].temp_bytes / runs['pure experts'].temp_bytes,
-               'metrics_cost': seconds['ours indices +metrics'] / seconds['ours indices'] - 1}
-    if flax_modules:
-      theirs = min((impl for impl in runs if impl.startswith('flaxformer')), key=seconds.get)
-      verdict.update(flaxformer_best=theirs,
-                     ours_over_flaxformer_time=seconds[best] / seconds[theirs],
-                     ours_over_flaxformer_memory=runs[best].temp_bytes / runs[theirs].temp_bytes)
-    verdicts.append(verdict)
+  scatters = ((False, True) if router == 'tokens_choose' else (False,)) if flax_modules else ()
+  for scatter in scatters:
+    run, apply = flaxformer(flax_modules, x, num_experts, router, k, factor, args.d_ff,
+                            scatter, mesh)
+    if mesh is None:
+      check_same_function(layer, runs['ours indices'].params, apply, run.params, x)
+    runs[f'flaxformer {"scatter" if scatter else "masked"}'] = run
+  print(f'\n{name}: {plan.num_groups} groups x {plan.group_size} tokens, {capacity} slots per '
+        f'expert and group', flush=True)
+  return runs
+
+
+def cpu_rows(case, runs, args):
+  """Times the runs; prints and returns their rows and the case's verdict."""
+  seconds = median_seconds(runs, args.repeats)
+  pure = seconds['pure experts']
+  print(f'  {"":24s} {"ms":>8s} {"x pure":>7s} {"temp MiB":>9s} {"x pure":>7s}')
+  rows = []
+  for impl, run in runs.items():
+    temp = run.temp_bytes
+    ratio = '' if temp is None else f'{temp / runs["pure experts"].temp_bytes:7.2f}'
+    print(f'  {impl:24s} {seconds[impl] * 1e3:8.1f} {seconds[impl] / pure:7.2f} '
+          f'{"" if temp is None else f"{temp / 2**20:9.1f}"} {ratio}')
+    rows.append({'case': case, 'impl': impl, 'seconds': seconds[impl], 'temp_bytes': temp})
+  best = min(('ours masked', 'ours indices'), key=seconds.get)
+  verdict = {'case': case, 'ours_best': best,
+             'ours_over_pure_time': seconds[best] / pure,
+             'ours_over_pure_memory': runs[best].temp_bytes / runs['pure experts'].temp_bytes,
+             'metrics_cost': seconds['ours indices +metrics'] / seconds['ours indices'] - 1}
+  theirs = [impl for impl in runs if impl.startswith('flaxformer')]
+  if theirs:
+    theirs = min(theirs, key=seconds.get)
+    verdict.update(flaxformer_best=theirs,
+                   ours_over_flaxformer_time=seconds[best] / seconds[theirs],
+                   ours_over_flaxformer_memory=runs[best].temp_bytes / runs[theirs].temp_bytes)
+  return rows, verdict
+
+
+def cpu_summary(verdicts):
   print('\nours best per case:')
   for v in verdicts:
     line = (f'  {v["case"]:16s} {v["ours_best"]:13s} time {v["ours_over_pure_time"]:.2f}x pure, '
@@ -264,10 +320,120 @@ def main():
       line += (f'; vs {v["flaxformer_best"]}: time {v["ours_over_flaxformer_time"]:.2f}x, '
                f'memory {v["ours_over_flaxformer_memory"]:.2f}x')
     print(line)
+
+
+TPU_KEYS = ('temp_bytes', 'flops', 'bytes_accessed')
+
+
+def ratios(run, base):
+  """run's TPU figures over base's (None where base's is 0)."""
+  return {key: getattr(run, key) / getattr(base, key) if getattr(base, key) else None
+          for key in TPU_KEYS}
+
+
+def tpu_rows(case, runs, args):  # pylint: disable=unused-argument
+  """The compiled runs' per-device figures; prints and returns their rows and the verdict
+  (indices over masked; ours' lower-memory dispatch over Flaxformer's)."""
+  print(f'  {"":24s} {"temp MiB":>9s} {"x pure":>7s} {"GFLOP":>8s} {"x pure":>7s} '
+        f'{"GB accessed":>11s} {"x pure":>7s} {"compile s":>9s}')
+  rows = []
+  for impl, run in runs.items():
+    over = {k: f'{"-":>7s}' if v is None else f'{v:7.2f}'
+            for k, v in ratios(run, runs['pure experts']).items()}
+    print(f'  {impl:24s} {run.temp_bytes / 2**20:9.1f} {over["temp_bytes"]} '
+          f'{run.flops / 1e9:8.2f} {over["flops"]} {run.bytes_accessed / 1e9:11.3f} '
+          f'{over["bytes_accessed"]} {run.compile_seconds:9.1f}')
+    rows.append({'case': case, 'impl': impl, 'temp_bytes': run.temp_bytes, 'flops': run.flops,
+                 'bytes_accessed': run.bytes_accessed, 'compile_seconds': run.compile_seconds})
+  lowest = lambda impls: min(impls, key=lambda impl: runs[impl].temp_bytes)
+  best = lowest(('ours masked', 'ours indices'))
+  verdict = {'case': case, 'ours_best_memory': best,
+             'indices_over_masked': ratios(runs['ours indices'], runs['ours masked'])}
+  theirs = [impl for impl in runs if impl.startswith('flaxformer')]
+  if theirs:
+    verdict['flaxformer_best_memory'] = lowest(theirs)
+    verdict['ours_over_flaxformer'] = ratios(runs[best], runs[lowest(theirs)])
+  return rows, verdict
+
+
+def tpu_summary(verdicts):
+  show = lambda r: ', '.join(f'{key} {"-" if r[key] is None else f"{r[key]:.2f}x"}'
+                             for key in TPU_KEYS)
+  print('\nper device:')
+  for v in verdicts:
+    line = f'  {v["case"]:16s} indices over masked: {show(v["indices_over_masked"])}'
+    if 'flaxformer_best_memory' in v:
+      line += (f'; {v["ours_best_memory"]} over {v["flaxformer_best_memory"]}: '
+               f'{show(v["ours_over_flaxformer"])}')
+    print(line)
+
+
+def topology_mesh(topology, shape):
+  """The trainer's mesh over `topology`'s devices; `shape` 'DxExM', default 1 x all x 1."""
+  from upcycle.train.aot import topology_devices  # pylint: disable=g-import-not-at-top
+  devices = topology_devices(topology, megacore=True)
+  data, expert, model = map(int, shape.split('x')) if shape else (1, len(devices), 1)
+  if data * expert * model != len(devices):
+    raise ValueError(f'--mesh {shape}: {data * expert * model} devices, {topology} has '
+                     f'{len(devices)}')
+  return partitioning.make_mesh(expert, model, devices=devices)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--flaxformer', default=None,
+                      help='directory holding a flaxformer/ checkout, to measure it alongside')
+  parser.add_argument('--topology', default=None,
+                      help="compile only, for this TPU topology (e.g. 'v4:2x2x1')")
+  parser.add_argument('--mesh', default=None, help="with --topology: data x expert x model, "
+                      "e.g. '1x4x1' (default: 1 x devices x 1)")
+  parser.add_argument('--batch', type=int, default=None,
+                      help='default 8; with --topology 32 per data x expert shard')
+  parser.add_argument('--length', type=int, default=512)
+  parser.add_argument('--d_model', type=int, default=768)
+  parser.add_argument('--d_ff', type=int, default=2048)
+  parser.add_argument('--repeats', type=int, default=5)
+  parser.add_argument('--quick', action='store_true', help='4x128 tokens, d 128, d_ff 256')
+  parser.add_argument('--output', default=None, help='default: benchmarks/results/'
+                      'moe_layer.json, with --topology moe_layer_tpu.json')
+  args = parser.parse_args()
+  if args.quick:
+    args.batch, args.length, args.d_model, args.d_ff, args.repeats = 4, 128, 128, 256, 3
+  args.output = args.output or os.path.join(
+      os.path.dirname(__file__), 'results', 'moe_layer_tpu.json' if args.topology
+      else 'moe_layer.json')
+  flax_modules = import_flaxformer(args.flaxformer) if args.flaxformer else None
+  mesh = topology_mesh(args.topology, args.mesh) if args.topology else None
+  if mesh is None:
+    rows_of, summary = cpu_rows, cpu_summary
+    args.batch = args.batch or 8
+    print(f'{args.batch}x{args.length} tokens, d_model {args.d_model}, d_ff {args.d_ff} (gated '
+          f'GELU), float32, forward+backward, backend {jax.default_backend()}, '
+          f'{os.cpu_count()} CPUs, median of {args.repeats}', flush=True)
+  else:
+    rows_of, summary = tpu_rows, tpu_summary
+    shards = mesh.shape['data'] * mesh.shape['expert']
+    args.batch = math.lcm(args.batch, shards) if args.batch else 32 * shards
+    print(f'{args.batch}x{args.length} tokens, d_model {args.d_model}, d_ff {args.d_ff} (gated '
+          f'GELU), bfloat16 activations, float32 parameters, forward+backward, compiled for '
+          f'{args.topology} ({mesh.devices.size} x {mesh.devices.flat[0].device_kind}), mesh '
+          f'{dict(mesh.shape)}; per device', flush=True)
+  with partitioning.activate(mesh) if mesh else contextlib.nullcontext():
+    x = inputs((args.batch, args.length, args.d_model), TOKEN_AXES, mesh)
+    dense_run = dense(x, args.d_ff, mesh)
+    rows, verdicts = [], []
+    for case in CASES:
+      case_rows, verdict = rows_of(case[0], case_runs(case, x, args, dense_run, flax_modules,
+                                                      mesh), args)
+      rows += case_rows
+      verdicts.append(verdict)
+  summary(verdicts)
   os.makedirs(os.path.dirname(args.output), exist_ok=True)
   with open(args.output, 'w') as f:
-    json.dump({'args': vars(args), 'backend': jax.default_backend(), 'cpus': os.cpu_count(),
-               'rows': rows, 'verdicts': verdicts}, f, indent=2)
+    target = ({'backend': jax.default_backend()} if mesh is None
+              else {'backend': 'tpu', 'mesh': dict(mesh.shape)})
+    json.dump({'args': vars(args), **target, 'cpus': os.cpu_count(), 'rows': rows,
+               'verdicts': verdicts}, f, indent=2)
   print(f'wrote {args.output}')
 
 

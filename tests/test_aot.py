@@ -1,6 +1,7 @@
 """python -m upcycle.aot: a real config compiled for TPU v4 (libtpu's compiler, no TPU), with the
 per-device bytes held against a count by hand; and the mesh that used to crash the compiler."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -110,3 +111,20 @@ def test_expert_axis_32_mesh_compiles():
                         timeout=600, env={**os.environ, 'XLA_FLAGS': ''})
   assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
   assert 'compiled: groups 32' in done.stdout
+
+
+def test_a_config_that_does_not_fit_names_what_dominates_and_the_levers():
+  from upcycle.train import aot  # pylint: disable=g-import-not-at-top
+  gib = 2**30
+  report = aot.FunctionReport(
+      arguments=20 * gib, outputs=20 * gib, alias=19 * gib, temp=14 * gib, code=0,
+      hbm=32 * gib, flops_per_device=1.0, devices=64, compile_seconds=1.0,
+      parts={'parameters': 12 * gib, 'optimizer_state': 7 * gib, 'batch': gib})
+  assert report.total == 35 * gib and not report.fits
+  assert report.dominant() == 'activations'
+  line = aot.advice(report)
+  assert line.startswith('does NOT fit: 3.00 GiB over; activations dominate(s) (14.00 GiB)')
+  assert 'num_microbatches' in line and "remat_policy = 'full'" in line
+  params_bound = dataclasses.replace(report, arguments=40 * gib, temp=2 * gib,
+                                     parts={**report.parts, 'parameters': 30 * gib})
+  assert 'num_model_partitions' in aot.advice(params_bound)

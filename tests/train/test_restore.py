@@ -15,7 +15,7 @@ import pytest
 from tests.checkpoints import helpers, t5x_writer
 from upcycle import checkpoints, console, pretrained, tree
 from upcycle.checkpoints import factored, from_t5x_adafactor, orbax
-from upcycle.models import T5, ViT
+from upcycle.models import T5, ViT, scan_layout
 from upcycle.moe import MoeConfig
 from upcycle.train import objectives, optimizers, partitioning
 from upcycle.train.restore import ContinueFromCheckpoint, UpcycleFromDense
@@ -284,3 +284,31 @@ def test_dense_leaves_are_placed_by_the_sharding_they_feed(t5):
   array = sharded.read(leaf, sharded.fit(expert, data.shape, drop_leading=True))
   np.testing.assert_array_equal(np.asarray(array), data)
   assert len(reads) == 2  # One per 'model' block, shared by the 4 replicas of each.
+
+
+def test_unrolled_checkpoint_upcycled_into_a_scanned_model(tmp_path):
+  """T5X checkpoints hold unrolled layers; a scanned MoE (the pod configs scan) is planned
+  against its unrolled names and stacked inside the jit: the scanned state is the unrolled
+  one stacked (`scan_layout`), placed with the scanned model's shardings, and the two models
+  compute the same logits."""
+  dense = dataclasses.replace(helpers.TINY_T5, num_encoder_layers=4, num_decoder_layers=4)
+  directory = t5x_writer.write(str(tmp_path), 6, helpers.random_params(dense))
+  unrolled = dataclasses.replace(dense, encoder_moe=ENCODER_MOE, decoder_moe=DECODER_MOE)
+  scanned = dataclasses.replace(unrolled, scan_layers=True)
+  hook = UpcycleFromDense(directory, seed=3)
+  states = {}
+  for config in (unrolled, scanned):
+    trainer, abstract = _trainer(objectives.Seq2Seq(T5(config)), ADAFACTOR, T5_BATCH)
+    with partitioning.activate(trainer.mesh):
+      states[config.scan_layers] = hook(abstract, trainer.optimizer, config)
+    _assert_placed(states[config.scan_layers], abstract)
+  _assert_trees_equal(states[True].params,
+                      scan_layout.stack(jax.device_get(states[False].params), scanned))
+  tokens = np.arange(24, dtype=np.int32).reshape(4, 6) % 7 + 1
+  logits = lambda config: T5(config).apply({'params': states[config.scan_layers].params},
+                                           tokens, tokens[:, :4])
+  np.testing.assert_allclose(logits(scanned), logits(unrolled), rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match='reuse_optimizer_state = False, or --gin.SCAN_LAYERS'):
+    with partitioning.activate(trainer.mesh):
+      UpcycleFromDense(directory, reuse_optimizer_state=True)(abstract, trainer.optimizer,
+                                                              scanned)

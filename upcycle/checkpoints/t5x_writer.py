@@ -29,6 +29,7 @@ import time
 from typing import Any, List, Mapping, Optional, Sequence
 
 import flax.serialization
+import jax
 import numpy as np
 import tensorstore as ts
 
@@ -72,17 +73,24 @@ def _inline(leaf: Any) -> bool:
 
 
 def _write_leaf(directory: str, path: str, leaf: Any) -> Any:
-  """Writes one array under `directory` (zarr) or returns it for the msgpack."""
+  """Writes one array under `directory` (zarr) or returns it for the msgpack.
+
+  An abstract leaf (`jax.ShapeDtypeStruct`) writes the array's metadata and no chunks: it
+  reads as zeros (zarr's fill value), for tools that need a checkpoint's names and shapes only
+  (`benchmarks/tpu_fit.py` compiles restores of full-size models this way).
+  """
   if isinstance(leaf, np.generic):   # a numpy scalar stays one (msgpack ext type 3, as T5X's step)
     return leaf
-  array = np.asarray(leaf)
+  abstract = isinstance(leaf, jax.ShapeDtypeStruct)
+  array = leaf if abstract else np.asarray(leaf)
   if _inline(array):
-    return array
+    return np.zeros(array.shape, array.dtype) if abstract else array
   leaf_spec = spec(path, array.shape, array.dtype)
   absolute = {**leaf_spec,
               'kvstore': zarr_leaf.kvstore_for(directory, leaf_spec['kvstore']['path'])}
   store = ts.open(absolute, create=True, open=False).result()
-  store.write(array).result()
+  if not abstract:
+    store.write(array).result()
   return leaf_spec
 
 

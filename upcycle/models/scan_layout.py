@@ -77,9 +77,19 @@ def _stack_leaves(leaves: Sequence[Any]) -> Any:
 def _slice_leaf(leaf: Any, k: int) -> Any:
   def one(x):
     if isinstance(x, jax.ShapeDtypeStruct):
-      return jax.ShapeDtypeStruct(tuple(x.shape[1:]), x.dtype)
+      sharding = x.sharding
+      if isinstance(sharding, jax.sharding.NamedSharding):   # without the `layers` axis
+        sharding = jax.sharding.NamedSharding(
+            sharding.mesh, jax.sharding.PartitionSpec(*tuple(sharding.spec)[1:]))
+      return jax.ShapeDtypeStruct(tuple(x.shape[1:]), x.dtype, sharding=sharding)
     return x[k]
   return jax.tree.map(one, leaf)
+
+
+def is_scanned(params: Any) -> bool:
+  """Whether a parameter tree is in a scanned layout (has `.../subblock_{j}/...` paths)."""
+  sub = re.compile('(^|/)' + SUBBLOCK.replace('{}', r'\d+') + '/')
+  return any(sub.search(path) for path in tree.flatten(params))
 
 
 def stack(params: Any, config) -> Dict[str, Any]:

@@ -35,11 +35,12 @@ GROUP_AXES = ('batch', 'length', 'embed')                       # [G, S, d_model
 # Expert slots [E, G, C, d_model] in two layouts: where their groups' tokens are (groups split
 # like the batch: dispatch and combine are local there) and where their experts are (experts
 # over 'expert', groups over 'data'). The masked dispatch computes in the first and then moves
-# to the second (one all-to-all), the experts' outputs move back before combining, as
-# Flaxformer does (the indices dispatch gathers straight into the experts' layout, which
-# measured less temporary memory on the TPU compiler: benchmarks/moe_layer.py). Asking the dispatch einsum for the experts' layout directly makes XLA's TPU SPMD
-# partitioner crash in its windowed-einsum pass when 'expert' is 32 and the one-hot
-# [G, E, C, S] is large (T5 groups of 4096 tokens), and costs far more temporary memory.
+# to the second (one all-to-all); the experts' outputs move back before combining, as in
+# Flaxformer. Asking the dispatch einsum for the experts' layout directly costs far more
+# temporary memory and makes XLA's TPU SPMD partitioner crash in its windowed-einsum pass
+# when 'expert' is 32 and the one-hot [G, E, C, S] is large (T5's groups of 4096 tokens;
+# benchmarks/tpu_expert_axis_32.py). The indices dispatch gathers straight into the experts'
+# layout (the two-step layout measured more temporary memory for it).
 TOKEN_SLOT_AXES = (None, 'batch', None, 'embed')
 EXPERT_AXES = ('expert', 'expert_group', 'unmodeled', 'embed')
 EXPERT_SLOT_AXES = ('expert', 'expert_group', 'embed')           # [E, G*C, d_model]

@@ -92,7 +92,10 @@ class FunctionReport:
   `arguments` / `outputs` / `temp` are the TPU compiler's (`memory_analysis()`); `total` is
   what the device holds at once: arguments + outputs not aliased to donated arguments +
   temporaries + code. `parts` splits the arguments into parameters, optimizer state and
-  batch, counted from their shardings.
+  batch, counted from their shardings. `flops_per_device` is the compiler's
+  (`cost_analysis()`), which counts a loop body once: with scanned layers it is a fraction of
+  the step's; `model_flops_per_step` (train step) is the model's matmul FLOPs
+  (`models/flops.py`, as logged in training).
   """
 
   arguments: int
@@ -105,6 +108,7 @@ class FunctionReport:
   devices: int
   compile_seconds: float
   parts: Mapping[str, int]
+  model_flops_per_step: Optional[float] = None
 
   @property
   def total(self) -> int:
@@ -126,11 +130,13 @@ class FunctionReport:
             'hbm_bytes_per_device': self.hbm, 'fits': self.fits,
             'flops_per_device': self.flops_per_device,
             'flops_per_step': self.flops_per_device * self.devices,
+            'model_flops_per_step': self.model_flops_per_step,
             'compile_seconds': round(self.compile_seconds, 1)}
 
 
 def compile_report(lowered: jax.stages.Lowered, *, hbm: int, devices: int,
-                   parts: Mapping[str, int]) -> FunctionReport:
+                   parts: Mapping[str, int],
+                   model_flops_per_step: Optional[float] = None) -> FunctionReport:
   """Compiles `lowered` and reads the compiler's per-device memory and FLOPs."""
   start = time.perf_counter()
   compiled = lowered.compile()
@@ -143,7 +149,7 @@ def compile_report(lowered: jax.stages.Lowered, *, hbm: int, devices: int,
       alias=int(memory.alias_size_in_bytes), temp=int(memory.temp_size_in_bytes),
       code=int(memory.generated_code_size_in_bytes), hbm=hbm,
       flops_per_device=float((cost or {}).get('flops', 0.0)), devices=devices,
-      compile_seconds=seconds, parts=dict(parts))
+      compile_seconds=seconds, parts=dict(parts), model_flops_per_step=model_flops_per_step)
 
 
 LEVERS = {
@@ -219,14 +225,16 @@ def _batch(spec: Mapping[str, Any], mesh: jax.sharding.Mesh) -> Dict[str, jax.Sh
 
 
 def _compile_or_reason(name: str, lower, *, hbm: int, devices: int, parts: Mapping[str, int],
-                       reports: Dict[str, FunctionReport], not_compiled: Dict[str, str]) -> None:
+                       reports: Dict[str, FunctionReport], not_compiled: Dict[str, str],
+                       model_flops_per_step: Optional[float] = None) -> None:
   try:
     lowered = lower()
   except (ValueError, OSError) as e:   # e.g. a restore hook's checkpoint that is not here
     not_compiled[name] = f'not lowered: {str(e).splitlines()[0]}'
     return
   try:
-    reports[name] = compile_report(lowered, hbm=hbm, devices=devices, parts=parts)
+    reports[name] = compile_report(lowered, hbm=hbm, devices=devices, parts=parts,
+                                   model_flops_per_step=model_flops_per_step)
   except jax.errors.JaxRuntimeError as e:
     first = str(e).splitlines()[0]
     if 'RESOURCE_EXHAUSTED' not in first:
@@ -258,11 +266,15 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
     batch = _batch(train_data.batch_spec(config.batch_size), mesh)
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, PartitionSpec()))
     train_step = trainer.jit_train_step(jax.tree.map(lambda x: x.sharding, abstract))
+    micro = {k: jax.ShapeDtypeStruct((x.shape[0] // config.num_microbatches,) + x.shape[1:],
+                                     x.dtype) for k, x in batch.items()}
     _compile_or_reason('train_step', lambda: train_step.lower(abstract, batch, rng), hbm=hbm,
                        devices=n, parts={**state_parts, 'batch': per_device_bytes(batch)},
-                       reports=reports, not_compiled=not_compiled)
+                       reports=reports, not_compiled=not_compiled,
+                       model_flops_per_step=float(objective.train_flops(micro) *
+                                                  config.num_microbatches))
     if initializer is not None:
-      _compile_or_reason('restore_hook', lambda: initializer.lower(abstract, trainer.optimizer),
+      _compile_or_reason('restore_hook', lambda: initializer.lower(abstract, trainer.optimizer, objective.model.config),
                          hbm=hbm, devices=n, parts=state_parts, reports=reports,
                          not_compiled=not_compiled)
     if eval_data is not None:

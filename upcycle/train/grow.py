@@ -21,7 +21,7 @@ under step='keep', so the schedule continues. In gin (upcycling/grow.gin, upcycl
 
 import dataclasses
 import json
-from typing import Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import jax
 from etils import epath
@@ -37,22 +37,24 @@ from upcycle.upcycling.remap_optimizer import remap_optimizer_state
 Usage = Union[str, Mapping[str, Sequence[float]]]
 
 
-def _jit(owner: str, hook, abstract_state: TrainState, optimizer,
+def _jit(owner: str, hook, abstract_state: TrainState, optimizer, model_config,
          make_remap) -> restore.StateJit:
   """The state jit of `hook` (checkpoint, format, reuse_optimizer_state, step) via
-  `make_remap`."""
+  `make_remap`, for a model of `model_config` (`restore.layout`)."""
   ckpt = pretrained.load(hook.checkpoint, hook.format, lazy=True)
   first = step_policy.start(hook.step, ckpt.step)
+  target = restore.layout(ckpt.params, abstract_state.params, model_config)
   try:
-    remap: Remap = make_remap(ckpt.params, abstract_state.params, first)
+    remap: Remap = make_remap(ckpt.params, target.target, first)
   except ValueError as e:
     raise ValueError(f'{owner}({ckpt.path!r}, format {ckpt.format!r}): {e}') from e
   return restore.state_jit(
       ckpt, abstract_state, optimizer, remap,
-      sharded.remap_shardings(remap, tree.flatten(abstract_state.params)),
-      lambda source, rng: remap_lib.run(remap, source),
+      sharded.remap_shardings(remap, tree.flatten(target.target)),
+      lambda source, rng: target.to_model(remap_lib.run(remap, source)),
       lambda state, params: remap_optimizer_state(state, remap, params, optimizer),
-      reuse_optimizer_state=hook.reuse_optimizer_state, step=hook.step, seed=0, owner=owner)
+      reuse_optimizer_state=hook.reuse_optimizer_state, step=hook.step, seed=0, owner=owner,
+      stacked=target.stacked)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,16 +95,18 @@ class GrowExperts:
       raise ValueError(f'{fields.binding(self, "usage")}={self.usage!r}: cannot read a JSON '
                        f'mapping {{MoE block: [E] usage}} from it ({e}).') from e
 
-  def __call__(self, abstract_state: TrainState, optimizer) -> TrainState:
-    return self._jit(abstract_state, optimizer)()
+  def __call__(self, abstract_state: TrainState, optimizer,
+               model_config: Optional[Any] = None) -> TrainState:
+    return self._jit(abstract_state, optimizer, model_config)()
 
-  def lower(self, abstract_state: TrainState, optimizer) -> jax.stages.Lowered:
+  def lower(self, abstract_state: TrainState, optimizer,
+            model_config: Optional[Any] = None) -> jax.stages.Lowered:
     """The hook's sharded jit lowered on abstract inputs (`upcycle.aot`)."""
-    return self._jit(abstract_state, optimizer).lower()
+    return self._jit(abstract_state, optimizer, model_config).lower()
 
-  def _jit(self, abstract_state: TrainState, optimizer) -> restore.StateJit:
+  def _jit(self, abstract_state: TrainState, optimizer, model_config) -> restore.StateJit:
     usage = self._usage()
-    return _jit('GrowExperts', self, abstract_state, optimizer,
+    return _jit('GrowExperts', self, abstract_state, optimizer, model_config,
                 lambda params, target, first: expert_growth.plan(
                     params, target, sources=self.sources, usage=usage, step=first,
                     binding=fields.binding(self, 'sources')))
@@ -135,15 +139,17 @@ class GrowDepth:
   def __post_init__(self):
     object.__setattr__(self, 'step', step_policy.check(self.step, fields.binding(self, 'step')))
 
-  def __call__(self, abstract_state: TrainState, optimizer) -> TrainState:
-    return self._jit(abstract_state, optimizer)()
+  def __call__(self, abstract_state: TrainState, optimizer,
+               model_config: Optional[Any] = None) -> TrainState:
+    return self._jit(abstract_state, optimizer, model_config)()
 
-  def lower(self, abstract_state: TrainState, optimizer) -> jax.stages.Lowered:
+  def lower(self, abstract_state: TrainState, optimizer,
+            model_config: Optional[Any] = None) -> jax.stages.Lowered:
     """The hook's sharded jit lowered on abstract inputs (`upcycle.aot`)."""
-    return self._jit(abstract_state, optimizer).lower()
+    return self._jit(abstract_state, optimizer, model_config).lower()
 
-  def _jit(self, abstract_state: TrainState, optimizer) -> restore.StateJit:
-    return _jit('GrowDepth', self, abstract_state, optimizer,
+  def _jit(self, abstract_state: TrainState, optimizer, model_config) -> restore.StateJit:
+    return _jit('GrowDepth', self, abstract_state, optimizer, model_config,
                 lambda params, target, first: depth_growth.plan(
                     params, target, layer_map=self.layer_map, step=first,
                     binding=fields.binding(self, 'layer_map')))

@@ -68,7 +68,11 @@ class Optimizer(Protocol):
 class Initializer(Protocol):
   """The first state of a run that has no checkpoint of its own (e.g. the upcycling hook)."""
 
-  def __call__(self, abstract_state: TrainState,
-               optimizer: optax.GradientTransformation) -> TrainState:
+  def __call__(self, abstract_state: TrainState, optimizer: optax.GradientTransformation,
+               model_config: Optional[Any] = None) -> TrainState:
     """`abstract_state`'s leaves are jax.ShapeDtypeStruct with `.sharding`; the returned
-    state must be placed accordingly."""
+    state must be placed accordingly. `model_config`: the model's config (its layer layout)."""
+
+  def lower(self, abstract_state: TrainState, optimizer: optax.GradientTransformation,
+            model_config: Optional[Any] = None) -> jax.stages.Lowered:
+    """The same, lowered on abstract inputs without reading arrays (for `upcycle.aot`)."""

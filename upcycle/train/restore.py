@@ -1,10 +1,11 @@
 """The restore hook: a run's first TrainState, built from a checkpoint directly on the mesh.
 
-The trainer calls `initializer(abstract_state, optimizer)` only when MODEL_DIR holds no
-checkpoint of the run; a run that has one resumes from it in the trainer, so upcycling happens
-once. `abstract_state` is a TrainState of `jax.ShapeDtypeStruct`s whose `.sharding`s say where
-each array goes, `optimizer` the run's optax transformation; the state returned is placed with
-exactly those shardings.
+The trainer calls `initializer(abstract_state, optimizer, model_config)` only when MODEL_DIR
+holds no checkpoint of the run; a run that has one resumes from it in the trainer, so
+upcycling happens once. `abstract_state` is a TrainState of `jax.ShapeDtypeStruct`s whose
+`.sharding`s say where each array goes, `optimizer` the run's optax transformation,
+`model_config` the model's (a scanned model restores unrolled checkpoints: `Layout`); the
+state returned is placed with exactly those shardings.
 
   UpcycleFromDense        a dense checkpoint -> the MoE model (Sparse Upcycling and its
                           variants: any expert / router initializer)
@@ -45,6 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from upcycle import checkpoints, pretrained, tree
 from upcycle.checkpoints import optimizer_state
+from upcycle.models import scan_layout
 from upcycle.train import slots
 from upcycle.train.state import TrainState
 from upcycle.upcycling import execute, sharded, step_policy
@@ -78,8 +80,29 @@ def _plan(owner: str, where: str, make: Callable[[], Plan]) -> Plan:
     raise ValueError(f'{owner}({where}): {e}') from e
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """The params a plan targets, in the checkpoint's layer layout, and how the planned params
+  become the model's. T5X, HF and vit_jax checkpoints hold unrolled layers (`layers_{i}`); a
+  scanned model (`scan_layers=True`) is planned against its unrolled names and the result is
+  stacked inside the jit (`models/scan_layout.py`)."""
+
+  target: Any                        # abstract params (with shardings)
+  to_model: Callable[[Any], Any]
+  stacked: bool                      # whether to_model stacks layers
+
+
+def layout(source_params: Any, abstract_params: Any, model_config: Optional[Any]) -> Layout:
+  """The `Layout` of restoring `source_params` into a model of `model_config` (None: as is)."""
+  if (model_config is None or not getattr(model_config, 'scan_layers', False)
+      or scan_layout.is_scanned(source_params)):
+    return Layout(abstract_params, lambda params: params, stacked=False)
+  return Layout(scan_layout.unstack(abstract_params, model_config),
+                lambda params: scan_layout.stack(params, model_config), stacked=True)
+
+
 def plan_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer,
-             plan: Plan, *, reuse_optimizer_state: bool, upcycled: bool,
+             plan: Plan, *, target: Layout, reuse_optimizer_state: bool, upcycled: bool,
              step: step_policy.Step, seed: int, owner: str) -> 'StateJit':
   """The sharded executor of a plan: params and optimizer state in one jit, placed on the mesh.
 
@@ -87,7 +110,8 @@ def plan_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer
     ckpt: the source checkpoint (lazy leaves).
     abstract_state: the trainer's abstract TrainState (leaves with `.sharding`).
     optimizer: the run's optax transformation.
-    plan: the plan from `ckpt.params` to `abstract_state.params`.
+    plan: the plan from `ckpt.params` to `target.target`.
+    target: the layout the plan targets (`layout`).
     reuse_optimizer_state: fill the optimizer state from the checkpoint's.
     upcycled: whether the params are upcycled (the stored state is then the
       dense model's and is tiled) or copied (the stored state is the model's).
@@ -99,9 +123,10 @@ def plan_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer
            if upcycled else None)
   return state_jit(
       ckpt, abstract_state, optimizer, plan,
-      sharded.source_shardings(plan, tree.flatten(abstract_state.params)),
-      lambda source, rng: execute.run(plan, source, rng), carry,
-      reuse_optimizer_state=reuse_optimizer_state, step=step, seed=seed, owner=owner)
+      sharded.source_shardings(plan, tree.flatten(target.target)),
+      lambda source, rng: target.to_model(execute.run(plan, source, rng)), carry,
+      reuse_optimizer_state=reuse_optimizer_state, step=step, seed=seed, owner=owner,
+      stacked=target.stacked)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +164,7 @@ def state_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimize
               make_params: Callable[[Any, jax.Array], Any],
               carry_state: Optional[Callable[[Any, Any], Any]], *,
               reuse_optimizer_state: bool, step: step_policy.Step, seed: int,
-              owner: str) -> StateJit:
+              owner: str, stacked: bool = False) -> StateJit:
   """Params and optimizer state made from a checkpoint in one jit, placed on the mesh.
 
   Args:
@@ -155,7 +180,14 @@ def state_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimize
     step: the step policy.
     seed: the rng seed of `make_params`.
     owner: the hook's class name, for messages and gin bindings.
+    stacked: `make_params` stacks unrolled layers into a scanned model (`Layout`); a stored
+      optimizer state, whose slots are the unrolled layers', is then refused.
   """
+  if stacked and reuse_optimizer_state:
+    raise ValueError(
+        f'{owner}({ckpt.path!r}): the model is scanned (SCAN_LAYERS = True) and the checkpoint '
+        f'holds unrolled layers, so its optimizer state does not fit the scanned slots. Fix: '
+        f'{owner}.reuse_optimizer_state = False, or --gin.SCAN_LAYERS=False.')
   dense = tree.flatten(ckpt.params)
   dense_abstract = {p: tree.abstract(x) for p, x in dense.items()}
   saved = (optimizer_state.stored(ckpt, f'{owner}.reuse_optimizer_state')
@@ -269,41 +301,44 @@ class UpcycleFromDense:
           f'(gin: experts = @FromCheckpoints, without parentheses) and the source paths as '
           f'UpcycleFromDense.checkpoint = [...]; the hook reads them and calls it with sources=.')
 
-  def __call__(self, abstract_state: TrainState, optimizer) -> TrainState:
+  def __call__(self, abstract_state: TrainState, optimizer,
+               model_config: Optional[Any] = None) -> TrainState:
     owner = 'UpcycleFromDense'
-    ckpt, dense, plan = self._plan(abstract_state, owner)
+    ckpt, dense, target, plan = self._plan(abstract_state, owner, model_config)
     if plan.experts.traceable:
-      return plan_jit(ckpt, abstract_state, optimizer, plan,
+      return plan_jit(ckpt, abstract_state, optimizer, plan, target=target,
                       reuse_optimizer_state=self.reuse_optimizer_state, upcycled=True,
                       step=self.step, seed=self.seed, owner=owner)()
     # The eager executor: the initializer reads its own sources on the host.
     _announce(owner, ckpt, plan, False)
-    params = execute.run(plan, dense, jax.random.PRNGKey(self.seed))
+    params = target.to_model(execute.run(plan, dense, jax.random.PRNGKey(self.seed)))
     opt_state = step_policy.fresh(optimizer.init(params), plan.step)
     return _place(abstract_state, TrainState(
         jnp.asarray(plan.step, abstract_state.step.dtype), params, opt_state))
 
-  def lower(self, abstract_state: TrainState, optimizer) -> jax.stages.Lowered:
+  def lower(self, abstract_state: TrainState, optimizer,
+            model_config: Optional[Any] = None) -> jax.stages.Lowered:
     """The hook's sharded jit lowered on abstract inputs: only the checkpoint's metadata is
     read (`upcycle.aot`)."""
     owner = 'UpcycleFromDense'
-    ckpt, _, plan = self._plan(abstract_state, owner)
+    ckpt, _, target, plan = self._plan(abstract_state, owner, model_config)
     if not plan.experts.traceable:
       raise ValueError(f'{owner}: experts from several checkpoints are made on the host, '
                        f'not in one sharded jit; there is nothing to compile.')
-    return plan_jit(ckpt, abstract_state, optimizer, plan,
+    return plan_jit(ckpt, abstract_state, optimizer, plan, target=target,
                     reuse_optimizer_state=self.reuse_optimizer_state, upcycled=True,
                     step=self.step, seed=self.seed, owner=owner).lower()
 
-  def _plan(self, abstract_state: TrainState, owner: str):
-    """(checkpoint, dense params, plan to the MoE params)."""
+  def _plan(self, abstract_state: TrainState, owner: str, model_config: Optional[Any]):
+    """(checkpoint, dense params, target layout, plan to the MoE params)."""
     several = not isinstance(self.checkpoint, str)
     ckpt, dense, experts = (self._several(owner) if several else self._one(owner))
     where = repr(list(self.checkpoint)) if several else f'{ckpt.path!r}, format {ckpt.format!r}'
+    target = layout(dense, abstract_state.params, model_config)
     plan = _plan(owner, where, lambda: make_plan(
-        dense, abstract_state.params, experts=experts, router=self.router, cast=self.cast,
+        dense, target.target, experts=experts, router=self.router, cast=self.cast,
         step=step_policy.start(self.step, ckpt.step)))
-    return ckpt, dense, plan
+    return ckpt, dense, target, plan
 
   def _one(self, owner: str):
     """(checkpoint, dense params, initializer) for one dense checkpoint."""
@@ -366,19 +401,22 @@ class ContinueFromCheckpoint:
   def __post_init__(self):
     object.__setattr__(self, 'step', step_policy.check(self.step, 'ContinueFromCheckpoint.step'))
 
-  def __call__(self, abstract_state: TrainState, optimizer) -> TrainState:
-    return self._jit(abstract_state, optimizer)()
+  def __call__(self, abstract_state: TrainState, optimizer,
+               model_config: Optional[Any] = None) -> TrainState:
+    return self._jit(abstract_state, optimizer, model_config)()
 
-  def lower(self, abstract_state: TrainState, optimizer) -> jax.stages.Lowered:
+  def lower(self, abstract_state: TrainState, optimizer,
+            model_config: Optional[Any] = None) -> jax.stages.Lowered:
     """The hook's sharded jit lowered on abstract inputs (`upcycle.aot`)."""
-    return self._jit(abstract_state, optimizer).lower()
+    return self._jit(abstract_state, optimizer, model_config).lower()
 
-  def _jit(self, abstract_state: TrainState, optimizer) -> StateJit:
+  def _jit(self, abstract_state: TrainState, optimizer, model_config) -> StateJit:
     owner = 'ContinueFromCheckpoint'
     ckpt = pretrained.load(self.checkpoint, self.format, lazy=True)
+    target = layout(ckpt.params, abstract_state.params, model_config)
     plan = _plan(owner, f'{ckpt.path!r}, format {ckpt.format!r}', lambda: plan_lib.make(
-        ckpt.params, abstract_state.params, Copy(), Normal(), cast=self.cast,
+        ckpt.params, target.target, Copy(), Normal(), cast=self.cast,
         step=step_policy.start(self.step, ckpt.step), upcycling=False))
-    return plan_jit(ckpt, abstract_state, optimizer, plan,
+    return plan_jit(ckpt, abstract_state, optimizer, plan, target=target,
                     reuse_optimizer_state=self.reuse_optimizer_state, upcycled=False,
                     step=self.step, seed=0, owner=owner)

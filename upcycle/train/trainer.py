@@ -258,7 +258,7 @@ class Trainer:
         data.set_state(host_states.mine(restored.dataset_state, data.shards))
       log.info('Resuming from %s at step %s.', manager.directory, restored.step)
     elif self.initializer is not None:
-      state = self.initializer(abstract, self.optimizer)
+      state = self.initializer(abstract, self.optimizer, self.objective.model.config)
       host_states.wait_for_all_hosts('initialized')
     else:
       state = self.fresh_state(abstract, example)

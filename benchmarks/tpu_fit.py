@@ -1,0 +1,143 @@
+"""The fit table: the paper's upcycled models compiled for Cloud TPU v4 slices with upcycle.aot.
+
+  python benchmarks/tpu_fit.py [--rows t5-base-v4-64,...] [--workdir /tmp/tpu_fit]
+
+Each row is one `python -m upcycle.aot` run (a subprocess), with the gin files and bindings the
+row's `launch/tpu_vm.py train` command passes: the train step, the upcycling restore hook and
+the eval step compiled by the TPU compiler (libtpu) for the slice, one device per chip. The
+restore hook reads a dense T5X checkpoint of the model's size written here with names and
+shapes only (`t5x_writer` with abstract leaves: no array data). Prints a markdown table and
+writes benchmarks/results/tpu_fit.json (every row's upcycle.aot JSON and command).
+
+T5 v1.1 + `moe/paper_t5.gin` (E = 32 in every other layer), batch 256 x 512/114 (T5X's
+t5_1_1 pretraining examples); ViT + `moe/paper_vit.gin` (E = 32 in every other block),
+batch 4096 at 224 x 224 (the paper's vision batch, big_vision's). bfloat16 activations and
+full remat (the model gins' pod defaults), layers scanned (`--gin.SCAN_LAYERS=True`).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+GIB = 2 ** 30
+T5 = ('--gin_file=moe/paper_t5.gin', '--gin_file=runs/upcycle.gin', '--gin.BATCH_SIZE=256',
+      "--gin.MIXTURE_OR_TASK_NAME='c4_span_corruption'")
+VIT = ('--gin_file=moe/paper_vit.gin', '--gin_file=runs/vit_upcycle.gin',
+       '--gin.BATCH_SIZE=4096')
+# name: (model gin, family flags, topology, Cloud TPU name, expert partitions, model partitions)
+ROWS = {
+    't5-base-v4-32': ('models/t5_1_1/base.gin', T5, 'v4:2x2x4', 'v4-32', 16, 1),
+    't5-base-v4-64': ('models/t5_1_1/base.gin', T5, 'v4:2x4x4', 'v4-64', 32, 1),
+    't5-base-v4-128': ('models/t5_1_1/base.gin', T5, 'v4:4x4x4', 'v4-128', 32, 1),
+    't5-large-v4-32': ('models/t5_1_1/large.gin', T5, 'v4:2x2x4', 'v4-32', 16, 1),
+    't5-large-v4-64': ('models/t5_1_1/large.gin', T5, 'v4:2x4x4', 'v4-64', 32, 1),
+    't5-large-v4-128': ('models/t5_1_1/large.gin', T5, 'v4:4x4x4', 'v4-128', 32, 1),
+    't5-xl-v4-32': ('models/t5_1_1/xl.gin', T5, 'v4:2x2x4', 'v4-32', 16, 1),
+    't5-xl-v4-64': ('models/t5_1_1/xl.gin', T5, 'v4:2x4x4', 'v4-64', 32, 1),
+    't5-xl-v4-128': ('models/t5_1_1/xl.gin', T5, 'v4:4x4x4', 'v4-128', 32, 2),
+    'vit-b16-v4-64': ('models/vit/b16.gin', VIT, 'v4:2x4x4', 'v4-64', 32, 1),
+    'vit-b16-v4-128': ('models/vit/b16.gin', VIT, 'v4:4x4x4', 'v4-128', 32, 1),
+    'vit-l16-v4-64': ('models/vit/l16.gin', VIT, 'v4:2x4x4', 'v4-64', 32, 1),
+    'vit-l16-v4-128': ('models/vit/l16.gin', VIT, 'v4:4x4x4', 'v4-128', 32, 1),
+}
+
+
+def dense_checkpoint(model_gin: str, workdir: str) -> str:
+  """A dense T5X checkpoint of `model_gin`'s size with names and shapes only (cached)."""
+  directory = os.path.join(workdir, 'dense', os.path.basename(model_gin)[:-4] +
+                           ('_vit' if '/vit/' in model_gin else '_t5'))
+  if os.path.isdir(os.path.join(directory, 'checkpoint_1000000')):
+    return os.path.join(directory, 'checkpoint_1000000')
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import gin  # pylint: disable=g-import-not-at-top
+  from upcycle import gin_utils, models, tree  # pylint: disable=g-import-not-at-top
+  from upcycle.checkpoints import t5x_writer  # pylint: disable=g-import-not-at-top
+  from upcycle.convert import target_from_gin  # pylint: disable=g-import-not-at-top
+  gin.clear_config()
+  gin_utils.parse_files_and_bindings([model_gin], [], finalize=False)
+  config = dataclasses.replace(target_from_gin(), scan_layers=False)
+  dense = (dataclasses.replace(config, encoder_moe=None, decoder_moe=None)
+           if hasattr(config, 'encoder_moe') else dataclasses.replace(config, moe=None))
+  return t5x_writer.write(directory, 1_000_000, tree.unbox(models.abstract_params(dense)))
+
+
+def flags(name: str, workdir: str):
+  """The row's training flags (what `launch/tpu_vm.py train -- ...` passes)."""
+  model_gin, family, _, _, experts, model = ROWS[name]
+  return [f'--gin_file={model_gin}', *family, '--gin.SCAN_LAYERS=True',
+          f"--gin.MODEL_DIR='gs://BUCKET/{name}'", '--gin.TRAIN_STEPS=1100000',
+          f"--gin.INITIAL_CHECKPOINT_PATH='{dense_checkpoint(model_gin, workdir)}'",
+          f'--gin.trainer.TrainConfig.num_expert_partitions={experts}',
+          f'--gin.trainer.TrainConfig.num_model_partitions={model}']
+
+
+def run_row(name: str, workdir: str) -> dict:
+  topology = ROWS[name][2]
+  output = os.path.join(workdir, f'{name}.json')
+  command = [sys.executable, '-m', 'upcycle.aot', f'--topology={topology}',
+             f'--json={output}', *flags(name, workdir)]
+  start = time.perf_counter()
+  done = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                        env={**os.environ, 'XLA_FLAGS': ''})
+  if done.returncode:
+    return {'name': name, 'error': done.stderr.strip().splitlines()[-1]}
+  result = json.loads(open(output).read())
+  return {'name': name, 'seconds': time.perf_counter() - start, 'command': command[2:],
+          **result}
+
+
+def table(rows) -> str:
+  head = ('| model, slice | mesh d×e×m | params | opt state | temp | total / HBM | fits | '
+          'model TFLOP / step | compile |\n|---|---|---|---|---|---|---|---|---|')
+  lines = [head]
+  for row in rows:
+    if 'error' in row:
+      lines.append(f'| {row["name"]} | error: {row["error"]} |||||||')
+      continue
+    mesh = '×'.join(str(row['mesh'][k]) for k in ('data', 'expert', 'model'))
+    for fn in ('train_step', 'restore_hook'):
+      if fn not in row['functions']:
+        lines.append(f'| {row["name"]} {fn} | {mesh} | {row["not_compiled"].get(fn, "")} '
+                     f'|||||||')
+        continue
+      r = row['functions'][fn]
+      b = r['per_device_bytes']
+      flops = r['model_flops_per_step']
+      lines.append(
+          f'| {row["name"]} {fn} | {mesh} | {b["parameters"] / GIB:.2f} | '
+          f'{b.get("optimizer_state", 0) / GIB:.3f} | {b["temp"] / GIB:.2f} | '
+          f'{b["total"] / GIB:.2f} / {r["hbm_bytes_per_device"] / GIB:.0f} | '
+          f'{"yes" if r["fits"] else "**no**"} | '
+          f'{"" if flops is None else f"{flops / 1e12:.0f}"} | {r["compile_seconds"]:.0f} s |')
+  return '\n'.join(lines)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--rows', default=','.join(ROWS), help=f'comma-separated: {list(ROWS)}')
+  parser.add_argument('--workdir', default='/tmp/tpu_fit')
+  parser.add_argument('--output', default=os.path.join(REPO, 'benchmarks', 'results',
+                                                       'tpu_fit.json'))
+  args = parser.parse_args()
+  os.makedirs(args.workdir, exist_ok=True)
+  rows = []
+  names = args.rows.split(',')
+  for i, name in enumerate(names):
+    start = time.perf_counter()
+    rows.append(run_row(name, args.workdir))
+    print(f'[{i + 1}/{len(names)}] {name}: {time.perf_counter() - start:.0f} s '
+          f'{rows[-1].get("error", "")}', flush=True)
+    os.makedirs(os.path.dirname(args.output), exist_ok=True)
+    with open(args.output, 'w') as f:
+      json.dump(rows, f, indent=2)
+  print(table(rows))
+
+
+if __name__ == '__main__':
+  main()
