@@ -31,7 +31,7 @@ ALLOWED = {
     'gin_utils': {'console'},
 }
 # Wiring: may import any part.
-WIRING = {'train', 'pretrained', 'convert', 'export', 'eval', 'infer', 'inspect', 'quickstart',
+WIRING = {'train', 'pretrained', 'aot', 'convert', 'export', 'eval', 'infer', 'inspect', 'quickstart',
           'study', '__init__'}
 
 

@@ -1,9 +1,13 @@
 """launch/tpu_vm.py: the gcloud commands a dry run prints for Cloud TPU VM slices."""
 
+import ast
+import importlib.metadata
 import importlib.util
 import os
 import shlex
 
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,6 +82,38 @@ def test_setup_copies_this_checkout_to_every_worker(capsys):
   assert archive[:3] == ['git', '-C', REPO] and 'HEAD' in archive
   assert scp[3:5] == ['tpu-vm', 'scp'] and '--worker=all' in scp
   assert '--worker=all' in install and '.venv/bin/pip install -q -e .' in install[-1]
+
+
+def _setup_keywords():
+  """The literal keyword arguments of setup.py's `setuptools.setup(...)` call."""
+  tree = ast.parse(open(os.path.join(REPO, 'setup.py')).read())
+  call = next(node for node in ast.walk(tree) if isinstance(node, ast.Call))
+  return {k.arg: ast.literal_eval(k.value) for k in call.keywords
+          if k.arg in ('python_requires', 'install_requires')}
+
+
+def test_the_workers_python_is_one_every_pin_accepts():
+  keywords = _setup_keywords()
+  assert tpu_vm.PYTHON in SpecifierSet(keywords['python_requires'])
+  assert '3.10' not in SpecifierSet(keywords['python_requires'])   # tpu-ubuntu2204-base's
+  for pin in keywords['install_requires']:
+    requires = importlib.metadata.metadata(Requirement(pin).name).get('Requires-Python')
+    assert tpu_vm.PYTHON in SpecifierSet(requires or ''), (pin, requires)
+
+
+@pytest.mark.parametrize('accelerator', ['v4-8', 'v4-64'])
+def test_setup_installs_that_python_on_every_worker_and_train_runs_it(capsys, accelerator):
+  where = [*WHERE, f'--accelerator_type={accelerator}', '--dry_run']
+  *_, install = commands(capsys, 'setup', *where, f'--source={REPO}')
+  assert '--worker=all' in install
+  steps = install[-1][len('--command='):].split(' && ')
+  assert steps[steps.index('cd ~/upcycle'):] == [
+      'cd ~/upcycle', 'python3 -m pip install -q --user uv==0.13.8',
+      '~/.local/bin/uv venv -q --seed --python=3.11 .venv', '.venv/bin/pip install -q -e .',
+      ".venv/bin/pip install -q 'jax[tpu]==0.10.2'"]
+  (train,) = commands(capsys, 'train', *where, '--', '--gin_file=models/t5_1_1/base.gin')
+  remote = shlex.split(train[-1][len('--command='):])
+  assert remote[remote.index('cd') + 1] == '~/upcycle' and '.venv/bin/python' in remote
 
 
 def test_train_without_flags_says_what_to_give():

@@ -1,11 +1,11 @@
 """T5X-style command-line gin handling for the entry points (the only place gin lives besides
-configs/).
+the gin files).
 
   --gin_file=A.gin --gin_file=B.gin     later files win; looked up in --gin_search_paths
   --gin.KEY=VALUE                       shorthand for --gin_bindings='KEY = VALUE'
   --gin_bindings='KEY = VALUE'          repeatable
   --gin_search_paths=a,b                where gin files and their includes are found
-                                        (then the repository's configs/, then the cwd)
+                                        (then CONFIGS_DIR, then the cwd)
 """
 
 import argparse
@@ -17,7 +17,12 @@ import gin
 
 from upcycle import console
 
-CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs')
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+# The gin files: inside the package in a wheel (setup.py ships configs/ as upcycle/configs/),
+# at the repository's top level in a checkout or an editable install.
+_PACKAGED_CONFIGS = os.path.join(_PACKAGE, 'configs')
+CONFIGS_DIR = (_PACKAGED_CONFIGS if os.path.isdir(_PACKAGED_CONFIGS)
+               else os.path.join(os.path.dirname(_PACKAGE), 'configs'))
 
 
 def parse_flags(argv: Sequence[str], description: str) -> Tuple[argparse.Namespace, List[str]]:
@@ -47,7 +52,7 @@ def parse_flags(argv: Sequence[str], description: str) -> Tuple[argparse.Namespa
 
 def search_paths(extra: Sequence[str] = ()) -> List[str]:
   """Where gin files and their includes are looked up, in order: `extra` (--gin_search_paths),
-  the repository's configs/, then the working directory."""
+  CONFIGS_DIR (the gin files that come with the package), then the working directory."""
   return [os.path.abspath(p) for p in extra if p] + [CONFIGS_DIR, os.getcwd()]
 
 

@@ -1,6 +1,6 @@
 """Optimizer-state shardings on a 2x2x2 mesh (data x expert x model) of simulated devices.
 
-Every slot is sharded like its parameter along the axes it keeps (`upcycle/train/slots.py`):
+Every slot is sharded like its parameter along the axes it keeps (`upcycle/checkpoints/slots.py`):
 in the trainer's abstract state, in the arrays it creates, and in the states the restore and
 growth hooks build from checkpoints.
 """
@@ -19,7 +19,8 @@ from upcycle import checkpoints, tree
 from upcycle.checkpoints import orbax
 from upcycle.models import T5, ViT
 from upcycle.moe import MoeConfig
-from upcycle.train import objectives, optimizers, partitioning, resume, slots
+from upcycle.checkpoints import slots
+from upcycle.train import objectives, optimizers, partitioning, resume
 from upcycle.train.grow import GrowExperts
 from upcycle.train.restore import UpcycleFromDense
 from upcycle.train.state import TrainState

@@ -18,6 +18,7 @@ import optax
 
 from upcycle import tree
 from upcycle.checkpoints import adafactor_state, factored
+from upcycle.checkpoints.slots import is_unit
 from upcycle.checkpoints.checkpoint import Checkpoint
 
 T5X_FORMATS = ('t5x', 't5x_orbax')
@@ -136,7 +137,6 @@ def from_t5x_adafactor(t5x_state: Mapping[str, Any], params: Mapping[str, Any],
                      f'({len(missing)} params missing). Fix: pass the params of the same checkpoint.')
   fresh = optimizer.init(params)
   is_factored = lambda x: isinstance(x, optax.FactoredState)
-  is_unit = lambda x: is_factored(x) or adafactor_state.is_slots(x)
   leaves, treedef = jax.tree_util.tree_flatten_with_path(fresh, is_leaf=is_unit)
   out = []
   for keypath, leaf in leaves:

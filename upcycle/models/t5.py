@@ -146,13 +146,13 @@ class DecoderLayer(nn.Module):
     elif position is None:
       y = _mlp(cfg, cfg.decoder_moe, True, causal=True)(y, deterministic, token_mask)
     else:
-      # A decode step routes its batch's tokens (one per sequence) as one group: Top-K with
-      # the eval capacity over [1, batch] tokens (README "Inference"), whatever the training
-      # grouping (`group_size` or Flaxformer's `max_group_size`).
+      # A decode step routes each sequence's new token `[batch, 1]` as a group of its own,
+      # whatever the training grouping: capacity(1) is 1 slot per expert and the K choices
+      # are distinct experts, so no token is dropped and a sequence's routing does not depend
+      # on the other sequences of the batch, nor on whether they have finished (README
+      # "Inference").
       step_moe = dataclasses.replace(cfg.decoder_moe, group_size=None, max_group_size=None)
-      batch, _, d_model = y.shape
-      y = _mlp(cfg, step_moe, True, causal=True)(
-          y.reshape(1, batch, d_model), deterministic).reshape(batch, 1, d_model)
+      y = _mlp(cfg, step_moe, True, causal=True)(y, deterministic)
     x = x + dropout(y, deterministic=deterministic)
     return layers.constrain(x, ('batch', 'length', 'embed'))
 

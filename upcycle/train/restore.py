@@ -47,7 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from upcycle import checkpoints, pretrained, tree
 from upcycle.checkpoints import optimizer_state
 from upcycle.models import scan_layout
-from upcycle.train import slots
+from upcycle.checkpoints import slots
 from upcycle.train.state import TrainState
 from upcycle.upcycling import execute, sharded, step_policy
 from upcycle.upcycling import plan as plan_lib

@@ -19,9 +19,9 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from upcycle import export, fields, tree
-from upcycle.checkpoints import paths
+from upcycle.checkpoints import paths, slots
 from upcycle.checkpoints.orbax import RUN_CHECKPOINTS, CheckpointManager
-from upcycle.train import evaluation, host_states, partitioning, resume, run_lock, slots, stall
+from upcycle.train import evaluation, host_states, partitioning, resume, run_lock, stall
 from upcycle.train.host_data import HostData
 from upcycle.train.interfaces import Initializer, Objective, Optimizer
 from upcycle.train.logger import MetricLogger

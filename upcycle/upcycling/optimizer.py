@@ -37,12 +37,7 @@ import numpy as np
 import optax
 
 from upcycle import tree
-from upcycle.checkpoints import adafactor_state, factored
-
-
-def _per_param(x) -> bool:
-  """A state node filled per parameter as a unit: Adafactor second moments, T5X slots."""
-  return isinstance(x, optax.FactoredState) or adafactor_state.is_slots(x)
+from upcycle.checkpoints import adafactor_state, factored, slots
 
 
 class _Filler:
@@ -53,7 +48,7 @@ class _Filler:
     self.tile_moments = tile_moments
     self.keep_step = keep_step
     self.dense: Dict[Tuple[str, ...], Any] = {}
-    leaves, _ = jax.tree_util.tree_flatten_with_path(dense_state, is_leaf=_per_param)
+    leaves, _ = jax.tree_util.tree_flatten_with_path(dense_state, is_leaf=slots.is_unit)
     for keypath, leaf in leaves:
       self.dense[tree.key_names(keypath)] = leaf
 
@@ -178,7 +173,7 @@ def upcycle_optimizer_state(dense_state: Any, moe_params: Mapping[str, Any],
   roles = tree.classify(flat_params)
   shapes = {p: tree.shape_of(x) for p, x in flat_params.items()}
   filler = _Filler(dense_state, roles, tile_moments, keep_step)
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(fresh, is_leaf=_per_param)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(fresh, is_leaf=slots.is_unit)
   out = []
   for keypath, leaf in leaves:
     split = tree.split_param_path(keypath, roles)

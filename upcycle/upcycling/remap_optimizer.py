@@ -24,15 +24,10 @@ import numpy as np
 import optax
 
 from upcycle import tree
-from upcycle.checkpoints import adafactor_state, factored
+from upcycle.checkpoints import adafactor_state, factored, slots
 from upcycle.upcycling.remap import Remap, Take
 
 _V = ('v_row', 'v_col', 'v')
-
-
-def _unit(x) -> bool:
-  """A state node filled per parameter as a unit: Adafactor second moments, T5X slots."""
-  return isinstance(x, optax.FactoredState) or adafactor_state.is_slots(x)
 
 
 def _along(take: Take, x, axis: Optional[int]):
@@ -83,7 +78,7 @@ class _Filler:
 
   def __init__(self, state, takes: Mapping[str, Take]):
     self.takes = takes
-    leaves, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=_unit)
+    leaves, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=slots.is_unit)
     self.old: Dict[Tuple[str, ...], Any] = {tree.key_names(k): x for k, x in leaves}
 
   def lookup(self, names, what: str):
@@ -158,7 +153,7 @@ def remap_optimizer_state(state: Any, remap: Remap, params: Mapping[str, Any],
   fresh = optimizer.init(params)
   takes = remap.by_path()
   filler = _Filler(state, takes)
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(fresh, is_leaf=_unit)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(fresh, is_leaf=slots.is_unit)
   out = []
   for keypath, leaf in leaves:
     names = tree.key_names(keypath)
