@@ -30,11 +30,13 @@ LIBTPU_ENV = {'TPU_SKIP_MDS_QUERY': '1', 'TPU_ACCELERATOR_TYPE': 'v4-8',
               'TPU_WORKER_HOSTNAMES': 'localhost', 'ALLOW_MULTIPLE_LIBTPU_LOAD': '1'}
 
 GIB = 2 ** 30
-# HBM of one JAX device: a chip in megacore mode (v4, v5p: what a Cloud TPU VM shows), one
-# core otherwise. Cloud TPU system architecture pages.
-HBM_BYTES = {'TPU v4': 32 * GIB, 'TPU v5': 95 * GIB, 'TPU v5p': 95 * GIB,
-             'TPU v5 lite': 16 * GIB, 'TPU v6 lite': 32 * GIB}
-MEGACORE = ('v4', 'v5p')   # topology prefixes whose chips have two cores JAX shows as one
+# HBM per chip, by the device kind libtpu reports (Cloud TPU system architecture pages):
+# v4, v5p ('TPU v5'), v5e ('TPU v5 lite'), v6e ('TPU v6 lite'). A v4 chip has two
+# TensorCores, which a Cloud TPU VM shows as one device (megacore) and libtpu's topology
+# description as two unless asked for the chip view; v5p's description is per chip already.
+HBM_BYTES = {'TPU v4': 32 * GIB, 'TPU v5': 95 * GIB, 'TPU v5 lite': 16 * GIB,
+             'TPU v6 lite': 32 * GIB}
+TWO_CORE_CHIPS = ('TPU v4',)
 
 
 class TopologyError(ValueError):
@@ -44,15 +46,15 @@ class TopologyError(ValueError):
 def topology_devices(name: str, megacore: bool = True) -> List[jax.Device]:
   """The devices of a TPU topology such as 'v4:4x4x4' (64 chips), without a TPU.
 
-  With `megacore` (v4 / v5p) one device per chip, as a Cloud TPU VM shows them; else one per
-  TensorCore (two per v4 chip), each with half the chip's HBM.
+  With `megacore` a v4 slice has one device per chip, as a Cloud TPU VM shows them; else one
+  per TensorCore (two per chip), each with half the chip's HBM. Other generations have one
+  device per chip either way.
   """
   for key, value in LIBTPU_ENV.items():
     os.environ.setdefault(key, value)
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-  kind = name.partition(':')[0]
   options = {}
-  if kind in MEGACORE:
+  if name.partition(':')[0] == 'v4':
     options = {'chip_config_name': 'megacore' if megacore else 'default',
                'chips_per_host_bounds': (2, 2, 1), 'num_slices': 1}
   try:
@@ -67,12 +69,11 @@ def topology_devices(name: str, megacore: bool = True) -> List[jax.Device]:
 
 
 def hbm_bytes(device: jax.Device, megacore: bool = True) -> int:
-  """HBM of one device of `device`'s kind (per chip in megacore mode, else per core)."""
+  """HBM of one device of `device`'s kind (a chip's, or a core's for v4 without megacore)."""
   kind = device.device_kind
   if kind not in HBM_BYTES:
     raise TopologyError(f'No HBM size known for {kind!r}; known: {sorted(HBM_BYTES)}.')
-  per_chip = HBM_BYTES[kind]
-  return per_chip if megacore or kind not in ('TPU v4', 'TPU v5', 'TPU v5p') else per_chip // 2
+  return HBM_BYTES[kind] // (1 if megacore or kind not in TWO_CORE_CHIPS else 2)
 
 
 def per_device_bytes(tree: Any) -> int:
@@ -173,29 +174,6 @@ def advice(report: FunctionReport) -> str:
           f'({report.parts.get(part, report.temp) / GIB:.2f} GiB): {LEVERS[part]}')
 
 
-def table(run: 'CompiledRun') -> str:
-  """The console table of a compiled run (GiB per device)."""
-  reports = run.reports
-  head = ('function', 'params', 'opt state', 'args', 'outputs', 'temp', 'total', 'HBM',
-          'TFLOP/dev', 'compile s')
-  rows = [head]
-  for name, r in reports.items():
-    rows.append((name, *(f'{x / GIB:.2f}' for x in (
-        r.parts.get('parameters', 0), r.parts.get('optimizer_state', 0), r.arguments,
-        r.outputs - r.alias, r.temp, r.total, r.hbm)),
-                 f'{r.flops_per_device / 1e12:.2f}', f'{r.compile_seconds:.0f}'))
-  widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-  lines = ['  '.join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
-           for row in rows]
-  mesh = ' x '.join(f'{k} {v}' for k, v in run.mesh.shape.items())
-  lines.insert(0, f'{len(run.devices)} x {run.devices[0].device_kind} '
-                  f'({"megacore: one device per chip" if run.megacore else "one device per core"}'
-                  f'), mesh {mesh}')
-  lines += [f'{name}: {advice(r)}' for name, r in reports.items()]
-  lines += [f'{name}: {reason}' for name, reason in run.not_compiled.items()]
-  return '\n'.join(lines)
-
-
 @dataclasses.dataclass(frozen=True)
 class CompiledRun:
   """A run compiled for a topology: its mesh, a report per compiled function, and the
@@ -215,6 +193,32 @@ class CompiledRun:
             'mesh': {name: int(size) for name, size in self.mesh.shape.items()},
             'functions': {k: r.as_json() for k, r in self.reports.items()},
             'not_compiled': dict(self.not_compiled)}
+
+
+def table(run: CompiledRun) -> str:
+  """The console table of a compiled run (GiB per device)."""
+  reports = run.reports
+  head = ('function', 'params', 'opt state', 'args', 'outputs', 'temp', 'total', 'HBM',
+          'TFLOP/dev', 'model TFLOP/step', 'compile s')
+  rows = [head]
+  for name, r in reports.items():
+    model_flops = r.model_flops_per_step
+    rows.append((name, *(f'{x / GIB:.2f}' for x in (
+        r.parts.get('parameters', 0), r.parts.get('optimizer_state', 0), r.arguments,
+        r.outputs - r.alias, r.temp, r.total, r.hbm)), f'{r.flops_per_device / 1e12:.2f}',
+                 '-' if model_flops is None else f'{model_flops / 1e12:.1f}',
+                 f'{r.compile_seconds:.0f}'))
+  widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+  lines = ['  '.join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+           for row in rows]
+  mesh = ' x '.join(f'{k} {v}' for k, v in run.mesh.shape.items())
+  lines.insert(0, f'{len(run.devices)} x {run.devices[0].device_kind} '
+                  f'({"megacore: one device per chip" if run.megacore else "one device per core"}'
+                  f'), mesh {mesh}')
+  lines.append('(GiB per device; TFLOP/dev: the compiler\'s count, a scanned loop body once)')
+  lines += [f'{name}: {advice(r)}' for name, r in reports.items()]
+  lines += [f'{name}: {reason}' for name, reason in run.not_compiled.items()]
+  return '\n'.join(lines)
 
 
 def _batch(spec: Mapping[str, Any], mesh: jax.sharding.Mesh) -> Dict[str, jax.ShapeDtypeStruct]:
