@@ -135,6 +135,46 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(run_4_steps,
   assert [d[:2] for d in os.listdir(model_dir / 'corrupt_checkpoints')] == ['4-']
 
 
+def test_a_changed_optimizer_stops_without_touching_the_checkpoints(run_4_steps, tmp_path):
+  """An intact checkpoint whose optimizer state another optimizer wrote is a configuration
+  mismatch, not damage: nothing is set aside; 'fresh' keeps the parameters, step and data."""
+  model_dir = _copy(run_4_steps, tmp_path)
+  momentum = '--gin.optimizers.T5XAdafactor.beta1=0.9'
+  done = _train(model_dir, 6, momentum)
+  assert done.returncode == 1
+  assert 'Traceback' not in done.stderr
+  error, = [line for line in done.stderr.splitlines() if line.startswith('error:')]
+  assert error.startswith(f'error: Cannot resume the optimizer state of {model_dir}/checkpoints/4 '
+                          f"with this config's optimizer: The optimizer state stored in ")
+  assert 'of shape (1,); the optimizer makes (' in error
+  assert "--gin.trainer.TrainConfig.on_optimizer_mismatch='fresh'" in error
+  assert sorted(os.listdir(model_dir / 'checkpoints')) == ['2', '4']
+  assert not (model_dir / 'corrupt_checkpoints').exists()
+  assert [r['step'] for r in _rows(model_dir)] == [1, 2, 3, 4]
+  done = _train(model_dir, 6, momentum, "--gin.trainer.TrainConfig.on_optimizer_mismatch='fresh'")
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert 'starts fresh at that step' in done.stderr and 'at step 4.' in done.stdout
+  assert [r['step'] for r in _rows(model_dir)] == [1, 2, 3, 4, 5, 6]
+  assert sorted(os.listdir(model_dir / 'checkpoints')) == ['2', '4', '6']
+
+
+def test_a_run_whose_checkpoints_were_all_set_aside_is_not_started_over(run_4_steps, tmp_path):
+  model_dir = _copy(run_4_steps, tmp_path)
+  (model_dir / 'corrupt_checkpoints').mkdir()
+  for step in ('2', '4'):
+    os.rename(model_dir / 'checkpoints' / step, model_dir / 'corrupt_checkpoints' / f'{step}-x')
+  done = _train(model_dir, 6)
+  assert done.returncode == 1
+  error, = [line for line in done.stderr.splitlines() if line.startswith('error:')]
+  assert error == (f'error: {model_dir} has no checkpoint in checkpoints/ but earlier ones set '
+                   f'aside in {model_dir}/corrupt_checkpoints (damaged when a restart found '
+                   f'them). Not starting this run over from scratch. Fix: move a step you trust '
+                   f'back into {model_dir}/checkpoints/, or delete {model_dir}/corrupt_checkpoints '
+                   f'to start the run over.')
+  assert os.listdir(model_dir / 'checkpoints') == []
+  assert [r['step'] for r in _rows(model_dir)] == [1, 2, 3, 4]
+
+
 # The failed orbax restore leaves an unawaited tensorstore future behind.
 @pytest.mark.filterwarnings('ignore::pytest.PytestUnraisableExceptionWarning')
 def test_no_restorable_checkpoint_stops_naming_each_step(run_4_steps, tmp_path):

@@ -14,7 +14,7 @@ last `keep` steps stay. MODEL_DIR may be a local path or gs:// (orbax writes thr
 
 import os
 import re
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional, Sequence
 
 import orbax.checkpoint as ocp
 
@@ -79,8 +79,9 @@ class CheckpointManager:
     return self._manager.latest_step()
 
   def restore(self, step: Optional[int] = None, *, params: Any = None,
-              optimizer_state: Any = None) -> TrainingCheckpoint:
-    """Restores `step` (default: the latest). `params`/`optimizer_state`: abstract targets."""
+              optimizer_state: Any = None, skip: Sequence[str] = ()) -> TrainingCheckpoint:
+    """Restores `step` (default: the latest). `params`/`optimizer_state`: abstract targets;
+    items named in `skip` (e.g. OPTIMIZER) are not read and come back None."""
     self.wait()
     step = self.latest_step() if step is None else int(step)
     if step is None or step not in self.all_steps():
@@ -90,7 +91,7 @@ class CheckpointManager:
     step_dir = os.path.join(self.directory, str(step))
     targets = {PARAMS: params, OPTIMIZER: optimizer_state}
     present = {name for name in (PARAMS, OPTIMIZER, DATASET)
-               if paths.isdir(os.path.join(step_dir, name))}
+               if name not in skip and paths.isdir(os.path.join(step_dir, name))}
     args = {name: ocp.args.StandardRestore(target) for name, target in targets.items()
             if target is not None and name in present}
     if DATASET in present:

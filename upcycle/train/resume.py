@@ -6,13 +6,21 @@
    model's abstract parameters. A different model (another d_model, other layers) stops
    the run with one message naming the first differing parameter and both shapes: resuming
    needs the gin config the run was started with (MODEL_DIR/config.gin), or a new MODEL_DIR.
-2. The latest step is restored. Local steps are first checked without reading array data:
+2. Its stored optimizer state is compared (leaf paths and shapes, no data) with the state
+   the run's optimizer makes. A changed optimizer (T5X Adafactor -> AdamW, momentum switched
+   on) stops the run before anything is changed, naming the first differing slot, unless
+   `on_optimizer_mismatch='fresh'`: then parameters, step and data position are restored and
+   the optimizer state starts fresh at that step (said loudly; a state that fits is always
+   restored).
+3. The latest step is restored. Local steps are first checked without reading array data:
    every data file the OCDBT index points into must exist and hold the bytes it points to
-   (the damage an interrupted copy leaves). If a step is damaged, or its restore fails (the
-   checkpoint is then read leaf by leaf to name the parameter and the file), the step directory is
-   moved to MODEL_DIR/corrupt_checkpoints/<step> (kept for inspection, out of the manager's
-   way), and the previous step is tried, with a loud message. With no readable step left the
-   run stops with the reasons.
+   (the damage an interrupted copy leaves). If a step is damaged (found so, or its restore
+   fails and reading it leaf by leaf names the parameter and the file), the step directory is
+   moved to MODEL_DIR/corrupt_checkpoints/<step>-<time> (kept for inspection, out of the
+   manager's way), and the previous step is tried, with a loud message. A restore that fails
+   on intact files is not damage: the run stops, the step stays where it is. With no readable
+   step left the run stops with the reasons; a MODEL_DIR whose checkpoints were all set aside
+   is never started over silently.
 """
 
 import logging
@@ -24,9 +32,10 @@ import jax
 
 from etils import epath
 
-from upcycle.checkpoints import (CheckpointError, ocdbt_files, orbax_tree, paths, validate,
-                                 verify)
-from upcycle.checkpoints.orbax import OPTIMIZER, PARAMS, CheckpointManager, TrainingCheckpoint
+from upcycle.checkpoints import (CheckpointError, ocdbt_files, optimizer_state, orbax_tree,
+                                 paths, validate, verify)
+from upcycle.checkpoints.orbax import (OPTIMIZER, PARAMS, RUN_CHECKPOINTS as CHECKPOINT_DIR,
+                                      CheckpointManager, TrainingCheckpoint)
 
 log = logging.getLogger(__name__)
 
@@ -43,16 +52,29 @@ def check_model(step_dir: str, abstract_params: Any, model_dir: str) -> None:
       f'train this model in a new MODEL_DIR')
 
 
-def diagnose(step_dir: str, error: BaseException) -> str:
-  """Why the step at `step_dir` cannot be restored, naming the parameter and file if it can."""
+def optimizer_mismatch(step_dir: str, abstract_opt_state: Any) -> Optional[str]:
+  """Why the step's stored optimizer state is not the one the run's optimizer makes (the
+  first differing leaf: path, stored vs expected shape or structure); None if it fits."""
+  opt_dir = os.path.join(step_dir, OPTIMIZER)
+  if abstract_opt_state is None or not paths.isdir(opt_dir):
+    return None
+  try:
+    optimizer_state.restructure(orbax_tree.read(opt_dir), abstract_opt_state, opt_dir)
+  except ValueError as e:
+    return str(e).split(' Fix:')[0]
+  return None
+
+
+def damage(step_dir: str) -> Optional[str]:
+  """Which parameter and file of the step at `step_dir` cannot be read, reading every array;
+  None if all can."""
   try:
     for item in (PARAMS, OPTIMIZER):
       if paths.isdir(os.path.join(step_dir, item)):
         verify.verify_tree(orbax_tree.read(os.path.join(step_dir, item)))
   except CheckpointError as e:
     return str(e)
-  lines = [line for line in str(error).splitlines() if line.strip()]
-  return f'{step_dir}: {type(error).__name__}: {lines[-1] if lines else ""}'
+  return None
 
 
 def missing_data(step_dir: str) -> Optional[str]:
@@ -96,23 +118,54 @@ def _loud(message: str) -> None:
   log.warning('%s\nWARNING: %s\n%s', bar, message, bar)
 
 
-def restore(manager: CheckpointManager, abstract: Any, model_dir: str
-            ) -> Optional[TrainingCheckpoint]:
+def _set_aside_only(model_dir: str) -> None:
+  """Refuses a MODEL_DIR whose checkpoints were all set aside: starting over would be silent."""
+  corrupt = epath.Path(model_dir, CORRUPT_DIR)
+  if corrupt.is_dir() and any(corrupt.iterdir()):
+    raise CheckpointError(
+        f'{model_dir} has no checkpoint in {CHECKPOINT_DIR}/ but earlier ones set aside in '
+        f'{corrupt} (damaged when a restart found them). Not starting this run over from '
+        f'scratch. Fix: move a step you trust back into {model_dir}/{CHECKPOINT_DIR}/, or delete '
+        f'{corrupt} to start the run over.')
+
+
+def restore(manager: CheckpointManager, abstract: Any, model_dir: str,
+            on_optimizer_mismatch: str = 'stop') -> Optional[TrainingCheckpoint]:
   """The latest readable checkpoint of the run (None if there is none), restored onto the
-  shardings of `abstract` (a TrainState of jax.ShapeDtypeStruct)."""
+  shardings of `abstract` (a TrainState of jax.ShapeDtypeStruct). With
+  `on_optimizer_mismatch='fresh'`, a stored optimizer state the run's optimizer does not make
+  comes back None (the caller starts it fresh); 'stop' raises."""
   steps = manager.all_steps()
   if not steps:
+    _set_aside_only(model_dir)
     return None
-  check_model(os.path.join(manager.directory, str(steps[-1])), abstract.params, model_dir)
+  latest = os.path.join(manager.directory, str(steps[-1]))
+  check_model(latest, abstract.params, model_dir)
+  mismatch = optimizer_mismatch(latest, abstract.opt_state)
+  if mismatch is not None and on_optimizer_mismatch != 'fresh':
+    raise CheckpointError(
+        f'Cannot resume the optimizer state of {latest} with this config\'s optimizer: '
+        f'{mismatch}. The checkpoint is intact and was left as it is. Fix: resume with the '
+        f'optimizer config this run was started with ({model_dir}/config.gin), or keep its '
+        f'parameters, step and data position and start the optimizer state fresh: '
+        f"--gin.trainer.TrainConfig.on_optimizer_mismatch='fresh'")
+  skip = (OPTIMIZER,) if mismatch is not None else ()
   reasons: List[str] = []
   for step in reversed(steps):
     step_dir = os.path.join(manager.directory, str(step))
     reason = missing_data(step_dir)
     if reason is None:
       try:
-        return manager.restore(step, params=abstract.params, optimizer_state=abstract.opt_state)
+        return manager.restore(step, params=abstract.params, optimizer_state=abstract.opt_state,
+                               skip=skip)
       except Exception as e:  # pylint: disable=broad-except  (orbax raises many kinds)
-        reason = diagnose(step_dir, e)
+        reason = damage(step_dir)
+        if reason is None:
+          lines = [line for line in str(e).splitlines() if line.strip()]
+          raise CheckpointError(
+              f'Restoring {step_dir} failed although its files are intact ({type(e).__name__}: '
+              f'{lines[-1] if lines else ""}); it was left as it is. Fix: resume with the gin '
+              f'config this run was started with ({model_dir}/config.gin).') from e
     moved = _set_aside(manager, step, model_dir)
     reasons.append(f'step {step}: {reason}')
     earlier = [s for s in steps if s < step]

@@ -28,6 +28,7 @@ from upcycle.train.logger import MetricLogger
 from upcycle.train.objectives import init_params
 from upcycle.train.state import TrainState
 from upcycle.train.step import make_eval_step, make_train_step
+from upcycle.upcycling import step_policy
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,11 @@ class TrainConfig:
     stall_warning_steps: warn (console and metrics.jsonl) when the loss or the gradient
       norm has stayed exactly the same for this many consecutive steps, a sign of a
       degenerate run (e.g. a learning rate so large that every gradient is 0); 0: never.
+    on_optimizer_mismatch: resuming a checkpoint whose optimizer state is not the one this
+      config's optimizer makes (another optimizer, momentum on or off): 'stop' (with the
+      first differing slot; nothing is changed) or 'fresh' (restore parameters, step and data
+      position and start the optimizer state fresh at that step, said loudly). A state that
+      fits is always restored.
     export_t5x: at the end of the run, also write its final step in T5X's native layout to
       MODEL_DIR/t5x/checkpoint_<step>/ (`upcycle.export`: with the optimizer slots for
       `optimizers.T5XAdafactor`, else parameters only); a local MODEL_DIR only. A restarted
@@ -99,6 +105,7 @@ class TrainConfig:
   stall_warning_steps: int = 50
   data_shards: int = 0
   tensorboard: bool = True
+  on_optimizer_mismatch: str = 'stop'
   export_t5x: bool = False
 
   def __post_init__(self):
@@ -116,6 +123,7 @@ class TrainConfig:
     fields.boolean(self, 'cache_eval_batches')
     fields.boolean(self, 'tensorboard')
     fields.boolean(self, 'export_t5x')
+    fields.choice(self, 'on_optimizer_mismatch', ('stop', 'fresh'))
     if self.export_t5x and paths.is_url(self.model_dir):
       raise fields.ConfigError(
           f'{fields.binding(self, "export_t5x")} = True with model_dir={self.model_dir}: the '
@@ -250,10 +258,16 @@ class Trainer:
     manager = CheckpointManager(os.path.join(cfg.model_dir, CHECKPOINT_DIR),
                                 keep=cfg.keep_checkpoints, async_save=cfg.async_checkpoints)
     host_states.wait_for_all_hosts('restore')
-    restored = resume.restore(manager, abstract, cfg.model_dir)
+    restored = resume.restore(manager, abstract, cfg.model_dir, cfg.on_optimizer_mismatch)
     if restored is not None:
+      opt_state = restored.optimizer_state
+      if opt_state is None:
+        log.warning('The optimizer state of step %s does not fit this config\'s optimizer; it '
+                    'starts fresh at that step (on_optimizer_mismatch=\'fresh\').', restored.step)
+        opt_state = jax.jit(lambda p: step_policy.fresh(self.optimizer.init(p), restored.step),
+                            out_shardings=shardings.opt_state)(restored.params)
       state = TrainState(jax.device_put(jnp.asarray(restored.step, jnp.int32), shardings.step),
-                         restored.params, restored.optimizer_state)
+                         restored.params, opt_state)
       if restored.dataset_state is not None:
         data.set_state(host_states.mine(restored.dataset_state, data.shards))
       log.info('Resuming from %s at step %s.', manager.directory, restored.step)
