@@ -66,3 +66,35 @@ def test_cached_validation_batches_give_the_numbers_of_reading_the_split_again(t
   assert cached == fresh and cached[0] == cached[2] != cached[1]
   assert cached[0]['batches'] == 3
   assert (reads_cached, reads_fresh) == (1, 3)
+
+
+def test_every_validation_example_counts_whatever_the_batch_size(tmp_path):
+  """Batches of 16, 40 and 128 over the same split: the last partial batch is padded and
+  masked, so loss and accuracy are the same and padding counts nowhere."""
+  from tests.train.test_training import TINY_T5, text   # pylint: disable=g-import-not-at-top
+  from upcycle.models import T5   # pylint: disable=g-import-not-at-top
+  from upcycle.train import evaluation, partitioning   # pylint: disable=g-import-not-at-top
+  from upcycle.train.objectives import Seq2Seq, init_params   # pylint: disable=g-import-not-at-top
+  from upcycle.train.step import make_eval_step   # pylint: disable=g-import-not-at-top
+  import jax   # pylint: disable=g-import-not-at-top
+  objective = Seq2Seq(T5(TINY_T5))
+  validation = text('validation')
+  examples = sum(int(b[evaluation.EXAMPLE_MASK].sum())
+                 for b in evaluation.host_batches(validation, 16, 0, 0))
+  assert examples % 16 and examples % 40 and examples % 128   # partial last batches
+  mesh = partitioning.make_mesh(devices=jax.devices()[:1])
+  batch = next(evaluation.host_batches(validation, 16, 1, 0))
+  params = jax.tree.map(lambda x: x.value if hasattr(x, 'value') else x,
+                        init_params(objective, jax.random.PRNGKey(0), batch))
+  step = jax.jit(make_eval_step(objective))
+  results = {size: evaluation.evaluate(step, params, validation, batch_size=size, mesh=mesh)
+             for size in (16, 40, 128)}
+  assert {s: r['batches'] for s, r in results.items()} == {
+      s: -(-examples // s) for s in (16, 40, 128)}
+  for size in (40, 128):
+    assert math.isclose(results[size]['loss'], results[16]['loss'], rel_tol=1e-5)
+    assert math.isclose(results[size]['accuracy'], results[16]['accuracy'], rel_tol=1e-5)
+  last = list(evaluation.host_batches(validation, 128, 0, 0))[-1]
+  real = examples % 128
+  assert last[evaluation.EXAMPLE_MASK].tolist() == [1.0] * real + [0.0] * (128 - real)
+  assert not last['decoder_loss_weights'][real:].any()

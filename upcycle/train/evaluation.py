@@ -1,5 +1,11 @@
-"""Evaluation over a validation split: loss/accuracy for any objective, few-shot for ViT."""
+"""Evaluation over a validation split: loss/accuracy for any objective, few-shot for ViT.
 
+Every example of the split counts once, whatever the batch size: the last partial batch is
+padded to the batch size (one compiled shape) with rows that `EXAMPLE_MASK` marks 0, which the
+objectives weigh 0 (T5X's evaluator pads the same way).
+"""
+
+import itertools
 from typing import Dict, Optional, Sequence
 
 import jax
@@ -7,17 +13,43 @@ import numpy as np
 
 from upcycle.data.iterator import DataIterator
 from upcycle.train import fewshot, partitioning
+from upcycle.train.objectives import EXAMPLE_MASK
+
+
+def pad_batch(batch: Dict[str, np.ndarray], batch_size: int) -> Dict[str, np.ndarray]:
+  """A host batch of n <= batch_size examples -> batch_size rows (added rows zeros) and its
+  `EXAMPLE_MASK`."""
+  n = next(iter(batch.values())).shape[0]
+  padded = {k: np.pad(v, [(0, batch_size - n)] + [(0, 0)] * (v.ndim - 1))
+            for k, v in batch.items()}
+  return {**padded, EXAMPLE_MASK: (np.arange(batch_size) < n).astype(np.float32)}
+
+
+def _any_host(has_batch: bool) -> bool:
+  """Whether any host still has a batch (every host runs each evaluation step together)."""
+  if jax.process_count() == 1:
+    return has_batch
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return bool(np.any(multihost_utils.process_allgather(np.int32(has_batch))))
 
 
 def host_batches(pipeline, batch_size: int, max_batches: int, seed: int):
-  """One epoch of this host's shard of `pipeline`, at most `max_batches` (0: all)."""
+  """One epoch of this host's shard of `pipeline` (at most `max_batches`; 0: all), every
+  example once: each batch padded to `batch_size` with its `EXAMPLE_MASK`. With several
+  hosts, each yields as many batches as the host with the most (all padding past its own)."""
   iterator = DataIterator(pipeline, batch_size=batch_size, seed=seed,
                           shard_index=jax.process_index(), num_shards=jax.process_count(),
-                          num_epochs=1)
-  for i, batch in enumerate(iterator):
+                          num_epochs=1, drop_remainder=False)
+  for i in itertools.count():
     if max_batches and i >= max_batches:
       return
-    yield batch
+    batch = next(iterator, None)
+    if not _any_host(batch is not None):
+      return
+    if batch is None:
+      batch = {k: np.zeros((0,) + shape[1:], dtype)
+               for k, (shape, dtype) in pipeline.batch_spec(batch_size).items()}
+    yield pad_batch(batch, batch_size)
 
 
 def global_batch(local: Dict[str, np.ndarray], mesh) -> Dict[str, jax.Array]:
@@ -53,16 +85,16 @@ def evaluate(eval_step, params, pipeline, *, batch_size: int, mesh, max_batches:
   for batch in source:
     per_batch.append(eval_step(params, global_batch(batch, mesh)))
   if not per_batch:
-    raise ValueError(f'The validation pipeline {pipeline.describe()} gave no full batch of '
-                     f'{batch_size}; lower the batch size.')
+    raise ValueError(f'The validation pipeline {pipeline.describe()} gave no example.')
   sums = {k: np.array([float(b[k]) for b in jax.device_get(per_batch)], np.float64)
           for k in per_batch[0]}
   losses, weights = sums['loss'] - sums['z_loss'], sums['weight_sum']
   weight = max(float(weights.sum()), 1.0)
   metrics = {'loss': float(losses.sum()) / weight,
              'accuracy': float(sums['correct'].sum()) / weight, 'batches': len(per_batch)}
-  if len(per_batch) > 1:
-    metrics['loss_stderr'] = ratio_stderr(losses, weights)
+  real = weights > 0    # batches of padding only (a host past its shard) are not batches
+  if real.sum() > 1:
+    metrics['loss_stderr'] = ratio_stderr(losses[real], weights[real])
   return metrics
 
 
@@ -75,8 +107,9 @@ def linear_fewshot(objective, params, train_pipeline, test_pipeline, *, batch_si
   def collect(pipeline):
     xs, ys = [], []
     for batch in host_batches(pipeline, batch_size, max_batches, seed):
-      xs.append(np.asarray(jax.device_get(features(params, global_batch(batch, mesh)))))
-      ys.append(batch['label'])
+      real = batch[EXAMPLE_MASK] > 0
+      xs.append(np.asarray(jax.device_get(features(params, global_batch(batch, mesh))))[real])
+      ys.append(batch['label'][real])
     return np.concatenate(xs), np.concatenate(ys)
 
   train_x, train_y = collect(train_pipeline)

@@ -11,6 +11,8 @@ from upcycle.models import T5, ViT, flops
 from upcycle.moe import MOE_COLLECTIONS
 from upcycle.train import losses
 
+EXAMPLE_MASK = 'example_mask'   # [batch]: 1 for a real example, 0 for padding (evaluation)
+
 Array = jax.Array
 Batch = Mapping[str, Array]
 
@@ -44,8 +46,11 @@ class Seq2Seq:
 
   @staticmethod
   def _weights(batch: Batch) -> Array:
+    """`[batch, length]`: the target tokens that count (padding examples' none)."""
     weights = batch.get('decoder_loss_weights')
-    return batch['decoder_target_tokens'] > 0 if weights is None else weights
+    weights = batch['decoder_target_tokens'] > 0 if weights is None else weights
+    mask = batch.get(EXAMPLE_MASK)
+    return weights if mask is None else weights * mask[:, None].astype(weights.dtype)
 
   def init_batch(self, batch: Batch) -> Tuple[Array, ...]:
     return (batch['encoder_input_tokens'], batch['decoder_input_tokens'])
@@ -76,10 +81,14 @@ class Classification:
     return self.model.apply({'params': params}, batch['image'], method=ViT.features)
 
   def loss(self, logits: Array, batch: Batch) -> Dict[str, Array]:
-    return losses.cross_entropy(logits, batch['label'], None, 0.0, self.label_smoothing)
+    return losses.cross_entropy(logits, batch['label'], batch.get(EXAMPLE_MASK), 0.0,
+                                self.label_smoothing)
 
   def loss_weight_sum(self, batch: Batch) -> Array:
-    return jnp.asarray(batch['label'].shape[0], jnp.float32)
+    """Images that count (padding examples do not)."""
+    mask = batch.get(EXAMPLE_MASK)
+    return (jnp.asarray(batch['label'].shape[0], jnp.float32) if mask is None
+            else jnp.sum(mask.astype(jnp.float32)))
 
   def init_batch(self, batch: Batch) -> Tuple[Array, ...]:
     return (batch['image'],)
