@@ -73,6 +73,25 @@ def test_sampling_follows_temperature_and_top_k():
   assert top2[:3].sum() == 0
 
 
+def test_scores_under_the_model_or_rescaled_as_t5x():
+  p = np.array([0.0001, 0.1, 0.2, 0.3, 0.3999])
+  step = table_step(np.tile(np.log(p), (5, 1)))
+  run = lambda **kw: temperature_sample(step, {'steps': jnp.zeros((), jnp.int32)},
+                                        batch_size=64, max_length=1, eos_id=EOS,
+                                        rng=jax.random.PRNGKey(2), **kw)
+  tokens, model_scores = run(temperature=2.0, topk=2)
+  rescaled_tokens, rescaled = run(temperature=2.0, topk=2, rescale_log_probs=True)
+  np.testing.assert_array_equal(rescaled_tokens, tokens)
+  token = np.asarray(tokens)[:, 0]
+  assert set(token.tolist()) == {3, 4}
+  # Temperature 2 and top-2: tokens 3 and 4 with probabilities proportional to sqrt(p).
+  np.testing.assert_allclose(model_scores, np.log(p[token]), rtol=1e-5)
+  np.testing.assert_allclose(rescaled, np.log(np.sqrt(p[token]) / np.sqrt(p[3:]).sum()),
+                             rtol=1e-5)
+  _, greedy = run(temperature=0.0, rescale_log_probs=True)
+  np.testing.assert_array_equal(greedy, np.zeros(64))
+
+
 def test_exact_match_compares_tokens_eos_and_padding():
   targets = np.array([[5, 6, 1, 0], [5, 6, 1, 0], [5, 6, 1, 0], [7, 8, 9, 2]])
   predictions = np.array([[5, 6, 1, 0], [5, 6, 6, 1], [5, 1, 0, 0], [7, 8, 9, 2]])

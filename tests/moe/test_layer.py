@@ -123,7 +123,7 @@ def test_metrics_and_aux_losses_are_reported():
   capacity = config.capacity(8, True)   # 1 slot per expert: at most 4 of 8 tokens routed
   assert capacity == 1
   assert float(m['fraction_dropped_tokens']) >= 0.5
-  np.testing.assert_allclose(m['expert_usage'], m['tokens_per_expert'] / 8)
+  np.testing.assert_allclose(m['expert_load'], m['tokens_per_expert'] / 8)
   assert m['tokens_per_expert'].shape == (E,) and np.all(m['tokens_per_expert'] <= 1)
   losses = aux_losses(state)
   np.testing.assert_allclose(

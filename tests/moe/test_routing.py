@@ -133,6 +133,16 @@ def test_load_balancing_scopes_closed_form():
   np.testing.assert_allclose(mean_prob, [[.6, .4]], rtol=1e-6)
 
 
+def test_a_group_of_padding_only_is_left_out_of_the_loss():
+  choice = jax.lax.top_k(TINY_PROBS, 1)[1]
+  mask = np.array([[True, True], [False, False]])
+  fraction, mean_prob = routing.load_balancing_statistics(TINY_PROBS, choice, 'group', mask)
+  np.testing.assert_array_equal(fraction[1], [0, 0])
+  np.testing.assert_array_equal(mean_prob[1], [0, 0])
+  # Group 0 alone: 2 * (1 * .8 + 0 * .2), not diluted by group 1 to 0.8.
+  np.testing.assert_allclose(routing.load_balancing_loss(fraction, mean_prob), 1.6, rtol=1e-6)
+
+
 def test_default_load_balancing_scope_is_the_loss_as_before():
   logits = np.random.default_rng(2).normal(size=(3, 10, 4)).astype(np.float32) * 2
   probs = jax.nn.softmax(logits)
@@ -154,3 +164,6 @@ def test_router_z_loss_against_numpy():
   logits = np.random.default_rng(1).normal(size=(2, 5, 3)).astype(np.float32) * 3
   expected = np.mean(np.log(np.exp(logits).sum(-1)) ** 2)
   np.testing.assert_allclose(routing.router_z_loss(logits), expected, rtol=1e-5)
+  mask = np.array([[True] * 5, [True, False, False, False, False]])
+  expected = np.mean(np.log(np.exp(logits).sum(-1))[mask] ** 2)
+  np.testing.assert_allclose(routing.router_z_loss(logits, mask), expected, rtol=1e-5)

@@ -18,8 +18,8 @@ StepFn = Callable[[Array, Cache], Tuple[Array, Cache]]
 
 
 def temperature_sample(step_fn: StepFn, cache: Cache, *, batch_size: int, max_length: int,
-                       eos_id: int, rng: Array, temperature: float = 1.0,
-                       topk: int = 0) -> Tuple[Array, Array]:
+                       eos_id: int, rng: Array, temperature: float = 1.0, topk: int = 0,
+                       rescale_log_probs: bool = False) -> Tuple[Array, Array]:
   """Samples one continuation per example.
 
   Args:
@@ -31,22 +31,36 @@ def temperature_sample(step_fn: StepFn, cache: Cache, *, batch_size: int, max_le
     rng: PRNG key (unused when `temperature == 0`).
     temperature: a Python float; 0 picks the argmax (greedy).
     topk: sample among the `topk` most likely tokens only (0: all).
+    rescale_log_probs: score each token under the distribution it was drawn from (the
+      logits over the temperature, top-k kept; 0 for greedy), as T5X's `temperature_sample`
+      does by default (`rescale_log_probs=True`). False: under the model.
 
   Returns:
-    tokens `[batch, max_length]` int32 (0 after EOS) and their log-probability under the model
-    `[batch]` (float32, EOS included; not rescaled by temperature or top-k).
+    tokens `[batch, max_length]` int32 (0 after EOS) and their log-probability `[batch]`
+    (float32, EOS included): under the model, or with `rescale_log_probs` under the sampling
+    distribution.
   """
   if temperature < 0:
     raise ValueError(f'temperature={temperature}: expected >= 0 (0 is greedy).')
 
-  def pick(logits: Array, key: Array) -> Array:
-    if temperature == 0:
-      return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  def sampling_logits(logits: Array) -> Array:
+    """The distribution a token is drawn from (temperature > 0)."""
     scaled = logits / temperature
     if topk:
       kth_best = jax.lax.top_k(scaled, topk)[0][:, -1:]
       scaled = jnp.where(scaled < kth_best, -jnp.inf, scaled)
-    return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+    return scaled
+
+  def pick(logits: Array, key: Array) -> Array:
+    if temperature == 0:
+      return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, sampling_logits(logits), axis=-1).astype(jnp.int32)
+
+  def score(logits: Array, token: Array) -> Array:
+    if rescale_log_probs and temperature == 0:
+      return jnp.zeros(token.shape, jnp.float32)
+    scored = sampling_logits(logits) if rescale_log_probs else logits
+    return jnp.take_along_axis(jax.nn.log_softmax(scored), token[:, None], -1)[:, 0]
 
   def cond(state):
     i, _, _, _, ended, _, _ = state
@@ -57,8 +71,7 @@ def temperature_sample(step_fn: StepFn, cache: Cache, *, batch_size: int, max_le
     logits, cache = step_fn(token, cache)
     key, subkey = jax.random.split(key)
     token = jnp.where(ended, 0, pick(logits, subkey))
-    token_log_prob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], -1)[:, 0]
-    log_prob = log_prob + jnp.where(ended, 0.0, token_log_prob)
+    log_prob = log_prob + jnp.where(ended, 0.0, score(logits, token))
     sequences = jax.lax.dynamic_update_slice_in_dim(sequences, token[:, None], i, axis=1)
     return i + 1, token, sequences, cache, ended | (token == eos_id), log_prob, key
 

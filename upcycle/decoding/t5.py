@@ -23,7 +23,7 @@ METHODS = ('greedy', 'sample', 'beam')
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-  """How to decode (T5X's decoding functions and their defaults).
+  """How to decode (T5X's decoding functions).
 
   Attributes:
     method: 'greedy' (argmax), 'sample' (temperature sampling) or 'beam' (beam search).
@@ -32,6 +32,9 @@ class DecodeConfig:
     temperature: sampling temperature ('sample'; > 0).
     topk: sample among the top-k tokens only ('sample'; 0: all).
     eos_id: end-of-sequence token (T5 vocabularies: 1).
+    rescale_log_probs: 'greedy' and 'sample' score a decode under the distribution its
+      tokens were drawn from (temperature and top-k applied; greedy scores 0), T5X's
+      default. False (ours): under the model, comparable across temperatures and methods.
   """
 
   method: str = 'greedy'
@@ -40,6 +43,7 @@ class DecodeConfig:
   temperature: float = 1.0
   topk: int = 0
   eos_id: int = 1
+  rescale_log_probs: bool = False
 
   def __post_init__(self):
     fields.choice(self, 'method', METHODS)
@@ -48,6 +52,7 @@ class DecodeConfig:
     fields.number(self, 'temperature', 0.0, strictly=True)
     fields.integer(self, 'topk', 0)
     fields.integer(self, 'eos_id', 0)
+    fields.boolean(self, 'rescale_log_probs')
 
 
 def cached_step(model: T5, params: Any) -> Callable[[Array, Any], Tuple[Array, Any]]:
@@ -65,8 +70,9 @@ def decode(model: T5, params: Any, encoder_input_tokens: Array, rng: Optional[Ar
            config: DecodeConfig, max_length: int) -> Tuple[Array, Array]:
   """`[batch, src_len]` -> the best decode `[batch, max_length]` and its score `[batch]`.
 
-  Scores: log-probability of the tokens up to EOS ('greedy', 'sample'); log-probability over
-  the brevity penalty ('beam').
+  Scores: log-probability of the tokens up to EOS ('greedy', 'sample'; under the sampling
+  distribution with `config.rescale_log_probs`); log-probability over the brevity penalty
+  ('beam').
   """
   batch = encoder_input_tokens.shape[0]
   _, variables = model.apply({'params': params}, encoder_input_tokens, max_length,
@@ -81,7 +87,8 @@ def decode(model: T5, params: Any, encoder_input_tokens: Array, rng: Optional[Ar
   rng = jax.random.PRNGKey(0) if rng is None else rng
   return temperature_sample(step, variables['cache'], rng=rng,
                             temperature=0.0 if greedy else config.temperature,
-                            topk=0 if greedy else config.topk, **common)
+                            topk=0 if greedy else config.topk,
+                            rescale_log_probs=config.rescale_log_probs, **common)
 
 
 def make_decode_fn(model: T5, config: DecodeConfig, max_length: int):

@@ -77,6 +77,13 @@ class MoeConfig:
       layer counted as one expert), one loss for the stack (`summary.aux_losses`), as
       HF transformers' Switch Transformers (per group) and Mixtral (per batch) compute it.
     router_z_loss_weight: weight of the router z-loss.
+    ignore_padding_tokens: True: padding (a False `token_mask`, e.g. T5 token 0, and the
+      padding `max_group_size` adds) is not routed by Top-K, is taken last by Expert Choice,
+      and is left out of the auxiliary losses and metrics: f, p and the z-loss are means over
+      the tokens routing considers. False: Flaxformer's router with
+      `ignore_padding_tokens=False`, as T5X's MoE gin files set it: padding is routed and
+      counted like any token (bit for bit Flaxformer's losses). Flaxformer's True, which
+      keeps padding out of routing but still counts it in the means, is not offered.
     jitter_noise: multiplicative uniform noise in [1 - j, 1 + j] on the router
       input, training only, drawn from the 'jitter' rng stream.
     shared_expert: add an always-on expert (DeepSeekMoE, Qwen-MoE): the block computes
@@ -106,6 +113,7 @@ class MoeConfig:
   load_balancing_scope: str = 'group'
   load_balancing_layers: str = 'separate'
   router_z_loss_weight: float = 0.0001
+  ignore_padding_tokens: bool = True
   jitter_noise: float = 0.0
   shared_expert: bool = False
   shared_expert_d_ff: Optional[int] = None
@@ -154,6 +162,7 @@ class MoeConfig:
     fields.choice(self, 'load_balancing_scope', LOAD_BALANCING_SCOPES)
     fields.choice(self, 'load_balancing_layers', LOAD_BALANCING_LAYERS)
     fields.number(self, 'router_z_loss_weight', 0.0)
+    fields.boolean(self, 'ignore_padding_tokens')
     fields.number(self, 'jitter_noise', 0.0)
     if self.jitter_noise >= 1:
       raise fields.ConfigError(f'{fields.binding(self, "jitter_noise")} = {self.jitter_noise}: '

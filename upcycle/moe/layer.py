@@ -12,8 +12,15 @@ Auxiliary losses and metrics are sown (see `upcycle.moe.summary`):
                  load_balancing_layers='pooled' instead of load_balancing_loss:
                  balance_fraction and balance_probability [groups, experts] and
                  load_balancing_weight, weighted then being the weighted z-loss only
-  'moe_metrics': fraction_dropped_tokens, router_confidence, expert_usage [E],
-                 tokens_per_expert [E]
+  'moe_metrics': fraction_dropped_tokens (tokens no expert took; Flaxformer's
+                 fraction_tokens_left_behind); router_confidence (the router probability
+                 of the filled slots, summed over them / their number) and expert_usage
+                 (filled slots / all E * capacity * groups slots), as Flaxformer's metrics
+                 of these names (its Expert Choice reports expert_usage 1.0 whatever fills
+                 the slots, and its capacity is not capped at the group size);
+                 router_top1_probability (mean top-1 router probability), tokens_per_expert
+                 [E] (filled slots per group) and expert_load [E] (tokens_per_expert / group
+                 size). Padding counts only with ignore_padding_tokens=False.
   'router_logits': logits [batch, length, E] (float32; only when the collection is
                  mutable, e.g. for `upcycling.router_training`)
 """
@@ -159,6 +166,8 @@ class MoeLayer(nn.Module):
     batch, length, d_model = x.shape
     plan = cfg.group_plan(batch, length)
     grouped, mask = grouping.group_tokens(x, token_mask, plan)
+    if not cfg.ignore_padding_tokens:
+      mask = None   # Flaxformer's ignore_padding_tokens=False: padding routed and counted
     grouped = constrain(grouped, GROUP_AXES)
     groups, tokens, _ = grouped.shape
     capacity = cfg.capacity(tokens, deterministic)
@@ -171,7 +180,8 @@ class MoeLayer(nn.Module):
     else:
       decision = routing.tokens_choose(probs, cfg.k, capacity, cfg.batch_priority_routing, mask)
       statistics = routing.load_balancing_statistics(
-          probs, jax.lax.top_k(probs, cfg.k)[1], cfg.load_balancing_scope)
+          probs, jax.lax.top_k(probs, cfg.k)[1], cfg.load_balancing_scope, mask)
+    self._sow_metrics(probs, decision, mask)
     if cfg.normalize_combine_weights:
       decision = routing.normalize_combine_weights(decision, tokens)
 
@@ -193,8 +203,7 @@ class MoeLayer(nn.Module):
     out = DISPATCH[cfg.dispatch](grouped, decision, run_experts)
 
     self.sow('router_logits', 'logits', grouping.ungroup_tokens(logits, batch, length, plan))
-    self._sow_aux_losses(statistics, routing.router_z_loss(logits))
-    self._sow_metrics(probs, decision, mask)
+    self._sow_aux_losses(statistics, routing.router_z_loss(logits, mask))
     out = grouping.ungroup_tokens(out, batch, length, plan)
     if self.shared_expert is None:
       return out
@@ -220,14 +229,22 @@ class MoeLayer(nn.Module):
 
   def _sow_metrics(self, probs: Array, decision: routing.RoutingDecision,
                    mask: Optional[Array]) -> None:
+    """Routing metrics of `decision` (combine weights = router probabilities, before any
+    normalization) over the tokens of `mask`; 'router_confidence' and 'expert_usage' as
+    Flaxformer's `MoeLayer` defines them."""
     groups, tokens, _ = probs.shape
     real = jnp.ones((groups, tokens), bool) if mask is None else mask
     slots = routing.token_slot_counts(decision, tokens)
     num_real = jnp.maximum(real.sum(), 1)
+    dispatched = decision.valid.sum()
     tokens_per_expert = decision.valid.sum(axis=2).astype(jnp.float32).mean(axis=0)  # [E]
     self.sow('moe_metrics', 'fraction_dropped_tokens',
              jnp.sum((slots == 0) & real) / num_real)
     self.sow('moe_metrics', 'router_confidence',
+             jnp.sum(jnp.where(decision.valid, decision.combine_weight, 0.0))
+             / jnp.maximum(dispatched, 1))
+    self.sow('moe_metrics', 'expert_usage', dispatched / decision.valid.size)
+    self.sow('moe_metrics', 'router_top1_probability',
              jnp.sum(jnp.max(probs, axis=-1) * real) / num_real)
     self.sow('moe_metrics', 'tokens_per_expert', tokens_per_expert)
-    self.sow('moe_metrics', 'expert_usage', tokens_per_expert / tokens)
+    self.sow('moe_metrics', 'expert_load', tokens_per_expert / tokens)

@@ -120,8 +120,8 @@ def tokens_choose(probs: Array, k: int, capacity: int, batch_priority: bool = Fa
   return RoutingDecision(token_index, combine_weight, valid)
 
 
-def load_balancing_statistics(probs: Array, expert_index: Array,
-                              scope: str = 'group') -> Tuple[Array, Array]:
+def load_balancing_statistics(probs: Array, expert_index: Array, scope: str = 'group',
+                              token_mask: Optional[Array] = None) -> Tuple[Array, Array]:
   """Per-expert statistics of the Switch load-balancing loss: (f, p), `[groups, experts]`.
 
   Args:
@@ -130,23 +130,42 @@ def load_balancing_statistics(probs: Array, expert_index: Array,
     scope: 'group': f_ge is the fraction of group g's tokens that chose e (among
       their K; it sums to K over e), p_ge the mean probability of e in group g.
       'batch': the same over all tokens of all groups, as one group (`[1, experts]`).
+    token_mask: `[groups, tokens]`, the tokens routing considers (False: padding). f and p
+      are means over them; a group with none has f = p = 0. None: every token.
   """
   experts = probs.shape[-1]
   chosen = jnp.max(jax.nn.one_hot(expert_index, experts, dtype=jnp.float32), axis=-2)
   if scope == 'batch':
     chosen, probs = chosen.reshape(1, -1, experts), probs.reshape(1, -1, experts)
-  return jnp.mean(chosen, axis=1), jnp.mean(probs, axis=1)
+    token_mask = None if token_mask is None else token_mask.reshape(1, -1)
+  if token_mask is None:
+    return jnp.mean(chosen, axis=1), jnp.mean(probs, axis=1)
+  weight = token_mask.astype(jnp.float32)[..., None]                 # [G, S, 1]
+  count = jnp.maximum(jnp.sum(weight, axis=1), 1.0)                   # [G, 1]
+  return jnp.sum(chosen * weight, axis=1) / count, jnp.sum(probs * weight, axis=1) / count
 
 
 def load_balancing_loss(fraction: Array, mean_prob: Array) -> Array:
-  """Switch Transformer auxiliary loss, E^2 * mean_{g,e}(f_ge * p_ge) = E * mean_g sum_e f_ge p_ge.
+  """Switch Transformer auxiliary loss, E * mean_g sum_e f_ge p_ge (K when routing is uniform).
 
-  fraction, mean_prob: `[groups, experts]` (`load_balancing_statistics`). K when routing is
-  uniform.
+  fraction, mean_prob: `[groups, experts]` (`load_balancing_statistics`). The mean is over the
+  groups with a routed token (f summing to K, not 0): an all-padding group counts in neither
+  sum nor count. With every group present this is E^2 * mean_{g,e}(f_ge * p_ge), Flaxformer's
+  `_load_balancing_loss`.
   """
-  return jnp.mean(fraction * mean_prob) * fraction.shape[-1] ** 2
+  experts = fraction.shape[-1]
+  present = jnp.sum(fraction, axis=-1, keepdims=True) > 0             # [G, 1]
+  total = jnp.sum(jnp.where(present, fraction * mean_prob, 0.0))
+  return total / (jnp.maximum(jnp.sum(present), 1) * experts) * experts ** 2
 
 
-def router_z_loss(logits: Array) -> Array:
-  """ST-MoE z-loss: mean over tokens of logsumexp(logits)^2. logits `[G, S, E]`."""
-  return jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+def router_z_loss(logits: Array, token_mask: Optional[Array] = None) -> Array:
+  """ST-MoE z-loss: mean of logsumexp(logits)^2 over the tokens of `token_mask`.
+
+  logits `[G, S, E]`; token_mask `[G, S]` (False: padding, not counted), None: every token.
+  """
+  z = jnp.square(jax.nn.logsumexp(logits, axis=-1))
+  if token_mask is None:
+    return jnp.mean(z)
+  weight = token_mask.astype(jnp.float32)
+  return jnp.sum(z * weight) / jnp.maximum(jnp.sum(weight), 1.0)

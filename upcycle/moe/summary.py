@@ -22,8 +22,11 @@ def _pooled_balance(losses: Mapping) -> Tuple[Dict[str, jnp.ndarray], Dict[str, 
   """Load-balancing loss of the layers with `load_balancing_layers='pooled'`.
 
   The layers of one stack (the first name of their path: 'encoder', 'decoder', ViT's
-  'Transformer') pool their statistics: f_ge and p_ge, `[groups, experts]` per layer, are
-  averaged over the stack's layers and give one loss, E^2 * mean_{g,e}(f_ge * p_ge).
+  'Transformer') pool their statistics: f_ge and p_ge, `[groups, experts]` per layer (means
+  over the tokens routing considers, `MoeConfig.ignore_padding_tokens`), are averaged over
+  the stack's layers and give one loss, E * mean_g sum_e f_ge * p_ge over the groups with a
+  routed token (`routing.load_balancing_loss`). The layers of a stack see the same tokens and
+  padding, so this is the loss of f and p counted over every (layer, token) of the stack.
   Returns ({path: that loss}, {path: weighted, the layer's weighted z-loss plus its weight
   times that loss}), per layer as sown (`[layers]` in a scanned stack).
   """
