@@ -316,3 +316,50 @@ def test_truncate_log_keeps_rows_through_the_resume_step(tmp_path):
   assert [json.loads(line) for line in open(path)] == [rows[0], rows[1], rows[4]]
   assert logger_lib.truncate_log(str(path), None) == 3
   assert path.read_text() == ''
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """A 3 MiB tmpfs (root only): a tiny T5's checkpoint fits once, not twice."""
+  mount = tmp_path / 'disk'
+  mount.mkdir()
+  done = subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=3M', 'tmpfs', str(mount)],
+                        capture_output=True, text=True)
+  if done.returncode:
+    pytest.skip(f'cannot mount a small tmpfs here: {done.stderr.strip()}')
+  yield mount
+  subprocess.run(['umount', str(mount)], check=True)
+
+
+def test_a_full_disk_stops_the_run_at_the_save_in_one_line(run_4_steps, small_disk):
+  model_dir = small_disk / 'run'
+  done = _train(model_dir, 8)
+  assert done.returncode == 1
+  errors = [line for line in done.stderr.splitlines() if line.startswith('error:')]
+  assert len(errors) == 1, errors[:5]
+  noise = [line for line in done.stderr.splitlines()
+           if 'ERROR:absl' in line or 'Error:' in line or 'Traceback' in line]
+  assert not noise, noise[:5]
+  # Found before writing (less free space than step 2 took), or while writing step 4.
+  assert errors[0].startswith((
+      f'error: Not enough space to save step 4 in {model_dir}/checkpoints: it needs about ',
+      f'error: Saving step 4 to {model_dir}/checkpoints failed: ')), errors[0]
+  assert 'the last good checkpoint, step 2, is kept' in errors[0]
+  assert 'no space left on device' in errors[0] or '(the size of step 2)' in errors[0]
+  assert 'Traceback' not in done.stderr
+  assert os.listdir(model_dir / 'checkpoints') == ['2']
+  assert [r['step'] for r in _rows(model_dir)][-1] == 4   # stopped at the save, not later
+
+
+def test_a_save_that_fails_midway_is_one_error_naming_the_step(small_disk):
+  manager = CheckpointManager(small_disk / 'checkpoints', async_save=True)
+  manager._check_space = lambda *args: None   # pylint: disable=protected-access  (as if unknown)
+  big = {'w': np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)}  # 4 MiB
+  with pytest.raises(CheckpointError) as raised:
+    manager.save(7, big)
+    manager.wait()
+  message = str(raised.value)
+  assert message.startswith(f'Saving step 7 to {small_disk}/checkpoints failed: ')
+  assert 'failed: no space left on device writing ' in message and '\n' not in message
+  assert 'no checkpoint was written' in message
+  assert manager.all_steps() == []

@@ -12,16 +12,37 @@ last `keep` steps stay. MODEL_DIR may be a local path or gs:// (orbax writes thr
 `etils.epath` and tensorstore's GCS driver).
 """
 
+import logging
 import os
 import re
+import shutil
 from typing import Any, List, NamedTuple, Optional, Sequence
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from upcycle.checkpoints import orbax_tree, paths
 from upcycle.checkpoints.checkpoint import Checkpoint
-from upcycle.checkpoints.errors import checkpoint_error
+from upcycle.checkpoints.errors import CheckpointError, checkpoint_error
 from upcycle.checkpoints.lazy import materialize
+
+MIB = 2 ** 20
+_FULL_DISK = ('RESOURCE_EXHAUSTED', 'No space left on device')
+
+
+class _QuietFullDisk(logging.Filter):
+  """Drops orbax's per-thread error records of a write that found the disk full: the manager
+  reports the failed save itself, in one line."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    text = record.getMessage()
+    if record.exc_info and record.exc_info[1] is not None:
+      text += str(record.exc_info[1])
+    return not any(marker in text for marker in _FULL_DISK)
+
+
+logging.getLogger('absl').addFilter(_QuietFullDisk())
 
 PARAMS, OPTIMIZER, DATASET = 'params', 'optimizer_state', 'dataset'
 RUN_CHECKPOINTS = 'checkpoints'   # a training run's steps: MODEL_DIR/checkpoints/<step>/
@@ -56,17 +77,74 @@ class CheckpointManager:
 
   def save(self, step: int, params: Any, optimizer_state: Any = None,
            dataset_state: Optional[dict] = None, *, force: bool = False) -> bool:
-    """Starts saving `step` (returns at once when async); False when the interval skips it."""
+    """Starts saving `step` (returns at once when async); False when the interval skips it.
+
+    Raises CheckpointError (one line: the step, the directory, the space needed and free)
+    before writing when a local disk has less free space than the last step took (or the
+    state's bytes), and when this or an earlier background save failed.
+    """
+    self.wait()   # the previous save (orbax waits for it too): its failure is its own
+    self._check_space(step, [params, optimizer_state])
     items = {PARAMS: ocp.args.StandardSave(params)}
     if optimizer_state is not None:
       items[OPTIMIZER] = ocp.args.StandardSave(optimizer_state)
     if dataset_state is not None:
       items[DATASET] = ocp.args.JsonSave(dataset_state)
-    return self._manager.save(int(step), args=ocp.args.Composite(**items), force=force)
+    self._saving = int(step)
+    try:
+      return self._manager.save(int(step), args=ocp.args.Composite(**items), force=force)
+    except Exception as e:  # pylint: disable=broad-except  (orbax raises many kinds)
+      raise self._failed(e) from e
+
+  def check(self) -> None:
+    """Raises CheckpointError if a background save has failed (does not wait)."""
+    try:
+      self._manager.check_for_errors()
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._failed(e) from e
 
   def wait(self) -> None:
-    """Blocks until the background save, if any, is committed."""
-    self._manager.wait_until_finished()
+    """Blocks until the background save, if any, is committed (CheckpointError if it failed)."""
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._failed(e) from e
+
+  def _check_space(self, step: int, state: Sequence[Any]) -> None:
+    if paths.is_url(self.directory) or not os.path.isdir(self.directory):
+      return
+    latest = self.latest_step()
+    if latest is not None:
+      needed = _disk_bytes(os.path.join(self.directory, str(latest)))
+      basis = f'the size of step {latest}'
+    else:
+      needed = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(state))
+      basis = 'the bytes of the parameters and optimizer state'
+    free = shutil.disk_usage(self.directory).free
+    if free < needed:
+      kept = (f'the last good checkpoint, step {latest}, is kept' if latest is not None else
+              'no checkpoint has been written yet')
+      raise CheckpointError(
+          f'Not enough space to save step {step} in {self.directory}: it needs about '
+          f'{needed / MIB:.1f} MiB ({basis}), {free / MIB:.1f} MiB are free; stopped before '
+          f'writing, {kept}. Fix: free space there, or resume from a copy of MODEL_DIR on a '
+          f'larger disk.')
+
+  def _failed(self, error: BaseException) -> CheckpointError:
+    text = str(error)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    cause = lines[-1][:300] if lines else type(error).__name__
+    if any(marker in text for marker in _FULL_DISK):
+      where = re.search(r'(?:local file|Failed writing:) "([^"]+)"', text)
+      cause = 'no space left on device' + (f' writing {where.group(1)}' if where else '')
+    latest = self.latest_step()
+    kept = (f'the last good checkpoint, step {latest}, is kept as it is' if latest is not None
+            else 'no checkpoint was written')
+    return CheckpointError(
+        f'Saving step {getattr(self, "_saving", "?")} to {self.directory} failed: '
+        f'{cause}; {kept}. Fix: free space there (or the cause above) and restart: the '
+        f'run resumes from its last checkpoint.')
 
   def all_steps(self) -> List[int]:
     return sorted(self._manager.all_steps())
@@ -116,6 +194,12 @@ class CheckpointManager:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def _disk_bytes(directory: str) -> int:
+  """Bytes of the files under a local directory."""
+  return sum(os.path.getsize(os.path.join(root, name))
+             for root, _, names in os.walk(directory) for name in names)
 
 
 def is_step_dir(path: str) -> bool:

@@ -316,6 +316,7 @@ class Trainer:
       for step in range(start, cfg.train_steps):
         batch = evaluation.global_batch(next(data), self.mesh)
         state, metrics = train_step(state, batch, rng)
+        manager.check()   # a failed background save stops the run at once
         finite = finite & jnp.isfinite(metrics['loss']) & jnp.isfinite(metrics['grad_norm'])
         watch.update(metrics)
         done = step + 1
