@@ -312,3 +312,24 @@ def test_unrolled_checkpoint_upcycled_into_a_scanned_model(tmp_path):
     with partitioning.activate(trainer.mesh):
       UpcycleFromDense(directory, reuse_optimizer_state=True)(abstract, trainer.optimizer,
                                                               scanned)
+
+
+def test_a_source_of_the_wrong_kind_says_what_it_holds(t5, tmp_path):
+  """An already-upcycled MoE or a ViT handed to `runs/upcycle.gin` for a T5 MoE: the error
+  says what the checkpoint holds and what the config builds, before anything is read."""
+  moe_dir = t5x_writer.write(str(tmp_path / 'moe'), 6, helpers.random_params(t5['config']))
+  with pytest.raises(ValueError) as raised:
+    _run(t5['trainer'], t5['abstract'], UpcycleFromDense(moe_dir))
+  moe = tree.describe(helpers.random_params(t5['config']))
+  assert moe.startswith('a T5 model, ') and moe.endswith(
+      ' parameters, an MoE with 4 experts in 2 blocks')
+  assert str(raised.value) == (
+      f"UpcycleFromDense('{moe_dir}', format 't5x'): the checkpoint holds {moe}; this config "
+      f"builds {moe}: already an MoE: upcycling starts from a dense checkpoint. Fix: point it "
+      f"at the dense checkpoint, or continue this MoE with restore.ContinueFromCheckpoint "
+      f"(runs/continue_dense.gin with the MoE model files).")
+  vit_dir = t5x_writer.write(str(tmp_path / 'vit'), 6, helpers.random_params(helpers.TINY_VIT))
+  with pytest.raises(ValueError, match=r"the checkpoint holds a ViT model, .* dense \(no expert "
+                                       r"leaves\); this config builds a T5 model, .*: another "
+                                       r"model family\."):
+    _run(t5['trainer'], t5['abstract'], UpcycleFromDense(vit_dir))

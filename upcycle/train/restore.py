@@ -73,11 +73,26 @@ def _announce(owner: str, ckpt, plan: Plan, reuse: bool) -> None:
   log.info('%s', plan)
 
 
-def _plan(owner: str, where: str, make: Callable[[], Plan]) -> Plan:
+def _plan(owner: str, where: str, make: Callable[[], Plan], *, source: Any, target: Any,
+          upcycling: bool) -> Plan:
+  """`make()`, its errors saying what the checkpoint holds against what the config builds; a
+  source of another family, or an MoE handed to upcycling, is refused first."""
+  held, built = tree.describe(source), tree.describe(target)
+  mismatch = None
+  if tree.family(tree.flatten(source)) != tree.family(tree.flatten(target)):
+    mismatch = 'another model family'
+  elif upcycling and tree.moe_layers(tree.flatten(source)):
+    mismatch = ('already an MoE: upcycling starts from a dense checkpoint. Fix: point it at the '
+                'dense checkpoint, or continue this MoE with restore.ContinueFromCheckpoint '
+                '(runs/continue_dense.gin with the MoE model files)')
+  if mismatch:
+    raise ValueError(f'{owner}({where}): the checkpoint holds {held}; this config builds '
+                     f'{built}: {mismatch}.')
   try:
     return make()
   except ValueError as e:
-    raise ValueError(f'{owner}({where}): {e}') from e
+    raise ValueError(f'{owner}({where}): {e} (The checkpoint holds {held}; this config '
+                     f'builds {built}.)') from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,7 +352,8 @@ class UpcycleFromDense:
     target = layout(dense, abstract_state.params, model_config)
     plan = _plan(owner, where, lambda: make_plan(
         dense, target.target, experts=experts, router=self.router, cast=self.cast,
-        step=step_policy.start(self.step, ckpt.step)))
+        step=step_policy.start(self.step, ckpt.step)),
+                 source=dense, target=target.target, upcycling=True)
     return ckpt, dense, target, plan
 
   def _one(self, owner: str):
@@ -416,7 +432,8 @@ class ContinueFromCheckpoint:
     target = layout(ckpt.params, abstract_state.params, model_config)
     plan = _plan(owner, f'{ckpt.path!r}, format {ckpt.format!r}', lambda: plan_lib.make(
         ckpt.params, target.target, Copy(), Normal(), cast=self.cast,
-        step=step_policy.start(self.step, ckpt.step), upcycling=False))
+        step=step_policy.start(self.step, ckpt.step), upcycling=False),
+                 source=ckpt.params, target=target.target, upcycling=False)
     return plan_jit(ckpt, abstract_state, optimizer, plan, target=target,
                     reuse_optimizer_state=self.reuse_optimizer_state, upcycled=False,
                     step=self.step, seed=0, owner=owner)
