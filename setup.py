@@ -6,8 +6,12 @@ setuptools.setup(
     name='upcycle',
     version='0.1.0',
     description='Sparse upcycling of dense T5 and ViT checkpoints into MoE models, in JAX/Flax.',
-    python_requires='>=3.10',
-    packages=setuptools.find_packages(include=['upcycle', 'upcycle.*']),
+    python_requires='>=3.11',   # the pins (jax 0.10.2, numpy 2.4.6, scipy, ...) need 3.11
+    # configs/ ships inside the package as upcycle/configs/ (gin_utils.CONFIGS_DIR), so a
+    # wheel install finds the gin files the README's commands name.
+    packages=setuptools.find_packages(include=['upcycle', 'upcycle.*']) + ['upcycle.configs'],
+    package_dir={'upcycle.configs': 'configs'},
+    package_data={'upcycle.configs': ['**/*.gin']},
     install_requires=[
         'jax==0.10.2',
         'jaxlib==0.10.2',

@@ -1,7 +1,9 @@
 """Run one training command as N JAX processes on this machine: the multi-host path, locally.
 
   python launch/local.py --num_processes=2 --devices_per_process=4 -- \
-      --gin_file=models/t5_1_1/tiny.gin --gin_file=runs/pretrain.gin ... \
+      --gin_file=models/t5_1_1/tiny.gin --gin_file=runs/pretrain.gin \
+      --gin_file=data/offline_span_corruption.gin \
+      --gin.MODEL_DIR="'/tmp/dense'" --gin.TRAIN_STEPS=100 \
       --gin.trainer.TrainConfig.num_expert_partitions=2 \
       --gin.trainer.TrainConfig.num_model_partitions=2
 

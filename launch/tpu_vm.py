@@ -2,9 +2,14 @@
 
   WHERE='--name=moe --zone=us-central2-b --project=P --accelerator_type=v4-64'
   python launch/tpu_vm.py create $WHERE --spot
-  python launch/tpu_vm.py setup  $WHERE                 # this checkout's HEAD on every worker
+  python launch/tpu_vm.py setup  $WHERE                 # this checkout's HEAD on every worker,
+                                                        # installed in a Python 3.11 virtualenv
   python launch/tpu_vm.py train  $WHERE --spot --retries=5 -- \
-      --gin_file=models/t5_1_1/base.gin --gin_file=moe/paper_t5.gin ...
+      --gin_file=models/t5_1_1/base.gin --gin_file=moe/paper_t5.gin --gin_file=runs/upcycle.gin \
+      --gin.SCAN_LAYERS=True --gin.BATCH_SIZE=256 --gin.TRAIN_STEPS=1100000 \
+      --gin.MODEL_DIR="'gs://bucket/moe'" \
+      --gin.INITIAL_CHECKPOINT_PATH="'gs://bucket/t5_1_1_base/checkpoint_1000000'" \
+      --gin.trainer.TrainConfig.num_expert_partitions=32
   python launch/tpu_vm.py logs   $WHERE --worker=0 --follow
   python launch/tpu_vm.py delete $WHERE
 
@@ -27,6 +32,10 @@ import time
 from typing import List, Optional, Sequence
 
 JAX_TPU = 'jax[tpu]==0.10.2'
+# The workers' virtualenv runs this CPython, the oldest that setup.py's pins accept; uv (from
+# PyPI) downloads it when the image's python3 is older (tpu-ubuntu2204-base has 3.10).
+PYTHON = '3.11'
+UV = 'uv==0.13.8'
 REMOTE_DIR = '~/upcycle'
 LOG_FILE = '~/upcycle_logs/train.log'
 DEFAULT_RUNTIME = {'v4': 'tpu-ubuntu2204-base', 'v5litepod': 'v2-alpha-tpuv5-lite',
@@ -99,13 +108,15 @@ def on_workers(args, command: str, worker: str = 'all') -> List[str]:
 
 
 def install_command() -> str:
-  return (f'cd {REMOTE_DIR} && python3 -m venv .venv && '
+  """REMOTE_DIR/.venv with CPython PYTHON (what `train` runs), the package and jax[tpu]."""
+  return (f'cd {REMOTE_DIR} && python3 -m pip install -q --user {UV} && '
+          f'~/.local/bin/uv venv -q --seed --python={PYTHON} .venv && '
           f'.venv/bin/pip install -q -e . && .venv/bin/pip install -q {shlex.quote(JAX_TPU)}')
 
 
 def setup_commands(args) -> List[List[str]]:
   """Puts the code on every worker (a git clone, or an archive of a local checkout's HEAD) and
-  installs it with jax[tpu] in a virtualenv there."""
+  installs it with jax[tpu] in a Python PYTHON virtualenv there (`install_command`)."""
   if args.git_url:
     fetch = (f'rm -rf {REMOTE_DIR} && git clone --quiet {shlex.quote(args.git_url)} {REMOTE_DIR}'
              f' && git -C {REMOTE_DIR} checkout --quiet {shlex.quote(args.git_ref)}')
@@ -218,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
   sub = parser.add_subparsers(dest='verb', required=True)
   sub.add_parser('create', parents=[common, vm], help='create the TPU VM or pod slice')
   sub.add_parser('setup', parents=[common, code],
-                 help='copy or clone the code, install it on all workers')
+                 help='copy or clone the code, install it on all workers (Python '
+                      f'{PYTHON} virtualenv)')
   run = sub.add_parser('train', parents=[common, vm, code],
                        help='python -m upcycle.train on every worker (flags after --)')
   run.add_argument('--retries', type=int, default=0, help='re-create and resume after preemption')

@@ -354,9 +354,8 @@ def convert(source: str, model_config: Union[T5Config, ViTConfig], output_dir: s
   return plan.report()
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-  argv = sys.argv[1:] if argv is None else list(argv)
-  console.show_progress()
+def build_parser() -> argparse.ArgumentParser:
+  """convert's own flags; the gin flags (gin_utils.parse_flags) are the rest."""
   parser = argparse.ArgumentParser(
       prog='python -m upcycle.convert', description=__doc__, allow_abbrev=False,
       formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -374,12 +373,18 @@ def main(argv: Optional[List[str]] = None) -> int:
                       help="cast source values to the model's parameter dtypes")
   parser.add_argument('--overwrite', action='store_true', help='replace an existing output')
   parser.add_argument('--dry_run', action='store_true', help='print the report, write nothing')
-  args, rest = parser.parse_known_args(argv)
+  return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  console.show_progress()
+  args, rest = build_parser().parse_known_args(argv)
   gin_args, bindings = gin_utils.parse_flags(rest, 'gin flags of python -m upcycle.convert')
   import gin  # pylint: disable=g-import-not-at-top
   gin.clear_config()  # Each call parses its own flags (main may run more than once in a process).
   try:
-    gin_utils.parse_gin(gin_args, bindings)
+    gin_utils.parse_gin(gin_args, bindings, read=(MODEL_MACRO,))
     report_args = dict(
         format=args.format, seed=args.seed, step=args.step, cast=args.cast,
         overwrite=args.overwrite, dry_run=args.dry_run, output_format=args.output_format,
@@ -387,7 +392,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         router=parse_init(args.router, routers_lib.ROUTER_INITS, '--router'))
     convert(args.source, target_from_gin(), args.output_dir, **report_args)
   except (ConvertError, checkpoints.CheckpointError, ValueError) as e:
-    print(f'error: {e}', file=sys.stderr)
+    print(gin_utils.one_line(e, argv), file=sys.stderr)   # --verbose: the traceback first
     return 1
   return 0
 

@@ -88,4 +88,6 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
 
 
 if __name__ == '__main__':
-  gin_utils.run(evaluate, sys.argv[1:], __doc__)
+  from upcycle import fields  # pylint: disable=g-import-not-at-top
+  from upcycle.checkpoints import CheckpointError  # pylint: disable=g-import-not-at-top
+  gin_utils.run(evaluate, sys.argv[1:], __doc__, expected=(fields.ConfigError, CheckpointError))

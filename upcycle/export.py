@@ -128,9 +128,7 @@ def export(model_dir: str, output_dir: str, step: Optional[int] = None,
   return written
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-  argv = sys.argv[1:] if argv is None else list(argv)
-  console.show_progress()
+def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog='python -m upcycle.export', description=__doc__, allow_abbrev=False,
       formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -141,7 +139,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                       help='T5X model directory; checkpoint_<step>/ is written into it')
   parser.add_argument('--no_optimizer_state', action='store_true',
                       help='parameters only, also for a T5XAdafactor run')
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  console.show_progress()
+  args = build_parser().parse_args(argv)
   try:
     export(args.model_dir, args.output_dir, args.step, not args.no_optimizer_state)
   except (ExportError, checkpoints.CheckpointError) as e:

@@ -6,12 +6,22 @@ the gin files).
   --gin_bindings='KEY = VALUE'          repeatable
   --gin_search_paths=a,b                where gin files and their includes are found
                                         (then CONFIGS_DIR, then the cwd)
+  --tfds_data_dir=DIR                   as T5X's: where TFDS datasets are prepared
+  --verbose                             errors show their traceback, not only one line
+
+A macro bound on the command line that no binding uses is refused, naming the closest macro
+the configuration has (`--gin.NUM_EXPERT=8` would otherwise define a new macro and change
+nothing); so are T5X's macros and flags that mean nothing here, with what to use instead.
 """
 
 import argparse
 import contextlib
+import difflib
 import os
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+import re
+import sys
+import traceback
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Type
 
 import gin
 
@@ -25,8 +35,27 @@ CONFIGS_DIR = (_PACKAGED_CONFIGS if os.path.isdir(_PACKAGED_CONFIGS)
                else os.path.join(os.path.dirname(_PACKAGE), 'configs'))
 
 
+# T5X's macros and flags that would do nothing here, and what to do instead.
+T5X_MACROS = {
+    'RANDOM_SEED': 'the seed here is the macro SEED: --gin.SEED=N',
+    'Z_LOSS': 'set --gin.objectives.Seq2Seq.z_loss=X (default 1e-4)',
+    'LOSS_NORMALIZING_FACTOR': ('the loss is always normalized by the number of real target '
+                                "tokens (T5X's 'NUM_REAL_TARGET_TOKENS'); drop the binding"),
+    'USE_CACHED_TASKS': 'tasks are always read uncached (no seqio cache); drop the binding',
+    'INFER_OUTPUT_DIR': ('python -m upcycle.infer writes MODEL_DIR/inference/<task>-<step>.jsonl:'
+                         ' set --gin.MODEL_DIR instead'),
+}
+_NO_LOG_FILES = ('the entry points print their progress and warnings to the terminal and keep '
+                 'no absl log files; drop the flag')
+T5X_FLAGS = {'--alsologtostderr': _NO_LOG_FILES, '--logtostderr': _NO_LOG_FILES}
+
+
 def parse_flags(argv: Sequence[str], description: str) -> Tuple[argparse.Namespace, List[str]]:
   """Splits argv into known flags and gin bindings (from --gin.K=V and --gin_bindings)."""
+  for arg in argv:
+    flag = arg.split('=', 1)[0]
+    if flag in T5X_FLAGS:
+      raise SystemExit(f'{flag}: a T5X flag without effect here: {T5X_FLAGS[flag]}.')
   parser = argparse.ArgumentParser(description=description)
   parser.add_argument('--gin_file', action='append', default=[],
                       help='gin file; repeatable, later files override earlier ones')
@@ -37,6 +66,10 @@ def parse_flags(argv: Sequence[str], description: str) -> Tuple[argparse.Namespa
   parser.add_argument('--multi_host', choices=('auto', 'yes', 'no'), default='auto',
                       help='call jax.distributed.initialize() (auto: on multi-host TPU VMs and '
                            'under launch/local.py)')
+  parser.add_argument('--tfds_data_dir', default=None,
+                      help="as T5X's: the TFDS data directory of every task and image dataset")
+  parser.add_argument('--verbose', action='store_true',
+                      help='show the traceback of an error, not only its one-line message')
   bindings, rest = [], []
   for arg in argv:
     if arg.startswith('--gin.'):
@@ -101,12 +134,55 @@ def parse_files_and_bindings(files: Sequence[str], bindings: Sequence[str],
     gin.parse_config_files_and_bindings(files, bindings, finalize_config=finalize)
 
 
-def parse_gin(args: argparse.Namespace, bindings: Sequence[str]) -> None:
-  """The entry points' gin flags: files in order, the bindings last; errors exit with the cause."""
+def _macro_references(value: Any, found: set) -> None:
+  """Adds the names of the macros `value` refers to (`%NAME`, also inside containers)."""
+  if isinstance(value, gin.config.ConfigurableReference):
+    if value.config_key[1] == 'gin.macro':
+      found.add(value.config_key[0])
+  elif isinstance(value, (list, tuple, set)):
+    for item in value:
+      _macro_references(item, found)
+  elif isinstance(value, dict):
+    for item in (*value.keys(), *value.values()):
+      _macro_references(item, found)
+
+
+def check_macros(bindings: Sequence[str], read: Sequence[str] = ()) -> None:
+  """Refuses a macro set by `bindings` that no binding of the parsed configuration uses (nor
+  the entry point, which reads the macros `read` itself), naming the closest macro it has."""
+  config = gin.config._CONFIG  # pylint: disable=protected-access
+  used = set(read)
+  for parameters in config.values():
+    for value in parameters.values():
+      _macro_references(value, used)
+  in_use = sorted(used & {scope for scope, selector in config if selector == 'gin.macro'})
+  given = [m.group(1) for binding in bindings for line in binding.splitlines()
+           if (m := re.match(r'\s*([A-Za-z_]\w*)\s*=', line))]
+  for name in given:
+    if name in used:
+      continue
+    if name in T5X_MACROS:
+      raise ValueError(f'--gin.{name}: a T5X macro without effect here: {T5X_MACROS[name]}.')
+    close = difflib.get_close_matches(name, in_use, n=1)
+    hint = (f'did you mean {close[0]}?' if close else
+            f'the macros this configuration uses are {", ".join(in_use)}.')
+    raise ValueError(f'--gin.{name}: no binding uses the macro {name}, so it would change '
+                     f'nothing; {hint}')
+
+
+def parse_gin(args: argparse.Namespace, bindings: Sequence[str], read: Sequence[str] = ()) -> None:
+  """The entry points' flags take effect: --tfds_data_dir, then the gin files in order and the
+  bindings last, whose macros must all be used (`check_macros`; `read`: the macros the entry
+  point reads itself). Errors exit with the cause."""
+  if args.tfds_data_dir:
+    import seqio  # pylint: disable=g-import-not-at-top
+    seqio.set_tfds_data_dir_override(args.tfds_data_dir)   # seqio tasks, as T5X does
+    os.environ['TFDS_DATA_DIR'] = args.tfds_data_dir       # image datasets (data/images.py)
   if not args.gin_file:
     raise SystemExit('Give at least one --gin_file (see configs/ and the README).')
   try:
     parse_files_and_bindings(args.gin_file, bindings, args.gin_search_paths.split(','))
+    check_macros(bindings, read)
   except (ValueError, IOError, SyntaxError) as e:
     raise SystemExit(f'gin configuration error: {e}') from e
 
@@ -168,12 +244,36 @@ def write_config(model_dir: str, operative: bool = False) -> None:
   (directory / name).write_text(text)
 
 
-def run(fn: Callable[..., Any], argv: Sequence[str], description: str) -> Any:
+def one_line(error: BaseException, argv: Sequence[str]) -> str:
+  """`error: <message>` for an error the user can cause; with --verbose in `argv`, its
+  traceback is printed first."""
+  if '--verbose' in argv:
+    traceback.print_exception(error, file=sys.stderr)
+  return f'error: {error}'
+
+
+def run(fn: Callable[..., Any], argv: Sequence[str], description: str,
+        expected: Tuple[Type[BaseException], ...] = ()) -> Any:
   """An entry point's main: flags, multi-host setup, gin files and bindings, then `fn()` with
-  its arguments bound by gin (gin files refer to it as `__main__.<fn name>`, as in T5X)."""
-  console.show_progress()
-  args, bindings = parse_flags(argv, description)
-  maybe_initialize_distributed(args.multi_host)
-  configured = gin.configurable(fn)
-  parse_gin(args, bindings)
-  return configured()
+  its arguments bound by gin (gin files refer to it as `__main__.<fn name>`, as in T5X).
+
+  Errors the user can cause end with one line and exit status 1, no traceback (--verbose
+  shows it): bad flags, gin files and bindings (a SystemExit with the reason) and the
+  `expected` exceptions (a bad config value, a checkpoint that does not fit, ...).
+  """
+  try:
+    console.show_progress()
+    args, bindings = parse_flags(argv, description)
+    maybe_initialize_distributed(args.multi_host)
+    configured = gin.configurable(fn)
+    parse_gin(args, bindings)
+    return configured()
+  except SystemExit as e:
+    if isinstance(e.code, str) and '--verbose' in argv:
+      traceback.print_exception(e.__cause__ or e, file=sys.stderr)
+    raise
+  except expected as e:
+    message = one_line(e, argv)
+  # Raised outside the handler: the error's traceback, and the run's objects its frames hold
+  # (checkpoint managers with threads), are released before the interpreter shuts down.
+  raise SystemExit(message)

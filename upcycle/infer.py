@@ -124,4 +124,6 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
 
 
 if __name__ == '__main__':
-  gin_utils.run(infer, sys.argv[1:], __doc__)
+  from upcycle import fields  # pylint: disable=g-import-not-at-top
+  from upcycle.checkpoints import CheckpointError  # pylint: disable=g-import-not-at-top
+  gin_utils.run(infer, sys.argv[1:], __doc__, expected=(fields.ConfigError, CheckpointError))

@@ -67,7 +67,7 @@ def format_text(info: Dict[str, Any]) -> str:
   return '\n'.join(lines)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog='python -m upcycle.inspect', description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('path', help='checkpoint file or directory (T5X, orbax, HF, .npz)')
@@ -76,7 +76,11 @@ def main(argv: Optional[List[str]] = None) -> int:
   parser.add_argument('--json', action='store_true', help='print JSON instead of text')
   parser.add_argument('--verify', action='store_true',
                       help='read every array to check that all data is present')
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+  args = build_parser().parse_args(argv)
   try:
     ckpt = pretrained.load(args.path, format=args.format, lazy=True)
     info = summary(ckpt)

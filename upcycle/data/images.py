@@ -17,6 +17,7 @@ they are decoded.
 
 import dataclasses
 import functools
+import os
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
@@ -61,7 +62,7 @@ class ImagePipeline:
     eval_crop_fraction: evaluation crops this fraction of the resized image (ImageNet: 224/256).
     shuffle: shuffle examples (default: when training).
     shuffle_buffer_size: tf.data shuffle buffer (digits are always shuffled in full).
-    tfds_data_dir: TFDS data directory (None: TFDS's default).
+    tfds_data_dir: TFDS data directory (None: TFDS_DATA_DIR, else TFDS's default).
   """
   dataset: str = DIGITS
   split: str = 'train'
@@ -143,7 +144,8 @@ def _digits_shard(split: str, shard_index: int, num_shards: int) -> tf.data.Data
 def _tfds_shard(name: str, split: str, data_dir: Optional[str], shard_index: int,
                 num_shards: int, *, shuffle_files: bool, seed: int) -> tf.data.Dataset:
   """This host's equal, disjoint slice of a TFDS split, images left encoded (decoded later)."""
-  builder = tfds.builder(name, data_dir=data_dir)
+  # TFDS reads TFDS_DATA_DIR once, at import; --tfds_data_dir sets it later (gin_utils).
+  builder = tfds.builder(name, data_dir=data_dir or os.environ.get('TFDS_DATA_DIR'))
   if num_shards > 1:
     split = tfds.even_splits(split, n=num_shards, drop_remainder=True)[shard_index]
   try:

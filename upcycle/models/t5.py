@@ -186,8 +186,9 @@ class Decoder(nn.Module):
   embedder: nn.Module
 
   @nn.compact
-  def __call__(self, encoded, encoder_tokens, decoder_tokens, decoder_target_tokens,
-               encoder_segment_ids, decoder_segment_ids, deterministic, decode=False):
+  def __call__(self, *, encoded, encoder_tokens, decoder_tokens, deterministic,
+               decoder_target_tokens=None, encoder_segment_ids=None, decoder_segment_ids=None,
+               decode=False):
     """-> logits `[batch, target_length, vocab]` (float32).
 
     `decode=True`: the first call (no cache yet; `decoder_tokens` `[batch, max_decode_length]`,
@@ -280,7 +281,8 @@ class T5(nn.Module):
     self.decoder = Decoder(cfg, self.token_embedder)
 
   def encode(self, encoder_input_tokens, encoder_segment_ids=None, enable_dropout=False):
-    return self.encoder(encoder_input_tokens, encoder_segment_ids, not enable_dropout)
+    return self.encoder(tokens=encoder_input_tokens, segment_ids=encoder_segment_ids,
+                        deterministic=not enable_dropout)
 
   def prefill(self, encoder_input_tokens: Array, max_decode_length: int) -> None:
     """Encodes `[batch, src_len]` and creates the decoding cache for `max_decode_length` steps.
@@ -289,14 +291,16 @@ class T5(nn.Module):
     """
     encoded = self.encode(encoder_input_tokens)
     placeholder = jnp.zeros((encoder_input_tokens.shape[0], max_decode_length), jnp.int32)
-    self.decoder(encoded, encoder_input_tokens, placeholder, None, None, None, True, decode=True)
+    self.decoder(encoded=encoded, encoder_tokens=encoder_input_tokens, decoder_tokens=placeholder,
+                 deterministic=True, decode=True)
 
   def decode_step(self, decoder_tokens: Array) -> Array:
     """One cached step: `[batch, 1]` tokens at `cache/position` -> logits `[batch, vocab]`.
 
     Apply with `{'params': p, 'cache': c}` and `mutable=['cache']` (the advanced cache).
     """
-    logits = self.decoder(None, None, decoder_tokens, None, None, None, True, decode=True)
+    logits = self.decoder(encoded=None, encoder_tokens=None, decoder_tokens=decoder_tokens,
+                          deterministic=True, decode=True)
     return logits[:, 0]
 
   def __call__(self, encoder_input_tokens: Array, decoder_input_tokens: Array,
@@ -306,6 +310,9 @@ class T5(nn.Module):
                enable_dropout: bool = False) -> Array:
     """`[batch, src_len]`, `[batch, tgt_len]` int tokens -> `[batch, tgt_len, vocab]` float32."""
     encoded = self.encode(encoder_input_tokens, encoder_segment_ids, enable_dropout)
-    return self.decoder(encoded, encoder_input_tokens, decoder_input_tokens,
-                        decoder_target_tokens, encoder_segment_ids, decoder_segment_ids,
-                        not enable_dropout)
+    return self.decoder(encoded=encoded, encoder_tokens=encoder_input_tokens,
+                        decoder_tokens=decoder_input_tokens,
+                        decoder_target_tokens=decoder_target_tokens,
+                        encoder_segment_ids=encoder_segment_ids,
+                        decoder_segment_ids=decoder_segment_ids,
+                        deterministic=not enable_dropout)

@@ -137,7 +137,7 @@ most likely reason.
 """
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--out', default='docs', help='where RESULTS.md and results/ go')
   parser.add_argument('--runs_dir', default='runs/study', help='the training runs')
@@ -151,7 +151,11 @@ def main(argv=None) -> None:
   parser.add_argument('--jobs', type=int, default=2, help='training runs at a time')
   parser.add_argument('--render_only', action='store_true',
                       help='write RESULTS.md from the runs finished so far; train nothing')
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv=None) -> None:
+  args = build_parser().parse_args(argv)
   args.runs_dir_given = None if args.runs_dir == 'runs/study' else args.runs_dir
   args.runs_dir = os.path.abspath(args.runs_dir)
   scale = QUICK if args.quick else FULL

@@ -26,33 +26,37 @@ def train(*, objective: Any, optimizer: Any, config: Any, train_data: Any,
 
 
 def main(argv) -> int:
-  """Runs `train`; refusals (bad config values, MODEL_DIR in use, a checkpoint that does not
-  fit or cannot be read) end with one message and exit status 1 instead of a traceback."""
+  """Runs `train`; --help exits 0, and refusals (bad flags or gin files, bad config values,
+  MODEL_DIR in use, a checkpoint that does not fit or cannot be read) end with one message and
+  exit status 1 instead of a traceback (gin_utils.run; --verbose shows it)."""
   from upcycle import fields  # pylint: disable=g-import-not-at-top
   from upcycle.checkpoints import CheckpointError  # pylint: disable=g-import-not-at-top
   from upcycle.train.run_lock import RunDirectoryInUse  # pylint: disable=g-import-not-at-top
   try:
-    gin_utils.run(train, argv, __doc__)
-  except (fields.ConfigError, RunDirectoryInUse, CheckpointError) as e:
-    print(f'error: {e}', file=sys.stderr, flush=True)
-    _exit_now_if_one_of_many(1)
-    return 1
+    gin_utils.run(train, argv, __doc__,
+                  expected=(fields.ConfigError, RunDirectoryInUse, CheckpointError))
+  except SystemExit as e:
+    _exit_now_if_one_of_many(e)
+    raise
   except BaseException:
     traceback.print_exc()
-    _exit_now_if_one_of_many(1)
+    _exit_now_if_one_of_many(SystemExit(1))
     raise
   return 0
 
 
-def _exit_now_if_one_of_many(status: int) -> None:
-  """Exits at once when this is one process of several: a normal exit would first wait (up
-  to jax.distributed's shutdown timeout, minutes) for peers that may be stuck in a collective
-  with the dead process; exiting lets the launcher (launch/local.py, or the pod's) stop them."""
-  import jax  # pylint: disable=g-import-not-at-top
-  if jax.process_count() > 1:
+def _exit_now_if_one_of_many(exit_: SystemExit) -> None:
+  """Exits at once, as `exit_` would, when this is one of several joined processes: a normal
+  exit would first wait (up to jax.distributed's shutdown timeout, minutes) for peers that may
+  be stuck in a collective with the dead process; exiting lets the launcher (launch/local.py,
+  or the pod's) stop them. --help, and errors before the processes join, just exit."""
+  jax = sys.modules.get('jax')
+  if exit_.code and jax and jax.distributed.is_initialized() and jax.process_count() > 1:
+    if isinstance(exit_.code, str):
+      print(exit_.code, file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(status)  # pylint: disable=protected-access
+    os._exit(exit_.code if isinstance(exit_.code, int) else 1)  # pylint: disable=protected-access
 
 
 if __name__ == '__main__':

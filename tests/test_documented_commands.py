@@ -1,0 +1,150 @@
+"""Every command the documentation shows parses: each `python -m upcycle.<cli>` and
+`python launch/<script>.py` line of README.md's and docs/*.md's code blocks, docs/*.md's
+inline commands and the examples in the CLIs' --help texts (their module docstrings; a
+synopsis with `...` or `[optional]` parts is not a command). Training-style commands (train,
+eval, infer, aot, and the training flags after `--` of the launchers) have their gin files
+and bindings parsed and finalized as the entry points do, so a %gin.REQUIRED macro left
+unset, a misspelt binding, an unused macro or an unknown gin file fails; the other CLIs'
+flags go through the CLI's own parser."""
+
+import ast
+import glob
+import importlib.util
+import os
+import re
+import shlex
+import sys
+import types
+
+import gin
+import pytest
+
+from upcycle import aot, convert, eval as eval_main, export, gin_utils, infer as infer_main
+from upcycle import inspect as inspect_main
+from upcycle.study import __main__ as study_main
+from upcycle.train import __main__ as train_main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCUMENTS = ['README.md'] + sorted(os.path.relpath(p, REPO)
+                                   for p in glob.glob(os.path.join(REPO, 'docs', '*.md')))
+CLIS = sorted(os.path.relpath(p, REPO)
+              for p in glob.glob(os.path.join(REPO, 'upcycle', '**', '*.py'), recursive=True)
+              + glob.glob(os.path.join(REPO, 'launch', '*.py'))
+              if "if __name__ == '__main__':" in open(p).read())
+
+
+def _launcher(name):
+  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, 'launch', f'{name}.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _code_lines(text, markdown, inline):
+  """(line number, line) of the code lines, `\\`-continued lines joined: in `markdown` the
+  lines of fenced code blocks (with `inline`, also whole inline code spans that start with
+  `python`), in a help text the indented lines (its examples)."""
+  in_block, pending, start = False, '', 0
+  for number, line in enumerate(text.splitlines(), 1):
+    if markdown and line.strip().startswith('```'):
+      in_block = not in_block
+    elif in_block if markdown else line[:1].isspace():
+      start = start or number
+      if line.rstrip().endswith('\\'):
+        pending += line.rstrip()[:-1] + ' '
+        continue
+      yield start, pending + line
+      pending, start = '', 0
+    elif inline:
+      for span in re.findall(r'`(python [^`]+)`', line):
+        yield number, span
+
+
+def _texts():
+  """(name, text, markdown, inline) of the documents and the CLIs' help texts. docs/ give
+  whole commands inline (how to regenerate them); the README's inline spans name commands in
+  prose, its code blocks hold the commands."""
+  for document in DOCUMENTS:
+    text = open(os.path.join(REPO, document)).read()
+    yield document, text, True, document.startswith('docs')
+  for cli in CLIS:
+    text = ast.get_docstring(ast.parse(open(os.path.join(REPO, cli)).read())) or ''
+    yield f'{cli} --help', text, False, False
+
+
+def documented_commands():
+  """pytest params of (argv after the interpreter) for every documented command; shell
+  variables assigned before it in the same text (`WHERE='...'`) are expanded."""
+  found = []
+  for name, text, markdown, inline in _texts():
+    variables = {}
+    for number, line in _code_lines(text, markdown, inline):
+      line = re.sub(r'\$(\w+)', lambda m: variables.get(m.group(1), m.group(0)), line)
+      if re.fullmatch(r"\s*[A-Z_]+='[^']*'", line):
+        name_, value = shlex.split(line)[0].split('=', 1)
+        variables[name_] = value
+      elif re.match(r'\s*(\S*/)?python3? (-m upcycle\.|launch/)', line) and not re.search(
+          r'\.\.\.|\[', line):   # a synopsis or an excerpt
+        found.append(pytest.param(shlex.split(line, comments=True)[1:], id=f'{name}:{number}'))
+  return found
+
+
+COMMANDS = documented_commands()
+
+
+@pytest.fixture(autouse=True)
+def entry_points(monkeypatch):
+  """The functions the gin files bind as `__main__.<name>`, as each entry point runs them."""
+  main = sys.modules['__main__']
+  monkeypatch.setattr(main, 'train', train_main.train, raising=False)
+  monkeypatch.setattr(main, 'evaluate', eval_main.evaluate, raising=False)
+  monkeypatch.setattr(main, 'infer', infer_main.infer, raising=False)
+  monkeypatch.setattr(aot, '_FLAGS', types.SimpleNamespace(**vars(aot._FLAGS)))
+  yield
+  gin.clear_config(clear_constants=True)
+
+
+def parse_training_flags(argv, read=()):
+  """What gin_utils.run does before it calls the entry point."""
+  gin.clear_config(clear_constants=True)
+  gin_utils.parse_gin(*gin_utils.parse_flags(argv, 'documented command'), read=read)
+
+
+def check(argv):
+  """Parses `argv` (after `python`) as its CLI would; a refusal raises SystemExit."""
+  if argv[0] == '-m':
+    cli, flags = argv[1], argv[2:]
+    if cli in ('upcycle.train', 'upcycle.eval', 'upcycle.infer'):
+      parse_training_flags(flags)
+    elif cli == 'upcycle.aot':
+      parse_training_flags(aot._own_flags(flags))   # pylint: disable=protected-access
+    elif cli == 'upcycle.convert':
+      _, rest = convert.build_parser().parse_known_args(flags)
+      parse_training_flags(rest, read=(convert.MODEL_MACRO,))
+    else:
+      parsers = {'upcycle.export': export, 'upcycle.inspect': inspect_main,
+                 'upcycle.study': study_main}
+      parsers[cli].build_parser().parse_args(flags)
+    return
+  script = os.path.splitext(os.path.basename(argv[0]))[0]
+  flags = argv[1:]
+  own, train_flags = (flags[:flags.index('--')], flags[flags.index('--') + 1:]) if (
+      '--' in flags) else (flags, [])
+  _launcher(script).build_parser().parse_args(own)
+  if train_flags:
+    parse_training_flags(train_flags)
+
+
+def test_the_documentation_shows_commands_of_every_kind():
+  clis = {p.values[0][1] if p.values[0][0] == '-m' else p.values[0][0] for p in COMMANDS}
+  assert {'upcycle.train', 'upcycle.eval', 'upcycle.infer', 'upcycle.aot', 'upcycle.convert',
+          'upcycle.export', 'upcycle.inspect', 'upcycle.study', 'launch/tpu_vm.py',
+          'launch/local.py'} <= clis
+
+
+@pytest.mark.parametrize('argv', COMMANDS)
+def test_documented_command_parses(argv):
+  try:
+    check(argv)
+  except SystemExit as e:
+    pytest.fail(f'python {shlex.join(argv)}\n  -> {e}')

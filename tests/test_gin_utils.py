@@ -1,0 +1,139 @@
+"""The entry points' command line (upcycle/gin_utils.py): a macro no binding uses is refused
+with the closest one, T5X's macros and flags are honoured or refused with what to use instead,
+and errors a user can cause end in one line, not a traceback."""
+
+import os
+import subprocess
+import sys
+
+import gin
+import pytest
+
+from upcycle import fields, gin_utils
+from upcycle.train import __main__ as train_main
+
+T5 = ['--gin_file=models/t5_1_1/tiny.gin', '--gin_file=runs/pretrain.gin',
+      "--gin.MODEL_DIR='/tmp/unused'", '--gin.TRAIN_STEPS=10']
+MOE = ['--gin_file=models/t5_1_1/tiny.gin', '--gin_file=moe/paper_t5.gin']
+
+
+@pytest.fixture(autouse=True)
+def entry_point(monkeypatch):
+  """runs/pretrain.gin binds `__main__.train`, as under `python -m upcycle.train`."""
+  monkeypatch.setattr(sys.modules['__main__'], 'train', train_main.train, raising=False)
+  yield
+  gin.clear_config(clear_constants=True)
+
+
+def parse(argv, read=()):
+  gin.clear_config(clear_constants=True)
+  gin_utils.parse_gin(*gin_utils.parse_flags(argv, 'test'), read=read)
+
+
+def refusal(argv, read=()):
+  with pytest.raises(SystemExit) as refused:
+    parse(argv, read)
+  return str(refused.value)
+
+
+def test_a_misspelt_macro_is_refused_naming_the_macro_meant():
+  message = refusal(MOE + ['--gin.NUM_EXPERT=8'])
+  assert message == ('gin configuration error: --gin.NUM_EXPERT: no binding uses the macro '
+                     'NUM_EXPERT, so it would change nothing; did you mean NUM_EXPERTS?')
+  assert 'did you mean NUM_EXPERTS?' in refusal(MOE + ["--gin_bindings=NUM_EXPERT = 8"])
+  parse(MOE + ['--gin.NUM_EXPERTS=8'])
+  assert gin.query_parameter('NUM_EXPERTS/gin.macro.value') == 8
+
+
+def test_a_macro_nothing_is_close_to_lists_the_macros_in_use():
+  message = refusal(T5 + ['--gin.NUM_EXPERTS=8'])   # a dense model: no MoE file given
+  assert message.endswith('the macros this configuration uses are ACTIVATION_DTYPE, '
+                          'BATCH_SIZE, DROPOUT_RATE, MIXTURE_OR_TASK_NAME, MODEL, MODEL_DIR, '
+                          'OBJECTIVE, REMAT_POLICY, SCAN_LAYERS, SEED, TASK_FEATURE_LENGTHS, '
+                          'TRAIN_STEPS, WARMUP_STEPS.')
+
+
+def test_a_macro_the_entry_point_reads_itself_is_accepted(tmp_path):
+  """python -m upcycle.convert reads MODEL with gin.query_parameter, not through a binding."""
+  (tmp_path / 'bare.gin').write_text('from __gin__ import dynamic_registration\n'
+                                     'from upcycle import models\n'
+                                     'MODEL = @models.T5Config()\n')
+  argv = [f'--gin_file={tmp_path}/bare.gin', '--gin.MODEL=@models.T5Config()']
+  assert 'no binding uses the macro MODEL' in refusal(argv)
+  parse(argv, read=('MODEL',))
+
+
+@pytest.mark.parametrize('macro,instead', [
+    ('RANDOM_SEED=1', 'the seed here is the macro SEED: --gin.SEED=N.'),
+    ('Z_LOSS=0.001', 'set --gin.objectives.Seq2Seq.z_loss=X (default 1e-4).'),
+    ("LOSS_NORMALIZING_FACTOR='NUM_REAL_TARGET_TOKENS'", "(T5X's 'NUM_REAL_TARGET_TOKENS')"),
+    ('USE_CACHED_TASKS=True', 'tasks are always read uncached (no seqio cache)'),
+    ("INFER_OUTPUT_DIR='/tmp/x'", 'set --gin.MODEL_DIR instead.')])
+def test_t5x_macros_are_refused_with_what_to_use_instead(macro, instead):
+  name = macro.split('=')[0]
+  message = refusal(T5 + [f'--gin.{macro}'])
+  assert message.startswith(f'gin configuration error: --gin.{name}: a T5X macro without '
+                            'effect here: ') and instead in message
+
+
+def test_what_the_t5x_refusals_suggest_works():
+  parse(T5 + ['--gin.SEED=7', '--gin.objectives.Seq2Seq.z_loss=0.001'])
+  assert gin.query_parameter('SEED/gin.macro.value') == 7
+  assert gin.query_parameter('upcycle.train.objectives.Seq2Seq.z_loss') == 0.001
+
+
+@pytest.mark.parametrize('flag', ['--alsologtostderr', '--logtostderr'])
+def test_t5x_logging_flags_are_refused(flag):
+  with pytest.raises(SystemExit, match=f'^{flag}: a T5X flag without effect here: .*drop the '
+                                       'flag.$'):
+    gin_utils.parse_flags(T5 + [flag], 'test')
+
+
+def test_tfds_data_dir_is_where_tasks_and_image_datasets_are_read(monkeypatch, tmp_path):
+  import seqio  # pylint: disable=g-import-not-at-top
+  from upcycle.data import images  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(seqio.utils, '_TFDS_DATA_DIR_OVERRIDE', None)
+  monkeypatch.setenv('TFDS_DATA_DIR', str(tmp_path / 'before'))   # restored after the test
+  parse(T5 + [f'--tfds_data_dir={tmp_path}'])
+  assert seqio.TfdsDataSource('c4/en:3.1.0').tfds_dataset.data_dir == str(tmp_path)
+  with pytest.raises(ValueError, match=f"not prepared in data_dir='{tmp_path}"):
+    images.ImagePipeline(dataset='mnist', split='train').batches(
+        seed=0, batch_size=8, shard_index=0, num_shards=1, drop_remainder=True, skip_batches=0)
+
+
+def test_expected_errors_are_one_line_and_verbose_shows_the_traceback(capsys):
+  def refuses():
+    raise fields.ConfigError('trainer.TrainConfig.log_every = 0: expected an integer >= 1')
+
+  argv = ['--gin_file=models/t5_1_1/tiny.gin']
+  with pytest.raises(SystemExit, match='^error: trainer.TrainConfig.log_every = 0: expected'):
+    gin_utils.run(refuses, argv, 'test', expected=(fields.ConfigError,))
+  assert 'Traceback' not in capsys.readouterr().err
+  gin.clear_config()
+  with pytest.raises(SystemExit):
+    gin_utils.run(refuses, argv + ['--verbose'], 'test', expected=(fields.ConfigError,))
+  assert 'Traceback' in capsys.readouterr().err
+  gin.clear_config()
+  with pytest.raises(SystemExit, match='^gin configuration error: gin file .nope.gin. not found'):
+    gin_utils.run(refuses, ['--gin_file=nope.gin', '--verbose'], 'test')
+  assert 'OSError: gin file' in capsys.readouterr().err
+
+
+def _train(tmp_path, *argv):
+  return subprocess.run([sys.executable, '-m', 'upcycle.train', *argv], cwd=tmp_path,
+                        capture_output=True, text=True, check=False,
+                        env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+
+
+def test_train_help_exits_0_without_a_traceback(tmp_path):
+  done = _train(tmp_path, '--help')
+  assert done.returncode == 0 and done.stderr == ''
+  assert done.stdout.startswith('usage: ') and '--verbose' in done.stdout
+
+
+def test_a_missing_gin_file_is_one_line_and_exit_1(tmp_path):
+  done = _train(tmp_path, '--gin_file=runs/pretrian.gin')
+  assert done.returncode == 1 and done.stdout == ''
+  assert done.stderr == (f"gin configuration error: gin file 'runs/pretrian.gin' not found in "
+                         f"the search paths ['{gin_utils.CONFIGS_DIR}', '{tmp_path}']; pass a "
+                         'path that exists or add its directory with --gin_search_paths\n')
