@@ -12,7 +12,9 @@ writes benchmarks/results/tpu_fit.json (every row's upcycle.aot JSON and command
 T5 v1.1 + `moe/paper_t5.gin` (E = 32 in every other layer), batch 256 x 512/114 (T5X's
 t5_1_1 pretraining examples); ViT + `moe/paper_vit.gin` (E = 32 in every other block),
 batch 4096 at 224 x 224 (the paper's vision batch, big_vision's). bfloat16 activations and
-full remat (the model gins' pod defaults), layers scanned (`--gin.SCAN_LAYERS=True`).
+full remat (the model gins' pod defaults); T5 layers scanned (`--gin.SCAN_LAYERS=True`),
+ViT layers unrolled (its upcycling reuses the dense optimizer state, which a scanned model
+refuses). `--merge FILE` keeps the rows of an earlier JSON that this run does not redo.
 """
 
 import argparse
@@ -30,21 +32,23 @@ T5 = ('--gin_file=moe/paper_t5.gin', '--gin_file=runs/upcycle.gin', '--gin.BATCH
       "--gin.MIXTURE_OR_TASK_NAME='c4_span_corruption'")
 VIT = ('--gin_file=moe/paper_vit.gin', '--gin_file=runs/vit_upcycle.gin',
        '--gin.BATCH_SIZE=4096')
-# name: (model gin, family flags, topology, Cloud TPU name, expert partitions, model partitions)
+# name: (model gin, family flags, topology, Cloud TPU name, expert partitions, model
+# partitions, scanned). T5 rows scan (compile time); ViT rows do not: runs/vit_upcycle.gin
+# reuses the dense optimizer state, whose unrolled slots a scanned model refuses.
 ROWS = {
-    't5-base-v4-32': ('models/t5_1_1/base.gin', T5, 'v4:2x2x4', 'v4-32', 16, 1),
-    't5-base-v4-64': ('models/t5_1_1/base.gin', T5, 'v4:2x4x4', 'v4-64', 32, 1),
-    't5-base-v4-128': ('models/t5_1_1/base.gin', T5, 'v4:4x4x4', 'v4-128', 32, 1),
-    't5-large-v4-32': ('models/t5_1_1/large.gin', T5, 'v4:2x2x4', 'v4-32', 16, 1),
-    't5-large-v4-64': ('models/t5_1_1/large.gin', T5, 'v4:2x4x4', 'v4-64', 32, 1),
-    't5-large-v4-128': ('models/t5_1_1/large.gin', T5, 'v4:4x4x4', 'v4-128', 32, 1),
-    't5-xl-v4-32': ('models/t5_1_1/xl.gin', T5, 'v4:2x2x4', 'v4-32', 16, 1),
-    't5-xl-v4-64': ('models/t5_1_1/xl.gin', T5, 'v4:2x4x4', 'v4-64', 32, 1),
-    't5-xl-v4-128': ('models/t5_1_1/xl.gin', T5, 'v4:4x4x4', 'v4-128', 32, 2),
-    'vit-b16-v4-64': ('models/vit/b16.gin', VIT, 'v4:2x4x4', 'v4-64', 32, 1),
-    'vit-b16-v4-128': ('models/vit/b16.gin', VIT, 'v4:4x4x4', 'v4-128', 32, 1),
-    'vit-l16-v4-64': ('models/vit/l16.gin', VIT, 'v4:2x4x4', 'v4-64', 32, 1),
-    'vit-l16-v4-128': ('models/vit/l16.gin', VIT, 'v4:4x4x4', 'v4-128', 32, 1),
+    't5-base-v4-32': ('models/t5_1_1/base.gin', T5, 'v4:2x2x4', 'v4-32', 16, 1, True),
+    't5-base-v4-64': ('models/t5_1_1/base.gin', T5, 'v4:2x4x4', 'v4-64', 32, 1, True),
+    't5-base-v4-128': ('models/t5_1_1/base.gin', T5, 'v4:4x4x4', 'v4-128', 32, 1, True),
+    't5-large-v4-32': ('models/t5_1_1/large.gin', T5, 'v4:2x2x4', 'v4-32', 16, 1, True),
+    't5-large-v4-64': ('models/t5_1_1/large.gin', T5, 'v4:2x4x4', 'v4-64', 32, 1, True),
+    't5-large-v4-128': ('models/t5_1_1/large.gin', T5, 'v4:4x4x4', 'v4-128', 32, 1, True),
+    't5-xl-v4-32': ('models/t5_1_1/xl.gin', T5, 'v4:2x2x4', 'v4-32', 8, 2, True),
+    't5-xl-v4-64': ('models/t5_1_1/xl.gin', T5, 'v4:2x4x4', 'v4-64', 32, 1, True),
+    't5-xl-v4-128': ('models/t5_1_1/xl.gin', T5, 'v4:4x4x4', 'v4-128', 32, 2, True),
+    'vit-b16-v4-64': ('models/vit/b16.gin', VIT, 'v4:2x4x4', 'v4-64', 32, 1, False),
+    'vit-b16-v4-128': ('models/vit/b16.gin', VIT, 'v4:4x4x4', 'v4-128', 32, 1, False),
+    'vit-l16-v4-64': ('models/vit/l16.gin', VIT, 'v4:2x4x4', 'v4-64', 32, 1, False),
+    'vit-l16-v4-128': ('models/vit/l16.gin', VIT, 'v4:4x4x4', 'v4-128', 32, 1, False),
 }
 
 
@@ -69,8 +73,8 @@ def dense_checkpoint(model_gin: str, workdir: str) -> str:
 
 def flags(name: str, workdir: str):
   """The row's training flags (what `launch/tpu_vm.py train -- ...` passes)."""
-  model_gin, family, _, _, experts, model = ROWS[name]
-  return [f'--gin_file={model_gin}', *family, '--gin.SCAN_LAYERS=True',
+  model_gin, family, _, _, experts, model, scanned = ROWS[name]
+  return [f'--gin_file={model_gin}', *family, f'--gin.SCAN_LAYERS={scanned}',
           f"--gin.MODEL_DIR='gs://BUCKET/{name}'", '--gin.TRAIN_STEPS=1100000',
           f"--gin.INITIAL_CHECKPOINT_PATH='{dense_checkpoint(model_gin, workdir)}'",
           f'--gin.trainer.TrainConfig.num_expert_partitions={experts}',
@@ -124,10 +128,12 @@ def main() -> None:
   parser.add_argument('--workdir', default='/tmp/tpu_fit')
   parser.add_argument('--output', default=os.path.join(REPO, 'benchmarks', 'results',
                                                        'tpu_fit.json'))
+  parser.add_argument('--merge', default=None, help='an earlier tpu_fit.json to keep rows of')
   args = parser.parse_args()
   os.makedirs(args.workdir, exist_ok=True)
-  rows = []
   names = args.rows.split(',')
+  kept = json.loads(open(args.merge).read()) if args.merge else []
+  rows = [row for row in kept if row['name'] not in names]
   for i, name in enumerate(names):
     start = time.perf_counter()
     rows.append(run_row(name, args.workdir))
@@ -136,7 +142,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, 'w') as f:
       json.dump(rows, f, indent=2)
-  print(table(rows))
+  print(table(sorted(rows, key=lambda row: list(ROWS).index(row['name']))))
 
 
 if __name__ == '__main__':

@@ -242,3 +242,32 @@ def test_grown_adafactor_state_is_placed_like_the_params(tmp_path, monkeypatch):
   assert tree.flatten(state.opt_state[0].v_col)[wi].sharding.spec == COLUMN
   # The stored [2, d_model, d_ff] experts' factors are read like the grown ones.
   assert reads[f'0/v_row/{wi}'] == ROW and reads[f'0/v_col/{wi}'] == COLUMN
+
+
+def _saved(trainer, abstract, directory):
+  """A checkpoint of `trainer`'s fresh state (step 5), written with orbax."""
+  with partitioning.activate(trainer.mesh):
+    state = trainer.fresh_state(abstract, T5_BATCH)
+  with orbax.CheckpointManager(str(directory), async_save=False) as manager:
+    manager.save(5, jax.device_get(state.params), jax.device_get(state.opt_state))
+  return str(directory)
+
+
+@pytest.mark.parametrize('name', sorted(OPTIMIZERS))
+def test_every_optimizer_is_placed_like_the_params_by_upcycling_and_growth(name, tmp_path):
+  """Each optimizer's reused state, upcycled from a dense run's checkpoint and grown from an
+  MoE run's, comes out with the abstract state's shardings (slots like their parameters)."""
+  dense = _saved(*_trainer(objectives.Seq2Seq(T5(helpers.TINY_T5)), OPTIMIZERS[name], T5_BATCH),
+                 tmp_path / 'dense')
+  trainer, abstract = _t5(name)
+  with partitioning.activate(trainer.mesh):
+    upcycled = UpcycleFromDense(dense, reuse_optimizer_state=True)(abstract, trainer.optimizer)
+  _assert_placed(upcycled, abstract)
+  _assert_like_params(upcycled.opt_state, abstract.params)
+  two = dataclasses.replace(T5_MOE, encoder_moe=dataclasses.replace(ENCODER_MOE, num_experts=2))
+  small = _saved(*_trainer(objectives.Seq2Seq(T5(two)), OPTIMIZERS[name], T5_BATCH),
+                 tmp_path / 'small')
+  with partitioning.activate(trainer.mesh):
+    grown = GrowExperts(small)(abstract, trainer.optimizer)
+  _assert_placed(grown, abstract)
+  _assert_like_params(grown.opt_state, abstract.params)
