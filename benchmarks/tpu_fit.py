@@ -12,9 +12,11 @@ writes benchmarks/results/tpu_fit.json (every row's upcycle.aot JSON and command
 T5 v1.1 + `moe/paper_t5.gin` (E = 32 in every other layer), batch 256 x 512/114 (T5X's
 t5_1_1 pretraining examples); ViT + `moe/paper_vit.gin` (E = 32 in every other block),
 batch 4096 at 224 x 224 (the paper's vision batch, big_vision's). bfloat16 activations and
-full remat (the model gins' pod defaults); T5 layers scanned (`--gin.SCAN_LAYERS=True`),
-ViT layers unrolled (its upcycling reuses the dense optimizer state, which a scanned model
-refuses). `--merge FILE` keeps the rows of an earlier JSON that this run does not redo.
+full remat (the model gins' pod defaults), layers scanned (`--gin.SCAN_LAYERS=True`: a pod
+compiles unrolled layers too, only slower). The ViT rows restore without the dense optimizer
+state (`runs/vit_upcycle.gin` reuses it; a scanned model cannot take unrolled slots, and the
+checkpoint written here has none). `--merge FILE` keeps the rows of an earlier JSON that this
+run does not redo.
 """
 
 import argparse
@@ -30,11 +32,11 @@ sys.path.insert(0, REPO)
 GIB = 2 ** 30
 T5 = ('--gin_file=moe/paper_t5.gin', '--gin_file=runs/upcycle.gin', '--gin.BATCH_SIZE=256',
       "--gin.MIXTURE_OR_TASK_NAME='c4_span_corruption'")
+# The dense checkpoint written here has no optimizer state to reuse (names and shapes only).
 VIT = ('--gin_file=moe/paper_vit.gin', '--gin_file=runs/vit_upcycle.gin',
-       '--gin.BATCH_SIZE=4096')
+       '--gin.BATCH_SIZE=4096', '--gin.restore.UpcycleFromDense.reuse_optimizer_state=False')
 # name: (model gin, family flags, topology, Cloud TPU name, expert partitions, model
-# partitions, scanned). T5 rows scan (compile time); ViT rows do not: runs/vit_upcycle.gin
-# reuses the dense optimizer state, whose unrolled slots a scanned model refuses.
+# partitions, scanned).
 ROWS = {
     't5-base-v4-32': ('models/t5_1_1/base.gin', T5, 'v4:2x2x4', 'v4-32', 16, 1, True),
     't5-base-v4-64': ('models/t5_1_1/base.gin', T5, 'v4:2x4x4', 'v4-64', 32, 1, True),
@@ -42,13 +44,14 @@ ROWS = {
     't5-large-v4-32': ('models/t5_1_1/large.gin', T5, 'v4:2x2x4', 'v4-32', 16, 1, True),
     't5-large-v4-64': ('models/t5_1_1/large.gin', T5, 'v4:2x4x4', 'v4-64', 32, 1, True),
     't5-large-v4-128': ('models/t5_1_1/large.gin', T5, 'v4:4x4x4', 'v4-128', 32, 1, True),
-    't5-xl-v4-32': ('models/t5_1_1/xl.gin', T5, 'v4:2x2x4', 'v4-32', 8, 2, True),
+    't5-xl-v4-32': ('models/t5_1_1/xl.gin', T5 + ('--gin.trainer.TrainConfig.num_microbatches=2',),
+                    'v4:2x2x4', 'v4-32', 8, 2, True),
     't5-xl-v4-64': ('models/t5_1_1/xl.gin', T5, 'v4:2x4x4', 'v4-64', 32, 1, True),
     't5-xl-v4-128': ('models/t5_1_1/xl.gin', T5, 'v4:4x4x4', 'v4-128', 32, 2, True),
-    'vit-b16-v4-64': ('models/vit/b16.gin', VIT, 'v4:2x4x4', 'v4-64', 32, 1, False),
-    'vit-b16-v4-128': ('models/vit/b16.gin', VIT, 'v4:4x4x4', 'v4-128', 32, 1, False),
-    'vit-l16-v4-64': ('models/vit/l16.gin', VIT, 'v4:2x4x4', 'v4-64', 32, 1, False),
-    'vit-l16-v4-128': ('models/vit/l16.gin', VIT, 'v4:4x4x4', 'v4-128', 32, 1, False),
+    'vit-b16-v4-64': ('models/vit/b16.gin', VIT, 'v4:2x4x4', 'v4-64', 32, 1, True),
+    'vit-b16-v4-128': ('models/vit/b16.gin', VIT, 'v4:4x4x4', 'v4-128', 32, 1, True),
+    'vit-l16-v4-64': ('models/vit/l16.gin', VIT, 'v4:2x4x4', 'v4-64', 32, 1, True),
+    'vit-l16-v4-128': ('models/vit/l16.gin', VIT, 'v4:4x4x4', 'v4-128', 32, 1, True),
 }
 
 
