@@ -16,13 +16,16 @@ output goes to the console prefixed with `[process i]` and, with --log_dir, to
 `<log_dir>/process_<i>.log`.
 
 A process that exits with an error takes the others down: the launcher says which process
-failed and how, stops the rest (SIGTERM, then SIGKILL after --grace_seconds) and exits with the
-failed process's status, so a crash never leaves its peers waiting in a collective. Ctrl-C or
-SIGTERM to the launcher stops every process the same way.
+failed first and how (its exit status or the signal that killed it; the peers that fail because
+it is gone are not blamed), stops the rest (SIGTERM, then SIGKILL after --grace_seconds) with
+their console output silenced (it stays in --log_dir) and exits with the failed process's
+status, so a crash never leaves its peers waiting in a collective. Ctrl-C or SIGTERM to the
+launcher stops every process the same way.
 """
 
 import argparse
 import os
+import queue
 import shlex
 import signal
 import socket
@@ -30,7 +33,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Set, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,7 +87,10 @@ class Job:
     if log_dir:
       os.makedirs(log_dir, exist_ok=True)
     self.procs: List[subprocess.Popen] = []
-    self._threads = []
+    self._pumps: List[threading.Thread] = []
+    self._waiters: List[threading.Thread] = []
+    self._ended: 'queue.Queue[Tuple[int, int]]' = queue.Queue()   # in the order they end
+    self._silenced: Set[int] = set()   # processes whose output no longer goes to the console
     for i in range(num_processes):
       log = open(os.path.join(log_dir, f'process_{i}.log'), 'w') if log_dir else None
       self.logs.append(log)
@@ -93,59 +99,83 @@ class Job:
                               start_new_session=True)
       self.procs.append(proc)
       _say(f'launch/local.py: process {i} is pid {proc.pid}')
-      thread = threading.Thread(target=self._pump, args=(i, proc, log), daemon=True)
-      thread.start()
-      self._threads.append(thread)
+      self._pumps.append(_start(self._pump, i, proc, log))
+      self._waiters.append(_start(lambda i, proc: self._ended.put((i, proc.wait())), i, proc))
 
   def _pump(self, index: int, proc: subprocess.Popen, log) -> None:
     for line in proc.stdout:
       if log:
         log.write(line)
         log.flush()
-      if not self.quiet:
+      if not self.quiet and index not in self._silenced:
         try:
           sys.stdout.write(f'[process {index}] {line}')
           sys.stdout.flush()
         except OSError:   # Nobody reads the console any more; keep draining the pipe.
           self.quiet = True
 
+  def _silence_all_but(self, index: Optional[int]) -> None:
+    self._silenced.update(i for i in range(len(self.procs)) if i != index)
+
   def stop(self) -> None:
     """SIGTERM to every live process (and its children), SIGKILL after the grace period."""
-    live = [p for p in self.procs if p.poll() is None]
-    for p in live:   # jax.distributed traps SIGTERM (preemption notice): SIGKILL follows.
-      os.killpg(p.pid, signal.SIGTERM)
+    live = [i for i, p in enumerate(self.procs) if p.returncode is None]
+    for i in live:   # jax.distributed traps SIGTERM (preemption notice): SIGKILL follows.
+      _signal_group(self.procs[i], signal.SIGTERM)
     deadline = time.time() + self.grace_seconds
-    for p in live:
-      try:
-        p.wait(timeout=max(deadline - time.time(), 0.01))
-      except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
+    for i in live:
+      self._waiters[i].join(timeout=max(deadline - time.time(), 0.01))
+      if self._waiters[i].is_alive():
+        _signal_group(self.procs[i], signal.SIGKILL)
+        self._waiters[i].join()
+
+  def _failed(self, index: int, code: int, running: int) -> int:
+    """Says which process failed first and how, after its last output, then stops the rest."""
+    self._silence_all_but(index)   # the peers' reactions (JAX fatal-error stacks) are noise
+    self._pumps[index].join(timeout=5)
+    _say(f'launch/local.py: process {index} {_describe(code)}; stopping the other {running} '
+         f'process(es) so that none waits for it forever.')
+    self.stop()
+    return code if code > 0 else 128 - code
 
   def wait(self, poll_seconds: float = 0.2) -> int:
+    """0 when every process exits 0; else the status of the first process to fail (in the
+    order they end: a peer that dies because of it is not blamed)."""
     try:
-      while True:
-        codes = [p.poll() for p in self.procs]
-        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-          index, code = failed[0]
-          _say(f'launch/local.py: process {index} {_describe(code)}; stopping the other '
-               f'{sum(c is None for c in codes)} process(es) so that none waits for it forever.')
-          self.stop()
-          return code if code > 0 else 128 - code
-        if all(c == 0 for c in codes):
-          return 0
-        time.sleep(poll_seconds)
+      running = len(self.procs)
+      while running:
+        try:
+          index, code = self._ended.get(timeout=poll_seconds)
+        except queue.Empty:
+          continue
+        running -= 1
+        if code:
+          return self._failed(index, code, running)
+      return 0
     except KeyboardInterrupt:
+      self._silence_all_but(None)
       self.stop()
       _say('launch/local.py: interrupted; stopped every process.')
       return 130
     finally:
-      for thread in self._threads:
+      for thread in self._pumps:
         thread.join(timeout=5)
       for log in self.logs:
         if log:
           log.close()
+
+
+def _start(target, *args) -> threading.Thread:
+  thread = threading.Thread(target=target, args=args, daemon=True)
+  thread.start()
+  return thread
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+  try:
+    os.killpg(proc.pid, signum)
+  except ProcessLookupError:   # it ended meanwhile
+    pass
 
 
 def _interrupt(signum, frame):

@@ -97,3 +97,16 @@ def gcs_emulator():
          'GOOGLE_AUTH_TOKEN_FOR_TESTING': 'emulator', 'EPATH_USE_TF': 'false'}
   server.terminate()
   server.wait()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """A 3 MiB tmpfs (root only): a tiny T5's checkpoint fits once, not twice."""
+  mount = tmp_path / 'disk'
+  mount.mkdir()
+  done = subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=3M', 'tmpfs', str(mount)],
+                        capture_output=True, text=True)
+  if done.returncode:
+    pytest.skip(f'cannot mount a small tmpfs here: {done.stderr.strip()}')
+  yield mount
+  subprocess.run(['umount', str(mount)], check=True)

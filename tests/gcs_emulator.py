@@ -7,10 +7,13 @@ Two fixes on top, to what tensorstore's GCS driver relies on:
 - the emulator ignores a listing's `startOffset` / `endOffset` and returns every object of the
   bucket; tensorstore lists a key range with them (and its `delete_range` deletes whatever the
   listing returns), so the listing is restricted to that range here, as GCS does.
+- the emulator has no `objects.move` (`.../o/NAME/moveTo/o/NEW`, what gcsfs's `mv`, hence
+  etils.epath's `rename` and `replace`, calls first): here it copies, then deletes the source.
 The emulator still ignores preconditions (`ifGenerationMatch`), so it cannot show that
 concurrent writers are refused.
 """
 
+from http import HTTPStatus
 import sys
 import threading
 
@@ -46,10 +49,25 @@ def _ls_in_range(request, response, storage, *args, **kwargs):
 objects.download = _download_with_generation   # before the server module builds its routes
 objects.ls = _ls_in_range
 
-from gcp_storage_emulator.server import create_server  # pylint: disable=g-import-not-at-top,wrong-import-position
+from gcp_storage_emulator import server as _server, settings  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+def _move(request, response, storage, *args, **kwargs):
+  """objects.move within a bucket: a copy, then the source deleted."""
+  request.params['dest_bucket_name'] = request.params['bucket_name']
+  objects.copy(request, response, storage, *args, **kwargs)
+  if response.status == HTTPStatus.OK:
+    source = request.params['bucket_name'], request.params['object_id']
+    objects._delete(storage, *source)  # pylint: disable=protected-access
+
+
+_server.HANDLERS = tuple(
+    (rf'^{prefix}/b/(?P<bucket_name>[-.\w]+)/o/(?P<object_id>.*[^/]+)/moveTo/o/'
+     rf'(?P<dest_object_id>.*[^/]+)$', {_server.POST: _move})
+    for prefix in (settings.API_ENDPOINT, '')) + _server.HANDLERS
 
 
 if __name__ == '__main__':
-  server = create_server('127.0.0.1', int(sys.argv[1]), in_memory=True)
+  server = _server.create_server('127.0.0.1', int(sys.argv[1]), in_memory=True)
   server.start()
   threading.Event().wait()

@@ -196,6 +196,16 @@ def test_target_comes_from_the_model_macro(source):
     convert.target_from_gin()
 
 
+@pytest.mark.parametrize('umask, mode', [(0o022, 0o755), (0o027, 0o750)])
+def test_the_output_directory_has_the_mode_the_umask_gives(source, tmp_path, umask, mode):
+  before = os.umask(umask)
+  try:
+    assert _main(source, tmp_path / 'moe') == 0
+  finally:
+    os.umask(before)
+  assert oct(os.stat(tmp_path / 'moe').st_mode & 0o777) == oct(mode)   # as training's, export's
+
+
 def _killed_conversion(work_dir):
   """A work directory and lock file as a conversion killed while writing leaves them."""
   os.makedirs(os.path.join(work_dir, '0'))

@@ -3,6 +3,7 @@ back with our T5X reader and the independent one (tests/checkpoints/t5x_reader.p
 
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ from tests.train.test_training import TINY_T5, text
 from upcycle import checkpoints, console, export, fields, tree
 from upcycle.checkpoints import t5x_writer
 from upcycle.checkpoints.orbax import CheckpointManager
+from upcycle.file_lock import FileLock
 from upcycle.models import T5
 from upcycle.moe import MoeConfig
 from upcycle.train import optimizers
@@ -166,3 +168,48 @@ def test_refusals_name_the_path_and_write_nothing(run, tmp_path, capsys):
     export.export(model_dir, 'gs://bucket/t5x')
   assert helpers.snapshot(out) == written and not os.path.exists(f'{out}/b')
   assert helpers.snapshot(model_dir) == source
+
+
+def _killed_export(final):
+  """What an export of `final` killed while writing leaves: its lock file (no longer held) and
+  its partial `<final>.tmp-<time>-<pid>/`."""
+  code = ('import os, signal, sys; from upcycle.file_lock import FileLock; '
+          'FileLock(sys.argv[1] + ".tmp.lock").acquire(); '
+          'os.makedirs(f"{sys.argv[1]}.tmp-1700000000-{os.getpid()}/target.x"); '
+          'os.kill(os.getpid(), signal.SIGKILL)')
+  killed = subprocess.run([sys.executable, '-c', code, str(final)], cwd=REPO)
+  assert killed.returncode == -9
+  partial, = [p for p in os.listdir(os.path.dirname(final)) if '.tmp-' in p]
+  return os.path.join(os.path.dirname(final), partial)
+
+
+def test_an_export_removes_what_a_killed_one_left_and_refuses_a_running_one(run, tmp_path,
+                                                                          capsys, caplog):
+  out = tmp_path / 'out'
+  partial = _killed_export(out / 'checkpoint_2')
+  args = [f"--model_dir={run['model_dir']}", f'--output_dir={out}']
+  with FileLock(str(out / 'checkpoint_2.tmp.lock')):   # an export of step 2 is running
+    assert export.main(args) == 1
+  assert capsys.readouterr().err.startswith(
+      f'error: Another write of {out}/checkpoint_2 is running: {out}/checkpoint_2.tmp.lock is '
+      f'locked by pid {os.getpid()} on host ')
+  assert os.path.isdir(partial)
+  caplog.set_level('INFO')
+  assert export.main(args) == 0
+  assert f'Removed {partial}, left by a write of the same step that was killed.' in caplog.text
+  assert os.listdir(out) == ['checkpoint_2']
+  _assert_t5x(str(out / 'checkpoint_2'), 2, run['params'], run['slots'])
+
+
+def test_an_export_onto_a_full_disk_stops_in_one_line_and_leaves_nothing(run, small_disk,
+                                                                        capsys):
+  filler = small_disk / 'filler'
+  filler.write_bytes(b'\0' * (shutil.disk_usage(small_disk).free - 64 * 1024))
+  out = small_disk / 'out'
+  assert export.main([f"--model_dir={run['model_dir']}", f'--output_dir={out}']) == 1
+  err = capsys.readouterr().err
+  assert err.startswith(f'error: Exporting step 2 to {out}/checkpoint_2 failed: no space left '
+                        f'on device; the partial checkpoint was removed. It needs up to ')
+  assert err.endswith(' MiB (the arrays uncompressed). Fix: free space there, or pass another '
+                      '--output_dir.\n')
+  assert os.listdir(out) == []

@@ -1,10 +1,16 @@
 """`python -m upcycle.infer` (in process, as gin_utils.run runs it) writes T5X-style JSONL on
 the offline task whose predictions are transformers' greedy `generate` for the same inputs;
-`upcycle.eval`'s sequence accuracy decodes the same split."""
+`upcycle.eval`'s sequence accuracy decodes the same split. gs:// outputs of both land on the
+GCS emulator, an unreachable GCS stops in bounded time with one line, an empty split is one
+line with no partial file left, and decoding reports its progress."""
 
 import json
 import os
+import socket
 import sys
+import time
+import urllib.parse
+import urllib.request
 
 import gin
 import pytest
@@ -13,6 +19,8 @@ from tests import hf_files
 from upcycle import eval as eval_main
 from upcycle import gin_utils
 from upcycle import infer as infer_main
+from upcycle import progress, reachability
+from upcycle.data import iterator
 
 LENGTHS = "{'inputs': 32, 'targets': 8}"
 
@@ -38,19 +46,28 @@ def main_module(monkeypatch):
   gin.clear_config(clear_constants=True)
 
 
-def test_infer_writes_jsonl_with_hf_greedy_predictions(byte_vocab_t5, tmp_path, main_module):
+# byte_vocab_t5's architecture
+TINY = ['--gin.models.T5Config.d_model=8', '--gin.models.T5Config.d_ff=12',
+        '--gin.models.T5Config.num_heads=2', '--gin.models.T5Config.d_kv=4',
+        '--gin.models.T5Config.num_encoder_layers=1', '--gin.models.T5Config.num_decoder_layers=1']
+
+
+def run_argv(run, checkpoint, *flags):
+  """runs/<run>.gin on the offline task with byte_vocab_t5's architecture, and `flags`."""
+  return ['--gin_file=models/t5_1_1/tiny.gin', f'--gin_file=runs/{run}.gin',
+          '--gin_file=data/offline_span_corruption.gin', f"--gin.CHECKPOINT_PATH='{checkpoint}'",
+          f'--gin.TASK_FEATURE_LENGTHS={LENGTHS}', *TINY, *flags]
+
+
+def test_infer_writes_jsonl_with_hf_greedy_predictions(byte_vocab_t5, tmp_path, main_module,
+                                                       capsys):
   directory, reference = byte_vocab_t5
-  argv = ['--gin_file=models/t5_1_1/tiny.gin', '--gin_file=runs/infer.gin',
-          '--gin_file=data/offline_span_corruption.gin',
-          f"--gin.CHECKPOINT_PATH='{directory}'", f"--gin.MODEL_DIR='{tmp_path}'",
-          f'--gin.TASK_FEATURE_LENGTHS={LENGTHS}', '--gin.BATCH_SIZE=3',
-          '--gin.INFER_BATCHES=2',
-          '--gin.models.T5Config.d_model=8', '--gin.models.T5Config.d_ff=12',
-          '--gin.models.T5Config.num_heads=2', '--gin.models.T5Config.d_kv=4',
-          '--gin.models.T5Config.num_encoder_layers=1',
-          '--gin.models.T5Config.num_decoder_layers=1']
+  argv = run_argv('infer', directory, f"--gin.MODEL_DIR='{tmp_path}'", '--gin.BATCH_SIZE=3',
+                  '--gin.INFER_BATCHES=2')
   path = gin_utils.run(infer_main.infer, argv, 'test')
   assert path == os.path.join(str(tmp_path), 'inference', 'offline_span_corruption-0.jsonl')
+  assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]
+  assert 'infer: 6/6 examples (100%), ' in capsys.readouterr().out   # the progress line
   with open(path) as f:
     records = [json.loads(line) for line in f]
   assert len(records) == 6
@@ -81,3 +98,119 @@ def test_eval_sequence_accuracy_counts_exact_matches(byte_vocab_t5):
                                        batch_size=3, max_batches=2, seed=0)
   assert result['decoded_examples'] == 6
   assert result['sequence_accuracy'] == 0.0   # a random model reproduces no span
+
+
+def _gcs_object(gcs_emulator, url: str) -> bytes:
+  """gs://`url`'s bytes, read from the emulator's JSON API (not through the code under test)."""
+  bucket, _, name = url[len('gs://'):].partition('/')
+  return urllib.request.urlopen(f"{gcs_emulator['STORAGE_EMULATOR_HOST']}/storage/v1/b/{bucket}"
+                                f"/o/{urllib.parse.quote(name, safe='')}?alt=media").read()
+
+
+@pytest.fixture
+def on_gcs(gcs_emulator, monkeypatch):
+  """etils.epath (through gcsfs) and tensorstore of this process on the emulator."""
+  import gcsfs  # pylint: disable=g-import-not-at-top
+  from etils.epath import gpath  # pylint: disable=g-import-not-at-top
+  for key, value in gcs_emulator.items():
+    monkeypatch.setenv(key, value)
+  for cached in (gcsfs.GCSFileSystem.clear_instance_cache,   # clients of another endpoint
+                 gpath._is_tf_installed.cache_clear):  # pylint: disable=protected-access
+    cached()   # etils decides between TensorFlow's client and gcsfs once per process
+  yield gcs_emulator
+  gcsfs.GCSFileSystem.clear_instance_cache()
+  gpath._is_tf_installed.cache_clear()  # pylint: disable=protected-access
+
+
+def test_gs_outputs_of_infer_and_eval_land_on_gcs(byte_vocab_t5, main_module, on_gcs, tmp_path,
+                                                  monkeypatch):
+  monkeypatch.chdir(tmp_path)   # where a local ./gs:/ folder would appear
+  monkeypatch.setattr(sys.modules['__main__'], 'evaluate', eval_main.evaluate, raising=False)
+  directory, _ = byte_vocab_t5
+  path = gin_utils.run(infer_main.infer, run_argv(
+      'infer', directory, "--gin.MODEL_DIR='gs://bucket/infer'", '--gin.BATCH_SIZE=3',
+      '--gin.INFER_BATCHES=1'), 'test')
+  assert path == 'gs://bucket/infer/inference/offline_span_corruption-0.jsonl'
+  records = [json.loads(line) for line in _gcs_object(on_gcs, path).decode().splitlines()]
+  assert len(records) == 3 and records[0]['prediction_tokens']
+  listing = json.load(urllib.request.urlopen(
+      f"{on_gcs['STORAGE_EMULATOR_HOST']}/storage/v1/b/bucket/o?prefix=infer/"))
+  assert [o['name'] for o in listing['items']] == [path[len('gs://bucket/'):]]   # no .tmp
+  gin.clear_config(clear_constants=True)
+  results = gin_utils.run(eval_main.evaluate, run_argv(
+      'eval', directory, "--gin.EVAL_OUTPUT_DIR='gs://bucket/eval'",
+      '--gin.BATCH_SIZE=8', '--gin.evaluate.eval_batches=1',
+      '--gin.EVAL_DECODE_BATCHES=1'), 'test')
+  assert json.loads(_gcs_object(on_gcs, 'gs://bucket/eval/eval_results.json')) == results
+  assert results['decoded_examples'] == 8
+  assert os.listdir(tmp_path) == []   # nothing written locally
+
+
+def test_an_unreachable_gcs_fails_in_bounded_time_with_one_line(main_module, on_gcs,
+                                                                monkeypatch, capfd):
+  with socket.socket() as s:   # a port nothing listens on
+    s.bind(('127.0.0.1', 0))
+    closed = f'http://127.0.0.1:{s.getsockname()[1]}'
+  monkeypatch.setenv('STORAGE_EMULATOR_HOST', closed)
+  monkeypatch.setenv(reachability.TIMEOUT_ENV, '2')
+  began = time.time()
+  with pytest.raises(SystemExit) as stopped:
+    gin_utils.run(infer_main.infer, run_argv('infer', '/nonexistent',
+                                             "--gin.MODEL_DIR='gs://bucket/run'"), 'test')
+  assert time.time() - began < 10
+  assert str(stopped.value) == (
+      'MODEL_DIR=gs://bucket/run: gs://bucket did not answer within 2 s; check the network and '
+      'the credentials: `gcloud auth application-default login` here, or on a VM a service '
+      'account that may read and write the bucket (UPCYCLE_GCS_TIMEOUT_SECONDS sets the wait).')
+  assert capfd.readouterr().err == ''   # the storage client's retries say nothing
+
+
+def test_a_bucket_that_does_not_exist_is_named(main_module, on_gcs):
+  with pytest.raises(SystemExit) as stopped:
+    gin_utils.run(infer_main.infer, run_argv(
+        'infer', '/nonexistent', "--gin.MODEL_DIR='gs://no-such-bucket/out'"), 'test')
+  assert str(stopped.value) == (
+      'MODEL_DIR=gs://no-such-bucket/out: the bucket gs://no-such-bucket does '
+      'not exist or these credentials cannot see it; check its name and that the account may '
+      'read and write it.')
+
+
+def test_infer_on_an_empty_split_says_so_and_leaves_no_partial_file(byte_vocab_t5, main_module,
+                                                                    tmp_path):
+  import seqio  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from upcycle.data import tasks  # pylint: disable=g-import-not-at-top
+  tasks.add_span_corruption_task(
+      'empty_span_corruption', seqio.FunctionDataSource(
+          lambda split, shuffle_files, seed=None: tf.data.Dataset.from_tensor_slices(
+              {'text': tf.constant([], tf.string)}), splits=('validation',)),
+      seqio.ByteVocabulary(extra_ids=100))
+  try:
+    with pytest.raises(SystemExit) as stopped:
+      gin_utils.run(infer_main.infer, run_argv(
+          'infer', byte_vocab_t5[0], f"--gin.MODEL_DIR='{tmp_path}'",
+          "--gin.MIXTURE_OR_TASK_NAME='empty_span_corruption'"), 'test',
+                    expected=(iterator.EmptySplit,))
+  finally:
+    seqio.TaskRegistry.remove('empty_span_corruption')
+  assert str(stopped.value) == (
+      "error: {'kind': 'text', 'task': 'empty_span_corruption', 'split': 'validation', "
+      "'feature_lengths': {'inputs': 32, 'targets': 8}, 'pack': False, 'shuffle': False} has no "
+      'examples on shard 0 of 1: check the task, its split and where its data is read '
+      '(TFDS_DATA_DIR).')
+  assert os.listdir(tmp_path / 'inference') == []   # no .jsonl.tmp left behind
+
+
+def test_progress_lines_count_rate_and_time_left():
+  now = [0.0]
+  done = progress.Progress('infer', 'examples', total=200, every=10, clock=lambda: now[0])
+  now[0] = 10.0
+  done.update(50)
+  assert done.line() == 'infer: 50/200 examples (25%), 5.0 examples/s, ETA 0:00:30'
+  now[0] = 3700.0
+  assert done.line() == 'infer: 50/200 examples (25%), 0.0 examples/s, ETA 3:05:00'
+  now[0] = 0.0
+  unknown = progress.Progress('infer', 'examples', clock=lambda: now[0])
+  now[0] = 4.0
+  unknown.update(8)
+  assert unknown.line() == 'infer: 8 examples, 2.0 examples/s'

@@ -36,10 +36,10 @@ def test_create_slices(capsys, size, workers):
 
 def test_queued_resources(capsys):
   (create,) = commands(capsys, 'create', *WHERE, '--accelerator_type=v4-128', '--queued',
-                       '--preemptible', '--dry_run')
+                       '--spot', '--dry_run')
   assert create[:6] == ['gcloud', 'compute', 'tpus', 'queued-resources', 'create', 'moe']
   assert {'--node-id=moe', '--accelerator-type=v4-128', '--runtime-version=tpu-ubuntu2204-base',
-          '--preemptible'} <= set(create)
+          '--spot'} <= set(create)
   (delete,) = commands(capsys, 'delete', *WHERE, '--queued', '--dry_run')
   assert delete[3:5] == ['queued-resources', 'delete'] and '--force' in delete
 
@@ -59,9 +59,11 @@ def test_train_runs_one_command_on_every_worker_at_once(capsys):
   assert '--worker=all' in ssh
   remote = shlex.split(next(a for a in ssh if a.startswith('--command='))[len('--command='):])
   start = remote.index('.venv/bin/python')
-  assert remote[start:start + 3 + len(flags)] == ['.venv/bin/python', '-m', 'upcycle.train',
-                                                   *flags]
-  assert remote[-3:] == ['tee', '-a', tpu_vm.LOG_FILE]   # each worker logs to its own disk
+  assert remote[start:start + 4 + len(flags)] == ['.venv/bin/python', '-m', 'upcycle.train',
+                                                   *flags, '--multi_host=yes']
+  # each worker logs to its own disk
+  assert remote[start + 4 + len(flags):start + 6 + len(flags)] == [
+      '>>', '$HOME/upcycle_logs/moe.log']
 
 
 def test_train_with_retries_shows_how_a_preempted_vm_is_replaced(capsys):
@@ -123,6 +125,6 @@ def test_train_without_flags_says_what_to_give():
 
 def test_logs_and_ssh(capsys):
   (logs,) = commands(capsys, 'logs', *WHERE, '--worker=3', '--follow', '--dry_run')
-  assert '--worker=3' in logs and logs[-1] == f'--command=tail -n 100 -F {tpu_vm.LOG_FILE}'
+  assert '--worker=3' in logs and logs[-1] == '--command=tail -n 100 -F $HOME/upcycle_logs/moe.log'
   (ssh,) = commands(capsys, 'ssh', *WHERE, '--dry_run')
   assert ssh[-1] == '--worker=0'

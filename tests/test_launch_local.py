@@ -3,6 +3,8 @@
 import importlib.util
 import os
 import shlex
+import subprocess
+import sys
 
 import pytest
 
@@ -35,3 +37,59 @@ def test_distributed_settings_from_the_environment():
                                       'process_id': 1}
   with pytest.raises(SystemExit, match='only UPCYCLE_PROCESS_ID are set'):
     gin_utils.distributed_settings({'UPCYCLE_PROCESS_ID': '1'})
+
+
+# A stand-in for `python -m upcycle.train` (launch/local.py --module). 'killed': process 1 is
+# SIGKILLed and process 0, in a collective with it, fails with status 1 right after it.
+# 'crashes': process 1 fails at start and process 0 waits for it until stopped, then dies with
+# a fatal-error stack, as JAX does.
+WORKER = r'''
+import fcntl, os, signal, sys, time
+here = lambda name: os.path.join(os.environ['LOCK_DIR'], name)
+def wait_for(name):
+  while not os.path.exists(here(name)):
+    time.sleep(0.01)
+lock = open(here('peer.lock'), 'a+')
+if os.environ['UPCYCLE_PROCESS_ID'] == '1':
+  fcntl.flock(lock, fcntl.LOCK_EX)
+  open(here('1'), 'w').close()
+  wait_for('0')
+  print('process 1 started', flush=True)
+  if os.environ['HOW'] == 'killed':
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
+  print('error: process 1 cannot read its data shard', flush=True)
+  os._exit(1)
+signal.signal(signal.SIGTERM, lambda *_: sys.exit('F0000 fatal-error stack of process 0'))
+wait_for('1')
+print('process 0 started', flush=True)
+open(here('0'), 'w').close()
+if os.environ['HOW'] == 'killed':
+  fcntl.flock(lock, fcntl.LOCK_EX)   # free the moment process 1 is dead, reaped or not
+  time.sleep(0.05)   # JAX's time to fail a collective (the launcher polled every 0.2 s)
+  os._exit(1)
+time.sleep(60)
+'''
+
+
+@pytest.mark.parametrize('how, status, said', [
+    ('killed', 128 + 9, 'process 1 was killed by SIGKILL'),
+    ('crashes', 1, 'process 1 exited with status 1'),
+])
+def test_the_first_process_to_fail_is_named_and_the_others_stop_quietly(tmp_path, how, status,
+                                                                       said):
+  (tmp_path / 'worker.py').write_text(WORKER)
+  env = {**os.environ, 'PYTHONPATH': str(tmp_path), 'LOCK_DIR': str(tmp_path), 'HOW': how}
+  done = subprocess.run(
+      [sys.executable, os.path.join(REPO, 'launch', 'local.py'), '--num_processes=2',
+       '--module=worker', f'--log_dir={tmp_path}/logs', '--grace_seconds=5'],
+      env=env, capture_output=True, text=True, timeout=60)
+  assert done.returncode == status
+  assert done.stderr.splitlines()[-1] == (
+      f'launch/local.py: {said}; stopping the other 1 process(es) so that none waits for it '
+      f'forever.')
+  assert '[process 0] process 0 started' in done.stdout
+  assert 'F0000' not in done.stdout + done.stderr   # the others were stopped quietly
+  if how == 'crashes':
+    assert done.stdout.splitlines()[-1] == '[process 1] error: process 1 cannot read its data shard'
+    assert 'F0000 fatal-error stack' in (tmp_path / 'logs' / 'process_0.log').read_text()

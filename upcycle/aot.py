@@ -59,7 +59,8 @@ def main(argv: Sequence[str]) -> int:
     return 0
   rest = _own_flags(argv)
   try:
-    gin_utils.run(train, [*rest, '--multi_host=no'], __doc__)
+    # Nothing is written: MODEL_DIR may name a bucket this machine cannot reach.
+    gin_utils.run(train, [*rest, '--multi_host=no'], __doc__, reach_gcs=False)
   except (fields.ConfigError, CheckpointError, TopologyError, ValueError) as e:
     print(f'error: {e}', file=sys.stderr, flush=True)
     return 1

@@ -224,12 +224,21 @@ def _replace(tmp: str, output_dir: str) -> None:
     shutil.rmtree(old)
 
 
+def _new_directory_mode() -> int:
+  """The mode os.makedirs gives a new directory: 0777 less the umask (0755 under umask 022),
+  as the trainer's and export's directories have."""
+  umask = os.umask(0)
+  os.umask(umask)
+  return 0o777 & ~umask
+
+
 def _convert_locally(output_dir: str, write: Callable[[str], None]) -> None:
   """`write(work_dir)`, then `work_dir` renamed to `output_dir` (see the module doc)."""
   parent = os.path.dirname(output_dir)
   os.makedirs(parent, exist_ok=True)
   clean_leftovers(output_dir)
   tmp = tempfile.mkdtemp(prefix=os.path.basename(_work_prefix(output_dir)), dir=parent)
+  os.chmod(tmp, _new_directory_mode())   # mkdtemp's 0700 would become the output's
   lock = file_lock.FileLock(tmp + '.lock').acquire()
   try:
     write(tmp)

@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Any, Optional, Sequence
 
+from etils import epath
 import jax
 import numpy as np
 
@@ -81,13 +82,15 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
              'step': checkpoint.step, **results}
   print(json.dumps(results, indent=2), flush=True)
   if output_dir and jax.process_index() == 0:
-    os.makedirs(output_dir, exist_ok=True)
-    with open(os.path.join(output_dir, 'eval_results.json'), 'w') as f:
-      json.dump(results, f, indent=2)
+    directory = epath.Path(output_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / 'eval_results.json').write_text(json.dumps(results, indent=2))
   return results
 
 
 if __name__ == '__main__':
   from upcycle import fields  # pylint: disable=g-import-not-at-top
   from upcycle.checkpoints import CheckpointError  # pylint: disable=g-import-not-at-top
-  gin_utils.run(evaluate, sys.argv[1:], __doc__, expected=(fields.ConfigError, CheckpointError))
+  from upcycle.data.iterator import EmptySplit  # pylint: disable=g-import-not-at-top
+  gin_utils.run(evaluate, sys.argv[1:], __doc__,
+                expected=(fields.ConfigError, CheckpointError, EmptySplit))

@@ -18,7 +18,9 @@ the parameters under `optimizer/target` in Flaxformer's (MoE) names, and
 
 The checkpoint is read one leaf at a time (lazy leaves), so memory holds one array. The run is
 only read; an output inside its checkpoint directory, or an existing
-OUTPUT_DIR/checkpoint_<step>, is refused before anything is written. The T5X writer writes
+OUTPUT_DIR/checkpoint_<step>, is refused before anything is written. A failed export (a full
+disk) removes its partial `checkpoint_<step>.tmp-*`; a killed one's is removed by the next
+export of that step. The T5X writer writes
 local directories: export there, then copy to gs:// (`gcloud storage cp -r`). The trainer
 exports its final step the same way with `TrainConfig.export_t5x` (MODEL_DIR/t5x/).
 """
@@ -33,6 +35,7 @@ import numpy as np
 
 from upcycle import checkpoints, console, tree
 from upcycle.checkpoints import adafactor_state, orbax, paths, t5x_writer
+from upcycle.checkpoints.errors import FULL_DISK
 
 log = logging.getLogger('upcycle.export')   # by name: under python -m, __name__ is __main__
 
@@ -121,11 +124,29 @@ def export(model_dir: str, output_dir: str, step: Optional[int] = None,
   if os.path.exists(target):
     raise AlreadyExported(f'{target} already exists; an export never overwrites. Fix: delete '
                           f'it, or pass another --output_dir.')
-  written = t5x_writer.write(output_dir, out_step, ckpt.params,
-                             slots if optimizer_state else None)
+  written = _write(output_dir, out_step, ckpt.params, slots if optimizer_state else None)
   log.info('Wrote %s (T5X, step %d%s).', written, out_step,
            ', with T5X Adafactor state' if optimizer_state and slots is not None else '')
   return written
+
+
+def _write(output_dir: str, step: int, params, slots) -> str:
+  """`t5x_writer.write`, its refusals and a full disk as ExportError (its partial directory is
+  removed by then)."""
+  try:
+    return t5x_writer.write(output_dir, step, params, slots)
+  except FileExistsError as e:   # another export of the step started meanwhile
+    raise ExportError(str(e)) from None
+  except (OSError, ValueError) as e:
+    if not any(marker in str(e) for marker in FULL_DISK):
+      raise
+    size = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in tree.flatten({'params': params, 'slots': slots or {}}).values())
+    raise ExportError(
+        f'Exporting step {step} to {output_dir}/checkpoint_{step} failed: no space left on '
+        f'device; the partial checkpoint was removed. It needs up to {size / 2**20:.1f} MiB '
+        f'(the arrays uncompressed). Fix: free space there, or pass another --output_dir.'
+    ) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,6 +5,7 @@ module, class, field), since that is where wrong values usually come from. Boole
 accepted as numbers; ints are accepted as floats.
 """
 
+import collections.abc
 import numbers
 import sys
 from typing import Any, Optional, Sequence
@@ -50,6 +51,32 @@ def number(obj: Any, field: str, minimum: float = 0.0, strictly: bool = False) -
   ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
   if not ok or value < minimum or (strictly and value == minimum):
     raise _fail(obj, field, f"a number {'>' if strictly else '>='} {minimum}")
+
+
+def fraction(obj: Any, field: str) -> None:
+  """A real number in [0, 1) (a dropout rate)."""
+  value = getattr(obj, field)
+  ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+  if not ok or not 0 <= value < 1:
+    raise _fail(obj, field, 'a number in [0, 1)')
+
+
+def integers(obj: Any, field: str, length: int, minimum: int) -> None:
+  """A sequence of `length` integers >= minimum (an image size in pixels, ...)."""
+  value = getattr(obj, field)
+  ok = (isinstance(value, collections.abc.Sequence) and not isinstance(value, str)
+        and len(value) == length
+        and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= minimum
+                for v in value))
+  if not ok:
+    raise _fail(obj, field, f'{length} integers >= {minimum}')
+
+
+def optional_instance(obj: Any, field: str, cls: type, example: str) -> None:
+  """None or an instance of `cls`; `example` shows how to make one (a gin reference)."""
+  value = getattr(obj, field)
+  if value is not None and not isinstance(value, cls):
+    raise _fail(obj, field, f'None or a {cls.__name__} such as {example}')
 
 
 def boolean(obj: Any, field: str) -> None:

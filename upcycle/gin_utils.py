@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Typ
 
 import gin
 
-from upcycle import console
+from upcycle import console, reachability, tpu_slice
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 # The gin files: inside the package in a wheel (setup.py ships configs/ as upcycle/configs/),
@@ -64,8 +64,8 @@ def parse_flags(argv: Sequence[str], description: str) -> Tuple[argparse.Namespa
   parser.add_argument('--gin_search_paths', default='',
                       help='comma-separated directories to look for gin files in')
   parser.add_argument('--multi_host', choices=('auto', 'yes', 'no'), default='auto',
-                      help='call jax.distributed.initialize() (auto: on multi-host TPU VMs and '
-                           'under launch/local.py)')
+                      help='call jax.distributed.initialize() (auto: on a multi-host TPU slice, '
+                           "as JAX's cluster detection finds it, and under launch/local.py)")
   parser.add_argument('--tfds_data_dir', default=None,
                       help="as T5X's: the TFDS data directory of every task and image dataset")
   parser.add_argument('--verbose', action='store_true',
@@ -213,21 +213,43 @@ def distributed_settings(environ=os.environ) -> Optional[dict]:
 def maybe_initialize_distributed(mode: str) -> None:
   """Joins the processes of one job before JAX is used (every process runs the same command).
 
-  On a multi-host TPU VM slice (TPU_WORKER_HOSTNAMES lists several hosts) JAX finds the
-  coordinator itself. Processes started by `launch/local.py` are told it through
-  UPCYCLE_COORDINATOR_ADDRESS / UPCYCLE_NUM_PROCESSES / UPCYCLE_PROCESS_ID; their CPU devices
-  run collectives across processes with gloo.
+  'auto' initializes on a TPU slice of several workers, found as `jax.distributed.initialize()`
+  finds its peers (`tpu_slice.processes()`: a Cloud TPU VM's metadata server, GKE's
+  TPU_WORKER_HOSTNAMES), and under `launch/local.py` (UPCYCLE_COORDINATOR_ADDRESS /
+  UPCYCLE_NUM_PROCESSES / UPCYCLE_PROCESS_ID; CPU devices run collectives across processes with
+  gloo); 'yes' always initializes, 'no' never. On a slice of N workers where JAX does not end up
+  with N processes, stops with one line instead of hanging at the first collective.
   """
   import jax  # pylint: disable=g-import-not-at-top
-  settings = distributed_settings()
-  hosts = os.environ.get('TPU_WORKER_HOSTNAMES', '')
   if mode == 'no':
     return
+  settings = distributed_settings()
   if settings is not None:
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+    _initialize(settings)
+    return
+  workers = tpu_slice.processes()
+  if mode == 'yes' or workers > 1:
+    _initialize({})
+  if workers > 1 and jax.process_count() != workers:
+    raise SystemExit(
+        f'This TPU slice has {workers} workers but JAX runs {jax.process_count()} process(es) '
+        f'(jax.distributed initialized: {jax.distributed.is_initialized()}): run the same '
+        'command on every worker at once with --multi_host=auto or yes (launch/tpu_vm.py '
+        'train does).')
+
+
+def _initialize(settings: dict) -> None:
+  """jax.distributed.initialize(**settings); a failure (a worker that never joined, no
+  cluster to join) is one line."""
+  import jax  # pylint: disable=g-import-not-at-top
+  try:
     jax.distributed.initialize(**settings)
-  elif mode == 'yes' or (mode == 'auto' and ',' in hosts):
-    jax.distributed.initialize()
+  except (RuntimeError, ValueError) as e:
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    raise SystemExit(f'--multi_host: jax.distributed.initialize() failed: {first} (every worker '
+                     'must run the same command at once; --multi_host=no runs this process '
+                     'alone).') from e
 
 
 def write_config(model_dir: str, operative: bool = False) -> None:
@@ -244,18 +266,25 @@ def write_config(model_dir: str, operative: bool = False) -> None:
   (directory / name).write_text(text)
 
 
+_GIN_CALL_SUFFIX = '\n  In call to configurable '
+
+
 def one_line(error: BaseException, argv: Sequence[str]) -> str:
   """`error: <message>` for an error the user can cause; with --verbose in `argv`, its
   traceback is printed first."""
   if '--verbose' in argv:
     traceback.print_exception(error, file=sys.stderr)
-  return f'error: {error}'
+  # gin appends where the configurable was called ("\n  In call to configurable 'f' (...)").
+  return f'error: {str(error).split(_GIN_CALL_SUFFIX)[0]}'
 
 
 def run(fn: Callable[..., Any], argv: Sequence[str], description: str,
-        expected: Tuple[Type[BaseException], ...] = ()) -> Any:
+        expected: Tuple[Type[BaseException], ...] = (), reach_gcs: bool = True) -> Any:
   """An entry point's main: flags, multi-host setup, gin files and bindings, then `fn()` with
   its arguments bound by gin (gin files refer to it as `__main__.<fn name>`, as in T5X).
+
+  With `reach_gcs`, every gs:// bucket the configuration names must answer first, in bounded
+  time (`reachability.check`).
 
   Errors the user can cause end with one line and exit status 1, no traceback (--verbose
   shows it): bad flags, gin files and bindings (a SystemExit with the reason) and the
@@ -267,6 +296,8 @@ def run(fn: Callable[..., Any], argv: Sequence[str], description: str,
     maybe_initialize_distributed(args.multi_host)
     configured = gin.configurable(fn)
     parse_gin(args, bindings)
+    if reach_gcs:
+      reachability.check(reachability.gin_paths())
     return configured()
   except SystemExit as e:
     if isinstance(e.code, str) and '--verbose' in argv:

@@ -18,10 +18,11 @@ import os
 import sys
 from typing import Any, Dict, Iterator, Optional, Tuple
 
+from etils import epath
 import jax
 import numpy as np
 
-from upcycle import gin_utils
+from upcycle import gin_utils, progress
 
 Predictions = Tuple[Dict[str, np.ndarray], np.ndarray, np.ndarray]
 
@@ -76,6 +77,19 @@ def example_records(batch: Dict[str, np.ndarray], tokens: np.ndarray, scores: np
     yield record
 
 
+def expected_examples(pipeline: Any, *, batch_size: int, max_batches: int) -> Optional[int]:
+  """How many examples decoding `pipeline` gives, if known: at most `max_batches` batches,
+  and a span-corruption split has one per input example (None: the source does not say)."""
+  import seqio  # pylint: disable=g-import-not-at-top
+  limit = max_batches * batch_size if max_batches else None
+  try:
+    split = seqio.get_mixture_or_task(pipeline.task).num_input_examples(pipeline.split)
+  except Exception:  # pylint: disable=broad-except  (no total; reading the split says why)
+    split = None
+  known = [n for n in (limit, split) if n is not None]
+  return min(known) if known else None
+
+
 def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
           batch_size: int, decoding: Any, max_decode_length: Optional[int] = None,
           format: Optional[str] = None,  # pylint: disable=redefined-builtin
@@ -106,24 +120,32 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
   max_length = max_decode_length or infer_data.feature_lengths['targets']
   decode_fn = decoding_lib.make_decode_fn(model, decoding, max_length)
   vocabulary = target_vocabulary(infer_data.task)
-  path = os.path.join(output_dir, 'inference',
-                      f'{infer_data.task}-{checkpoint.step or 0}.jsonl')
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  count = 0
-  with open(path + '.tmp', 'w') as f:
-    for batch, tokens, scores in predictions(decode_fn, params, infer_data,
-                                             batch_size=batch_size, max_batches=max_batches,
-                                             seed=seed):
-      for record in example_records(batch, tokens, scores, vocabulary):
-        f.write(json.dumps(record) + '\n')
-        count += 1
-  os.replace(path + '.tmp', path)
-  print(f'Wrote {count} predictions ({decoding.method}) of checkpoint {checkpoint_path} '
+  path = epath.Path(output_dir) / 'inference' / f'{infer_data.task}-{checkpoint.step or 0}.jsonl'
+  path.parent.mkdir(parents=True, exist_ok=True)
+  partial = path.parent / (path.name + '.tmp')
+  done = progress.Progress('infer', 'examples', total=expected_examples(
+      infer_data, batch_size=batch_size, max_batches=max_batches))
+  try:
+    with partial.open('w') as f:
+      for batch, tokens, scores in predictions(decode_fn, params, infer_data,
+                                               batch_size=batch_size, max_batches=max_batches,
+                                               seed=seed):
+        for record in example_records(batch, tokens, scores, vocabulary):
+          f.write(json.dumps(record) + '\n')
+        done.update(tokens.shape[0])
+  except BaseException:
+    partial.unlink(missing_ok=True)
+    raise
+  partial.replace(path)
+  done.finish()
+  print(f'Wrote {done.done} predictions ({decoding.method}) of checkpoint {checkpoint_path} '
         f'(step {checkpoint.step}) to {path}', flush=True)
-  return path
+  return os.fspath(path)
 
 
 if __name__ == '__main__':
   from upcycle import fields  # pylint: disable=g-import-not-at-top
   from upcycle.checkpoints import CheckpointError  # pylint: disable=g-import-not-at-top
-  gin_utils.run(infer, sys.argv[1:], __doc__, expected=(fields.ConfigError, CheckpointError))
+  from upcycle.data.iterator import EmptySplit  # pylint: disable=g-import-not-at-top
+  gin_utils.run(infer, sys.argv[1:], __doc__,
+                expected=(fields.ConfigError, CheckpointError, EmptySplit))

@@ -5,17 +5,25 @@
 Only metadata is read (shapes and dtypes), so this is cheap on any checkpoint size.
 --verify then reads every array (parameters and optimizer state, one at a time) and exits
 with status 1 naming the parameter and the file if any data is missing or unreadable.
+
+PATH may be a step that a running trainer deletes meanwhile (it keeps its last
+TrainConfig.keep_checkpoints steps): that is said, with exit status 0, not reported as damage.
+A step that resume set aside (MODEL_DIR/corrupt_checkpoints/<step>-<time>) is inspected as
+any step is.
 """
 
 import argparse
 import json
+import os
 import sys
+import time
 from typing import Any, Dict, List, Optional
 
 import numpy as np
+from etils import epath
 
 from upcycle import checkpoints, pretrained, tree
-from upcycle.checkpoints import describe, verify
+from upcycle.checkpoints import describe, paths, verify
 
 
 def summary(ckpt: checkpoints.Checkpoint) -> Dict[str, Any]:
@@ -81,17 +89,49 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
   args = build_parser().parse_args(argv)
+  path = args.path
+  existed = epath.Path(path).exists()
   try:
-    ckpt = pretrained.load(args.path, format=args.format, lazy=True)
+    ckpt = pretrained.load(path, format=args.format, lazy=True)
+    path = ckpt.path   # a MODEL_DIR's latest step
     info = summary(ckpt)
     print(json.dumps(info, indent=1) if args.json else format_text(info), flush=True)
     if args.verify:
       count = verify.verify(ckpt)
       print(f'verified: all {count} arrays read back complete.', file=sys.stderr)
   except checkpoints.CheckpointError as e:
+    if existed and _deleted_meanwhile(path):
+      print(f'note: {path} was deleted by retention while being read (a running trainer keeps '
+            f'its last TrainConfig.keep_checkpoints steps); that is not damage. Inspect a newer '
+            f'step.', file=sys.stderr)
+      return 0
     print(f'error: {e}', file=sys.stderr)
     return 1
   return 0
+
+
+def _deleted_meanwhile(path: str, settle_seconds: float = 1.0) -> bool:
+  """Whether `path`, which existed when reading began, is gone or going: orbax's retention
+  unlinks a step's files, then removes its directory. A local `path` that keeps all its files
+  for `settle_seconds` is not being deleted (its data is damaged)."""
+  path = epath.Path(path)
+  before = _file_count(path)
+  deadline = time.time() + settle_seconds
+  while True:
+    if not path.exists():
+      return True
+    if time.time() > deadline:
+      return False
+    time.sleep(0.1)
+    if _file_count(path) < before:
+      return True
+
+
+def _file_count(path: epath.Path) -> int:
+  """Files under a local `path` (0 on gs://, where only a vanished step counts)."""
+  if paths.is_url(path):
+    return 0
+  return sum(len(names) for _, _, names in os.walk(path))
 
 
 if __name__ == '__main__':

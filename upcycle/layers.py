@@ -16,6 +16,9 @@ Array = jax.Array
 Axes = Tuple[Optional[str], ...]
 Initializer = Callable[..., Array]
 
+# The compute dtypes a model config may name (`T5Config.dtype`, `ViTConfig.dtype`).
+DTYPES = ('float32', 'bfloat16', 'float16')
+
 default_kernel_init = nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal')
 
 

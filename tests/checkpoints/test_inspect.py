@@ -2,10 +2,17 @@
 
 import dataclasses
 import json
+import os
+import shutil
+import threading
+
+import numpy as np
+import pytest
 
 from tests.checkpoints import helpers, t5x_writer
 from upcycle import inspect, tree
-from upcycle.checkpoints import describe
+from upcycle.checkpoints import describe, verify
+from upcycle.checkpoints.orbax import CheckpointManager
 from upcycle.models import abstract_params
 from upcycle.moe.config import MoeConfig
 
@@ -45,3 +52,49 @@ def test_describes_moe_layers():
   assert describe.describe(abstract_params(vit)) == (
       'ViT: depth 4, width 8, 2 heads, mlp 12, patch 4x4, 4 tokens (2x2), pool token, '
       '5 classes, MoE at 1,3, E=8')
+
+
+def _orbax_step(directory, step):
+  """directory/<step>/ written by the trainer's CheckpointManager: 2 parameter arrays, 2
+  optimizer arrays."""
+  params = {'a': {'w': np.ones((64, 64), np.float32)}, 'b': np.zeros((8,), np.float32)}
+  manager = CheckpointManager(directory, async_save=False)
+  manager.save(step, params, {'m': params})
+  manager.close()
+  return directory / str(step)
+
+
+def test_a_step_set_aside_by_resume_is_inspected_as_any_step(tmp_path, capsys):
+  set_aside = tmp_path / 'corrupt_checkpoints' / '4-20261201-120000'
+  os.makedirs(set_aside.parent)
+  os.rename(_orbax_step(tmp_path / 'checkpoints', 4), set_aside)
+  assert inspect.main([str(set_aside), '--verify']) == 0
+  captured = capsys.readouterr()
+  assert f'path:            {set_aside}\nformat:          orbax\nstep:            4\n' in (
+      captured.out)
+  assert 'verified: all 4 arrays read back complete.' in captured.err
+
+
+@pytest.mark.parametrize('deleting', ['deleted', 'being deleted'])
+def test_a_step_deleted_by_retention_while_verified_is_not_damage(tmp_path, capsys,
+                                                                   monkeypatch, deleting):
+  step_dir = _orbax_step(tmp_path / 'checkpoints', 2)
+  read = verify.verify
+  finish = threading.Timer(0.3, shutil.rmtree, args=(step_dir,))
+
+  def retention_deletes_the_step(ckpt):
+    files = sorted(p for p in step_dir.rglob('*') if p.is_file())
+    for f in files[:len(files) // 2]:
+      f.unlink()
+    finish.start()
+    if deleting == 'deleted':
+      finish.join()
+    return read(ckpt)
+
+  monkeypatch.setattr(verify, 'verify', retention_deletes_the_step)
+  assert inspect.main([str(step_dir), '--verify']) == 0
+  assert capsys.readouterr().err == (
+      f'note: {step_dir} was deleted by retention while being read (a running trainer keeps '
+      f'its last TrainConfig.keep_checkpoints steps); that is not damage. Inspect a newer '
+      f'step.\n')
+  finish.join()

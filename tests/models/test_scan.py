@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.models.helpers import TINY_T5, TINY_VIT, tokens
-from upcycle import tree, upcycling
+from upcycle import fields, tree, upcycling
 from upcycle.models import T5, ViT, abstract_params, scan_layout
 from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses
 from upcycle.train import partitioning
@@ -147,10 +147,12 @@ def test_periods_and_non_periodic_placements():
   assert scan_layout.pattern((), 8) == (False,)
   assert scan_layout.pattern(tuple(range(8)), 8) == (True,)
   assert scan_layout.pattern((3, 7), 8) == (False, False, False, True)
-  with pytest.raises(ValueError, match=r'T5Config.encoder_moe.placement.*scan_layers=False'):
+  with pytest.raises(fields.ConfigError,
+                     match=r'^models.T5Config.encoder_moe.placement: .*scan_layers=False'):
     dataclasses.replace(T5_MOE, scan_layers=True,
                         encoder_moe=dataclasses.replace(T5_MOE.encoder_moe, placement='last_2'))
-  with pytest.raises(ValueError, match=r"ViTConfig.remat_policy='some'"):
+  with pytest.raises(fields.ConfigError,
+                     match=r"^models.ViTConfig.remat_policy = 'some': expected one of"):
     dataclasses.replace(VIT_MOE, remat_policy='some')
 
 

@@ -22,7 +22,7 @@ from upcycle import console, fields, inspect
 from upcycle.checkpoints import CheckpointError
 from upcycle.checkpoints.orbax import CheckpointManager
 from upcycle.file_lock import FileLock
-from upcycle.models import T5
+from upcycle.models import T5, T5Config, ViTConfig
 from upcycle.moe import MoeConfig
 from upcycle.train import logger as logger_lib
 from upcycle.train import resume, stall
@@ -243,6 +243,22 @@ def test_inspect_verify_reads_every_array(run_4_steps, tmp_path, capsys):
      "moe.MoeConfig.placement: MoE placement 'every_third' is not understood"),
     (lambda: MoeConfig(jitter_noise=1.5),
      'moe.MoeConfig.jitter_noise = 1.5: expected a number in [0, 1)'),
+    (lambda: T5Config(d_model='64'), "models.T5Config.d_model = '64': expected an integer >= 1"),
+    (lambda: T5Config(dtype='float64'),
+     "models.T5Config.dtype = 'float64': expected one of ('float32', 'bfloat16', 'float16')"),
+    (lambda: T5Config(encoder_moe=MoeConfig),
+     "models.T5Config.encoder_moe = <class 'upcycle.moe.config.MoeConfig'>: expected None or a "
+     'MoeConfig such as @moe.MoeConfig()'),
+    (lambda: T5Config(decoder_moe=MoeConfig(router='experts_choose')),
+     "models.T5Config.decoder_moe.router = 'experts_choose': Expert Choice lets each expert"),
+    (lambda: ViTConfig(patch_size=16),
+     'models.ViTConfig.patch_size = 16: expected 2 integers >= 1'),
+    (lambda: ViTConfig(pool_type='cls'),
+     "models.ViTConfig.pool_type = 'cls': expected one of ('token', 'gap', 'map')"),
+    (lambda: ViTConfig(width=100),
+     'models.ViTConfig.width = 100: not divisible by num_heads = 12'),
+    (lambda: ViTConfig(layer_norm_epsilon=0),
+     'models.ViTConfig.layer_norm_epsilon = 0: expected a number > 0.0'),
 ])
 def test_config_fields_are_checked_at_construction(make, binding):
   with pytest.raises(fields.ConfigError) as raised:
@@ -316,19 +332,6 @@ def test_truncate_log_keeps_rows_through_the_resume_step(tmp_path):
   assert [json.loads(line) for line in open(path)] == [rows[0], rows[1], rows[4]]
   assert logger_lib.truncate_log(str(path), None) == 3
   assert path.read_text() == ''
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-  """A 3 MiB tmpfs (root only): a tiny T5's checkpoint fits once, not twice."""
-  mount = tmp_path / 'disk'
-  mount.mkdir()
-  done = subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=3M', 'tmpfs', str(mount)],
-                        capture_output=True, text=True)
-  if done.returncode:
-    pytest.skip(f'cannot mount a small tmpfs here: {done.stderr.strip()}')
-  yield mount
-  subprocess.run(['umount', str(mount)], check=True)
 
 
 def test_a_full_disk_stops_the_run_at_the_save_in_one_line(run_4_steps, small_disk):

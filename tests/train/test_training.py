@@ -105,14 +105,19 @@ def test_killed_run_resumes_exactly(tmp_path, straight_run):
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   deadline = time.time() + 300
   while time.time() < deadline and proc.poll() is None:
-    if os.path.exists(killed / 'metrics.jsonl') and max(_train_losses(killed), default=0) >= 6:
-      proc.send_signal(signal.SIGKILL)   # after the step-4 checkpoint, before step 8's
+    # After the step-4 checkpoint is committed (under load its background save can outlast
+    # steps 5 and 6), before step 8's.
+    if (killed / 'checkpoints' / '4').is_dir() and max(_train_losses(killed)) >= 6:
+      proc.send_signal(signal.SIGKILL)
       break
     time.sleep(0.05)
   proc.wait()
   assert proc.returncode == -signal.SIGKILL, 'the run ended before it could be killed'
   assert max(_train_losses(killed)) < 12
-  subprocess.run(_train_command(killed, 12), cwd=REPO, env=env, check=True, capture_output=True)
+  done = subprocess.run(_train_command(killed, 12), cwd=REPO, env=env, capture_output=True,
+                        text=True)
+  assert done.returncode == 0, done.stderr[-5000:]
+  assert 'Resuming from' in done.stdout
   expected, resumed = _train_losses(straight_run), _train_losses(killed)
   rows = [json.loads(line) for line in open(killed / 'metrics.jsonl')]
   assert [r['step'] for r in rows if r['split'] == 'train'] == list(range(1, 13))  # each once

@@ -2,6 +2,9 @@
 
 from typing import Any, Optional
 
+# How a write onto a full disk fails: tensorstore's status, the OS's words.
+FULL_DISK = ('RESOURCE_EXHAUSTED', 'No space left on device')
+
 
 class CheckpointError(ValueError):
   """A checkpoint that cannot be read as asked. Raised before anything is written."""

@@ -24,11 +24,10 @@ import orbax.checkpoint as ocp
 
 from upcycle.checkpoints import orbax_tree, paths
 from upcycle.checkpoints.checkpoint import Checkpoint
-from upcycle.checkpoints.errors import CheckpointError, checkpoint_error
+from upcycle.checkpoints.errors import FULL_DISK, CheckpointError, checkpoint_error
 from upcycle.checkpoints.lazy import materialize
 
 MIB = 2 ** 20
-_FULL_DISK = ('RESOURCE_EXHAUSTED', 'No space left on device')
 
 
 class _QuietFullDisk(logging.Filter):
@@ -39,7 +38,7 @@ class _QuietFullDisk(logging.Filter):
     text = record.getMessage()
     if record.exc_info and record.exc_info[1] is not None:
       text += str(record.exc_info[1])
-    return not any(marker in text for marker in _FULL_DISK)
+    return not any(marker in text for marker in FULL_DISK)
 
 
 logging.getLogger('absl').addFilter(_QuietFullDisk())
@@ -135,7 +134,7 @@ class CheckpointManager:
     text = str(error)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     cause = lines[-1][:300] if lines else type(error).__name__
-    if any(marker in text for marker in _FULL_DISK):
+    if any(marker in text for marker in FULL_DISK):
       where = re.search(r'(?:local file|Failed writing:) "([^"]+)"', text)
       cause = 'no space left on device' + (f' writing {where.group(1)}' if where else '')
     latest = self.latest_step()
@@ -202,7 +201,15 @@ def _disk_bytes(directory: str) -> int:
              for root, _, names in os.walk(directory) for name in names)
 
 
+def step_of(path: str) -> Optional[int]:
+  """The step a step directory's name gives: '<step>', or '<step>-<suffix>' (a step that
+  resume set aside in MODEL_DIR/corrupt_checkpoints/); None for any other name."""
+  match = re.fullmatch(r'(\d+)(-.+)?', os.path.basename(path.rstrip('/')))
+  return int(match.group(1)) if match else None
+
+
 def is_step_dir(path: str) -> bool:
+  """Whether `path` holds one finished step (whatever the directory is called)."""
   if paths.is_url(path) and not paths.isfile(os.path.join(path, _COMMITTED)):
     return False
   return (paths.isfile(os.path.join(path, _MARKER))
@@ -229,6 +236,6 @@ def load(path: str) -> Checkpoint:
   optimizer_dir = os.path.join(path, OPTIMIZER)
   return Checkpoint(
       params=orbax_tree.read(os.path.join(path, PARAMS)),
-      step=int(os.path.basename(path)),
+      step=step_of(path),
       optimizer_state=orbax_tree.read(optimizer_dir) if paths.isdir(optimizer_dir) else None,
       format='orbax', path=path)

@@ -17,14 +17,21 @@ stores bfloat16 natively. Scalars and T5X Adafactor's `[1]` placeholder slots st
 the msgpack (T5X reads either form for any leaf). Leaves may be `LazyArray`s: each is read,
 written and dropped in turn, so memory holds one leaf at a time.
 
-The step directory is written as `checkpoint_<step>.tmp-<time>` and renamed when complete
-(T5X's own convention), so readers never see a partial checkpoint. On gs:// (no rename) it is
+The step directory is written as `checkpoint_<step>.tmp-<time>-<pid>` and renamed when complete
+(T5X's own convention), so readers never see a partial checkpoint. A write that fails (a full
+disk) removes its temporary directory; one that was killed leaves it, and the next write of the
+same step removes it first. Writers of one step hold `checkpoint_<step>.tmp.lock` (a
+`FileLock`), so a second writer of that step is refused rather than removing the first one's
+directory. On gs:// (no rename) it is
 written in place and the `checkpoint` msgpack last: T5X (`checkpoints.all_steps`) and this
 project's reader take a step to exist only once that file does. The zarr specs stay relative
 (`'driver': 'file'`), as T5X resolves them against the checkpoint's own location (gcs there).
 """
 
+import glob
+import logging
 import os
+import shutil
 import time
 from typing import Any, List, Mapping, Optional, Sequence
 
@@ -33,8 +40,10 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from upcycle import tree
+from upcycle import file_lock, tree
 from upcycle.checkpoints import adafactor_state, gcs, paths, zarr_leaf
+
+log = logging.getLogger(__name__)
 
 VERSION = 3
 CHUNK_BYTES = 64 * 2**20   # T5X's _DESIRED_CHUNK_SIZE_BYTES
@@ -114,22 +123,43 @@ def write(model_dir: str, step: int, params: Mapping[str, Any],
       None writes an empty `param_states`, for T5X to initialize (see README).
 
   Raises:
-    FileExistsError: `checkpoint_<step>` exists already (nothing is written).
+    FileExistsError: `checkpoint_<step>` exists already, or another write of it is running
+      (nothing is written).
   """
   if paths.is_url(model_dir):
     return _write_gcs(paths.absolute(model_dir), step, params, param_states)
-  model_dir = os.path.abspath(os.fspath(model_dir))
-  final = os.path.join(model_dir, f'checkpoint_{int(step)}')
-  if os.path.exists(final):
-    raise FileExistsError(f'{final} already exists; T5X checkpoints are never overwritten. '
-                          f'Fix: write another step or into another model directory.')
-  tmp = f'{final}.tmp-{int(time.time())}-{os.getpid()}'
-  os.makedirs(tmp)
-  data = _serialize(tmp, step, params, param_states)
-  with open(os.path.join(tmp, CHECKPOINT_FILE), 'wb') as f:
-    f.write(data)
-  os.rename(tmp, final)
+  final = os.path.join(os.path.abspath(os.fspath(model_dir)), f'checkpoint_{int(step)}')
+  lock = _lock(final)
+  try:
+    if os.path.exists(final):
+      raise FileExistsError(f'{final} already exists; T5X checkpoints are never overwritten. '
+                            f'Fix: write another step or into another model directory.')
+    for killed in glob.glob(glob.escape(final) + '.tmp-*'):   # no writer: we hold the lock
+      shutil.rmtree(killed)
+      log.info('Removed %s, left by a write of the same step that was killed.', killed)
+    tmp = f'{final}.tmp-{int(time.time())}-{os.getpid()}'
+    os.makedirs(tmp)
+    try:
+      data = _serialize(tmp, step, params, param_states)
+      with open(os.path.join(tmp, CHECKPOINT_FILE), 'wb') as f:
+        f.write(data)
+      os.rename(tmp, final)
+    except BaseException:
+      shutil.rmtree(tmp, ignore_errors=True)
+      raise
+  finally:
+    os.remove(lock.path)
+    lock.release()
   return final
+
+
+def _lock(final: str) -> file_lock.FileLock:
+  """Holds `<final>.tmp.lock`, which every local writer of `final` takes first."""
+  try:
+    return file_lock.FileLock(f'{final}.tmp.lock', purpose=f'writing {final}').acquire()
+  except file_lock.LockHeld as held:
+    raise FileExistsError(f'Another write of {final} is running: {held} Fix: wait for it to '
+                          f'finish, or write into another model directory.') from None
 
 
 def _serialize(directory: str, step: int, params: Mapping[str, Any],

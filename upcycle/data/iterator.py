@@ -25,6 +25,10 @@ if TYPE_CHECKING:  # The pipelines bring TensorFlow; the iterator itself never i
   import tensorflow as tf
 
 
+class EmptySplit(ValueError):
+  """A pipeline read whole (partial batches kept) gave no example at all."""
+
+
 class Pipeline(Protocol):
   """What `DataIterator` needs: `TextPipeline` and `ImagePipeline` implement it."""
 
@@ -88,11 +92,7 @@ class DataIterator:
         batch = next(self._it)
       except StopIteration:
         if self._batch_in_epoch == 0:
-          raise ValueError(
-              f'Epoch {self._epoch} of {self._config["pipeline"]} gave no batch of '
-              f'{self._config["batch_size"]} examples on shard {self._config["shard_index"]} '
-              f'of {self._config["num_shards"]}: lower batch_size or use fewer shards.'
-          ) from None
+          raise self._no_batch() from None
         self._epoch += 1
         self._batch_in_epoch = 0
         self._it = None
@@ -100,6 +100,18 @@ class DataIterator:
       self._batch_in_epoch += 1
       self._batches += 1
       return batch
+
+  def _no_batch(self) -> ValueError:
+    """The error for an epoch without a batch: too few examples for a full batch, or (with
+    partial batches kept) none at all."""
+    shard = f'shard {self._config["shard_index"]} of {self._config["num_shards"]}'
+    if self._drop_remainder:
+      return ValueError(
+          f'Epoch {self._epoch} of {self._config["pipeline"]} gave no batch of '
+          f'{self._config["batch_size"]} examples on {shard}: lower batch_size or use fewer '
+          'shards.')
+    return EmptySplit(f'{self._config["pipeline"]} has no examples on {shard}: check the task, '
+                      'its split and where its data is read (TFDS_DATA_DIR).')
 
   def _open_epoch(self) -> Iterator[Dict[str, np.ndarray]]:
     ds = self._pipeline.batches(

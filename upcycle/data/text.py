@@ -15,7 +15,7 @@ import numpy as np
 import seqio
 import tensorflow as tf
 
-from upcycle.data import host_only
+from upcycle.data import host_only, source_errors
 from upcycle.data import tasks  # pylint: disable=unused-import  (registers the default tasks)
 
 
@@ -92,9 +92,12 @@ class TextPipeline:
       raise ValueError(f'Task {self.task!r} has splits {tuple(task.splits)}; '
                        f'TextPipeline.split={self.split!r} is not one of them.')
     shard_info = seqio.ShardInfo(shard_index, num_shards) if num_shards > 1 else None
-    ds = task.get_dataset(
-        dict(self.feature_lengths), split=self.split, use_cached=False, shuffle=self.shuffle,
-        seed=seed, shard_info=shard_info, num_epochs=1)
+    try:
+      ds = task.get_dataset(
+          dict(self.feature_lengths), split=self.split, use_cached=False, shuffle=self.shuffle,
+          seed=seed, shard_info=shard_info, num_epochs=1)
+    except Exception as e:  # pylint: disable=broad-except  (TFDS and imports fail many ways)
+      raise source_errors.source_error(self.task, task, e) from e
     ds = seqio.EncDecFeatureConverter(pack=self.pack)(ds, dict(self.feature_lengths))
     ds = ds.batch(batch_size, drop_remainder=drop_remainder)
     return ds.skip(skip_batches)

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import jax
 import numpy as np
 
-from upcycle import tree
+from upcycle import fields, tree
 
 SUBBLOCK = 'subblock_{}'
 
@@ -50,7 +50,7 @@ def check_scannable(sparse: Sequence[int], num_layers: int, field: str) -> None:
   """Raises if the placement repeats only with the whole stack (nothing to scan over)."""
   p = period(sparse, num_layers)
   if num_layers > 1 and p == num_layers:
-    raise ValueError(
+    raise fields.ConfigError(
         f'{field}: MoE layers {tuple(sparse)} of {num_layers} do not repeat with a period '
         f'shorter than the stack, so scan_layers=True has nothing to scan over. Fix: a periodic '
         f"placement ('every_other', 'all', or indices that repeat every p layers, p dividing "

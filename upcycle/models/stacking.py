@@ -31,11 +31,6 @@ SCANNED_AXES = {'params': 0, 'aux_loss': 0, 'moe_metrics': 0, 'router_logits': 0
                 'intermediates': 0, 'cache': 1}
 
 
-def check_remat_policy(policy: str, field: str) -> None:
-  if policy not in REMAT_POLICIES:
-    raise ValueError(f'{field}={policy!r}: expected one of {sorted(REMAT_POLICIES)}.')
-
-
 def remat(layer: Type[nn.Module], policy: str, static_argnums: Sequence[int],
           scanned: bool) -> Type[nn.Module]:
   """`layer` (a block class) under `jax.checkpoint` with `policy`; itself for 'none'.

@@ -29,7 +29,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from upcycle import layers
+from upcycle import fields, layers
 from upcycle.models import scan_layout, stacking
 from upcycle.moe.config import MoeConfig
 from upcycle.moe.layer import MoeLayer
@@ -40,7 +40,11 @@ Array = jax.Array
 
 @dataclasses.dataclass(frozen=True)
 class T5Config:
-  """T5 v1.1 hyperparameters (defaults: T5 v1.1 Base). MoE per stack: a MoeConfig or None."""
+  """T5 v1.1 hyperparameters (defaults: T5 v1.1 Base). MoE per stack: a MoeConfig or None.
+
+  Every field is checked at construction, so a wrong gin binding fails before any work,
+  naming the binding (`models.T5Config.d_model`).
+  """
 
   vocab_size: int = 32128
   d_model: int = 768
@@ -61,15 +65,28 @@ class T5Config:
   remat_policy: str = 'none'
 
   def __post_init__(self):
-    stacking.check_remat_policy(self.remat_policy, 'T5Config.remat_policy')
+    for name in ('vocab_size', 'd_model', 'num_heads', 'd_kv', 'd_ff', 'num_encoder_layers',
+                 'num_decoder_layers', 'relative_attention_num_buckets',
+                 'relative_attention_max_distance'):
+      fields.integer(self, name, 1)
+    fields.fraction(self, 'dropout_rate')
+    fields.number(self, 'layer_norm_epsilon', 0.0, strictly=True)
+    fields.boolean(self, 'logits_via_embedding')
+    fields.choice(self, 'dtype', layers.DTYPES)
+    for name in ('encoder_moe', 'decoder_moe'):
+      fields.optional_instance(self, name, MoeConfig, '@moe.MoeConfig()')
+    fields.boolean(self, 'scan_layers')
+    fields.choice(self, 'remat_policy', tuple(stacking.REMAT_POLICIES))
     if self.scan_layers:
       for stack, _, _, num_layers, sparse in self.layer_stacks():
-        scan_layout.check_scannable(sparse, num_layers, f'T5Config.{stack}_moe.placement')
+        scan_layout.check_scannable(sparse, num_layers,
+                                    f'{fields.binding(self, stack + "_moe")}.placement')
     if self.decoder_moe is not None and self.decoder_moe.router == 'experts_choose':
-      raise ValueError(
-          "T5Config.decoder_moe.router='experts_choose': Expert Choice lets each expert pick "
-          'tokens from the whole group, future positions included, so a causal decoder would '
-          "read the future. Use router='tokens_choose' (Top-K, e.g. k=2) in the decoder.")
+      raise fields.ConfigError(
+          f"{fields.binding(self, 'decoder_moe')}.router = 'experts_choose': Expert Choice "
+          'lets each expert pick tokens from the whole group, future positions included, so a '
+          "causal decoder would read the future. Use router='tokens_choose' (Top-K, e.g. k=2) "
+          'in the decoder.')
 
   def sparse_layers(self, stack: str) -> tuple:
     """Indices of the MoE blocks of 'encoder' or 'decoder'."""

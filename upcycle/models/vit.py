@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from upcycle import layers
+from upcycle import fields, layers
 from upcycle.models import scan_layout, stacking
 from upcycle.moe.config import MoeConfig
 from upcycle.moe.layer import MoeLayer
@@ -32,7 +32,11 @@ POOL_TYPES = ('token', 'gap', 'map')
 
 @dataclasses.dataclass(frozen=True)
 class ViTConfig:
-  """ViT hyperparameters (defaults: ViT-B/16 at 224px). `moe`: a MoeConfig or None (dense)."""
+  """ViT hyperparameters (defaults: ViT-B/16 at 224px). `moe`: a MoeConfig or None (dense).
+
+  Every field is checked at construction, so a wrong gin binding fails before any work,
+  naming the binding (`models.ViTConfig.width`).
+  """
 
   num_classes: int = 1000
   image_size: Tuple[int, int] = (224, 224)
@@ -54,18 +58,33 @@ class ViTConfig:
   remat_policy: str = 'none'
 
   def __post_init__(self):
-    stacking.check_remat_policy(self.remat_policy, 'ViTConfig.remat_policy')
-    if self.scan_layers:
-      scan_layout.check_scannable(self.sparse_layers(), self.depth, 'ViTConfig.moe.placement')
+    for name in ('num_classes', 'num_channels', 'width', 'depth', 'mlp_dim', 'num_heads'):
+      fields.integer(self, name, 1)
+    fields.integers(self, 'image_size', 2, 1)
+    fields.integers(self, 'patch_size', 2, 1)
     object.__setattr__(self, 'image_size', tuple(self.image_size))
     object.__setattr__(self, 'patch_size', tuple(self.patch_size))
-    if self.pool_type not in POOL_TYPES:
-      raise ValueError(f'ViTConfig.pool_type={self.pool_type!r}: expected one of {POOL_TYPES}.')
+    fields.choice(self, 'pool_type', POOL_TYPES)
+    fields.optional_integer(self, 'representation_size', 1)
+    fields.fraction(self, 'dropout_rate')
+    fields.number(self, 'layer_norm_epsilon', 0.0, strictly=True)
+    fields.boolean(self, 'approximate_gelu')
+    fields.boolean(self, 'head_zeroinit')
+    fields.choice(self, 'dtype', layers.DTYPES)
+    fields.optional_instance(self, 'moe', MoeConfig, '@moe.MoeConfig()')
+    fields.boolean(self, 'scan_layers')
+    fields.choice(self, 'remat_policy', tuple(stacking.REMAT_POLICIES))
+    if self.scan_layers:
+      scan_layout.check_scannable(self.sparse_layers(), self.depth,
+                                  f'{fields.binding(self, "moe")}.placement')
     if self.width % self.num_heads:
-      raise ValueError(f'ViTConfig.width={self.width} is not divisible by num_heads={self.num_heads}.')
+      raise fields.ConfigError(
+          f'{fields.binding(self, "width")} = {self.width}: not divisible by '
+          f'num_heads = {self.num_heads}.')
     if any(i % p for i, p in zip(self.image_size, self.patch_size)):
-      raise ValueError(f'ViTConfig.image_size={self.image_size} is not a multiple of '
-                       f'patch_size={self.patch_size}.')
+      raise fields.ConfigError(
+          f'{fields.binding(self, "image_size")} = {self.image_size}: not a multiple of '
+          f'patch_size = {self.patch_size}.')
 
   @property
   def grid(self) -> Tuple[int, int]:

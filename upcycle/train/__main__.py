@@ -28,13 +28,15 @@ def train(*, objective: Any, optimizer: Any, config: Any, train_data: Any,
 def main(argv) -> int:
   """Runs `train`; --help exits 0, and refusals (bad flags or gin files, bad config values,
   MODEL_DIR in use, a checkpoint that does not fit or cannot be read) end with one message and
-  exit status 1 instead of a traceback (gin_utils.run; --verbose shows it)."""
+  exit status 1 instead of a traceback (gin_utils.run; --verbose shows it); so does a task whose
+  data cannot be read (upcycle.data.source_errors)."""
   from upcycle import fields  # pylint: disable=g-import-not-at-top
   from upcycle.checkpoints import CheckpointError  # pylint: disable=g-import-not-at-top
+  from upcycle.data.source_errors import SourceError  # pylint: disable=g-import-not-at-top
   from upcycle.train.run_lock import RunDirectoryInUse  # pylint: disable=g-import-not-at-top
   try:
     gin_utils.run(train, argv, __doc__,
-                  expected=(fields.ConfigError, RunDirectoryInUse, CheckpointError))
+                  expected=(fields.ConfigError, RunDirectoryInUse, CheckpointError, SourceError))
   except SystemExit as e:
     _exit_now_if_one_of_many(e)
     raise

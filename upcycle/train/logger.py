@@ -22,12 +22,9 @@ import jax
 import numpy as np
 from etils import epath
 
+from upcycle import progress
+
 log = logging.getLogger(__name__)
-
-
-def _format_eta(seconds: float) -> str:
-  seconds = int(max(seconds, 0))
-  return f'{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}'
 
 
 FLUSH_SECONDS = 30.0
@@ -176,7 +173,7 @@ class MetricLogger:
     if 'steps_per_sec' in values:
       rate = values['steps_per_sec']
       shown.append(f'{rate:.2f} steps/s, {values["tokens_per_sec"]:.0f} tokens/s, '
-                   f'ETA {_format_eta((self.total_steps - step) / max(rate, 1e-9))}')
+                   f'ETA {progress.eta((self.total_steps - step) / max(rate, 1e-9))}')
     return ' | '.join(shown)
 
   def flush(self) -> None:

@@ -19,7 +19,7 @@ same host at once, or anywhere once its heartbeat is older than `gcs_lock.STALE_
 
 import contextlib
 import os
-from typing import Iterator
+from typing import Iterator, Optional
 
 import jax
 import numpy as np
@@ -51,11 +51,17 @@ def _all_hosts_agree(ok: bool) -> bool:
 
 @contextlib.contextmanager
 def hold(model_dir: str) -> Iterator[None]:
-  """Holds MODEL_DIR for the duration of the block; raises RunDirectoryInUse if taken."""
+  """Holds MODEL_DIR for the duration of the block; raises RunDirectoryInUse if taken.
+
+  A local MODEL_DIR the block created is removed again when the block fails leaving nothing
+  in it but the lock (a failed start)."""
   path = os.path.join(model_dir, LOCK_FILE)
-  lock = GcsLock(path) if str(model_dir).startswith('gs://') else FileLock(path)
+  local = not str(model_dir).startswith('gs://')
+  lock = FileLock(path) if local else GcsLock(path)
   error = None
+  created = None
   if jax.process_index() == 0:
+    created = _first_missing(model_dir) if local else None
     try:
       lock.acquire()
     except LockHeld as e:
@@ -65,5 +71,32 @@ def hold(model_dir: str) -> Iterator[None]:
         f'MODEL_DIR {model_dir} is in use by another trainer (process 0 says why in its log).')
   try:
     yield
+  except BaseException:
+    if created:
+      _remove_if_only(created, os.path.abspath(path))
+    raise
   finally:
     lock.release()
+
+
+def _first_missing(model_dir: str) -> Optional[str]:
+  """The outermost folder of MODEL_DIR's path that does not exist yet (None: it exists)."""
+  missing = None
+  path = os.path.abspath(model_dir)
+  while not os.path.exists(path):
+    missing, path = path, os.path.dirname(path)
+  return missing
+
+
+def _remove_if_only(created: str, lock_file: str) -> None:
+  """Removes the folders this run created when a failed start left nothing in them but the
+  lock file (and empty folders), so a failed start leaves no run directory behind."""
+  found = [os.path.join(root, name) for root, _, names in os.walk(created) for name in names]
+  if found != [lock_file]:
+    return
+  os.remove(lock_file)
+  for root, _, _ in sorted(os.walk(created), key=lambda walked: -len(walked[0])):
+    try:
+      os.rmdir(root)
+    except OSError:   # another process wrote there meanwhile: keep what it wrote
+      return

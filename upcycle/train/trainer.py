@@ -9,7 +9,7 @@ reproduces the uninterrupted run exactly.
 import dataclasses
 import logging
 import os
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from upcycle import export, fields, tree
 from upcycle.checkpoints import paths, slots
 from upcycle.checkpoints.orbax import RUN_CHECKPOINTS, CheckpointManager
-from upcycle.train import evaluation, host_states, partitioning, resume, run_lock, stall
+from upcycle.train import evaluation, host_states, partitioning, resume, run_lock, stall, startup
 from upcycle.train.host_data import HostData
 from upcycle.train.interfaces import Initializer, Objective, Optimizer
 from upcycle.train.logger import MetricLogger
@@ -249,36 +249,40 @@ class Trainer:
     with run_lock.hold(cfg.model_dir), partitioning.activate(self.mesh):
       return self._run(cfg, on_start or (lambda: None))
 
+  def _initial_state(self, manager: CheckpointManager, abstract: TrainState, example,
+                     data: HostData) -> Tuple[TrainState, bool]:
+    """(the state to train from, whether it was resumed): MODEL_DIR's latest good checkpoint
+    (the data position set from it), else the initializer's state, else a random one."""
+    host_states.wait_for_all_hosts('restore')
+    restored = resume.restore(manager, abstract, self.config.model_dir,
+                              self.config.on_optimizer_mismatch)
+    if restored is None:
+      if self.initializer is None:
+        return self.fresh_state(abstract, example), False
+      state = self.initializer(abstract, self.optimizer, self.objective.model.config)
+      host_states.wait_for_all_hosts('initialized')
+      return state, False
+    shardings = jax.tree.map(lambda x: x.sharding, abstract)
+    opt_state = restored.optimizer_state
+    if opt_state is None:
+      log.warning('The optimizer state of step %s does not fit this config\'s optimizer; it '
+                  'starts fresh at that step (on_optimizer_mismatch=\'fresh\').', restored.step)
+      opt_state = jax.jit(lambda p: step_policy.fresh(self.optimizer.init(p), restored.step),
+                          out_shardings=shardings.opt_state)(restored.params)
+    if restored.dataset_state is not None:
+      data.set_state(host_states.mine(restored.dataset_state, data.shards))
+    log.info('Resuming from %s at step %s.', manager.directory, restored.step)
+    step = jax.device_put(jnp.asarray(restored.step, jnp.int32), shardings.step)
+    return TrainState(step, restored.params, opt_state), True
+
   def _run(self, cfg: TrainConfig, on_start: Callable[[], None]) -> Dict[str, Any]:
     data = HostData(self.train_data, global_batch_size=cfg.batch_size, seed=cfg.seed,
                     num_shards=cfg.data_shards)
     example = data.example()
     abstract = self.abstract_state(example)
+    log.info(startup.summary(abstract.params, self.mesh,
+                             os.path.join(cfg.model_dir, CHECKPOINT_DIR)))
     shardings = jax.tree.map(lambda x: x.sharding, abstract)
-    manager = CheckpointManager(os.path.join(cfg.model_dir, CHECKPOINT_DIR),
-                                keep=cfg.keep_checkpoints, async_save=cfg.async_checkpoints)
-    host_states.wait_for_all_hosts('restore')
-    restored = resume.restore(manager, abstract, cfg.model_dir, cfg.on_optimizer_mismatch)
-    if restored is not None:
-      opt_state = restored.optimizer_state
-      if opt_state is None:
-        log.warning('The optimizer state of step %s does not fit this config\'s optimizer; it '
-                    'starts fresh at that step (on_optimizer_mismatch=\'fresh\').', restored.step)
-        opt_state = jax.jit(lambda p: step_policy.fresh(self.optimizer.init(p), restored.step),
-                            out_shardings=shardings.opt_state)(restored.params)
-      state = TrainState(jax.device_put(jnp.asarray(restored.step, jnp.int32), shardings.step),
-                         restored.params, opt_state)
-      if restored.dataset_state is not None:
-        data.set_state(host_states.mine(restored.dataset_state, data.shards))
-      log.info('Resuming from %s at step %s.', manager.directory, restored.step)
-    elif self.initializer is not None:
-      state = self.initializer(abstract, self.optimizer, self.objective.model.config)
-      host_states.wait_for_all_hosts('initialized')
-    else:
-      state = self.fresh_state(abstract, example)
-    start = int(jax.device_get(state.step))
-    resumed = restored is not None
-
     train_step = self.jit_train_step(shardings)
     eval_step = self.jit_eval_step()
     tokens = self.objective.tokens_per_batch(example) * jax.process_count()
@@ -286,12 +290,19 @@ class Trainer:
     micro = {k: jax.ShapeDtypeStruct((cfg.batch_size // cfg.num_microbatches,) + v.shape[1:],
                                      v.dtype) for k, v in example.items()}
     step_flops = float(self.objective.train_flops(micro) * cfg.num_microbatches)
-    # Rows past the resumed step are from the stopped run's steps that are now redone.
-    logger = MetricLogger(cfg.model_dir, cfg.train_steps, tokens, tensorboard=cfg.tensorboard,
-                          resume_step=start if resumed else None)
     watch = stall.Watch(('loss', 'grad_norm'), cfg.stall_warning_steps)
-    on_start()
-    host_states.wait_for_all_hosts('first step')
+    manager = CheckpointManager(os.path.join(cfg.model_dir, CHECKPOINT_DIR),
+                                keep=cfg.keep_checkpoints, async_save=cfg.async_checkpoints)
+    try:
+      state, resumed = self._initial_state(manager, abstract, example, data)
+      start = int(jax.device_get(state.step))
+      on_start()
+      # Rows past the resumed step are from the stopped run's steps that are now redone.
+      logger = MetricLogger(cfg.model_dir, cfg.train_steps, tokens, tensorboard=cfg.tensorboard,
+                            resume_step=start if resumed else None)
+    except BaseException:
+      manager.close()   # else its background thread outlives the interpreter, with a traceback
+      raise
     rng = jax.random.PRNGKey(cfg.seed + 1)
     history: List[Dict[str, float]] = []
     finite = jnp.array(True)
@@ -310,6 +321,7 @@ class Trainer:
 
     eval_results, initial_eval = {}, {}
     try:
+      host_states.wait_for_all_hosts('first step')
       if self.eval_data is not None and cfg.eval_at_start and manager.latest_step() is None:
         initial_eval = self.evaluate(state.params, eval_step)
         logger.write(start, initial_eval, split='eval')

@@ -1,0 +1,83 @@
+"""Issue 23 §5: a run that fails before its first step ends in one line and leaves no
+MODEL_DIR it created behind (real `python -m upcycle.train` processes)."""
+
+import os
+import subprocess
+
+import pytest
+
+from tests.train.test_reliability import ENV
+from tests.train.test_training import REPO, _train_command
+from upcycle.train import run_lock
+
+
+def _stderr_lines(done):
+  """stderr without the native libraries' start-up lines (oneDNN, CUDA probing)."""
+  return [line for line in done.stderr.splitlines()
+          if line.strip() and not line.startswith(('I0000', 'E0000', 'W0000', 'WARNING'))]
+
+
+@pytest.mark.parametrize('binding, error', [
+    ("--gin.models.T5Config.d_model='64'",
+     "error: models.T5Config.d_model = '64': expected an integer >= 1."),
+    ('--gin.models.T5Config.dropout_rate=1.5',
+     'error: models.T5Config.dropout_rate = 1.5: expected a number in [0, 1).'),
+])
+def test_a_wrong_model_binding_names_it_in_one_line_and_creates_no_model_dir(
+    tmp_path, binding, error):
+  model_dir = tmp_path / 'run'
+  done = subprocess.run(_train_command(model_dir, 2) + [binding], cwd=REPO, env=ENV,
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 1
+  assert _stderr_lines(done)[0] == error
+  assert 'Traceback' not in done.stderr
+  assert not model_dir.exists()
+
+
+def test_a_failed_initializer_ends_in_one_line_and_leaves_no_model_dir(tmp_path):
+  model_dir = tmp_path / 'run'
+  command = [arg.replace('runs/pretrain.gin', 'runs/upcycle.gin')
+             for arg in _train_command(model_dir, 2)] + [
+      '--gin_file=moe/paper_t5.gin', '--gin.NUM_EXPERTS=2',
+      f"--gin.INITIAL_CHECKPOINT_PATH='{tmp_path}/missing'"]
+  done = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True,
+                        timeout=300)
+  assert done.returncode == 1
+  lines = _stderr_lines(done)
+  assert lines[0].startswith(f'error: {tmp_path}/missing: unknown checkpoint format.'), lines
+  assert lines[1:] == ["  In call to configurable 'train' (<function train at " +
+                       lines[1].split(' at ', 1)[1]]   # gin's note, then nothing
+  assert not model_dir.exists()
+
+
+def test_a_failed_start_keeps_a_model_dir_it_did_not_create(tmp_path):
+  mine = tmp_path / 'mine'
+  mine.mkdir()
+  for model_dir in (mine, tmp_path / 'new' / 'run'):
+    with pytest.raises(RuntimeError), run_lock.hold(str(model_dir)):
+      os.makedirs(model_dir / 'checkpoints')
+      raise RuntimeError('the initializer failed')
+  assert sorted(os.listdir(mine)) == ['checkpoints', run_lock.LOCK_FILE]
+  assert sorted(os.listdir(tmp_path)) == ['mine']   # new/run/ and new/ were this run's
+
+
+def test_a_gin_order_that_picks_c4_names_the_task_and_where_it_reads(tmp_path):
+  """data/ before runs/: runs/pretrain.gin sets MIXTURE_OR_TASK_NAME back to C4."""
+  model_dir = tmp_path / 'run'
+  command = _train_command(model_dir, 2)
+  data = command.index('--gin_file=data/offline_span_corruption.gin')
+  command.insert(data - 1, command.pop(data))   # before --gin_file=runs/pretrain.gin
+  done = subprocess.run(command, cwd=REPO, env={**ENV, 'TFDS_DATA_DIR': str(tmp_path / 'tfds')},
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 1
+  error = _stderr_lines(done)[0]
+  assert error.startswith(f'error: task c4_span_corruption reads TFDS c4/en:3.1.0 from '
+                          f'TFDS_DATA_DIR={tmp_path}/tfds, which failed to load ('), error
+  assert error.endswith(
+      f'Fix: prepare it there (tfds build c4/en:3.1.0 --data_dir={tmp_path}/tfds) or pass '
+      f"--tfds_data_dir=<where it is prepared>; or use the offline task "
+      f"'offline_span_corruption' (--gin.MIXTURE_OR_TASK_NAME=\"'offline_span_corruption'\", "
+      f'or --gin_file=data/offline_span_corruption.gin after the runs/ file: the last gin file '
+      f'that sets MIXTURE_OR_TASK_NAME decides the task).')
+  assert 'Traceback' not in done.stderr
+  assert not model_dir.exists()
