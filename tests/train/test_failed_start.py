@@ -45,8 +45,8 @@ def test_a_failed_initializer_ends_in_one_line_and_leaves_no_model_dir(tmp_path)
   assert done.returncode == 1
   lines = _stderr_lines(done)
   assert lines[0].startswith(f'error: {tmp_path}/missing: unknown checkpoint format.'), lines
-  assert lines[1:] == ["  In call to configurable 'train' (<function train at " +
-                       lines[1].split(' at ', 1)[1]]   # gin's note, then nothing
+  # Nothing after it (the orbax thread's 35-line traceback was), but gin's note at most.
+  assert all(line.startswith("  In call to configurable 'train'") for line in lines[1:]), lines
   assert not model_dir.exists()
 
 
