@@ -139,7 +139,7 @@ def test_gs_outputs_of_infer_and_eval_land_on_gcs(byte_vocab_t5, main_module, on
   gin.clear_config(clear_constants=True)
   results = gin_utils.run(eval_main.evaluate, run_argv(
       'eval', directory, "--gin.EVAL_OUTPUT_DIR='gs://bucket/eval'",
-      '--gin.BATCH_SIZE=8', '--gin.evaluate.eval_batches=1',
+      '--gin.BATCH_SIZE=8', '--gin.upcycle.eval.evaluate.eval_batches=1',
       '--gin.EVAL_DECODE_BATCHES=1'), 'test')
   assert json.loads(_gcs_object(on_gcs, 'gs://bucket/eval/eval_results.json')) == results
   assert results['decoded_examples'] == 8

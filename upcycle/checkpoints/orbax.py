@@ -186,6 +186,10 @@ class CheckpointManager:
                               restored[DATASET] if DATASET in args else None)
 
   def close(self) -> None:
+    """Waits for the pending save and for the thread that clears a killed run's unfinished
+    tmp directories (orbax's close() does not wait for that one: a MODEL_DIR removed after a
+    failed start would otherwise end the process with its traceback)."""
+    self._manager._maybe_await_cleanup_tmp_directory()  # pylint: disable=protected-access
     self._manager.close()
 
   def __enter__(self) -> 'CheckpointManager':
