@@ -21,9 +21,8 @@ under step='keep', so the schedule continues. In gin (upcycling/grow.gin, upcycl
 
 import dataclasses
 import json
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
-import jax
 from etils import epath
 
 from upcycle import fields, pretrained, tree
@@ -58,7 +57,7 @@ def _jit(owner: str, hook, abstract_state: TrainState, optimizer, model_config,
 
 
 @dataclasses.dataclass(frozen=True)
-class GrowExperts:
+class GrowExperts(restore.OneJit):
   """Initializer: a trained MoE checkpoint with more experts per block.
 
   The model is the checkpoint's with a larger num_experts (and, for an exactly preserved
@@ -95,15 +94,6 @@ class GrowExperts:
       raise ValueError(f'{fields.binding(self, "usage")}={self.usage!r}: cannot read a JSON '
                        f'mapping {{MoE block: [E] usage}} from it ({e}).') from e
 
-  def __call__(self, abstract_state: TrainState, optimizer,
-               model_config: Optional[Any] = None) -> TrainState:
-    return self._jit(abstract_state, optimizer, model_config)()
-
-  def lower(self, abstract_state: TrainState, optimizer,
-            model_config: Optional[Any] = None) -> jax.stages.Lowered:
-    """The hook's sharded jit lowered on abstract inputs (`upcycle.aot`)."""
-    return self._jit(abstract_state, optimizer, model_config).lower()
-
   def _jit(self, abstract_state: TrainState, optimizer, model_config) -> restore.StateJit:
     usage = self._usage()
     return _jit('GrowExperts', self, abstract_state, optimizer, model_config,
@@ -113,7 +103,7 @@ class GrowExperts:
 
 
 @dataclasses.dataclass(frozen=True)
-class GrowDepth:
+class GrowDepth(restore.OneJit):
   """Initializer: a checkpoint with more layers per stack, each a copy of one of its layers.
 
   The model is the checkpoint's with more layers (num_encoder_layers / num_decoder_layers,
@@ -138,15 +128,6 @@ class GrowDepth:
 
   def __post_init__(self):
     object.__setattr__(self, 'step', step_policy.check(self.step, fields.binding(self, 'step')))
-
-  def __call__(self, abstract_state: TrainState, optimizer,
-               model_config: Optional[Any] = None) -> TrainState:
-    return self._jit(abstract_state, optimizer, model_config)()
-
-  def lower(self, abstract_state: TrainState, optimizer,
-            model_config: Optional[Any] = None) -> jax.stages.Lowered:
-    """The hook's sharded jit lowered on abstract inputs (`upcycle.aot`)."""
-    return self._jit(abstract_state, optimizer, model_config).lower()
 
   def _jit(self, abstract_state: TrainState, optimizer, model_config) -> restore.StateJit:
     return _jit('GrowDepth', self, abstract_state, optimizer, model_config,

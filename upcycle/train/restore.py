@@ -174,6 +174,23 @@ class StateJit:
     return self.jitted.lower(inputs, saved, jax.ShapeDtypeStruct((2,), jnp.uint32))
 
 
+class OneJit:
+  """An initializer that is one `StateJit` (its `_jit`): calling it reads and runs the jit,
+  `lower` lowers it on abstract inputs (`upcycle.aot`)."""
+
+  def _jit(self, abstract_state: TrainState, optimizer, model_config) -> StateJit:
+    raise NotImplementedError
+
+  def __call__(self, abstract_state: TrainState, optimizer,
+               model_config: Optional[Any] = None) -> TrainState:
+    return self._jit(abstract_state, optimizer, model_config)()
+
+  def lower(self, abstract_state: TrainState, optimizer,
+            model_config: Optional[Any] = None) -> jax.stages.Lowered:
+    """The hook's sharded jit lowered on abstract inputs (`upcycle.aot`)."""
+    return self._jit(abstract_state, optimizer, model_config).lower()
+
+
 def state_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer, plan,
               placement: Mapping[str, NamedSharding],
               make_params: Callable[[Any, jax.Array], Any],
@@ -391,7 +408,7 @@ class UpcycleFromDense:
 
 
 @dataclasses.dataclass(frozen=True)
-class ContinueFromCheckpoint:
+class ContinueFromCheckpoint(OneJit):
   """Initializer: the first state of a run continuing a checkpoint of the same architecture.
 
   Every parameter is copied from the same path (a plan with `upcycling=False`, as `copy_params`): a dense
@@ -416,15 +433,6 @@ class ContinueFromCheckpoint:
 
   def __post_init__(self):
     object.__setattr__(self, 'step', step_policy.check(self.step, 'ContinueFromCheckpoint.step'))
-
-  def __call__(self, abstract_state: TrainState, optimizer,
-               model_config: Optional[Any] = None) -> TrainState:
-    return self._jit(abstract_state, optimizer, model_config)()
-
-  def lower(self, abstract_state: TrainState, optimizer,
-            model_config: Optional[Any] = None) -> jax.stages.Lowered:
-    """The hook's sharded jit lowered on abstract inputs (`upcycle.aot`)."""
-    return self._jit(abstract_state, optimizer, model_config).lower()
 
   def _jit(self, abstract_state: TrainState, optimizer, model_config) -> StateJit:
     owner = 'ContinueFromCheckpoint'
