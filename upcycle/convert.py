@@ -239,16 +239,9 @@ def _convert_locally(output_dir: str, write: Callable[[str], None]) -> None:
   clean_leftovers(output_dir)
   tmp = tempfile.mkdtemp(prefix=os.path.basename(_work_prefix(output_dir)), dir=parent)
   os.chmod(tmp, _new_directory_mode())   # mkdtemp's 0700 would become the output's
-  lock = file_lock.FileLock(tmp + '.lock').acquire()
-  try:
+  with file_lock.writing(file_lock.FileLock(tmp + '.lock').acquire(), tmp):
     write(tmp)
     _replace(tmp, output_dir)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
-  finally:
-    os.remove(lock.path)
-    lock.release()
 
 
 # gs:// outputs (the module doc): one lock object per output, work directories, the copy into

@@ -9,12 +9,14 @@ flock works on local filesystems and on NFS (Linux >= 2.6.12 emulates it with PO
 it is not enforced across hosts on FUSE mounts such as gcsfuse.
 """
 
+import contextlib
 import datetime
 import fcntl
 import json
 import os
+import shutil
 import socket
-from typing import Dict
+from typing import Dict, Iterator
 
 
 class LockHeld(RuntimeError):
@@ -90,3 +92,19 @@ def is_held(path: str) -> bool:
       return True
     fcntl.flock(f, fcntl.LOCK_UN)
     return False
+
+
+@contextlib.contextmanager
+def writing(lock: FileLock, work_dir: str) -> Iterator[str]:
+  """`with writing(lock, work_dir):` the block writes `work_dir` and moves it into place while
+  holding `lock` (acquired, private to this output): `work_dir` is removed if the block fails,
+  and the lock is released and its file removed however the block ends."""
+  try:
+    try:
+      yield work_dir
+    except BaseException:
+      shutil.rmtree(work_dir, ignore_errors=True)
+      raise
+  finally:
+    os.remove(lock.path)
+    lock.release()

@@ -130,26 +130,18 @@ def write(model_dir: str, step: int, params: Mapping[str, Any],
     return _write_gcs(paths.absolute(model_dir), step, params, param_states)
   final = os.path.join(os.path.abspath(os.fspath(model_dir)), f'checkpoint_{int(step)}')
   lock = _lock(final)
-  try:
+  with file_lock.writing(lock, f'{final}.tmp-{int(time.time())}-{os.getpid()}') as tmp:
     if os.path.exists(final):
       raise FileExistsError(f'{final} already exists; T5X checkpoints are never overwritten. '
                             f'Fix: write another step or into another model directory.')
     for killed in glob.glob(glob.escape(final) + '.tmp-*'):   # no writer: we hold the lock
       shutil.rmtree(killed)
       log.info('Removed %s, left by a write of the same step that was killed.', killed)
-    tmp = f'{final}.tmp-{int(time.time())}-{os.getpid()}'
     os.makedirs(tmp)
-    try:
-      data = _serialize(tmp, step, params, param_states)
-      with open(os.path.join(tmp, CHECKPOINT_FILE), 'wb') as f:
-        f.write(data)
-      os.rename(tmp, final)
-    except BaseException:
-      shutil.rmtree(tmp, ignore_errors=True)
-      raise
-  finally:
-    os.remove(lock.path)
-    lock.release()
+    data = _serialize(tmp, step, params, param_states)
+    with open(os.path.join(tmp, CHECKPOINT_FILE), 'wb') as f:
+      f.write(data)
+    os.rename(tmp, final)
   return final
 
 
