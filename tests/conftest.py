@@ -100,6 +100,21 @@ def gcs_emulator():
 
 
 @pytest.fixture
+def entry_points(monkeypatch):
+  """The functions the gin files bind as `__main__.<name>` (train, evaluate, infer), as each
+  entry point runs them; gin's configuration is cleared afterwards."""
+  import gin  # pylint: disable=g-import-not-at-top
+  from upcycle import eval as eval_main, infer as infer_main  # pylint: disable=g-import-not-at-top
+  from upcycle.train import __main__ as train_main  # pylint: disable=g-import-not-at-top
+  main = sys.modules['__main__']
+  monkeypatch.setattr(main, 'train', train_main.train, raising=False)
+  monkeypatch.setattr(main, 'evaluate', eval_main.evaluate, raising=False)
+  monkeypatch.setattr(main, 'infer', infer_main.infer, raising=False)
+  yield
+  gin.clear_config(clear_constants=True)
+
+
+@pytest.fixture
 def small_disk(tmp_path):
   """A 3 MiB tmpfs (root only): a tiny T5's checkpoint fits once, not twice."""
   mount = tmp_path / 'disk'

@@ -2,18 +2,14 @@
 
 import glob
 import os
-import sys
 
 import gin
 import jax
 import jax.numpy as jnp
 import pytest
 
-from upcycle import eval as eval_main
 from upcycle import gin_utils
-from upcycle import infer as infer_main
 from upcycle.models import T5, ViT
-from upcycle.train import __main__ as train_main
 
 CONFIGS = gin_utils.CONFIGS_DIR
 FILES = sorted(os.path.relpath(p, CONFIGS)
@@ -46,14 +42,7 @@ def probe(model=gin.REQUIRED):
   return model
 
 
-@pytest.fixture(autouse=True)
-def entry_points(monkeypatch):
-  main = sys.modules['__main__']
-  monkeypatch.setattr(main, 'train', train_main.train, raising=False)
-  monkeypatch.setattr(main, 'evaluate', eval_main.evaluate, raising=False)
-  monkeypatch.setattr(main, 'infer', infer_main.infer, raising=False)
-  yield
-  gin.clear_config(clear_constants=True)
+pytestmark = pytest.mark.usefixtures('entry_points')
 
 
 def test_all_config_groups_are_present():

@@ -13,16 +13,14 @@ import importlib.util
 import os
 import re
 import shlex
-import sys
 import types
 
 import gin
 import pytest
 
-from upcycle import aot, convert, eval as eval_main, export, gin_utils, infer as infer_main
+from upcycle import aot, convert, export, gin_utils
 from upcycle import inspect as inspect_main
 from upcycle.study import __main__ as study_main
-from upcycle.train import __main__ as train_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCUMENTS = ['README.md'] + sorted(os.path.relpath(p, REPO)
@@ -93,15 +91,9 @@ COMMANDS = documented_commands()
 
 
 @pytest.fixture(autouse=True)
-def entry_points(monkeypatch):
-  """The functions the gin files bind as `__main__.<name>`, as each entry point runs them."""
-  main = sys.modules['__main__']
-  monkeypatch.setattr(main, 'train', train_main.train, raising=False)
-  monkeypatch.setattr(main, 'evaluate', eval_main.evaluate, raising=False)
-  monkeypatch.setattr(main, 'infer', infer_main.infer, raising=False)
+def parsing(entry_points, monkeypatch):  # pylint: disable=unused-argument,redefined-outer-name
+  """The entry points on `__main__`, and upcycle.aot's flags restored after each command."""
   monkeypatch.setattr(aot, '_FLAGS', types.SimpleNamespace(**vars(aot._FLAGS)))
-  yield
-  gin.clear_config(clear_constants=True)
 
 
 def parse_training_flags(argv, read=()):

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from tests.checkpoints import helpers, t5x_writer
-from tests.train.test_restore import _t5x_slots
+from tests.train.test_restore import _t5x_slots, _trainer
 from upcycle import checkpoints, tree
 from upcycle.checkpoints import orbax
 from upcycle.models import T5, ViT
@@ -24,7 +24,6 @@ from upcycle.train import objectives, optimizers, partitioning, resume
 from upcycle.train.grow import GrowExperts
 from upcycle.train.restore import UpcycleFromDense
 from upcycle.train.state import TrainState
-from upcycle.train.trainer import TrainConfig, Trainer
 from upcycle.upcycling import sharded
 
 ENCODER_MOE = MoeConfig(num_experts=4, router='experts_choose', capacity_multiple_of=1)
@@ -76,14 +75,6 @@ EXPECTED = {
     'big_vision': {**_factored('1'), '3/ema/{}': (FULL_WI, FULL_WO), '3/count': P(),
                    '6/count': P()},
 }
-
-
-def _trainer(model, optimizer, batch):
-  config = TrainConfig(model_dir='unused', train_steps=1, batch_size=4,
-                       num_expert_partitions=2, num_model_partitions=2)
-  trainer = Trainer(model, optimizer, config, train_data=None)
-  with partitioning.activate(trainer.mesh):
-    return trainer, trainer.abstract_state(batch)
 
 
 def _t5(name):
