@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Dict, NamedTuple, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -35,23 +36,33 @@ T5 = ('--gin_file=moe/paper_t5.gin', '--gin_file=runs/upcycle.gin', '--gin.BATCH
 # The dense checkpoint written here has no optimizer state to reuse (names and shapes only).
 VIT = ('--gin_file=moe/paper_vit.gin', '--gin_file=runs/vit_upcycle.gin',
        '--gin.BATCH_SIZE=4096', '--gin.restore.UpcycleFromDense.reuse_optimizer_state=False')
-# name: (model gin, family flags, topology, Cloud TPU name, expert partitions, model
-# partitions, scanned).
+SLICES = {'v4-32': 'v4:2x2x4', 'v4-64': 'v4:2x4x4', 'v4-128': 'v4:4x4x4'}   # name: topology
+
+
+class Row(NamedTuple):
+  model_gin: str
+  family: Tuple[str, ...]           # the family's gin files and bindings
+  tpu: str                          # the Cloud TPU name, a key of SLICES
+  expert_partitions: int
+  model_partitions: int = 1
+
+
+def _rows(name: str, model_gin: str, family: Tuple[str, ...],
+          layouts: Dict[str, Tuple[int, int, Tuple[str, ...]]]) -> Dict[str, Row]:
+  """{'<name>-<slice>': Row} for {slice: (expert partitions, model partitions, more flags)}."""
+  return {f'{name}-{tpu}': Row(model_gin, family + extra, tpu, experts, model)
+          for tpu, (experts, model, extra) in layouts.items()}
+
+
+EVEN = {'v4-32': (16, 1, ()), 'v4-64': (32, 1, ()), 'v4-128': (32, 1, ())}
 ROWS = {
-    't5-base-v4-32': ('models/t5_1_1/base.gin', T5, 'v4:2x2x4', 'v4-32', 16, 1, True),
-    't5-base-v4-64': ('models/t5_1_1/base.gin', T5, 'v4:2x4x4', 'v4-64', 32, 1, True),
-    't5-base-v4-128': ('models/t5_1_1/base.gin', T5, 'v4:4x4x4', 'v4-128', 32, 1, True),
-    't5-large-v4-32': ('models/t5_1_1/large.gin', T5, 'v4:2x2x4', 'v4-32', 16, 1, True),
-    't5-large-v4-64': ('models/t5_1_1/large.gin', T5, 'v4:2x4x4', 'v4-64', 32, 1, True),
-    't5-large-v4-128': ('models/t5_1_1/large.gin', T5, 'v4:4x4x4', 'v4-128', 32, 1, True),
-    't5-xl-v4-32': ('models/t5_1_1/xl.gin', T5 + ('--gin.trainer.TrainConfig.num_microbatches=2',),
-                    'v4:2x2x4', 'v4-32', 8, 2, True),
-    't5-xl-v4-64': ('models/t5_1_1/xl.gin', T5, 'v4:2x4x4', 'v4-64', 32, 1, True),
-    't5-xl-v4-128': ('models/t5_1_1/xl.gin', T5, 'v4:4x4x4', 'v4-128', 32, 2, True),
-    'vit-b16-v4-64': ('models/vit/b16.gin', VIT, 'v4:2x4x4', 'v4-64', 32, 1, True),
-    'vit-b16-v4-128': ('models/vit/b16.gin', VIT, 'v4:4x4x4', 'v4-128', 32, 1, True),
-    'vit-l16-v4-64': ('models/vit/l16.gin', VIT, 'v4:2x4x4', 'v4-64', 32, 1, True),
-    'vit-l16-v4-128': ('models/vit/l16.gin', VIT, 'v4:4x4x4', 'v4-128', 32, 1, True),
+    **_rows('t5-base', 'models/t5_1_1/base.gin', T5, EVEN),
+    **_rows('t5-large', 'models/t5_1_1/large.gin', T5, EVEN),
+    **_rows('t5-xl', 'models/t5_1_1/xl.gin', T5, {
+        'v4-32': (8, 2, ('--gin.trainer.TrainConfig.num_microbatches=2',)),
+        'v4-64': (32, 1, ()), 'v4-128': (32, 2, ())}),
+    **_rows('vit-b16', 'models/vit/b16.gin', VIT, {t: EVEN[t] for t in ('v4-64', 'v4-128')}),
+    **_rows('vit-l16', 'models/vit/l16.gin', VIT, {t: EVEN[t] for t in ('v4-64', 'v4-128')}),
 }
 
 
@@ -76,16 +87,16 @@ def dense_checkpoint(model_gin: str, workdir: str) -> str:
 
 def flags(name: str, workdir: str):
   """The row's training flags (what `launch/tpu_vm.py train -- ...` passes)."""
-  model_gin, family, _, _, experts, model, scanned = ROWS[name]
-  return [f'--gin_file={model_gin}', *family, f'--gin.SCAN_LAYERS={scanned}',
+  row = ROWS[name]
+  return [f'--gin_file={row.model_gin}', *row.family, '--gin.SCAN_LAYERS=True',
           f"--gin.MODEL_DIR='gs://BUCKET/{name}'", '--gin.TRAIN_STEPS=1100000',
-          f"--gin.INITIAL_CHECKPOINT_PATH='{dense_checkpoint(model_gin, workdir)}'",
-          f'--gin.trainer.TrainConfig.num_expert_partitions={experts}',
-          f'--gin.trainer.TrainConfig.num_model_partitions={model}']
+          f"--gin.INITIAL_CHECKPOINT_PATH='{dense_checkpoint(row.model_gin, workdir)}'",
+          f'--gin.trainer.TrainConfig.num_expert_partitions={row.expert_partitions}',
+          f'--gin.trainer.TrainConfig.num_model_partitions={row.model_partitions}']
 
 
 def run_row(name: str, workdir: str) -> dict:
-  topology = ROWS[name][2]
+  topology = SLICES[ROWS[name].tpu]
   output = os.path.join(workdir, f'{name}.json')
   command = [sys.executable, '-m', 'upcycle.aot', f'--topology={topology}',
              f'--json={output}', *flags(name, workdir)]
