@@ -19,13 +19,13 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / 'upcycle'
 ALLOWED = {
     'tree': set(),
     'fields': set(),
-    'file_lock': set(),
+    'locks': set(),
     'console': set(),
     'layers': {'tree'},
     'moe': {'tree', 'layers', 'fields'},
     'models': {'tree', 'layers', 'moe', 'fields'},
     'decoding': {'tree', 'layers', 'moe', 'models', 'fields'},
-    'checkpoints': {'tree', 'file_lock'},
+    'checkpoints': {'tree', 'locks'},
     'upcycling': {'tree', 'checkpoints'},
     'data': set(),
     'gin_utils': {'console', 'reachability', 'tpu_slice'},
@@ -34,8 +34,12 @@ ALLOWED = {
     'tpu_slice': set(),
 }
 # Wiring: may import any part.
-WIRING = {'train', 'pretrained', 'aot', 'convert', 'export', 'eval', 'infer', 'inspect', 'quickstart',
-          'study', '__init__'}
+WIRING = {'train', 'pretrained', 'predictions', 'aot', 'convert', 'export', 'eval', 'infer',
+          'inspect', 'quickstart', 'study', '__init__'}
+# The command-line modules (`python -m ...`): flags and one call; no module imports them.
+COMMANDS = {'upcycle.aot', 'upcycle.convert', 'upcycle.eval', 'upcycle.export', 'upcycle.infer',
+            'upcycle.inspect', 'upcycle.quickstart', 'upcycle.study.__main__',
+            'upcycle.train.__main__'}
 
 
 def _part(module: str) -> str:
@@ -95,6 +99,47 @@ def violations(paths, root: pathlib.Path = PACKAGE):
   return out
 
 
+def command_imports(paths, root: pathlib.Path = PACKAGE):
+  """'<file>:<line>: ...' for each import of a command-line module by another module."""
+  out = []
+  for path in paths:
+    module = _module_name(path, root)
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        names = [node.module] + [f'{node.module}.{alias.name}' for alias in node.names]
+      else:
+        continue
+      for name in sorted(set(names) & COMMANDS - {module}):
+        out.append(f'{path.relative_to(root.parent)}:{node.lineno}: imports the command-line '
+                   f'module {name}; move what it uses into the library')
+  return out
+
+
+def test_no_module_imports_a_command_line_module():
+  found = command_imports(sorted(PACKAGE.rglob('*.py')))
+  assert not found, '\n  '.join(['Command-line modules imported:'] + found)
+
+
+def test_an_import_of_a_command_line_module_is_named(tmp_path):
+  fake = tmp_path / 'upcycle' / 'train' / 'trainer.py'
+  fake.parent.mkdir(parents=True)
+  fake.write_text('import os\n\ndef end():\n  from upcycle import export\n'
+                  '  from upcycle.train import __main__\n')
+  assert command_imports([fake], tmp_path / 'upcycle') == [
+      'upcycle/train/trainer.py:4: imports the command-line module upcycle.export; move what '
+      'it uses into the library',
+      'upcycle/train/trainer.py:5: imports the command-line module upcycle.train.__main__; '
+      'move what it uses into the library']
+
+
+def test_the_command_line_modules_are_those_with_a_main():
+  found = {_module_name(path, PACKAGE) for path in PACKAGE.rglob('*.py')
+           if path.name == '__main__.py' or "if __name__ == '__main__':" in path.read_text()}
+  assert found == COMMANDS
+
+
 def test_every_import_points_the_one_way():
   found = violations(sorted(PACKAGE.rglob('*.py')))
   assert not found, 'Imports against the dependency direction:\n  ' + '\n  '.join(found)
@@ -110,7 +155,7 @@ def test_a_hidden_import_against_the_direction_is_named(tmp_path):
   relative.write_text('from ..train import state\n')
   assert violations([fake, relative], tmp_path / 'upcycle') == [
       'upcycle/checkpoints/sneaky.py:2: upcycle.checkpoints imports upcycle.models, against '
-      "the direction (upcycle.checkpoints may import ['file_lock', 'tree'])",
+      "the direction (upcycle.checkpoints may import ['locks', 'tree'])",
       'upcycle/upcycling/relative.py:1: upcycle.upcycling imports upcycle.train, against the '
       "direction (upcycle.upcycling may import ['checkpoints', 'tree'])"]
 

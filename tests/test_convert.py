@@ -14,7 +14,7 @@ import pytest
 
 from tests.checkpoints import helpers, t5x_writer
 from upcycle import checkpoints, convert, tree
-from upcycle.file_lock import FileLock
+from upcycle.locks.file_lock import FileLock
 from upcycle.models import T5, abstract_params
 from upcycle.moe import MoeConfig
 from upcycle.train import objectives, optimizers, partitioning
@@ -209,7 +209,7 @@ def test_the_output_directory_has_the_mode_the_umask_gives(source, tmp_path, uma
 def _killed_conversion(work_dir):
   """A work directory and lock file as a conversion killed while writing leaves them."""
   os.makedirs(os.path.join(work_dir, '0'))
-  code = ('import os, signal, sys; from upcycle.file_lock import FileLock; '
+  code = ('import os, signal, sys; from upcycle.locks.file_lock import FileLock; '
           'FileLock(sys.argv[1]).acquire(); os.kill(os.getpid(), signal.SIGKILL)')
   killed = subprocess.run([sys.executable, '-c', code, work_dir + '.lock'], cwd=REPO)
   assert killed.returncode == -signal.SIGKILL
@@ -243,7 +243,7 @@ def _convert_on_gcs(source_dir: str, gin_file: str, out: str) -> None:
   import io  # pylint: disable=g-import-not-at-top
   import time  # pylint: disable=g-import-not-at-top
   from upcycle.checkpoints import gcs  # pylint: disable=g-import-not-at-top
-  from upcycle.train.gcs_lock import GcsLock  # pylint: disable=g-import-not-at-top
+  from upcycle.locks.gcs_lock import GcsLock  # pylint: disable=g-import-not-at-top
   runs = []
 
   def run(output_dir, *extra):

@@ -15,9 +15,9 @@ import pytest
 from tests.checkpoints import helpers, t5x_reader
 from tests.train.test_training import TINY_T5, text
 from upcycle import checkpoints, console, export, fields, tree
-from upcycle.checkpoints import t5x_writer
+from upcycle.checkpoints import t5x_export, t5x_writer
 from upcycle.checkpoints.orbax import CheckpointManager
-from upcycle.file_lock import FileLock
+from upcycle.locks.file_lock import FileLock
 from upcycle.models import T5
 from upcycle.moe import MoeConfig
 from upcycle.train import optimizers
@@ -78,7 +78,7 @@ def _assert_t5x(directory, step, params, slots):
 
 def test_export_writes_params_and_t5x_adafactor_slots(run, tmp_path, capsys):
   before = helpers.snapshot(os.path.join(run['model_dir'], 'checkpoints'))
-  out = export.export(run['model_dir'], str(tmp_path / 'out'))
+  out = t5x_export.export(run['model_dir'], str(tmp_path / 'out'))
   assert out == str(tmp_path / 'out' / 'checkpoint_2')
   assert f'Wrote {out} (T5X, step 2, with T5X Adafactor state).' in capsys.readouterr().out
   _assert_t5x(out, 2, run['params'], run['slots'])
@@ -136,7 +136,7 @@ def test_other_optimizers_export_params_only(optimizer, tmp_path, capsys):
   with CheckpointManager(str(tmp_path / 'run' / 'checkpoints'), async_save=False) as manager:
     manager.save(5, params, state)
   capsys.readouterr()
-  out = export.export(str(tmp_path / 'run'), str(tmp_path / 'out'))
+  out = t5x_export.export(str(tmp_path / 'run'), str(tmp_path / 'out'))
   assert out == str(tmp_path / 'out' / 'checkpoint_5')
   lines = capsys.readouterr().out.splitlines()
   assert [line for line in lines if 'parameters only' in line] == [
@@ -149,7 +149,7 @@ def test_other_optimizers_export_params_only(optimizer, tmp_path, capsys):
 def test_refusals_name_the_path_and_write_nothing(run, tmp_path, capsys):
   model_dir, out = run['model_dir'], str(tmp_path / 'out')
   source = helpers.snapshot(model_dir)
-  export.export(model_dir, out)
+  t5x_export.export(model_dir, out)
   written = helpers.snapshot(out)
   assert export.main([f'--model_dir={model_dir}', f'--output_dir={out}']) == 1
   assert capsys.readouterr().err == (
@@ -159,13 +159,13 @@ def test_refusals_name_the_path_and_write_nothing(run, tmp_path, capsys):
   assert capsys.readouterr().err == (
       f'error: {model_dir}/checkpoints: no finished checkpoint for step 1; the run has steps '
       f'[2]. Fix: pass one of them as --step, or none for the latest (2).\n')
-  with pytest.raises(export.ExportError, match=rf"^{tmp_path}: no finished checkpoint of a run "
+  with pytest.raises(t5x_export.ExportError, match=rf"^{tmp_path}: no finished checkpoint of a run "
                      rf"here\. Expected checkpoints/<step>/ .* found \['out'\]\. Fix: pass"):
-    export.export(str(tmp_path), str(tmp_path / 'c'))
-  with pytest.raises(export.ExportError, match="lies inside the run's checkpoints"):
-    export.export(model_dir, os.path.join(model_dir, 'checkpoints', 't5x'))
-  with pytest.raises(export.ExportError, match='writes local directories'):
-    export.export(model_dir, 'gs://bucket/t5x')
+    t5x_export.export(str(tmp_path), str(tmp_path / 'c'))
+  with pytest.raises(t5x_export.ExportError, match="lies inside the run's checkpoints"):
+    t5x_export.export(model_dir, os.path.join(model_dir, 'checkpoints', 't5x'))
+  with pytest.raises(t5x_export.ExportError, match='writes local directories'):
+    t5x_export.export(model_dir, 'gs://bucket/t5x')
   assert helpers.snapshot(out) == written and not os.path.exists(f'{out}/b')
   assert helpers.snapshot(model_dir) == source
 
@@ -173,7 +173,7 @@ def test_refusals_name_the_path_and_write_nothing(run, tmp_path, capsys):
 def _killed_export(final):
   """What an export of `final` killed while writing leaves: its lock file (no longer held) and
   its partial `<final>.tmp-<time>-<pid>/`."""
-  code = ('import os, signal, sys; from upcycle.file_lock import FileLock; '
+  code = ('import os, signal, sys; from upcycle.locks.file_lock import FileLock; '
           'FileLock(sys.argv[1] + ".tmp.lock").acquire(); '
           'os.makedirs(f"{sys.argv[1]}.tmp-1700000000-{os.getpid()}/target.x"); '
           'os.kill(os.getpid(), signal.SIGKILL)')

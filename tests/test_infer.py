@@ -19,7 +19,7 @@ from tests import hf_files
 from upcycle import eval as eval_main
 from upcycle import gin_utils
 from upcycle import infer as infer_main
-from upcycle import progress, reachability
+from upcycle import predictions, progress, reachability
 from upcycle.data import iterator
 
 LENGTHS = "{'inputs': 32, 'targets': 8}"
@@ -72,7 +72,7 @@ def test_infer_writes_jsonl_with_hf_greedy_predictions(byte_vocab_t5, tmp_path, 
     records = [json.loads(line) for line in f]
   assert len(records) == 6
   import torch  # pylint: disable=g-import-not-at-top
-  vocabulary = infer_main.target_vocabulary('offline_span_corruption')
+  vocabulary = predictions.target_vocabulary('offline_span_corruption')
   for record in records:
     assert set(record) == {'inputs', 'targets', 'prediction', 'score', 'input_tokens',
                            'target_tokens', 'prediction_tokens'}
@@ -94,7 +94,7 @@ def test_eval_sequence_accuracy_counts_exact_matches(byte_vocab_t5):
   params, config = pretrained.load_hf(byte_vocab_t5[0])
   pipeline = TextPipeline('offline_span_corruption', 'validation',
                           {'inputs': 32, 'targets': 8}, pack=False, shuffle=False)
-  result = eval_main.sequence_accuracy(T5(config), params, pipeline, DecodeConfig(),
+  result = predictions.sequence_accuracy(T5(config), params, pipeline, DecodeConfig(),
                                        batch_size=3, max_batches=2, seed=0)
   assert result['decoded_examples'] == 6
   assert result['sequence_accuracy'] == 0.0   # a random model reproduces no span

@@ -41,7 +41,7 @@ deleting) hidden directories that have no lock file. --dry_run prints the plan
 (the upcycling report) and writes nothing.
 
 OUTPUT_DIR may be gs://BUCKET/PATH. GCS has no rename and no OS locks, so there: one lock object
-`.OUTPUT_DIR.converting.lock` beside it (train/gcs_lock.py: created only if absent, with a
+`.OUTPUT_DIR.converting.lock` beside it (locks/gcs_lock.py: created only if absent, with a
 heartbeat; a dead holder's is taken over at once on its own host, elsewhere after 5 minutes)
 is held for the whole conversion, and its holder deletes the hidden work directories it finds
 (only a holder writes one, so they are a killed conversion's). Everything is written into a
@@ -65,10 +65,11 @@ import tempfile
 import time
 from typing import Any, Callable, List, Mapping, Optional, Union
 
-from upcycle import checkpoints, console, file_lock, gin_utils, pretrained
+from upcycle import checkpoints, console, gin_utils, pretrained
 from upcycle.checkpoints import gcs, paths, t5x_writer, zarr_leaf
 from upcycle.models import T5Config, ViTConfig, abstract_params
-from upcycle.train.gcs_lock import STALE_SECONDS, GcsLock
+from upcycle.locks import file_lock
+from upcycle.locks.gcs_lock import STALE_SECONDS, GcsLock
 from upcycle.upcycling import experts as experts_lib
 from upcycle.upcycling import routers as routers_lib
 from upcycle.upcycling import step_policy, stream

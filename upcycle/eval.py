@@ -14,26 +14,8 @@ from typing import Any, Optional, Sequence
 
 from etils import epath
 import jax
-import numpy as np
 
-from upcycle import gin_utils
-
-
-def sequence_accuracy(model: Any, params: Any, pipeline: Any, decoding: Any, *,
-                      batch_size: int, max_batches: int, seed: int) -> dict:
-  """Fraction of `pipeline`'s examples whose decoded targets equal the reference exactly
-  (T5's sequence accuracy, on token ids), and how many examples were decoded."""
-  # pylint: disable=g-import-not-at-top
-  from upcycle import decoding as decoding_lib
-  from upcycle import infer
-  # pylint: enable=g-import-not-at-top
-  decode_fn = decoding_lib.make_decode_fn(model, decoding, pipeline.feature_lengths['targets'])
-  matches = [np.asarray(decoding_lib.exact_match(tokens, batch['decoder_target_tokens']))
-             for batch, tokens, _ in infer.predictions(
-                 decode_fn, params, pipeline, batch_size=batch_size, max_batches=max_batches,
-                 seed=seed)]
-  matches = np.concatenate(matches)
-  return {'sequence_accuracy': float(matches.mean()), 'decoded_examples': int(matches.size)}
+from upcycle import gin_utils, predictions
 
 
 def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size: int,
@@ -75,7 +57,7 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
           objective, params, fewshot_train_data, eval_data, batch_size=host_batch, mesh=mesh,
           shots=fewshot_shots, l2_reg=fewshot_l2_reg, max_batches=eval_batches, seed=seed))
   if decode_data is not None:
-    results.update(sequence_accuracy(
+    results.update(predictions.sequence_accuracy(
         objective.model, params, decode_data, decoding or decoding_lib.DecodeConfig(),
         batch_size=host_batch, max_batches=decode_batches, seed=seed))
   results = {'checkpoint': os.fspath(checkpoint_path), 'format': checkpoint.format,

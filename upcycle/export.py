@@ -26,127 +26,11 @@ exports its final step the same way with `TrainConfig.export_t5x` (MODEL_DIR/t5x
 """
 
 import argparse
-import logging
-import os
 import sys
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import List, Optional
 
-import numpy as np
-
-from upcycle import checkpoints, console, tree
-from upcycle.checkpoints import adafactor_state, orbax, paths, t5x_writer
-from upcycle.checkpoints.errors import FULL_DISK
-
-log = logging.getLogger('upcycle.export')   # by name: under python -m, __name__ is __main__
-
-
-class ExportError(ValueError):
-  """An export refused before anything was written."""
-
-
-class AlreadyExported(ExportError):
-  """OUTPUT_DIR/checkpoint_<step> exists already (exports never overwrite)."""
-
-
-def run_steps(model_dir: str) -> Tuple[str, Dict[int, str]]:
-  """(the directory holding the run's step directories, {step: step directory})."""
-  model_dir = paths.absolute(model_dir)
-  for root in (os.path.join(model_dir, orbax.RUN_CHECKPOINTS), model_dir):
-    steps = orbax.finished_steps(root)
-    if steps:
-      return root, steps
-  raise ExportError(
-      f'{model_dir}: no finished checkpoint of a run here. Expected '
-      f'{orbax.RUN_CHECKPOINTS}/<step>/ (as the trainer writes) or <step>/ directories, found '
-      f'{paths.listdir(model_dir)[:10] or "nothing"}. Fix: pass the run\'s MODEL_DIR as '
-      f'--model_dir.')
-
-
-def t5x_param_states(optimizer_state, params: Mapping) -> Optional[dict]:
-  """T5X's `param_states` (the stored, lazy leaves) when the run's stored optimizer state is
-  `optimizers.T5XAdafactor`'s (`{'count', 'param_states': {<param path>: {v_row, v_col, v,
-  m}}}` for exactly the params), else None."""
-  if not (isinstance(optimizer_state, Mapping) and
-          set(optimizer_state) == {'count', 'param_states'}):
-    return None
-  stored = tree.flatten(optimizer_state['param_states'])
-  wanted = [f'{path}/{slot}' for path in tree.flatten(params) for slot in adafactor_state.SLOTS]
-  if set(stored) != set(wanted):
-    return None
-  return tree.unflatten({key: stored[key] for key in wanted})
-
-
-def _check_output(output_dir: str, root: str) -> None:
-  if paths.is_url(output_dir):
-    raise ExportError(f'--output_dir={output_dir}: the T5X writer writes local directories. '
-                      f'Fix: export to a local directory, then copy it (gcloud storage cp -r).')
-  if not paths.is_url(root):
-    out, source = os.path.realpath(output_dir), os.path.realpath(root)
-    if os.path.commonpath([out, source]) == source:
-      raise ExportError(f'--output_dir={output_dir} lies inside the run\'s checkpoints '
-                        f'{source}, which are never written to. Fix: choose a directory '
-                        f'outside it (the trainer uses MODEL_DIR/t5x).')
-
-
-def export(model_dir: str, output_dir: str, step: Optional[int] = None,
-           optimizer_state: bool = True) -> str:
-  """Writes step `step` (default: the latest) of the run in `model_dir` as
-  `output_dir/checkpoint_<step>/` in T5X's layout (module docstring); returns that directory.
-
-  Raises:
-    ExportError: no finished checkpoint in `model_dir`, no step `step`, an output inside the
-      run's checkpoints or on gs://; AlreadyExported: the output step exists.
-  """
-  root, steps = run_steps(model_dir)
-  output_dir = paths.absolute(output_dir)
-  _check_output(output_dir, root)
-  step = max(steps) if step is None else int(step)
-  if step not in steps:
-    raise ExportError(f'{root}: no finished checkpoint for step {step}; the run has steps '
-                      f'{sorted(steps)}. Fix: pass one of them as --step, or none for the '
-                      f'latest ({max(steps)}).')
-  ckpt = checkpoints.load(steps[step], format='orbax', lazy=True)
-  slots = t5x_param_states(ckpt.optimizer_state, ckpt.params)
-  out_step = step
-  if not optimizer_state:
-    log.info('Exporting the parameters only (no optimizer state asked for).')
-  elif slots is None:
-    what = ('has no optimizer state' if ckpt.optimizer_state is None else
-            "holds an optimizer state that is not optimizers.T5XAdafactor's, whose slots T5X "
-            "could not use")
-    log.info('%s %s: exporting the parameters only.', ckpt.path, what)
-  else:
-    out_step = int(np.asarray(ckpt.optimizer_state['count']))
-    if out_step != step:
-      log.info("Run step %d: T5X's Adafactor runs on state/step, so the export is at the "
-               "optimizer state's count, %d.", step, out_step)
-  target = os.path.join(output_dir, f'checkpoint_{out_step}')
-  if os.path.exists(target):
-    raise AlreadyExported(f'{target} already exists; an export never overwrites. Fix: delete '
-                          f'it, or pass another --output_dir.')
-  written = _write(output_dir, out_step, ckpt.params, slots if optimizer_state else None)
-  log.info('Wrote %s (T5X, step %d%s).', written, out_step,
-           ', with T5X Adafactor state' if optimizer_state and slots is not None else '')
-  return written
-
-
-def _write(output_dir: str, step: int, params, slots) -> str:
-  """`t5x_writer.write`, its refusals and a full disk as ExportError (its partial directory is
-  removed by then)."""
-  try:
-    return t5x_writer.write(output_dir, step, params, slots)
-  except FileExistsError as e:   # another export of the step started meanwhile
-    raise ExportError(str(e)) from None
-  except (OSError, ValueError) as e:
-    if not any(marker in str(e) for marker in FULL_DISK):
-      raise
-    size = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-               for x in tree.flatten({'params': params, 'slots': slots or {}}).values())
-    raise ExportError(
-        f'Exporting step {step} to {output_dir}/checkpoint_{step} failed: no space left on '
-        f'device; the partial checkpoint was removed. It needs up to {size / 2**20:.1f} MiB '
-        f'(the arrays uncompressed). Fix: free space there, or pass another --output_dir.'
-    ) from None
+from upcycle import checkpoints, console
+from upcycle.checkpoints import t5x_export
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,8 +52,9 @@ def main(argv: Optional[List[str]] = None) -> int:
   console.show_progress()
   args = build_parser().parse_args(argv)
   try:
-    export(args.model_dir, args.output_dir, args.step, not args.no_optimizer_state)
-  except (ExportError, checkpoints.CheckpointError) as e:
+    t5x_export.export(args.model_dir, args.output_dir, step=args.step,
+                      optimizer_state=not args.no_optimizer_state)
+  except (t5x_export.ExportError, checkpoints.CheckpointError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 1
   return 0

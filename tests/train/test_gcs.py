@@ -57,8 +57,8 @@ def _rows(gcs_emulator, url):
 def test_the_run_lock_on_gcs(gcs_emulator, monkeypatch):
   for k, v in gcs_emulator.items():
     monkeypatch.setenv(k, v)
-  from upcycle.file_lock import LockHeld  # pylint: disable=g-import-not-at-top
-  from upcycle.train.gcs_lock import GcsLock  # pylint: disable=g-import-not-at-top
+  from upcycle.locks.file_lock import LockHeld  # pylint: disable=g-import-not-at-top
+  from upcycle.locks.gcs_lock import GcsLock  # pylint: disable=g-import-not-at-top
   first = GcsLock('gs://bucket/locked/run.lock').acquire()
   with pytest.raises(LockHeld, match=f'held by pid {os.getpid()} on host'):
     GcsLock('gs://bucket/locked/run.lock').acquire()

@@ -21,7 +21,7 @@ from tests.train.test_training import REPO, TINY_T5, _train_command, text
 from upcycle import console, fields, inspect
 from upcycle.checkpoints import CheckpointError
 from upcycle.checkpoints.orbax import CheckpointManager
-from upcycle.file_lock import FileLock
+from upcycle.locks.file_lock import FileLock
 from upcycle.models import T5, T5Config, ViTConfig
 from upcycle.moe import MoeConfig
 from upcycle.train import logger as logger_lib

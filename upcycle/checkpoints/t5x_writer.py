@@ -40,7 +40,8 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from upcycle import file_lock, tree
+from upcycle import tree
+from upcycle.locks import file_lock
 from upcycle.checkpoints import adafactor_state, gcs, paths, zarr_leaf
 
 log = logging.getLogger(__name__)

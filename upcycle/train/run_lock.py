@@ -2,7 +2,7 @@
 
 Two trainers writing one run directory interleave their metrics and break each other's
 checkpoint saves (orbax renames and deletes step directories), losing the last checkpoint.
-The lock is an OS file lock (`upcycle.file_lock`): the kernel drops it when the trainer
+The lock is an OS file lock (`upcycle.locks.file_lock`): the kernel drops it when the trainer
 exits or is killed, so a dead run never blocks a restart, and a refused trainer is told
 which host and pid holds the directory and since when.
 
@@ -24,8 +24,8 @@ from typing import Iterator, Optional
 import jax
 import numpy as np
 
-from upcycle.file_lock import FileLock, LockHeld
-from upcycle.train.gcs_lock import GcsLock
+from upcycle.locks.file_lock import FileLock, LockHeld
+from upcycle.locks.gcs_lock import GcsLock
 
 LOCK_FILE = 'run.lock'
 

@@ -18,8 +18,8 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from upcycle import export, fields, tree
-from upcycle.checkpoints import paths, slots
+from upcycle import fields, tree
+from upcycle.checkpoints import paths, slots, t5x_export
 from upcycle.checkpoints.orbax import RUN_CHECKPOINTS, CheckpointManager
 from upcycle.train import evaluation, host_states, partitioning, resume, run_lock, stall, startup
 from upcycle.train.host_data import HostData
@@ -230,8 +230,8 @@ class Trainer:
     wait for it); an existing export (a restarted finished run) is kept."""
     if jax.process_index() == 0:
       try:
-        export.export(checkpoint_dir, os.path.join(self.config.model_dir, T5X_DIR), step=step)
-      except export.AlreadyExported as e:
+        t5x_export.export(checkpoint_dir, os.path.join(self.config.model_dir, T5X_DIR), step=step)
+      except t5x_export.AlreadyExported as e:
         log.info('T5X export kept: %s', e)
     host_states.wait_for_all_hosts('t5x export', EXPORT_TIMEOUT_SECONDS)
 

@@ -25,8 +25,7 @@ from typing import Optional
 
 import tensorstore as ts
 
-from upcycle.checkpoints.zarr_leaf import split_gcs
-from upcycle.file_lock import LockHeld, holder
+from upcycle.locks.file_lock import LockHeld, holder
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +60,7 @@ class GcsLock:
   """`with GcsLock('gs://bucket/run/run.lock'):`; raises LockHeld if a live holder has it."""
 
   def __init__(self, url: str):
-    bucket, self.key = split_gcs(url)
+    bucket, _, self.key = url[len('gs://'):].partition('/')
     self.url = url
     self._store = ts.KvStore.open({'driver': 'gcs', 'bucket': bucket}).result()
     self._generation = None

@@ -1,0 +1,4 @@
+"""One holder at a time: an OS lock on a local file (`file_lock.py`: run directories, T5X
+writes, conversions, exports) and a conditionally created gs:// object with a heartbeat
+(`gcs_lock.py`: the same on Cloud Storage). Both name the holder (host, pid, since) in the
+error a second writer gets."""
