@@ -5,7 +5,7 @@ e.g. 'encoder/layers_1/mlp/expert/wi_0/kernel'. Every package that walks a
 param tree (moe, checkpoints, upcycling, train) does it through this module,
 which imports nothing from `upcycle`.
 
-The naming rule (DESIGN.md) of every MoE block of either model:
+The naming rule of every MoE block of either model:
 
   X/expert/Y  the experts of the dense MLP leaf X/Y, a leading expert axis
   X/router/Z  the router of block X (only where X/expert/... exists too)

@@ -1,4 +1,4 @@
-"""Issue 23 §5: a run that fails before its first step ends in one line and leaves no
+"""A run that fails before its first step ends in one line and leaves no
 MODEL_DIR it created behind (real `python -m upcycle.train` processes)."""
 
 import os

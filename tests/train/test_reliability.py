@@ -1,4 +1,4 @@
-"""Issue 10: one trainer per MODEL_DIR, resume checks, corrupt checkpoints, config checks,
+"""One trainer per MODEL_DIR, resume checks, corrupt checkpoints, config checks,
 stalled runs, metrics on resume. Cases 1-3 run `python -m upcycle.train` as real processes."""
 
 import glob

@@ -78,9 +78,10 @@ def apply_stack(layer: Type[nn.Module], config: Any, stack: int, x: jax.Array,
   """
   _, block_name, scanned_name, num_layers, sparse = config.layer_stacks()[stack]
   scan = config.scan_layers
-  first_static = 2 + len(dynamic)
-  block = remat(layer, config.remat_policy, range(first_static, first_static + len(static)),
-                scan)
+  # nn.remat and nn.scan take positional arguments: `block(...)(x, *dynamic, *static)`, so in
+  # `__call__(self, x, *dynamic, *static)` the static values sit after self, x and dynamic.
+  static_positions = range(2 + len(dynamic), 2 + len(dynamic) + len(static))
+  block = remat(layer, config.remat_policy, static_positions, scan)
   if not scan:
     for i in range(num_layers):
       x = block(config, i in set(sparse), name=block_name.format(i))(x, *dynamic, *static)

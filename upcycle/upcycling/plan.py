@@ -1,6 +1,6 @@
 """The upcycling plan: what every target leaf is made from, decided once, before any data.
 
-One rule for T5 and ViT (`upcycle.tree`, DESIGN.md "the naming contract"):
+One rule for T5 and ViT (`upcycle.tree`, "the naming rule"):
 
   X/expert/Y         <- experts(dense X/Y), a new leading expert axis of size E
   X/router/Z         <- router initializer (float32, fresh)
