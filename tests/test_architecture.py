@@ -1,4 +1,4 @@
-"""Dependencies point one way (README "Architecture"): every import of every module, checked.
+"""Dependencies point one way (README.md, "Architecture"): every import of every module, checked.
 
   tree  <-  layers  <-  moe  <-  models  <-  decoding
   tree  <-  checkpoints  <-  upcycling
@@ -86,7 +86,7 @@ def violations(paths, root: pathlib.Path = PACKAGE):
     if source not in ALLOWED:
       out.append(f'{where}: part {source!r} has no place in the '
                  f'dependency table of tests/test_architecture.py; add it there and to the '
-                 f'README "Architecture" section')
+                 f'README.md "Architecture" section')
       continue
     for line, name in imports(path, root):
       if name != 'upcycle' and not name.startswith('upcycle.'):

@@ -1,5 +1,5 @@
 """Every command the documentation shows parses: each `python -m upcycle.<cli>` and
-`python launch/<script>.py` line of README.md's and docs/*.md's code blocks, docs/*.md's
+`python launch/<script>.py` line of README.md's and docs/*.md's code blocks, docs/RESULTS.md's
 inline commands and the examples in the CLIs' --help texts (their module docstrings; a
 synopsis with `...` or `[optional]` parts is not a command). Training-style commands (train,
 eval, infer, aot, and the training flags after `--` of the launchers) have their gin files
@@ -23,6 +23,7 @@ from upcycle import inspect as inspect_main
 from upcycle.study import __main__ as study_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join('docs', 'RESULTS.md')   # written by python -m upcycle.study
 DOCUMENTS = ['README.md'] + sorted(os.path.relpath(p, REPO)
                                    for p in glob.glob(os.path.join(REPO, 'docs', '*.md')))
 CLIS = sorted(os.path.relpath(p, REPO)
@@ -59,12 +60,12 @@ def _code_lines(text, markdown, inline):
 
 
 def _texts():
-  """(name, text, markdown, inline) of the documents and the CLIs' help texts. docs/ give
-  whole commands inline (how to regenerate them); the README's inline spans name commands in
-  prose, its code blocks hold the commands."""
+  """(name, text, markdown, inline) of the documents and the CLIs' help texts. The study's
+  results page gives whole commands inline (how to regenerate them); elsewhere inline spans
+  name commands in prose and code blocks hold the commands."""
   for document in DOCUMENTS:
     text = open(os.path.join(REPO, document)).read()
-    yield document, text, True, document.startswith('docs')
+    yield document, text, True, document == RESULTS
   for cli in CLIS:
     text = ast.get_docstring(ast.parse(open(os.path.join(REPO, cli)).read())) or ''
     yield f'{cli} --help', text, False, False

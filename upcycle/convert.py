@@ -24,7 +24,7 @@ _CHECKPOINT_METADATA, the layout training writes (`upcycle.checkpoints.orbax`), 
 only; train from it with `ContinueFromCheckpoint(OUTPUT_DIR, reuse_optimizer_state=False)`
 (train/restore.py). `t5x`: OUTPUT_DIR/checkpoint_<step>/, T5X's native layout
 (`upcycle.checkpoints.t5x_writer`): parameters under `optimizer/target` with Flaxformer's MoE
-names, `state/step`, an empty `state/param_states` (restore it in T5X as the README says).
+names, `state/step`, an empty `state/param_states` (restore it in T5X as docs/checkpoints.md says).
 Leaves are computed and written one at a time (upcycling/stream.py): peak memory is about
 one MoE block (E copies of one dense MLP) plus bounded write buffers, whatever the model size,
 so a dense checkpoint converts on a machine smaller than the MoE (benchmarks/convert_memory.py

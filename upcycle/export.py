@@ -14,7 +14,7 @@ the parameters under `optimizer/target` in Flaxformer's (MoE) names, and
     otherwise; the directory is named after it);
   - any other optimizer (optax Adafactor, AdamW, ...): the parameters only, with the run's step,
     said in one log line: T5X could not use those slots (restore with
-    `fallback_to_scratch`, README "Restoring in T5X"). So does --no_optimizer_state.
+    `fallback_to_scratch`, docs/checkpoints.md, "Restoring in T5X"). So does --no_optimizer_state.
 
 The checkpoint is read one leaf at a time (lazy leaves), so memory holds one array. The run is
 only read; an output inside its checkpoint directory, or an existing

@@ -179,7 +179,7 @@ def parse_gin(args: argparse.Namespace, bindings: Sequence[str], read: Sequence[
     seqio.set_tfds_data_dir_override(args.tfds_data_dir)   # seqio tasks, as T5X does
     os.environ['TFDS_DATA_DIR'] = args.tfds_data_dir       # image datasets (data/images.py)
   if not args.gin_file:
-    raise SystemExit('Give at least one --gin_file (see configs/ and the README).')
+    raise SystemExit('Give at least one --gin_file (see configs/ and docs/training.md).')
   try:
     parse_files_and_bindings(args.gin_file, bindings, args.gin_search_paths.split(','))
     check_macros(bindings, read)

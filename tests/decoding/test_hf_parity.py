@@ -5,7 +5,7 @@ Aligned settings: decoder start 0, EOS 1, `max_new_tokens` = our max_length, no 
 beam search with `length_penalty=0.0` (HF divides by length ** lp, T5X by ((5 + length) / 6)
 ** alpha: both are 1 at 0) and `early_stopping='never'`. With alpha = 0 the search stops in
 both only when no live beam can beat the finished ones, so stopping changes nothing. One
-difference remains (README "Inference"): T5X lets any of the 2·beams candidates of a step
+difference remains (docs/inference.md): T5X lets any of the 2·beams candidates of a step
 finish, HF only those among the top `beams`; an example where that matters must show it.
 """
 

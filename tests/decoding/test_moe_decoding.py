@@ -1,6 +1,6 @@
 """MoE decoder blocks while decoding: each sequence's new token is routed as a group of its
 own, so no token is dropped for capacity and an example decodes to the same tokens whatever
-else is in its batch (README "Inference").
+else is in its batch (docs/inference.md).
 
 The model is a random tiny T5 whose decoder routers send most tokens to expert 0 first, with
 `moe/paper_t5.gin`'s decoder capacity rule: routed as one group per step (the rule this

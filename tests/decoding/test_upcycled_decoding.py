@@ -1,6 +1,6 @@
 """An upcycled, function-preserving MoE (copied experts, normalized combine weights, capacity
 for every token) decodes exactly like its dense source: greedy and beam search, token by token
-routed MoE decoder blocks (README "Inference")."""
+routed MoE decoder blocks (docs/inference.md)."""
 
 import dataclasses
 

@@ -25,7 +25,7 @@ from upcycle.upcycling.optimizer import upcycle_optimizer_state
 from upcycle.upcycling.surgery import upcycle
 
 # Capacity = group size: every token reaches an expert, and with normalized combine
-# weights identical experts compute exactly the dense MLP (the README's "Function preservation").
+# weights identical experts compute exactly the dense MLP (docs/upcycling.md, "Function preservation").
 ENCODER_MOE = MoeConfig(num_experts=4, router='experts_choose', eval_capacity_factor=4.0,
                         capacity_multiple_of=1, normalize_combine_weights=True)
 DECODER_MOE = MoeConfig(num_experts=4, router='tokens_choose', k=2, eval_capacity_factor=2.0,

@@ -1,6 +1,6 @@
 """HuggingFace checkpoints: `config.json` + safetensors (single or sharded) or `pytorch_model.bin`.
 
-`load_checkpoint(path)` returns the parameters in this project's names (README, "Parameter
+`load_checkpoint(path)` returns the parameters in this project's names (docs/checkpoints.md, "Parameter
 names") and, as `Checkpoint.description`, the T5Config / ViTConfig fields that reproduce the
 HuggingFace model's logits (`upcycle.pretrained.load_hf` makes the config and checks the
 shapes). Supported:

@@ -1,6 +1,6 @@
 """T5 v1.1 encoder-decoder with T5X `t5_1_1` parameter names; any MLP block may be MoE.
 
-Parameter tree (the README's "Parameter names"):
+Parameter tree (docs/checkpoints.md, "Parameter names"):
   token_embedder/embedding [vocab, d_model]
   encoder/relpos_bias/rel_embedding [heads, buckets]
   encoder/layers_{i}/{pre_attention_layer_norm, attention, pre_mlp_layer_norm, mlp}
@@ -166,8 +166,7 @@ class DecoderLayer(nn.Module):
       # A decode step routes each sequence's new token `[batch, 1]` as a group of its own,
       # whatever the training grouping: capacity(1) is 1 slot per expert and the K choices
       # are distinct experts, so no token is dropped and a sequence's routing does not depend
-      # on the other sequences of the batch, nor on whether they have finished (README
-      # "Inference").
+      # on the other sequences of the batch, nor on whether they have finished (docs/inference.md).
       step_moe = dataclasses.replace(cfg.decoder_moe, group_size=None, max_group_size=None)
       y = _mlp(cfg, step_moe, True, causal=True)(y, deterministic)
     x = x + dropout(y, deterministic=deterministic)

@@ -3,7 +3,7 @@
 Only process 0 writes files, through `etils.epath`, so MODEL_DIR may be a local path or
 gs://. `MODEL_DIR/metrics.jsonl` holds one JSON object per
 logged step ({'step': ..., 'split': 'train'|'eval', metrics...}), the file the
-README main job plots from, and one per warning ({'step', 'split': 'warning', 'message',
+main job (`upcycle.quickstart`) plots from, and one per warning ({'step', 'split': 'warning', 'message',
 ...}). A resumed run first cuts the log back to the step it resumes from, so that every
 step appears once; a new run (no checkpoint) starts an empty log. TensorBoard event files
 are appended to as they are (TensorBoard shows the redone steps' latest values).

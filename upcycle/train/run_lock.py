@@ -6,7 +6,7 @@ The lock is an OS file lock (`upcycle.locks.file_lock`): the kernel drops it whe
 exits or is killed, so a dead run never blocks a restart, and a refused trainer is told
 which host and pid holds the directory and since when.
 
-Multi-host: MODEL_DIR is one shared directory (README: a mount every host sees), and the
+Multi-host: MODEL_DIR is one shared directory (a mount every host sees, or gs://), and the
 hosts of one job are one trainer, so process 0 alone takes the lock and tells the others
 whether it got it (a broadcast), so that every host of a refused job stops before any work.
 Whether a second job on other machines is refused depends on the shared filesystem
