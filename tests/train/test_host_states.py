@@ -17,10 +17,6 @@ def test_positions_round_trip_through_json_per_shard():
   assert host_states.mine(saved, [1]) == {1: other}
 
 
-def test_checkpoints_keyed_by_host_still_read():
-  assert host_states.mine({'hosts': {'0': {'epoch': 2}}}, [0]) == {0: {'epoch': 2}}
-
-
 def test_a_checkpoint_from_another_shard_layout_is_refused():
   with pytest.raises(ValueError, match=r"data shards \['1', '2'\], not for shard\(s\) \[0\]"):
     host_states.mine({'shards': {'1': {}, '2': {}}}, [0])

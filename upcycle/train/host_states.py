@@ -4,8 +4,7 @@ Each host reads its own data shards (`host_data.HostData`), so each shard has it
 (text shards can end their epochs at different batches). The checkpoint's dataset item is
 written by one process, so the positions are gathered first:
 {'shards': {'0': state, '1': state, ...}}, keyed by data shard (one per host unless
-`TrainConfig.data_shards` says otherwise). Checkpoints written before data shards were
-configurable keyed the same positions by host: {'hosts': {...}}; they read the same way.
+`TrainConfig.data_shards` says otherwise).
 """
 
 import json
@@ -33,7 +32,7 @@ def gather(states: Dict[int, Dict[str, Any]]) -> Dict[str, Any]:
 
 def mine(saved: Dict[str, Any], shards: Sequence[int]) -> Dict[int, Dict[str, Any]]:
   """The states of `shards` (this host's) from what `gather` saved."""
-  stored = saved.get('shards', saved.get('hosts', {}))
+  stored = saved.get('shards', {})
   missing = [i for i in shards if str(i) not in stored]
   if missing:
     raise ValueError(
