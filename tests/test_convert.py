@@ -83,8 +83,11 @@ def test_round_trip_equals_in_memory_surgery_and_trains_on(source, tmp_path, cap
   assert _main(source, out, '--experts', DROP, '--seed', '3') == 0
   assert helpers.snapshot(source['dir']) == before
   assert os.listdir(tmp_path) == ['moe']  # No temporary directory left behind.
-  assert 'Wrote' in capsys.readouterr().out
+  printed = capsys.readouterr().out
+  assert 'Wrote' in printed
   ckpt = checkpoints.load(str(out))
+  arrays = len(tree.flatten(ckpt.params))
+  assert f'convert: {arrays}/{arrays} arrays (100%)' in printed   # progress
   assert (ckpt.format, ckpt.step, ckpt.optimizer_state) == ('orbax', 6, None)
   want, _ = upcycle(source['params'], abstract_params(CONFIG), rng=3,
                     experts=experts.Drop(0.5, index_sharing='per_matrix'))

@@ -80,7 +80,10 @@ def test_export_writes_params_and_t5x_adafactor_slots(run, tmp_path, capsys):
   before = helpers.snapshot(os.path.join(run['model_dir'], 'checkpoints'))
   out = t5x_export.export(run['model_dir'], str(tmp_path / 'out'))
   assert out == str(tmp_path / 'out' / 'checkpoint_2')
-  assert f'Wrote {out} (T5X, step 2, with T5X Adafactor state).' in capsys.readouterr().out
+  printed = capsys.readouterr().out
+  assert f'Wrote {out} (T5X, step 2, with T5X Adafactor state).' in printed
+  arrays = 5 * len(tree.flatten(run['params'])) + 1   # params, 4 slots each, the step
+  assert f'checkpoint_2: {arrays}/{arrays} arrays (100%)' in printed   # progress
   _assert_t5x(out, 2, run['params'], run['slots'])
   # Flaxformer's MoE names; each expert has its own factored second moment, momentum in full.
   assert tree.flatten(run['params'])[EXPERT].shape == (E, 32, 64)

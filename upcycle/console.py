@@ -26,14 +26,15 @@ class _Current(logging.StreamHandler):
     del value
 
 
-def show_progress(level: int = logging.INFO) -> None:
-  """Sends the `upcycle` loggers' records at `level` and above to the terminal, once per
-  process: warnings and errors to stderr, the rest to stdout."""
+def show_progress(level: int = logging.INFO, info_to: str = 'stdout') -> None:
+  """Sends the `upcycle` loggers' records at `level` and above to the terminal: warnings and
+  errors to stderr, the rest to `info_to` ('stdout', or 'stderr' where stdout is the command's
+  output, as `inspect --json`'s). A later call replaces an earlier one's handlers."""
   logger = logging.getLogger('upcycle')
   logger.setLevel(level)
-  if any(isinstance(h, _Current) for h in logger.handlers):
-    return
-  out, err = _Current('stdout'), _Current('stderr')
+  for handler in [h for h in logger.handlers if isinstance(h, _Current)]:
+    logger.removeHandler(handler)
+  out, err = _Current(info_to), _Current('stderr')
   out.addFilter(lambda record: record.levelno < logging.WARNING)
   err.setLevel(logging.WARNING)
   for handler in (out, err):

@@ -65,7 +65,7 @@ import tempfile
 import time
 from typing import Any, Callable, List, Mapping, Optional, Union
 
-from upcycle import checkpoints, console, gin_utils, pretrained
+from upcycle import checkpoints, console, gin_utils, pretrained, reachability
 from upcycle.checkpoints import gcs, paths, t5x_writer, zarr_leaf
 from upcycle.models import T5Config, ViTConfig, abstract_params
 from upcycle.locks import file_lock
@@ -384,6 +384,10 @@ def main(argv: Optional[List[str]] = None) -> int:
   console.show_progress()
   args, rest = build_parser().parse_known_args(argv)
   gin_args, bindings = gin_utils.parse_flags(rest, 'gin flags of python -m upcycle.convert')
+  unreachable = reachability.problem({'--source': args.source, '--output_dir': args.output_dir})
+  if unreachable:
+    print(f'error: {unreachable}', file=sys.stderr)
+    return 1
   import gin  # pylint: disable=g-import-not-at-top
   gin.clear_config()  # Each call parses its own flags (main may run more than once in a process).
   try:

@@ -29,7 +29,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from upcycle import checkpoints, console
+from upcycle import checkpoints, console, reachability
 from upcycle.checkpoints import t5x_export
 
 
@@ -51,6 +51,10 @@ def main(argv: Optional[List[str]] = None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   console.show_progress()
   args = build_parser().parse_args(argv)
+  unreachable = reachability.problem({'--model_dir': args.model_dir})
+  if unreachable:
+    print(f'error: {unreachable}', file=sys.stderr)
+    return 1
   try:
     t5x_export.export(args.model_dir, args.output_dir, step=args.step,
                       optimizer_state=not args.no_optimizer_state)

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 from etils import epath
 
-from upcycle import checkpoints, pretrained, tree
+from upcycle import checkpoints, console, pretrained, reachability, tree
 from upcycle.checkpoints import describe, paths, verify
 
 
@@ -88,8 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+  console.show_progress(info_to='stderr')   # stdout holds the report (or its JSON)
   args = build_parser().parse_args(argv)
   path = args.path
+  unreachable = reachability.problem({'path': path})
+  if unreachable:
+    print(f'error: {unreachable}', file=sys.stderr)
+    return 1
   existed = epath.Path(path).exists()
   try:
     ckpt = pretrained.load(path, format=args.format, lazy=True)

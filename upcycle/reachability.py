@@ -51,11 +51,21 @@ def _within(seconds: float, fn: Callable[[], Any]) -> Dict[str, Any]:
 def check(paths: Mapping[str, str], timeout: Optional[float] = None) -> None:
   """Stops (SystemExit, one line) unless every bucket of `paths` ({binding: gs:// path})
   answers that it exists within `timeout` seconds (None: UPCYCLE_GCS_TIMEOUT_SECONDS)."""
+  found = problem(paths, timeout)
+  if found:
+    raise SystemExit(found)
+
+
+def problem(paths: Mapping[str, Optional[str]], timeout: Optional[float] = None) -> Optional[str]:
+  """The one-line reason the first unreachable bucket of the gs:// ones of `paths` ({binding
+  or flag: path}; other paths are skipped) fails, or None when every one answers in time."""
   from etils import epath  # pylint: disable=g-import-not-at-top
   if timeout is None:
     timeout = float(os.environ.get(TIMEOUT_ENV, TIMEOUT_SECONDS))
   checked = set()
   for binding, path in paths.items():
+    if not str(path or '').startswith('gs://'):
+      continue
     bucket = 'gs://' + path[len('gs://'):].split('/', 1)[0]
     if bucket in checked:
       continue
@@ -69,11 +79,12 @@ def check(paths: Mapping[str, str], timeout: Optional[float] = None) -> None:
       gcsfs_log.setLevel(level)
     where = f'{binding}={path}'
     if not outcome:
-      raise SystemExit(f'{where}: {bucket} did not answer within {timeout:.0f} s; check the '
-                       f'network and the {CREDENTIALS} ({TIMEOUT_ENV} sets the wait).')
+      return (f'{where}: {bucket} did not answer within {timeout:.0f} s; check the '
+              f'network and the {CREDENTIALS} ({TIMEOUT_ENV} sets the wait).')
     if 'error' in outcome:
       error = (str(outcome['error']).strip().splitlines() or [type(outcome['error']).__name__])[0]
-      raise SystemExit(f'{where}: cannot reach {bucket} ({error}); check the {CREDENTIALS}.')
+      return f'{where}: cannot reach {bucket} ({error}); check the {CREDENTIALS}.'
     if not outcome['value']:
-      raise SystemExit(f'{where}: the bucket {bucket} does not exist or these credentials cannot '
-                       'see it; check its name and that the account may read and write it.')
+      return (f'{where}: the bucket {bucket} does not exist or these credentials cannot '
+              'see it; check its name and that the account may read and write it.')
+  return None

@@ -73,6 +73,7 @@ def test_a_step_set_aside_by_resume_is_inspected_as_any_step(tmp_path, capsys):
   assert f'path:            {set_aside}\nformat:          orbax\nstep:            4\n' in (
       captured.out)
   assert 'verified: all 4 arrays read back complete.' in captured.err
+  assert 'verify: 4/4 arrays (100%)' in captured.err   # progress, off the report's stdout
 
 
 @pytest.mark.parametrize('deleting', ['deleted', 'being deleted'])

@@ -40,7 +40,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from upcycle import tree
+from upcycle import progress, tree
 from upcycle.locks import file_lock
 from upcycle.checkpoints import adafactor_state, gcs, paths, zarr_leaf
 
@@ -104,10 +104,13 @@ def _write_leaf(directory: str, path: str, leaf: Any) -> Any:
   return leaf_spec
 
 
-def _encode(node: Any, path: str, directory: str) -> Any:
+def _encode(node: Any, path: str, directory: str, done: progress.Progress) -> Any:
   if isinstance(node, Mapping):
-    return {str(k): _encode(v, tree.join(path, str(k)), directory) for k, v in node.items()}
-  return _write_leaf(directory, path, node)
+    return {str(k): _encode(v, tree.join(path, str(k)), directory, done)
+            for k, v in node.items()}
+  written = _write_leaf(directory, path, node)
+  done.update(1)
+  return written
 
 
 def write(model_dir: str, step: int, params: Mapping[str, Any],
@@ -160,7 +163,9 @@ def _serialize(directory: str, step: int, params: Mapping[str, Any],
   """Writes the array leaves under `directory`; returns the `checkpoint` msgpack."""
   state = {'target': params,
            'state': {'step': np.int32(step), 'param_states': param_states or {}}}
-  written = _encode(state, '', directory)
+  done = progress.Progress(f'checkpoint_{int(step)}', 'arrays', total=len(tree.flatten(state)))
+  written = _encode(state, '', directory, done)
+  done.finish()
   return flax.serialization.msgpack_serialize({'version': VERSION, 'optimizer': written})
 
 

@@ -5,25 +5,36 @@ only reading finds that. The first unreadable leaf raises a CheckpointError nami
 parameter and the file.
 """
 
-from typing import Any
+from typing import Any, List, Optional
 
 import jax
 import numpy as np
 
+from upcycle import progress
 from upcycle.checkpoints.checkpoint import Checkpoint
 from upcycle.checkpoints.lazy import LazyArray
 
 
-def verify_tree(tree: Any) -> int:
-  """Reads each LazyArray leaf of `tree` (and drops it); returns how many were read."""
-  count = 0
-  for leaf in jax.tree.leaves(tree):
-    if isinstance(leaf, LazyArray):
-      np.asarray(leaf)
-      count += 1
-  return count
+def _lazy(tree: Any) -> List[LazyArray]:
+  return [leaf for leaf in jax.tree.leaves(tree) if isinstance(leaf, LazyArray)]
+
+
+def verify_tree(tree: Any, done: Optional[progress.Progress] = None) -> int:
+  """Reads each LazyArray leaf of `tree` (and drops it), counting them in `done`; returns how
+  many were read."""
+  lazy = _lazy(tree)
+  for leaf in lazy:
+    np.asarray(leaf)
+    if done is not None:
+      done.update(1)
+  return len(lazy)
 
 
 def verify(ckpt: Checkpoint) -> int:
-  """Reads every parameter and optimizer-state array of `ckpt`; returns how many."""
-  return verify_tree(ckpt.params) + verify_tree(ckpt.optimizer_state)
+  """Reads every parameter and optimizer-state array of `ckpt` (progress: arrays read, rate,
+  ETA); returns how many."""
+  done = progress.Progress('verify', 'arrays',
+                           total=len(_lazy(ckpt.params)) + len(_lazy(ckpt.optimizer_state)))
+  count = verify_tree(ckpt.params, done) + verify_tree(ckpt.optimizer_state, done)
+  done.finish()
+  return count

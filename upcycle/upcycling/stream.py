@@ -25,7 +25,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from upcycle import tree
+from upcycle import progress, tree
 from upcycle.checkpoints.lazy import LazyArray
 from upcycle.checkpoints.orbax import PARAMS
 from upcycle.upcycling import execute
@@ -44,10 +44,13 @@ class _StreamingHandler(ocp.type_handlers.NumpyHandler):
     args = args or [ocp.SaveArgs()] * len(values)
 
     async def write_all():
+      done = progress.Progress('convert', 'arrays', total=len(values))
       for leaf, info, arg in zip(values, infos, args):
         array = leaf.read()
         await self._background_serialize([array], [info], [arg])
         del array
+        done.update(1)
+      done.finish()
 
     return [ocp.future.CommitFutureAwaitingContractedSignals(write_all(), name='upcycle_stream')]
 
