@@ -16,7 +16,7 @@ from typing import Dict, Mapping, Optional, Sequence
 
 LOG_DIR = '$HOME/upcycle_logs'   # expanded on the worker
 COPY_SECONDS = 300
-STOP_GRACE_SECONDS = 30
+STOP_GRACE_SECONDS = 300   # the trainer saves the step SIGTERM finds it at (train/preemption.py)
 _STATE = re.compile(r'^upcycle-job (\S+) (\S+) (\S+)$')
 
 

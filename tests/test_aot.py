@@ -59,6 +59,7 @@ def aot_result(tmp_path_factory):
   return json.loads((tmp / 'aot.json').read_text()), done.stdout
 
 
+@pytest.mark.slow
 def test_aot_compiles_every_function_for_the_topology(aot_result):
   result, stdout = aot_result
   assert (result['topology'], result['devices'], result['device_kind']) == ('v4:2x2x1', 4,
@@ -101,6 +102,7 @@ def test_aot_per_device_bytes_match_a_count_by_hand(aot_result):
   assert restore['outputs'] >= train['parameters'] + train['optimizer_state']
 
 
+@pytest.mark.slow
 def test_expert_axis_32_mesh_compiles():
   """The compile that crashed XLA's TPU SPMD partitioner (SIGSEGV in its windowed-einsum
   pass) before the masked dispatch computed where the tokens are: an Expert Choice layer of

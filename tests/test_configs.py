@@ -55,6 +55,7 @@ def test_all_config_groups_are_present():
     assert expected in FILES
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', FILES)
 def test_config_parses_and_builds_its_model(name):
   parse(context(name), MACROS + ['probe.model = %MODEL'])

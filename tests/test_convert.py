@@ -280,6 +280,7 @@ def _convert_on_gcs(source_dir: str, gin_file: str, out: str) -> None:
     json.dump({'runs': runs, 'listing': listing, 'pid': os.getpid()}, f)
 
 
+@pytest.mark.slow
 def test_gcs_output_equals_the_local_one_and_is_refused_and_cleaned_alike(
     source, tmp_path, gcs_emulator):
   env = {**os.environ, **gcs_emulator}   # the same XLA_FLAGS: initializers' values are exact

@@ -76,6 +76,7 @@ def _assert_t5x(directory, step, params, slots):
         np.testing.assert_array_equal(found[part][path], value, err_msg=f'{part}/{path}')
 
 
+@pytest.mark.slow
 def test_export_writes_params_and_t5x_adafactor_slots(run, tmp_path, capsys):
   before = helpers.snapshot(os.path.join(run['model_dir'], 'checkpoints'))
   out = t5x_export.export(run['model_dir'], str(tmp_path / 'out'))

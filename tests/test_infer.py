@@ -124,6 +124,7 @@ def on_gcs(gcs_emulator, monkeypatch):
   gpath._is_tf_installed.cache_clear()  # pylint: disable=protected-access
 
 
+@pytest.mark.slow
 def test_gs_outputs_of_infer_and_eval_land_on_gcs(byte_vocab_t5, main_module, on_gcs, tmp_path,
                                                   monkeypatch):
   monkeypatch.chdir(tmp_path)   # where a local ./gs:/ folder would appear
@@ -174,6 +175,7 @@ def test_an_unreachable_gcs_fails_in_bounded_time_with_one_line(main_module, unr
   assert said == []   # the storage client's retries say nothing
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('tool, argv, flag', [
     (convert.main, ['--source=gs://bucket/dense', '--output_dir=/nonexistent/moe',
                     '--gin_file=models/t5_1_1/tiny.gin'], '--source=gs://bucket/dense'),

@@ -53,6 +53,7 @@ def test_notebook_is_stripped(name):
       assert not cell.outputs and cell.execution_count is None, f'{name}: strip the outputs'
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', NOTEBOOKS)
 def test_notebook_runs(name, kernel):
   manager, env, work = kernel

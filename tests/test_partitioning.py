@@ -52,6 +52,7 @@ def loss_and_grads(model, inputs, objective):
   return jax.value_and_grad(loss)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('case', [t5_case, vit_case], ids=['t5', 'vit'])
 @pytest.mark.parametrize('mesh_shape', [(2, 2, 2), (1, 8, 1)])
 def test_sharded_equals_unsharded(case, mesh_shape):

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 LIBRARY = ('upcycle.models', 'upcycle.moe', 'upcycle.checkpoints', 'upcycle.upcycling',
            'upcycle.train.trainer', 'upcycle.train.evaluation', 'upcycle.data')
 
@@ -15,6 +17,7 @@ def test_library_imports_leave_tensorflow_unloaded():
   assert done.stdout.strip() == '[]', done.stdout
 
 
+@pytest.mark.slow
 def test_building_a_pipeline_first_hides_accelerators_from_tensorflow():
   code = ('from upcycle.data import host_only, images\n'
           'before = host_only.hide_accelerators.cache_info().currsize\n'

@@ -51,6 +51,7 @@ def installed(tmp_path_factory):
   return python, work, env
 
 
+@pytest.mark.slow
 def test_the_wheel_holds_the_trainer_and_the_gin_files(installed):
   python, work, env = installed
   where = _run([python, '-c', 'import upcycle.train.trainer, upcycle.gin_utils as g; '
@@ -64,6 +65,7 @@ def test_the_wheel_holds_the_trainer_and_the_gin_files(installed):
   assert os.path.isfile(os.path.join(configs, 'runs', 'upcycle.gin'))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('cli,flag', [('train', '--gin_file'), ('convert', '--source'),
                                       ('eval', '--gin_file'), ('export', '--model_dir')])
 def test_cli_help_from_the_wheel(installed, cli, flag):
@@ -74,6 +76,7 @@ def test_cli_help_from_the_wheel(installed, cli, flag):
   assert 'Traceback' not in done.stderr
 
 
+@pytest.mark.slow
 def test_one_training_step_from_the_wheel(installed):
   python, work, env = installed
   model_dir = work / 'run'

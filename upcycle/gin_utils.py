@@ -269,13 +269,18 @@ def write_config(model_dir: str, operative: bool = False) -> None:
 _GIN_CALL_SUFFIX = '\n  In call to configurable '
 
 
+def message(error: BaseException) -> str:
+  """`error`'s message without the note gin appends to it ("\n  In call to configurable 'f'
+  (...)")."""
+  return str(error).split(_GIN_CALL_SUFFIX)[0]
+
+
 def one_line(error: BaseException, argv: Sequence[str]) -> str:
   """`error: <message>` for an error the user can cause; with --verbose in `argv`, its
   traceback is printed first."""
   if '--verbose' in argv:
     traceback.print_exception(error, file=sys.stderr)
-  # gin appends where the configurable was called ("\n  In call to configurable 'f' (...)").
-  return f'error: {str(error).split(_GIN_CALL_SUFFIX)[0]}'
+  return f'error: {message(error)}'
 
 
 def run(fn: Callable[..., Any], argv: Sequence[str], description: str,

@@ -31,6 +31,7 @@ def _edit_config(directory, **fields):
     json.dump(config, f)
 
 
+@pytest.mark.slow
 def test_t5_matches_transformers(hf_t5):
   directory, reference = hf_t5
   params, config = pretrained.load_hf(directory)
@@ -44,6 +45,7 @@ def test_t5_matches_transformers(hf_t5):
   assert np.abs(theirs).max() > 1  # The comparison is not between near-zero numbers.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('fixture', ['hf_t5', 'hf_vit'])
 def test_documented_loaders_feed_the_model_as_returned(fixture, request):
   """`pretrained.load_hf`, `pretrained.load(...).params` and `checkpoints.load(...).params`

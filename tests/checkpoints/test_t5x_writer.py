@@ -59,6 +59,7 @@ def test_chunk_shape_is_t5x_rule():
   assert spec['metadata']['chunks'] == [32, 1024, 1024] and spec['dtype'] == 'bfloat16'
 
 
+@pytest.mark.slow
 def test_layout_read_by_independent_reader(written):
   raw, state = t5x_reader.read(written['dir'])
   assert raw['version'] == 3 and set(raw) == {'version', 'optimizer'}

@@ -24,6 +24,7 @@ def _assert_same(batches_a, batches_b):
       np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
+@pytest.mark.slow
 def test_text_batches_are_packed_span_corruption(offline_run):
   _, first, _, _ = offline_run
   batch = first[0]
@@ -71,6 +72,7 @@ def test_text_shards_are_disjoint(letters_task):
   assert letters[0] | letters[1] == set(LETTERS) and len(letters[0]) == 26
 
 
+@pytest.mark.slow
 def test_seqio_shuffle_warning_is_logged_at_most_once_not_per_epoch(letters_task, caplog):
   del letters_task
   pipeline = text.TextPipeline(LETTERS_TASK, 'train', TEXT_LENGTHS)

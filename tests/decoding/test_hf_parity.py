@@ -107,6 +107,7 @@ def test_beam_search_matches_hf_generate(converted, inputs):
   assert sum(EOS in _until_eos(t) for t in np.asarray(tokens)) >= 2   # finished beams exist
 
 
+@pytest.mark.slow
 def test_cached_steps_give_the_uncached_logits(converted, inputs):
   model, params, _ = converted
   enc = jnp.asarray(inputs[:3], jnp.int32)

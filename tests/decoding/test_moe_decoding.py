@@ -57,6 +57,7 @@ def skewed(request):
   return skewed_model(request.param)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('decoding', [DecodeConfig(method='greedy'),
                                       DecodeConfig(method='beam', num_beams=2)],
                          ids=['greedy', 'beam'])
@@ -71,6 +72,7 @@ def test_each_example_decodes_alone_as_inside_a_batch_of_8(skewed, decoding):
   assert len({tuple(t) for t in np.asarray(batch_tokens).tolist()}) > 2   # not all alike
 
 
+@pytest.mark.slow
 def test_sampling_does_not_depend_on_the_rest_of_the_batch(skewed):
   """A fixed rng draws its noise per batch row, so each example keeps its row; the other
   rows change (other inputs, finishing at other steps)."""

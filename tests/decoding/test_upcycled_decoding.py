@@ -47,6 +47,7 @@ def upcycled(dense_config, dense_params, normalize):
   return config, params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('decoding', [DecodeConfig(method='greedy'),
                                       DecodeConfig(method='beam', num_beams=4, alpha=0.6)],
                          ids=['greedy', 'beam'])

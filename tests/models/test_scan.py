@@ -59,6 +59,7 @@ def _assert_trees_close(actual, expected, tol=1e-5):
     np.testing.assert_allclose(tree.flatten(actual)[path], leaf, rtol=0, atol=atol, err_msg=path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name,scan,policy', [
     ('t5_moe', True, 'none'), ('t5_moe', True, 'full'), ('t5_moe', False, 'full'),
     ('t5_moe', True, 'minimal'), ('t5_dense', True, 'dots'),
@@ -75,6 +76,7 @@ def test_scan_and_remat_equal_the_unrolled_model(name, scan, policy):
   _assert_trees_close(scan_layout.unstack(got_grads, config) if scan else got_grads, grads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', ['t5_moe', 'vit_moe'])
 def test_scanned_sharded_equals_unrolled_unsharded(name):
   assert jax.device_count() == 8, 'tests/conftest.py simulates 8 CPU devices'
@@ -156,6 +158,7 @@ def test_periods_and_non_periodic_placements():
     dataclasses.replace(VIT_MOE, remat_policy='some')
 
 
+@pytest.mark.slow
 def test_upcycling_a_dense_checkpoint_into_a_scanned_moe_is_upcycle_then_stack():
   dense_params = _unrolled('t5_dense')[0]
   target = abstract_params(T5_MOE)     # the unrolled MoE model
@@ -175,6 +178,7 @@ def test_upcycling_a_dense_checkpoint_into_a_scanned_moe_is_upcycle_then_stack()
   assert scan_layout.unstack(scanned_params, scanned).keys() == moe_params.keys()
 
 
+@pytest.mark.slow
 def test_scanned_decoding_equals_unrolled():
   params = _unrolled('t5_moe')[0]
   scanned = dataclasses.replace(T5_MOE, scan_layers=True)
@@ -182,12 +186,15 @@ def test_scanned_decoding_equals_unrolled():
   steps = tokens(2, (8, 3), 64)
 
   def decode(config, p):
-    _, cache = T5(config).apply({'params': p}, encoder_tokens, 3, method=T5.prefill,
-                                mutable=['cache'])
+    model = T5(config)
+    prefill = jax.jit(lambda p: model.apply({'params': p}, encoder_tokens, 3,
+                                            method=T5.prefill, mutable=['cache']))
+    step = jax.jit(lambda p, cache, token: model.apply({'params': p, **cache}, token,
+                                                       method=T5.decode_step, mutable=['cache']))
+    _, cache = prefill(p)
     out = []
-    for t in range(3):
-      logits, cache = T5(config).apply({'params': p, **cache}, steps[:, t:t + 1],
-                                       method=T5.decode_step, mutable=['cache'])
+    for t in range(3):   # one compiled step, as the decoding loops run it
+      logits, cache = step(p, cache, steps[:, t:t + 1])
       out.append(logits)
     return jnp.stack(out, 1), cache['cache']
 
@@ -199,6 +206,7 @@ def test_scanned_decoding_equals_unrolled():
   assert key.shape == (8, 2, 3, T5_MOE.num_heads, T5_MOE.d_kv)
 
 
+@pytest.mark.slow
 def test_scanned_model_sows_one_value_per_layer():
   params = _unrolled('vit_moe')[0]
   config = dataclasses.replace(VIT_MOE, scan_layers=True)

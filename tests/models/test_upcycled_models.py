@@ -32,6 +32,7 @@ def dense_model(name):
   return model, cfg, inputs, params, model(cfg).apply({'params': params}, *inputs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('dispatch', ['masked', 'indices'])
 def test_upcycled_t5_gives_the_dense_logits(dispatch):
   _, cfg, (enc, dec), dense_params, dense_logits = dense_model('t5')
@@ -53,6 +54,7 @@ def test_upcycled_t5_gives_the_dense_logits(dispatch):
   assert float(aux_losses(state)['router_z_loss']) > 0
 
 
+@pytest.mark.slow
 def test_upcycled_vit_gives_the_dense_logits():
   _, cfg, (images,), dense_params, dense_logits = dense_model('vit')
   moe_cfg = dataclasses.replace(cfg, moe=MoeConfig(
@@ -82,15 +84,17 @@ def test_placement_decides_which_mlps_are_sparse(placement, encoder, decoder):
   assert sparse('encoder') == encoder and sparse('decoder') == decoder
 
 
+@pytest.mark.slow
 def test_bfloat16_activations_keep_float32_params_routers_and_logits():
   moe = MoeConfig(num_experts=4, router='tokens_choose', k=2, eval_capacity_factor=2.0)
   cfg = dataclasses.replace(TINY_T5, encoder_moe=moe, decoder_moe=moe)
   enc, dec = tokens(0, (2, 8), cfg.vocab_size), tokens(1, (2, 4), cfg.vocab_size)
-  params = init(T5(cfg), enc, dec)
+  params = jax.jit(lambda: init(T5(cfg), enc, dec))()
   assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype('float32')}
-  f32 = T5(cfg).apply({'params': params}, enc, dec)
+  f32 = jax.jit(lambda p: T5(cfg).apply({'params': p}, enc, dec))(params)
   bf16_model = T5(dataclasses.replace(cfg, dtype='bfloat16'))
-  logits, state = bf16_model.apply({'params': params}, enc, dec, mutable=MOE_COLLECTIONS)
+  logits, state = jax.jit(lambda p: bf16_model.apply({'params': p}, enc, dec,
+                                                     mutable=MOE_COLLECTIONS))(params)
   assert logits.dtype == np.float32
   assert aux_losses(state)['router_z_loss'].dtype == np.float32
   np.testing.assert_allclose(logits, f32, atol=0.05 * float(np.max(np.abs(f32))))
@@ -115,6 +119,7 @@ def test_shared_expert_with_zero_output_experts_gives_the_dense_logits():
                                atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', ['t5', 'vit'])
 def test_upcycled_model_preserves_the_dense_function_in_bfloat16(name):
   """Pods run bfloat16 activations: upcycled (copied experts, normalized combine weights,

@@ -42,6 +42,7 @@ def run(config, params, x, deterministic=True, rngs=None):
                                         mutable=MOE_COLLECTIONS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('dispatch', ['masked', 'indices'])
 @pytest.mark.parametrize('router,k', [('tokens_choose', 1), ('tokens_choose', 2),
                                       ('experts_choose', 1)])
@@ -57,6 +58,7 @@ def test_identical_experts_normalized_equal_the_dense_mlp(dispatch, router, k):
       assert value == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('router', ['tokens_choose', 'experts_choose'])
 def test_without_normalization_output_is_dense_scaled_by_summed_weights(router):
   x, dense_params, dense_out = dense_setup()
@@ -75,6 +77,7 @@ def test_without_normalization_output_is_dense_scaled_by_summed_weights(router):
   np.testing.assert_allclose(out, dense_out * scale[..., None], atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('router,bpr', [('tokens_choose', False), ('tokens_choose', True),
                                         ('experts_choose', False)])
 def test_masked_and_indices_dispatch_agree_on_outputs_and_gradients(router, bpr):
@@ -95,6 +98,7 @@ def test_masked_and_indices_dispatch_agree_on_outputs_and_gradients(router, bpr)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), g0, g1)
 
 
+@pytest.mark.slow
 def test_grouping_routes_within_groups_and_rejects_sizes_that_do_not_divide():
   x, dense_params, dense_out = dense_setup()
   config = MoeConfig(num_experts=E, router='experts_choose', group_size=4,
@@ -112,6 +116,7 @@ def test_expert_choice_in_a_causal_stack_is_refused():
     MoeLayer(MoeConfig(num_experts=E), EXPERT, causal=True).init(jax.random.PRNGKey(0), x, True)
 
 
+@pytest.mark.slow
 def test_metrics_and_aux_losses_are_reported():
   x, _, _ = dense_setup()
   config = MoeConfig(num_experts=E, router='tokens_choose', k=1, eval_capacity_factor=0.5,
@@ -157,6 +162,7 @@ def test_batch_priority_routing_in_a_causal_stack_is_refused():
     MoeLayer(config, EXPERT, causal=True).init(jax.random.PRNGKey(0), x, True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('router', ['tokens_choose', 'experts_choose'])
 def test_flaxformer_groups_span_examples_like_fixed_groups(router):
   # [2, 8] = 16 tokens, E = 4, N = 4: 16 // 4 = 4 groups of 4 consecutive tokens of the flattened
@@ -169,6 +175,7 @@ def test_flaxformer_groups_span_examples_like_fixed_groups(router):
   np.testing.assert_array_equal(run(flax_rule, params, x)[0], run(fixed, params, x)[0])
 
 
+@pytest.mark.slow
 def test_flaxformer_padding_is_masked_and_sliced_off():
   # [2, 3] = 6 tokens, E = 4: whole examples need b = 2 (+6 tokens), positions s = 1 (+2), so
   # one position per example: 8 tokens, max(8 // 4, 4) = 4 groups of 2. The padding claims no

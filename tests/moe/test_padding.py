@@ -46,6 +46,7 @@ def run(ignore_padding_tokens, mask=MASK, **overrides):
 # Padding counted (Flaxformer's ignore_padding_tokens=False): group 0 f = [.75, .25],
 # p = [.6, .4]; group 1 f = [.5, .5], p = [2.05, 1.95] / 4; loss 2 * (.55 + .5) / 2;
 # batch f = [5, 3] / 8, p = [4.45, 3.55] / 8; z-loss: 36 / 8.
+@pytest.mark.slow
 @pytest.mark.parametrize('ignore_padding_tokens,scope,balance,z_loss', [
     (True, 'group', 2.2 / 3 + .65, 1.4),
     (True, 'batch', 2 * (.6 * .58 + .4 * .42), 1.4),

@@ -33,6 +33,7 @@ def test_experts_choose_takes_padding_last_and_marks_it_invalid():
   assert slots(decision) == {0: [(1, 0.7), (0, 0.6)], 1: [(2, 0.8), (0, 0.4)]}
 
 
+@pytest.mark.slow
 def test_top2_first_choices_outrank_second_choices_and_overflow_drops():
   decision = routing.tokens_choose(PROBS, k=2, capacity=2)
   # First choices in position order: t0,t1 fill e0; t3's first choice overflows e0.

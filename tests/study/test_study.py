@@ -68,6 +68,7 @@ def test_every_claim_compares_arms_the_full_study_runs():
       assert os.path.exists(os.path.join(REPO, 'configs', f)), f
 
 
+@pytest.mark.slow
 def test_quick_study_writes_results_and_resumes(tmp_path):
   out, runs_dir = tmp_path / 'docs', tmp_path / 'runs'
   command = [sys.executable, '-m', 'upcycle.study', '--quick', f'--out={out}',

@@ -6,6 +6,7 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from upcycle.train.evaluation import ratio_stderr
 
@@ -42,6 +43,7 @@ class CountingPipeline:
     return self.pipeline.batches(**kwargs)
 
 
+@pytest.mark.slow
 def test_cached_validation_batches_give_the_numbers_of_reading_the_split_again(tmp_path):
   from tests.train.test_training import TINY_T5, text   # pylint: disable=g-import-not-at-top
   from upcycle.models import T5   # pylint: disable=g-import-not-at-top
@@ -68,6 +70,7 @@ def test_cached_validation_batches_give_the_numbers_of_reading_the_split_again(t
   assert (reads_cached, reads_fresh) == (1, 3)
 
 
+@pytest.mark.slow
 def test_every_validation_example_counts_whatever_the_batch_size(tmp_path):
   """Batches of 16, 40 and 128 over the same split: the last partial batch is padded and
   masked, so loss and accuracy are the same and padding counts nowhere."""

@@ -34,6 +34,7 @@ def test_a_wrong_model_binding_names_it_in_one_line_and_creates_no_model_dir(
   assert not model_dir.exists()
 
 
+@pytest.mark.slow
 def test_a_failed_initializer_ends_in_one_line_and_leaves_no_model_dir(tmp_path):
   model_dir = tmp_path / 'run'
   command = [arg.replace('runs/pretrain.gin', 'runs/upcycle.gin')
@@ -61,6 +62,7 @@ def test_a_failed_start_keeps_a_model_dir_it_did_not_create(tmp_path):
   assert sorted(os.listdir(tmp_path)) == ['mine']   # new/run/ and new/ were this run's
 
 
+@pytest.mark.slow
 def test_a_gin_order_that_picks_c4_names_the_task_and_where_it_reads(tmp_path):
   """data/ before runs/: runs/pretrain.gin sets MIXTURE_OR_TASK_NAME back to C4."""
   model_dir = tmp_path / 'run'

@@ -74,6 +74,7 @@ def test_the_run_lock_on_gcs(gcs_emulator, monkeypatch):
   taken.release()
 
 
+@pytest.mark.slow
 def test_train_kill_resume_and_inspect_on_gcs(tmp_path, gcs_emulator, straight_run):
   env = _env(gcs_emulator)
   remote = 'gs://bucket/run'

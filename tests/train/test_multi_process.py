@@ -56,6 +56,7 @@ def dense(tmp_path_factory):
   return model_dir
 
 
+@pytest.mark.slow
 def test_two_processes_upcycle_train_and_resume_as_one_process(tmp_path, dense):
   single = tmp_path / 'single'
   _run(_launch(_upcycle_flags(single, dense), 1, 8))

@@ -151,6 +151,7 @@ def _per_device_bytes(leaves):
   return sum(x.addressable_shards[0].data.nbytes for x in leaves)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', ['adamw', 't5x_momentum'])
 def test_fresh_and_resumed_states_are_placed_so_each_device_holds_its_share(name, tmp_path):
   trainer, abstract = _t5(name)
@@ -244,6 +245,7 @@ def _saved(trainer, abstract, directory):
   return str(directory)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', sorted(OPTIMIZERS))
 def test_every_optimizer_is_placed_like_the_params_by_upcycling_and_growth(name, tmp_path):
   """Each optimizer's reused state, upcycled from a dense run's checkpoint and grown from an

@@ -67,6 +67,7 @@ def _largest_params_file(model_dir, step):
   return max(files, key=os.path.getsize)
 
 
+@pytest.mark.slow
 def test_a_second_trainer_on_a_model_dir_is_refused_naming_the_holder(tmp_path):
   model_dir = tmp_path / 'run'
   first = subprocess.Popen(_train_command(model_dir, 100000) + [EVERY_2], cwd=REPO, env=ENV,
@@ -95,6 +96,7 @@ def test_a_second_trainer_on_a_model_dir_is_refused_naming_the_holder(tmp_path):
     pass
 
 
+@pytest.mark.slow
 def test_resuming_with_a_different_model_fails_in_one_message(run_4_steps, tmp_path):
   model_dir = _copy(run_4_steps, tmp_path)
   config_before = (model_dir / 'config.gin').read_text()
@@ -112,6 +114,7 @@ def test_resuming_with_a_different_model_fails_in_one_message(run_4_steps, tmp_p
   assert [r['step'] for r in _rows(model_dir)] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(run_4_steps, tmp_path):
   model_dir = _copy(run_4_steps, tmp_path)
   broken = _largest_params_file(model_dir, 4)
@@ -135,6 +138,7 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(run_4_steps,
   assert [d[:2] for d in os.listdir(model_dir / 'corrupt_checkpoints')] == ['4-']
 
 
+@pytest.mark.slow
 def test_a_changed_optimizer_stops_without_touching_the_checkpoints(run_4_steps, tmp_path):
   """An intact checkpoint whose optimizer state another optimizer wrote is a configuration
   mismatch, not damage: nothing is set aside; 'fresh' keeps the parameters, step and data."""
@@ -158,6 +162,7 @@ def test_a_changed_optimizer_stops_without_touching_the_checkpoints(run_4_steps,
   assert sorted(os.listdir(model_dir / 'checkpoints')) == ['2', '4', '6']
 
 
+@pytest.mark.slow
 def test_a_run_whose_checkpoints_were_all_set_aside_is_not_started_over(run_4_steps, tmp_path):
   model_dir = _copy(run_4_steps, tmp_path)
   (model_dir / 'corrupt_checkpoints').mkdir()
@@ -266,6 +271,7 @@ def test_config_fields_are_checked_at_construction(make, binding):
   assert str(raised.value).startswith(binding)
 
 
+@pytest.mark.slow
 def test_a_wrong_gin_binding_fails_before_any_work(tmp_path):
   model_dir = tmp_path / 'run'
   done = subprocess.run(
@@ -299,6 +305,7 @@ def _run_tiny(model_dir, learning_rate, steps, **train_kwargs):
                  devices=jax.devices()[:1]).run()
 
 
+@pytest.mark.slow
 def test_a_stalled_run_warns_on_the_console_and_in_the_metrics(tmp_path, capsys):
   console.show_progress()   # as the entry points do
   _run_tiny(tmp_path, 1e8, steps=6, stall_warning_steps=3)
@@ -315,6 +322,7 @@ def test_a_stalled_run_warns_on_the_console_and_in_the_metrics(tmp_path, capsys)
       capsys.readouterr().err)
 
 
+@pytest.mark.slow
 def test_a_nan_before_the_first_checkpoint_says_what_to_do(tmp_path):
   with pytest.raises(NonFiniteLossError) as raised:
     _run_tiny(tmp_path, float('inf'), steps=4)
@@ -334,6 +342,7 @@ def test_truncate_log_keeps_rows_through_the_resume_step(tmp_path):
   assert path.read_text() == ''
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_at_the_save_in_one_line(run_4_steps, small_disk):
   model_dir = small_disk / 'run'
   done = _train(model_dir, 8)

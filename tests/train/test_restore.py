@@ -113,6 +113,7 @@ def _unsharded(dense, target, **kwargs):
                                    **kwargs)[0])(dense)
 
 
+@pytest.mark.slow
 def test_t5x_upcycled_on_the_mesh_equals_unsharded_surgery(t5, capsys):
   console.show_progress()   # as the entry points do
   before = helpers.snapshot(t5['dir'])
@@ -136,6 +137,7 @@ def test_t5x_upcycled_on_the_mesh_equals_unsharded_surgery(t5, capsys):
   assert '6 expert leaves in 2 MoE blocks (experts 4; Copy())' in out
 
 
+@pytest.mark.slow
 def test_drop_experts_and_reused_t5x_adafactor_state(t5):
   hook = UpcycleFromDense(t5['dir'], experts=experts.Drop(0.5), reuse_optimizer_state=True, seed=3)
   state = _run(t5['trainer'], t5['abstract'], hook)
@@ -169,6 +171,7 @@ def test_step_reset_zeroes_every_count_but_keeps_moments(t5):
   assert np.asarray(tree.flatten(state.opt_state[0].v_row)[E_LEAF]).min() >= 0.5
 
 
+@pytest.mark.slow
 def test_from_checkpoints_of_identical_branches_equals_copy(t5, tmp_path):
   """Branch-Train-MiX through the hook: host surgery, then placed on the mesh."""
   second = t5x_writer.write(str(tmp_path), 6, t5['params'])
@@ -212,6 +215,7 @@ def vit(hf_vit, tmp_path_factory):
               orbax=orbax_dir, config=moe_config, dense_config=ckpt.model_config, moe=moe)
 
 
+@pytest.mark.slow
 def test_hf_vit_upcycled_gives_the_transformers_logits_at_a_given_step(vit):
   trainer, abstract = vit['moe']
   state = _run(trainer, abstract, UpcycleFromDense(vit['hf'], step=1000))
@@ -286,6 +290,7 @@ def test_dense_leaves_are_placed_by_the_sharding_they_feed(t5):
   assert len(reads) == 2  # One per 'model' block, shared by the 4 replicas of each.
 
 
+@pytest.mark.slow
 def test_unrolled_checkpoint_upcycled_into_a_scanned_model(tmp_path):
   """T5X checkpoints hold unrolled layers; a scanned MoE (the pod configs scan) is planned
   against its unrolled names and stacked inside the jit: the scanned state is the unrolled

@@ -21,6 +21,7 @@ from upcycle.train.state import TrainState
 from upcycle.train.step import make_train_step
 
 
+@pytest.mark.slow
 def test_microbatches_give_the_same_update():
   cfg = dataclasses.replace(TINY_T5, decoder_moe=MoeConfig(num_experts=2, router='tokens_choose',
                                                            k=1, eval_capacity_factor=2.0))
@@ -42,6 +43,7 @@ def test_microbatches_give_the_same_update():
   assert float(m1['moe/total']) > 0
 
 
+@pytest.mark.slow
 def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
   vit = ViT(ViTConfig(num_classes=10, image_size=(8, 8), patch_size=(4, 4), width=16, depth=1,
                       mlp_dim=16, num_heads=2))

@@ -130,6 +130,7 @@ def _data(shape, steps, seed):
   return rng.normal(size=shape), [rng.normal(size=shape) for _ in range(steps)]
 
 
+@pytest.mark.slow
 def test_expert_kernel_updates_are_each_experts_own():
   """[E, d, f], expert 0 ten times larger: experts 1, 2 move as their own [d, f] would."""
   param, grads = _data((3, 4, 6), 4, seed=0)
@@ -165,6 +166,7 @@ def test_units_without_gradient_get_no_update_not_nan():
   np.testing.assert_array_equal(ours[0][1, 1:], param[1, 1:].astype(np.float32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('shape,rule,hp', [
     ((6, 5), HEURISTIC, dict(min_dim_size_to_factor=4)),          # factored, rows = axis 1
     ((6, 5), (ROW, COL), dict(min_dim_size_to_factor=4)),         # rank 2: the heuristic
@@ -221,6 +223,7 @@ def test_factor_rules_of_an_moe_t5_follow_t5x_moe_rules():
     optimizers.T5XAdafactor().build()
 
 
+@pytest.mark.slow
 def test_trainer_saves_resumes_and_upcycles_the_t5x_state(tmp_path):
   """Through the trainer, orbax and the restore hook: fresh state at the dense step, reuse."""
   optimizer = optimizers.T5XAdafactor(schedule=optimizers.rsqrt_schedule(1.0, 100))

@@ -44,6 +44,7 @@ def run_t5(tmp_path, config=TINY_T5, devices=None, steps=30, **train_kwargs):
                  train_config, text('train'), text('validation'), devices=devices).run()
 
 
+@pytest.mark.slow
 def test_tiny_t5_learns_the_offline_span_corruption(dense_t5_run):
   tmp_path, result = dense_t5_run
   first, last = np.mean(losses(result)[:3]), np.mean(losses(result)[-3:])
@@ -56,6 +57,7 @@ def test_tiny_t5_learns_the_offline_span_corruption(dense_t5_run):
   assert os.listdir(tmp_path / 'tensorboard' / 'train')
 
 
+@pytest.mark.slow
 def test_tiny_vit_learns_the_digits(tmp_path):
   images = lambda split, train: ImagePipeline(DIGITS, split, image_size=16, train=train,
                                               random_flip=False)
@@ -69,6 +71,7 @@ def test_tiny_vit_learns_the_digits(tmp_path):
   assert result['eval']['accuracy'] > 0.35   # 10 classes: chance is 0.1
 
 
+@pytest.mark.slow
 def test_moe_training_on_8_devices_matches_one_device(tmp_path):
   moe = dataclasses.replace(
       TINY_T5, encoder_moe=MoeConfig(num_experts=4, train_capacity_factor=1.0),
@@ -97,6 +100,7 @@ def _train_losses(model_dir):
   return {r['step']: r['loss'] for r in rows if r['split'] == 'train'}
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_exactly(tmp_path, straight_run):
   from tests.train.conftest import RESUME_XLA_FLAGS  # pylint: disable=g-import-not-at-top
   env = {**os.environ, 'XLA_FLAGS': RESUME_XLA_FLAGS}
@@ -125,6 +129,38 @@ def test_killed_run_resumes_exactly(tmp_path, straight_run):
     assert resumed[step] == expected[step], step
 
 
+@pytest.mark.slow
+def test_sigterm_saves_the_step_it_arrives_at_and_the_restart_loses_nothing(tmp_path,
+                                                                          straight_run):
+  """A preempted TPU VM, `launch/tpu_vm.py stop` or `kill`: SIGTERM between checkpoints."""
+  from tests.train.conftest import RESUME_XLA_FLAGS  # pylint: disable=g-import-not-at-top
+  env = {**os.environ, 'XLA_FLAGS': RESUME_XLA_FLAGS}
+  stopped = tmp_path / 'stopped'
+  proc = subprocess.Popen(_train_command(stopped, 12), cwd=REPO, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 300
+  while time.time() < deadline and proc.poll() is None:
+    if (stopped / 'metrics.jsonl').exists() and max(_train_losses(stopped), default=0) >= 5:
+      proc.send_signal(signal.SIGTERM)
+      break
+    time.sleep(0.05)
+  _, stderr = proc.communicate(timeout=300)
+  assert proc.returncode == 128 + signal.SIGTERM, stderr[-5000:]
+  step = max(int(d) for d in os.listdir(stopped / 'checkpoints') if d.isdigit())
+  assert 5 <= step < 12, step   # the step it stopped at (checkpoint_every is 4)
+  assert stderr.rstrip().endswith(
+      f'Stopped at step {step} on SIGTERM, with step {step} saved in {stopped}/checkpoints; run '
+      f'the same command again to resume from it.')
+  done = subprocess.run(_train_command(stopped, 12), cwd=REPO, env=env, capture_output=True,
+                        text=True)
+  assert done.returncode == 0, done.stderr[-5000:]
+  assert f'Resuming from {stopped}/checkpoints at step {step}.' in done.stdout, done.stdout
+  expected, resumed = _train_losses(straight_run), _train_losses(stopped)
+  for s in range(1, 13):
+    assert resumed[s] == expected[s], s
+
+
+@pytest.mark.slow
 def test_trains_from_a_working_directory_with_folders_named_like_config_groups(tmp_path):
   """`include 'moe/experts_choose.gin'` once crashed gin when the working directory held `moe/`
   (read as a Python namespace package); config lookup no longer looks at the cwd's folders."""

@@ -3,6 +3,7 @@
 import dataclasses
 
 import numpy as np
+import pytest
 
 from tests.train.test_training import TINY_T5, text
 from upcycle.models import T5
@@ -21,6 +22,7 @@ def continue_run(model_dir, config, initializer, steps):
                  train_config, text('train'), text('validation'), initializer=initializer).run()
 
 
+@pytest.mark.slow
 def test_function_preserving_upcycling_starts_from_the_dense_loss(tmp_path, dense_t5_run):
   checkpoint = str(dense_t5_run[0] / 'checkpoints')
   preserving = dataclasses.replace(

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from tests.train.test_training import TINY_VIT
 from upcycle import tree
@@ -45,6 +46,7 @@ def test_big_vision_schedule_closed_form():
     np.testing.assert_allclose(float(s(step)), value, rtol=1e-6, err_msg=step)
 
 
+@pytest.mark.slow
 def test_upcycled_vit_reuses_the_state_and_continues_the_learning_rate(tmp_path):
   dense = _trainer(tmp_path / 'dense', TINY_VIT, DENSE_STEPS).run()
   hook = UpcycleFromDense(str(tmp_path / 'dense' / 'checkpoints'), reuse_optimizer_state=True)
@@ -82,6 +84,7 @@ def test_upcycled_vit_reuses_the_state_and_continues_the_learning_rate(tmp_path)
   jax.clear_caches()
 
 
+@pytest.mark.slow
 def test_weight_decay_is_decoupled_scheduled_and_on_kernels_only():
   """Zero gradients: the update is -decay_schedule(t) * weight_decay * p for kernels (not x lr)."""
   opt = OPTIMIZER.build()

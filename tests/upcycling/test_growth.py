@@ -22,6 +22,7 @@ S = jax.ShapeDtypeStruct
 WI, ROUTER = 'mlp/expert/wi/kernel', 'mlp/router/w/kernel'
 
 
+@pytest.mark.slow
 def test_tiling_every_expert_with_k_and_capacity_scaled_keeps_the_t5_logits():
   """E 2 -> 4, every expert copied once ('tile'), unnormalized weights, binding capacity:
   Expert Choice (encoder) with the capacity factor doubled, Top-1 -> Top-2 (decoder) at the

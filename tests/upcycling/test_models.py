@@ -41,6 +41,7 @@ def _t5_target(config, enc, dec):
   return jax.eval_shape(T5(config).init, jax.random.PRNGKey(1), enc, dec)['params']
 
 
+@pytest.mark.slow
 def test_t5_copy_upcycling_is_function_preserving(t5_dense):
   params, enc, dec, dense_logits = t5_dense
   config = dataclasses.replace(T5_DENSE, encoder_moe=ENCODER_MOE, decoder_moe=DECODER_MOE)
@@ -65,6 +66,7 @@ def test_t5_granular_upcycling_is_function_preserving(t5_dense):
   np.testing.assert_allclose(logits, dense_logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_vit_copy_upcycling_is_function_preserving():
   images = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8, 8, 3)), jnp.float32)
   params = nn.meta.unbox(ViT(VIT_DENSE).init(jax.random.PRNGKey(0), images)['params'])
@@ -78,6 +80,7 @@ def test_vit_copy_upcycling_is_function_preserving():
                              ViT(VIT_DENSE).apply({'params': params}, images), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_from_data_router_sends_each_experts_data_to_it(t5_dense):
   params, _, _, _ = t5_dense
   config = dataclasses.replace(T5_DENSE, encoder_moe=dataclasses.replace(ENCODER_MOE, num_experts=3))

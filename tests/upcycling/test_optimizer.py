@@ -57,6 +57,7 @@ def _moe_grads(dense_grads, moe_params, num_experts):
   return tree.unflatten(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', sorted(OPTIMIZERS))
 def test_first_moe_update_equals_the_dense_update(name, t5, target):
   """Tiled moments + carried step: each expert, shared expert and copy moves exactly as the

@@ -71,6 +71,7 @@ def _fraction_routed_to_label(params, batch, labels):
   return min(fractions)
 
 
+@pytest.mark.slow
 def test_after_the_router_stage_each_buckets_tokens_route_to_its_expert():
   rng = np.random.default_rng(0)
   dense_cfg = dataclasses.replace(CONFIG, encoder_moe=None, decoder_moe=None)

@@ -2,6 +2,7 @@
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from upcycle.checkpoints import from_t5x_adafactor
 from upcycle.train import optimizers
@@ -42,6 +43,7 @@ def _moe_params():
   return p
 
 
+@pytest.mark.slow
 def test_expert_slots_are_the_dense_slots_tiled():
   """Dense [4, 6] factored by the heuristic (rows = axis 0); experts (BATCH, ROW, COLUMN)."""
   dense = _trained_dense(min_dim_size_to_factor=4)

@@ -6,6 +6,7 @@ MIXTURE_OR_TASK_NAME, TASK_FEATURE_LENGTHS, INITIAL_CHECKPOINT_PATH.
 """
 
 import os
+import signal
 import sys
 import traceback
 from typing import Any, Optional
@@ -29,14 +30,19 @@ def main(argv) -> int:
   """Runs `train`; --help exits 0, and refusals (bad flags or gin files, bad config values,
   MODEL_DIR in use, a checkpoint that does not fit or cannot be read) end with one message and
   exit status 1 instead of a traceback (gin_utils.run; --verbose shows it); so does a task whose
-  data cannot be read (upcycle.data.source_errors)."""
+  data cannot be read (upcycle.data.source_errors). SIGTERM saves the step it arrives at and
+  exits with status 143 (train/preemption.py)."""
   from upcycle import fields  # pylint: disable=g-import-not-at-top
   from upcycle.checkpoints import CheckpointError  # pylint: disable=g-import-not-at-top
   from upcycle.data.source_errors import SourceError  # pylint: disable=g-import-not-at-top
+  from upcycle.train.preemption import Stopped  # pylint: disable=g-import-not-at-top
   from upcycle.train.run_lock import RunDirectoryInUse  # pylint: disable=g-import-not-at-top
   try:
     gin_utils.run(train, argv, __doc__,
                   expected=(fields.ConfigError, RunDirectoryInUse, CheckpointError, SourceError))
+  except Stopped as e:   # SIGTERM: the step is saved; the shell's status for a SIGTERM
+    print(gin_utils.message(e), file=sys.stderr)
+    return 128 + signal.SIGTERM
   except SystemExit as e:
     _exit_now_if_one_of_many(e)
     raise

@@ -21,7 +21,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from upcycle import fields, tree
 from upcycle.checkpoints import paths, slots, t5x_export
 from upcycle.checkpoints.orbax import RUN_CHECKPOINTS, CheckpointManager
-from upcycle.train import evaluation, host_states, partitioning, resume, run_lock, stall, startup
+from upcycle.train import (evaluation, host_states, partitioning, preemption, resume, run_lock,
+                           stall, startup)
 from upcycle.train.host_data import HostData
 from upcycle.train.interfaces import Initializer, Objective, Optimizer
 from upcycle.train.logger import MetricLogger
@@ -320,38 +321,51 @@ class Trainer:
             f'without saving; {where}. Lower the learning rate or check the data first.')
 
     eval_results, initial_eval = {}, {}
+    stopped = None
     try:
       host_states.wait_for_all_hosts('first step')
       if self.eval_data is not None and cfg.eval_at_start and manager.latest_step() is None:
         initial_eval = self.evaluate(state.params, eval_step)
         logger.write(start, initial_eval, split='eval')
-      for step in range(start, cfg.train_steps):
-        batch = evaluation.global_batch(next(data), self.mesh)
-        state, metrics = train_step(state, batch, rng)
-        manager.check()   # a failed background save stops the run at once
-        finite = finite & jnp.isfinite(metrics['loss']) & jnp.isfinite(metrics['grad_norm'])
-        watch.update(metrics)
-        done = step + 1
-        if done % cfg.log_every == 0 or done == cfg.train_steps or done == start + 1:
-          checked(done)
-          logged = {**jax.device_get(metrics), 'train_flops_per_step': step_flops}
-          history.append({'step': done, **logger.write(done, logged)})
-          for message, details in watch.warnings(done):
-            logger.warn(done, message, **details)
-        if done % cfg.checkpoint_every == 0 or done == cfg.train_steps:
-          checked(done)
-          logger.flush()
-          manager.save(done, state.params, state.opt_state, host_states.gather(data.get_state()))
-        if self.eval_data is not None and (
-            (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.train_steps):
-          eval_results = self.evaluate(state.params, eval_step)
-          logger.write(done, eval_results, split='eval')
+      with preemption.Watch() as sigterm:
+        for step in range(start, cfg.train_steps):
+          batch = evaluation.global_batch(next(data), self.mesh)
+          state, metrics = train_step(state, batch, rng)
+          manager.check()   # a failed background save stops the run at once
+          finite = finite & jnp.isfinite(metrics['loss']) & jnp.isfinite(metrics['grad_norm'])
+          watch.update(metrics)
+          done = step + 1
+          if done % cfg.log_every == 0 or done == cfg.train_steps or done == start + 1:
+            checked(done)
+            logged = {**jax.device_get(metrics), 'train_flops_per_step': step_flops}
+            history.append({'step': done, **logger.write(done, logged)})
+            for message, details in watch.warnings(done):
+              logger.warn(done, message, **details)
+          if done % cfg.checkpoint_every == 0 or done == cfg.train_steps:
+            checked(done)
+            logger.flush()
+            manager.save(done, state.params, state.opt_state,
+                         host_states.gather(data.get_state()))
+          if self.eval_data is not None and (
+              (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.train_steps):
+            eval_results = self.evaluate(state.params, eval_step)
+            logger.write(done, eval_results, split='eval')
+          if done < cfg.train_steps and sigterm.reached(done):   # save this step and stop
+            if done % cfg.checkpoint_every:
+              checked(done)
+              logger.flush()
+              manager.save(done, state.params, state.opt_state,
+                           host_states.gather(data.get_state()), force=True)
+            stopped = done
+            break
       if self.eval_data is not None and start >= cfg.train_steps:
         eval_results = self.evaluate(state.params, eval_step)
     finally:
       manager.wait()
       manager.close()
       logger.close()
+    if stopped is not None:
+      raise preemption.Stopped(stopped, manager.directory)
     if cfg.export_t5x and (resumed or start < cfg.train_steps):   # else no step was saved
       self._export_t5x(manager.directory, max(start, cfg.train_steps))
     return {'history': history, 'eval': eval_results, 'initial_eval': initial_eval,
