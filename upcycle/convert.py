@@ -384,9 +384,7 @@ def main(argv: Optional[List[str]] = None) -> int:
   console.show_progress()
   args, rest = build_parser().parse_known_args(argv)
   gin_args, bindings = gin_utils.parse_flags(rest, 'gin flags of python -m upcycle.convert')
-  unreachable = reachability.problem({'--source': args.source, '--output_dir': args.output_dir})
-  if unreachable:
-    print(f'error: {unreachable}', file=sys.stderr)
+  if reachability.refused({'--source': args.source, '--output_dir': args.output_dir}):
     return 1
   import gin  # pylint: disable=g-import-not-at-top
   gin.clear_config()  # Each call parses its own flags (main may run more than once in a process).

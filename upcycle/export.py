@@ -51,9 +51,7 @@ def main(argv: Optional[List[str]] = None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   console.show_progress()
   args = build_parser().parse_args(argv)
-  unreachable = reachability.problem({'--model_dir': args.model_dir})
-  if unreachable:
-    print(f'error: {unreachable}', file=sys.stderr)
+  if reachability.refused({'--model_dir': args.model_dir}):
     return 1
   try:
     t5x_export.export(args.model_dir, args.output_dir, step=args.step,

@@ -91,9 +91,7 @@ def main(argv: Optional[List[str]] = None) -> int:
   console.show_progress(info_to='stderr')   # stdout holds the report (or its JSON)
   args = build_parser().parse_args(argv)
   path = args.path
-  unreachable = reachability.problem({'path': path})
-  if unreachable:
-    print(f'error: {unreachable}', file=sys.stderr)
+  if reachability.refused({'path': path}):
     return 1
   existed = epath.Path(path).exists()
   try:

@@ -9,6 +9,7 @@ the path and what to do.
 
 import logging
 import os
+import sys
 import threading
 from typing import Any, Callable, Dict, Mapping, Optional
 
@@ -54,6 +55,15 @@ def check(paths: Mapping[str, str], timeout: Optional[float] = None) -> None:
   found = problem(paths, timeout)
   if found:
     raise SystemExit(found)
+
+
+def refused(paths: Mapping[str, Optional[str]]) -> bool:
+  """Whether `problem(paths)` finds an unreachable bucket, which is then printed on stderr as
+  `error: <reason>` (for command-line tools, which return their exit status)."""
+  found = problem(paths)
+  if found:
+    print(f'error: {found}', file=sys.stderr)
+  return bool(found)
 
 
 def problem(paths: Mapping[str, Optional[str]], timeout: Optional[float] = None) -> Optional[str]:

@@ -17,8 +17,7 @@ import numpy as np
 import optax
 
 from upcycle import tree
-from upcycle.checkpoints import adafactor_state, factored
-from upcycle.checkpoints.slots import is_unit
+from upcycle.checkpoints import adafactor_state, factored, slots
 from upcycle.checkpoints.checkpoint import Checkpoint
 
 T5X_FORMATS = ('t5x', 't5x_orbax')
@@ -90,6 +89,43 @@ def as_optax(state: Any, format: str,  # pylint: disable=redefined-builtin
   return restructure(state, jax.eval_shape(optimizer.init, params), where)
 
 
+class _FromT5X(slots.Filler):
+  """Each node of the optax state from T5X's slots of its parameter."""
+
+  def __init__(self, stored: Mapping[str, Dict[str, Any]], params: Mapping[str, Any], step):
+    self.stored, self.params, self.step = stored, params, step
+
+  def t5x(self, prefix, path, node):
+    return adafactor_state.from_stored(self.stored[path], node,
+                                       tree.shape_of(self.params[path]), path)
+
+  def factored(self, names, node):
+    new = {'v_row': {}, 'v_col': {}, 'v': {}}
+    fresh_slots = {k: tree.flatten(getattr(node, k)) for k in new}
+    for path, x in self.params.items():
+      source = tuple(self.stored[path].get(k, np.zeros((1,), np.float32)) for k in new)
+      target = tuple(fresh_slots[k][path] for k in new)
+      made = factored.upcycle_slots(source, target, tree.shape_of(x), None, where=path)
+      for k, value in zip(new, made):
+        new[k][path] = value
+    return optax.FactoredState(count=jnp.asarray(self.step, node.count.dtype),
+                               **{k: tree.unflatten(v) for k, v in new.items()})
+
+  def other(self, names, leaf):
+    return jnp.asarray(self.step, leaf.dtype) if names[-1] == '.count' else leaf
+
+  def slot(self, prefix, path, leaf):
+    if prefix and prefix[-1] in ('.ema', '.trace'):
+      m = self.stored[path].get('m')
+      shape = tree.shape_of(self.params[path])
+      return leaf if m is None or tuple(np.shape(m)) != shape else jnp.asarray(m, leaf.dtype)
+    raise ValueError(
+        f'T5X Adafactor has no slot for the optax state leaf '
+        f'{tree.render(prefix + tuple(path.split("/")))}: T5X keeps v_row, v_col, v and m '
+        f'only. Fix: train with optimizers.T5XAdafactor (or optax.adafactor), or do not reuse '
+        f'the T5X optimizer state.')
+
+
 def from_t5x_adafactor(t5x_state: Mapping[str, Any], params: Mapping[str, Any],
                        optimizer: optax.GradientTransformation) -> Any:
   """A T5X Adafactor state as the optax state of `optimizer` for the same params.
@@ -125,51 +161,15 @@ def from_t5x_adafactor(t5x_state: Mapping[str, Any], params: Mapping[str, Any],
                      f"'param_states' and 'step' (the checkpoint's optimizer/state).")
   step = t5x_state.get('step', 0)
   flat = tree.flatten(t5x_state['param_states'])
-  slots: Dict[str, Dict[str, Any]] = {}
+  slots_of: Dict[str, Dict[str, Any]] = {}
   for path, leaf in flat.items():
     param, _, slot = path.rpartition('/')
-    slots.setdefault(param, {})[slot] = leaf
+    slots_of.setdefault(param, {})[slot] = leaf
   params = tree.zeros_for(params)
   flat_params = tree.flatten(params)
-  missing = sorted(set(flat_params) - set(slots))
+  missing = sorted(set(flat_params) - set(slots_of))
   if missing:
     raise ValueError(f'T5X Adafactor state has no param_states for {missing[0]} '
                      f'({len(missing)} params missing). Fix: pass the params of the same checkpoint.')
-  fresh = optimizer.init(params)
-  is_factored = lambda x: isinstance(x, optax.FactoredState)
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(fresh, is_leaf=is_unit)
-  out = []
-  for keypath, leaf in leaves:
-    names = tree.key_names(keypath)
-    if adafactor_state.is_slots(leaf):
-      _, path = tree.split_param_path(keypath, flat_params)
-      out.append(adafactor_state.from_stored(slots[path], leaf,
-                                             tree.shape_of(flat_params[path]), path))
-      continue
-    if is_factored(leaf):
-      new = {'v_row': {}, 'v_col': {}, 'v': {}}
-      fresh_slots = {k: tree.flatten(getattr(leaf, k)) for k in new}
-      for path, x in flat_params.items():
-        source = tuple(slots[path].get(k, np.zeros((1,), np.float32)) for k in new)
-        target = tuple(fresh_slots[k][path] for k in new)
-        made = factored.upcycle_slots(source, target, tree.shape_of(x), None, where=path)
-        for k, value in zip(new, made):
-          new[k][path] = value
-      out.append(optax.FactoredState(count=jnp.asarray(step, leaf.count.dtype),
-                                     **{k: tree.unflatten(v) for k, v in new.items()}))
-      continue
-    split = tree.split_param_path(keypath, flat_params)
-    if split is None:
-      out.append(jnp.asarray(step, leaf.dtype) if names[-1] == '.count' else leaf)
-      continue
-    prefix, path = split
-    if prefix and prefix[-1] in ('.ema', '.trace'):
-      m = slots[path].get('m')
-      shape = tree.shape_of(flat_params[path])
-      out.append(leaf if m is None or tuple(np.shape(m)) != shape else jnp.asarray(m, leaf.dtype))
-      continue
-    raise ValueError(
-        f'T5X Adafactor has no slot for the optax state leaf {tree.render(names)}: T5X keeps '
-        f'v_row, v_col, v and m only. Fix: train with optimizers.T5XAdafactor (or '
-        f'optax.adafactor), or do not reuse the T5X optimizer state.')
-  return jax.tree_util.tree_unflatten(treedef, out)
+  return slots.fill(optimizer.init(params), flat_params, _FromT5X(slots_of, flat_params, step))
+

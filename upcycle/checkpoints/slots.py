@@ -1,4 +1,5 @@
-"""Optimizer-state slots and their parameters: one map, from which every slot's sharding follows.
+"""Optimizer-state slots and their parameters: one walk (`fill`), one map (`slot_map`), from
+which every slot's sharding follows.
 
 Every leaf of an optax state either belongs to a parameter, along some of its axes, or to none:
 
@@ -18,7 +19,7 @@ set for params and optimizer state): an `[E, d_model, d_ff]` expert kernel over
 """
 
 import dataclasses
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import jax
 import optax
@@ -105,6 +106,83 @@ def _t5x_slots(node: adafactor_state.ParamSlots, path: str, shape: Tuple[int, ..
   return node.replace(v_row=v_row, v_col=v_col, v=v, m=_fitted(node.m, shape, full))
 
 
+class Filler:
+  """What `fill` makes of each kind of optimizer-state node; subclasses define all four.
+
+  `names` are a node's key names (`tree.key_names`); `prefix` the names before the parameter
+  path `path` that a slot's key path ends in.
+  """
+
+  def factored(self, names: Tuple[str, ...], node: optax.FactoredState) -> Any:
+    """optax Adafactor's moments of every parameter, as one node."""
+    raise NotImplementedError
+
+  def t5x(self, prefix: Tuple[str, ...], path: str, node: adafactor_state.ParamSlots) -> Any:
+    """T5X Adafactor's slots of one parameter, as one node."""
+    raise NotImplementedError
+
+  def slot(self, prefix: Tuple[str, ...], path: str, leaf: Any) -> Any:
+    """A leaf under the parameter's path: Adam mu / nu, momentum, EMA, ..."""
+    raise NotImplementedError
+
+  def other(self, names: Tuple[str, ...], leaf: Any) -> Any:
+    """A leaf of no parameter: counts, injected hyperparameters."""
+    raise NotImplementedError
+
+
+def fill(state: Any, param_paths: Any, filler: Filler) -> Any:
+  """`state` with every node replaced by what `filler` makes of it: the one walk over an
+  optimizer state, shared by the slot map, the T5X reader, upcycling and growth.
+
+  A node is an Adafactor unit (`is_unit`), taken whole, or a leaf; a leaf belongs to the
+  parameter its key path ends in (`tree.split_param_path`; the longest wins).
+
+  Args:
+    state: an optax state (arrays, abstract or not arrays at all).
+    param_paths: the parameters' '/'-joined paths (a set or a dict keyed by them).
+    filler: what to make of each node.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_unit)
+  out = []
+  for keypath, node in leaves:
+    if isinstance(node, optax.FactoredState):
+      out.append(filler.factored(tree.key_names(keypath), node))
+      continue
+    split = tree.split_param_path(keypath, param_paths)
+    if adafactor_state.is_slots(node):
+      out.append(filler.t5x(split[0], split[1], node))
+    elif split is None:
+      out.append(filler.other(tree.key_names(keypath), node))
+    else:
+      out.append(filler.slot(split[0], split[1], node))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def by_names(state: Any) -> Dict[Tuple[str, ...], Any]:
+  """Every node of a stored state (Adafactor units whole) by its key names, for lookups."""
+  leaves, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_unit)
+  return {tree.key_names(keypath): node for keypath, node in leaves}
+
+
+class _Describe(Filler):
+  """Each node as its `Slot`s."""
+
+  def __init__(self, shapes: Mapping[str, Tuple[int, ...]]):
+    self.shapes = shapes
+
+  def factored(self, names, node):
+    return _factored_state(node, self.shapes)
+
+  def t5x(self, prefix, path, node):
+    return _t5x_slots(node, path, self.shapes[path])
+
+  def slot(self, prefix, path, leaf):
+    return _fitted(leaf, self.shapes[path], _full(path, self.shapes[path]))
+
+  def other(self, names, leaf):
+    return SCALAR
+
+
 def slot_map(opt_state: Any, params: Any) -> Any:
   """Each leaf of `opt_state` as a `Slot`: a tree of the structure of `opt_state`.
 
@@ -114,18 +192,7 @@ def slot_map(opt_state: Any, params: Any) -> Any:
     params: the params (arrays or abstract; flax boxes are opened).
   """
   shapes = {p: tree.shape_of(x) for p, x in tree.flatten(params).items()}
-
-  def describe(keypath, node):
-    if isinstance(node, optax.FactoredState):
-      return _factored_state(node, shapes)
-    split = tree.split_param_path(keypath, shapes)
-    if adafactor_state.is_slots(node):
-      return _t5x_slots(node, split[1], shapes[split[1]])
-    if split is None:
-      return SCALAR
-    return _fitted(node, shapes[split[1]], _full(split[1], shapes[split[1]]))
-
-  return jax.tree_util.tree_map_with_path(describe, opt_state, is_leaf=is_unit)
+  return fill(opt_state, shapes, _Describe(shapes))
 
 
 def _sharding(slot: Slot, param_sharding: Optional[NamedSharding],

@@ -19,10 +19,8 @@ def _lazy(tree: Any) -> List[LazyArray]:
   return [leaf for leaf in jax.tree.leaves(tree) if isinstance(leaf, LazyArray)]
 
 
-def verify_tree(tree: Any, done: Optional[progress.Progress] = None) -> int:
-  """Reads each LazyArray leaf of `tree` (and drops it), counting them in `done`; returns how
-  many were read."""
-  lazy = _lazy(tree)
+def _read(lazy: List[LazyArray], done: Optional[progress.Progress] = None) -> int:
+  """Reads each array (and drops it), counting them in `done`; returns how many."""
   for leaf in lazy:
     np.asarray(leaf)
     if done is not None:
@@ -30,11 +28,16 @@ def verify_tree(tree: Any, done: Optional[progress.Progress] = None) -> int:
   return len(lazy)
 
 
+def verify_tree(tree: Any) -> int:
+  """Reads each LazyArray leaf of `tree`; returns how many were read."""
+  return _read(_lazy(tree))
+
+
 def verify(ckpt: Checkpoint) -> int:
   """Reads every parameter and optimizer-state array of `ckpt` (progress: arrays read, rate,
   ETA); returns how many."""
-  done = progress.Progress('verify', 'arrays',
-                           total=len(_lazy(ckpt.params)) + len(_lazy(ckpt.optimizer_state)))
-  count = verify_tree(ckpt.params, done) + verify_tree(ckpt.optimizer_state, done)
+  lazy = _lazy(ckpt.params) + _lazy(ckpt.optimizer_state)
+  done = progress.Progress('verify', 'arrays', total=len(lazy))
+  count = _read(lazy, done)
   done.finish()
   return count

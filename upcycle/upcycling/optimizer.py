@@ -29,7 +29,7 @@ expert slots factored with the expert axis as a batch axis are the dense slots t
 optimizer state (`upcycle.checkpoints.optimizer_state.from_t5x_adafactor`), then upcycled here.
 """
 
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -40,17 +40,15 @@ from upcycle import tree
 from upcycle.checkpoints import adafactor_state, factored, slots
 
 
-class _Filler:
-  """Fills one fresh MoE state leaf from the dense state."""
+class _Filler(slots.Filler):
+  """Fills one fresh MoE state node from the dense state."""
 
-  def __init__(self, dense_state, roles, tile_moments: bool, keep_step: bool):
+  def __init__(self, dense_state, roles, shapes, tile_moments: bool, keep_step: bool):
     self.roles = roles
+    self.shapes = shapes
     self.tile_moments = tile_moments
     self.keep_step = keep_step
-    self.dense: Dict[Tuple[str, ...], Any] = {}
-    leaves, _ = jax.tree_util.tree_flatten_with_path(dense_state, is_leaf=slots.is_unit)
-    for keypath, leaf in leaves:
-      self.dense[tree.key_names(keypath)] = leaf
+    self.dense = slots.by_names(dense_state)
 
   def lookup(self, names, what: str):
     if names not in self.dense:
@@ -69,7 +67,7 @@ class _Filler:
     dense = self.lookup(prefix + tuple(role.source.split('/')), where)
     return _fit(dense, fresh, role, where)
 
-  def t5x_slots(self, prefix, path, fresh: adafactor_state.ParamSlots, shape):
+  def t5x(self, prefix, path, fresh: adafactor_state.ParamSlots):
     """T5X Adafactor slots of MoE parameter `path`."""
     role = self.roles[path]
     if role.kind == 'router' or not self.tile_moments:
@@ -80,8 +78,8 @@ class _Filler:
       raise ValueError(f'Optimizer-state upcycling: {where} need T5X Adafactor slots of '
                        f'{role.source}; the dense state has {type(dense).__name__}. Fix: the '
                        f'dense run must use the same optimizer (T5XAdafactor).')
-    return adafactor_state.upcycle(dense, fresh, shape[0] if role.kind == 'expert' else None,
-                                   where)
+    experts = self.shapes[path][0] if role.kind == 'expert' else None
+    return adafactor_state.upcycle(dense, fresh, experts, where)
 
   def other(self, names, fresh):
     """A leaf that belongs to no parameter: step counts, hyperparameters."""
@@ -94,7 +92,7 @@ class _Filler:
                        f'in the MoE state.')
     return jnp.asarray(dense, jnp.result_type(fresh))
 
-  def factored_state(self, names, fresh: optax.FactoredState, param_shapes):
+  def factored(self, names, fresh: optax.FactoredState):
     dense = self.lookup(names, f'the Adafactor state {tree.render(names)}')
     count = jnp.asarray(dense.count, fresh.count.dtype) if self.keep_step else fresh.count
     if not self.tile_moments:
@@ -102,7 +100,7 @@ class _Filler:
     out = {'v_row': {}, 'v_col': {}, 'v': {}}
     fresh_slots = {k: tree.flatten(getattr(fresh, k)) for k in out}
     dense_slots = {k: tree.flatten(getattr(dense, k)) for k in out}
-    for path, shape in param_shapes.items():
+    for path, shape in self.shapes.items():
       role = self.roles[path]
       slots = tuple(fresh_slots[k][path] for k in ('v_row', 'v_col', 'v'))
       if role.kind != 'router':
@@ -137,15 +135,18 @@ def _fit(dense, fresh, role, where):
       f'(Granular) or a shared expert narrower than the dense MLP.')
 
 
-def _check_shapes(keypath, made, fresh) -> None:
-  """Raises unless the state node `made` has the shapes `optimizer.init` gave `fresh`."""
-  got, want = ([tuple(np.shape(x)) for x in jax.tree.leaves(t)] for t in (made, fresh))
-  if got != want:
-    raise ValueError(
-        f'Optimizer-state upcycling: {tree.key_path(keypath)} came out with shapes {got} but '
-        f'the MoE state needs {want}: only copies and experts of the dense shape can reuse '
-        f'dense moments. Fix: pass tile_moments=False for expert initializers that change '
-        f'shapes (Granular) or a shared expert narrower than the dense MLP.')
+def _check_shapes(made, fresh) -> None:
+  """Raises unless every node of `made` has the shapes `optimizer.init` gave in `fresh`."""
+  made_nodes = jax.tree_util.tree_leaves(made, is_leaf=slots.is_unit)
+  fresh_nodes = jax.tree_util.tree_flatten_with_path(fresh, is_leaf=slots.is_unit)[0]
+  for node, (keypath, fresh_node) in zip(made_nodes, fresh_nodes):
+    got, want = ([tuple(np.shape(x)) for x in jax.tree.leaves(t)] for t in (node, fresh_node))
+    if got != want:
+      raise ValueError(
+          f'Optimizer-state upcycling: {tree.key_path(keypath)} came out with shapes {got} '
+          f'but the MoE state needs {want}: only copies and experts of the dense shape can '
+          f'reuse dense moments. Fix: pass tile_moments=False for expert initializers that '
+          f'change shapes (Granular) or a shared expert narrower than the dense MLP.')
 
 
 def upcycle_optimizer_state(dense_state: Any, moe_params: Mapping[str, Any],
@@ -172,18 +173,6 @@ def upcycle_optimizer_state(dense_state: Any, moe_params: Mapping[str, Any],
   flat_params = tree.flatten(moe_params)
   roles = tree.classify(flat_params)
   shapes = {p: tree.shape_of(x) for p, x in flat_params.items()}
-  filler = _Filler(dense_state, roles, tile_moments, keep_step)
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(fresh, is_leaf=slots.is_unit)
-  out = []
-  for keypath, leaf in leaves:
-    split = tree.split_param_path(keypath, roles)
-    if adafactor_state.is_slots(leaf):
-      out.append(filler.t5x_slots(split[0], split[1], leaf, shapes[split[1]]))
-    elif isinstance(leaf, optax.FactoredState):
-      out.append(filler.factored_state(tree.key_names(keypath), leaf, shapes))
-    elif split is None:
-      out.append(filler.other(tree.key_names(keypath), leaf))
-    else:
-      out.append(filler.slot(split[0], split[1], leaf))
-    _check_shapes(keypath, out[-1], leaf)
-  return jax.tree_util.tree_unflatten(treedef, out)
+  made = slots.fill(fresh, roles, _Filler(dense_state, roles, shapes, tile_moments, keep_step))
+  _check_shapes(made, fresh)
+  return made

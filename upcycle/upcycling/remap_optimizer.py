@@ -16,9 +16,8 @@ checkpoint's state (the same optimizer's, for the checkpoint's params):
       <- as they are: the step and the schedule continue
 """
 
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Mapping, Optional, Tuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -73,13 +72,12 @@ def _optax_slots(take: Take, old, fresh, where: str):
   return factored.factor(full, fresh, take.shape, where)
 
 
-class _Filler:
-  """Fills the new state's leaves from the checkpoint's state."""
+class _Filler(slots.Filler):
+  """Fills the new state's nodes from the checkpoint's state."""
 
   def __init__(self, state, takes: Mapping[str, Take]):
     self.takes = takes
-    leaves, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=slots.is_unit)
-    self.old: Dict[Tuple[str, ...], Any] = {tree.key_names(k): x for k, x in leaves}
+    self.old = slots.by_names(state)
 
   def lookup(self, names, what: str):
     if names not in self.old:
@@ -111,7 +109,7 @@ class _Filler:
                        f'(T5XAdafactor) as the run that wrote the checkpoint.')
     return _t5x_slots(self.takes[path], old, fresh, path)
 
-  def factored_state(self, names, fresh: optax.FactoredState):
+  def factored(self, names, fresh: optax.FactoredState):
     old = self.lookup(names, f'the Adafactor state {tree.render(names)}')
     old_slots = {k: tree.flatten(getattr(old, k)) for k in _V}
     fresh_slots = {k: tree.flatten(getattr(fresh, k)) for k in _V}
@@ -152,19 +150,4 @@ def remap_optimizer_state(state: Any, remap: Remap, params: Mapping[str, Any],
   params = tree.zeros_for(params)
   fresh = optimizer.init(params)
   takes = remap.by_path()
-  filler = _Filler(state, takes)
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(fresh, is_leaf=slots.is_unit)
-  out = []
-  for keypath, leaf in leaves:
-    names = tree.key_names(keypath)
-    if isinstance(leaf, optax.FactoredState):
-      out.append(filler.factored_state(names, leaf))
-      continue
-    split = tree.split_param_path(keypath, takes)
-    if adafactor_state.is_slots(leaf):
-      out.append(filler.t5x(split[0], split[1], leaf))
-    elif split is None:
-      out.append(filler.other(names, leaf))
-    else:
-      out.append(filler.slot(split[0], split[1], leaf))
-  return jax.tree_util.tree_unflatten(treedef, out)
+  return slots.fill(fresh, takes, _Filler(state, takes))
