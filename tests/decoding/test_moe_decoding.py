@@ -17,6 +17,7 @@ import pytest
 from upcycle.decoding import DecodeConfig, make_decode_fn
 from upcycle.models import T5, T5Config
 from upcycle.moe import ROUTER_LOGITS, MoeConfig, router_logits
+from tests.models.helpers import jitted
 
 MAX_LENGTH = 10
 INPUTS = jnp.asarray(np.random.default_rng(0).integers(2, 32, (8, 7)), jnp.int32)
@@ -35,10 +36,11 @@ def skewed_model(k):
   model = T5(T5Config(vocab_size=32, d_model=16, num_heads=2, d_kv=8, d_ff=32,
                       num_encoder_layers=2, num_decoder_layers=2, decoder_moe=moe))
   targets = OTHER_INPUTS[:, :6]
-  params = flax.linen.meta.unbox(model.init(jax.random.PRNGKey(0), INPUTS, targets)['params'])
+  params = flax.linen.meta.unbox(
+      jitted(model.init, jax.random.PRNGKey(0), INPUTS, targets)['params'])
   params = jax.tree.map(lambda w: 3.0 * w, params)
-  _, state = model.apply({'params': params}, INPUTS, targets, capture_intermediates=True,
-                         mutable=['intermediates'])
+  _, state = jitted(model.apply, {'params': params}, INPUTS, targets, capture_intermediates=True,
+                    mutable=['intermediates'])
   for name, layer in params['decoder'].items():
     if 'mlp' in layer:
       mlp_inputs = state['intermediates']['decoder'][name]['pre_mlp_layer_norm']['__call__'][0]
@@ -46,7 +48,7 @@ def skewed_model(k):
       kernel = layer['mlp']['router']['router_weights']['w']['kernel']
       layer['mlp']['router']['router_weights']['w']['kernel'] = kernel.at[:, 0].add(
           6.0 * u / jnp.dot(u, u))
-  _, state = model.apply({'params': params}, INPUTS, targets, mutable=[ROUTER_LOGITS])
+  _, state = jitted(model.apply, {'params': params}, INPUTS, targets, mutable=[ROUTER_LOGITS])
   for logits in router_logits(state).values():
     assert np.mean(np.argmax(logits, axis=-1) == 0) >= 0.75
   return model, params

@@ -1,4 +1,5 @@
-"""Tiny model configs and the dense -> MoE tiling used by model tests (independent of surgery)."""
+"""Tiny model configs, the dense -> MoE tiling used by model tests (independent of surgery),
+and `jitted` (a whole model applied op by op takes tens of seconds on CPU)."""
 
 import flax
 import jax
@@ -32,3 +33,17 @@ def tile_experts(dense_params, moe_abstract, seed=0):
 
 def tokens(seed, shape, vocab):
   return jnp.asarray(np.random.default_rng(seed).integers(1, vocab, shape), jnp.int32)
+
+
+def jitted(fn, *args, **kwargs):
+  """`fn(*args, **kwargs)` under one `jax.jit` (e.g. `jitted(model.apply, {'params': p}, x)`):
+  arguments that are arrays or trees of arrays are traced, the rest (flags, `mutable=`,
+  `method=`, rngs) are fixed for this call."""
+  traced = [bool(jax.tree.leaves(a)) and all(isinstance(x, (np.ndarray, jax.Array))
+                                             for x in jax.tree.leaves(a)) for a in args]
+
+  def call(arrays):
+    arrays = iter(arrays)
+    return fn(*[next(arrays) if t else a for a, t in zip(args, traced)], **kwargs)
+
+  return jax.jit(call)([a for a, t in zip(args, traced) if t])

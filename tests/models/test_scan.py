@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.models.helpers import TINY_T5, TINY_VIT, tokens
+from tests.models.helpers import jitted, TINY_T5, TINY_VIT, tokens
 from upcycle import fields, tree, upcycling
 from upcycle.models import T5, ViT, abstract_params, scan_layout
 from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses
@@ -46,7 +46,7 @@ def _loss_fn(config):
 def _unrolled(name):
   config = CONFIGS[name]
   model, inputs = _model_and_inputs(config)
-  params = tree.unbox(model.init(jax.random.PRNGKey(0), *inputs))['params']
+  params = tree.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), *inputs))['params']
   (loss, logits), grads = jax.jit(jax.value_and_grad(_loss_fn(config), has_aux=True))(params)
   return params, loss, logits, grads
 
@@ -172,8 +172,8 @@ def test_upcycling_a_dense_checkpoint_into_a_scanned_moe_is_upcycle_then_stack()
       experts='copy', router='normal', rng=jax.random.PRNGKey(1))[0], scanned)
   _assert_trees_close(from_stacked_dense, scanned_params, tol=0)
   _, inputs = _model_and_inputs(T5_MOE)
-  expected = T5(T5_MOE).apply({'params': moe_params}, *inputs)
-  got = T5(scanned).apply({'params': scanned_params}, *inputs)
+  expected = jitted(T5(T5_MOE).apply, {'params': moe_params}, *inputs)
+  got = jitted(T5(scanned).apply, {'params': scanned_params}, *inputs)
   np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
   assert scan_layout.unstack(scanned_params, scanned).keys() == moe_params.keys()
 
@@ -211,9 +211,9 @@ def test_scanned_model_sows_one_value_per_layer():
   params = _unrolled('vit_moe')[0]
   config = dataclasses.replace(VIT_MOE, scan_layers=True)
   _, inputs = _model_and_inputs(config)
-  _, expected = ViT(VIT_MOE).apply({'params': params}, *inputs, mutable=MOE_COLLECTIONS)
-  _, got = ViT(config).apply({'params': scan_layout.stack(params, config)}, *inputs,
-                             mutable=MOE_COLLECTIONS)
+  _, expected = jitted(ViT(VIT_MOE).apply, {'params': params}, *inputs, mutable=MOE_COLLECTIONS)
+  _, got = jitted(ViT(config).apply, {'params': scan_layout.stack(params, config)}, *inputs,
+                  mutable=MOE_COLLECTIONS)
   per_layer = scan_layout.unstack(got['moe_metrics'], config)
   _assert_trees_close(per_layer, nn.meta.unbox(expected['moe_metrics']))
   np.testing.assert_allclose(aux_losses(got)['total'], aux_losses(expected)['total'], atol=1e-7)

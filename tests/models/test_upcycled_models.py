@@ -9,14 +9,14 @@ import jax
 import numpy as np
 import pytest
 
-from tests.models.helpers import TINY_T5, TINY_VIT, tile_experts, tokens
+from tests.models.helpers import jitted, TINY_T5, TINY_VIT, tile_experts, tokens
 from upcycle import upcycling
 from upcycle.models import T5, T5Config, ViT, abstract_params
 from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses, metrics
 
 
 def init(model, *args):
-  return nn.meta.unbox(model.init(jax.random.PRNGKey(0), *args))['params']
+  return nn.meta.unbox(jitted(model.init, jax.random.PRNGKey(0), *args))['params']
 
 
 @functools.lru_cache(maxsize=None)
@@ -29,7 +29,7 @@ def dense_model(name):
     model, cfg = ViT, dataclasses.replace(TINY_VIT, depth=4)
     inputs = (jax.random.normal(jax.random.PRNGKey(3), (2, 8, 8, 3)),)
   params = init(model(cfg), *inputs)
-  return model, cfg, inputs, params, model(cfg).apply({'params': params}, *inputs)
+  return model, cfg, inputs, params, jitted(model(cfg).apply, {'params': params}, *inputs)
 
 
 @pytest.mark.slow
@@ -46,7 +46,7 @@ def test_upcycled_t5_gives_the_dense_logits(dispatch):
   params = tile_experts(dense_params, init(moe, enc, dec))
   assert params['encoder']['layers_1']['mlp']['expert']['wi_0']['kernel'].shape == (4, 16, 32)
   assert 'expert' not in params['encoder']['layers_2']['mlp']
-  logits, state = moe.apply({'params': params}, enc, dec, mutable=MOE_COLLECTIONS)
+  logits, state = jitted(moe.apply, {'params': params}, enc, dec, mutable=MOE_COLLECTIONS)
   np.testing.assert_allclose(logits, dense_logits, atol=1e-5)
   assert sorted({k.rsplit('/', 1)[0] for k in metrics(state)}) == [
       'decoder/layers_1/mlp', 'decoder/layers_3/mlp', 'encoder/layers_1/mlp',
@@ -61,7 +61,7 @@ def test_upcycled_vit_gives_the_dense_logits():
       num_experts=4, eval_capacity_factor=4.0, normalize_combine_weights=True))
   moe = ViT(moe_cfg)
   params = tile_experts(dense_params, init(moe, images))
-  np.testing.assert_allclose(moe.apply({'params': params}, images), dense_logits, atol=1e-5)
+  np.testing.assert_allclose(jitted(moe.apply, {'params': params}, images), dense_logits, atol=1e-5)
 
 
 def test_t5_refuses_expert_choice_in_the_decoder():
@@ -115,8 +115,8 @@ def test_shared_expert_with_zero_output_experts_gives_the_dense_logits():
     params, report = upcycling.upcycle(dense_params, abstract_params(moe_cfg),
                                        experts='zero_output', rng=0)
     assert len(report.shared) == len(report.experts) > 0
-    np.testing.assert_allclose(model(moe_cfg).apply({'params': params}, *inputs), dense_logits,
-                               atol=1e-6)
+    np.testing.assert_allclose(jitted(model(moe_cfg).apply, {'params': params}, *inputs),
+                               dense_logits, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -138,8 +138,8 @@ def test_upcycled_model_preserves_the_dense_function_in_bfloat16(name):
   bf16 = lambda config: dataclasses.replace(config, dtype='bfloat16')
   moe_cfg = dataclasses.replace(cfg, **fields)
   params, _ = upcycling.upcycle(dense_params, abstract_params(moe_cfg), experts='copy', rng=0)
-  dense = np.asarray(model(bf16(cfg)).apply({'params': dense_params}, *inputs))
-  moe = np.asarray(model(bf16(moe_cfg)).apply({'params': params}, *inputs))
+  dense = np.asarray(jitted(model(bf16(cfg)).apply, {'params': dense_params}, *inputs))
+  moe = np.asarray(jitted(model(bf16(moe_cfg)).apply, {'params': params}, *inputs))
   scale = float(np.max(np.abs(dense_f32)))
   difference = float(np.max(np.abs(moe - dense)))
   assert difference <= 0.01 * scale

@@ -11,6 +11,7 @@ import pytest
 from upcycle import layers
 from upcycle.moe import (MOE_COLLECTIONS, ROUTER_LOGITS, MoeConfig, MoeLayer, aux_losses,
                          grouping, metrics, router_logits, routing)
+from tests.models.helpers import jitted
 
 D_MODEL, D_FF, E = 8, 16, 4
 EXPERT = functools.partial(layers.GatedMlp, d_ff=D_FF)
@@ -20,13 +21,13 @@ EXPERT = functools.partial(layers.GatedMlp, d_ff=D_FF)
 def dense_setup():
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 8, D_MODEL))
   dense = EXPERT()
-  params = nn.meta.unbox(dense.init(jax.random.PRNGKey(1), x, True))['params']
-  return x, params, dense.apply({'params': params}, x, True)
+  params = nn.meta.unbox(jitted(dense.init, jax.random.PRNGKey(1), x, True))['params']
+  return x, params, jitted(dense.apply, {'params': params}, x, True)
 
 
 def moe_params(config, x, dense_params=None, seed=2):
   """MoE params; experts are copies of `dense_params` when given, router random."""
-  init = MoeLayer(config, EXPERT).init(jax.random.PRNGKey(seed), x, True)
+  init = jitted(MoeLayer(config, EXPERT).init, jax.random.PRNGKey(seed), x, True)
   params = nn.meta.unbox(init)['params']
   if dense_params is not None:
     params['expert'] = jax.tree.map(lambda w: jnp.stack([w] * config.num_experts), dense_params)
@@ -38,8 +39,8 @@ def moe_params(config, x, dense_params=None, seed=2):
 
 
 def run(config, params, x, deterministic=True, rngs=None):
-  return MoeLayer(config, EXPERT).apply({'params': params}, x, deterministic, rngs=rngs,
-                                        mutable=MOE_COLLECTIONS)
+  return jitted(MoeLayer(config, EXPERT).apply, {'params': params}, x, deterministic, rngs=rngs,
+                mutable=MOE_COLLECTIONS)
 
 
 @pytest.mark.slow
@@ -185,13 +186,13 @@ def test_flaxformer_padding_is_masked_and_sliced_off():
                      capacity_convention='t5x', max_group_size=4, normalize_combine_weights=True)
   assert config.group_plan(2, 3) == grouping.GroupPlan(4, 2, 0, 1)
   params = moe_params(config, x)
-  out, state = MoeLayer(config, EXPERT).apply({'params': params}, x, True,
-                                              mutable=[ROUTER_LOGITS])
+  out, state = jitted(MoeLayer(config, EXPERT).apply, {'params': params}, x, True,
+                      mutable=[ROUTER_LOGITS])
   assert out.shape == x.shape
   padded = jnp.pad(x, ((0, 0), (0, 1), (0, 0)))
   mask = jnp.array([[True, True, True, False]] * 2)
-  reference = MoeLayer(MoeConfig(**{**config.__dict__, 'max_group_size': None, 'group_size': 2}),
-                       EXPERT).apply({'params': params}, padded, True, mask)
+  fixed = MoeConfig(**{**config.__dict__, 'max_group_size': None, 'group_size': 2})
+  reference = jitted(MoeLayer(fixed, EXPERT).apply, {'params': params}, padded, True, mask)
   np.testing.assert_allclose(out, reference[:, :3], atol=1e-6)
   logits = router_logits(state)['']
   np.testing.assert_allclose(logits, x @ params['router']['router_weights']['w']['kernel'],
@@ -247,8 +248,8 @@ def test_layer_losses_in_each_scope_and_pooled_over_one_layer(scope):
   x, _, _ = dense_setup()
   separate = MoeConfig(router='tokens_choose', load_balancing_scope=scope, **LAYER_CONFIG)
   params = moe_params(separate, x)
-  _, state = MoeLayer(separate, EXPERT).apply({'params': params}, x, True,
-                                              mutable=MOE_COLLECTIONS + (ROUTER_LOGITS,))
+  _, state = jitted(MoeLayer(separate, EXPERT).apply, {'params': params}, x, True,
+                    mutable=MOE_COLLECTIONS + (ROUTER_LOGITS,))
   probs = jax.nn.softmax(router_logits(state)[''])             # one group per example: [G, S, E]
   p = np.asarray(probs, np.float64)
   chosen = np.eye(E)[np.argsort(-p, axis=-1)[..., :2]].max(axis=-2)  # [G, S, E]
@@ -282,13 +283,13 @@ def test_shared_expert_adds_its_mlp_to_the_routed_output():
                      capacity_multiple_of=1, dispatch='indices', shared_expert=True)
   shared = functools.partial(layers.GatedMlp, d_ff=4)
   layer = MoeLayer(config, EXPERT, shared_expert=shared)
-  params = nn.meta.unbox(layer.init(jax.random.PRNGKey(2), x, True))['params']
+  params = nn.meta.unbox(jitted(layer.init, jax.random.PRNGKey(2), x, True))['params']
   assert {n: w['kernel'].shape for n, w in params['shared_expert'].items()} == {
       'wi_0': (D_MODEL, 4), 'wi_1': (D_MODEL, 4), 'wo': (4, D_MODEL)}
-  out, _ = layer.apply({'params': params}, x, True, mutable=MOE_COLLECTIONS)
+  out, _ = jitted(layer.apply, {'params': params}, x, True, mutable=MOE_COLLECTIONS)
   routed_params = {k: v for k, v in params.items() if k != 'shared_expert'}
   routed, _ = run(MoeConfig(**{**config.__dict__, 'shared_expert': False}), routed_params, x)
-  by_hand = routed + shared().apply({'params': params['shared_expert']}, x, True)
+  by_hand = routed + jitted(shared().apply, {'params': params['shared_expert']}, x, True)
   np.testing.assert_allclose(out, by_hand, atol=1e-6)
   with pytest.raises(ValueError, match='shared_expert=True but the model passed no shared_expert'):
     run(config, routed_params, x)
@@ -305,8 +306,8 @@ def test_copied_shared_expert_is_dense_only_with_zero_routed_output():
   routed = MoeConfig(**{**config.__dict__, 'shared_expert': False})
   params = {**moe_params(routed, x, dense_params), 'shared_expert': dense_params}
   layer = MoeLayer(config, EXPERT, shared_expert=EXPERT)
-  out, _ = layer.apply({'params': params}, x, True, mutable=MOE_COLLECTIONS)
+  out, _ = jitted(layer.apply, {'params': params}, x, True, mutable=MOE_COLLECTIONS)
   np.testing.assert_allclose(out, 2 * dense_out, atol=1e-5)
   params['expert']['wo']['kernel'] = jnp.zeros_like(params['expert']['wo']['kernel'])
-  out, _ = layer.apply({'params': params}, x, True, mutable=MOE_COLLECTIONS)
+  out, _ = jitted(layer.apply, {'params': params}, x, True, mutable=MOE_COLLECTIONS)
   np.testing.assert_array_equal(out, dense_out)

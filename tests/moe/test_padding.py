@@ -14,6 +14,7 @@ import pytest
 
 from upcycle import layers
 from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, metrics, routing
+from tests.models.helpers import jitted
 
 D_MODEL, E = 8, 2
 EXPERT = functools.partial(layers.GatedMlp, d_ff=4)
@@ -33,11 +34,11 @@ def run(ignore_padding_tokens, mask=MASK, **overrides):
                                router_z_loss_weight=1.0,
                                ignore_padding_tokens=ignore_padding_tokens), **overrides})
   layer = MoeLayer(config, EXPERT)
-  params = layer.init(jax.random.PRNGKey(0), X, True)['params']
+  params = jitted(layer.init, jax.random.PRNGKey(0), X, True)['params']
   params['router']['router_weights']['w']['kernel'] = jnp.asarray(
       np.log(PROBS) + SHIFTS[:, None], jnp.float32)
-  return layer.apply({'params': params}, X, True, None if mask is None else jnp.asarray(mask),
-                     mutable=MOE_COLLECTIONS)
+  mask = None if mask is None else jnp.asarray(mask)
+  return jitted(layer.apply, {'params': params}, X, True, mask, mutable=MOE_COLLECTIONS)
 
 
 # Padding left out: group 0 has f = [1, 0], p = [2.2, .8] / 3; group 1 f = [0, 1],

@@ -310,8 +310,8 @@ def test_unrolled_checkpoint_upcycled_into_a_scanned_model(tmp_path):
   _assert_trees_equal(states[True].params,
                       scan_layout.stack(jax.device_get(states[False].params), scanned))
   tokens = np.arange(24, dtype=np.int32).reshape(4, 6) % 7 + 1
-  logits = lambda config: T5(config).apply({'params': states[config.scan_layers].params},
-                                           tokens, tokens[:, :4])
+  logits = lambda config: jax.jit(T5(config).apply)(
+      {'params': states[config.scan_layers].params}, tokens, tokens[:, :4])
   np.testing.assert_allclose(logits(scanned), logits(unrolled), rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match='reuse_optimizer_state = False, or --gin.SCAN_LAYERS'):
     with partitioning.activate(trainer.mesh):

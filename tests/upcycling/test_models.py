@@ -13,6 +13,7 @@ from upcycle.models import T5, T5Config, ViT, ViTConfig
 from upcycle.moe import MoeConfig
 from upcycle.upcycling import capture, experts, routers
 from upcycle.upcycling.surgery import upcycle
+from tests.models.helpers import jitted
 
 T5_DENSE = T5Config(vocab_size=32, d_model=8, num_heads=2, d_kv=4, d_ff=16,
                     num_encoder_layers=2, num_decoder_layers=2)
@@ -33,8 +34,8 @@ def _tokens(seed, low=1, high=32, shape=(2, 6)):
 @pytest.fixture(scope='module')
 def t5_dense():
   enc, dec = _tokens(0), _tokens(1, shape=(2, 5))
-  params = nn.meta.unbox(T5(T5_DENSE).init(jax.random.PRNGKey(0), enc, dec)['params'])
-  return params, enc, dec, T5(T5_DENSE).apply({'params': params}, enc, dec)
+  params = nn.meta.unbox(jitted(T5(T5_DENSE).init, jax.random.PRNGKey(0), enc, dec)['params'])
+  return params, enc, dec, jitted(T5(T5_DENSE).apply, {'params': params}, enc, dec)
 
 
 def _t5_target(config, enc, dec):
@@ -50,7 +51,7 @@ def test_t5_copy_upcycling_is_function_preserving(t5_dense):
   assert set(report.fresh) == {'encoder/layers_1/mlp/router/router_weights/w/kernel',
                                'decoder/layers_1/mlp/router/router_weights/w/kernel'}
   assert len(report.experts) == 6 and report.unused == ()
-  logits = T5(config).apply({'params': moe_params}, enc, dec)
+  logits = jitted(T5(config).apply, {'params': moe_params}, enc, dec)
   np.testing.assert_allclose(logits, dense_logits, rtol=1e-5, atol=1e-5)
 
 
@@ -62,22 +63,23 @@ def test_t5_granular_upcycling_is_function_preserving(t5_dense):
       decoder_moe=dataclasses.replace(DECODER_MOE, placement='all'))
   moe_params, _ = upcycle(params, _t5_target(config, enc, dec), experts=experts.Granular(2),
                           router=routers.Normal(1.0), rng=0)
-  logits = T5(config).apply({'params': moe_params}, enc, dec)
+  logits = jitted(T5(config).apply, {'params': moe_params}, enc, dec)
   np.testing.assert_allclose(logits, dense_logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
 def test_vit_copy_upcycling_is_function_preserving():
   images = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8, 8, 3)), jnp.float32)
-  params = nn.meta.unbox(ViT(VIT_DENSE).init(jax.random.PRNGKey(0), images)['params'])
+  params = nn.meta.unbox(jitted(ViT(VIT_DENSE).init, jax.random.PRNGKey(0), images)['params'])
   config = dataclasses.replace(VIT_DENSE, moe=ENCODER_MOE)
   target = jax.eval_shape(ViT(config).init, jax.random.PRNGKey(1), images)['params']
   moe_params, report = upcycle(params, target, rng=0)
   mlp = 'Transformer/encoderblock_1/MlpBlock_0'
   assert tree.flatten(moe_params)[f'{mlp}/expert/Dense_0/bias'].shape == (4, 16)
   assert report.num_experts == {mlp: 4}
-  np.testing.assert_allclose(ViT(config).apply({'params': moe_params}, images),
-                             ViT(VIT_DENSE).apply({'params': params}, images), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(jitted(ViT(config).apply, {'params': moe_params}, images),
+                             jitted(ViT(VIT_DENSE).apply, {'params': params}, images),
+                             rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from upcycle.models import T5, T5Config
 from upcycle.moe import ROUTER_LOGITS, MoeConfig, router_logits
 from upcycle.upcycling import data_selection, router_training
 from upcycle.upcycling.surgery import upcycle
+from tests.models.helpers import jitted
 
 
 def test_assign_buckets_by_hand_with_ties_and_full_buckets():
@@ -58,7 +59,7 @@ def _bucket_batch(rng, labels, length=8):
 
 def _router_logits_fn(params, batch):
   enc, dec = batch
-  _, state = T5(CONFIG).apply({'params': params}, enc, dec, mutable=[ROUTER_LOGITS])
+  _, state = jitted(T5(CONFIG).apply, {'params': params}, enc, dec, mutable=[ROUTER_LOGITS])
   return {layer: (logits, (enc if layer.startswith('encoder') else dec) > 0)
           for layer, logits in router_logits(state).items()}
 
@@ -76,7 +77,7 @@ def test_after_the_router_stage_each_buckets_tokens_route_to_its_expert():
   rng = np.random.default_rng(0)
   dense_cfg = dataclasses.replace(CONFIG, encoder_moe=None, decoder_moe=None)
   enc = dec = jnp.ones((2, 8), jnp.int32)
-  dense = nn.meta.unbox(T5(dense_cfg).init(jax.random.PRNGKey(0), enc, dec)['params'])
+  dense = nn.meta.unbox(jitted(T5(dense_cfg).init, jax.random.PRNGKey(0), enc, dec)['params'])
   target = jax.eval_shape(T5(CONFIG).init, jax.random.PRNGKey(1), enc, dec)['params']
   params, _ = upcycle(dense, target, rng=0)
 
