@@ -134,7 +134,8 @@ def test_growing_experts_refuses_what_it_cannot_do():
   params = _params(2)
   target = lambda e: jax.tree.map(lambda x: S(x.shape, x.dtype), _params(e))
   with pytest.raises(ValueError, match=r'sources=\[1\] for mlp, which grows from 2 to 4 '
-                     r'experts: expected 2 source indices in \[0, 2\)'):
+                     r'experts: expected 2 source indices \(one per new expert\), each in '
+                     r'\[0, 2\)'):
     grow_experts(params, target(4), sources=[1])
   with pytest.raises(ValueError, match=r'sources=\[0, 2\] .* in \[0, 2\)'):
     grow_experts(params, target(4), sources=[0, 2])

@@ -19,7 +19,7 @@ set for params and optimizer state): an `[E, d_model, d_ff]` expert kernel over
 """
 
 import dataclasses
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Mapping, Optional, Tuple
 
 import jax
 import optax
@@ -158,10 +158,22 @@ def fill(state: Any, param_paths: Any, filler: Filler) -> Any:
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def by_names(state: Any) -> Dict[Tuple[str, ...], Any]:
-  """Every node of a stored state (Adafactor units whole) by its key names, for lookups."""
-  leaves, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_unit)
-  return {tree.key_names(keypath): node for keypath, node in leaves}
+class FromState(Filler):
+  """A filler that reads another optimizer state's nodes by key names (upcycling, growth)."""
+
+  def __init__(self, state: Any):
+    leaves, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_unit)
+    self.stored = {tree.key_names(keypath): node for keypath, node in leaves}
+
+  def missing(self, names: Tuple[str, ...], what: str) -> str:
+    """The one-line error for a node `what` needs that the stored state lacks."""
+    raise NotImplementedError
+
+  def lookup(self, names: Tuple[str, ...], what: str) -> Any:
+    """The stored node at `names`, which `what` (e.g. 'slot mu/encoder/...') is made from."""
+    if names not in self.stored:
+      raise ValueError(self.missing(names, what))
+    return self.stored[names]
 
 
 class _Describe(Filler):

@@ -25,7 +25,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from upcycle import tree
 from upcycle.upcycling import remap as remap_lib
-from upcycle.upcycling.remap import Remap
+from upcycle.upcycling.remap import Remap, source_indices
 
 PATTERNS = ('tile', 'repeat')
 LayerMap = Union[str, Sequence[int], Mapping[str, Union[str, Sequence[int]]]]
@@ -93,17 +93,11 @@ def resolve_layer_map(spec: LayerMap, stack: str, old: int, new: int, *,
           f'{old}. Fix: a depth that is a multiple of {old}, or an explicit list of {new} '
           f'source layers in [0, {old}).')
     return tuple(i % old if spec == 'tile' else i // (new // old) for i in range(new))
-  try:
-    layers = tuple(int(i) for i in spec)
-  except (TypeError, ValueError):
-    raise ValueError(f'{binding}={spec!r}: expected one of {PATTERNS}, a list of source layers, '
-                     f'or a mapping {{stack: ...}}.') from None
-  if len(layers) != new or any(not 0 <= i < old for i in layers):
-    raise ValueError(
-        f'{binding}={list(layers)} for {stack}, which grows from {old} to {new} layers: '
-        f'expected {new} source layers, each in [0, {old}). Fix: one source layer per layer '
-        f'of the deeper model.')
-  return layers
+  return source_indices(
+      spec, count=new, bound=old, binding=binding,
+      expected=f'one of {PATTERNS}, a list of source layers, or a mapping {{stack: ...}}',
+      grows=f'{stack}, which grows from {old} to {new} layers', what='source layers',
+      fix='one source layer per layer of the deeper model')
 
 
 def plan(params: Mapping[str, Any], target: Mapping[str, Any], *,

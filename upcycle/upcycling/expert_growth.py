@@ -48,7 +48,7 @@ import numpy as np
 
 from upcycle import tree
 from upcycle.upcycling import remap as remap_lib
-from upcycle.upcycling.remap import Remap, Take
+from upcycle.upcycling.remap import Remap, Take, source_indices
 
 SOURCES = ('tile', 'most_used', 'router_norm')
 Sources = Union[str, Sequence[int], Mapping[str, Union[str, Sequence[int]]]]
@@ -121,17 +121,12 @@ def choose_sources(spec: Sources, layer: str, num_old: int, num_new: int, *,
       return tuple(j % num_old for j in range(count))
     ranking = _ranking(spec, layer, num_old, usage, router, binding)
     return tuple(int(ranking[j % num_old]) for j in range(count))
-  try:
-    sources = tuple(int(s) for s in spec)
-  except (TypeError, ValueError):
-    raise ValueError(f'{binding}={spec!r}: expected one of {SOURCES} or a list of expert '
-                     f'indices.') from None
-  if len(sources) != count or any(not 0 <= s < num_old for s in sources):
-    raise ValueError(
-        f'{binding}={list(sources)} for {layer}, which grows from {num_old} to {num_new} '
-        f'experts: expected {count} source indices in [0, {num_old}) (one per new expert). '
-        f'Fix: list one source per new expert, or grow the model by {len(sources)} experts.')
-  return sources
+  return source_indices(
+      spec, count=count, bound=num_old, binding=binding,
+      expected=f'one of {SOURCES} or a list of expert indices',
+      grows=f'{layer}, which grows from {num_old} to {num_new} experts',
+      what='source indices (one per new expert)',
+      fix='list one source per new expert, or grow the model by as many experts as listed')
 
 
 def _expert_axis(path: str, leaf, source) -> Optional[int]:

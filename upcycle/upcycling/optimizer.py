@@ -40,23 +40,21 @@ from upcycle import tree
 from upcycle.checkpoints import adafactor_state, factored, slots
 
 
-class _Filler(slots.Filler):
+class _Filler(slots.FromState):
   """Fills one fresh MoE state node from the dense state."""
 
   def __init__(self, dense_state, roles, shapes, tile_moments: bool, keep_step: bool):
+    super().__init__(dense_state)
     self.roles = roles
     self.shapes = shapes
     self.tile_moments = tile_moments
     self.keep_step = keep_step
-    self.dense = slots.by_names(dense_state)
 
-  def lookup(self, names, what: str):
-    if names not in self.dense:
-      raise ValueError(
-          f'Optimizer-state upcycling: {what} needs the dense slot {tree.render(names)}, which the '
-          f'dense optimizer state does not have. Fix: the dense state must come from the same '
-          f'optax optimizer (same chain and options) as the MoE one, or pass tile_moments=False.')
-    return self.dense[names]
+  def missing(self, names, what):
+    return (f'Optimizer-state upcycling: {what} needs the dense slot {tree.render(names)}, which '
+            f'the dense optimizer state does not have. Fix: the dense state must come from the '
+            f'same optax optimizer (same chain and options) as the MoE one, or pass '
+            f'tile_moments=False.')
 
   def slot(self, prefix, path, fresh):
     """A param-shaped slot (mu, nu, momentum, ...) of MoE parameter `path`."""

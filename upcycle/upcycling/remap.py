@@ -109,6 +109,29 @@ def checked(path: str, leaf: Any, source: str, source_leaf: Any, fix: str) -> Ta
   return Take(path, source, tree.shape_of(leaf), tree.shape_of(source_leaf))
 
 
+def source_indices(spec: Any, *, count: int, bound: int, binding: str, expected: str,
+                   grows: str, what: str, fix: str) -> Tuple[int, ...]:
+  """`spec` read as `count` source positions, each in [0, bound), or a one-line error.
+
+  Args:
+    spec: a sequence of ints (from gin or Python).
+    count, bound: how many, and the exclusive upper bound of each.
+    binding: the name of `spec` in errors.
+    expected: what `spec` may be, for a spec that is no list ('one of (...) or a list ...').
+    grows: what grows, for the error ('mlp, which grows from 2 to 4 experts').
+    what: what the positions are ('source indices').
+    fix: what to do instead.
+  """
+  try:
+    indices = tuple(int(i) for i in spec)
+  except (TypeError, ValueError):
+    raise ValueError(f'{binding}={spec!r}: expected {expected}.') from None
+  if len(indices) != count or any(not 0 <= i < bound for i in indices):
+    raise ValueError(f'{binding}={list(indices)} for {grows}: expected {count} {what}, each in '
+                     f'[0, {bound}). Fix: {fix}.')
+  return indices
+
+
 def run(remap: Remap, source: Mapping[str, Any]) -> Dict[str, Any]:
   """The target param tree (nested, in target order); traceable under `jax.jit`.
 

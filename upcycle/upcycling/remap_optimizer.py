@@ -72,20 +72,17 @@ def _optax_slots(take: Take, old, fresh, where: str):
   return factored.factor(full, fresh, take.shape, where)
 
 
-class _Filler(slots.Filler):
+class _Filler(slots.FromState):
   """Fills the new state's nodes from the checkpoint's state."""
 
   def __init__(self, state, takes: Mapping[str, Take]):
+    super().__init__(state)
     self.takes = takes
-    self.old = slots.by_names(state)
 
-  def lookup(self, names, what: str):
-    if names not in self.old:
-      raise ValueError(
-          f'{what} needs the checkpoint\'s optimizer-state leaf {tree.render(names)}, which it '
-          f'does not have. Fix: the checkpoint\'s optimizer must be this run\'s (the same optax '
-          f'chain and options), or start with a fresh optimizer state.')
-    return self.old[names]
+  def missing(self, names, what):
+    return (f'{what} needs the checkpoint\'s optimizer-state leaf {tree.render(names)}, which it '
+            f'does not have. Fix: the checkpoint\'s optimizer must be this run\'s (the same '
+            f'optax chain and options), or start with a fresh optimizer state.')
 
   def source(self, prefix, path: str, what: str):
     return self.lookup(prefix + tuple(self.takes[path].source.split('/')), what)
