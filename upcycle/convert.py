@@ -333,7 +333,8 @@ def convert(source: str, model_config: Union[T5Config, ViTConfig], output_dir: s
   ckpt = pretrained.load(source, format, lazy=True)
   check_paths(source, ckpt.path, output_dir, overwrite)
   plan = make_plan(ckpt.params, abstract_params(model_config), experts=experts, router=router,
-                   cast=cast, step=step_policy.start(step, ckpt.step))
+                   cast=cast, step=step_policy.start(step, ckpt.step),
+                   layers=model_config.moe_positions())
   written = str(plan.step) if output_format == 'orbax' else f'checkpoint_{plan.step}'
   log.info('%s (%s, step %s) -> %s/%s', ckpt.path, ckpt.format, ckpt.step, output_dir, written)
   for note in ckpt.notes:

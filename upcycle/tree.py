@@ -15,7 +15,8 @@ The naming rule of every MoE block of either model:
 """
 
 import dataclasses
-from typing import Any, Dict, Iterable, Mapping, Sequence, Tuple
+import re
+from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -199,6 +200,19 @@ def classify(paths: Iterable[str]) -> Dict[str, Role]:
 def moe_layers(paths: Iterable[str]) -> Tuple[str, ...]:
   """Paths X of the MoE blocks among `paths`, sorted."""
   return tuple(sorted({role.layer for role in classify(paths).values() if role.kind == EXPERT}))
+
+
+def layer_positions(layers: Iterable[str]) -> Dict[str, Optional[Tuple[str, int]]]:
+  """{MLP path: (stack, layer index)} as the names say, for trees without their model config:
+  an MLP's parent is `<block>_<i>` in T5X's and big_vision's naming ('encoder/layers_3/mlp' ->
+  ('encoder/layers', 3), 'Transformer/encoderblock_5/MlpBlock_0' ->
+  ('Transformer/encoderblock', 5)); None for a path without one. The models' configs give the
+  same from what they build (`T5Config.moe_positions()`)."""
+  positions = {}
+  for layer in layers:
+    match = re.fullmatch(r'(.+)_(\d+)/[^/]+', layer)
+    positions[layer] = None if match is None else (match.group(1), int(match.group(2)))
+  return positions
 
 
 def family(paths: Iterable[str]) -> str:

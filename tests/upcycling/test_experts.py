@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 
 from upcycle import tree
+from upcycle.models import T5Config, ViTConfig, abstract_params
+from upcycle.moe import MoeConfig
 from upcycle.upcycling import experts, ffn
 from upcycle.upcycling import sources as sources_lib
 from upcycle.upcycling.sources import most_distant_pair
@@ -102,18 +104,33 @@ def test_drop_rejects_bad_arguments():
     experts.Drop(0.5, 'global')
 
 
-def test_layer_position_of_t5_and_vit_paths():
-  assert experts.layer_position('encoder/layers_3/mlp') == ('encoder/layers', 3)
-  assert experts.layer_position('decoder/layers_11/mlp') == ('decoder/layers', 11)
-  assert experts.layer_position('Transformer/encoderblock_5/MlpBlock_0') == (
-      'Transformer/encoderblock', 5)
+def test_layer_positions_from_the_names_and_from_the_model_configs_agree():
+  assert tree.layer_positions(['encoder/layers_3/mlp', 'decoder/layers_11/mlp',
+                               'Transformer/encoderblock_5/MlpBlock_0', 'enc/mlp']) == {
+      'encoder/layers_3/mlp': ('encoder/layers', 3),
+      'decoder/layers_11/mlp': ('decoder/layers', 11),
+      'Transformer/encoderblock_5/MlpBlock_0': ('Transformer/encoderblock', 5),
+      'enc/mlp': None}
+  t5 = T5Config(vocab_size=8, d_model=4, num_heads=1, d_kv=4, d_ff=8, num_encoder_layers=4,
+                num_decoder_layers=4, encoder_moe=MoeConfig(num_experts=2),
+                decoder_moe=MoeConfig(num_experts=2, placement='all', router='tokens_choose'))
+  vit = ViTConfig(num_classes=2, image_size=(4, 4), patch_size=(2, 2), width=4, depth=4,
+                  mlp_dim=8, num_heads=1, moe=MoeConfig(num_experts=2, placement=(0, 3)))
+  for config in (t5, vit):
+    moe = tree.moe_layers(tree.flatten(abstract_params(config)))
+    assert config.moe_positions() == tree.layer_positions(moe)
+  assert sorted(t5.moe_positions().values()) == [
+      ('decoder/layers', i) for i in range(4)] + [('encoder/layers', 1), ('encoder/layers', 3)]
+  assert vit.moe_positions() == {'Transformer/encoderblock_0/MlpBlock_0': (
+      'Transformer/encoderblock', 0), 'Transformer/encoderblock_3/MlpBlock_0': (
+      'Transformer/encoderblock', 3)}
 
 
 def test_linear_ratio_ramps_over_each_stacks_moe_layers():
-  drop = experts.Drop('linear:0.2:0.8').for_layers(
+  drop = experts.Drop('linear:0.2:0.8').for_layers(tree.layer_positions(
       ['decoder/layers_3/mlp', 'decoder/layers_5/mlp', 'encoder/layers_1/mlp',
-       'encoder/layers_11/mlp', 'encoder/layers_3/mlp', 'Transformer/encoderblock_7/MlpBlock_0'])
-  ratios = {layer: drop.ratio_at(layer) for layer in drop.moe_layers}
+       'encoder/layers_11/mlp', 'encoder/layers_3/mlp', 'Transformer/encoderblock_7/MlpBlock_0']))
+  ratios = {layer: drop.ratio_at(layer) for layer in drop.positions}
   np.testing.assert_allclose(
       [ratios[f'encoder/layers_{i}/mlp'] for i in (1, 3, 11)], [0.2, 0.32, 0.8])
   np.testing.assert_allclose([ratios['decoder/layers_3/mlp'], ratios['decoder/layers_5/mlp']],
@@ -123,7 +140,9 @@ def test_linear_ratio_ramps_over_each_stacks_moe_layers():
 
 
 def test_mapping_ratio_by_index_with_paths_overriding():
-  drop = experts.Drop({1: 0.25, 3: 0.5, 'decoder/layers_3/mlp': 0.0})
+  drop = experts.Drop({1: 0.25, 3: 0.5, 'decoder/layers_3/mlp': 0.0}).for_layers(
+      tree.layer_positions(['encoder/layers_3/mlp', 'decoder/layers_3/mlp',
+                            'decoder/layers_1/mlp']))
   assert drop.ratio_at('encoder/layers_3/mlp') == 0.5
   assert drop.ratio_at('decoder/layers_3/mlp') == 0.0
   assert drop.ratio_at('decoder/layers_1/mlp') == 0.25
@@ -153,9 +172,24 @@ def test_constant_schedules_are_bit_identical_to_a_float_ratio(t5, target):
     jax.tree.map(np.testing.assert_array_equal, same, base)
   mlp = tree.flatten(dense['encoder']['layers_1']['mlp'])
   direct = experts.Drop(0.25)(mlp, 4, jax.random.PRNGKey(5), layer='encoder/layers_1/mlp')
-  bound = experts.Drop(0.25).for_layers(['encoder/layers_1/mlp'])(
+  bound = experts.Drop(0.25).for_layers({'encoder/layers_1/mlp': ('encoder/layers', 1)})(
       mlp, 4, jax.random.PRNGKey(5), layer='encoder/layers_1/mlp')
   jax.tree.map(np.testing.assert_array_equal, direct, bound)
+
+
+def test_the_plan_takes_the_configs_positions_and_refuses_another_models(t5, target):
+  dense = t5(num_layers=4)
+  tgt = target(dense, ['encoder/layers_1/mlp', 'encoder/layers_3/mlp'], 4)
+  given = {'encoder/layers_1/mlp': ('encoder/layers', 1),
+           'encoder/layers_3/mlp': ('encoder/layers', 3)}
+  drop = experts.Drop('linear:0.25:0.75')
+  by_config, _ = upcycle(dense, tgt, experts=drop, rng=0, layers=given)
+  by_names, _ = upcycle(dense, tgt, experts=drop, rng=0)
+  jax.tree.map(np.testing.assert_array_equal, by_config, by_names)
+  with pytest.raises(ValueError, match=r"The model config places MoE blocks at "
+                     r"\['encoder/layers_1/mlp'\], but the target has them at "
+                     r"\['encoder/layers_1/mlp', 'encoder/layers_3/mlp'\]\. Fix: build"):
+    make_plan(dense, tgt, experts=drop, layers={'encoder/layers_1/mlp': ('encoder/layers', 1)})
 
 
 @pytest.mark.parametrize('ratio,message', [
@@ -177,12 +211,12 @@ def test_drop_rejects_bad_ratio_specs(ratio, message):
 
 def test_layerwise_ratio_errors_name_the_layer_and_the_fix(t5, target):
   mlp = _t5_mlp(t5)
-  with pytest.raises(ValueError, match=r"Drop.ratio='linear:0.2:0.8' ramps over the MoE layers "
-                     r'of each stack, but encoder/layers_1/mlp is not among.*for_layers'):
+  with pytest.raises(ValueError, match=r"Drop.ratio='linear:0.2:0.8' varies with the layer "
+                     r'index, but encoder/layers_1/mlp is not among.*for_layers'):
     experts.Drop('linear:0.2:0.8')(mlp, 2, KEY, layer='encoder/layers_1/mlp')
-  with pytest.raises(ValueError, match=r"Drop.ratio=\{1: 0.2\} varies with the layer index. The "
-                     r"MLP path 'enc/mlp' has no layer index.*Fix: a float Drop.ratio"):
-    experts.Drop({1: 0.2})(mlp, 2, KEY, layer='enc/mlp')
+  with pytest.raises(ValueError, match=r"Drop.ratio=\{1: 0.2\} varies with the layer index, and "
+                     r"the MLP path 'enc/mlp' has none.*Fix: a float Drop.ratio"):
+    experts.Drop({1: 0.2}).for_layers(tree.layer_positions(['enc/mlp']))
   dense = t5(num_layers=4)
   tgt = target(dense, ['encoder/layers_1/mlp', 'encoder/layers_3/mlp'], 2)
   with pytest.raises(ValueError, match=r'Drop.ratio=\{1: 0.2\} has no ratio for the MoE layer '

@@ -11,7 +11,7 @@ the logical axis `layers`. Remat wraps each block (`jax.checkpoint`) with one of
   'dots'     keep every matmul result (`jax.checkpoint_policies.dots_saveable`)
 """
 
-from typing import Any, Sequence, Tuple, Type
+from typing import Any, Dict, Sequence, Tuple, Type
 
 import flax.linen as nn
 import jax
@@ -24,6 +24,8 @@ REMAT_POLICIES = {
     'minimal': jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
     'dots': jax.checkpoint_policies.dots_saveable,
 }
+
+
 
 # Collections a block may create or sow, scanned with its parameters: stacked on the `layers`
 # axis (axis 0), the decoding cache on axis 1 so that every cache leaf keeps batch first.
@@ -94,3 +96,11 @@ def apply_stack(layer: Type[nn.Module], config: Any, stack: int, x: jax.Array,
       metadata_params={nn.PARTITION_NAME: 'layers'})
   x, _ = scanned(block, config, pattern, tuple(static), name=scanned_name)(x, *dynamic)
   return x
+
+
+def moe_positions(config: Any, mlp: str) -> Dict[str, Tuple[str, int]]:
+  """{unrolled path of every MoE block's MLP: (its stack, its layer index)}, from
+  `config.layer_stacks()`: ('encoder/layers', 3) for 'encoder/layers_3/mlp'."""
+  return {f'{prefix}/{block.format(i)}/{mlp}': (f'{prefix}/{scanned}', i)
+          for prefix, block, scanned, _, sparse in config.layer_stacks() for i in sparse}
+

@@ -94,6 +94,11 @@ class T5Config:
     num_layers = self.num_encoder_layers if stack == 'encoder' else self.num_decoder_layers
     return () if moe is None else sparse_layer_indices(moe.placement, num_layers)
 
+  def moe_positions(self) -> dict:
+    """{MLP path of every MoE block: (stack, layer index)}: where the upcycling plan's
+    layer-dependent initializers (Drop's ramp) read each block's place."""
+    return stacking.moe_positions(self, 'mlp')
+
   def layer_stacks(self) -> list:
     """(prefix, unrolled block name, scanned name, num_layers, sparse): encoder, decoder."""
     return [(stack, 'layers_{}', 'layers', n, self.sparse_layers(stack))

@@ -93,6 +93,10 @@ class ViTConfig:
   def sparse_layers(self) -> tuple:
     return () if self.moe is None else sparse_layer_indices(self.moe.placement, self.depth)
 
+  def moe_positions(self) -> dict:
+    """{MLP path of every MoE block: (stack, layer index)} (`T5Config.moe_positions`)."""
+    return stacking.moe_positions(self, 'MlpBlock_0')
+
   def layer_stacks(self) -> list:
     """(prefix, unrolled block name, scanned name, num_layers, sparse) per stack (`scan_layout`)."""
     return [('Transformer', 'encoderblock_{}', 'encoderblock', self.depth, self.sparse_layers())]

@@ -367,9 +367,11 @@ class UpcycleFromDense:
     ckpt, dense, experts = (self._several(owner) if several else self._one(owner))
     where = repr(list(self.checkpoint)) if several else f'{ckpt.path!r}, format {ckpt.format!r}'
     target = layout(dense, abstract_state.params, model_config)
+    layers = (model_config.moe_positions() if hasattr(model_config, 'moe_positions')
+              else None)   # the MoE blocks' places, for Drop's ramp (None: from the names)
     plan = _plan(owner, where, lambda: make_plan(
         dense, target.target, experts=experts, router=self.router, cast=self.cast,
-        step=step_policy.start(self.step, ckpt.step)),
+        step=step_policy.start(self.step, ckpt.step), layers=layers),
                  source=dense, target=target.target, upcycling=True)
     return ckpt, dense, target, plan
 

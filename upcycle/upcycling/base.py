@@ -3,7 +3,7 @@
 import abc
 import functools
 import zlib
-from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -102,14 +102,15 @@ class ExpertInit(abc.ABC):
       {same names: `[E, ...]` arrays} in the dense leaves' dtypes.
     """
 
-  def for_layers(self, layers: Sequence[str]) -> 'ExpertInit':
-    """This initializer for a plan whose MoE blocks are `layers` (all of them); self by default.
+  def for_layers(self, positions: Mapping[str, Optional[Tuple[str, int]]]) -> 'ExpertInit':
+    """This initializer for a plan whose MoE blocks are the keys of `positions` (all of them),
+    each at (stack, layer index), or None where that is not known; self by default.
 
     The plan calls it once, before anything is read, so that an initializer whose values
     depend on where a layer sits among the MoE layers (Drop's 'linear' ratio) learns them,
     and rejects a layer it cannot make early.
     """
-    del layers
+    del positions
     return self
 
   def tie_router(self, router: Mapping[str, Array], layer: str = '') -> Dict[str, Array]:

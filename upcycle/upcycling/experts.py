@@ -20,8 +20,7 @@ Names for entry points: 'copy', 'drop', 'noise', 'random', 'partial', 'granular'
 
 import dataclasses
 import functools
-import re
-from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Mapping, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +32,7 @@ from upcycle.tree import shape_of
 from upcycle.upcycling.sources import FromCheckpoints, Merge
 
 __all__ = ['ExpertInit', 'Copy', 'Drop', 'Noise', 'Random', 'Partial', 'Granular',
-           'ZeroOutput', 'FromCheckpoints', 'Merge', 'EXPERT_INITS', 'get', 'layer_position']
+           'ZeroOutput', 'FromCheckpoints', 'Merge', 'EXPERT_INITS', 'get']
 
 
 def _tiled(mlp: Mapping[str, Array], num_experts: int) -> Dict[str, Array]:
@@ -77,20 +76,6 @@ def redraw(w: Array, mask: Array, z: Array) -> Array:
   mean = jnp.where(mask, x, 0).sum(axes, keepdims=True) / count
   std = jnp.sqrt(jnp.where(mask, (x - mean) ** 2, 0).sum(axes, keepdims=True) / count)
   return jnp.where(mask, (mean + std * z).astype(w.dtype), w)
-
-
-def layer_position(layer: str) -> Tuple[str, int]:
-  """`(stack, i)`: the MLP at `layer` is in layer i of `stack`, its parent `<block>_<i>`.
-
-  'encoder/layers_3/mlp' -> ('encoder/layers', 3); 'Transformer/encoderblock_5/MlpBlock_0' ->
-  ('Transformer/encoderblock', 5). Initializers see unrolled paths only: upcycling into a
-  scanned model upcycles the unrolled tree, then stacks it (`models.scan_layout`).
-  """
-  match = re.fullmatch(r'(.+)_(\d+)/[^/]+', layer)
-  if match is None:
-    raise ValueError(f"The MLP path {layer!r} has no layer index: expected its parent to be "
-                     f"'<block>_<i>', as in 'encoder/layers_3/mlp'.")
-  return match.group(1), int(match.group(2))
 
 
 _RATIO_FORMS = ("Fix: Drop.ratio is a float in [0, 1], 'linear:R_FIRST:R_LAST' (e.g. "
@@ -160,34 +145,37 @@ class Drop(ExpertInit):
       - a mapping {layer index i or MLP path: r}: an explicit r per layer; an
         MLP path ('decoder/layers_3/mlp') overrides its index (3, in every
         stack). Every MoE layer needs one.
-      The layer index is read from the MLP path (`layer_position`).
+      Each MoE layer's stack and index come from the plan (`for_layers`): the model config's
+      (`T5Config.moe_positions()`) where the entry point has one, else the names'
+      (`tree.layer_positions`).
     index_sharing: 'shared': one index set per expert used by all matrices (as
       the paper writes it), so a fraction 1 - r of units stay intact.
       'per_matrix': an independent set per matrix (as the authors' released
       code does), so only (1 - r)^m of units stay intact in expectation, m = 3
       for T5's gated MLP, 2 for ViT. A bias follows its kernel's set.
-    moe_layers: every MoE layer's path, set by `for_layers` (the plan); not an
-      argument.
+    positions: {MoE layer path: (stack, layer index)} of every MoE layer, set by
+      `for_layers` (the plan); not an argument.
   """
 
   ratio: Union[float, str, Mapping[Union[int, str], float]] = 0.5
   index_sharing: str = 'shared'
-  moe_layers: Tuple[str, ...] = dataclasses.field(default=(), init=False, repr=False)
+  positions: Mapping[str, Optional[Tuple[str, int]]] = dataclasses.field(
+      default_factory=dict, init=False, repr=False)
 
   def __post_init__(self):
     _check_ratio(self.ratio)
     check_choice(self.index_sharing, ('shared', 'per_matrix'), 'Drop.index_sharing')
 
-  def for_layers(self, layers: Sequence[str]) -> 'Drop':
+  def for_layers(self, positions: Mapping[str, Optional[Tuple[str, int]]]) -> 'Drop':
     """Drop with the plan's MoE layers (the linear ramp's ends); checks every layer's ratio."""
     keys = self.ratio if isinstance(self.ratio, Mapping) else {}
-    unknown = [key for key in keys if isinstance(key, str) and key not in layers]
+    unknown = [key for key in keys if isinstance(key, str) and key not in positions]
     if unknown:
       raise ValueError(f'Drop.ratio={self.ratio!r}: {unknown} are not MoE layers of the model '
-                       f'({list(layers)}). Fix: name MoE layers, or use layer indices as keys.')
+                       f'({list(positions)}). Fix: name MoE layers, or use layer indices as keys.')
     bound = dataclasses.replace(self)
-    object.__setattr__(bound, 'moe_layers', tuple(layers))
-    for layer in layers:
+    object.__setattr__(bound, 'positions', dict(positions))
+    for layer in positions:
       bound.ratio_at(layer)
     return bound
 
@@ -195,25 +183,27 @@ class Drop(ExpertInit):
     """r of the MLP at `layer` ('encoder/layers_3/mlp')."""
     if not isinstance(self.ratio, (str, Mapping)):
       return float(self.ratio)
-    try:
-      stack, index = layer_position(layer)
-      moe = [layer_position(other) for other in self.moe_layers]
-    except ValueError as e:
-      raise ValueError(f'Drop.ratio={self.ratio!r} varies with the layer index. {e} Fix: a '
-                       f'float Drop.ratio.') from e
+    if isinstance(self.ratio, Mapping) and layer in self.ratio:
+      return float(self.ratio[layer])
+    if layer not in self.positions:
+      raise ValueError(
+          f'Drop.ratio={self.ratio!r} varies with the layer index, but {layer} is not among the '
+          f'MoE layers Drop was given ({list(self.positions)}). Fix: upcycle through the plan '
+          f'(upcycling.upcycle, UpcycleFromDense, convert), which gives them, or call '
+          f'Drop(...).for_layers({{MLP path: (stack, index)}}) first.')
+    if self.positions[layer] is None:
+      raise ValueError(f'Drop.ratio={self.ratio!r} varies with the layer index, and the MLP '
+                       f'path {layer!r} has none (its parent is not \'<block>_<i>\'). Fix: a '
+                       f'float Drop.ratio, or give the plan the model config\'s '
+                       f'moe_positions() (layers=...).')
+    stack, index = self.positions[layer]
     if isinstance(self.ratio, Mapping):
-      if layer in self.ratio or index in self.ratio:
-        return float(self.ratio[layer if layer in self.ratio else index])
+      if index in self.ratio:
+        return float(self.ratio[index])
       raise ValueError(f'Drop.ratio={self.ratio!r} has no ratio for the MoE layer {layer}. Fix: '
                        f'add {index} (every stack) or {layer!r} to the mapping.')
     r_first, r_last = _linear(self.ratio)
-    depths = sorted(i for s, i in moe if s == stack)
-    if index not in depths:
-      raise ValueError(
-          f'Drop.ratio={self.ratio!r} ramps over the MoE layers of each stack, but {layer} is '
-          f'not among the MoE layers Drop was given ({list(self.moe_layers)}). Fix: upcycle '
-          f'through the plan (upcycling.upcycle, UpcycleFromDense, convert), which gives them, '
-          f'or call Drop(...).for_layers(every MoE layer path) first.')
+    depths = sorted(p[1] for p in self.positions.values() if p is not None and p[0] == stack)
     first, last = depths[0], depths[-1]
     return r_first if first == last else r_first + (r_last - r_first) * (index - first) / (
         last - first)
@@ -499,8 +489,8 @@ class ZeroOutput(ExpertInit):
   def tie_router(self, router, layer=''):
     return self.inner.tie_router(router, layer)
 
-  def for_layers(self, layers):
-    return dataclasses.replace(self, inner=self.inner.for_layers(layers))
+  def for_layers(self, positions):
+    return dataclasses.replace(self, inner=self.inner.for_layers(positions))
 
 
 EXPERT_INITS = {'copy': Copy, 'drop': Drop, 'noise': Noise, 'random': Random,

@@ -28,7 +28,7 @@ inside one sharded `jax.jit` (the training restore hook), and block by block to 
 
 import dataclasses
 import difflib
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import jax.numpy as jnp
 
@@ -242,9 +242,25 @@ def _block(layer: str, names: List[str], router_names: List[str], shared_names: 
   return Block(layer, num_experts, experts, router, shared)
 
 
+def _positions(blocks: Tuple[Block, ...], layers: Optional[Mapping[str, Tuple[str, int]]]
+               ) -> Dict[str, Optional[Tuple[str, int]]]:
+  """Every block's (stack, layer index): from `layers` (the model config's), which must hold
+  exactly the target's MoE blocks, or from the names."""
+  moe = [block.layer for block in blocks]
+  if layers is None:
+    return tree.layer_positions(moe)
+  if set(layers) != set(moe):
+    raise ValueError(
+        f'The model config places MoE blocks at {sorted(layers)}, but the target has them at '
+        f'{sorted(moe)}. Fix: build the target from the same config whose moe_positions() are '
+        f'passed as layers=.')
+  return {layer: layers[layer] for layer in moe}
+
+
 def make(dense: Mapping[str, Any], target: Mapping[str, Any], experts: ExpertInit,
          router: RouterInit, *, cast: bool = False, shared: str = 'copy', step: int = 0,
-         upcycling: bool = True) -> Plan:
+         upcycling: bool = True,
+         layers: Optional[Mapping[str, Tuple[str, int]]] = None) -> Plan:
   """The plan for `target` from `dense`; nothing is read (leaves need `.shape`, `.dtype`).
 
   Args:
@@ -256,6 +272,9 @@ def make(dense: Mapping[str, Any], target: Mapping[str, Any], experts: ExpertIni
     step: the start step.
     upcycling: False copies every target leaf from the same path (continuing a
       checkpoint of the target's own architecture, MoE blocks included).
+    layers: {MLP path: (stack, layer index)} of the model's MoE blocks, from its config
+      (`T5Config.moe_positions()`); None reads them from the names (`tree.layer_positions`).
+      Initializers that depend on a layer's place (Drop's ramp) get them (`for_layers`).
 
   Raises:
     ValueError: naming the path and both shapes/dtypes for a target leaf that
@@ -285,5 +304,5 @@ def make(dense: Mapping[str, Any], target: Mapping[str, Any], experts: ExpertIni
   used = {leaf.source for leaf in copies} | {
       leaf.source for b in blocks for leaf in b.leaves if leaf.source}
   return Plan(copies, blocks, tuple(p for p in flat_dense if p not in used),
-              experts.for_layers(tuple(b.layer for b in blocks)), router, shared, tuple(tgt),
+              experts.for_layers(_positions(blocks, layers)), router, shared, tuple(tgt),
               int(step))

@@ -4,7 +4,7 @@ The rule and its checks are the plan's (`plan.py`); this module is the public en
 running it in one call. Inputs are never modified.
 """
 
-from typing import Any, Dict, Mapping, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import jax
 
@@ -16,6 +16,7 @@ from upcycle.upcycling.report import UpcycleReport
 from upcycle.upcycling.sources import MultiSource
 
 Params = Dict[str, Any]
+Layers = Mapping[str, Tuple[str, int]]   # {MLP path: (stack, layer index)}
 
 
 def _key(rng: Union[jax.Array, int]) -> jax.Array:
@@ -25,7 +26,7 @@ def _key(rng: Union[jax.Array, int]) -> jax.Array:
 def make_plan(dense_params: Mapping[str, Any], target: Mapping[str, Any], *,
               experts: Union[str, ExpertInit] = 'copy',
               router: Union[str, routers_lib.RouterInit] = 'normal', cast: bool = False,
-              step: int = 0) -> plan_lib.Plan:
+              step: int = 0, layers: Optional[Layers] = None) -> plan_lib.Plan:
   """The plan of `upcycle`, initializers given by name or instance.
 
   With a MultiSource initializer (Branch-Train-MiX, UpIT) `dense_params` are its
@@ -33,13 +34,14 @@ def make_plan(dense_params: Mapping[str, Any], target: Mapping[str, Any], *,
   """
   shared = experts.describe_shared() if isinstance(experts, MultiSource) else 'copy'
   return plan_lib.make(dense_params, target, experts_lib.get(experts), routers_lib.get(router),
-                       cast=cast, shared=shared, step=step)
+                       cast=cast, shared=shared, step=step, layers=layers)
 
 
 def upcycle(dense_params: Mapping[str, Any], target: Mapping[str, Any], *,
             experts: Union[str, ExpertInit] = 'copy',
             router: Union[str, routers_lib.RouterInit] = 'normal',
-            rng: Union[jax.Array, int], cast: bool = False) -> Tuple[Params, UpcycleReport]:
+            rng: Union[jax.Array, int], cast: bool = False,
+            layers: Optional[Layers] = None) -> Tuple[Params, UpcycleReport]:
   """Builds MoE params from dense params, shaped like `target`.
 
   Args:
@@ -54,6 +56,8 @@ def upcycle(dense_params: Mapping[str, Any], target: Mapping[str, Any], *,
       layer's path.
     cast: cast dense values to the target dtypes instead of failing on a
       dtype mismatch.
+    layers: the MoE blocks' places, `config.moe_positions()` of the MoE model's
+      config; None reads them from the parameter names (`plan.make`).
 
   Returns:
     (params, report): a nested dict like `target` with jax arrays (experts
@@ -67,14 +71,16 @@ def upcycle(dense_params: Mapping[str, Any], target: Mapping[str, Any], *,
   if isinstance(experts, MultiSource):
     raise ValueError(f'{type(experts).__name__} also decides the non-expert params: call '
                      f'upcycle_from_checkpoints(experts, target, ...) instead.')
-  plan = make_plan(dense_params, target, experts=experts, router=router, cast=cast)
+  plan = make_plan(dense_params, target, experts=experts, router=router, cast=cast,
+                   layers=layers)
   return execute.run(plan, dense_params, _key(rng)), plan.report()
 
 
 def upcycle_from_checkpoints(experts: MultiSource, target: Mapping[str, Any], *,
                              router: Union[str, routers_lib.RouterInit] = 'normal',
                              rng: Union[jax.Array, int],
-                             cast: bool = False) -> Tuple[Params, UpcycleReport]:
+                             cast: bool = False, layers: Optional[Layers] = None
+                             ) -> Tuple[Params, UpcycleReport]:
   """Upcycles several dense checkpoints (Branch-Train-MiX, UpIT) into one MoE.
 
   Experts come from `experts` (FromCheckpoints or Merge); every other leaf
@@ -84,7 +90,7 @@ def upcycle_from_checkpoints(experts: MultiSource, target: Mapping[str, Any], *,
   if not isinstance(experts, MultiSource):
     raise ValueError(f'upcycle_from_checkpoints needs FromCheckpoints or Merge, got {experts!r}.')
   shared = experts.shared_params()
-  plan = make_plan(shared, target, experts=experts, router=router, cast=cast)
+  plan = make_plan(shared, target, experts=experts, router=router, cast=cast, layers=layers)
   return execute.run(plan, shared, _key(rng)), plan.report()
 
 
