@@ -1,4 +1,7 @@
-"""Registered tasks and the offline corpus."""
+"""Registered tasks and the offline corpora."""
+
+import pathlib
+import sysconfig
 
 import numpy as np
 import pytest
@@ -60,6 +63,36 @@ def test_offline_task_examples():
     np.testing.assert_array_equal(ex['inputs'][ex['inputs'] >= 259], sentinels[:len(
         ex['inputs'][ex['inputs'] >= 259])])
   assert sum(len(ex['inputs']) == 32 for ex in examples) > 40
+
+
+def test_stdlib_corpus_is_the_standard_librarys_modules_split_by_module():
+  root = pathlib.Path(sysconfig.get_paths()['stdlib'])
+  modules = offline_text.stdlib_modules()
+  names = [m.relative_to(root).as_posix() for m in modules]
+  assert names == sorted(names) and 'json/decoder.py' in names and 'difflib.py' in names
+  assert not any(n.startswith(('test/', 'encodings/', 'site-packages/')) for n in names)
+  train, validation = (offline_text.stdlib_documents(s) for s in ('train', 'validation'))
+  size = lambda docs: sum(len(d.encode()) for d in docs)
+  assert size(train) > 5_000_000 and size(validation) > 500_000   # ~8.0 and ~1.2 MB on 3.11
+  assert max(len(d.encode()) for d in train + validation) <= offline_text.STDLIB_DOCUMENT_BYTES
+  joined = {'train': ''.join(train), 'validation': ''.join(validation)}
+  for i, module in enumerate(modules[:60]):   # every module's text whole in its split only
+    text = module.read_text(encoding='utf-8', errors='replace').strip()
+    split, other = ('validation', 'train') if i % 10 == 0 else ('train', 'validation')
+    assert text in joined[split], names[i]
+    assert len(text) < 200 or text not in joined[other], names[i]
+
+
+def test_stdlib_task_examples_are_spans_of_the_corpus():
+  task = seqio.get_mixture_or_task(tasks.OFFLINE_STDLIB_TASK)
+  assert task.output_features['targets'].vocabulary == seqio.ByteVocabulary(extra_ids=100)
+  ds = task.get_dataset({'inputs': 64, 'targets': 16}, split='validation', shuffle=True, seed=3)
+  corpus = ''.join(offline_text.stdlib_documents('validation')).encode()
+  for ex in ds.take(20).as_numpy_iterator():
+    kept = ex['inputs'][:-1]          # bytes + 3, sentinels (>= 259) where spans were dropped
+    for piece in np.split(kept, np.flatnonzero(kept >= 259)):
+      text = bytes((piece[piece < 259] - 3).astype(np.uint8).tolist())
+      assert text in corpus
 
 
 @pytest.fixture(scope='module')

@@ -6,7 +6,9 @@
   reads only `text`. Re-register with another vocabulary path or TFDS data
   dir by calling `add_c4_span_corruption(...)` from the entry point.
 - `offline_span_corruption` (default): the same objective over the Python documentation
-  (`offline_text`) with `seqio.ByteVocabulary(extra_ids=100)`; needs no download.
+  (`offline_text`, 'pydoc') with `seqio.ByteVocabulary(extra_ids=100)`; needs no download.
+- `offline_stdlib_span_corruption`: the same over the standard library's source (`offline_text`,
+  'stdlib', ~25x larger), for runs that must not repeat their data.
 
 Both have 'train' and 'validation' splits and features `inputs`/`targets` (int32, EOS added).
 Registration is lazy: nothing is read until a dataset is requested.
@@ -22,6 +24,7 @@ from upcycle.data import span_corruption
 
 C4_TASK = 'c4_span_corruption'
 OFFLINE_TASK = 'offline_span_corruption'
+OFFLINE_STDLIB_TASK = 'offline_stdlib_span_corruption'
 C4_TFDS_NAME = 'c4/en:3.1.0'
 T5_VOCABULARY_PATH = 'gs://t5-data/vocabs/cc_all.32000/sentencepiece.model'
 EXTRA_IDS = 100
@@ -86,12 +89,15 @@ def add_c4_span_corruption(
 
 
 def add_offline_span_corruption(
-    name: str = OFFLINE_TASK, extra_ids: int = EXTRA_IDS
+    name: str = OFFLINE_TASK, extra_ids: int = EXTRA_IDS, corpus: str = 'pydoc'
 ) -> seqio.Task:
-  """Span corruption over the Python documentation, byte-level; runs with no download."""
-  source = seqio.FunctionDataSource(offline_text.dataset_fn, splits=offline_text.SPLITS)
+  """Span corruption over a corpus that ships with Python (`offline_text.CORPORA`),
+  byte-level; runs with no download."""
+  source = seqio.FunctionDataSource(functools.partial(offline_text.dataset_fn, corpus=corpus),
+                                    splits=offline_text.SPLITS)
   return add_span_corruption_task(name, source, seqio.ByteVocabulary(extra_ids=extra_ids))
 
 
 add_c4_span_corruption()
 add_offline_span_corruption()
+add_offline_span_corruption(OFFLINE_STDLIB_TASK, corpus='stdlib')
