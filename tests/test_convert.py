@@ -130,6 +130,51 @@ def test_t5x_output_is_t5x_native_with_flaxformer_moe_names(source, tmp_path, ca
     np.testing.assert_array_equal(got[path], np.asarray(x), err_msg=path)
 
 
+def test_grows_a_trained_moe_on_disk_experts_and_depth(source, tmp_path, capsys):
+  """--grow_experts / --grow_depth: each new expert (and router column), each new layer, the
+  copy of the source's the flag names (reference: numpy indexing of the source leaves)."""
+  moe_dir = tmp_path / 'moe'
+  assert _main(source, moe_dir, '--seed', '3') == 0   # 4 experts per block, 2 + 2 layers
+  moe = tree.flatten(checkpoints.load(str(moe_dir)).params)
+  grow = lambda gin_text, *flags: convert.main([
+      '--source', str(moe_dir), '--gin_file', str(_write(tmp_path / 'grown.gin', gin_text)),
+      '--output_dir', str(tmp_path / 'grown'), '--overwrite', *flags])
+
+  assert grow(GIN.replace('num_experts = 4', 'num_experts = 6'),
+              '--grow_experts', '[3, 0]') == 0
+  assert ('encoder/layers_1/mlp: 4 -> 6 experts, new experts [4, 5] copy [3, 0]'
+          in capsys.readouterr().out)
+  got = tree.flatten(checkpoints.load(str(tmp_path / 'grown')).params)
+  assert got.keys() == moe.keys()
+  for path, x in moe.items():
+    x = np.asarray(x)
+    if '/expert/' in path:
+      x = np.concatenate([x, x[[3, 0]]], axis=0)
+    elif '/router/' in path:
+      x = np.concatenate([x, x[:, [3, 0]]], axis=1)
+    np.testing.assert_array_equal(np.asarray(got[path]), x, err_msg=path)
+
+  assert grow(GIN.replace('num_encoder_layers = 2', 'num_encoder_layers = 4'),
+              '--grow_depth', 'tile') == 0
+  got = tree.flatten(checkpoints.load(str(tmp_path / 'grown')).params)
+  for path, x in got.items():
+    source_path = path.replace('encoder/layers_2/', 'encoder/layers_0/').replace(
+        'encoder/layers_3/', 'encoder/layers_1/')
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(moe[source_path]), err_msg=path)
+  assert 'encoder/layers_3/mlp/expert/wi_0/kernel' in got
+
+  capsys.readouterr()
+  assert grow(GIN, '--grow_experts', 'tile', '--experts', 'drop') == 1
+  assert capsys.readouterr().err.strip() == (
+      "error: --grow_experts copies the source's own experts and router columns; --experts, "
+      "--router and --cast apply to upcycling a dense checkpoint. Fix: drop them.")
+
+
+def _write(path, text):
+  path.write_text(text)
+  return path
+
+
 def test_dry_run_prints_the_report_and_writes_nothing(source, tmp_path, capsys):
   out = tmp_path / 'moe'
   assert _main(source, out, '--dry_run', '--router', 'zeros', '--step', 'reset') == 0

@@ -1,10 +1,13 @@
-"""Upcycle a dense checkpoint into an MoE checkpoint on disk, without training.
+"""Upcycle a dense checkpoint into an MoE checkpoint on disk, without training; or grow one.
 
   python -m upcycle.convert --source=/ckpt/t5_1_1_base/checkpoint_1000000 \\
     --gin_file=models/t5_1_1/base.gin --gin_file=moe/paper_t5.gin \\
     --output_dir=/ckpt/t5_base_moe32 [--experts='drop(ratio=0.5)'] [--router=normal] \\
     [--format=t5x] [--output_format=orbax|t5x] [--seed=0] [--step=keep] [--cast] \\
     [--overwrite] [--dry_run]
+  python -m upcycle.convert --source=/ckpt/t5_base_moe32 --gin_file=models/t5_1_1/base.gin \\
+    --gin_file=moe/paper_t5.gin --gin.NUM_EXPERTS=64 --output_dir=/ckpt/t5_base_moe64 \\
+    --grow_experts=tile
 
 The target model is the gin macro MODEL, as configs/models/* bind it (MODEL = @models.T5()
 or @models.ViT(); a bare T5Config / ViTConfig works too): its config decides which blocks
@@ -18,6 +21,13 @@ are MoE, how many experts, shapes and dtypes. --gin_file / --gin.KEY=VALUE /
 expert: the dense model at step 0).
 --router: normal | uniform | zeros (routers.ROUTER_INITS), e.g. 'normal(std=0.02)'.
 --step: the output's step: keep (the source's, 0 if its format has none), reset (0), or N.
+
+Growing instead of upcycling (the target is the source's architecture, larger):
+--grow_experts=SOURCES: a trained MoE with more experts per block, every new expert (and its
+router column) a copy of an old one: tile | router_norm | a list of expert indices, one per
+new expert (`upcycling/expert_growth.py`). --grow_depth=LAYER_MAP: more layers per stack,
+each a copy of one of the source's: tile | repeat | a list of source layers
+(`upcycling/depth_growth.py`). Both are plans like upcycling's, written the same way.
 
 Output (--output_format): `orbax` (default): OUTPUT_DIR/<step>/params/ and
 _CHECKPOINT_METADATA, the layout training writes (`upcycle.checkpoints.orbax`), parameters
@@ -72,7 +82,7 @@ from upcycle.locks import file_lock
 from upcycle.locks.gcs_lock import STALE_SECONDS, GcsLock
 from upcycle.upcycling import experts as experts_lib
 from upcycle.upcycling import routers as routers_lib
-from upcycle.upcycling import step_policy, stream
+from upcycle.upcycling import depth_growth, expert_growth, step_policy, stream
 from upcycle.upcycling.report import UpcycleReport
 from upcycle.upcycling.surgery import make_plan
 
@@ -315,9 +325,12 @@ def convert(source: str, model_config: Union[T5Config, ViTConfig], output_dir: s
             format: Optional[str] = None,  # pylint: disable=redefined-builtin
             experts: Any = 'copy', router: Any = 'normal', seed: int = 0,
             step: Union[str, int] = 'keep', cast: bool = False, overwrite: bool = False,
-            dry_run: bool = False, output_format: str = 'orbax') -> UpcycleReport:
+            dry_run: bool = False, output_format: str = 'orbax', grow_experts: Any = None,
+            grow_depth: Any = None) -> UpcycleReport:
   """Upcycles checkpoint `source` into the model of `model_config`, written to `output_dir`
-  as `output_format` ('orbax': `<step>/`, 't5x': `checkpoint_<step>/`, T5X's native layout).
+  as `output_format` ('orbax': `<step>/`, 't5x': `checkpoint_<step>/`, T5X's native layout);
+  with `grow_experts` (expert_growth sources) or `grow_depth` (a depth_growth layer map) it
+  grows the source into that model instead.
 
   Returns the surgery report (also printed). Raises ConvertError (refusals),
   CheckpointError (unreadable source) or ValueError (surgery mismatches) before
@@ -332,9 +345,16 @@ def convert(source: str, model_config: Union[T5Config, ViTConfig], output_dir: s
     raise ConvertError(str(e)) from e
   ckpt = pretrained.load(source, format, lazy=True)
   check_paths(source, ckpt.path, output_dir, overwrite)
-  plan = make_plan(ckpt.params, abstract_params(model_config), experts=experts, router=router,
-                   cast=cast, step=step_policy.start(step, ckpt.step),
-                   layers=model_config.moe_positions())
+  target, first = abstract_params(model_config), step_policy.start(step, ckpt.step)
+  if grow_experts is not None:
+    plan = expert_growth.plan(ckpt.params, target, sources=grow_experts, step=first,
+                              binding='--grow_experts')
+  elif grow_depth is not None:
+    plan = depth_growth.plan(ckpt.params, target, layer_map=grow_depth, step=first,
+                             binding='--grow_depth')
+  else:
+    plan = make_plan(ckpt.params, target, experts=experts, router=router, cast=cast,
+                     step=first, layers=model_config.moe_positions())
   written = str(plan.step) if output_format == 'orbax' else f'checkpoint_{plan.step}'
   log.info('%s (%s, step %s) -> %s/%s', ckpt.path, ckpt.format, ckpt.step, output_dir, written)
   for note in ckpt.notes:
@@ -358,6 +378,16 @@ def convert(source: str, model_config: Union[T5Config, ViTConfig], output_dir: s
   return plan.report()
 
 
+def _literal(value: Optional[str]) -> Any:
+  """A flag's value as a Python literal ('[0, 1]'), else the string itself ('tile')."""
+  if value is None:
+    return None
+  try:
+    return ast.literal_eval(value)
+  except (ValueError, SyntaxError):
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
   """convert's own flags; the gin flags (gin_utils.parse_flags) are the rest."""
   parser = argparse.ArgumentParser(
@@ -372,6 +402,11 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument('--experts', default='copy', help="e.g. copy, 'drop(ratio=0.5)'")
   parser.add_argument('--router', default='normal', help="e.g. normal, 'normal(std=0.02)'")
   parser.add_argument('--seed', type=int, default=0, help='expert and router initializer seed')
+  grow = parser.add_mutually_exclusive_group()
+  grow.add_argument('--grow_experts', default=None,
+                    help="grow a trained MoE's experts: tile | router_norm | [indices]")
+  grow.add_argument('--grow_depth', default=None,
+                    help='grow the layers of each stack: tile | repeat | [source layers]')
   parser.add_argument('--step', default='keep', help='keep | reset | N')
   parser.add_argument('--cast', action='store_true',
                       help="cast source values to the model's parameter dtypes")
@@ -395,7 +430,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         format=args.format, seed=args.seed, step=args.step, cast=args.cast,
         overwrite=args.overwrite, dry_run=args.dry_run, output_format=args.output_format,
         experts=parse_init(args.experts, experts_lib.EXPERT_INITS, '--experts'),
-        router=parse_init(args.router, routers_lib.ROUTER_INITS, '--router'))
+        router=parse_init(args.router, routers_lib.ROUTER_INITS, '--router'),
+        grow_experts=_literal(args.grow_experts), grow_depth=_literal(args.grow_depth))
+    growing = '--grow_experts' if args.grow_experts else '--grow_depth' if args.grow_depth else ''
+    if growing and (args.experts, args.router, args.cast) != ('copy', 'normal', False):
+      raise ConvertError(f'{growing} copies the source\'s own experts and router columns; '
+                         f'--experts, --router and --cast apply to upcycling a dense checkpoint. '
+                         f'Fix: drop them.')
     convert(args.source, target_from_gin(), args.output_dir, **report_args)
   except (ConvertError, checkpoints.CheckpointError, ValueError) as e:
     print(gin_utils.one_line(e, argv), file=sys.stderr)   # --verbose: the traceback first

@@ -17,8 +17,7 @@ from upcycle.moe import MoeConfig
 from upcycle.train import objectives, optimizers, partitioning
 from upcycle.train.grow import GrowDepth, GrowExperts
 from upcycle.train.trainer import TrainConfig, Trainer
-from upcycle.upcycling import depth_growth, expert_growth, remap_optimizer_state
-from upcycle.upcycling import remap as remap_lib
+from upcycle.upcycling import depth_growth, execute, expert_growth, grown_optimizer_state
 
 ADAMW = optimizers.AdamW(optax.linear_schedule(0.0, 1e-3, 10_000))
 BATCH = {'encoder_input_tokens': np.zeros((4, 6), np.int32),
@@ -64,10 +63,10 @@ def _assert_placed(state, abstract):
     assert got.sharding == want.sharding
 
 
-def _assert_grown(moe, state, remap, abstract, optimizer):
-  _assert_equal(state.params, remap_lib.run(remap, moe['params']))
+def _assert_grown(moe, state, growth, abstract, optimizer):
+  _assert_equal(state.params, execute.run(growth, moe['params'], jax.random.PRNGKey(0)))
   _assert_equal(state.opt_state,
-                remap_optimizer_state(moe['opt_state'], remap, abstract.params, optimizer))
+                grown_optimizer_state(moe['opt_state'], growth, abstract.params, optimizer))
   assert int(state.step) == 5 and int(state.opt_state[1][0].count) == 1
 
 
@@ -82,8 +81,8 @@ def test_grow_experts_hook_equals_the_library(moe, capsys, tmp_path):
     state = GrowExperts(moe['dir'], sources='most_used', usage=str(usage))(
         abstract, trainer.optimizer)
   _assert_placed(state, abstract)
-  remap = expert_growth.plan(moe['params'], abstract.params, sources=[1, 0])
-  _assert_grown(moe, state, remap, abstract, trainer.optimizer)
+  growth = expert_growth.plan(moe['params'], abstract.params, sources=[1, 0])
+  _assert_grown(moe, state, growth, abstract, trainer.optimizer)
   np.testing.assert_array_equal(tree.flatten(state.params)[WO][2],
                                 tree.flatten(moe['params'])[WO][1])
   out = capsys.readouterr().out
@@ -99,7 +98,7 @@ def test_grow_depth_hook_equals_the_library_and_names_the_binding(moe):
                        r'1 to 2 layers: expected 2 source layers, each in \[0, 1\)'):
       GrowDepth(moe['dir'], layer_map=[0, 1])(abstract, trainer.optimizer)
     state = GrowDepth(moe['dir'])(abstract, trainer.optimizer)
-  remap = depth_growth.plan(moe['params'], abstract.params)
-  _assert_grown(moe, state, remap, abstract, trainer.optimizer)
+  growth = depth_growth.plan(moe['params'], abstract.params)
+  _assert_grown(moe, state, growth, abstract, trainer.optimizer)
   mu = tree.flatten(state.opt_state[1][0].mu)
   np.testing.assert_array_equal(mu[WO.replace('layers_0', 'layers_1')], mu[WO])

@@ -16,7 +16,7 @@ from upcycle.models import abstract_params
 from upcycle.moe import ROUTER_LOGITS, MoeConfig, MoeLayer, router_logits
 from upcycle.train import optimizers
 from upcycle.upcycling import depth_growth, expert_growth, grow_depth, grow_experts
-from upcycle.upcycling import remap_optimizer_state, router_usage
+from upcycle.upcycling import grown_optimizer_state, router_usage
 
 S = jax.ShapeDtypeStruct
 WI, ROUTER = 'mlp/expert/wi/kernel', 'mlp/router/w/kernel'
@@ -35,10 +35,10 @@ def test_tiling_every_expert_with_k_and_capacity_scaled_keeps_the_t5_logits():
                             eval_capacity_factor=1.0, capacity_multiple_of=1))
   small, grown = moe(2, 1.0, 1), moe(4, 2.0, 2)
   params = helpers.random_params(small, scale=1.0)
-  new, remap = grow_experts(params, abstract_params(grown), sources='tile')
+  new, growth = grow_experts(params, abstract_params(grown), sources='tile')
   np.testing.assert_allclose(helpers.t5_logits(new, grown), helpers.t5_logits(params, small),
                              atol=2e-5)
-  assert 'decoder/layers_0/mlp: 2 -> 4 experts, new experts [2, 3] copy [0, 1]' in str(remap)
+  assert 'decoder/layers_0/mlp: 2 -> 4 experts, new experts [2, 3] copy [0, 1]' in str(growth)
 
 
 def test_top1_normalized_keeps_its_output_with_the_most_used_expert_copied():
@@ -97,12 +97,12 @@ def test_new_experts_get_their_sources_weights_and_moments(name):
   params = _params(2)
   state = _trained(optimizer, params)
   target = jax.tree.map(lambda x: S(x.shape, x.dtype), _params(3))
-  new, remap = grow_experts(params, target, sources=[1])
+  new, growth = grow_experts(params, target, sources=[1])
   np.testing.assert_array_equal(new['mlp']['expert']['wi']['kernel'][2],
                                 params['mlp']['expert']['wi']['kernel'][1])
   np.testing.assert_array_equal(new['mlp']['router']['w']['kernel'][:, 2],
                                 params['mlp']['router']['w']['kernel'][:, 1])
-  grown = jax.jit(lambda s, p: remap_optimizer_state(s, remap, p, optimizer))(state, new)
+  grown = jax.jit(lambda s, p: grown_optimizer_state(s, growth, p, optimizer))(state, new)
   assert jax.tree.structure(grown) == jax.tree.structure(optimizer.init(new))
   counts = [x for p, x in jax.tree_util.tree_leaves_with_path(grown) if 'count' in str(p)]
   assert counts and all(int(c) == 2 for c in counts)
@@ -148,7 +148,7 @@ def test_growing_experts_refuses_what_it_cannot_do():
     grow_experts(params, target(3), sources={'mlp': 'best'})
   router_norm = expert_growth.plan(params, target(4), sources='router_norm')
   norms = np.linalg.norm(params['mlp']['router']['w']['kernel'], axis=0)
-  assert router_norm.by_path()[WI].index == (0, 1) + tuple(np.argsort(-norms))
+  assert {l.path: l for l in router_norm.copies}[WI].index == (0, 1) + tuple(np.argsort(-norms))
 
 
 def _dense(num_layers):
@@ -161,10 +161,10 @@ def test_depth_tiles_repeats_or_maps_layers_and_names_the_binding():
   abstract = lambda n: jax.tree.map(lambda x: S(x.shape, x.dtype), _dense(n))
   for spec, want in (('tile', [0, 1, 0, 1]), ('repeat', [0, 0, 1, 1]), ([1, 1, 0, 1], [1, 1, 0, 1]),
                      ({'encoder/layers': 'tile'}, [0, 1, 0, 1])):
-    new, remap = grow_depth(_dense(2), abstract(4), layer_map=spec)
+    new, growth = grow_depth(_dense(2), abstract(4), layer_map=spec)
     got = [int(new['encoder'][f'layers_{i}']['mlp']['wo']['kernel'][0, 0]) for i in range(4)]
     assert got == want, spec
-    assert f'encoder/layers: 2 -> 4 layers, from layers {want}' in str(remap)
+    assert f'encoder/layers: 2 -> 4 layers, from layers {want}' in str(growth)
   bad = [('tile', 3, r"grow.GrowDepth.layer_map='tile': encoder/layers grows from 2 to 3 layers, "
                      r'not a multiple of 2'),
          ([0, 1, 2, 0], 4, r'grow.GrowDepth.layer_map=\[0, 1, 2, 0\] for encoder/layers, which '

@@ -8,8 +8,8 @@
 Like `restore.UpcycleFromDense` they read any format `checkpoints.load` knows, check every
 name and shape before reading (sources='router_norm' reads the router kernels), print the
 report, and build the state in one `jax.jit` placed with the run's shardings
-(`restore.state_jit`). A reused optimizer state is taken like the parameters (new experts
-and layers get their sources' moments, `upcycling/remap_optimizer.py`) and keeps its counts
+(`restore.plan_jit`). A reused optimizer state is taken like the parameters (new experts
+and layers get their sources' moments, `upcycling/growth_optimizer.py`) and keeps its counts
 under step='keep', so the schedule continues. In gin (upcycling/grow.gin, upcycling/depth.gin):
 
   from upcycle.train import grow
@@ -25,35 +25,31 @@ from typing import Mapping, Optional, Sequence, Union
 
 from etils import epath
 
-from upcycle import fields, pretrained, tree
+from upcycle import fields, pretrained
 from upcycle.train import restore
 from upcycle.train.state import TrainState
-from upcycle.upcycling import depth_growth, expert_growth, sharded, step_policy
-from upcycle.upcycling import remap as remap_lib
-from upcycle.upcycling.remap import Remap
-from upcycle.upcycling.remap_optimizer import remap_optimizer_state
+from upcycle.upcycling import depth_growth, expert_growth, step_policy
+from upcycle.upcycling.growth_optimizer import grown_optimizer_state
+from upcycle.upcycling.plan import Plan
 
 Usage = Union[str, Mapping[str, Sequence[float]]]
 
 
 def _jit(owner: str, hook, abstract_state: TrainState, optimizer, model_config,
-         make_remap) -> restore.StateJit:
+         make_plan) -> restore.StateJit:
   """The state jit of `hook` (checkpoint, format, reuse_optimizer_state, step) via
-  `make_remap`, for a model of `model_config` (`restore.layout`)."""
+  `make_plan`, for a model of `model_config` (`restore.layout`)."""
   ckpt = pretrained.load(hook.checkpoint, hook.format, lazy=True)
   first = step_policy.start(hook.step, ckpt.step)
   target = restore.layout(ckpt.params, abstract_state.params, model_config)
   try:
-    remap: Remap = make_remap(ckpt.params, target.target, first)
+    growth: Plan = make_plan(ckpt.params, target.target, first)
   except ValueError as e:
     raise ValueError(f'{owner}({ckpt.path!r}, format {ckpt.format!r}): {e}') from e
-  return restore.state_jit(
-      ckpt, abstract_state, optimizer, remap,
-      sharded.remap_shardings(remap, tree.flatten(target.target)),
-      lambda source, rng: target.to_model(remap_lib.run(remap, source)),
-      lambda state, params: remap_optimizer_state(state, remap, params, optimizer),
-      reuse_optimizer_state=hook.reuse_optimizer_state, step=hook.step, seed=0, owner=owner,
-      stacked=target.stacked)
+  return restore.plan_jit(
+      ckpt, abstract_state, optimizer, growth, target=target,
+      carry_state=lambda state, params: grown_optimizer_state(state, growth, params, optimizer),
+      reuse_optimizer_state=hook.reuse_optimizer_state, step=hook.step, seed=0, owner=owner)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ the 'expert' mesh axis and no host holds E copies. The dense leaves are its inpu
 reading only the blocks its devices need (`upcycling/sharded.py`). Initializers that read
 their own sources (Branch-Train-MiX, UpIT: `traceable = False`) run the plan eagerly on the
 host instead, and the result is placed on the mesh. The hooks that grow a trained checkpoint,
-with more experts or more layers (`grow.py`), share the executor (`state_jit`).
+with more experts or more layers (`grow.py`), share the executor (`plan_jit`).
 
 `step` is the step policy of `upcycle.upcycling.step_policy`: 'keep', 'reset' or N.
 
@@ -116,34 +116,6 @@ def layout(source_params: Any, abstract_params: Any, model_config: Optional[Any]
                 lambda params: scan_layout.stack(params, model_config), stacked=True)
 
 
-def plan_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer,
-             plan: Plan, *, target: Layout, reuse_optimizer_state: bool, upcycled: bool,
-             step: step_policy.Step, seed: int, owner: str) -> 'StateJit':
-  """The sharded executor of a plan: params and optimizer state in one jit, placed on the mesh.
-
-  Args:
-    ckpt: the source checkpoint (lazy leaves).
-    abstract_state: the trainer's abstract TrainState (leaves with `.sharding`).
-    optimizer: the run's optax transformation.
-    plan: the plan from `ckpt.params` to `target.target`.
-    target: the layout the plan targets (`layout`).
-    reuse_optimizer_state: fill the optimizer state from the checkpoint's.
-    upcycled: whether the params are upcycled (the stored state is then the
-      dense model's and is tiled) or copied (the stored state is the model's).
-    step: the step policy.
-    seed: the rng seed of the initializers.
-    owner: the hook's class name, for messages and gin bindings.
-  """
-  carry = ((lambda state, params: upcycle_optimizer_state(state, params, optimizer))
-           if upcycled else None)
-  return state_jit(
-      ckpt, abstract_state, optimizer, plan,
-      sharded.source_shardings(plan, tree.flatten(target.target)),
-      lambda source, rng: target.to_model(execute.run(plan, source, rng)), carry,
-      reuse_optimizer_state=reuse_optimizer_state, step=step, seed=seed, owner=owner,
-      stacked=target.stacked)
-
-
 @dataclasses.dataclass(frozen=True)
 class StateJit:
   """A restore hook's one jit, its output placed with the run's shardings, and its inputs:
@@ -191,30 +163,32 @@ class OneJit:
     return self._jit(abstract_state, optimizer, model_config).lower()
 
 
-def state_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer, plan,
-              placement: Mapping[str, NamedSharding],
-              make_params: Callable[[Any, jax.Array], Any],
-              carry_state: Optional[Callable[[Any, Any], Any]], *,
-              reuse_optimizer_state: bool, step: step_policy.Step, seed: int,
-              owner: str, stacked: bool = False) -> StateJit:
-  """Params and optimizer state made from a checkpoint in one jit, placed on the mesh.
+def plan_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer, plan: Plan, *,
+             target: Layout, carry_state: Optional[Callable[[Any, Any], Any]],
+             reuse_optimizer_state: bool, step: step_policy.Step, seed: int,
+             owner: str) -> StateJit:
+  """The sharded executor of a plan: params and optimizer state made from a checkpoint in one
+  jit, placed on the mesh, each source leaf read where the leaves made from it need it
+  (`sharded.source_shardings`).
 
   Args:
     ckpt: the source checkpoint (lazy leaves).
     abstract_state: the trainer's abstract TrainState (leaves with `.sharding`).
     optimizer: the run's optax transformation.
-    plan: a `Plan` or `Remap`: its `step` starts the run, its `str` is the report.
-    placement: {source path: sharding} of every source leaf `make_params` reads.
-    make_params: (source params, rng) -> the new params; traceable.
+    plan: from `ckpt.params` to `target.target` (upcycling, growth or a copy): its `step`
+      starts the run, its `str` is the report.
+    target: the layout the plan targets (`layout`).
     carry_state: (the stored state as the optax state of the source params, new params)
-      -> the new params' state; None: the stored state is the new params' own.
+      -> the new params' state (upcycling tiles it, growth takes it like the params); None:
+      the stored state is the new params' own.
     reuse_optimizer_state: fill the optimizer state from the checkpoint's.
     step: the step policy.
-    seed: the rng seed of `make_params`.
+    seed: the rng seed of the initializers.
     owner: the hook's class name, for messages and gin bindings.
-    stacked: `make_params` stacks unrolled layers into a scanned model (`Layout`); a stored
-      optimizer state, whose slots are the unrolled layers', is then refused.
   """
+  stacked = target.stacked
+  placement = sharded.source_shardings(plan, tree.flatten(target.target))
+  make_params = lambda source, rng: target.to_model(execute.run(plan, source, rng))
   if stacked and reuse_optimizer_state:
     raise ValueError(
         f'{owner}({ckpt.path!r}): the model is scanned (SCAN_LAYERS = True) and the checkpoint '
@@ -252,6 +226,11 @@ def state_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimize
   donate = () if abstract_state.step.sharding.mesh.devices.flat[0].platform == 'cpu' else (0,)
   return StateJit(jax.jit(build, out_shardings=out_shardings, donate_argnums=donate), dense,
                   placement, saved, saved_shardings, seed)
+
+
+def _upcycled_state(optimizer) -> Callable[[Any, Any], Any]:
+  """The dense state tiled into the MoE params' (`upcycle_optimizer_state`)."""
+  return lambda state, params: upcycle_optimizer_state(state, params, optimizer)
 
 
 def _saved_shardings(saved: Any, source: Mapping[str, jax.ShapeDtypeStruct],
@@ -339,7 +318,8 @@ class UpcycleFromDense:
     ckpt, dense, target, plan = self._plan(abstract_state, owner, model_config)
     if plan.experts.traceable:
       return plan_jit(ckpt, abstract_state, optimizer, plan, target=target,
-                      reuse_optimizer_state=self.reuse_optimizer_state, upcycled=True,
+                      carry_state=_upcycled_state(optimizer),
+                      reuse_optimizer_state=self.reuse_optimizer_state,
                       step=self.step, seed=self.seed, owner=owner)()
     # The eager executor: the initializer reads its own sources on the host.
     _announce(owner, ckpt, plan, False)
@@ -358,7 +338,8 @@ class UpcycleFromDense:
       raise ValueError(f'{owner}: experts from several checkpoints are made on the host, '
                        f'not in one sharded jit; there is nothing to compile.')
     return plan_jit(ckpt, abstract_state, optimizer, plan, target=target,
-                    reuse_optimizer_state=self.reuse_optimizer_state, upcycled=True,
+                    carry_state=_upcycled_state(optimizer),
+                    reuse_optimizer_state=self.reuse_optimizer_state,
                     step=self.step, seed=self.seed, owner=owner).lower()
 
   def _plan(self, abstract_state: TrainState, owner: str, model_config: Optional[Any]):
@@ -444,6 +425,6 @@ class ContinueFromCheckpoint(OneJit):
         ckpt.params, target.target, Copy(), Normal(), cast=self.cast,
         step=step_policy.start(self.step, ckpt.step), upcycling=False),
                  source=ckpt.params, target=target.target, upcycling=False)
-    return plan_jit(ckpt, abstract_state, optimizer, plan, target=target,
-                    reuse_optimizer_state=self.reuse_optimizer_state, upcycled=False,
+    return plan_jit(ckpt, abstract_state, optimizer, plan, target=target, carry_state=None,
+                    reuse_optimizer_state=self.reuse_optimizer_state,
                     step=self.step, seed=0, owner=owner)

@@ -23,9 +23,12 @@ checkpoint deepens too where the map sends every MoE layer to an MoE layer of th
 import re
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
+import jax
+
 from upcycle import tree
-from upcycle.upcycling import remap as remap_lib
-from upcycle.upcycling.remap import Remap, source_indices
+from upcycle.upcycling import execute
+from upcycle.upcycling.growth import grown, source_indices, taken
+from upcycle.upcycling.plan import Plan
 
 PATTERNS = ('tile', 'repeat')
 LayerMap = Union[str, Sequence[int], Mapping[str, Union[str, Sequence[int]]]]
@@ -101,8 +104,8 @@ def resolve_layer_map(spec: LayerMap, stack: str, old: int, new: int, *,
 
 
 def plan(params: Mapping[str, Any], target: Mapping[str, Any], *,
-         layer_map: LayerMap = 'tile', step: int = 0, binding: str = 'layer_map') -> Remap:
-  """The `Remap` that deepens `params` into `target`; nothing is read.
+         layer_map: LayerMap = 'tile', step: int = 0, binding: str = 'layer_map') -> Plan:
+  """The plan that deepens `params` into `target`; nothing is read.
 
   Args:
     params: nested or flat dict of the checkpoint's leaves (arrays, lazy or abstract).
@@ -126,23 +129,21 @@ def plan(params: Mapping[str, Any], target: Mapping[str, Any], *,
                      f'layer stacks of the target (those are {sorted(new)}).')
   maps = {stack: resolve_layer_map(layer_map, stack, old[stack], depth, binding=binding)
           for stack, depth in sorted(new.items())}
-  takes = []
+  leaves = []
   for path, leaf in tgt.items():
     parts = split(path)
     source = path
     if parts and parts[0] in maps:
       stack, index, rest = parts
       source = tree.join(f'{stack}_{maps[stack][index]}', rest)
-    takes.append(remap_lib.checked(path, leaf, source, flat.get(source), FIX))
-  used = {t.source for t in takes}
+    leaves.append(taken(path, leaf, source, flat.get(source), FIX))
   notes = tuple(f'{stack}: {old[stack]} -> {len(m)} layers, from layers {list(m)}'
                 for stack, m in maps.items() if m != tuple(range(old[stack])))
-  return Remap('grow depth', tuple(takes), tuple(p for p in flat if p not in used),
-               notes or ('no stack changes depth',), int(step))
+  return grown(leaves, flat, notes or ('no stack changes depth',), step)
 
 
 def grow_depth(params: Mapping[str, Any], target: Mapping[str, Any], *,
-               layer_map: LayerMap = 'tile') -> Tuple[Dict[str, Any], Remap]:
+               layer_map: LayerMap = 'tile') -> Tuple[Dict[str, Any], Plan]:
   """A checkpoint's params with more layers, shaped like `target`.
 
   Args:
@@ -151,8 +152,8 @@ def grow_depth(params: Mapping[str, Any], target: Mapping[str, Any], *,
     layer_map: the layer map (module docstring).
 
   Returns:
-    (params, remap): a nested dict like `target`, and the `Remap` (print it for the report).
-    `remap_optimizer.remap_optimizer_state` deepens the optimizer state alike.
+    (params, plan): a nested dict like `target`, and the growth `Plan` (print it for the
+    report). `growth_optimizer.grown_optimizer_state` deepens the optimizer state alike.
   """
-  remap = plan(params, target, layer_map=layer_map)
-  return remap_lib.run(remap, params), remap
+  growth = plan(params, target, layer_map=layer_map)
+  return execute.run(growth, params, jax.random.PRNGKey(0)), growth

@@ -1,4 +1,4 @@
-"""Running a plan on arrays: one MoE block, one copied leaf, or the whole tree.
+"""Running a plan on arrays: one MoE block, one copied (or grown) leaf, or the whole tree.
 
 These are pure functions of the dense leaves and a key, so the same code runs eagerly on
 the host (`surgery.upcycle`), inside the restore hook's sharded `jax.jit`, and block by
@@ -17,9 +17,10 @@ from upcycle.upcycling.plan import Block, Leaf, Plan
 
 
 def copy(leaf: Leaf, value: Any) -> jax.Array:
-  """The copied leaf: the dense value in the target dtype; a narrower shared-expert leaf takes
-  the leading entries (its first d_ff units: the plan allows only the d_ff axis to shrink)."""
-  x = as_array(value)
+  """The copied leaf: the dense value in the target dtype, taken along `leaf.axis` when the
+  plan grows it; a narrower shared-expert leaf takes the leading entries (its first d_ff
+  units: the plan allows only the d_ff axis to shrink)."""
+  x = leaf.take(as_array(value))
   if tree.shape_of(x) != leaf.shape:
     x = x[tuple(slice(0, n) for n in leaf.shape)]
   return x.astype(leaf.dtype)

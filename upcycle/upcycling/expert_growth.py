@@ -44,11 +44,13 @@ also needs the same groups.
 
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
+import jax
 import numpy as np
 
 from upcycle import tree
-from upcycle.upcycling import remap as remap_lib
-from upcycle.upcycling.remap import Remap, Take, source_indices
+from upcycle.upcycling import execute
+from upcycle.upcycling.growth import grown, source_indices, taken
+from upcycle.upcycling.plan import Leaf, Plan
 
 SOURCES = ('tile', 'most_used', 'router_norm')
 Sources = Union[str, Sequence[int], Mapping[str, Union[str, Sequence[int]]]]
@@ -142,7 +144,7 @@ def _expert_axis(path: str, leaf, source) -> Optional[int]:
 
 
 def _block(layer: str, paths: Sequence[str], tgt, flat, roles, spec, usage, binding):
-  """(takes, note) of one MoE block."""
+  """(leaves, note) of one MoE block."""
   missing = [p for p in paths if p not in flat]
   if missing:
     raise ValueError(f'Target leaf {missing[0]} has no checkpoint leaf to grow from. Fix: start '
@@ -153,8 +155,7 @@ def _block(layer: str, paths: Sequence[str], tgt, flat, roles, spec, usage, bind
   sizes = {(tree.shape_of(flat[p])[a], tree.shape_of(tgt[p])[a]) for p, a in axes.items()
            if a is not None}
   if not sizes:
-    return [Take(p, p, tree.shape_of(tgt[p]), tree.shape_of(flat[p])) for p in paths], (
-        f'{layer}: unchanged')
+    return [taken(p, tgt[p], p, flat[p], FIX) for p in paths], f'{layer}: unchanged'
   if len(sizes) > 1 or None in axes.values():
     detail = ', '.join(f'{p} {tree.shape_of(flat[p])} -> {tree.shape_of(tgt[p])}' for p in paths)
     raise ValueError(f'The leaves of the MoE block {layer} do not grow alike: {detail}. '
@@ -175,16 +176,15 @@ def _block(layer: str, paths: Sequence[str], tgt, flat, roles, spec, usage, bind
   sources = choose_sources(spec, layer, num_old, num_new, usage=usage, router=router_norms,
                            binding=binding)
   index = tuple(range(num_old)) + sources
-  takes = [Take(p, p, tree.shape_of(tgt[p]), tree.shape_of(flat[p]), axes[p], index)
-           for p in paths]
-  return takes, (f'{layer}: {num_old} -> {num_new} experts, new experts '
+  leaves = [taken(p, tgt[p], p, flat[p], FIX, axes[p], index) for p in paths]
+  return leaves, (f'{layer}: {num_old} -> {num_new} experts, new experts '
                  f'{list(range(num_old, num_new))} copy {list(sources)}')
 
 
 def plan(params: Mapping[str, Any], target: Mapping[str, Any], *, sources: Sources = 'tile',
          usage: Optional[Mapping[str, Any]] = None, step: int = 0,
-         binding: str = 'sources') -> Remap:
-  """The `Remap` that grows `params` into `target`; reads only router kernels ('router_norm').
+         binding: str = 'sources') -> Plan:
+  """The plan that grows `params` into `target`; reads only router kernels ('router_norm').
 
   Args:
     params: nested or flat dict of the trained MoE's leaves (arrays, lazy or abstract).
@@ -200,11 +200,11 @@ def plan(params: Mapping[str, Any], target: Mapping[str, Any], *, sources: Sourc
   """
   flat, tgt = tree.flatten(params), tree.flatten(target)
   roles = tree.classify(tgt)
-  takes: Dict[str, Take] = {}
+  leaves: Dict[str, Leaf] = {}
   blocks: Dict[str, list] = {}
   for path, role in roles.items():
     if role.kind == 'copy':
-      takes[path] = remap_lib.checked(path, tgt[path], path, flat.get(path), FIX)
+      leaves[path] = taken(path, tgt[path], path, flat.get(path), FIX)
     else:
       blocks.setdefault(role.layer, []).append(path)
   if not blocks:
@@ -216,16 +216,14 @@ def plan(params: Mapping[str, Any], target: Mapping[str, Any], *, sources: Sourc
   notes = []
   for layer, paths in sorted(blocks.items()):
     made, note = _block(layer, paths, tgt, flat, roles, sources, usage, binding)
-    takes.update({t.path: t for t in made})
+    leaves.update({leaf.path: leaf for leaf in made})
     notes.append(note)
-  used = {t.source for t in takes.values()}
-  return Remap('grow experts', tuple(takes[p] for p in tgt),
-               tuple(p for p in flat if p not in used), tuple(notes), int(step))
+  return grown([leaves[p] for p in tgt], flat, notes, step)
 
 
 def grow_experts(params: Mapping[str, Any], target: Mapping[str, Any], *,
                  sources: Sources = 'tile', usage: Optional[Mapping[str, Any]] = None
-                 ) -> Tuple[Dict[str, Any], Remap]:
+                 ) -> Tuple[Dict[str, Any], Plan]:
   """A trained MoE's params with more experts per block, shaped like `target`.
 
   Args:
@@ -235,8 +233,8 @@ def grow_experts(params: Mapping[str, Any], target: Mapping[str, Any], *,
     usage: {block: [E]} for sources='most_used' (e.g. `router_usage`).
 
   Returns:
-    (params, remap): a nested dict like `target`, and the `Remap` (print it for the report).
-    `remap_optimizer.remap_optimizer_state` grows the optimizer state alike.
+    (params, plan): a nested dict like `target`, and the growth `Plan` (print it for the
+    report). `growth_optimizer.grown_optimizer_state` grows the optimizer state alike.
   """
-  remap = plan(params, target, sources=sources, usage=usage)
-  return remap_lib.run(remap, params), remap
+  growth = plan(params, target, sources=sources, usage=usage)
+  return execute.run(growth, params, jax.random.PRNGKey(0)), growth

@@ -20,9 +20,13 @@ cast would hide a wrong model config. Dense leaves nothing is made from are repo
 error: the target is the specification, and e.g. a dense head that the MoE model does not
 have is harmless.
 
+Growing a trained checkpoint is a plan too (`expert_growth.py`, `depth_growth.py`): it has no
+MoE blocks to initialize, and each leaf is taken from one checkpoint leaf, whole or along one
+axis (`Leaf.axis` / `Leaf.index`: new experts copy old ones, new layers copy old layers).
+
 A plan is built from shapes and dtypes only, so every check runs before anything is read.
 It prints as the report. Three executors run it (`execute.py`): eagerly on the host,
-inside one sharded `jax.jit` (the training restore hook), and block by block to disk
+inside one sharded `jax.jit` (the training restore hooks), and block by block to disk
 (`stream.py`, `python -m upcycle.convert`).
 """
 
@@ -30,12 +34,15 @@ import dataclasses
 import difflib
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from upcycle import tree
 from upcycle.upcycling import ffn
 from upcycle.upcycling.base import ExpertInit
-from upcycle.upcycling.report import COPIED, EXPERTS, Entry, ROUTER, SHARED, UpcycleReport
+from upcycle.upcycling.report import (COPIED, EXPERTS, ROUTER, SHARED, TAKEN, Entry,
+                                      UpcycleReport)
 from upcycle.upcycling.routers import RouterInit
 
 UPCYCLE_FIX = ('the MoE model must be the dense architecture with MoE blocks (same config and '
@@ -55,6 +62,8 @@ class Leaf:
     source: the dense path it is made from ('' for routers).
     source_shape: the dense leaf's shape (() for routers).
     note: e.g. 'cast bfloat16 -> float32'.
+    axis: for a leaf taken along one axis of its source (growth), that axis; None: whole.
+    index: the source position of every target position along `axis`.
   """
 
   path: str
@@ -63,6 +72,17 @@ class Leaf:
   source: str = ''
   source_shape: Tuple[int, ...] = ()
   note: str = ''
+  axis: Optional[int] = None
+  index: Tuple[int, ...] = ()
+
+  def take(self, value: Any) -> Any:
+    """`value` (the source's, or any array of its shape) taken along `axis` at `index`:
+    jax arrays and tracers give jax arrays, numpy and lazy arrays numpy arrays."""
+    if self.axis is None:
+      return value
+    if isinstance(value, jax.Array):
+      return jnp.take(value, jnp.asarray(self.index), self.axis)
+    return np.take(np.asarray(value), self.index, self.axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,30 +111,33 @@ class Plan:
   """Every target leaf's origin, the initializers, and the start step.
 
   Attributes:
-    copies: leaves copied from the dense leaf at `source` (the same path).
-    blocks: the MoE blocks, in path order.
+    copies: leaves copied from the dense leaf at `source` (the same path when upcycling;
+      growth takes them from other paths or along an axis).
+    blocks: the MoE blocks, in path order (none when growing).
     unused: dense leaves nothing is made from.
     experts: the expert initializer (its class decides where experts come from:
       one dense MLP, or several checkpoints for Branch-Train-MiX / UpIT), given
-      the plan's MoE layers (`ExpertInit.for_layers`).
-    router: the router initializer.
+      the plan's MoE layers (`ExpertInit.for_layers`); None without blocks.
+    router: the router initializer; None without blocks.
     shared: where copies come from, for the report ('copy', 'mean of 3 sources').
     order: target paths in target order.
     step: the step the upcycled model starts at.
+    notes: one line per grown MoE block or layer stack, for the report.
   """
 
   copies: Tuple[Leaf, ...]
   blocks: Tuple[Block, ...]
   unused: Tuple[str, ...]
-  experts: ExpertInit
-  router: RouterInit
+  experts: Optional[ExpertInit]
+  router: Optional[RouterInit]
   shared: str
   order: Tuple[str, ...]
   step: int = 0
+  notes: Tuple[str, ...] = ()
 
   def report(self) -> UpcycleReport:
-    entries = [Entry(c.path, COPIED, c.shape, c.dtype, c.source, self.shared, c.note)
-               for c in self.copies]
+    entries = [Entry(c.path, COPIED if c.axis is None and c.source == c.path else TAKEN, c.shape,
+                     c.dtype, c.source, self.shared, _take_note(c)) for c in self.copies]
     for block in self.blocks:
       entries += [Entry(e.path, EXPERTS, e.shape, e.dtype, e.source, repr(self.experts), e.note)
                   for e in block.experts.values()]
@@ -125,10 +148,15 @@ class Plan:
     rank = {path: i for i, path in enumerate(self.order)}
     entries.sort(key=lambda e: rank[e.path])
     return UpcycleReport(tuple(entries), self.unused,
-                         {b.layer: b.num_experts for b in self.blocks})
+                         {b.layer: b.num_experts for b in self.blocks}, self.notes)
 
   def __str__(self) -> str:
     return str(self.report())
+
+
+def _take_note(leaf: Leaf) -> str:
+  taken = '' if leaf.axis is None else f'axis {leaf.axis} <- {list(leaf.index)}'
+  return ', '.join(n for n in (taken, leaf.note) if n)
 
 
 def _missing_leaf_error(path: str, leaf, dense: Mapping[str, Any], why: str,

@@ -3,7 +3,7 @@
 import dataclasses
 from typing import Dict, Tuple
 
-COPIED, EXPERTS, ROUTER, SHARED = 'copied', 'experts', 'router', 'shared'
+COPIED, EXPERTS, ROUTER, SHARED, TAKEN = 'copied', 'experts', 'router', 'shared', 'taken'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -13,8 +13,9 @@ class Entry:
   Attributes:
     path: the target path.
     action: 'copied' (from `source`), 'experts' (expert initializer applied to
-      the dense MLP leaf `source`), 'router' (initialized fresh) or 'shared' (a
-      shared expert's leaf: the dense MLP leaf `source`, or its first d_ff units).
+      the dense MLP leaf `source`), 'router' (initialized fresh), 'shared' (a
+      shared expert's leaf: the dense MLP leaf `source`, or its first d_ff units)
+      or 'taken' (growth: from another path `source`, or along one of its axes).
     shape: the target shape.
     dtype: the target dtype.
     source: dense path it came from; '' for routers.
@@ -40,11 +41,13 @@ class UpcycleReport:
     entries: one per target leaf, in path order.
     unused: dense leaves nothing in the target was made from.
     num_experts: {MoE block path: E}.
+    notes: one line per grown MoE block or layer stack (growth).
   """
 
   entries: Tuple[Entry, ...]
   unused: Tuple[str, ...]
   num_experts: Dict[str, int]
+  notes: Tuple[str, ...] = ()
 
   def _paths(self, action):
     return tuple(e.path for e in self.entries if e.action == action)
@@ -65,12 +68,20 @@ class UpcycleReport:
   def shared(self) -> Tuple[str, ...]:
     return self._paths(SHARED)
 
+  @property
+  def taken(self) -> Tuple[str, ...]:
+    return self._paths(TAKEN)
+
   def summary(self) -> str:
     inits = sorted({e.init for e in self.entries if e.action == EXPERTS})
     routers = sorted({e.init for e in self.entries if e.action == ROUTER})
     experts = sorted(set(self.num_experts.values()))
     blocks = len(self.num_experts)
     shared = f', {len(self.shared)} shared-expert leaves' if self.shared else ''
+    if self.notes:   # growth: every leaf copied or taken
+      return (f'{len(self.entries)} target leaves: {len(self.copied)} copied, '
+              f'{len(self.taken)} grown or taken from another path; {len(self.unused)} source '
+              f'leaves unused.')
     return (f'{len(self.entries)} target leaves: {len(self.copied)} copied, '
             f'{len(self.experts)} expert leaves in {blocks} MoE block{"s" * (blocks != 1)} '
             f'(experts {", ".join(map(str, experts)) or "-"}; {", ".join(inits) or "-"}), '
@@ -82,7 +93,7 @@ class UpcycleReport:
     for e in self.entries:
       if e.action == EXPERTS:
         origin = f'<- {e.source}  {e.init}'
-      elif e.action == SHARED:
+      elif e.action in (SHARED, TAKEN):
         origin = f'<- {e.source}'
       elif e.action == ROUTER:
         origin = e.init
@@ -91,9 +102,10 @@ class UpcycleReport:
       origin = '  '.join(x for x in (origin, e.note) if x)
       rows.append((e.action, e.path, str(tuple(e.shape)), e.dtype, origin))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = [self.summary(), '']
+    lines = [self.summary()] + [f'  {n}' for n in self.notes] + ['']
     for r in rows:
       lines.append('  '.join(c.ljust(w) for c, w in zip(r[:4], widths)) + '  ' + r[4])
     if self.unused:
-      lines += ['', 'dense leaves left unused:'] + [f'  {p}' for p in self.unused]
+      kind = 'source' if self.notes else 'dense'
+      lines += ['', f'{kind} leaves left unused:'] + [f'  {p}' for p in self.unused]
     return '\n'.join(line.rstrip() for line in lines)

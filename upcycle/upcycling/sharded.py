@@ -26,7 +26,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from upcycle.checkpoints.lazy import LazyArray
 from upcycle.upcycling.plan import Plan
-from upcycle.upcycling.remap import Remap
 
 
 def _axis_size(mesh, axes) -> int:
@@ -74,23 +73,6 @@ def source_shardings(plan: Plan, target: Mapping[str, Any]) -> Dict[str, NamedSh
                                       drop_leading=True))
     for leaf in block.shared.values():
       out.setdefault(leaf.source, fit(target[leaf.path].sharding, leaf.source_shape))
-  return out
-
-
-def remap_shardings(remap: Remap, target: Mapping[str, Any]) -> Dict[str, NamedSharding]:
-  """{source path: sharding} for every source leaf a `Remap` takes from.
-
-  A source leaf is placed like the first target leaf taken from it, fitted to its shape: an
-  expert axis of E that the 'expert' mesh axis does not divide is replicated, one it divides
-  stays split.
-
-  Args:
-    remap: the remap (which target leaf comes from which source leaf).
-    target: flat {path: leaf with .sharding} of the target params.
-  """
-  out = {}
-  for take in remap.takes:
-    out.setdefault(take.source, fit(target[take.path].sharding, take.source_shape))
   return out
 
 

@@ -1,4 +1,4 @@
-"""A trained optimizer state through a `Remap`: every slot taken like its parameter.
+"""A trained optimizer state through a growth plan: every slot taken like its parameter.
 
 The new state is `optimizer.init(new params)` with every leaf filled by path from the
 checkpoint's state (the same optimizer's, for the checkpoint's params):
@@ -24,12 +24,12 @@ import optax
 
 from upcycle import tree
 from upcycle.checkpoints import adafactor_state, factored, slots
-from upcycle.upcycling.remap import Remap, Take
+from upcycle.upcycling.plan import Leaf, Plan
 
 _V = ('v_row', 'v_col', 'v')
 
 
-def _along(take: Take, x, axis: Optional[int]):
+def _along(take: Leaf, x, axis: Optional[int]):
   """`x` taken at `take.index` along `axis` (None: as it is)."""
   return x if axis is None else jnp.take(jnp.asarray(x), jnp.asarray(take.index), axis=axis)
 
@@ -39,7 +39,7 @@ def _position(axis: Optional[int], dropped: Tuple[int, ...]) -> Optional[int]:
   return None if axis is None else axis - sum(d < axis for d in dropped)
 
 
-def _t5x_slots(take: Take, old, fresh, where: str):
+def _t5x_slots(take: Leaf, old, fresh, where: str):
   without = lambda x: np.shape(x) == (1,)
   m = fresh.m if without(old.m) or without(fresh.m) else _along(take, old.m, take.axis)
   if np.shape(m) != np.shape(fresh.m):
@@ -55,27 +55,27 @@ def _t5x_slots(take: Take, old, fresh, where: str):
                           fresh.v_row.dtype),
         v_col=jnp.asarray(_along(take, old.v_col, _position(take.axis, old.rows)),
                           fresh.v_col.dtype), m=m)
-  return adafactor_state.refactor(take(adafactor_state.estimate(old)), fresh.replace(m=m))
+  return adafactor_state.refactor(take.take(adafactor_state.estimate(old)), fresh.replace(m=m))
 
 
-def _optax_slots(take: Take, old, fresh, where: str):
+def _optax_slots(take: Leaf, old, fresh, where: str):
   src = factored.layout(old, take.source_shape, where)
   dst = factored.layout(fresh, take.shape, where)
   cast = lambda x, like: jnp.asarray(x, like.dtype)
   if src == dst == 'full':
-    return fresh[0], fresh[1], cast(take(old[2]), fresh[2])
+    return fresh[0], fresh[1], cast(take.take(old[2]), fresh[2])
   if src == dst and take.axis not in src:
     d1, d0 = src
     return (cast(_along(take, old[0], _position(take.axis, (d0,))), fresh[0]),
             cast(_along(take, old[1], _position(take.axis, (d1,))), fresh[1]), fresh[2])
-  full = take(factored.full_moment(old, take.source_shape, where))
+  full = take.take(factored.full_moment(old, take.source_shape, where))
   return factored.factor(full, fresh, take.shape, where)
 
 
 class _Filler(slots.FromState):
   """Fills the new state's nodes from the checkpoint's state."""
 
-  def __init__(self, state, takes: Mapping[str, Take]):
+  def __init__(self, state, takes: Mapping[str, Leaf]):
     super().__init__(state)
     self.takes = takes
 
@@ -95,7 +95,7 @@ class _Filler(slots.FromState):
       raise ValueError(f'{where} is taken like its parameter from the slot of {take.source}, '
                        f'which is {tree.shape_of(old)}, not the parameter\'s '
                        f'{take.source_shape}.')
-    return jnp.asarray(take(old), fresh.dtype)
+    return jnp.asarray(take.take(old), fresh.dtype)
 
   def t5x(self, prefix, path: str, fresh):
     where = f'T5X Adafactor slots of {path}'
@@ -130,14 +130,14 @@ class _Filler(slots.FromState):
     return jnp.asarray(old, jnp.result_type(fresh))
 
 
-def remap_optimizer_state(state: Any, remap: Remap, params: Mapping[str, Any],
+def grown_optimizer_state(state: Any, plan: Plan, params: Mapping[str, Any],
                           optimizer: optax.GradientTransformation) -> Any:
   """The new params' optimizer state, every slot taken from `state` like its parameter.
 
   Args:
     state: the checkpoint's optax state, for the checkpoint's params (e.g.
       `checkpoints.optimizer_state.as_optax` of a stored one). Never modified.
-    remap: the `Remap` that made `params` (`expert_growth.plan`, `depth_growth.plan`).
+    plan: the growth plan that made `params` (`expert_growth.plan`, `depth_growth.plan`).
     params: the new params or their abstract shapes; flax boxes are opened.
     optimizer: the run's optax optimizer, the one that made `state`.
 
@@ -146,5 +146,8 @@ def remap_optimizer_state(state: Any, remap: Remap, params: Mapping[str, Any],
   """
   params = tree.zeros_for(params)
   fresh = optimizer.init(params)
-  takes = remap.by_path()
+  if plan.blocks:
+    raise ValueError('grown_optimizer_state takes a growth plan (every leaf taken from one '
+                     'checkpoint leaf); an upcycling plan\'s state is upcycle_optimizer_state\'s.')
+  takes = {leaf.path: leaf for leaf in plan.copies}
   return slots.fill(fresh, takes, _Filler(state, takes))
