@@ -18,6 +18,7 @@ set for params and optimizer state): an `[E, d_model, d_ff]` expert kernel over
 ('expert', None) and v_col `[E, d_ff]` over ('expert', 'model').
 """
 
+import abc
 import dataclasses
 from typing import Any, Mapping, Optional, Tuple
 
@@ -106,28 +107,28 @@ def _t5x_slots(node: adafactor_state.ParamSlots, path: str, shape: Tuple[int, ..
   return node.replace(v_row=v_row, v_col=v_col, v=v, m=_fitted(node.m, shape, full))
 
 
-class Filler:
-  """What `fill` makes of each kind of optimizer-state node; subclasses define all four.
+class Filler(abc.ABC):
+  """What `fill` makes of each kind of optimizer-state node.
 
   `names` are a node's key names (`tree.key_names`); `prefix` the names before the parameter
   path `path` that a slot's key path ends in.
   """
 
+  @abc.abstractmethod
   def factored(self, names: Tuple[str, ...], node: optax.FactoredState) -> Any:
     """optax Adafactor's moments of every parameter, as one node."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def t5x(self, prefix: Tuple[str, ...], path: str, node: adafactor_state.ParamSlots) -> Any:
     """T5X Adafactor's slots of one parameter, as one node."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def slot(self, prefix: Tuple[str, ...], path: str, leaf: Any) -> Any:
     """A leaf under the parameter's path: Adam mu / nu, momentum, EMA, ..."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def other(self, names: Tuple[str, ...], leaf: Any) -> Any:
     """A leaf of no parameter: counts, injected hyperparameters."""
-    raise NotImplementedError
 
 
 def fill(state: Any, param_paths: Any, filler: Filler) -> Any:
@@ -165,9 +166,9 @@ class FromState(Filler):
     leaves, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_unit)
     self.stored = {tree.key_names(keypath): node for keypath, node in leaves}
 
+  @abc.abstractmethod
   def missing(self, names: Tuple[str, ...], what: str) -> str:
     """The one-line error for a node `what` needs that the stored state lacks."""
-    raise NotImplementedError
 
   def lookup(self, names: Tuple[str, ...], what: str) -> Any:
     """The stored node at `names`, which `what` (e.g. 'slot mu/encoder/...') is made from."""
