@@ -74,6 +74,7 @@ def test_aot_compiles_every_function_for_the_topology(aot_result):
   assert 'train_step: fits' in stdout and 'mesh data 1 x expert 4 x model 1' in stdout
 
 
+@pytest.mark.slow
 def test_aot_per_device_bytes_match_a_count_by_hand(aot_result):
   result, _ = aot_result
   train = result['functions']['train_step']['per_device_bytes']

@@ -131,6 +131,7 @@ def test_shared_expert_is_stacked_with_its_moe_sub_block():
   assert shapes(scan_layout.stack(abstract_params(config), config)) == shapes(boxed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', ['t5_moe', 'vit_moe', 'vit_dense'])
 def test_stack_unstack_round_trip_and_abstract_shapes(name):
   config = CONFIGS[name]

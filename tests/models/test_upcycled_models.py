@@ -101,6 +101,7 @@ def test_bfloat16_activations_keep_float32_params_routers_and_logits():
   assert not np.array_equal(logits, f32)   # the activations really ran in bfloat16
 
 
+@pytest.mark.slow
 def test_shared_expert_with_zero_output_experts_gives_the_dense_logits():
   """Shared expert = the dense MLP, routed experts output zero (`experts.ZeroOutput`): the
   dense model exactly, in T5's encoder and decoder and in ViT (the MoE configs above)."""

@@ -17,6 +17,7 @@ def _stderr_lines(done):
           if line.strip() and not line.startswith(('I0000', 'E0000', 'W0000', 'WARNING'))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('binding, error', [
     ("--gin.models.T5Config.d_model='64'",
      "error: models.T5Config.d_model = '64': expected an integer >= 1."),

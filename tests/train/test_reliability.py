@@ -181,6 +181,7 @@ def test_a_run_whose_checkpoints_were_all_set_aside_is_not_started_over(run_4_st
 
 
 # The failed orbax restore leaves an unawaited tensorstore future behind.
+@pytest.mark.slow
 @pytest.mark.filterwarnings('ignore::pytest.PytestUnraisableExceptionWarning')
 def test_no_restorable_checkpoint_stops_naming_each_step(run_4_steps, tmp_path):
   model_dir = _copy(run_4_steps, tmp_path)
