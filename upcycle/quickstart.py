@@ -7,9 +7,8 @@
    MoE starts at the dense model's loss, up to the tokens T5X's capacity drops) and train it
    for the same EXTRA steps, continuing the dense schedule.
    Both continuations use a 4x larger batch than the pretraining (64 sequences): at the
-   pretraining's 16 the experts see too few tokens per step and the MoE trails the dense model;
-   at 64 it is level with it, ahead at the last evaluation in each of 3 seeds
-   (`python -m upcycle.study --suite trails`);
+   pretraining's 16 each expert sees few tokens per step (`python -m upcycle.study --suite
+   trails` compares the batch sizes over seeds);
 4. print a table (validation loss/accuracy of both; the upcycled model's loss at its
    first step vs the dense model's) and save both curves to OUTPUT_DIR/curves.png.
 

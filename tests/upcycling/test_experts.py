@@ -130,7 +130,8 @@ def test_linear_ratio_ramps_over_each_stacks_moe_layers():
   drop = experts.Drop('linear:0.2:0.8').for_layers(tree.layer_positions(
       ['decoder/layers_3/mlp', 'decoder/layers_5/mlp', 'encoder/layers_1/mlp',
        'encoder/layers_11/mlp', 'encoder/layers_3/mlp', 'Transformer/encoderblock_7/MlpBlock_0']))
-  ratios = {layer: drop.ratio_at(layer) for layer in drop.positions}
+  ratios = {layer: drop.ratio_at(layer) for layer, _ in drop.positions}
+  assert hash(drop) == hash(experts.Drop('linear:0.2:0.8').for_layers(dict(drop.positions)))
   np.testing.assert_allclose(
       [ratios[f'encoder/layers_{i}/mlp'] for i in (1, 3, 11)], [0.2, 0.32, 0.8])
   np.testing.assert_allclose([ratios['decoder/layers_3/mlp'], ratios['decoder/layers_5/mlp']],

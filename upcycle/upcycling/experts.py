@@ -153,14 +153,14 @@ class Drop(ExpertInit):
       'per_matrix': an independent set per matrix (as the authors' released
       code does), so only (1 - r)^m of units stay intact in expectation, m = 3
       for T5's gated MLP, 2 for ViT. A bias follows its kernel's set.
-    positions: {MoE layer path: (stack, layer index)} of every MoE layer, set by
-      `for_layers` (the plan); not an argument.
+    positions: ((MoE layer path, (stack, layer index)), ...) of every MoE layer, set by
+      `for_layers` (the plan); not an argument (a tuple, so Drop stays hashable).
   """
 
   ratio: Union[float, str, Mapping[Union[int, str], float]] = 0.5
   index_sharing: str = 'shared'
-  positions: Mapping[str, Optional[Tuple[str, int]]] = dataclasses.field(
-      default_factory=dict, init=False, repr=False)
+  positions: Tuple[Tuple[str, Optional[Tuple[str, int]]], ...] = dataclasses.field(
+      default=(), init=False, repr=False)
 
   def __post_init__(self):
     _check_ratio(self.ratio)
@@ -174,7 +174,7 @@ class Drop(ExpertInit):
       raise ValueError(f'Drop.ratio={self.ratio!r}: {unknown} are not MoE layers of the model '
                        f'({list(positions)}). Fix: name MoE layers, or use layer indices as keys.')
     bound = dataclasses.replace(self)
-    object.__setattr__(bound, 'positions', dict(positions))
+    object.__setattr__(bound, 'positions', tuple(positions.items()))
     for layer in positions:
       bound.ratio_at(layer)
     return bound
@@ -185,25 +185,26 @@ class Drop(ExpertInit):
       return float(self.ratio)
     if isinstance(self.ratio, Mapping) and layer in self.ratio:
       return float(self.ratio[layer])
-    if layer not in self.positions:
+    positions = dict(self.positions)
+    if layer not in positions:
       raise ValueError(
           f'Drop.ratio={self.ratio!r} varies with the layer index, but {layer} is not among the '
-          f'MoE layers Drop was given ({list(self.positions)}). Fix: upcycle through the plan '
+          f'MoE layers Drop was given ({list(positions)}). Fix: upcycle through the plan '
           f'(upcycling.upcycle, UpcycleFromDense, convert), which gives them, or call '
           f'Drop(...).for_layers({{MLP path: (stack, index)}}) first.')
-    if self.positions[layer] is None:
+    if positions[layer] is None:
       raise ValueError(f'Drop.ratio={self.ratio!r} varies with the layer index, and the MLP '
                        f'path {layer!r} has none (its parent is not \'<block>_<i>\'). Fix: a '
                        f'float Drop.ratio, or give the plan the model config\'s '
                        f'moe_positions() (layers=...).')
-    stack, index = self.positions[layer]
+    stack, index = positions[layer]
     if isinstance(self.ratio, Mapping):
       if index in self.ratio:
         return float(self.ratio[index])
       raise ValueError(f'Drop.ratio={self.ratio!r} has no ratio for the MoE layer {layer}. Fix: '
                        f'add {index} (every stack) or {layer!r} to the mapping.')
     r_first, r_last = _linear(self.ratio)
-    depths = sorted(p[1] for p in self.positions.values() if p is not None and p[0] == stack)
+    depths = sorted(p[1] for p in positions.values() if p is not None and p[0] == stack)
     first, last = depths[0], depths[-1]
     return r_first if first == last else r_first + (r_last - r_first) * (index - first) / (
         last - first)
