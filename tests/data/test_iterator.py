@@ -53,6 +53,24 @@ def test_text_resumes_exactly(offline_run):
   assert restored.get_state()['batches'] == 6
 
 
+def test_a_position_carries_to_another_batch_size_and_reads_on_from_the_next_example(
+    offline_run):
+  """restore_dataset with a larger batch: 3 batches of 2 read = 2 batches of 3; the next two
+  batches of 3 are the next six examples of the batch-2 stream."""
+  pipeline, _, state, rest = offline_run
+  moved = iterator.rebatched(state, 3)
+  assert (moved['batch_size'], moved['batch_in_epoch'], moved['epoch']) == (3, 2, 0)
+  wider = iterator.DataIterator(pipeline, batch_size=3, seed=0)
+  wider.set_state(moved)
+  got = [next(wider) for _ in range(2)]
+  for k in rest[0]:
+    np.testing.assert_array_equal(np.concatenate([b[k] for b in got]),
+                                  np.concatenate([b[k] for b in rest]), err_msg=k)
+  assert iterator.rebatched(state, 2) == state
+  with pytest.raises(ValueError, match=r'6 examples\) is not a whole number of batches of 4'):
+    iterator.rebatched(state, 4)
+
+
 def test_text_seed_changes_data(offline_run):
   pipeline, first, _, _ = offline_run
   other = iterator.DataIterator(pipeline, batch_size=2, seed=1)

@@ -1,5 +1,6 @@
 """`python -m upcycle.study`: the verdict rule, FLOPs matching, the plan, and --quick end to end."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -8,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from upcycle.study import claims, runs as runs_lib
+from upcycle.study import claims, epochs, regime, runs as runs_lib
 from upcycle.study.__main__ import QUICK_ARMS, SUITES, plan, suite_of
 from upcycle.study.curves import Curve, Results
 from upcycle.study.scale import FULL, QUICK
@@ -60,7 +61,7 @@ def test_every_claim_compares_arms_the_full_study_runs():
   for claim_list in claims.CLAIMS.values():
     for c in claim_list:
       assert {(c.family, c.a), (c.family, c.b)} <= arms, c.claim
-  assert {(r.family, r.arm) for r in plan(QUICK, quick=True)} == {
+  assert {(r.family, r.arm) for r in plan(QUICK, quick=True, suites=SUITES)} == {
       (f, a) for f, arms_of in QUICK_ARMS.items() for a in arms_of}
   for r in plan(FULL, quick=False, suites=SUITES):
     assert r.arm in runs_lib.DESCRIPTIONS[r.family], r.arm
@@ -71,7 +72,7 @@ def test_every_claim_compares_arms_the_full_study_runs():
 @pytest.mark.slow
 def test_quick_study_writes_results_and_resumes(tmp_path):
   out, runs_dir = tmp_path / 'docs', tmp_path / 'runs'
-  command = [sys.executable, '-m', 'upcycle.study', '--quick', f'--out={out}',
+  command = [sys.executable, '-m', 'upcycle.study', '--quick', '--suite=all', f'--out={out}',
              f'--runs_dir={runs_dir}']
   env = {**os.environ, 'XLA_FLAGS': '--xla_backend_optimization_level=0'}
   done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
@@ -93,6 +94,20 @@ def test_quick_study_writes_results_and_resumes(tmp_path):
   assert dense['loss'][0] == pytest.approx(pretrain['loss'][-1], abs=1e-6)
   row = data['claims']['1. Upcycled MoE vs dense continuation at equal extra compute'][0]
   assert row['ours'].startswith('moe ') and 'dense' in row['ours']
+  # The regime suite: every arm read on from the pretraining's data position (2P batches by
+  # the dense continuation's end), its points at each fraction of the sunk cost, its plot.
+  p = QUICK.regime_pretrain_steps
+  position = epochs.data_position(str(runs_dir / 't5' / 'regime_dense' / 'seed0'))
+  assert (position['epoch'], position['batch_in_epoch']) == (0, 2 * p)
+  assert "## The headline claim in the paper's regime" in text
+  assert [r['fraction'] for r in data['regime']['rows']] == list(QUICK.regime_fractions)
+  assert all(set(r) >= {'regime_dense', 'regime_moe_paper', 'regime_moe_best', 'regime_scratch'}
+             for r in data['regime']['rows'])
+  ends = {e['arm']: e for e in data['regime']['ends']}
+  assert set(ends) == set(runs_lib.REGIME_ARMS)
+  assert ends['regime_dense']['epochs'] == pytest.approx(
+      2 * p * QUICK.t5_batch / epochs.examples_per_epoch(position['pipeline'], str(runs_dir)))
+  assert (out / 'results' / 't5_regime.png').stat().st_size > 10_000
   again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
   assert again.returncode == 0, again.stderr[-3000:]
   assert 'already finished, 0 to run' in again.stdout
@@ -169,3 +184,29 @@ def test_suites_split_the_arms_and_plan_each_run_after_the_runs_it_starts_from()
   assert set.union(*own.values()) == everything
   assert {n.split('/')[1] for n in own['beyond']} == set(runs_lib.BEYOND_ARMS)
   assert {n.split('/')[1] for n in own['trails']} == set(runs_lib.TRAIL_ARMS)
+
+
+def test_regime_reads_each_arm_at_fractions_of_the_sunk_cost_and_checks_the_plateau(tmp_path):
+  """Closed form: the dense pretraining spends 100 FLOPs (100 steps at 1); a continuation is
+  read at f x 100 extra FLOPs, the scratch MoE at (1 + f) x 100 total FLOPs."""
+  runs_dir = str(tmp_path)
+  _write_run(runs_dir, 'regime_pretrain', 0, None, 1.0, {0: 9.0, 80: 3.10, 100: 3.08})
+  _write_run(runs_dir, 'regime_dense', 0, ['regime_pretrain', 100], 1.0,
+             {100: 3.08, 150: 3.0, 200: 2.9})
+  _write_run(runs_dir, 'regime_moe_best', 0, ['regime_pretrain', 100], 2.0,
+             {100: 3.2, 125: 2.9, 150: 2.8})
+  _write_run(runs_dir, 'regime_scratch', 0, None, 2.0, {0: 9.0, 50: 3.1, 100: 2.7})
+  scale = dataclasses.replace(FULL, seeds=(0,), regime_pretrain_steps=100)
+  results = Results(runs_dir, (0,))
+  np.testing.assert_allclose(regime.sunk_flops(results, scale), [100.0])
+  np.testing.assert_allclose(regime.at_fraction(results, scale, 'regime_dense', 0.1),
+                             [3.08 - 0.08 * 10 / 50])
+  np.testing.assert_allclose(regime.at_fraction(results, scale, 'regime_moe_best', 0.5), [2.9])
+  np.testing.assert_allclose(regime.at_fraction(results, scale, 'regime_scratch', 0.5), [2.9])
+  best = regime.compare(results, scale, 'regime_moe_best', 'regime_dense', 0.5)
+  np.testing.assert_allclose(best.d, [3.0 - 2.9])      # d > 0: the upcycled model is better
+  assert best.verdict == 'not resolved (1 seed)'
+  [plateau] = regime.plateau(results, scale)     # (3.10 - 3.08) / 3.10 = 0.65% < 1%
+  assert plateau['plateaued'] and plateau['relative_drop'] == pytest.approx(0.02 / 3.10)
+  late = dataclasses.replace(scale, plateau_tolerance=0.005)
+  assert not regime.plateau(results, late)[0]['plateaued']

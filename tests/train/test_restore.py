@@ -272,6 +272,28 @@ def test_mistakes_fail_before_anything_is_read(t5, vit):
     _run(trainer, abstract, UpcycleFromDense(t5['dir'], experts=experts.FromCheckpoints))
 
 
+def test_restore_dataset_reads_the_position_a_training_step_saved_and_refuses_others(
+    t5, tmp_path):
+  position = {'shards': {'0': {'seed': 0, 'batch_size': 8, 'epoch': 0, 'batch_in_epoch': 5,
+                               'batches': 5}}}
+  params = {'encoder': {'w': np.ones((2, 3), np.float32)}}
+  with orbax.CheckpointManager(str(tmp_path / 'with'), async_save=False) as manager:
+    manager.save(5, params, dataset_state=position)
+  with orbax.CheckpointManager(str(tmp_path / 'without'), async_save=False) as manager:
+    manager.save(5, params)
+  assert ContinueFromCheckpoint(str(tmp_path / 'with' / '5'),
+                                restore_dataset=True).dataset_state() == position
+  assert UpcycleFromDense(str(tmp_path / 'with'), restore_dataset=True).dataset_state() == position
+  assert ContinueFromCheckpoint(str(tmp_path / 'with' / '5')).dataset_state() is None
+  with pytest.raises(ValueError, match=r"ContinueFromCheckpoint.restore_dataset=True: .*without/5 "
+                     r"\(orbax\) holds no data position; only the steps of a `python -m "
+                     r"upcycle.train` run do. Fix: ContinueFromCheckpoint.restore_dataset = False"):
+    ContinueFromCheckpoint(str(tmp_path / 'without'), restore_dataset=True).dataset_state()
+  with pytest.raises(ValueError, match=r"UpcycleFromDense.restore_dataset=True: .*checkpoint_6 "
+                     r"\(t5x\) holds no data position"):
+    UpcycleFromDense(t5['dir'], restore_dataset=True).dataset_state()
+
+
 def test_dense_leaves_are_placed_by_the_sharding_they_feed(t5):
   mesh = t5['trainer'].mesh
   expert = jax.sharding.NamedSharding(mesh, jax.P('expert', None, 'model'))

@@ -174,3 +174,26 @@ def test_trains_from_a_working_directory_with_folders_named_like_config_groups(t
   done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
   assert done.returncode == 0, done.stderr[-3000:]
   assert list(_train_losses(model_dir)) == [1]
+
+
+@pytest.mark.slow
+def test_a_continuation_that_restores_the_dataset_trains_like_the_uninterrupted_run(
+    tmp_path, straight_run):
+  """RESTORE_DATASET=True: the dense continuation of step 4 (optimizer state and step kept)
+  reads on from step 4's data position, so steps 5-12 equal the uninterrupted run's, loss for
+  loss; the position comes from the checkpoint and its batches are not read twice."""
+  from tests.train.conftest import RESUME_XLA_FLAGS  # pylint: disable=g-import-not-at-top
+  model_dir = tmp_path / 'continued'
+  command = [c.replace('runs/pretrain.gin', 'runs/continue_dense.gin')
+             for c in _train_command(model_dir, 12)]
+  command += [f"--gin.INITIAL_CHECKPOINT_PATH='{straight_run}/checkpoints/4'",
+              '--gin.RESTORE_DATASET=True']
+  done = subprocess.run(command, cwd=REPO, env={**os.environ, 'XLA_FLAGS': RESUME_XLA_FLAGS},
+                        capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert ("Reading the data on from the initial checkpoint's position: epoch 0, batch 4 of 8 "
+          'examples (shard 0)') in done.stdout + done.stderr
+  expected, continued = _train_losses(straight_run), _train_losses(model_dir)
+  assert sorted(continued) == list(range(5, 13))
+  for step in range(5, 13):
+    assert continued[step] == expected[step], step

@@ -226,6 +226,15 @@ def finished_steps(directory: str) -> dict:
           if re.fullmatch(r'\d+', name) and is_step_dir(os.path.join(directory, name))}
 
 
+def dataset_state(step_dir: str) -> Optional[dict]:
+  """The data-iterator positions a training step saved (`host_states.gather`'s form), or None
+  when the step has no dataset item (a checkpoint not written by a training run)."""
+  directory = os.path.join(step_dir, DATASET)
+  if not paths.isdir(directory):
+    return None
+  return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(directory)
+
+
 def load(path: str) -> Checkpoint:
   """A step directory or a MODEL_DIR (latest step) -> Checkpoint with lazy leaves."""
   path = paths.absolute(path)

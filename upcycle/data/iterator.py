@@ -151,3 +151,24 @@ class DataIterator:
     self._batch_in_epoch = int(state['batch_in_epoch'])
     self._batches = int(state['batches'])
     self._it = None
+
+
+def rebatched(state: Dict[str, Any], batch_size: int) -> Dict[str, Any]:
+  """`state` (from `get_state`) as the same place in the stream for batches of `batch_size`.
+
+  An epoch's examples come in an order that does not depend on the batch size (batching is
+  the pipeline's last step), so a position of `batch_in_epoch` batches of size b is one of
+  `batch_in_epoch * b / batch_size` batches of the new size when that is a whole number:
+  a continued run with a larger batch reads on from the next unread example.
+  """
+  old = int(state['batch_size'])
+  if old == batch_size:
+    return state
+  examples = int(state['batch_in_epoch']) * old
+  if examples % batch_size:
+    raise ValueError(
+        f'The data position {state["batch_in_epoch"]} batches of {old} examples into epoch '
+        f'{state["epoch"]} ({examples} examples) is not a whole number of batches of '
+        f'{batch_size}; continue with a batch size that divides {examples}.')
+  return {**state, 'batch_size': batch_size, 'batch_in_epoch': examples // batch_size,
+          'batches': int(state['batches']) * old // batch_size}

@@ -1,9 +1,10 @@
 """python -m upcycle.study --out docs/: re-run the papers' claims and write docs/RESULTS.md.
 
 Trains every arm of every claim (`upcycle.study.runs`) for each seed on the offline data (T5:
-span corruption over Python's documentation; ViT: scikit-learn's digits), two runs at a time,
-into --runs_dir (an interrupted study continues where it stopped), then writes
-OUT/RESULTS.md with one table per claim, OUT/results/*.png and OUT/results/study.json.
+span corruption over the source of Python's standard library; ViT: scikit-learn's digits), two
+runs at a time, into --runs_dir (an interrupted study continues where it stopped), then writes
+OUT/RESULTS.md (the `regime` suite's headline experiment, one table per claim),
+OUT/results/*.png and OUT/results/study.json.
 --quick: a few arms, one seed, a few steps (a smoke test of the whole pipeline, ~2 minutes).
 """
 
@@ -14,20 +15,24 @@ import platform
 import sys
 import time
 
-from upcycle.study import drop_units, execute, render, runs as runs_lib
+from upcycle.study import drop_units, epochs, execute, render, runs as runs_lib
 from upcycle.study.curves import Results
 from upcycle.study.scale import FULL, QUICK
 
-QUICK_ARMS = {'t5': ('pretrain', 'moe', 'dense', 'scratch'), 'vit': ('pretrain', 'moe')}
+QUICK_ARMS = {'t5': ('pretrain', 'moe', 'dense', 'scratch', *runs_lib.REGIME_ARMS),
+              'vit': ('pretrain', 'moe')}
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-SUITES = ('claims', 'beyond', 'trails')
+SUITES = ('regime', 'claims', 'beyond', 'trails')
 
 
 def suite_of(run) -> str:
-  """'claims': the papers' claims; 'beyond': the switches beyond the papers' anchors;
-  'trails': why the upcycled T5 trails the dense one (`runs.trail_runs`)."""
+  """'regime': the paper's headline experiment in its regime (`runs.regime_runs`); 'claims':
+  the papers' claims; 'beyond': the switches beyond the papers' anchors; 'trails': why the
+  upcycled T5 trails the dense one (`runs.trail_runs`)."""
+  if run.arm in runs_lib.REGIME_ARMS:
+    return 'regime'
   if run.arm in runs_lib.TRAIL_ARMS:
     return 'trails'
   return 'beyond' if run.arm in runs_lib.BEYOND_ARMS else 'claims'
@@ -40,7 +45,7 @@ def plan(scale, quick: bool, suites=('claims',)):
   every = {}
   for seed in scale.seeds:
     for r in (runs_lib.t5_runs(scale, seed) + runs_lib.vit_runs(scale, seed) +
-              runs_lib.trail_runs(scale, seed)):
+              runs_lib.trail_runs(scale, seed) + runs_lib.regime_runs(scale, seed)):
       every.setdefault(r.name, r)
   wanted = [r for r in every.values() if suite_of(r) in suites]
   if quick:
@@ -92,7 +97,7 @@ def _suite_line(args, scale, suite: str) -> str:
           f'start to the last end, {args.jobs} at a time.')
 
 
-def header(args, scale, seconds: float) -> str:
+def header(args, scale, seconds: float, corpus: str) -> str:
   suites = '\n'.join(_suite_line(args, scale, s) for s in SUITES)
   last = ('rendered from the finished runs (`--render_only`)' if args.render_only else
           f'the last invocation took {seconds / 60:.0f} minutes')
@@ -107,10 +112,12 @@ On {os.cpu_count()} CPU cores ({platform.machine()}, Python {platform.python_ver
 {last}; written {datetime.date.today().isoformat()}.
 
 **Setting.** Language: the tiny T5 v1.1 of the main job (`models/t5_1_1/tiny.gin`, 4+4 layers,
-d_model 64, byte vocabulary) trained with span corruption on the offline corpus (Python's own
-documentation) with T5X's Adafactor and rsqrt schedule; dense pretraining P = {scale.t5_pretrain_steps}
-steps, then X = {scale.t5_extra_steps} extra steps; batch {scale.t5_batch} throughout (the main job's pretraining batch;
-the main job continues with 4x that, the setting of the `trails` suite's last row). Vision: the tiny ViT
+d_model 64, byte vocabulary) trained with span corruption on {corpus} with T5X's Adafactor and
+rsqrt schedule; in the claims, dense pretraining P = {scale.t5_pretrain_steps} steps, then X = {scale.t5_extra_steps} extra steps; batch {scale.t5_batch}
+throughout (the main job's pretraining batch; the main job continues with 4x that, the setting of the
+`trails` suite's last row). A run that starts from another's checkpoint reads the data on from
+where that one stopped (`RESTORE_DATASET=True`): no T5 run reads a training sequence twice (the
+`epochs` columns). Vision: the tiny ViT
 (`models/vit/tiny.gin`, 4 blocks, width 64) on scikit-learn's 8x8 handwritten digits (1,797 real
 scans, upsampled to 16x16), big_vision's Adafactor, schedule over P + X = {scale.vit_pretrain_steps} +
 {scale.vit_extra_steps} steps. Every MoE arm has E = {scale.num_experts} experts unless named otherwise;
@@ -118,8 +125,10 @@ the language arms use the paper's T5X/Flaxformer conventions (`moe/paper_t5.gin`
 arms V-MoE's (`moe/paper_vit.gin`). Seeds {', '.join(map(str, scale.seeds))}: each seed
 pretrains its own dense model and runs every arm from it, so arms are compared seed by seed.
 
-**Measurements.** Validation loss / accuracy on the whole validation split (T5: 12 batches of 16
-sequences of text never seen in training; ViT: the held-out digits), every
+**Measurements.** Validation loss / accuracy on text and images never seen in training (T5:
+{scale.t5_eval_batches} batches of {scale.t5_batch} sequences of the validation split, modules of the standard library kept out
+of training, shuffled by the seed: every arm of a seed is evaluated on the same sequences; ViT: all
+held-out digits), every
 {scale.eval_every} steps and at each run's start. A run's final value is the mean of its last
 {scale.final_window} evaluations (the last {(scale.final_window - 1) * scale.eval_every} steps): one evaluation of these small models moves
 by several hundredths between neighbouring evaluations, more than many differences compared
@@ -132,8 +141,6 @@ curves at the FLOPs where the cheaper one ended, dense pretraining included. **V
 better), s.e. = std(d)/sqrt(n); 'yes' when the paper's direction holds by more than 2 s.e.,
 'no' when the opposite does, 'not resolved' otherwise. After a verdict that is not 'yes', the
 most likely reason.
-
-## Claims
 """
 
 
@@ -142,10 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument('--out', default='docs', help='where RESULTS.md and results/ go')
   parser.add_argument('--runs_dir', default='runs/study', help='the training runs')
   parser.add_argument('--suite', choices=(*SUITES, 'all'), default='claims',
-                      help="which runs to train: the papers' claims (~50 min), the switches "
-                           "beyond the papers' anchors (~15 min), why the upcycled T5 trails the "
-                           'dense one (~40 min), or all; RESULTS.md always shows every finished '
-                           'run')
+                      help="which runs to train: the headline claim in the paper's regime "
+                           "(~70 min), the papers' claims (~50 min), the switches beyond the "
+                           "papers' anchors (~15 min), why the upcycled T5 trails the dense one "
+                           '(~40 min), or all; RESULTS.md always shows every finished run')
   parser.add_argument('--quick', action='store_true',
                       help='a few claims arms, one seed, a few steps')
   parser.add_argument('--jobs', type=int, default=2, help='training runs at a time')
@@ -173,8 +180,10 @@ def main(argv=None) -> None:
   arms = {family: {arm: runs_lib.DESCRIPTIONS[family][arm] for arm in
                    dict.fromkeys(r.arm for r in shown if r.family == family)}
           for family in ('t5', 'vit')}
-  path = render.write(args.out, results, header(args, scale, time.time() - start), arms, units,
-                      scale)
+  corpus = epochs.describe('stdlib', os.path.join(args.runs_dir, 't5', 'pretrain',
+                                                  f'seed{scale.seeds[0]}'), args.runs_dir)
+  path = render.write(args.out, results, header(args, scale, time.time() - start, corpus), arms,
+                      units, scale, corpus)
   print(f'study: wrote {path}', flush=True)
   if failed:
     sys.exit(f'study: {len(failed)} runs failed or could not start: {", ".join(failed)} '

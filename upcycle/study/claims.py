@@ -27,6 +27,7 @@ class Row:
   paper: str
   ours: str
   agrees: str
+  epochs: str = '—'   # the most either arm's runs read of their training data
 
 
 def mean_std(x: np.ndarray) -> str:
@@ -115,7 +116,8 @@ class Claim:
     agrees = verdict(d, self.expect)
     if agrees not in ('yes',) and self.if_not:
       agrees = f'{agrees} — {self.if_not}'
-    return Row(self.claim, self.paper, describe(self.a, a, self.b, b, d), agrees)
+    read = max(results.epochs(f, arm) for arm in self.arms())
+    return Row(self.claim, self.paper, describe(self.a, a, self.b, b, d), agrees, f'{read:.2f}')
 
 
 SCALE_NOTE = ('a 4+4-layer d=64 T5 on 370 KB of text for a few hundred steps, far from the '

@@ -104,6 +104,13 @@ class Results:
   def curves(self, family: str, arm: str) -> List[Curve]:
     return [self.curve(family, arm, s) for s in self.seeds]
 
+  def epochs(self, family: str, arm: str) -> float:
+    """The most any seed's run of the arm read of its training data, in epochs
+    (`upcycle.study.epochs`)."""
+    from upcycle.study import epochs  # pylint: disable=g-import-not-at-top
+    return max(epochs.read(os.path.join(self.runs_dir, family, arm, f'seed{s}'), self.runs_dir)
+               for s in self.seeds)
+
   def final(self, family: str, arm: str, metric: str) -> np.ndarray:
     """`[seeds]` the mean of each seed's last `final_window` evaluations."""
     return self.until(family, arm, metric, np.inf)

@@ -1,12 +1,13 @@
 """docs/RESULTS.md and its plots from a finished study."""
 
+import dataclasses
 import json
 import os
 from typing import Dict, List, Sequence
 
 import numpy as np
 
-from upcycle.study import claims, runs as runs_lib
+from upcycle.study import claims, regime, runs as runs_lib
 from upcycle.study.curves import Results
 
 PLOTS = 'results'
@@ -58,7 +59,8 @@ def plot(results: Results, family: str, arms: Dict[str, str], metric: str, axis:
 
 
 def ablations(results: Results, family: str, arms: Sequence[str], metric: str) -> List[tuple]:
-  """(arm, at the start, final, FLOPs/step, final - moe's final ± s.e.) of the arms that ran."""
+  """(arm, at the start, final, FLOPs/step, final - moe's final ± s.e., epochs) of the arms
+  that ran."""
   rows = []
   base = results.final(family, 'moe', metric) if results.has(family, 'moe') else None
   for arm in arms:
@@ -71,7 +73,7 @@ def ablations(results: Results, family: str, arms: Sequence[str], metric: str) -
       diff = f'{d.mean():+.4f} ± {claims.standard_error(d):.4f}'
     rows.append((arm, claims.mean_std(results.start(family, arm, metric)),
                  claims.mean_std(final), f'{results.curves(family, arm)[0].flops_per_step:.3g}',
-                 diff))
+                 diff, f'{results.epochs(family, arm):.2f}'))
   return rows
 
 
@@ -100,21 +102,135 @@ def trails(results: Results, scale) -> List[tuple]:
     d = claims.paired(moe, dense, 'loss')
     rate = (results.curves('t5', other)[0].flops_per_step /
             results.curves('t5', dense_arm)[0].flops_per_step)
+    read = max(results.epochs('t5', dense_arm), results.epochs('t5', other))
     rows.append((label, claims.mean_std(dense), f'`{other}` {claims.mean_std(moe)}',
-                 f'{d.mean():+.4f} ± {claims.standard_error(d):.4f}', f'{rate:.2f}'))
+                 f'{d.mean():+.4f} ± {claims.standard_error(d):.4f}', f'{rate:.2f}',
+                 f'{read:.2f}'))
   return rows
 
 
+def regime_plot(results: Results, scale, path: str) -> bool:
+  """Validation loss against extra compute as a percentage of the sunk cost, mean ± std over
+  seeds; the scratch MoE at the same total compute. False before a continuation ran."""
+  labels = {regime.DENSE: 'dense continued', regime.PAPER: "upcycled, the paper's recipe",
+            regime.BEST: 'upcycled, the best recipe here', regime.SCRATCH: 'MoE from scratch'}
+  labels = {arm: label for arm, label in labels.items() if results.has('t5', arm)}
+  if not regime.finished(results) or not labels:
+    return False
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  sunk = regime.sunk_flops(results, scale)
+  x = np.linspace(0, 100 * max(scale.regime_fractions), 41)
+  fig, ax = plt.subplots(figsize=(6.5, 4))
+  for arm, label in labels.items():
+    y = np.array([regime.at_fraction(results, scale, arm, f / 100) for f in x])  # [x, seeds]
+    mean = y.mean(1)
+    std = y.std(1, ddof=1) if y.shape[1] > 1 else np.zeros_like(mean)
+    line, = ax.plot(x, mean, '-', label=label)
+    ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.15)
+  for f in scale.regime_fractions:
+    ax.axvline(100 * f, color='grey', linewidth=0.5, linestyle=':')
+  ax.set_xlabel(f'extra training compute, % of the dense pretraining\'s '
+                f'({np.mean(sunk):.3g} FLOPs)')
+  ax.set_ylabel('validation loss')
+  ax.set_title(f'T5, dense pretrained {scale.regime_pretrain_steps} steps, no example read twice',
+               fontsize=10)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
+
+
+def regime_parts(summary, scale, corpus: str) -> List[str]:
+  """The `regime` section of RESULTS.md from `regime.summary`."""
+  p = scale.regime_pretrain_steps
+  inputs, targets = (summary['feature_lengths'][k] for k in ('inputs', 'targets'))
+  window, tolerance = scale.plateau_window, scale.plateau_tolerance
+  held = sum(row['plateaued'] for row in summary['plateau'])
+  parts = [
+      "## The headline claim in the paper's regime (the `regime` suite)",
+      f'The paper upcycles dense checkpoints trained to diminishing returns on data never '
+      f'repeated, and states its gains against extra compute as a fraction of that sunk cost. '
+      f'Here: the tiny T5 pretrained densely for P = {p} steps on {corpus}; then, from that '
+      f'checkpoint and reading the data on from where it stopped (`RESTORE_DATASET=True`), '
+      f'continued densely and upcycled (E = {scale.num_experts}) with the paper\'s T5 recipe '
+      f'(`regime_moe_paper`: fresh optimizer state, combine weights not normalized) and with '
+      f'the best recipe of the claims below (`regime_moe_best`: normalized, dense optimizer '
+      f'state reused), each for 100% of the sunk cost\'s FLOPs; and the upcycled models\' '
+      f'architecture trained from scratch for the FLOPs of both dense runs together. Each point '
+      f'is the validation loss interpolated at that compute on the run\'s evaluations (every '
+      f'{scale.eval_every} steps); d > 0 when the upcycled model is better, paired by seed; '
+      f'verdicts by the 2 s.e. rule. Tokens per expert per step: each encoder expert takes '
+      f'2 x {scale.t5_batch} x {inputs} / {scale.num_experts} = '
+      f'{2 * scale.t5_batch * inputs // scale.num_experts} token slots (Expert Choice, C = 2), '
+      f'each decoder expert {1.25 * scale.t5_batch * targets / scale.num_experts:.0f} (Top-2, '
+      f'C = 1.25); the paper\'s T5 Base with 32 experts gives each encoder expert 32 B slots '
+      f'at a batch of B sequences of 512 tokens (4,096 at T5X\'s default pretraining batch of '
+      f'128; the summaries this study works from do not state B).',
+      f'**Plateau.** Criterion: the last {window:.0%} of the pretraining steps lowered the '
+      f'validation loss by less than {tolerance:.0%}; it held for {held} of '
+      f'{len(summary["plateau"])} seeds.',
+      table(('seed', f'loss at step {summary["plateau"][0]["step_before"]:.0f}',
+             f'loss at step {p}', 'relative drop', 'plateaued?'),
+            [(r['seed'], f"{r['loss_before']:.4f}", f"{r['loss_at_p']:.4f}",
+              f"{r['relative_drop']:.2%}", 'yes' if r['plateaued'] else 'no')
+             for r in summary['plateau']]),
+  ]
+  rows = []
+  for row in summary['rows']:
+    cell = lambda arm, shown='a': row[arm].cell(shown) if arm in row else 'not finished'
+    rows.append((f"{row['fraction']:.0%}",
+                 claims.mean_std(row[regime.DENSE]) if regime.DENSE in row else 'not finished',
+                 cell(regime.PAPER), cell(regime.BEST), cell(regime.SCRATCH, 'b')))
+  parts += ['**Validation loss at extra compute = a fraction of the sunk cost** (mean ± std '
+            'over seeds; d ± s.e.: verdict that the upcycled model is better).',
+            table(('extra compute', 'dense continued', "upcycled, paper's recipe (vs dense)",
+                   'upcycled, best recipe (vs dense)',
+                   'MoE from scratch at equal total compute (best recipe vs it)'),
+                  rows)]
+  parts += ['**Each run at its end**: training loss = the mean logged loss of its last 10% of '
+            'steps (every batch is new when its loss is logged), validation loss = its last '
+            'evaluation; epochs = training examples read by then, those of the run it '
+            'continues included, over the examples in the training split (the most over '
+            'seeds).',
+            table(('arm', 'last step', 'epochs', 'training loss', 'validation loss',
+                   'gap (validation - training)'),
+                  [(f"`{e['arm']}`", e['steps'], f"{e['epochs']:.2f}",
+                    claims.mean_std(e['train']), claims.mean_std(e['validation']),
+                    claims.mean_std(e['gap'])) for e in summary['ends']])]
+  return parts
+
+
+def _jsonable(x):
+  if isinstance(x, dict):
+    return {k: _jsonable(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_jsonable(v) for v in x]
+  if isinstance(x, regime.Comparison):
+    return _jsonable(dataclasses.asdict(x))
+  return x.tolist() if isinstance(x, (np.ndarray, np.generic)) else x
+
+
 def write(out: str, results: Results, header: str, arms: Dict[str, Dict[str, str]],
-          drop_units: List[dict], scale) -> str:
-  """Writes out/RESULTS.md, out/results/*.png and out/results/study.json; returns the path."""
+          drop_units: List[dict], scale, corpus: str) -> str:
+  """Writes out/RESULTS.md, out/results/*.png and out/results/study.json; returns the path.
+  `corpus`: the T5 training data in words (the `regime` section says what P steps read)."""
   os.makedirs(os.path.join(out, PLOTS), exist_ok=True)
   parts = [header]
+  summary = regime.summary(results, scale)
+  if summary is not None:
+    parts += regime_parts(summary, scale, corpus)
+    if regime_plot(results, scale, os.path.join(out, PLOTS, 't5_regime.png')):
+      parts.append(f'![t5_regime.png]({PLOTS}/t5_regime.png)')
+  parts.append('## Claims')
   sections = claims.rows(results)
   for title, rows in sections:
     parts += [f'### {title}', table(('claim', "paper's number", 'ours (mean ± std over seeds)',
-                                     'agrees?'),
-                                    [(r.claim, r.paper, r.ours, r.agrees) for r in rows])]
+                                     'agrees?', 'epochs'),
+                                    [(r.claim, r.paper, r.ours, r.agrees, r.epochs)
+                                     for r in rows])]
   if drop_units:
     parts += ['### Drop-Upcycling: untouched units (measured on the seed-0 dense T5, first '
               'encoder MoE block)',
@@ -132,15 +248,17 @@ def write(out: str, results: Results, header: str, arms: Dict[str, Dict[str, str
               'each the mean of its last evaluations up to the step named; d > 0 when the '
               'second column beats the dense one.',
               table(('setting', 'dense continued', 'the other arm',
-                     'd (paired by seed, ± s.e.)', 'its training FLOPs / step vs dense'),
+                     'd (paired by seed, ± s.e.)', 'its training FLOPs / step vs dense',
+                     'epochs (at the runs\' ends)'),
                     trail_rows)]
   for family, metric in (('t5', 'loss'), ('vit', 'accuracy')):
-    shown = [a for a in arms[family] if a not in runs_lib.TRAIL_ARMS]
+    shown = [a for a in arms[family]
+             if a not in runs_lib.TRAIL_ARMS and a not in runs_lib.REGIME_ARMS]
     rows = ablations(results, family, shown, metric)
     if rows:
       parts += [f'### Every {family.upper()} arm (validation {metric})',
                 table(('arm', 'at the start', 'final', 'training FLOPs / step',
-                       'final − moe (± s.e., paired by seed)'),
+                       'final − moe (± s.e., paired by seed)', 'epochs'),
                       [(f'`{r[0]}` ({arms[family][r[0]]})', *r[1:]) for r in rows])]
   batch = scale.t5_batch
   figures = [
@@ -183,6 +301,7 @@ def write(out: str, results: Results, header: str, arms: Dict[str, Dict[str, str
           for family in arms}
   data['claims'] = {title: [r.__dict__ for r in rows] for title, rows in sections}
   data['drop_units'] = drop_units
+  data['regime'] = _jsonable(summary)
   with open(os.path.join(out, PLOTS, 'study.json'), 'w') as f:
     json.dump(data, f, indent=1)
   return path

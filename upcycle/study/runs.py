@@ -14,7 +14,7 @@ from upcycle.study import curves
 from upcycle.study.scale import Scale
 
 T5_MODEL = 'models/t5_1_1/tiny.gin'
-T5_DATA = 'data/offline_span_corruption.gin'
+T5_DATA = 'data/offline_stdlib_span_corruption.gin'
 VIT_MODEL = 'models/vit/tiny.gin'
 VIT_DATA = 'data/offline_digits.gin'
 T5_MOE = ('moe/paper_t5.gin',)
@@ -66,11 +66,11 @@ class Run:
                 f'SEED={self.seed}', f'trainer.TrainConfig.eval_every={scale.eval_every}',
                 f'trainer.TrainConfig.log_every={scale.log_every}',
                 f'trainer.TrainConfig.checkpoint_every={scale.checkpoint_every}',
-                'trainer.TrainConfig.eval_batches=0', 'trainer.TrainConfig.eval_at_start=True']
-    if self.source:
+                'trainer.TrainConfig.eval_at_start=True']
+    if self.source:   # read on from the source's data position: no example is seen twice
       arm, step = self.source
       path = os.path.join(self.directory(runs_dir, arm), 'checkpoints', str(step))
-      bindings.append(f"INITIAL_CHECKPOINT_PATH='{path}'")
+      bindings += [f"INITIAL_CHECKPOINT_PATH='{path}'", 'RESTORE_DATASET=True']
     return [python, '-m', 'upcycle.train', f'--gin_file={model}',
             *[f'--gin_file={f}' for f in self.gin_files], f'--gin_file={data}',
             *[f'--gin.{b}' for b in (*bindings, *scale.family_bindings(self.family),
@@ -85,13 +85,29 @@ def last_logged(run_dir: str, split: str, key: str) -> float:
   return values[-1]
 
 
+def flops_per_step(run: Run, runs_dir: str, arm: str) -> float:
+  """The training FLOPs per step `arm` (same family and seed as `run`) logged."""
+  return last_logged(run.directory(runs_dir, arm), 'train', 'train_flops_per_step')
+
+
+def sunk_cost_steps(sunk_steps: int, fraction: float, rate_arm: str, *,
+                    start: int) -> Callable[[Run, str], int]:
+  """TRAIN_STEPS spending `fraction` of the sunk cost (the FLOPs of `sunk_steps` steps of the
+  `regime_pretrain` run) after `start`, at the FLOPs per step of `rate_arm`."""
+
+  def steps(run: Run, runs_dir: str) -> int:
+    sunk = sunk_steps * flops_per_step(run, runs_dir, 'regime_pretrain')
+    return start + int(math.ceil(fraction * sunk / flops_per_step(run, runs_dir, rate_arm)))
+
+  return steps
+
+
 def equal_flops_steps(start: int, extra: int, reference_arm: str) -> Callable[[Run, str], int]:
   """TRAIN_STEPS giving a dense continuation the extra FLOPs `reference_arm` spent in `extra`
   steps: extra * (its FLOPs/step) / (dense FLOPs/step, from the pretraining run)."""
 
   def steps(run: Run, runs_dir: str) -> int:
-    moe = last_logged(run.directory(runs_dir, reference_arm), 'train', 'train_flops_per_step')
-    dense = last_logged(run.directory(runs_dir, 'pretrain'), 'train', 'train_flops_per_step')
+    moe, dense = (flops_per_step(run, runs_dir, arm) for arm in (reference_arm, 'pretrain'))
     return start + int(math.ceil(extra * moe / dense))
 
   return steps
@@ -184,6 +200,36 @@ def trail_runs(scale: Scale, seed: int) -> List[Run]:
   ]
 
 
+REGIME_ARMS = ('regime_pretrain', 'regime_dense', 'regime_moe_paper', 'regime_moe_best',
+               'regime_scratch')
+
+
+def regime_runs(scale: Scale, seed: int) -> List[Run]:
+  """The paper's headline experiment in its regime: a dense T5 pretrained to its plateau
+  (`regime_pretrain_steps`, the sunk cost) on data it never repeats, then continued densely and
+  upcycled (the paper's recipe and this study's best) for 100% of the sunk cost's FLOPs, each
+  evaluated along the way (10%, 25%, 50% are points of the same runs: the rsqrt schedule does
+  not depend on a run's length), and an MoE from scratch for the total of both. The MoE's
+  FLOPs per step come from the claims suite's `moe` run (the same architecture and batch)."""
+  p = scale.regime_pretrain_steps
+  e = f'NUM_EXPERTS={scale.num_experts}'
+  run = lambda arm, files, bindings=(), **kw: Run('t5', arm, seed, tuple(files), tuple(bindings),
+                                                  **kw)
+  # The pretraining keeps its checkpoints: the plateau criterion may be read at any of them.
+  keep = f'trainer.TrainConfig.keep_checkpoints={p // scale.checkpoint_every}'
+  moe = lambda arm, files: run(arm, files, [e], steps=sunk_cost_steps(p, 1.0, 'moe', start=p),
+                               source=('regime_pretrain', p), after=('moe',))
+  return [
+      run('regime_pretrain', ['runs/pretrain.gin'], [keep], steps=p),
+      run('regime_dense', ['runs/continue_dense.gin'], steps=2 * p,
+          source=('regime_pretrain', p)),
+      moe('regime_moe_paper', (*T5_MOE, 'runs/upcycle.gin')),
+      moe('regime_moe_best', MAIN_JOB_MOE),
+      run('regime_scratch', [*T5_MOE, 'runs/pretrain.gin'], [e],
+          steps=sunk_cost_steps(p, 2.0, 'moe', start=0), after=('regime_pretrain', 'moe')),
+  ]
+
+
 def vit_runs(scale: Scale, seed: int) -> List[Run]:
   """The vision runs of one seed (tiny ViT, scikit-learn's digits)."""
   p, x = scale.vit_pretrain_steps, scale.vit_extra_steps
@@ -237,6 +283,14 @@ DESCRIPTIONS = {
                          'upcycling step, trained X steps',
         'main_dense_batch4x': 'dense continued with a 4x larger batch',
         'main_moe_batch4x': "the main job's MoE with a 4x larger batch",
+        'regime_pretrain': 'dense pretraining to the plateau (the sunk cost)',
+        'regime_dense': 'dense continued, data read on, for 100% of the sunk cost',
+        'regime_moe_paper': "upcycled with the paper's T5 recipe (fresh optimizer state, "
+                            'unnormalized), data read on, for 100% of the sunk cost',
+        'regime_moe_best': 'upcycled with the best recipe here (normalized, dense optimizer '
+                           'state reused), data read on, for 100% of the sunk cost',
+        'regime_scratch': '`regime_moe_paper`\'s architecture from scratch for the FLOPs of the '
+                          'dense pretraining and its continuation together',
         'grown': '`experts_4` grown to 8 experts (each copied once, router columns too; '
                  'optimizer state taken alike) a third of the way through X, trained on',
     },

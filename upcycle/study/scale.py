@@ -27,6 +27,14 @@ class Scale:
     trail_long_steps: the `trails` suite's long horizon after P.
     trail_late_upcycling_step: where its late upcycling starts (a multiple of
       checkpoint_every, between P and P + trail_long_steps).
+    t5_eval_batches: batches of each T5 evaluation, drawn from the validation split shuffled
+      by the run's seed (every arm of a seed sees the same sequences).
+    regime_pretrain_steps: the `regime` suite's dense pretraining (its sunk cost), a multiple
+      of checkpoint_every.
+    regime_fractions: the extra compute, as fractions of the sunk cost, it compares at.
+    plateau_window, plateau_tolerance: the dense pretraining has plateaued when its last
+      `plateau_window` of steps lowered the validation loss by less than `plateau_tolerance`
+      (relative).
   """
 
   t5_pretrain_steps: int
@@ -44,6 +52,11 @@ class Scale:
   final_window: int = 1
   trail_long_steps: int = 1500
   trail_late_upcycling_step: int = 1000
+  t5_eval_batches: int = 96
+  regime_pretrain_steps: int = 1500
+  regime_fractions: Tuple[float, ...] = (0.1, 0.25, 0.5, 1.0)
+  plateau_window: float = 0.2
+  plateau_tolerance: float = 0.01
 
   @property
   def t5_batch(self) -> int:
@@ -51,9 +64,11 @@ class Scale:
 
   def family_bindings(self, family: str) -> Tuple[str, ...]:
     if family != 't5':
-      return ()
+      return ('trainer.TrainConfig.eval_batches=0',)   # the whole digits validation split
     return ((f'BATCH_SIZE={self.t5_batch_size}',) if self.t5_batch_size else ()) + (
-        (f'TASK_FEATURE_LENGTHS={self.t5_feature_lengths}',) if self.t5_feature_lengths else ())
+        (f'TASK_FEATURE_LENGTHS={self.t5_feature_lengths}',) if self.t5_feature_lengths else ()
+    ) + (f'trainer.TrainConfig.eval_batches={self.t5_eval_batches}',
+         'validation/text.TextPipeline.shuffle=True')
 
 
 # The main job's setting (quickstart: tiny T5, batch 16, P = 200), with 3x its extra steps.
@@ -64,4 +79,5 @@ FULL = Scale(t5_pretrain_steps=200, t5_extra_steps=300, vit_pretrain_steps=200,
 QUICK = Scale(t5_pretrain_steps=4, t5_extra_steps=4, vit_pretrain_steps=4, vit_extra_steps=4,
               seeds=(0,), expert_counts=(4, 8), eval_every=4, log_every=2, checkpoint_every=2,
               t5_batch_size=4, t5_feature_lengths="{'inputs': 32, 'targets': 8}",
-              trail_long_steps=8, trail_late_upcycling_step=8)
+              trail_long_steps=8, trail_late_upcycling_step=8, t5_eval_batches=2,
+              regime_pretrain_steps=4)

@@ -69,6 +69,8 @@ class GrowExperts(restore.OneJit):
     reuse_optimizer_state: take the checkpoint's optimizer state like the parameters
       (the run's optimizer must be the checkpoint's); False: fresh state.
     step: 'keep', 'reset' or a step number (`upcycling/step_policy.py`).
+    restore_dataset: read on from the checkpoint's data position
+      (`restore.UpcycleFromDense`).
   """
 
   checkpoint: str
@@ -77,6 +79,7 @@ class GrowExperts(restore.OneJit):
   usage: Optional[Usage] = None
   reuse_optimizer_state: bool = True
   step: step_policy.Step = 'keep'
+  restore_dataset: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, 'step', step_policy.check(self.step, fields.binding(self, 'step')))
@@ -114,6 +117,8 @@ class GrowDepth(restore.OneJit):
     reuse_optimizer_state: take the checkpoint's optimizer state like the parameters;
       False: fresh state.
     step: 'keep', 'reset' or a step number (`upcycling/step_policy.py`).
+    restore_dataset: read on from the checkpoint's data position
+      (`restore.UpcycleFromDense`).
   """
 
   checkpoint: str
@@ -121,6 +126,7 @@ class GrowDepth(restore.OneJit):
   layer_map: depth_growth.LayerMap = 'tile'
   reuse_optimizer_state: bool = True
   step: step_policy.Step = 'keep'
+  restore_dataset: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, 'step', step_policy.check(self.step, fields.binding(self, 'step')))

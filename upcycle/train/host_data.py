@@ -12,7 +12,7 @@ from typing import Any, Dict, List
 import jax
 import numpy as np
 
-from upcycle.data.iterator import DataIterator
+from upcycle.data.iterator import DataIterator, rebatched
 
 
 class HostData:
@@ -50,3 +50,14 @@ class HostData:
   def set_state(self, states: Dict[int, Dict[str, Any]]) -> None:
     for i, it in zip(self.shards, self.iterators):
       it.set_state(states[i])
+
+  def continue_stream(self, states: Dict[int, Dict[str, Any]]) -> None:
+    """Reads on from another run's positions (`get_state` of a run with the same pipeline,
+    seed and data shards, its batch size possibly another: `iterator.rebatched`)."""
+    for i, it in zip(self.shards, self.iterators):
+      it.set_state(rebatched(states[i], it.get_state()['batch_size']))
+
+  def describe_position(self) -> str:
+    """E.g. 'epoch 0, batch 50 of 64 examples (shard 0)' per shard of this host."""
+    return '; '.join(f"epoch {s['epoch']}, batch {s['batch_in_epoch']} of {s['batch_size']} "
+                     f'examples (shard {i})' for i, s in self.get_state().items())

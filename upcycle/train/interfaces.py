@@ -66,7 +66,11 @@ class Optimizer(Protocol):
 
 @runtime_checkable
 class Initializer(Protocol):
-  """The first state of a run that has no checkpoint of its own (e.g. the upcycling hook)."""
+  """The first state of a run that has no checkpoint of its own (e.g. the upcycling hook).
+
+  Optionally also `dataset_state() -> Optional[dict]`: data positions (as a training step
+  saves them) the run reads on from (the restore hooks' `restore_dataset`).
+  """
 
   def __call__(self, abstract_state: TrainState, optimizer: optax.GradientTransformation,
                model_config: Optional[Any] = None) -> TrainState:

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from upcycle import checkpoints, pretrained, tree
-from upcycle.checkpoints import optimizer_state
+from upcycle.checkpoints import optimizer_state, orbax
 from upcycle.models import scan_layout
 from upcycle.checkpoints import slots
 from upcycle.train.state import TrainState
@@ -146,7 +146,28 @@ class StateJit:
     return self.jitted.lower(inputs, saved, jax.ShapeDtypeStruct((2,), jnp.uint32))
 
 
-class OneJit:
+class ReadsOn:
+  """A hook with `checkpoint` and `restore_dataset`: `dataset_state()` gives the trainer the
+  data positions to read on from (None: the data starts from its beginning)."""
+
+  def dataset_state(self) -> Optional[dict]:
+    if not self.restore_dataset:
+      return None
+    owner = type(self).__name__
+    if not isinstance(self.checkpoint, str):
+      raise ValueError(f'{owner}.restore_dataset=True reads one checkpoint\'s data position; '
+                       f'{len(self.checkpoint)} are given. Fix: {owner}.restore_dataset = False.')
+    ckpt = pretrained.load(self.checkpoint, self.format, lazy=True)
+    state = orbax.dataset_state(ckpt.path) if ckpt.format == 'orbax' else None
+    if state is None:
+      raise ValueError(
+          f'{owner}.restore_dataset=True: {ckpt.path} ({ckpt.format}) holds no data position; '
+          f'only the steps of a `python -m upcycle.train` run do. Fix: {owner}.restore_dataset '
+          f'= False (the data starts from its beginning).')
+    return state
+
+
+class OneJit(ReadsOn):
   """An initializer that is one `StateJit` (its `_jit`): calling it reads and runs the jit,
   `lower` lowers it on abstract inputs (`upcycle.aot`)."""
 
@@ -271,7 +292,7 @@ def _place(abstract_state: TrainState, state: TrainState) -> TrainState:
   return jax.device_put(state, jax.tree.map(lambda x: x.sharding, abstract_state))
 
 @dataclasses.dataclass(frozen=True)
-class UpcycleFromDense:
+class UpcycleFromDense(ReadsOn):
   """Initializer: the MoE model's first state, upcycled from a dense checkpoint.
 
   Attributes:
@@ -293,6 +314,10 @@ class UpcycleFromDense:
     cast: cast dense values to the model's parameter dtypes (e.g. a bfloat16
       checkpoint into a float32 model) instead of failing; casts are listed in
       the printed report.
+    restore_dataset: read on from the data position saved with the checkpoint (a step of
+      a `python -m upcycle.train` run; T5X's `restore_dataset`), so the new run sees none
+      of the dense run's examples again; the batch size may differ if the position is a
+      whole number of new batches. False: the data starts from its beginning.
   """
 
   checkpoint: Union[str, Sequence[str]]
@@ -303,6 +328,7 @@ class UpcycleFromDense:
   step: step_policy.Step = 'keep'
   seed: int = 0
   cast: bool = False
+  restore_dataset: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, 'step', step_policy.check(self.step, 'UpcycleFromDense.step'))
@@ -406,6 +432,7 @@ class ContinueFromCheckpoint(OneJit):
       Adafactor, our orbax optax state) as it is; False: fresh state.
     step: 'keep', 'reset' or a step number (module docstring).
     cast: cast checkpoint values to the model's parameter dtypes.
+    restore_dataset: read on from the checkpoint's data position (`UpcycleFromDense`).
   """
 
   checkpoint: str
@@ -413,6 +440,7 @@ class ContinueFromCheckpoint(OneJit):
   reuse_optimizer_state: bool = True
   step: step_policy.Step = 'keep'
   cast: bool = False
+  restore_dataset: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, 'step', step_policy.check(self.step, 'ContinueFromCheckpoint.step'))

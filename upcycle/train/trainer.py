@@ -261,6 +261,11 @@ class Trainer:
       if self.initializer is None:
         return self.fresh_state(abstract, example), False
       state = self.initializer(abstract, self.optimizer, self.objective.model.config)
+      positions = getattr(self.initializer, 'dataset_state', lambda: None)()
+      if positions is not None:    # restore_dataset: read on where the source run stopped
+        data.continue_stream(host_states.mine(positions, data.shards))
+        log.info('Reading the data on from the initial checkpoint\'s position: %s',
+                 data.describe_position())
       host_states.wait_for_all_hosts('initialized')
       return state, False
     shardings = jax.tree.map(lambda x: x.sharding, abstract)
