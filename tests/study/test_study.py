@@ -196,7 +196,7 @@ def test_regime_reads_each_arm_at_fractions_of_the_sunk_cost_and_checks_the_plat
   _write_run(runs_dir, 'regime_moe_best', 0, ['regime_pretrain', 100], 2.0,
              {100: 3.2, 125: 2.9, 150: 2.8})
   _write_run(runs_dir, 'regime_scratch', 0, None, 2.0, {0: 9.0, 50: 3.1, 100: 2.7})
-  scale = dataclasses.replace(FULL, seeds=(0,), regime_pretrain_steps=100)
+  scale = dataclasses.replace(FULL, seeds=(0,), regime_pretrain_steps=100, final_window=1)
   results = Results(runs_dir, (0,))
   np.testing.assert_allclose(regime.sunk_flops(results, scale), [100.0])
   np.testing.assert_allclose(regime.at_fraction(results, scale, 'regime_dense', 0.1),
@@ -210,3 +210,13 @@ def test_regime_reads_each_arm_at_fractions_of_the_sunk_cost_and_checks_the_plat
   assert plateau['plateaued'] and plateau['relative_drop'] == pytest.approx(0.02 / 3.10)
   late = dataclasses.replace(scale, plateau_tolerance=0.005)
   assert not regime.plateau(results, late)[0]['plateaued']
+  # Over a window of 2 evaluation spacings (50 dense steps = 50 FLOPs): the dense continuation
+  # at 50% is the mean of its values at 50 and 0 extra FLOPs; the plateau compares the means
+  # of the pretraining at steps 30, 80 and at 50, 100 (9.0 -> 3.1 linearly at step 30).
+  wide = dataclasses.replace(scale, final_window=2)
+  np.testing.assert_allclose(regime.at_fraction(results, wide, 'regime_dense', 0.5),
+                             [(3.0 + 3.08) / 2])
+  before = (9.0 + (3.10 - 9.0) * 30 / 80 + 3.10) / 2
+  after = (9.0 + (3.10 - 9.0) * 50 / 80 + 3.08) / 2
+  assert regime.plateau(results, wide)[0]['relative_drop'] == pytest.approx(
+      (before - after) / before)

@@ -2,8 +2,11 @@
 and each arm's train-vs-validation gap and epochs.
 
 The sunk cost is the dense pretraining's training FLOPs (`regime_pretrain`, P steps). A
-continuation's point at fraction f is its validation loss interpolated at f x sunk extra FLOPs;
-the MoE from scratch is read at the same total FLOPs, (1 + f) x sunk.
+continuation's point at fraction f is its validation loss at f x sunk extra FLOPs; the MoE from
+scratch is read at the same total FLOPs, (1 + f) x sunk. Like a claim's final value, a point is
+the mean over `final_window` evaluation spacings ending there (the curve interpolated every
+`eval_every` dense steps' worth of FLOPs, the same window for every arm): one evaluation of
+these small models moves by several hundredths.
 """
 
 import dataclasses
@@ -20,14 +23,21 @@ PRETRAIN, DENSE, PAPER, BEST, SCRATCH = ('regime_pretrain', 'regime_dense', 'reg
 CONTINUATIONS = (DENSE, PAPER, BEST)
 
 
+def _window(scale, end: float, spacing: float) -> np.ndarray:
+  """`[final_window]` points `spacing` apart ending at `end`."""
+  return end - spacing * np.arange(scale.final_window)
+
+
 def plateau(results: Results, scale) -> List[Dict[str, float]]:
-  """Per seed: the dense pretraining's validation loss at (1 - window) P and at P, the relative
-  drop between them and whether it is under the tolerance."""
+  """Per seed: the dense pretraining's validation loss at (1 - window) P and at P (each the
+  mean of the `final_window` evaluations ending there), the relative drop between them and
+  whether it is under the tolerance."""
   p = scale.regime_pretrain_steps
   start = p * (1 - scale.plateau_window)
   out = []
   for seed, c in zip(results.seeds, results.curves('t5', PRETRAIN)):
-    before, after = (float(np.interp(s, c.steps, c.loss)) for s in (start, p))
+    before, after = (float(np.interp(_window(scale, s, scale.eval_every), c.steps, c.loss).mean())
+                     for s in (start, p))
     drop = (before - after) / before
     out.append({'seed': seed, 'step_before': start, 'loss_before': before, 'loss_at_p': after,
                 'relative_drop': drop, 'plateaued': bool(drop < scale.plateau_tolerance)})
@@ -42,11 +52,17 @@ def sunk_flops(results: Results, scale) -> np.ndarray:
 
 def at_fraction(results: Results, scale, arm: str, fraction: float) -> np.ndarray:
   """`[seeds]` the arm's validation loss after `fraction` x the sunk cost: a continuation at
-  that many extra FLOPs, the scratch MoE at the same total FLOPs."""
+  that many extra FLOPs, the scratch MoE at the same total FLOPs (module docstring: the mean
+  over a window of `final_window` dense evaluation spacings)."""
   out = []
-  for sunk, c in zip(sunk_flops(results, scale), results.curves('t5', arm)):
-    out.append(c.at('loss', (1 + fraction) * sunk, 'total_flops') if arm == SCRATCH else
-               c.at('loss', fraction * sunk, 'extra_flops'))
+  dense = results.curves('t5', PRETRAIN)
+  for sunk, d, c in zip(sunk_flops(results, scale), dense, results.curves('t5', arm)):
+    spacing = scale.eval_every * d.flops_per_step
+    if arm == SCRATCH:
+      points, axis = _window(scale, (1 + fraction) * sunk, spacing), 'total_flops'
+    else:
+      points, axis = _window(scale, fraction * sunk, spacing), 'extra_flops'
+    out.append(np.mean([c.at('loss', x, axis) for x in points]))
   return np.array(out)
 
 

@@ -160,8 +160,8 @@ def regime_parts(summary, scale, corpus: str) -> List[str]:
       f'the best recipe of the claims below (`regime_moe_best`: normalized, dense optimizer '
       f'state reused), each for 100% of the sunk cost\'s FLOPs; and the upcycled models\' '
       f'architecture trained from scratch for the FLOPs of both dense runs together. Each point '
-      f'is the validation loss interpolated at that compute on the run\'s evaluations (every '
-      f'{scale.eval_every} steps); d > 0 when the upcycled model is better, paired by seed; '
+      f'is the mean of the run\'s validation curve (evaluated every {scale.eval_every} steps) at '
+      f'the compute of the last {scale.final_window} dense evaluations ending there; d > 0 when the upcycled model is better, paired by seed; '
       f'verdicts by the 2 s.e. rule. Tokens per expert per step: each encoder expert takes '
       f'2 x {scale.t5_batch} x {inputs} / {scale.num_experts} = '
       f'{2 * scale.t5_batch * inputs // scale.num_experts} token slots (Expert Choice, C = 2), '
@@ -170,8 +170,9 @@ def regime_parts(summary, scale, corpus: str) -> List[str]:
       f'at a batch of B sequences of 512 tokens (4,096 at T5X\'s default pretraining batch of '
       f'128; the summaries this study works from do not state B).',
       f'**Plateau.** Criterion: the last {window:.0%} of the pretraining steps lowered the '
-      f'validation loss by less than {tolerance:.0%}; it held for {held} of '
-      f'{len(summary["plateau"])} seeds.',
+      f'validation loss (at each end the mean of the {scale.final_window} evaluations ending '
+      f'there) by less than {tolerance:.0%}; it held for {held} of {len(summary["plateau"])} '
+      f'seeds.',
       table(('seed', f'loss at step {summary["plateau"][0]["step_before"]:.0f}',
              f'loss at step {p}', 'relative drop', 'plateaued?'),
             [(r['seed'], f"{r['loss_before']:.4f}", f"{r['loss_at_p']:.4f}",
