@@ -197,3 +197,14 @@ def test_a_continuation_that_restores_the_dataset_trains_like_the_uninterrupted_
   assert sorted(continued) == list(range(5, 13))
   for step in range(5, 13):
     assert continued[step] == expected[step], step
+  # 4 batches of 8 are not a whole number of batches of 12: one line, before any step.
+  odd = [c.replace(str(model_dir), str(tmp_path / 'odd')) for c in command]
+  refused = subprocess.run(odd + ['--gin.BATCH_SIZE=12'], cwd=REPO, capture_output=True,
+                           text=True, env={**os.environ, 'XLA_FLAGS': RESUME_XLA_FLAGS})
+  assert refused.returncode == 1, refused.stderr[-3000:]
+  assert refused.stderr.strip().splitlines()[-1] == (
+      'error: ContinueFromCheckpoint.restore_dataset=True: The data position 4 batches of 8 '
+      'examples into epoch 0 (32 examples) is not a whole number of batches of 12; continue '
+      'with a batch size that divides 32. Or read the data from its beginning: '
+      'ContinueFromCheckpoint.restore_dataset = False.')
+  assert not (tmp_path / 'odd' / 'metrics.jsonl').exists()

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from upcycle import checkpoints, pretrained, tree
+from upcycle import checkpoints, fields, pretrained, tree
 from upcycle.checkpoints import optimizer_state, orbax
 from upcycle.models import scan_layout
 from upcycle.checkpoints import slots
@@ -155,12 +155,13 @@ class ReadsOn:
       return None
     owner = type(self).__name__
     if not isinstance(self.checkpoint, str):
-      raise ValueError(f'{owner}.restore_dataset=True reads one checkpoint\'s data position; '
-                       f'{len(self.checkpoint)} are given. Fix: {owner}.restore_dataset = False.')
+      raise fields.ConfigError(
+          f'{owner}.restore_dataset=True reads one checkpoint\'s data position; '
+          f'{len(self.checkpoint)} are given. Fix: {owner}.restore_dataset = False.')
     ckpt = pretrained.load(self.checkpoint, self.format, lazy=True)
     state = orbax.dataset_state(ckpt.path) if ckpt.format == 'orbax' else None
     if state is None:
-      raise ValueError(
+      raise fields.ConfigError(
           f'{owner}.restore_dataset=True: {ckpt.path} ({ckpt.format}) holds no data position; '
           f'only the steps of a `python -m upcycle.train` run do. Fix: {owner}.restore_dataset '
           f'= False (the data starts from its beginning).')

@@ -263,7 +263,12 @@ class Trainer:
       state = self.initializer(abstract, self.optimizer, self.objective.model.config)
       positions = getattr(self.initializer, 'dataset_state', lambda: None)()
       if positions is not None:    # restore_dataset: read on where the source run stopped
-        data.continue_stream(host_states.mine(positions, data.shards))
+        owner = type(self.initializer).__name__
+        try:
+          data.continue_stream(host_states.mine(positions, data.shards))
+        except ValueError as e:
+          raise fields.ConfigError(f'{owner}.restore_dataset=True: {e} Or read the data from '
+                                   f'its beginning: {owner}.restore_dataset = False.') from e
         log.info('Reading the data on from the initial checkpoint\'s position: %s',
                  data.describe_position())
       host_states.wait_for_all_hosts('initialized')
