@@ -146,6 +146,10 @@ def test_growing_experts_refuses_what_it_cannot_do():
     grow_experts(params, target(1))
   with pytest.raises(ValueError, match=r"sources\['mlp'\]='best': expected one of"):
     grow_experts(params, target(3), sources={'mlp': 'best'})
+  half = dict(tree.flatten(target(4)), **{WI: S((4, 4, 6), jnp.bfloat16)})
+  with pytest.raises(ValueError, match=r'Target leaf mlp/expert/wi/kernel has dtype bfloat16 '
+                     r'but checkpoint leaf mlp/expert/wi/kernel has float32'):
+    grow_experts(params, tree.unflatten(half))
   router_norm = expert_growth.plan(params, target(4), sources='router_norm')
   norms = np.linalg.norm(params['mlp']['router']['w']['kernel'], axis=0)
   assert {l.path: l for l in router_norm.copies}[WI].index == (0, 1) + tuple(np.argsort(-norms))
