@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument('--runs_dir', default='runs/study', help='the training runs')
   parser.add_argument('--suite', choices=(*SUITES, 'all'), default='claims',
                       help="which runs to train: the headline claim in the paper's regime "
-                           "(~70 min), the papers' claims (~50 min), the switches beyond the "
+                           "(~110 min), the papers' claims (~50 min), the switches beyond the "
                            "papers' anchors (~15 min), why the upcycled T5 trails the dense one "
                            '(~40 min), or all; RESULTS.md always shows every finished run')
   parser.add_argument('--quick', action='store_true',
