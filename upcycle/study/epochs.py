@@ -6,16 +6,21 @@ from the data position its last checkpoint saved; the epoch's size counted once 
 import functools
 import json
 import os
+import platform
 from typing import Dict
+
 
 def examples_per_epoch(pipeline: Dict, cache_dir: str) -> int:
   """Training examples in one epoch of `pipeline` (a data position's 'pipeline' description),
   counted by reading it once; cached in cache_dir/corpus.json."""
   key = json.dumps(pipeline, sort_keys=True)
   path = os.path.join(cache_dir, 'corpus.json')
-  cache = json.load(open(path)) if os.path.exists(path) else {}
+  cache = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      cache = json.load(f)
   if key not in cache:
-    cache[key] = _count(json.dumps(pipeline, sort_keys=True))
+    cache[key] = _count(key)
     with open(path, 'w') as f:
       json.dump(cache, f, indent=1)
   return cache[key]
@@ -61,7 +66,6 @@ def corpus_bytes(corpus: str) -> int:
 def describe(corpus: str, run_dir: str, cache_dir: str) -> str:
   """The corpus in words, its size and (once `run_dir` has a checkpoint) its sequences per
   epoch at that run's feature lengths."""
-  import platform  # pylint: disable=g-import-not-at-top
   words = (f"the `{corpus}` offline corpus (Python {platform.python_version()}'s, "
            f'{corpus_bytes(corpus) / 1e6:.1f} MB of training text')
   if os.path.isdir(os.path.join(run_dir, 'checkpoints')):

@@ -117,7 +117,8 @@ def finished(results: Results) -> bool:
 
 
 def summary(results: Results, scale) -> Optional[Dict[str, object]]:
-  """Everything the RESULTS.md section shows, JSON-ready; None before the pretraining ran."""
+  """Everything the RESULTS.md section shows (arrays and `Comparison`s, which the renderer
+  writes to study.json); None before the pretraining ran."""
   if not finished(results):
     return None
   rows = []
