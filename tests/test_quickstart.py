@@ -1,6 +1,6 @@
 """`python -m upcycle.quickstart` (the README's main job) end to end, at a few steps.
 
-CI does not run the full main job (about 8 minutes here); this runs the same three
+CI does not run the full main job (about 11 minutes here); this runs the same three
 `python -m upcycle.train` stages with the same gin files at a handful of steps and checks what
 a user gets: the table, curves.png and summary.json, and each stage's run directory.
 """
@@ -20,7 +20,7 @@ def test_the_main_job_runs_its_three_stages_and_writes_its_table_and_plot(tmp_pa
   out = tmp_path / 'quickstart'
   command = [sys.executable, '-m', 'upcycle.quickstart', f'--output_dir={out}',
              '--pretrain_steps=4', '--extra_steps=2', '--extra_steps_batch_size=32',
-             '--num_experts=4']
+             '--num_experts=4', '--eval_sequences=64']
   env = {**os.environ, 'XLA_FLAGS': '--xla_backend_optimization_level=0',
          'TF_CPP_MIN_LOG_LEVEL': '3'}
   done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
@@ -43,3 +43,6 @@ def test_the_main_job_runs_its_three_stages_and_writes_its_table_and_plot(tmp_pa
   assert train[-1]['tokens_per_sec'] > 0 and train[-1]['step'] == 6
   config = (out / 'moe' / 'config.gin').read_text()
   assert 'BATCH_SIZE = 32' in config and 'NUM_EXPERTS = 4' in config
+  # The continuations read on from the pretraining's 4 x 16 sequences: 2 batches of 32.
+  position = "Reading the data on from the initial checkpoint's position: epoch 0, batch 2 of 32 "
+  assert (done.stdout + done.stderr).count(position) == 2, done.stderr[-3000:]

@@ -1,16 +1,20 @@
 """python -m upcycle.quickstart: the whole sparse-upcycling story on the offline default.
 
-1. pretrain a tiny dense T5 v1.1 on span corruption over Python's own documentation;
-2. keep training the dense model for EXTRA steps (the baseline);
+1. pretrain a tiny dense T5 v1.1 on span corruption over the source of Python's standard
+   library (`data/offline_stdlib_span_corruption.gin`: ~8 MB of training text, read once);
+2. keep training the dense model for EXTRA steps (the baseline), reading the data on from where
+   the pretraining stopped (`RESTORE_DATASET=True`), so no training sequence is read twice;
 3. upcycle the dense checkpoint (every other layer; Expert Choice encoder, Top-2 decoder;
    copied experts, normalized combine weights and the dense optimizer state tiled, so the
    MoE starts at the dense model's loss, up to the tokens T5X's capacity drops) and train it
-   for the same EXTRA steps, continuing the dense schedule.
+   for the same EXTRA steps, continuing the dense schedule and reading on like the dense run.
    Both continuations use a 4x larger batch than the pretraining (64 sequences): at the
    pretraining's 16 each expert sees few tokens per step (`python -m upcycle.study --suite
    trails` compares the batch sizes over seeds);
 4. print a table (validation loss/accuracy of both; the upcycled model's loss at its
    first step vs the dense model's) and save both curves to OUTPUT_DIR/curves.png.
+Every evaluation reads the same EVAL_SEQUENCES sequences of the validation split (modules kept
+out of training), shuffled by the seed.
 
 Every stage is a real `python -m upcycle.train` run with the gin files under configs/.
 """
@@ -23,20 +27,25 @@ import sys
 import time
 from typing import Dict, List
 
-COMMON = ['--gin_file=data/offline_span_corruption.gin',
+PRETRAIN_BATCH_SIZE = 16   # BATCH_SIZE of data/offline_stdlib_span_corruption.gin
+COMMON = ['--gin_file=data/offline_stdlib_span_corruption.gin',
           '--gin.trainer.TrainConfig.log_every=10',
           '--gin.trainer.TrainConfig.checkpoint_every=100',
           '--gin.trainer.TrainConfig.eval_every=50',
-          '--gin.trainer.TrainConfig.eval_batches=0',   # the whole validation split (12 batches)
-          '--gin.trainer.TrainConfig.eval_at_start=True']
+          '--gin.trainer.TrainConfig.eval_at_start=True',
+          '--gin.validation/text.TextPipeline.shuffle=True']
 
 
-def stage(name: str, model_dir: str, steps: int, gin_files: List[str], extra: List[str],
-          seed: int) -> None:
+def stage(name: str, model_dir: str, *, steps: int, batch_size: int, eval_sequences: int,
+          gin_files: List[str], extra: List[str], seed: int) -> None:
+  """One `python -m upcycle.train` run; its evaluations read the first `eval_sequences` of the
+  shuffled validation split (rounded up to whole batches)."""
+  eval_batches = -(-eval_sequences // batch_size)
   command = [sys.executable, '-m', 'upcycle.train', '--gin_file=models/t5_1_1/tiny.gin',
              *[f'--gin_file={f}' for f in gin_files], *COMMON,
              f"--gin.MODEL_DIR='{model_dir}'", f'--gin.TRAIN_STEPS={steps}', f'--gin.SEED={seed}',
-             *extra]
+             f'--gin.BATCH_SIZE={batch_size}',
+             f'--gin.trainer.TrainConfig.eval_batches={eval_batches}', *extra]
   print(f'\n=== {name}: {" ".join(command[1:])}', flush=True)
   start = time.time()
   subprocess.run(command, check=True)
@@ -77,23 +86,30 @@ def main(argv=None) -> None:
   parser.add_argument('--pretrain_steps', type=int, default=200)
   parser.add_argument('--extra_steps', type=int, default=300)
   parser.add_argument('--extra_steps_batch_size', type=int, default=64,
-                      help='BATCH_SIZE of both continuations (pretraining: 16)')
+                      help='BATCH_SIZE of both continuations (pretraining: 16); it divides the '
+                           '16 x PRETRAIN_STEPS sequences the continuations read on after')
   parser.add_argument('--num_experts', type=int, default=8)
+  parser.add_argument('--eval_sequences', type=int, default=1536,
+                      help='validation sequences per evaluation (the split shuffled by the seed)')
   parser.add_argument('--seed', type=int, default=0,
                       help='SEED of every stage: initialization, data order, upcycling draws')
   args = parser.parse_args(argv)
   out = os.path.abspath(args.output_dir)
   dense, continued, moe = (os.path.join(out, d) for d in ('dense', 'dense_continued', 'moe'))
   total = args.pretrain_steps + args.extra_steps
-  stage('1/3 pretrain dense', dense, args.pretrain_steps, ['runs/pretrain.gin'], [], args.seed)
+  common = dict(eval_sequences=args.eval_sequences, seed=args.seed)
+  stage('1/3 pretrain dense', dense, steps=args.pretrain_steps, batch_size=PRETRAIN_BATCH_SIZE,
+        gin_files=['runs/pretrain.gin'], extra=[], **common)
+  continuation = dict(steps=total, batch_size=args.extra_steps_batch_size, **common)
   checkpoint = [f"--gin.INITIAL_CHECKPOINT_PATH='{os.path.join(dense, 'checkpoints')}'",
-                f'--gin.BATCH_SIZE={args.extra_steps_batch_size}']
-  stage('2/3 continue dense', continued, total, ['runs/continue_dense.gin'], checkpoint,
-        args.seed)
-  stage('3/3 upcycle and train MoE', moe, total,
-        ['moe/paper_t5.gin', 'runs/upcycle.gin', 'upcycling/normalize_combine_weights.gin',
-         'upcycling/reuse_optimizer_state.gin'],
-        checkpoint + [f'--gin.NUM_EXPERTS={args.num_experts}'], args.seed)
+                '--gin.RESTORE_DATASET=True']
+  stage('2/3 continue dense', continued, gin_files=['runs/continue_dense.gin'],
+        extra=checkpoint, **continuation)
+  stage('3/3 upcycle and train MoE', moe,
+        gin_files=['moe/paper_t5.gin', 'runs/upcycle.gin',
+                   'upcycling/normalize_combine_weights.gin',
+                   'upcycling/reuse_optimizer_state.gin'],
+        extra=checkpoint + [f'--gin.NUM_EXPERTS={args.num_experts}'], **continuation)
 
   curves = {'dense (pretrain)': read_metrics(dense), 'dense (continued)': read_metrics(continued),
             f'upcycled MoE (E={args.num_experts})': read_metrics(moe)}

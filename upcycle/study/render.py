@@ -110,8 +110,10 @@ def trails(results: Results, scale) -> List[tuple]:
 
 
 def regime_plot(results: Results, scale, path: str) -> bool:
-  """Validation loss against extra compute as a percentage of the sunk cost, mean ± std over
-  seeds; the scratch MoE at the same total compute. False before a continuation ran."""
+  """Left: validation loss against extra compute as a percentage of the sunk cost, mean ± std
+  over seeds; the scratch MoE at the same total compute. Right: the verdicts' paired
+  differences d (> 0 when the upcycled model is better), mean ± s.e. False before a
+  continuation ran."""
   labels = {regime.DENSE: 'dense continued', regime.PAPER: "upcycled, the paper's recipe",
             regime.BEST: 'upcycled, the best recipe here', regime.SCRATCH: 'MoE from scratch'}
   labels = {arm: label for arm, label in labels.items() if results.has('t5', arm)}
@@ -122,21 +124,38 @@ def regime_plot(results: Results, scale, path: str) -> bool:
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   sunk = regime.sunk_flops(results, scale)
   x = np.linspace(0, 100 * max(scale.regime_fractions), 41)
-  fig, ax = plt.subplots(figsize=(6.5, 4))
+  curves = {arm: np.array([regime.at_fraction(results, scale, arm, f / 100) for f in x])
+            for arm in labels}   # [x, seeds]
+  colors = dict(zip(labels, plt.rcParams['axes.prop_cycle'].by_key()['color']))
+  fig, (ax, diff) = plt.subplots(1, 2, figsize=(12, 4))
   for arm, label in labels.items():
-    y = np.array([regime.at_fraction(results, scale, arm, f / 100) for f in x])  # [x, seeds]
-    mean = y.mean(1)
-    std = y.std(1, ddof=1) if y.shape[1] > 1 else np.zeros_like(mean)
-    line, = ax.plot(x, mean, '-', label=label)
-    ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.15)
-  for f in scale.regime_fractions:
-    ax.axvline(100 * f, color='grey', linewidth=0.5, linestyle=':')
-  ax.set_xlabel(f'extra training compute, % of the dense pretraining\'s '
-                f'({np.mean(sunk):.3g} FLOPs)')
-  ax.set_ylabel('validation loss')
+    mean = curves[arm].mean(1)
+    std = curves[arm].std(1, ddof=1) if curves[arm].shape[1] > 1 else np.zeros_like(mean)
+    ax.plot(x, mean, '-', label=label, color=colors[arm])
+    ax.fill_between(x, mean - std, mean + std, color=colors[arm], alpha=0.15)
+  pairs = ((regime.PAPER, regime.DENSE, "paper's recipe vs dense continued"),
+           (regime.BEST, regime.DENSE, 'best recipe vs dense continued'),
+           (regime.BEST, regime.SCRATCH, 'best recipe vs MoE from scratch'))
+  for upcycled, other, label in pairs:
+    if upcycled in curves and other in curves:
+      d = curves[other] - curves[upcycled]   # [x, seeds]
+      mean, n = d.mean(1), d.shape[1]
+      se = d.std(1, ddof=1) / np.sqrt(n) if n > 1 else np.zeros_like(mean)
+      color = colors[other if other != regime.DENSE else upcycled]
+      diff.plot(x, mean, '-', label=label, color=color)
+      diff.fill_between(x, mean - se, mean + se, color=color, alpha=0.15)
+  diff.axhline(0, color='black', linewidth=0.8)
+  for axis in (ax, diff):
+    for f in scale.regime_fractions:
+      axis.axvline(100 * f, color='grey', linewidth=0.5, linestyle=':')
+    axis.set_xlabel(f'extra training compute, % of the dense pretraining\'s '
+                    f'({np.mean(sunk):.3g} FLOPs)')
+    axis.legend(fontsize=8)
+  ax.set_ylabel('validation loss (mean ± std over seeds)')
   ax.set_title(f'T5, dense pretrained {scale.regime_pretrain_steps} steps, no example read twice',
                fontsize=10)
-  ax.legend(fontsize=8)
+  diff.set_ylabel('d: loss difference paired by seed (mean ± s.e.)')
+  diff.set_title('d > 0: the upcycled model is better', fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
