@@ -76,8 +76,8 @@ def plan(scale, quick: bool, suites=('claims',)):
 
 
 def _suite_line(args, scale, suite: str) -> str:
-  """The suite's command and how its own runs went: how many finished, their run time and the
-  wall-clock span from the first one's start to the last one's end."""
+  """The suite's command and how its own runs went: how many finished and their run time (each
+  run's own seconds, measured while `args.jobs` ran at once; a study may span sessions)."""
   own = [r for r in plan(scale, args.quick, (suite,)) if suite_of(r) == suite]
   done = [os.path.join(r.directory(args.runs_dir), execute.DONE) for r in own]
   done = [p for p in done if os.path.exists(p)]
@@ -89,12 +89,10 @@ def _suite_line(args, scale, suite: str) -> str:
   if not done:
     return f'- `{command}`: {len(own)} training runs{starts}, none finished yet.'
   run_time = sum(float(open(p).read() or 0) for p in done)
-  first = min(os.path.getmtime(os.path.join(os.path.dirname(p), 'study.json')) for p in done)
-  span = max(os.path.getmtime(p) for p in done) - first
   return (f'- `{command}`: {len(own)} training runs{starts}, {len(done)} finished'
           f'{"" if len(done) == len(own) else " (arms without every seed: not finished)"}; '
-          f'{run_time / 60:.0f} minutes of run time, {span / 60:.0f} minutes from the first '
-          f'start to the last end, {args.jobs} at a time.')
+          f'{run_time / 60:.0f} minutes of run time, about {run_time / 60 / args.jobs:.0f} '
+          f'minutes of wall-clock time {args.jobs} at a time.')
 
 
 def header(args, scale, seconds: float, corpus: str) -> str:
