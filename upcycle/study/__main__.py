@@ -92,7 +92,7 @@ def _suite_line(args, scale, suite: str) -> str:
   return (f'- `{command}`: {len(own)} training runs{starts}, {len(done)} finished'
           f'{"" if len(done) == len(own) else " (arms without every seed: not finished)"}; '
           f'{run_time / 60:.0f} minutes of run time, about {run_time / 60 / args.jobs:.0f} '
-          f'minutes of wall-clock time {args.jobs} at a time.')
+          f'minutes of wall-clock time, {args.jobs} at a time.')
 
 
 def header(args, scale, seconds: float, corpus: str) -> str:
@@ -148,9 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument('--runs_dir', default='runs/study', help='the training runs')
   parser.add_argument('--suite', choices=(*SUITES, 'all'), default='claims',
                       help="which runs to train: the headline claim in the paper's regime "
-                           "(~110 min), the papers' claims (~50 min), the switches beyond the "
-                           "papers' anchors (~15 min), why the upcycled T5 trails the dense one "
-                           '(~40 min), or all; RESULTS.md always shows every finished run')
+                           "(~100 min), the papers' claims (~90 min), the switches beyond the "
+                           "papers' anchors (~20 min), why the upcycled T5 trails the dense one "
+                           '(~85 min), or all; RESULTS.md always shows every finished run')
   parser.add_argument('--quick', action='store_true',
                       help='a few claims arms, one seed, a few steps')
   parser.add_argument('--jobs', type=int, default=2, help='training runs at a time')
