@@ -36,8 +36,12 @@ def test_the_main_job_runs_its_three_stages_and_writes_its_table_and_plot(tmp_pa
   dense = [json.loads(line) for line in open(out / 'dense_continued' / 'metrics.jsonl')]
   # Both continuations start from the dense step-4 checkpoint, run to step 6 with their batch,
   # and the MoE's 4 experts are in its checkpoint.
+  # --eval_sequences=64: every evaluation reads 2 batches of 32 (4 of 16 in the pretraining).
+  pretrain = [json.loads(line) for line in open(out / 'dense' / 'metrics.jsonl')]
+  assert {r['batches'] for r in pretrain if r['split'] == 'eval'} == {4}
   for rows in (moe, dense):
     assert [r['step'] for r in rows if r['split'] == 'eval'] == [4, 6]
+    assert {r['batches'] for r in rows if r['split'] == 'eval'} == {2}
   assert any(k.startswith('moe/encoder/layers_1/mlp/') for k in moe[-2])
   train = [r for r in dense if r['split'] == 'train']
   assert train[-1]['tokens_per_sec'] > 0 and train[-1]['step'] == 6
