@@ -122,9 +122,11 @@ class Claim:
 
 SCALE_NOTE = ('a 4+4-layer d=64 T5 trained for 500 steps on 8,000 sequences of 128 bytes, far '
               "from the paper's T5 Base+ on C4 for 100k+ steps")
-BATCH_NOTE = ('at batch 16 each decoder expert gets about 80 token slots per step (encoder: 512); '
-              "with 4x the batch the main job's recipe is level with dense at equal steps (the "
-              '`trails` table below); the paper trained T5 Base+ on C4 for 100k+ steps')
+BATCH_NOTE = ('the paper\'s recipe after 200 dense steps; at batch 16 each decoder expert gets '
+              'about 80 token slots per step (encoder: 512), several times fewer than the '
+              "paper's; with the best recipe here the upcycled model is level with dense in the "
+              "paper's regime (the `regime` section above); the paper trained T5 Base+ on C4 "
+              'for 100k+ steps')
 VIT_NOTE = 'a 4-block width-64 ViT on 8x8 digits, not ViT-B on JFT/ImageNet'
 
 CLAIMS = {
