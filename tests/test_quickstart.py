@@ -19,7 +19,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_the_main_job_runs_its_three_stages_and_writes_its_table_and_plot(tmp_path):
   out = tmp_path / 'quickstart'
   command = [sys.executable, '-m', 'upcycle.quickstart', f'--output_dir={out}',
-             '--pretrain_steps=4', '--extra_steps=2', '--extra_steps_batch_size=32',
+             '--pretrain_steps=4', '--pretrain_batch_size=8', '--extra_steps=2',
+             '--extra_steps_batch_size=32',
              '--num_experts=4', '--eval_sequences=64']
   env = {**os.environ, 'XLA_FLAGS': '--xla_backend_optimization_level=0',
          'TF_CPP_MIN_LOG_LEVEL': '3'}
@@ -36,9 +37,9 @@ def test_the_main_job_runs_its_three_stages_and_writes_its_table_and_plot(tmp_pa
   dense = [json.loads(line) for line in open(out / 'dense_continued' / 'metrics.jsonl')]
   # Both continuations start from the dense step-4 checkpoint, run to step 6 with their batch,
   # and the MoE's 4 experts are in its checkpoint.
-  # --eval_sequences=64: every evaluation reads 2 batches of 32 (4 of 16 in the pretraining).
+  # --eval_sequences=64: every evaluation reads 2 batches of 32 (8 of 8 in the pretraining).
   pretrain = [json.loads(line) for line in open(out / 'dense' / 'metrics.jsonl')]
-  assert {r['batches'] for r in pretrain if r['split'] == 'eval'} == {4}
+  assert {r['batches'] for r in pretrain if r['split'] == 'eval'} == {8}
   for rows in (moe, dense):
     assert [r['step'] for r in rows if r['split'] == 'eval'] == [4, 6]
     assert {r['batches'] for r in rows if r['split'] == 'eval'} == {2}
@@ -47,6 +48,7 @@ def test_the_main_job_runs_its_three_stages_and_writes_its_table_and_plot(tmp_pa
   assert train[-1]['tokens_per_sec'] > 0 and train[-1]['step'] == 6
   config = (out / 'moe' / 'config.gin').read_text()
   assert 'BATCH_SIZE = 32' in config and 'NUM_EXPERTS = 4' in config
-  # The continuations read on from the pretraining's 4 x 16 sequences: 2 batches of 32.
-  position = "Reading the data on from the initial checkpoint's position: epoch 0, batch 2 of 32 "
+  assert 'BATCH_SIZE = 8' in (out / 'dense' / 'config.gin').read_text()
+  # The continuations read on from the pretraining's 4 x 8 sequences: 1 batch of 32.
+  position = "Reading the data on from the initial checkpoint's position: epoch 0, batch 1 of 32 "
   assert (done.stdout + done.stderr).count(position) == 2, done.stderr[-3000:]

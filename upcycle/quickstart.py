@@ -27,7 +27,6 @@ import sys
 import time
 from typing import Dict, List
 
-PRETRAIN_BATCH_SIZE = 16   # BATCH_SIZE of data/offline_stdlib_span_corruption.gin
 COMMON = ['--gin_file=data/offline_stdlib_span_corruption.gin',
           '--gin.trainer.TrainConfig.log_every=10',
           '--gin.trainer.TrainConfig.checkpoint_every=100',
@@ -85,9 +84,11 @@ def main(argv=None) -> None:
   parser.add_argument('--output_dir', default='runs/quickstart')
   parser.add_argument('--pretrain_steps', type=int, default=200)
   parser.add_argument('--extra_steps', type=int, default=300)
+  parser.add_argument('--pretrain_batch_size', type=int, default=16,
+                      help='BATCH_SIZE of the pretraining')
   parser.add_argument('--extra_steps_batch_size', type=int, default=64,
-                      help='BATCH_SIZE of both continuations (pretraining: 16); it divides the '
-                           '16 x PRETRAIN_STEPS sequences the continuations read on after')
+                      help='BATCH_SIZE of both continuations; it divides the PRETRAIN_BATCH_SIZE '
+                           'x PRETRAIN_STEPS sequences the continuations read on after')
   parser.add_argument('--num_experts', type=int, default=8)
   parser.add_argument('--eval_sequences', type=int, default=1536,
                       help='validation sequences per evaluation (the split shuffled by the seed)')
@@ -98,8 +99,8 @@ def main(argv=None) -> None:
   dense, continued, moe = (os.path.join(out, d) for d in ('dense', 'dense_continued', 'moe'))
   total = args.pretrain_steps + args.extra_steps
   common = dict(eval_sequences=args.eval_sequences, seed=args.seed)
-  stage('1/3 pretrain dense', dense, steps=args.pretrain_steps, batch_size=PRETRAIN_BATCH_SIZE,
-        gin_files=['runs/pretrain.gin'], extra=[], **common)
+  stage('1/3 pretrain dense', dense, steps=args.pretrain_steps,
+        batch_size=args.pretrain_batch_size, gin_files=['runs/pretrain.gin'], extra=[], **common)
   continuation = dict(steps=total, batch_size=args.extra_steps_batch_size, **common)
   checkpoint = [f"--gin.INITIAL_CHECKPOINT_PATH='{os.path.join(dense, 'checkpoints')}'",
                 '--gin.RESTORE_DATASET=True']

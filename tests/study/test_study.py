@@ -32,6 +32,14 @@ def test_verdicts_follow_the_two_standard_error_rule(d, expect, verdict):
   assert claims.verdict(np.array(d), expect) == verdict
 
 
+def test_standard_error_over_seeds_along_an_axis():
+  # [1, 2, 3]: sample std 1, so s.e. 1/sqrt(3); equal values: 0; one seed: undefined.
+  np.testing.assert_allclose(claims.standard_error([1.0, 2.0, 3.0]), 1 / np.sqrt(3))
+  np.testing.assert_allclose(claims.standard_error(np.array([[1.0, 2.0, 3.0], [2.0, 2.0, 2.0]]),
+                                                   axis=1), [1 / np.sqrt(3), 0.0])
+  assert np.isnan(claims.standard_error(np.ones((4, 1)), axis=1)).all()
+
+
 def test_paired_difference_is_positive_when_the_first_arm_is_better():
   np.testing.assert_allclose(claims.paired(np.array([2.0]), np.array([2.5]), 'loss'), [0.5])
   np.testing.assert_allclose(claims.paired(np.array([0.9]), np.array([0.7]), 'accuracy'), [0.2])

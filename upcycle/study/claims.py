@@ -37,10 +37,14 @@ def mean_std(x: np.ndarray) -> str:
   return f'{x.mean():.4f} ± {x.std(ddof=1):.4f}'
 
 
-def standard_error(d: np.ndarray) -> float:
-  """std(d) / sqrt(n) over seeds; NaN with one seed."""
+def standard_error(d: np.ndarray, axis: int = 0):
+  """std(d) / sqrt(n) over the seeds along `axis` (d: [seeds] or e.g. [points, seeds]); NaN
+  with one seed."""
   d = np.asarray(d, float)
-  return d.std(ddof=1) / np.sqrt(len(d)) if len(d) > 1 else float('nan')
+  n = d.shape[axis]
+  if n < 2:
+    return np.full(np.delete(d.shape, axis), np.nan)[()]
+  return d.std(axis=axis, ddof=1) / np.sqrt(n)
 
 
 def verdict(d: np.ndarray, expect: str) -> str:

@@ -139,8 +139,7 @@ def regime_plot(results: Results, scale, path: str) -> bool:
   for upcycled, other, label in pairs:
     if upcycled in curves and other in curves:
       d = curves[other] - curves[upcycled]   # [x, seeds]
-      mean, n = d.mean(1), d.shape[1]
-      se = d.std(1, ddof=1) / np.sqrt(n) if n > 1 else np.zeros_like(mean)
+      mean, se = d.mean(1), claims.standard_error(d, axis=1)   # NaN bands with one seed
       color = colors[other if other != regime.DENSE else upcycled]
       diff.plot(x, mean, '-', label=label, color=color)
       diff.fill_between(x, mean - se, mean + se, color=color, alpha=0.15)
