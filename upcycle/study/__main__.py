@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="which runs to train: the headline claim in the paper's regime "
                            "(~100 min), the papers' claims (~90 min), the switches beyond the "
                            "papers' anchors (~20 min), why the upcycled T5 trails the dense one "
-                           '(~85 min), or all; RESULTS.md always shows every finished run')
+                           '(~90 min), or all; RESULTS.md always shows every finished run')
   parser.add_argument('--quick', action='store_true',
                       help='a few claims arms, one seed, a few steps')
   parser.add_argument('--jobs', type=int, default=2, help='training runs at a time')
