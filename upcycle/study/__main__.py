@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument('--suite', choices=(*SUITES, 'all'), default='claims',
                       help="which runs to train: the headline claim in the paper's regime "
                            "(~100 min), the papers' claims (~90 min), the switches beyond the "
-                           "papers' anchors (~20 min), why the upcycled T5 trails the dense one "
+                           "papers' anchors (~26 min), why the upcycled T5 trails the dense one "
                            '(~90 min), or all; RESULTS.md always shows every finished run')
   parser.add_argument('--quick', action='store_true',
                       help='a few claims arms, one seed, a few steps')
