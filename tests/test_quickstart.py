@@ -1,6 +1,6 @@
 """`python -m upcycle.quickstart` (the README's main job) end to end, at a few steps.
 
-CI does not run the full main job (about 11 minutes here); this runs the same three
+CI does not run the full main job (about 12 minutes here); this runs the same three
 `python -m upcycle.train` stages with the same gin files at a handful of steps and checks what
 a user gets: the table, curves.png and summary.json, and each stage's run directory.
 """
