@@ -98,7 +98,8 @@ def _suite_line(args, scale, suite: str) -> str:
 def header(args, scale, seconds: float, corpus: str) -> str:
   suites = '\n'.join(_suite_line(args, scale, s) for s in SUITES)
   last = ('rendered from the finished runs (`--render_only`)' if args.render_only else
-          f'the last invocation took {seconds / 60:.0f} minutes')
+          f'rendered by the last command (`--suite {args.suite}`), which took '
+          f'{seconds / 60:.0f} minutes')
   return f"""# Results: the papers' claims at CPU scale
 
 Regenerate from the repository root (a run that finished is not run again; each command
