@@ -37,6 +37,13 @@ def _running(pid: str) -> str:
   return f'ps -o stat= -p {pid} 2>/dev/null | grep -qv Z'
 
 
+def _group_running(pgid: str) -> str:
+  """A shell test: a process of group `pgid` other than a zombie still runs. The `bash -c`
+  wrapper that leads the group dies at SIGTERM at once; the trainer under it saves first."""
+  return (f"ps -eo pgid=,stat= | awk -v g={pgid} '$1 == g && $2 !~ /^Z/ {{f = 1}} "
+          "END {exit !f}'")
+
+
 def start(run: str, workdir: str, argv: Sequence[str], env: Mapping[str, str],
           gcs_log_dir: Optional[str] = None) -> str:
   """Starts `env argv` in `workdir`, detached; refuses (exit 3) while `run` still runs.
@@ -70,10 +77,11 @@ def status(run: str, lines: int) -> str:
 
 
 def stop(run: str) -> str:
-  """SIGTERM to the job's process group, SIGKILL after STOP_GRACE_SECONDS."""
+  """SIGTERM to the job's process group; SIGKILL to what of it still runs STOP_GRACE_SECONDS
+  later (the trainer saves the step SIGTERM finds it at before it exits)."""
   _, pid, exit_file = _files(run)
   return (f'if {_alive(pid)}; then p=$(cat {pid}); kill -TERM -- -$p; '
-          f'for i in $(seq {STOP_GRACE_SECONDS}); do {_running("$p")} || break; sleep 1; '
+          f'for i in $(seq {STOP_GRACE_SECONDS}); do {_group_running("$p")} || break; sleep 1; '
           f'done; kill -KILL -- -$p 2>/dev/null; echo stopped > {exit_file}; '
           f'echo "stopped {run} on $(hostname)"; else echo "{run} is not running on $(hostname)"; '
           'fi')

@@ -179,6 +179,25 @@ def test_train_starts_the_job_detached_and_status_logs_stop_follow_it(gcloud, mo
   assert capfd.readouterr().out.strip().splitlines()[-1] == f'upcycle-job moe {HOST} stopped'
 
 
+# A trainer whose SIGTERM handler saves for 3 s before it exits, as train/preemption.py does.
+SAVING_TRAINER = '''#!/bin/bash
+trap 'sleep 3; echo "saved at SIGTERM"; exit 143' TERM
+echo "trainer started"
+sleep 60 & wait $!
+'''
+
+
+def test_stop_waits_for_the_trainer_to_finish_saving(gcloud, capfd):
+  (gcloud.home / 'upcycle' / '.venv' / 'bin' / 'python').write_text(SAVING_TRAINER)
+  assert tpu_vm.main(['train', *WHERE, '--', '--gin_file=x.gin']) == 0
+  _wait_for(lambda: 'trainer started' in _log(gcloud.home))
+  began = time.time()
+  assert tpu_vm.main(['stop', *WHERE]) == 0
+  assert time.time() - began >= 3   # the wrapper died at once; stop waited for the group
+  assert _log(gcloud.home).endswith('trainer started\nsaved at SIGTERM\n')
+  assert f'stopped moe on {HOST}' in capfd.readouterr().out
+
+
 def test_a_finished_job_leaves_its_status_and_its_log_in_model_dir_logs(gcloud, capfd):
   assert tpu_vm.main(['train', *WHERE, '--run=r1', '--',
                       "--gin.MODEL_DIR='gs://bucket/run'"]) == 0
