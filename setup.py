@@ -31,6 +31,10 @@ setuptools.setup(
         'tensorflow-datasets==4.9.10',
         'tensorboard==2.21.0',
         'scikit-learn==1.9.1',
+        # Decoder-only runs: a checkpoint's own tokenizer (tokenizer.json / tokenizer.model)
+        # and the offline byte-level BPE.
+        'tokenizers==0.23.3',
+        'sentencepiece==0.2.3',
         'matplotlib==3.11.2',
     ],
     extras_require={

@@ -11,7 +11,11 @@
   'stdlib', ~25x larger), for runs that must not repeat their data.
 
 Both have 'train' and 'validation' splits and features `inputs`/`targets` (int32, EOS added).
-Registration is lazy: nothing is read until a dataset is requested.
+
+Text tasks, for decoder-only language models (`upcycle.data.lm` tokenizes them with the run's
+tokenizer): `offline_stdlib_text` and `offline_pydoc_text`, the two offline corpora's
+documents under `text`, untokenized. Registration is lazy: nothing is read until a dataset is
+requested.
 """
 
 import functools
@@ -25,6 +29,7 @@ from upcycle.data import span_corruption
 C4_TASK = 'c4_span_corruption'
 OFFLINE_TASK = 'offline_span_corruption'
 OFFLINE_STDLIB_TASK = 'offline_stdlib_span_corruption'
+OFFLINE_TEXT_TASKS = {'offline_stdlib_text': 'stdlib', 'offline_pydoc_text': 'pydoc'}
 C4_TFDS_NAME = 'c4/en:3.1.0'
 T5_VOCABULARY_PATH = 'gs://t5-data/vocabs/cc_all.32000/sentencepiece.model'
 EXTRA_IDS = 100
@@ -98,6 +103,18 @@ def add_offline_span_corruption(
   return add_span_corruption_task(name, source, seqio.ByteVocabulary(extra_ids=extra_ids))
 
 
+def add_offline_text_task(name: str, corpus: str) -> seqio.Task:
+  """Registers (or re-registers) `name`: the documents of an offline corpus under `text`,
+  untokenized (the LM pipeline tokenizes them with the run's tokenizer)."""
+  if name in seqio.TaskRegistry.names():
+    seqio.TaskRegistry.remove(name)
+  source = seqio.FunctionDataSource(functools.partial(offline_text.dataset_fn, corpus=corpus),
+                                    splits=offline_text.SPLITS)
+  return seqio.TaskRegistry.add(name, source=source, output_features={})
+
+
 add_c4_span_corruption()
 add_offline_span_corruption()
 add_offline_span_corruption(OFFLINE_STDLIB_TASK, corpus='stdlib')
+for _name, _corpus in OFFLINE_TEXT_TASKS.items():
+  add_offline_text_task(_name, _corpus)

@@ -1,0 +1,147 @@
+"""The decoder-only pipeline and its tokenizers, against the libraries that own the formats
+(HF `tokenizers` / transformers' fast tokenizer, SentencePiece) and the framing in closed form."""
+
+import json
+
+import numpy as np
+import pytest
+import seqio
+import tensorflow as tf
+
+from upcycle import fields
+from upcycle.data import iterator
+from upcycle.data import lm
+from upcycle.data import offline_text
+from upcycle.data import tokenizer as tokenizer_lib
+
+DOCS_TASK = 'test_lm_docs_text'
+
+
+@pytest.fixture(scope='module')
+def offline():
+  return tokenizer_lib.load(tokenizer_lib.OFFLINE_BPE)
+
+
+@pytest.fixture(scope='module')
+def docs():
+  """12 real pieces of the stdlib corpus's validation split, of different lengths."""
+  return [d[:25 * (i + 1)] for i, d in enumerate(offline_text.stdlib_documents('validation')[:12])]
+
+
+@pytest.fixture(scope='module')
+def docs_task(docs):
+  def dataset_fn(split, shuffle_files, seed=None):
+    del split
+    order = np.random.default_rng(seed).permutation(len(docs)) if shuffle_files else range(
+        len(docs))
+    return tf.data.Dataset.from_tensor_slices({'text': [docs[i] for i in order]})
+
+  if DOCS_TASK in seqio.TaskRegistry.names():
+    seqio.TaskRegistry.remove(DOCS_TASK)
+  seqio.TaskRegistry.add(DOCS_TASK, source=seqio.FunctionDataSource(dataset_fn, splits=('train',)),
+                         output_features={})
+  return DOCS_TASK
+
+
+def test_the_offline_bpe_is_deterministic_and_reads_back_in_transformers(offline, tmp_path):
+  assert tokenizer_lib.train_offline_bpe() == offline.files['tokenizer.json']
+  assert offline.vocab_size == tokenizer_lib.OFFLINE_VOCAB_SIZE
+  text = 'def read(path):\n    """Returns the file\'s text."""\n    return open(path).read()\n'
+  ids = offline.encode(text)
+  assert len(ids) < len(text.encode()) / 2 and offline.decode(ids) == text   # merges, lossless
+  offline.save(str(tmp_path))
+  import transformers  # pylint: disable=g-import-not-at-top
+  hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+  assert hf(text, add_special_tokens=False)['input_ids'] == ids
+  assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (1, 2, 0)
+
+
+def test_an_hf_checkpoint_directory_brings_its_tokenizer_and_special_ids(offline, tmp_path):
+  offline.save(str(tmp_path))
+  (tmp_path / 'config.json').write_text(json.dumps({'bos_token_id': 7, 'eos_token_id': [9, 2]}))
+  loaded = tokenizer_lib.load(str(tmp_path))
+  assert (loaded.bos_id, loaded.eos_id) == (7, 9)   # config.json wins; the first end id
+  run = tmp_path / 'run'
+  offline.save(str(run / tokenizer_lib.RUN_SUBDIR))
+  from_step = tokenizer_lib.load(str(run / 'checkpoints' / '20'))
+  assert from_step.digest == offline.digest
+  with pytest.raises(tokenizer_lib.TokenizerError, match='no tokenizer.json or tokenizer.model'):
+    tokenizer_lib.load(str(tmp_path / 'nowhere'))
+
+
+def test_a_sentencepiece_model_encodes_as_sentencepiece_does(docs, tmp_path):
+  import io  # pylint: disable=g-import-not-at-top
+  import sentencepiece  # pylint: disable=g-import-not-at-top
+  model = io.BytesIO()
+  sentencepiece.SentencePieceTrainer.train(
+      sentence_iterator=iter(offline_text.stdlib_documents('validation')[0].splitlines()), model_writer=model, vocab_size=200, bos_id=1, eos_id=2,
+      pad_id=0, unk_id=3, minloglevel=2)
+  (tmp_path / 'tokenizer.model').write_bytes(model.getvalue())
+  (tmp_path / 'config.json').write_text(json.dumps({'bos_token_id': 1, 'eos_token_id': 2}))
+  loaded = tokenizer_lib.load(str(tmp_path))
+  reference = sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
+  assert loaded.encode(docs[0][:500]) == reference.encode(docs[0][:500])
+  assert loaded.vocab_size == 200
+
+
+def _rows(pipeline, batch_size=64):
+  ds = pipeline.batches(seed=3, batch_size=batch_size, shard_index=0, num_shards=1,
+                        drop_remainder=False, skip_batches=0)
+  return [b for b in ds.as_numpy_iterator()]
+
+
+def _windows(batch):
+  """(inputs, targets) of every packed window, row by row."""
+  out = []
+  for row in range(batch['decoder_segment_ids'].shape[0]):
+    seg = batch['decoder_segment_ids'][row]
+    for s in range(1, seg.max() + 1):
+      at = seg == s
+      np.testing.assert_array_equal(batch['decoder_positions'][row][at], np.arange(at.sum()))
+      out.append((batch['decoder_input_tokens'][row][at], batch['decoder_target_tokens'][row][at]))
+  return out
+
+
+@pytest.mark.parametrize('pack', [True, False])
+def test_every_document_is_framed_windowed_and_predicted_once(docs, docs_task, offline, pack):
+  length = 48
+  pipeline = lm.LmPipeline(docs_task, 'train', {'targets': length}, pack=pack, shuffle=False)
+  batches = _rows(pipeline)
+  windows = []
+  for batch in batches:
+    np.testing.assert_array_equal(batch['decoder_loss_weights'], batch['decoder_segment_ids'] > 0)
+    windows += _windows(batch)
+  framed = [[offline.bos_id, *offline.encode(d), offline.eos_id] for d in docs]
+  expected = []   # each document in windows of length + 1 that overlap by one
+  for tokens in framed:
+    for start in range(0, len(tokens) - 1, length):
+      w = tokens[start:start + length + 1]
+      expected.append((w[:-1], w[1:]))
+  assert len(windows) == len(expected)
+  for (inputs, targets), (want_in, want_tg) in zip(sorted(windows, key=lambda w: w[0].tolist()),
+                                                     sorted(expected, key=lambda w: w[0])):
+    assert inputs.tolist() == want_in and targets.tolist() == want_tg
+  most = max(b['decoder_segment_ids'].max() for b in batches)
+  assert most > 1 if pack else most == 1
+
+
+def test_shuffled_epochs_are_deterministic_resumable_and_shards_disjoint(docs_task):
+  pipeline = lm.LmPipeline(docs_task, 'train', {'targets': 32})
+  a = iterator.DataIterator(pipeline, batch_size=2, seed=5)
+  first = [next(a) for _ in range(4)]
+  resumed = iterator.DataIterator(pipeline, batch_size=2, seed=5)
+  resumed.set_state(iterator.DataIterator(pipeline, batch_size=2, seed=5).get_state())
+  for batch in first:
+    np.testing.assert_array_equal(next(resumed)['decoder_target_tokens'],
+                                  batch['decoder_target_tokens'])
+  shards = [
+      {tuple(t) for b in iterator.DataIterator(pipeline, batch_size=1, seed=5, shard_index=i,
+                                               num_shards=2, num_epochs=1)
+       for t in b['decoder_target_tokens']} for i in (0, 1)]
+  assert shards[0] and shards[1] and not shards[0] & shards[1]
+
+
+def test_feature_lengths_other_than_targets_are_refused_naming_the_macro(docs_task):
+  with pytest.raises(fields.ConfigError, match=r"TASK_FEATURE_LENGTHS = \{'inputs': 8, "
+                                               r"'targets': 8\}.*'targets'"):
+    lm.LmPipeline(docs_task, 'train', {'inputs': 8, 'targets': 8})

@@ -1,0 +1,211 @@
+"""The tokenizer of a decoder-only run: a checkpoint's own, or one trained offline.
+
+A HuggingFace checkpoint directory carries its tokenizer: `tokenizer.json` (HF `tokenizers`)
+or `tokenizer.model` (SentencePiece), with `bos_token_id` / `eos_token_id` in `config.json`
+(or `tokenizer_config.json`'s tokens). `load(spec)` takes such a directory (local or gs://),
+or a run directory / its `checkpoints/<step>` (a run keeps its tokenizer in `tokenizer/`), or
+`OFFLINE_BPE`: a byte-level BPE of `OFFLINE_VOCAB_SIZE` pieces trained on the training split
+of the standard library's source (`offline_text`, 'stdlib'), deterministically (the same
+file from the same Python), cached under `~/.cache/upcycle/` (`UPCYCLE_CACHE` moves it).
+
+Text is encoded without the tokenizer's own special tokens; the pipeline adds BOS and EOS
+itself, so every tokenizer frames a document the same way.
+"""
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from typing import Dict, List, Optional
+
+from etils import epath
+
+OFFLINE_BPE = 'offline_stdlib_bpe'
+OFFLINE_VOCAB_SIZE = 4096
+OFFLINE_SPECIAL = ('<pad>', '<s>', '</s>')   # ids 0, 1, 2: padding never collides with text
+FILES = ('tokenizer.json', 'tokenizer.model', 'tokenizer_config.json',
+         'special_tokens_map.json')
+RUN_SUBDIR = 'tokenizer'
+
+
+class TokenizerError(ValueError):
+  """A tokenizer spec that names nothing usable (one line: what, where, the fix)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenizer:
+  """Text <-> ids with the framing ids a causal LM needs.
+
+  Attributes:
+    files: {file name: bytes} of the tokenizer files, copied into a run and an HF export.
+    bos_id / eos_id: the ids that open and close every document.
+    vocab_size: the tokenizer's pieces (the model's vocabulary may be larger).
+    digest: sha256 of the files, so a resumed run can check it reads the same ids.
+  """
+  files: Dict[str, bytes]
+  bos_id: int
+  eos_id: int
+  vocab_size: int
+  digest: str
+
+  def encode(self, text: str) -> List[int]:
+    return _backend(self.digest, self.files).encode(text)
+
+  def decode(self, ids) -> str:
+    return _backend(self.digest, self.files).decode([int(i) for i in ids])
+
+  def save(self, directory: str) -> None:
+    """Writes the tokenizer files into `directory` (created)."""
+    directory = epath.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, data in self.files.items():
+      (directory / name).write_bytes(data)
+
+
+class _HfBackend:
+
+  def __init__(self, data: bytes):
+    import tokenizers  # pylint: disable=g-import-not-at-top
+    self._tok = tokenizers.Tokenizer.from_str(data.decode('utf-8'))
+
+  def encode(self, text):
+    return self._tok.encode(text, add_special_tokens=False).ids
+
+  def decode(self, ids):
+    return self._tok.decode(ids, skip_special_tokens=True)
+
+  def size(self):
+    return self._tok.get_vocab_size(with_added_tokens=True)
+
+  def token_id(self, token):
+    return self._tok.token_to_id(token)
+
+
+class _SentencePieceBackend:
+
+  def __init__(self, data: bytes):
+    import sentencepiece  # pylint: disable=g-import-not-at-top
+    self._sp = sentencepiece.SentencePieceProcessor(model_proto=data)
+
+  def encode(self, text):
+    return self._sp.encode(text)
+
+  def decode(self, ids):
+    return self._sp.decode(ids)
+
+  def size(self):
+    return self._sp.get_piece_size()
+
+  def token_id(self, token):
+    i = self._sp.piece_to_id(token)
+    return None if i == self._sp.unk_id() and token != self._sp.id_to_piece(i) else i
+
+
+@functools.lru_cache(maxsize=8)
+def _backend_cached(digest: str, kind: str, data: bytes):
+  del digest   # the key
+  return _HfBackend(data) if kind == 'tokenizer.json' else _SentencePieceBackend(data)
+
+
+def _backend(digest: str, files: Dict[str, bytes]):
+  kind = 'tokenizer.json' if 'tokenizer.json' in files else 'tokenizer.model'
+  return _backend_cached(digest, kind, files[kind])
+
+
+def _digest(files: Dict[str, bytes]) -> str:
+  h = hashlib.sha256()
+  for name in sorted(files):
+    h.update(name.encode() + b'\0' + files[name])
+  return h.hexdigest()
+
+
+def _special_id(directory: str, files: Dict[str, bytes], backend, which: str) -> Optional[int]:
+  """`<which>_token_id` from config.json, else the token tokenizer_config.json names."""
+  config = epath.Path(directory) / 'config.json'
+  if config.exists():
+    value = json.loads(config.read_text()).get(f'{which}_token_id')
+    if isinstance(value, list):   # instruction-tuned Llama 3: several end ids, the first ends text
+      value = value[0] if value else None
+    if value is not None:
+      return int(value)
+  token = json.loads(files.get('tokenizer_config.json', b'{}')).get(f'{which}_token')
+  if isinstance(token, dict):
+    token = token.get('content')
+  return backend.token_id(token) if token else None
+
+
+def _from_directory(directory: str) -> Tokenizer:
+  path = epath.Path(directory)
+  files = {name: (path / name).read_bytes() for name in FILES if (path / name).exists()}
+  if 'tokenizer.json' not in files and 'tokenizer.model' not in files:
+    raise TokenizerError(
+        f'{directory} holds no tokenizer.json or tokenizer.model: give the HuggingFace '
+        f"checkpoint's directory (it carries its tokenizer), or TOKENIZER='{OFFLINE_BPE}'.")
+  digest = _digest(files)
+  backend = _backend(digest, files)
+  bos, eos = (_special_id(directory, files, backend, w) for w in ('bos', 'eos'))
+  if bos is None or eos is None:
+    raise TokenizerError(
+        f'{directory}: no {"bos" if bos is None else "eos"}_token_id in config.json nor its '
+        'token in tokenizer_config.json; add it to config.json.')
+  return Tokenizer(files=files, bos_id=bos, eos_id=eos, vocab_size=backend.size(), digest=digest)
+
+
+def _cache_dir() -> str:
+  return os.environ.get('UPCYCLE_CACHE', os.path.expanduser('~/.cache/upcycle'))
+
+
+def train_offline_bpe(vocab_size: int = OFFLINE_VOCAB_SIZE) -> bytes:
+  """tokenizer.json of a byte-level BPE trained on the stdlib corpus's training split.
+
+  Deterministic: the corpus is in a fixed order and the trainer breaks ties by pair, so the
+  same Python gives the same file byte for byte (about 2 s here)."""
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  from tokenizers import decoders, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
+  from upcycle.data import offline_text  # pylint: disable=g-import-not-at-top
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(OFFLINE_SPECIAL),
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                show_progress=False)
+  tok.train_from_iterator(offline_text.stdlib_documents('train'), trainer=trainer)
+  return tok.to_str().encode('utf-8')
+
+
+def _offline_bpe() -> Tokenizer:
+  version = '.'.join(map(str, sys.version_info[:3]))
+  path = os.path.join(_cache_dir(), f'{OFFLINE_BPE}-{OFFLINE_VOCAB_SIZE}-py{version}.json')
+  if os.path.exists(path):
+    with open(path, 'rb') as f:
+      data = f.read()
+  else:
+    data = train_offline_bpe()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=os.path.dirname(path), delete=False) as f:
+      f.write(data)
+    os.replace(f.name, path)   # concurrent first runs each write a whole, identical file
+  config = {'bos_token': OFFLINE_SPECIAL[1], 'eos_token': OFFLINE_SPECIAL[2],
+            'pad_token': OFFLINE_SPECIAL[0], 'tokenizer_class': 'PreTrainedTokenizerFast',
+            'model_max_length': 1 << 30}
+  files = {'tokenizer.json': data,
+           'tokenizer_config.json': json.dumps(config, indent=2).encode('utf-8')}
+  return Tokenizer(files=files, bos_id=1, eos_id=2, vocab_size=OFFLINE_VOCAB_SIZE,
+                   digest=_digest(files))
+
+
+def load(spec: str) -> Tokenizer:
+  """`OFFLINE_BPE`, an HF checkpoint directory, or a run directory (or a checkpoint in it)."""
+  if spec == OFFLINE_BPE:
+    return _offline_bpe()
+  path = epath.Path(spec)
+  for candidate in (path, path / RUN_SUBDIR, path.parent / RUN_SUBDIR,
+                    path.parent.parent / RUN_SUBDIR):
+    if any((candidate / name).exists() for name in FILES[:2]):
+      return _from_directory(os.fspath(candidate))
+  raise TokenizerError(
+      f'TOKENIZER={spec!r}: no tokenizer.json or tokenizer.model there, nor in a run\'s '
+      f"{RUN_SUBDIR}/ above it. Give an HF checkpoint directory or '{OFFLINE_BPE}'.")
