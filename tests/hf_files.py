@@ -32,3 +32,12 @@ def save_untied_t5(model, directory: str, seed: int = 2):
   reference = transformers.T5ForConditionalGeneration.from_pretrained(directory).eval()
   assert not torch.equal(reference.lm_head.weight, reference.shared.weight)
   return reference
+
+
+def perturb(model, seed: int):
+  """Adds noise to every weight so that norms' scales and biases are not trivially 1 and 0."""
+  import torch  # pylint: disable=g-import-not-at-top
+  generator = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for p in model.parameters():
+      p.add_(0.2 * torch.randn(p.shape, generator=generator))

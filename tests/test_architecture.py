@@ -27,15 +27,15 @@ ALLOWED = {
     'decoding': {'tree', 'layers', 'moe', 'models', 'fields'},
     'checkpoints': {'tree', 'locks', 'progress'},
     'upcycling': {'tree', 'checkpoints', 'progress'},
-    'data': set(),
+    'data': {'fields'},
     'gin_utils': {'console', 'reachability', 'tpu_slice'},
     'progress': set(),
     'reachability': set(),
     'tpu_slice': set(),
 }
 # Wiring: may import any part.
-WIRING = {'train', 'pretrained', 'predictions', 'aot', 'convert', 'export', 'eval', 'infer',
-          'inspect', 'quickstart', 'study', '__init__'}
+WIRING = {'train', 'pretrained', 'predictions', 'aot', 'convert', 'export', 'hf_export', 'eval',
+          'infer', 'inspect', 'quickstart', 'study', '__init__'}
 # The command-line modules (`python -m ...`): flags and one call; no module imports them.
 COMMANDS = {'upcycle.aot', 'upcycle.convert', 'upcycle.eval', 'upcycle.export', 'upcycle.infer',
             'upcycle.inspect', 'upcycle.quickstart', 'upcycle.study.__main__',

@@ -6,10 +6,11 @@ import os
 import gin
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from upcycle import gin_utils
-from upcycle.models import T5, ViT
+from upcycle.models import Llama, T5, ViT
 
 CONFIGS = gin_utils.CONFIGS_DIR
 FILES = sorted(os.path.relpath(p, CONFIGS)
@@ -21,10 +22,15 @@ MACROS = ["MODEL_DIR = '/tmp/unused'", 'TRAIN_STEPS = 10', "INITIAL_CHECKPOINT_P
 def context(name):
   """The files a user would give before `name` on the command line."""
   vit = 'vit' in name or 'digits' in name
-  model = 'models/vit/tiny.gin' if vit else 'models/t5_1_1/tiny.gin'
-  run = 'runs/vit_pretrain.gin' if vit else 'runs/pretrain.gin'
+  llm = 'llama' in name or 'llm' in name or name.endswith('_lm.gin')
+  model = ('models/vit/tiny.gin' if vit else 'models/llama/tiny.gin' if llm
+           else 'models/t5_1_1/tiny.gin')
+  run = ('runs/vit_pretrain.gin' if vit else 'runs/llm_pretrain.gin' if llm
+         else 'runs/pretrain.gin')
   if name.startswith('models/'):
     return [name]
+  if name == run:
+    return [model, name, 'data/offline_stdlib_lm.gin']
   if name.startswith('runs/'):
     return [model, name]
   if name.startswith(('upcycling/', 'experiments/')):
@@ -62,6 +68,8 @@ def test_config_parses_and_builds_its_model(name):
   model = probe()
   if isinstance(model, T5):
     args = (jnp.ones((1, 8), jnp.int32), jnp.ones((1, 4), jnp.int32))
+  elif isinstance(model, Llama):
+    args = (jnp.ones((1, 8), jnp.int32),)
   else:
     assert isinstance(model, ViT)
     size = model.config.image_size
@@ -145,3 +153,18 @@ def test_search_paths_come_first_then_configs_then_the_working_directory(tmp_pat
                                      ['probe.model = %MODEL'], [str(tmp_path / 'mine')],
                                      finalize=False)
   assert (probe().config.dropout_rate, probe().config.d_kv) == (0.25, 5)
+
+
+@pytest.mark.parametrize('name, count', [
+    ('llama3_2_1b', 1_235_814_400),        # meta-llama/Llama-3.2-1B (tied embedding)
+    ('llama3_1_8b', 8_030_261_248),        # meta-llama/Llama-3.1-8B
+    ('mistral_7b', 7_248_023_552),         # mistralai/Mistral-7B-v0.3
+    # Drop-Upcycling's "152M": 2 x 99584 x 512 (untied) + 12 x (4 x 512^2 + 3 x 512 x 2048
+    # + 2 x 512) + 512
+    ('drop_upcycling_152m', 152_318_464),
+])
+def test_published_llama_sizes_have_their_parameter_counts(name, count):
+  from upcycle.models import abstract_params  # pylint: disable=g-import-not-at-top
+  parse([f'models/llama/{name}.gin'], ['probe.model = %MODEL'])
+  shapes = jax.tree.leaves(abstract_params(probe().config))
+  assert sum(int(np.prod(s.shape)) for s in shapes) == count

@@ -114,6 +114,10 @@ def check(argv):
     elif cli == 'upcycle.convert':
       _, rest = convert.build_parser().parse_known_args(flags)
       parse_training_flags(rest, read=(convert.MODEL_MACRO,))
+    elif cli == 'upcycle.export' and '--format=hf' in flags:   # the model from gin files
+      _, rest = export.build_parser().parse_known_args(flags)
+      if rest:
+        parse_training_flags(rest, read=(export.MODEL_MACRO,))
     else:
       parsers = {'upcycle.export': export, 'upcycle.inspect': inspect_main,
                  'upcycle.study': study_main}

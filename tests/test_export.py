@@ -200,7 +200,7 @@ def test_an_export_removes_what_a_killed_one_left_and_refuses_a_running_one(run,
   assert os.path.isdir(partial)
   caplog.set_level('INFO')
   assert export.main(args) == 0
-  assert f'Removed {partial}, left by a write of the same step that was killed.' in caplog.text
+  assert f'Removed {partial}, left by a write of checkpoint_2 that was killed.' in caplog.text
   assert os.listdir(out) == ['checkpoint_2']
   _assert_t5x(str(out / 'checkpoint_2'), 2, run['params'], run['slots'])
 

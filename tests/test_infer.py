@@ -67,7 +67,8 @@ def test_infer_writes_jsonl_with_hf_greedy_predictions(byte_vocab_t5, tmp_path, 
   argv = run_argv('infer', directory, f"--gin.MODEL_DIR='{tmp_path}'", '--gin.BATCH_SIZE=3',
                   '--gin.INFER_BATCHES=2')
   path = gin_utils.run(infer_main.infer, argv, 'test')
-  assert path == os.path.join(str(tmp_path), 'inference', 'offline_span_corruption-0.jsonl')
+  assert path == os.path.join(str(tmp_path), 'inference',
+                              'offline_span_corruption-0-greedy.jsonl')
   assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]
   assert 'infer: 6/6 examples (100%), ' in capsys.readouterr().out   # the progress line
   with open(path) as f:
@@ -133,7 +134,7 @@ def test_gs_outputs_of_infer_and_eval_land_on_gcs(byte_vocab_t5, main_module, on
   path = gin_utils.run(infer_main.infer, run_argv(
       'infer', directory, "--gin.MODEL_DIR='gs://bucket/infer'", '--gin.BATCH_SIZE=3',
       '--gin.INFER_BATCHES=1'), 'test')
-  assert path == 'gs://bucket/infer/inference/offline_span_corruption-0.jsonl'
+  assert path == 'gs://bucket/infer/inference/offline_span_corruption-0-greedy.jsonl'
   records = [json.loads(line) for line in _gcs_object(on_gcs, path).decode().splitlines()]
   assert len(records) == 3 and records[0]['prediction_tokens']
   listing = json.load(urllib.request.urlopen(
@@ -228,7 +229,7 @@ def test_infer_on_an_empty_split_says_so_and_leaves_no_partial_file(byte_vocab_t
       "'feature_lengths': {'inputs': 32, 'targets': 8}, 'pack': False, 'shuffle': False} has no "
       'examples on shard 0 of 1: check the task, its split and where its data is read '
       '(TFDS_DATA_DIR).')
-  assert os.listdir(tmp_path / 'inference') == []   # no .jsonl.tmp left behind
+  assert os.listdir(tmp_path / 'inference') == []   # no partial file or lock left behind
 
 
 def test_progress_lines_count_rate_and_time_left():

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 from etils import epath
 import jax
 
-from upcycle import gin_utils, predictions
+from upcycle import fields, gin_utils, predictions
 
 
 def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size: int,
@@ -39,6 +39,9 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
   from upcycle.train.objectives import init_params
   from upcycle.train.step import make_eval_step
   # pylint: enable=g-import-not-at-top
+  fields.integer_value('BATCH_SIZE (eval_script.evaluate.batch_size)', batch_size, 1)
+  if output_dir:
+    fields.directory('EVAL_OUTPUT_DIR (eval_script.evaluate.output_dir)', output_dir)
   checkpoint = pretrained.load(checkpoint_path, format, model_config=objective.model.config)
   mesh = partitioning.make_mesh(num_expert_partitions, num_model_partitions)
   host_batch = batch_size // jax.process_count()
@@ -70,9 +73,15 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
   return results
 
 
-if __name__ == '__main__':
-  from upcycle import fields  # pylint: disable=g-import-not-at-top
+def main(argv) -> dict:
+  """Runs `evaluate`; errors a user can cause (a bad binding, a checkpoint that does not fit,
+  an empty split) end in one line and exit status 1 (gin_utils.run; --verbose shows the
+  traceback)."""
   from upcycle.checkpoints import CheckpointError  # pylint: disable=g-import-not-at-top
   from upcycle.data.iterator import EmptySplit  # pylint: disable=g-import-not-at-top
-  gin_utils.run(evaluate, sys.argv[1:], __doc__,
-                expected=(fields.ConfigError, CheckpointError, EmptySplit))
+  return gin_utils.run(evaluate, argv, __doc__,
+                       expected=(fields.ConfigError, CheckpointError, EmptySplit))
+
+
+if __name__ == '__main__':
+  main(sys.argv[1:])

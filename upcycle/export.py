@@ -1,12 +1,17 @@
-"""Export a training run of ours to T5X's native checkpoint layout.
+"""Export a checkpoint: a training run of ours to T5X's native layout (--format=t5x, the
+default), or a run or any checkpoint the project reads to a HuggingFace directory (--format=hf).
 
   python -m upcycle.export --model_dir=/tmp/moe --output_dir=/tmp/moe_t5x \\
     [--step=N] [--no_optimizer_state]
+  python -m upcycle.export --format=hf --model_dir=/tmp/llama --output_dir=/tmp/llama_hf \\
+    --gin_file=models/llama/tiny.gin [--step=N] [--max_shard_size=5GB]
 
 --model_dir is the run's MODEL_DIR (or the directory holding its `<step>/` checkpoints,
-MODEL_DIR/checkpoints); --step defaults to the latest finished step. Written:
-OUTPUT_DIR/checkpoint_<step>/ as T5X's `Checkpointer.save` writes it (`checkpoints/t5x_writer.py`):
-the parameters under `optimizer/target` in Flaxformer's (MoE) names, and
+MODEL_DIR/checkpoints); --step defaults to the latest finished step.
+
+--format=t5x writes OUTPUT_DIR/checkpoint_<step>/ as T5X's `Checkpointer.save` writes it
+(`checkpoints/t5x_writer.py`): the parameters under `optimizer/target` in Flaxformer's (MoE)
+names, and
 
   - a run trained with `optimizers.T5XAdafactor`: its slots as T5X's `state/param_states`
     (`{<param path>: {v_row, v_col, v, m}}`, the same layout) and `state/step` = the state's
@@ -23,41 +28,90 @@ disk) removes its partial `checkpoint_<step>.tmp-*`; a killed one's is removed b
 export of that step. The T5X writer writes
 local directories: export there, then copy to gs:// (`gcloud storage cp -r`). The trainer
 exports its final step the same way with `TrainConfig.export_t5x` (MODEL_DIR/t5x/).
+
+--format=hf writes OUTPUT_DIR itself as `save_pretrained` does (`upcycle/hf_export.py`):
+config.json, the weights as safetensors (shards of at most --max_shard_size, default 5GB,
+with model.safetensors.index.json), and for a Llama-family model the tokenizer the run keeps
+in MODEL_DIR/tokenizer/. A dense Llama is written as LlamaForCausalLM, one with q/k/v biases
+alone as Qwen2ForCausalLM, one with a sliding window as MistralForCausalLM; a dense T5 v1.1 as
+T5ForConditionalGeneration with its own lm_head. MoE models and ViT are refused (use
+--format=t5x). --model_dir may also be one step of a run, a T5X or an HF checkpoint. The
+model is gin's MODEL from --gin_file / --gin.KEY=VALUE (the model files the run was trained
+with); an HF checkpoint names its own. Scanned layers are unrolled. OUTPUT_DIR must not exist
+or be empty; it is written as OUTPUT_DIR.tmp-* and renamed when complete (a second export
+into it while one runs is refused).
 """
 
 import argparse
 import sys
-from typing import List, Optional
+from typing import Any, List, Optional
 
-from upcycle import checkpoints, console, reachability
+from upcycle import checkpoints, console, fields, gin_utils, hf_export, reachability
 from upcycle.checkpoints import t5x_export
+
+MODEL_MACRO = 'MODEL'
 
 
 def build_parser() -> argparse.ArgumentParser:
+  """export's own flags; with --format=hf the gin flags (gin_utils.parse_flags) are the rest."""
   parser = argparse.ArgumentParser(
       prog='python -m upcycle.export', description=__doc__, allow_abbrev=False,
       formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--model_dir', required=True,
-                      help="the run's MODEL_DIR (or its checkpoints/ directory)")
+                      help="the run's MODEL_DIR (or its checkpoints/ directory); with "
+                           '--format=hf also any checkpoint the project reads')
   parser.add_argument('--step', type=int, default=None, help='default: the latest step')
   parser.add_argument('--output_dir', required=True,
-                      help='T5X model directory; checkpoint_<step>/ is written into it')
+                      help='t5x: T5X model directory, checkpoint_<step>/ is written into it; '
+                           'hf: the HuggingFace directory itself')
+  parser.add_argument('--format', choices=('t5x', 'hf'), default='t5x',
+                      help="t5x: T5X's native checkpoint; hf: a HuggingFace directory")
   parser.add_argument('--no_optimizer_state', action='store_true',
-                      help='parameters only, also for a T5XAdafactor run')
+                      help='t5x: parameters only, also for a T5XAdafactor run')
+  parser.add_argument('--max_shard_size', default=hf_export.DEFAULT_MAX_SHARD_SIZE,
+                      help='hf: the largest safetensors file (5GB, 200KB, 2GiB)')
   return parser
+
+
+def _model_from_gin() -> Any:
+  """gin's MODEL: a T5 / Llama / ViT module, or its config."""
+  import gin  # pylint: disable=g-import-not-at-top
+  try:
+    value = gin.query_parameter(f'{MODEL_MACRO}/gin.macro.value')
+  except ValueError as e:
+    raise t5x_export.ExportError(
+        f'No gin macro {MODEL_MACRO}: give a model file (e.g. '
+        f'--gin_file=models/llama/tiny.gin) that binds {MODEL_MACRO}.') from e
+  if isinstance(value, gin.config.ConfigurableReference) and value.evaluate:
+    value = value.scoped_configurable_fn()
+  return value
 
 
 def main(argv: Optional[List[str]] = None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   console.show_progress()
-  args = build_parser().parse_args(argv)
+  parser = build_parser()
+  args, rest = parser.parse_known_args(argv)
+  if rest and args.format != 'hf':
+    parser.error(f'unrecognized arguments: {" ".join(rest)} (gin flags go with --format=hf)')
   if reachability.refused({'--model_dir': args.model_dir}):
     return 1
   try:
-    t5x_export.export(args.model_dir, args.output_dir, step=args.step,
-                      optimizer_state=not args.no_optimizer_state)
-  except (t5x_export.ExportError, checkpoints.CheckpointError) as e:
-    print(f'error: {e}', file=sys.stderr)
+    if args.format == 't5x':
+      t5x_export.export(args.model_dir, args.output_dir, step=args.step,
+                        optimizer_state=not args.no_optimizer_state)
+      return 0
+    model_config = None
+    gin_args, bindings = gin_utils.parse_flags(rest, 'gin flags of python -m upcycle.export')
+    if gin_args.gin_file or bindings:   # else the checkpoint names its model (HF)
+      import gin  # pylint: disable=g-import-not-at-top
+      gin.clear_config()   # each call parses its own flags
+      gin_utils.parse_gin(gin_args, bindings, read=(MODEL_MACRO,))
+      model_config = _model_from_gin()
+    hf_export.export(args.model_dir, args.output_dir, model_config=model_config,
+                     step=args.step, max_shard_size=args.max_shard_size)
+  except (t5x_export.ExportError, checkpoints.CheckpointError, fields.ConfigError) as e:
+    print(gin_utils.one_line(e, argv), file=sys.stderr)
     return 1
   return 0
 

@@ -1,4 +1,5 @@
-"""Checks for config dataclass fields, run at construction so a bad value fails before any work.
+"""Checks for config dataclass fields (and entry points' arguments), run at construction so a
+bad value fails before any work.
 
 Each check names the field as a gin binding would (`trainer.TrainConfig.checkpoint_every`:
 module, class, field), since that is where wrong values usually come from. Booleans are not
@@ -7,6 +8,7 @@ accepted as numbers; ints are accepted as floats.
 
 import collections.abc
 import numbers
+import os
 import sys
 from typing import Any, Optional, Sequence
 
@@ -34,10 +36,16 @@ def _fail(obj: Any, field: str, expected: str) -> ConfigError:
 
 
 def integer(obj: Any, field: str, minimum: Optional[int] = None) -> None:
-  value = getattr(obj, field)
+  integer_value(binding(obj, field), getattr(obj, field), minimum)
+
+
+def integer_value(name: str, value: Any, minimum: Optional[int] = None) -> None:
+  """`integer` for a value that is no dataclass field (an entry point's argument), named
+  `name` (its binding)."""
   ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
   if not ok or (minimum is not None and value < minimum):
-    raise _fail(obj, field, 'an integer' + (f' >= {minimum}' if minimum is not None else ''))
+    expected = 'an integer' + (f' >= {minimum}' if minimum is not None else '')
+    raise ConfigError(f'{name} = {value!r}: expected {expected}.')
 
 
 def optional_integer(obj: Any, field: str, minimum: int) -> None:
@@ -92,3 +100,39 @@ def choice(obj: Any, field: str, choices: Sequence[Any]) -> None:
 def string(obj: Any, field: str) -> None:
   if not isinstance(getattr(obj, field), str) or not getattr(obj, field):
     raise _fail(obj, field, 'a non-empty string')
+
+
+def lengths(obj: Any, field: str, keys: Sequence[str], example: str) -> None:
+  """A mapping of at least `keys` to integers >= 1 (feature lengths); `example` shows one."""
+  value = getattr(obj, field)
+  ok = (isinstance(value, collections.abc.Mapping) and set(keys) <= set(value)
+        and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1
+                for v in value.values()))
+  if not ok:
+    raise _fail(obj, field, f'a mapping of {" and ".join(map(repr, keys))} to integers >= 1, '
+                            f'such as {example}')
+
+
+def directory(name: str, path: str) -> None:
+  """A local directory that exists or can be made, `name` its binding: checked before a run
+  writes there, as the OS errors a path that cannot be made gives later (File exists, Not a
+  directory, File name too long) name no binding. gs:// paths pass."""
+  if '://' in path:
+    return
+  path = os.path.abspath(path)
+  existing = path
+  while not os.path.lexists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    what = (f'a symbolic link to {os.readlink(existing)}, which does not exist'
+            if not os.path.exists(existing) else 'a file, not a directory')
+    where = (f'{name} = {path!r} is {what}' if existing == path else
+             f'{name} = {path!r}: {existing} is {what}, so no directory can be made under it')
+    raise ConfigError(f'{where}. Fix: give a directory (one that does not exist yet is '
+                      f'created).')
+  limit = os.pathconf(existing, 'PC_NAME_MAX')
+  for part in os.path.relpath(path, existing).split(os.sep):
+    if len(part) > limit:
+      raise ConfigError(f'{name}: the name {part[:16]}... in {existing} is {len(part)} '
+                        f'characters long; the filesystem allows {limit}. Fix: give a shorter '
+                        f'name.')

@@ -42,8 +42,8 @@ T5X_MACROS = {
     'LOSS_NORMALIZING_FACTOR': ('the loss is always normalized by the number of real target '
                                 "tokens (T5X's 'NUM_REAL_TARGET_TOKENS'); drop the binding"),
     'USE_CACHED_TASKS': 'tasks are always read uncached (no seqio cache); drop the binding',
-    'INFER_OUTPUT_DIR': ('python -m upcycle.infer writes MODEL_DIR/inference/<task>-<step>.jsonl:'
-                         ' set --gin.MODEL_DIR instead'),
+    'INFER_OUTPUT_DIR': ('python -m upcycle.infer writes MODEL_DIR/inference/'
+                         '<task>-<step>-<method>.jsonl: set --gin.MODEL_DIR instead'),
 }
 _NO_LOG_FILES = ('the entry points print their progress and warnings to the terminal and keep '
                  'no absl log files; drop the flag')

@@ -3,25 +3,59 @@
 Like T5X's `infer.py`: restores any checkpoint `upcycle.pretrained.load` reads (this project's
 orbax runs, T5X, HF), decodes every example of an unpacked task split (greedy, temperature
 sampling or beam search; `upcycle.decoding.DecodeConfig`) and writes
-`OUTPUT_DIR/inference/<task>-<step>.jsonl`, one object per example:
+`OUTPUT_DIR/inference/<task>-<step>-<method>.jsonl` (`output_name`), one object per example:
 
   {"inputs": "...", "targets": "...", "prediction": "...", "score": -3.2,
    "input_tokens": [...], "target_tokens": [...], "prediction_tokens": [...]}
 
 Texts are the task's `targets` vocabulary decoding the tokens (absent when the task has none);
-token lists stop at the first padding (0). Gin files bind `infer_script.infer`
-(`import __main__ as infer_script`); see configs/runs/infer.gin.
+token lists stop at the first padding (0). A decoder-only Llama (configs/runs/llm_infer.gin)
+continues prompts instead (`upcycle.data.prompts`: a JSONL file's, or the first window of each
+document of a task split), named after the file or the task, one object per prompt:
+
+  {"prompt": "...", "prediction": "...", "score": -9.1, "prompt_tokens": [...],
+   "prediction_tokens": [...]}
+
+its texts and tokens the checkpoint's tokenizer's, the continuation up to its first EOS. The
+file is written as `<name>.tmp-<pid>-<random>` and renamed when complete; one decode of an
+output runs at a time (a second is refused in one line, `locks/output_lock.py`), and a killed
+one's partial file is removed by the next. Gin files bind `infer_script.infer`
+(`import __main__ as infer_script`); see configs/runs/infer.gin and llm_infer.gin.
 """
 
 import json
+import logging
 import os
+import secrets
 import sys
 from typing import Any, Optional
 
 from etils import epath
 import jax
 
-from upcycle import gin_utils, predictions, progress
+from upcycle import fields, gin_utils, predictions, progress
+from upcycle.locks import output_lock
+
+log = logging.getLogger(__name__)
+
+
+def output_name(task: str, step: int, decoding: Any, seed: int) -> str:
+  """'<task>-<step>-<method>.jsonl', the method with what changes its predictions or scores
+  ('greedy', 'beam4-alpha0.6', 'sample-t0.7-top40-topp0.9-seed0'; '-rescaled' for T5X's
+  scores):
+  decodes that differ write different files, so a later one never replaces another's."""
+  if decoding.method == 'beam':
+    method = f'beam{decoding.num_beams}-alpha{decoding.alpha:g}'
+  elif decoding.method == 'sample':
+    top = f'-top{decoding.topk}' if decoding.topk else ''
+    nucleus = f'-topp{decoding.topp:g}' if 0 < decoding.topp < 1 else ''
+    method = f'sample-t{decoding.temperature:g}{top}{nucleus}-seed{seed}'
+  else:
+    method = decoding.method
+  if decoding.rescale_log_probs and decoding.method != 'beam':
+    method += '-rescaled'
+  return f'{task}-{step}-{method}.jsonl'
+
 
 def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
           batch_size: int, decoding: Any, max_decode_length: Optional[int] = None,
@@ -30,55 +64,89 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
   """Decodes `infer_data` with the checkpoint; returns the path of the JSONL written.
 
   Args:
-    model: the `T5` the checkpoint fits (gin: %MODEL).
-    infer_data: an unpacked (`pack=False`) `TextPipeline` split.
+    model: the `T5` or decoder-only `Llama` the checkpoint fits (gin: %MODEL).
+    infer_data: a T5's unpacked (`pack=False`) `TextPipeline` split, or a Llama's `Prompts`.
     checkpoint_path: any checkpoint `upcycle.pretrained.load` reads.
-    output_dir: the JSONL goes to `output_dir/inference/<task>-<step>.jsonl`.
+    output_dir: the JSONL goes to `output_dir/inference/<output_name>`.
     batch_size: examples decoded at once.
     decoding: an `upcycle.decoding.DecodeConfig`.
-    max_decode_length: tokens to decode at most (None: the task's 'targets' feature length).
+    max_decode_length: tokens to decode at most (None: the task's 'targets' feature length;
+      for prompts, as many as a prompt may hold).
     format: checkpoint format (None: detected).
     max_batches: stop after this many batches (0: the whole split).
     seed: data order and sampling randomness.
   """
   # pylint: disable=g-import-not-at-top
-  from upcycle import decoding as decoding_lib
+  from upcycle import checkpoints
   from upcycle import pretrained
+  from upcycle.data.prompts import Prompts
+  from upcycle.models import Llama
   # pylint: enable=g-import-not-at-top
   if getattr(infer_data, 'pack', False):
     raise ValueError('infer_data: decoding needs one example per row; bind '
                      "infer/text.TextPipeline.pack = False (as runs/infer.gin does).")
-  checkpoint = pretrained.load(checkpoint_path, format, model_config=model.config)
-  params = jax.tree.map(jax.numpy.asarray, checkpoint.params)
-  max_length = max_decode_length or infer_data.feature_lengths['targets']
-  decode_fn = decoding_lib.make_decode_fn(model, decoding, max_length)
-  vocabulary = predictions.target_vocabulary(infer_data.task)
-  path = epath.Path(output_dir) / 'inference' / f'{infer_data.task}-{checkpoint.step or 0}.jsonl'
-  path.parent.mkdir(parents=True, exist_ok=True)
-  partial = path.parent / (path.name + '.tmp')
-  done = progress.Progress('infer', 'examples', total=predictions.expected_examples(
-      infer_data, batch_size=batch_size, max_batches=max_batches))
-  try:
-    with partial.open('w') as f:
-      for batch, tokens, scores in predictions.decoded_batches(
-          decode_fn, params, infer_data, batch_size=batch_size, max_batches=max_batches,
-          seed=seed):
-        for record in predictions.example_records(batch, tokens, scores, vocabulary):
-          f.write(json.dumps(record) + '\n')
-        done.update(tokens.shape[0])
-  except BaseException:
-    partial.unlink(missing_ok=True)
-    raise
-  partial.replace(path)
+  if isinstance(model, Llama) and not isinstance(infer_data, Prompts):
+    raise fields.ConfigError('MODEL is a decoder-only Llama, which continues prompts: decode '
+                             'with --gin_file=runs/llm_infer.gin, not runs/infer.gin.')
+  if isinstance(infer_data, Prompts) and not isinstance(model, Llama):
+    raise fields.ConfigError(
+        f'infer_data is prompts (runs/llm_infer.gin), which a decoder-only model continues, but '
+        f'MODEL is a {type(model).__name__}: give a models/llama/ file, or decode a split with '
+        'runs/infer.gin.')
+  fields.integer_value('BATCH_SIZE (infer_script.infer.batch_size)', batch_size, 1)
+  fields.directory('MODEL_DIR (infer_script.infer.output_dir)', output_dir)
+  checkpoint = pretrained.load(checkpoint_path, format, model_config=model.config, lazy=True)
+  path = epath.Path(output_dir) / 'inference' / output_name(
+      predictions.source_name(infer_data), checkpoint.step or 0, decoding, seed)
+  if jax.process_index() != 0:   # every worker of a slice runs the command; one decodes
+    return os.fspath(path)
+  with output_lock.hold(os.fspath(path), 'decode', 'wait for it to finish, or decode into '
+                        'another MODEL_DIR.'):
+    _remove_killed(path)
+    params = jax.tree.map(jax.numpy.asarray, checkpoints.materialize(checkpoint.params))
+    done = progress.Progress('infer', 'examples', total=predictions.expected_examples(
+        infer_data, batch_size=batch_size, max_batches=max_batches))
+    partial = path.parent / f'{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}'
+    try:
+      with partial.open('w') as f:
+        for records in predictions.batch_records(
+            model, params, infer_data, decoding,
+            max_decode_length=max_decode_length or infer_data.feature_lengths['targets'],
+            batch_size=batch_size, max_batches=max_batches, seed=seed):
+          for record in records:
+            f.write(json.dumps(record) + '\n')
+          done.update(len(records))
+    except BaseException:
+      partial.unlink(missing_ok=True)
+      raise
+    partial.replace(path)
   done.finish()
   print(f'Wrote {done.done} predictions ({decoding.method}) of checkpoint {checkpoint_path} '
         f'(step {checkpoint.step}) to {path}', flush=True)
   return os.fspath(path)
 
 
+def _remove_killed(path: epath.Path) -> None:
+  """Removes the partial files of killed decodes of `path` (the caller holds its lock)."""
+  for killed in path.parent.glob(f'{path.name}.tmp-*'):
+    killed.unlink(missing_ok=True)
+    log.info('Removed %s, left by a decode of the same output that was killed.', killed)
+
+
+def main(argv) -> str:
+  """Runs `infer`; errors a user can cause (a bad binding, a checkpoint that does not fit, an
+  empty split, the output being written by another decode) end in one line and exit status 1
+  (gin_utils.run; --verbose shows the traceback)."""
+  # pylint: disable=g-import-not-at-top
+  from upcycle.checkpoints import CheckpointError
+  from upcycle.data.iterator import EmptySplit
+  from upcycle.data.prompts import PromptsError
+  from upcycle.data.tokenizer import TokenizerError
+  # pylint: enable=g-import-not-at-top
+  return gin_utils.run(infer, argv, __doc__, expected=(
+      fields.ConfigError, CheckpointError, EmptySplit, PromptsError, TokenizerError,
+      output_lock.OutputInUse))
+
+
 if __name__ == '__main__':
-  from upcycle import fields  # pylint: disable=g-import-not-at-top
-  from upcycle.checkpoints import CheckpointError  # pylint: disable=g-import-not-at-top
-  from upcycle.data.iterator import EmptySplit  # pylint: disable=g-import-not-at-top
-  gin_utils.run(infer, sys.argv[1:], __doc__,
-                expected=(fields.ConfigError, CheckpointError, EmptySplit))
+  main(sys.argv[1:])

@@ -4,7 +4,9 @@
 
 Only metadata is read (shapes and dtypes), so this is cheap on any checkpoint size.
 --verify then reads every array (parameters and optimizer state, one at a time) and exits
-with status 1 naming the parameter and the file if any data is missing or unreadable.
+with status 1 naming the parameter and the file if any data is missing or unreadable; for a
+training step also if an item it was saved with is gone, or an array's bytes differ from the
+CRC-32 recorded when it was saved (a step saved before digests were recorded says so).
 
 PATH may be a step that a running trainer deletes meanwhile (it keeps its last
 TrainConfig.keep_checkpoints steps): that is said, with exit status 0, not reported as damage.
@@ -23,7 +25,7 @@ import numpy as np
 from etils import epath
 
 from upcycle import checkpoints, console, pretrained, reachability, tree
-from upcycle.checkpoints import describe, paths, verify
+from upcycle.checkpoints import describe, digests, orbax, paths, verify
 
 
 def summary(ckpt: checkpoints.Checkpoint) -> Dict[str, Any]:
@@ -100,8 +102,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     info = summary(ckpt)
     print(json.dumps(info, indent=1) if args.json else format_text(info), flush=True)
     if args.verify:
-      count = verify.verify(ckpt)
-      print(f'verified: all {count} arrays read back complete.', file=sys.stderr)
+      print(_verified(ckpt), file=sys.stderr)
   except checkpoints.CheckpointError as e:
     if existed and _deleted_meanwhile(path):
       print(f'note: {path} was deleted by retention while being read (a running trainer keeps '
@@ -111,6 +112,26 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f'error: {e}', file=sys.stderr)
     return 1
   return 0
+
+
+def _verified(ckpt: checkpoints.Checkpoint) -> str:
+  """Reads every array of `ckpt`, checking a training step's items and digests; the line
+  saying what was verified. Raises CheckpointError naming what is damaged."""
+  if ckpt.format != 'orbax':
+    return f'verified: all {verify.verify(ckpt)} arrays read back complete.'
+  missing = orbax.missing_items(ckpt.path)
+  if missing:
+    raise checkpoints.checkpoint_error(
+        ckpt.path, f'damaged: {" and ".join(f"{item}/" for item in missing)} '
+        f'{"is" if len(missing) == 1 else "are"} missing, saved with the step',
+        fix='The checkpoint copy is incomplete; copy the step again from its source')
+  recorded = digests.read(ckpt.path)
+  count = verify.verify(ckpt, recorded)
+  if recorded is None:
+    return (f'verified: all {count} arrays read back complete. This step carries no digests '
+            f'(saved before they were recorded): changed bytes that still decode are not found.')
+  return (f'verified: all {count} arrays read back complete and match the digests recorded '
+          f'when the step was saved.')
 
 
 def _deleted_meanwhile(path: str, settle_seconds: float = 1.0) -> bool:

@@ -1,4 +1,4 @@
-"""Blocks shared by T5 and ViT, every parameter and main activation with logical axis names.
+"""Blocks shared by T5, ViT and Llama, every parameter and main activation with logical axes.
 
 Parameters are created in float32 (`param_dtype`) and cast to the compute `dtype`
 (bfloat16 on TPU) where they are used. Norms and softmaxes compute in float32.
@@ -110,10 +110,15 @@ class LayerNorm(nn.Module):
     return jnp.asarray(y * scale + bias, self.dtype)
 
 
-class GatedMlp(nn.Module):
-  """T5 v1.1 feed-forward: wo(dropout(gelu(wi_0 x) * wi_1 x)).
+# The gate activations of `GatedMlp`: T5 v1.1's tanh-approximated GELU (HF 'gelu_new') and
+# Llama's SiLU (SwiGLU).
+GATE_ACTIVATIONS = {'gelu': functools.partial(nn.gelu, approximate=True), 'silu': nn.silu}
 
-  Kernels: wi_0, wi_1 `[d_model, d_ff]`, wo `[d_ff, d_model]`. Rank agnostic, so
+
+class GatedMlp(nn.Module):
+  """Gated feed-forward: wo(dropout(act(wi_0 x) * wi_1 x)); T5 v1.1 (gelu), Llama (silu).
+
+  Kernels: wi_0 (the gate), wi_1 `[d_model, d_ff]`, wo `[d_ff, d_model]`. Rank agnostic, so
   the MoE layer can vmap it over experts. `intermediate_axes=None` leaves the
   hidden activation unconstrained (inside the experts the MoE layer constrains).
   """
@@ -122,11 +127,12 @@ class GatedMlp(nn.Module):
   dropout_rate: float = 0.0
   dtype: jnp.dtype = jnp.float32
   intermediate_axes: Optional[Axes] = ('batch', 'length', 'mlp')
+  activation: str = 'gelu'   # a key of GATE_ACTIVATIONS
 
   @nn.compact
   def __call__(self, x: Array, deterministic: bool) -> Array:
     dense = functools.partial(DenseGeneral, dtype=self.dtype)
-    gate = nn.gelu(dense(self.d_ff, ('embed', 'mlp'), name='wi_0')(x), approximate=True)
+    gate = GATE_ACTIVATIONS[self.activation](dense(self.d_ff, ('embed', 'mlp'), name='wi_0')(x))
     linear = dense(self.d_ff, ('embed', 'mlp'), name='wi_1')(x)
     h = constrain(gate * linear, self.intermediate_axes)
     h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
@@ -325,16 +331,20 @@ class RelativePositionBias(nn.Module):
 
 
 class Embed(nn.Module):
-  """Token embedding `[vocab, d_model]`; `attend` gives tied output logits."""
+  """Token embedding `[vocab, d_model]`; `attend` gives tied output logits.
+
+  Initialized N(0, 1) as T5 (whose tied logits are rescaled by d_model**-0.5); a model whose
+  tied logits are not rescaled (Llama) passes a smaller `embedding_init`.
+  """
 
   num_embeddings: int
   features: int
   dtype: jnp.dtype = jnp.float32
+  embedding_init: Initializer = nn.initializers.normal(stddev=1.0)
 
   def setup(self):
     self.embedding = self.param(
-        'embedding',
-        nn.with_logical_partitioning(nn.initializers.normal(stddev=1.0), ('vocab', 'embed')),
+        'embedding', nn.with_logical_partitioning(self.embedding_init, ('vocab', 'embed')),
         (self.num_embeddings, self.features), jnp.float32)
 
   def __call__(self, tokens: Array) -> Array:

@@ -216,11 +216,14 @@ def layer_positions(layers: Iterable[str]) -> Dict[str, Optional[Tuple[str, int]
 
 
 def family(paths: Iterable[str]) -> str:
-  """The model family a param tree's names say: 'T5' (encoder and decoder stacks), 'ViT'
-  (a Transformer/ encoder with an image embedding), or 'unknown'."""
+  """The model family a param tree's names say: 'T5' (encoder and decoder stacks), 'Llama'
+  (a decoder stack alone), 'ViT' (a Transformer/ encoder with an image embedding), or
+  'unknown'."""
   roots = {p.split('/')[0] for p in paths}
   if {'encoder', 'decoder'} <= roots:
     return 'T5'
+  if 'decoder' in roots:
+    return 'Llama'
   if 'Transformer' in roots:
     return 'ViT'
   return 'unknown'

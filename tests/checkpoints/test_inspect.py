@@ -72,7 +72,8 @@ def test_a_step_set_aside_by_resume_is_inspected_as_any_step(tmp_path, capsys):
   captured = capsys.readouterr()
   assert f'path:            {set_aside}\nformat:          orbax\nstep:            4\n' in (
       captured.out)
-  assert 'verified: all 4 arrays read back complete.' in captured.err
+  assert ('verified: all 4 arrays read back complete and match the digests recorded when the '
+          'step was saved.') in captured.err
   assert 'verify: 4/4 arrays (100%)' in captured.err   # progress, off the report's stdout
 
 
@@ -83,14 +84,14 @@ def test_a_step_deleted_by_retention_while_verified_is_not_damage(tmp_path, caps
   read = verify.verify
   finish = threading.Timer(0.3, shutil.rmtree, args=(step_dir,))
 
-  def retention_deletes_the_step(ckpt):
+  def retention_deletes_the_step(ckpt, recorded):
     files = sorted(p for p in step_dir.rglob('*') if p.is_file())
     for f in files[:len(files) // 2]:
       f.unlink()
     finish.start()
     if deleting == 'deleted':
       finish.join()
-    return read(ckpt)
+    return read(ckpt, recorded)
 
   monkeypatch.setattr(verify, 'verify', retention_deletes_the_step)
   assert inspect.main([str(step_dir), '--verify']) == 0

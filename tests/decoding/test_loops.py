@@ -3,8 +3,11 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from upcycle.decoding import beam_search, brevity_penalty, exact_match, temperature_sample
+from upcycle import fields
+from upcycle.decoding import (DecodeConfig, beam_search, brevity_penalty, exact_match,
+                              temperature_sample)
 
 EOS = 1
 
@@ -71,6 +74,27 @@ def test_sampling_follows_temperature_and_top_k():
   top2 = frequencies(sample(temperature=1.0, topk=2))
   np.testing.assert_allclose(top2, [0, 0, 0, 0.3 / 0.6999, 0.3999 / 0.6999], atol=0.03)
   assert top2[:3].sum() == 0
+
+
+def test_sampling_follows_top_p():
+  # Descending 0.3999, 0.3, 0.2, ...: with top-p 0.6 the mass above token 2 (0.6999) is not
+  # below 0.6, so tokens 3 and 4 are drawn, renormalized; rescaled scores are under that.
+  p = np.array([0.0001, 0.1, 0.2, 0.3, 0.3999])
+  step = table_step(np.tile(np.log(p), (5, 1)))
+  tokens, rescaled = temperature_sample(step, {'steps': jnp.zeros((), jnp.int32)},
+                                        batch_size=4000, max_length=1, eos_id=EOS,
+                                        rng=jax.random.PRNGKey(3), temperature=1.0, topp=0.6,
+                                        rescale_log_probs=True)
+  token = np.asarray(tokens)[:, 0]
+  np.testing.assert_allclose(np.bincount(token, minlength=5) / token.size,
+                             [0, 0, 0, 0.3 / 0.6999, 0.3999 / 0.6999], atol=0.03)
+  np.testing.assert_allclose(rescaled, np.log(p[token] / 0.6999), rtol=1e-5)
+
+
+def test_top_p_is_a_probability():
+  with pytest.raises(fields.ConfigError, match=r'^decoding.DecodeConfig.topp = 1.5: expected '
+                     r'a probability in \[0, 1\]'):
+    DecodeConfig(method='sample', topp=1.5)
 
 
 def test_scores_under_the_model_or_rescaled_as_t5x():

@@ -1,12 +1,14 @@
 """Tiny model configs, the dense -> MoE tiling used by model tests (independent of surgery),
-and `jitted` (a whole model applied op by op takes tens of seconds on CPU)."""
+and `jitted` / `llama_logits` (a whole model applied op by op takes tens of seconds on CPU)."""
+
+import functools
 
 import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from upcycle.models import T5Config, ViTConfig
+from upcycle.models import Llama, T5Config, ViTConfig
 
 TINY_T5 = T5Config(vocab_size=64, d_model=16, num_heads=2, d_kv=8, d_ff=32,
                    num_encoder_layers=2, num_decoder_layers=2)
@@ -47,3 +49,14 @@ def jitted(fn, *args, **kwargs):
     return fn(*[next(arrays) if t else a for a, t in zip(args, traced)], **kwargs)
 
   return jax.jit(call)([a for a, t in zip(args, traced) if t])
+
+
+@functools.lru_cache(maxsize=None)
+def _llama_apply(config):
+  return jax.jit(lambda params, *inputs: Llama(config).apply({'params': params}, *inputs))
+
+
+def llama_logits(params, config, tokens, segment_ids=None, positions=None) -> np.ndarray:
+  """`Llama(config)` logits `[batch, length, vocab]`, compiled once per config and input
+  shapes for the whole test session."""
+  return np.asarray(_llama_apply(config)(params, tokens, segment_ids, positions))

@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from upcycle.checkpoints import digests
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, 'XLA_FLAGS': '--xla_backend_optimization_level=0', 'JAX_PLATFORMS': 'cpu'}
 # Run files first: data/offline_span_corruption.gin overrides their task.
@@ -90,6 +92,13 @@ def test_two_processes_upcycle_train_and_resume_as_one_process(tmp_path, dense):
   saved = json.load(open(multi / 'checkpoints' / '5' / 'dataset' / 'metadata'))
   assert sorted(saved['shards']) == ['0', '1'] and {
       s['shard_index'] for s in saved['shards'].values()} == {0, 1}
+  # Each process recorded the digests of the shards it holds: together, all 4 blocks of an
+  # expert kernel split over expert x model = 2 x 2.
+  step_dir = str(multi / 'checkpoints' / '5')
+  assert {'process_0.json', 'process_1.json'} <= set(os.listdir(os.path.join(step_dir,
+                                                                              'digests')))
+  kernel = digests.read(step_dir)['params']['encoder/layers_1/mlp/expert/wi_0/kernel']
+  assert len(kernel['shards']) == 4
   _run(_launch(_upcycle_flags(multi, dense), 2, 4))
   expected, resumed = _losses(single), _losses(multi)
   assert [s for s, _ in resumed] == list(range(3, 11)) == [s for s, _ in expected]

@@ -215,7 +215,8 @@ def test_inspect_verify_reads_every_array(run_4_steps, tmp_path, capsys):
   assert inspect.main([str(step_dir), '--verify']) == 0
   expected = _stored_arrays(step_dir)
   assert expected > 100
-  assert f'verified: all {expected} arrays read back complete.' in capsys.readouterr().err
+  assert (f'verified: all {expected} arrays read back complete and match the digests recorded '
+          f'when the step was saved.') in capsys.readouterr().err
   model_dir = _copy(run_4_steps, tmp_path)
   broken = _largest_params_file(model_dir, 4)
   os.remove(broken)

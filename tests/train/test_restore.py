@@ -352,9 +352,10 @@ def test_a_source_of_the_wrong_kind_says_what_it_holds(t5, tmp_path):
       ' parameters, an MoE with 4 experts in 2 blocks')
   assert str(raised.value) == (
       f"UpcycleFromDense('{moe_dir}', format 't5x'): the checkpoint holds {moe}; this config "
-      f"builds {moe}: already an MoE: upcycling starts from a dense checkpoint. Fix: point it "
-      f"at the dense checkpoint, or continue this MoE with restore.ContinueFromCheckpoint "
-      f"(runs/continue_dense.gin with the MoE model files).")
+      f"builds {moe}: already an MoE: upcycling starts from a dense checkpoint. Fix: point "
+      f"restore.UpcycleFromDense.checkpoint (INITIAL_CHECKPOINT_PATH) at the dense checkpoint, "
+      f"or continue this MoE with restore.ContinueFromCheckpoint (runs/continue_dense.gin with "
+      f"the MoE model files).")
   vit_dir = t5x_writer.write(str(tmp_path / 'vit'), 6, helpers.random_params(helpers.TINY_VIT))
   with pytest.raises(ValueError, match=r"the checkpoint holds a ViT model, .* dense \(no expert "
                                        r"leaves\); this config builds a T5 model, .*: another "

@@ -24,8 +24,9 @@ class Checkpoint:
     format: 't5x', 't5x_orbax', 'orbax', 'hf', 'vit_jax', 'big_vision'.
     path: the directory or file that was read.
     description: the model hyperparameters the format stores (HF config.json), as
-      {'model': 't5' | 'vit', <T5Config / ViTConfig field>: value}, else None.
-    model_config: the T5Config / ViTConfig the params were checked against, set by
+      {'model': 't5' | 'vit', <T5Config / ViTConfig field>: value}, or for the Llama family
+      config.json itself, {'model': 'llama', 'hf_config': {...}, 'config_path': ...}; else None.
+    model_config: the T5Config / ViTConfig / LlamaConfig the params were checked against, set by
       `upcycle.pretrained.load` (checkpoint readers never import the models).
     notes: every change the reader made beyond renaming and reshaping (a tied
       head materialized, a position embedding resized, a head dropped), in words.

@@ -14,10 +14,12 @@ from upcycle import tree
 
 
 def model_kind(params: Any) -> Optional[str]:
-  """'t5', 'vit' or None, from the parameter names."""
+  """'t5', 'llama' (a decoder stack alone, no relative position bias), 'vit' or None, from the
+  parameter names."""
   flat = params if _is_flat(params) else tree.flatten(params)
   if any(p.startswith(('token_embedder/', 'encoder/layers_', 'decoder/layers_')) for p in flat):
-    return 't5'
+    t5 = any(p.startswith('encoder/') or '/relpos_bias/' in p for p in flat)
+    return 't5' if t5 else 'llama'
   if any(p.startswith(('Transformer/encoderblock_', 'embedding/kernel')) for p in flat):
     return 'vit'
   return None
@@ -78,6 +80,21 @@ def _describe_t5(flat: Dict[str, Any]) -> str:
           f'(d_kv {d_kv}), d_ff {d_ff}, vocab {vocab}{head}, {_moe_text(experts)}')
 
 
+def _describe_llama(flat: Dict[str, Any]) -> str:
+  """Names and shapes do not separate heads from head_dim: the q and k/v widths are given."""
+  vocab, d_model = _shape(flat, 'token_embedder/embedding') or (None, None)
+  layers = _layer_indices(flat, r'decoder/layers_(\d+)/')
+  query = _shape(flat, 'decoder/layers_0/self_attention/query/kernel')
+  key = _shape(flat, 'decoder/layers_0/self_attention/key/kernel')
+  d_ff = next((leaf.shape[-1] for path, leaf in flat.items()
+               if re.search(r'/mlp/(expert/)?wi_0/kernel$', path)), None)
+  head = '' if 'decoder/logits_dense/kernel' in flat else ', tied embedding'
+  experts = {'decoder': _moe(flat, r'decoder/layers_(\d+)', 'mlp')}
+  return (f'Llama: {len(layers)} layers, d_model {d_model}, query width '
+          f'{query[-1] if query else None}, key/value width {key[-1] if key else None}, '
+          f'd_ff {d_ff}, vocab {vocab}{head}, {_moe_text(experts)}')
+
+
 def _describe_vit(flat: Dict[str, Any]) -> str:
   kernel = _shape(flat, 'embedding/kernel')
   blocks = _layer_indices(flat, r'Transformer/encoderblock_(\d+)/')
@@ -111,4 +128,6 @@ def describe(params: Any) -> str:
     return _describe_t5(flat)
   if kind == 'vit':
     return _describe_vit(flat)
-  return f'unknown model ({len(flat)} parameters, none with T5 or ViT names)'
+  if kind == 'llama':
+    return _describe_llama(flat)
+  return f'unknown model ({len(flat)} parameters, none with T5, ViT or Llama names)'

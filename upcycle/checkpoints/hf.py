@@ -4,9 +4,10 @@
 names") and, as `Checkpoint.description`, the T5Config / ViTConfig fields that reproduce the
 HuggingFace model's logits (`upcycle.pretrained.load_hf` makes the config and checks the
 shapes). Supported:
-`T5ForConditionalGeneration` with `feed_forward_proj='gated-gelu'` (T5 v1.1, Flan-T5)
-and `ViTForImageClassification`. Leaves are numpy arrays, or with `lazy=True` memory-mapped
-LazyArrays.
+`T5ForConditionalGeneration` with `feed_forward_proj='gated-gelu'` (T5 v1.1, Flan-T5),
+`ViTForImageClassification`, and the causal LMs of `model_type` 'llama', 'mistral' and 'qwen2'
+(their description is config.json itself, which `LlamaConfig.from_hf_config` reads). Leaves are
+numpy arrays, or with `lazy=True` memory-mapped LazyArrays.
 """
 
 import json
@@ -16,7 +17,7 @@ from typing import Dict, Optional, Tuple
 import ml_dtypes
 import numpy as np
 
-from upcycle.checkpoints import hf_t5, hf_vit, safetensors_file, validate
+from upcycle.checkpoints import hf_llama, hf_t5, hf_vit, safetensors_file, validate
 from upcycle.checkpoints.checkpoint import Checkpoint, ExpectedFn
 from upcycle.checkpoints.errors import checkpoint_error
 from upcycle.checkpoints.lazy import LazyArray
@@ -29,6 +30,8 @@ ARCHITECTURES = {
     'T5ForConditionalGeneration': hf_t5.convert,
     'ViTForImageClassification': hf_vit.convert,
 }
+# Read by `model_type`: one converter for the family's causal LMs (it refuses other heads).
+MODEL_TYPES = {model_type: hf_llama.convert for model_type in hf_llama.MODEL_TYPES}
 
 
 def is_hf_dir(path: str) -> bool:
@@ -54,15 +57,18 @@ def load_checkpoint(path: str, expected: Optional[ExpectedFn] = None,
   with open(config_path) as f:
     config = json.load(f)
   architectures = config.get('architectures') or []
-  supported = [a for a in architectures if a in ARCHITECTURES]
+  supported = [ARCHITECTURES[a] for a in architectures if a in ARCHITECTURES]
+  if config.get('model_type') in MODEL_TYPES:
+    supported.append(MODEL_TYPES[config['model_type']])
   if not supported:
     raise checkpoint_error(
-        config_path, 'unsupported architecture in field "architectures"',
-        expected=f'one of {sorted(ARCHITECTURES)}', found=architectures or None,
-        fix='Only T5 v1.1 (gated-GELU) encoder-decoders and ViT classifiers convert')
+        config_path, 'unsupported architecture in field "architectures" and "model_type"',
+        expected=f'one of {sorted(ARCHITECTURES)}, or a model_type of {sorted(MODEL_TYPES)}',
+        found=f'{architectures or None} and {config.get("model_type")!r}',
+        fix='Only T5 v1.1 (gated-GELU) encoder-decoders, ViT classifiers and Llama / Mistral / '
+        'Qwen2 causal LMs convert')
   tensors, weights_path = read_tensors(path)
-  params, description, notes, names = ARCHITECTURES[supported[0]](
-      tensors, config, config_path, weights_path)
+  params, description, notes, names = supported[0](tensors, config, config_path, weights_path)
   shapes = expected(description) if expected else None
   if shapes is not None:
     validate.check_params(params, shapes, weights_path, names=names,

@@ -1,72 +1,56 @@
-"""HuggingFace `T5ForConditionalGeneration` (v1.1, gated-GELU) -> T5X `t5_1_1` names.
+"""HuggingFace `T5ForConditionalGeneration` (v1.1, gated-GELU) <-> T5X `t5_1_1` names.
 
 HuggingFace stores torch Linear weights `[out, in]`; T5X kernels are `[in, out]`,
 so every projection is transposed. The relative position bias lives in block 0
-as `[buckets, heads]`; T5X keeps one `[heads, buckets]` table per stack.
+as `[buckets, heads]`; T5X keeps one `[heads, buckets]` table per stack. `TABLE` holds every
+name once and serves both directions: `convert` (reading) and `to_hf` / `hf_config` (writing,
+`upcycle.hf_export`).
 """
 
-import re
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Mapping, Tuple
 
 import numpy as np
 
 from upcycle import tree
 from upcycle.checkpoints.errors import checkpoint_error
 from upcycle.checkpoints.lazy import LazyArray
+from upcycle.checkpoints.name_table import NameTable, transposed
 
 _ATTENTION = {'q': 'query', 'k': 'key', 'v': 'value', 'o': 'out'}
-# (stack, sub-layer index) -> (attention module, its layer norm); the MLP comes last.
+# (stack, sub-layer index) -> (HF attention module, ours, its layer norm); the MLP comes last.
 _SUBLAYERS = {
-    ('encoder', 0): ('attention', 'pre_attention_layer_norm'),
-    ('decoder', 0): ('self_attention', 'pre_self_attention_layer_norm'),
-    ('decoder', 1): ('encoder_decoder_attention', 'pre_cross_attention_layer_norm'),
+    ('encoder', 0): ('SelfAttention', 'attention', 'pre_attention_layer_norm'),
+    ('decoder', 0): ('SelfAttention', 'self_attention', 'pre_self_attention_layer_norm'),
+    ('decoder', 1): ('EncDecAttention', 'encoder_decoder_attention',
+                     'pre_cross_attention_layer_norm'),
 }
 _MLP_SUBLAYER = {'encoder': 1, 'decoder': 2}
-_BLOCK = re.compile(r'(encoder|decoder)\.block\.(\d+)\.layer\.(\d+)\.(.+)')
 # Aliases of shared.weight that older transformers versions also wrote.
 _ALIASES = ('encoder.embed_tokens.weight', 'decoder.embed_tokens.weight')
+HEAD = 'decoder/logits_dense/kernel'
 
 
-def _transposed(t: LazyArray) -> LazyArray:
-  return t.map(np.transpose, t.shape[::-1])
+def _rows():
+  """(HF name, contract path, transposed) of every tensor; `{i}` is the layer index."""
+  yield 'shared.weight', 'token_embedder/embedding', False
+  yield 'lm_head.weight', HEAD, True
+  for stack, sub in _MLP_SUBLAYER.items():
+    yield f'{stack}.final_layer_norm.weight', f'{stack}/{stack}_norm/scale', False
+    yield (f'{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight',
+           f'{stack}/relpos_bias/rel_embedding', True)
+    mlp = f'{stack}.block.{{i}}.layer.{sub}'
+    yield f'{mlp}.layer_norm.weight', f'{stack}/layers_{{i}}/pre_mlp_layer_norm/scale', False
+    for w in ('wi_0', 'wi_1', 'wo'):
+      yield f'{mlp}.DenseReluDense.{w}.weight', f'{stack}/layers_{{i}}/mlp/{w}/kernel', True
+  for (stack, sub), (hf_module, attention, norm) in _SUBLAYERS.items():
+    block = f'{stack}.block.{{i}}.layer.{sub}'
+    yield f'{block}.layer_norm.weight', f'{stack}/layers_{{i}}/{norm}/scale', False
+    for hf, ours in _ATTENTION.items():
+      yield (f'{block}.{hf_module}.{hf}.weight',
+             f'{stack}/layers_{{i}}/{attention}/{ours}/kernel', True)
 
 
-def _block_name(stack: str, layer: int, sub: int, rest: str) -> Tuple[str, bool]:
-  """HF tail inside `{stack}.block.{layer}.layer.{sub}` -> (contract path, transpose?)."""
-  prefix = f'{stack}/layers_{layer}'
-  if sub == _MLP_SUBLAYER[stack]:
-    if rest == 'layer_norm.weight':
-      return f'{prefix}/pre_mlp_layer_norm/scale', False
-    m = re.fullmatch(r'DenseReluDense\.(wi_0|wi_1|wo)\.weight', rest)
-    if m:
-      return f'{prefix}/mlp/{m.group(1)}/kernel', True
-    return '', False
-  if (stack, sub) not in _SUBLAYERS:
-    return '', False
-  attention, norm = _SUBLAYERS[(stack, sub)]
-  if rest == 'layer_norm.weight':
-    return f'{prefix}/{norm}/scale', False
-  if rest == 'SelfAttention.relative_attention_bias.weight' and layer == 0 and sub == 0:
-    return f'{stack}/relpos_bias/rel_embedding', True
-  m = re.fullmatch(r'(?:SelfAttention|EncDecAttention)\.([qkvo])\.weight', rest)
-  if m:
-    return f'{prefix}/{attention}/{_ATTENTION[m.group(1)]}/kernel', True
-  return '', False
-
-
-def _contract_name(name: str) -> Tuple[str, bool]:
-  """HF tensor name -> (contract path or '' when unknown, transpose?)."""
-  if name == 'shared.weight':
-    return 'token_embedder/embedding', False
-  if name == 'lm_head.weight':
-    return 'decoder/logits_dense/kernel', True
-  m = re.fullmatch(r'(encoder|decoder)\.final_layer_norm\.weight', name)
-  if m:
-    return f'{m.group(1)}/{m.group(1)}_norm/scale', False
-  m = _BLOCK.fullmatch(name)
-  if m:
-    return _block_name(m.group(1), int(m.group(2)), int(m.group(3)), m.group(4))
-  return '', False
+TABLE = NameTable(_rows())
 
 
 def _description(hf: Dict[str, Any], config_path: str,
@@ -90,6 +74,31 @@ def _description(hf: Dict[str, Any], config_path: str,
       logits_via_embedding=logits_via_embedding)
 
 
+def hf_config(fields: Mapping[str, Any], dtype: str) -> Dict[str, Any]:
+  """T5Config fields (as `_description` gives them) -> the config.json of the same logits,
+  the inverse of `_description`; `dtype`: the weights' ('float32', 'bfloat16').
+
+  T5 v1.1 has its own head: `tie_word_embeddings` false, which transformers (4 and 5) read as
+  "no rescaled output" and, with an `lm_head.weight` in the file, as an untied head. A tied
+  head (`logits_via_embedding`, T5 v1.0's) is written as tied, which both rescale.
+  """
+  return {
+      'architectures': ['T5ForConditionalGeneration'], 'model_type': 't5',
+      'vocab_size': fields['vocab_size'], 'd_model': fields['d_model'],
+      'd_kv': fields['d_kv'], 'd_ff': fields['d_ff'], 'num_heads': fields['num_heads'],
+      'num_layers': fields['num_encoder_layers'],
+      'num_decoder_layers': fields['num_decoder_layers'],
+      'relative_attention_num_buckets': fields['relative_attention_num_buckets'],
+      'relative_attention_max_distance': fields['relative_attention_max_distance'],
+      'layer_norm_epsilon': fields['layer_norm_epsilon'],
+      'dropout_rate': fields['dropout_rate'],
+      'feed_forward_proj': 'gated-gelu', 'is_gated_act': True, 'dense_act_fn': 'gelu_new',
+      'tie_word_embeddings': bool(fields['logits_via_embedding']),
+      'is_encoder_decoder': True, 'decoder_start_token_id': 0, 'pad_token_id': 0,
+      'eos_token_id': 1, 'dtype': dtype, 'torch_dtype': dtype,
+  }
+
+
 def _rescales_logits(hf: Dict[str, Any]) -> bool:
   """Whether HuggingFace multiplies decoder outputs by d_model**-0.5 (T5 v1.0 tied head).
 
@@ -99,6 +108,12 @@ def _rescales_logits(hf: Dict[str, Any]) -> bool:
   if 'scale_decoder_outputs' in hf:
     return bool(hf['scale_decoder_outputs'])
   return hf.get('tie_word_embeddings', True) is not False
+
+
+def to_hf(params: Mapping[str, Any], source: str) -> Dict[str, Any]:
+  """Contract params (dense T5, unrolled layers) -> {HF tensor name: leaf}, kernels
+  transposed (lazily for LazyArrays). A head tied to the embedding writes no lm_head."""
+  return TABLE.to_theirs(params, source, 'T5ForConditionalGeneration')
 
 
 def convert(tensors: Dict[str, LazyArray], hf: Dict[str, Any], config_path: str,
@@ -119,11 +134,12 @@ def convert(tensors: Dict[str, LazyArray], hf: Dict[str, Any], config_path: str,
   for name, tensor in tensors.items():
     if name in _ALIASES:
       continue
-    path, transpose = _contract_name(name)
-    if not path:
+    found = TABLE.ours(name)
+    if found is None:
       unknown.append(name)
       continue
-    params[path] = _transposed(tensor) if transpose else tensor
+    path, transpose = found
+    params[path] = transposed(tensor) if transpose else tensor
     hf_names[path] = name
   if unknown:
     raise checkpoint_error(
@@ -131,18 +147,17 @@ def convert(tensors: Dict[str, LazyArray], hf: Dict[str, Any], config_path: str,
         expected='T5ForConditionalGeneration names (shared, encoder.block.*, decoder.block.*, '
         'lm_head)', found=sorted(unknown)[:8],
         fix='Check that config.json belongs to these weights')
-  head = 'decoder/logits_dense/kernel'
-  if via_embedding and head in params and 'shared.weight' in tensors:
+  if via_embedding and HEAD in params and 'shared.weight' in tensors:
     shared = tensors['shared.weight']
     if not np.array_equal(np.asarray(tensors['lm_head.weight']), np.asarray(shared)):
       raise checkpoint_error(
           config_path, 'tie_word_embeddings/scale_decoder_outputs ask for the T5 v1.0 rescaled '
           'tied head, but lm_head.weight differs from shared.weight', fix='For T5 v1.1 set '
           '"tie_word_embeddings": false in config.json')
-    del params[head]
-  elif not via_embedding and head not in params and 'shared.weight' in tensors:
-    params[head] = _transposed(tensors['shared.weight'])
-    hf_names[head] = 'shared.weight (tied lm_head)'
+    del params[HEAD]
+  elif not via_embedding and HEAD not in params and 'shared.weight' in tensors:
+    params[HEAD] = transposed(tensors['shared.weight'])
+    hf_names[HEAD] = 'shared.weight (tied lm_head)'
     notes.append('no lm_head.weight and no output rescaling: decoder/logits_dense/kernel is '
                  'shared.weight transposed (transformers ties them in memory)')
   return tree.unflatten(params), description, notes, hf_names

@@ -80,6 +80,17 @@ class LazyArray:
     return LazyArray(shape, self.dtype if dtype is None else dtype,
                      lambda: fn(self.read()), self.source, self.param)
 
+  def __getitem__(self, k: int) -> 'LazyArray':
+    """Entry `k` of the first axis, still lazy: one layer of a scanned stack, as
+    `scan_layout.unstack` slices it; reading it reads only that block where the reader can."""
+    if not isinstance(k, (int, np.integer)) or not self.shape or not (
+        -self.shape[0] <= k < self.shape[0]):
+      raise IndexError(f'LazyArray{self.shape}[{k!r}]: only an integer index into the first '
+                       f'axis is supported.')
+    index = (slice(int(k) % self.shape[0], int(k) % self.shape[0] + 1),)
+    return LazyArray(self.shape[1:], self.dtype, lambda: self.read(index)[0], self.source,
+                     self.param)
+
   def __repr__(self) -> str:
     return f'LazyArray(shape={self.shape}, dtype={self.dtype}, source={self.source!r})'
 

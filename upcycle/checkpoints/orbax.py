@@ -3,7 +3,8 @@
   MODEL_DIR/<step>/params/            parameters (orbax PyTree, OCDBT)
   MODEL_DIR/<step>/optimizer_state/   optimizer state (optional)
   MODEL_DIR/<step>/dataset/           dataset-iterator state, JSON (optional)
-  MODEL_DIR/<step>/_CHECKPOINT_METADATA
+  MODEL_DIR/<step>/digests/           a CRC-32 per array shard, one JSON per process (digests.py)
+  MODEL_DIR/<step>/_CHECKPOINT_METADATA   (lists the items the step was saved with)
 
 Orbax writes a step into `<step>.orbax-checkpoint-tmp-*` and renames it when every item
 is on disk, so a save killed midway leaves the previous steps intact and the
@@ -12,6 +13,7 @@ last `keep` steps stay. MODEL_DIR may be a local path or gs:// (orbax writes thr
 `etils.epath` and tensorstore's GCS driver).
 """
 
+import json
 import logging
 import os
 import re
@@ -21,8 +23,9 @@ from typing import Any, List, NamedTuple, Optional, Sequence
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
-from upcycle.checkpoints import orbax_tree, paths
+from upcycle.checkpoints import digests, orbax_tree, paths
 from upcycle.checkpoints.checkpoint import Checkpoint
 from upcycle.checkpoints.errors import FULL_DISK, CheckpointError, checkpoint_error
 from upcycle.checkpoints.lazy import materialize
@@ -44,6 +47,7 @@ class _QuietFullDisk(logging.Filter):
 logging.getLogger('absl').addFilter(_QuietFullDisk())
 
 PARAMS, OPTIMIZER, DATASET = 'params', 'optimizer_state', 'dataset'
+DIGESTS = digests.DIGESTS
 RUN_CHECKPOINTS = 'checkpoints'   # a training run's steps: MODEL_DIR/checkpoints/<step>/
 _MARKER = '_CHECKPOINT_METADATA'
 # On GCS (no atomic rename) orbax writes a step in place and marks it finished with this file.
@@ -71,24 +75,33 @@ class CheckpointManager:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, save_interval_steps=save_interval_steps, create=True,
         cleanup_tmp_directories=True, enable_async_checkpointing=async_save)
+    # Every process writes its own digest file (orbax's JSON items are process 0's).
+    own_digests = ocp.JsonCheckpointHandler(
+        filename=digests.filename(jax.process_index()),
+        multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=None))
     self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                          item_names=(PARAMS, OPTIMIZER, DATASET))
+                                          item_names=(PARAMS, OPTIMIZER, DATASET, DIGESTS),
+                                          item_handlers={DIGESTS: own_digests})
 
   def save(self, step: int, params: Any, optimizer_state: Any = None,
            dataset_state: Optional[dict] = None, *, force: bool = False) -> bool:
     """Starts saving `step` (returns at once when async); False when the interval skips it.
 
+    The CRC-32 of each array shard this process holds is computed first, from the arrays as
+    they are now (the caller may donate them once this returns), into the step's `digests/`.
     Raises CheckpointError (one line: the step, the directory, the space needed and free)
     before writing when a local disk has less free space than the last step took (or the
     state's bytes), and when this or an earlier background save failed.
     """
     self.wait()   # the previous save (orbax waits for it too): its failure is its own
     self._check_space(step, [params, optimizer_state])
-    items = {PARAMS: ocp.args.StandardSave(params)}
+    arrays = {PARAMS: params}
     if optimizer_state is not None:
-      items[OPTIMIZER] = ocp.args.StandardSave(optimizer_state)
+      arrays[OPTIMIZER] = optimizer_state
+    items = {name: ocp.args.StandardSave(tree) for name, tree in arrays.items()}
     if dataset_state is not None:
       items[DATASET] = ocp.args.JsonSave(dataset_state)
+    items[DIGESTS] = ocp.args.JsonSave(digests.record(arrays))
     self._saving = int(step)
     try:
       return self._manager.save(int(step), args=ocp.args.Composite(**items), force=force)
@@ -218,6 +231,22 @@ def is_step_dir(path: str) -> bool:
     return False
   return (paths.isfile(os.path.join(path, _MARKER))
           and orbax_tree.is_item_dir(os.path.join(path, PARAMS)))
+
+
+def saved_items(step_dir: str) -> List[str]:
+  """The items the step was saved with, as orbax listed them in its `_CHECKPOINT_METADATA`
+  ([] if that does not say)."""
+  try:
+    listed = json.loads(epath.Path(step_dir, _MARKER).read_text()).get('item_handlers')
+  except (OSError, ValueError):
+    return []
+  return sorted(listed) if isinstance(listed, dict) else []
+
+
+def missing_items(step_dir: str, required: Sequence[str] = ()) -> List[str]:
+  """The items of the step that are gone: those it was saved with, and `required`."""
+  expected = sorted(set(saved_items(step_dir)) | set(required))
+  return [item for item in expected if not paths.isdir(os.path.join(step_dir, item))]
 
 
 def finished_steps(directory: str) -> dict:

@@ -1,18 +1,20 @@
-"""A minimal safetensors reader: memory-mapped, lazy, bfloat16 and float8 included.
+"""A minimal safetensors reader and writer: memory-mapped, lazy, bfloat16 and float8 included.
 
 File layout: 8 bytes little-endian header length n, n bytes of JSON header
 `{name: {'dtype': 'F32', 'shape': [...], 'data_offsets': [begin, end]}, '__metadata__': {...}}`,
 then the raw little-endian C-order data; offsets are relative to the end of the header.
+`write` pads the header with spaces to a multiple of 8 bytes, as the safetensors library does.
 """
 
 import json
 import os
 import struct
-from typing import Dict, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import ml_dtypes
 import numpy as np
 
+from upcycle import progress
 from upcycle.checkpoints.errors import checkpoint_error
 from upcycle.checkpoints.lazy import LazyArray
 
@@ -22,6 +24,7 @@ DTYPES = {
     'I64': np.int64, 'I32': np.int32, 'I16': np.int16, 'I8': np.int8,
     'U64': np.uint64, 'U32': np.uint32, 'U16': np.uint16, 'U8': np.uint8, 'BOOL': np.bool_,
 }
+DTYPE_NAMES = {np.dtype(dtype): name for name, dtype in DTYPES.items()}
 _MAX_HEADER_BYTES = 100 * 2**20
 
 
@@ -76,3 +79,38 @@ def load(path: str) -> Dict[str, LazyArray]:
     read = (lambda b=begin, e=end, d=dtype, s=shape: mapped[b:e].view(d).reshape(s))
     tensors[name] = LazyArray(shape, dtype, read, path, name)
   return tensors
+
+
+def nbytes(leaf: Any) -> int:
+  """The bytes `leaf` (an array or LazyArray) takes in a file, from its shape and dtype."""
+  return int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+
+
+def write(path: str, tensors: Mapping[str, Any], metadata: Optional[Mapping[str, str]] = None,
+          done: Optional[progress.Progress] = None) -> None:
+  """Writes `tensors` ({name: array or LazyArray}) as one .safetensors file at `path`.
+
+  The header needs only shapes and dtypes, so the tensors are read (or computed, for a
+  `LazyArray.map`) one at a time, in order, and written as they come: memory holds one.
+  `done` counts each tensor written.
+  """
+  header: Dict[str, Any] = {'__metadata__': dict(metadata)} if metadata else {}
+  offset = 0
+  for name, leaf in tensors.items():
+    dtype = np.dtype(leaf.dtype)
+    if dtype not in DTYPE_NAMES:
+      raise checkpoint_error(path, 'no safetensors dtype for this tensor', param=name,
+                             expected=f'one of {sorted(DTYPES)}', found=dtype)
+    end = offset + nbytes(leaf)
+    header[name] = {'dtype': DTYPE_NAMES[dtype], 'shape': [int(d) for d in leaf.shape],
+                    'data_offsets': [offset, end]}
+    offset = end
+  encoded = json.dumps(header, separators=(',', ':')).encode('utf-8')
+  encoded += b' ' * (-len(encoded) % 8)
+  with open(path, 'wb') as f:
+    f.write(struct.pack('<Q', len(encoded)))
+    f.write(encoded)
+    for leaf in tensors.values():
+      f.write(np.ascontiguousarray(np.asarray(leaf)).reshape(-1).view(np.uint8).data)
+      if done is not None:
+        done.update(1)

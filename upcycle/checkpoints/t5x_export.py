@@ -42,6 +42,17 @@ def run_steps(model_dir: str) -> Tuple[str, Dict[int, str]]:
       f'--model_dir.')
 
 
+def pick_step(root: str, steps: Dict[int, str], step: Optional[int]) -> int:
+  """`step`, or the latest of `steps` (`run_steps`) when None; ExportError if the run in
+  `root` has no such step."""
+  step = max(steps) if step is None else int(step)
+  if step not in steps:
+    raise ExportError(f'{root}: no finished checkpoint for step {step}; the run has steps '
+                      f'{sorted(steps)}. Fix: pass one of them as --step, or none for the '
+                      f'latest ({max(steps)}).')
+  return step
+
+
 def t5x_param_states(optimizer_state, params: Mapping) -> Optional[dict]:
   """T5X's `param_states` (the stored, lazy leaves) when the run's stored optimizer state is
   `optimizers.T5XAdafactor`'s (`{'count', 'param_states': {<param path>: {v_row, v_col, v,
@@ -80,11 +91,7 @@ def export(model_dir: str, output_dir: str, step: Optional[int] = None,
   root, steps = run_steps(model_dir)
   output_dir = paths.absolute(output_dir)
   _check_output(output_dir, root)
-  step = max(steps) if step is None else int(step)
-  if step not in steps:
-    raise ExportError(f'{root}: no finished checkpoint for step {step}; the run has steps '
-                      f'{sorted(steps)}. Fix: pass one of them as --step, or none for the '
-                      f'latest ({max(steps)}).')
+  step = pick_step(root, steps, step)
   ckpt = checkpoints.load(steps[step], format='orbax', lazy=True)
   slots = t5x_param_states(ckpt.optimizer_state, ckpt.params)
   out_step = step

@@ -18,21 +18,15 @@ the msgpack (T5X reads either form for any leaf). Leaves may be `LazyArray`s: ea
 written and dropped in turn, so memory holds one leaf at a time.
 
 The step directory is written as `checkpoint_<step>.tmp-<time>-<pid>` and renamed when complete
-(T5X's own convention), so readers never see a partial checkpoint. A write that fails (a full
-disk) removes its temporary directory; one that was killed leaves it, and the next write of the
-same step removes it first. Writers of one step hold `checkpoint_<step>.tmp.lock` (a
-`FileLock`), so a second writer of that step is refused rather than removing the first one's
-directory. On gs:// (no rename) it is
+(T5X's own convention), so readers never see a partial checkpoint (`atomic_dir`: a failed write
+removes it, the next write of the step removes a killed one's, and writers of one step hold
+`checkpoint_<step>.tmp.lock`, so a second one is refused). On gs:// (no rename) it is
 written in place and the `checkpoint` msgpack last: T5X (`checkpoints.all_steps`) and this
 project's reader take a step to exist only once that file does. The zarr specs stay relative
 (`'driver': 'file'`), as T5X resolves them against the checkpoint's own location (gcs there).
 """
 
-import glob
-import logging
 import os
-import shutil
-import time
 from typing import Any, List, Mapping, Optional, Sequence
 
 import flax.serialization
@@ -41,10 +35,7 @@ import numpy as np
 import tensorstore as ts
 
 from upcycle import progress, tree
-from upcycle.locks import file_lock
-from upcycle.checkpoints import adafactor_state, gcs, paths, zarr_leaf
-
-log = logging.getLogger(__name__)
+from upcycle.checkpoints import adafactor_state, atomic_dir, gcs, paths, zarr_leaf
 
 VERSION = 3
 CHUNK_BYTES = 64 * 2**20   # T5X's _DESIRED_CHUNK_SIZE_BYTES
@@ -127,35 +118,19 @@ def write(model_dir: str, step: int, params: Mapping[str, Any],
       None writes an empty `param_states`, for T5X to initialize (docs/checkpoints.md, "Restoring in T5X").
 
   Raises:
-    FileExistsError: `checkpoint_<step>` exists already, or another write of it is running
-      (nothing is written).
+    FileExistsError: `checkpoint_<step>` exists already (an empty directory is replaced), or
+      another write of it is running (nothing is written).
   """
   if paths.is_url(model_dir):
     return _write_gcs(paths.absolute(model_dir), step, params, param_states)
   final = os.path.join(os.path.abspath(os.fspath(model_dir)), f'checkpoint_{int(step)}')
-  lock = _lock(final)
-  with file_lock.writing(lock, f'{final}.tmp-{int(time.time())}-{os.getpid()}') as tmp:
-    if os.path.exists(final):
-      raise FileExistsError(f'{final} already exists; T5X checkpoints are never overwritten. '
-                            f'Fix: write another step or into another model directory.')
-    for killed in glob.glob(glob.escape(final) + '.tmp-*'):   # no writer: we hold the lock
-      shutil.rmtree(killed)
-      log.info('Removed %s, left by a write of the same step that was killed.', killed)
-    os.makedirs(tmp)
+  taken = (f'{final} already exists; T5X checkpoints are never overwritten. Fix: write another '
+           f'step or into another model directory.')
+  with atomic_dir.create(final, taken, elsewhere='into another model directory') as tmp:
     data = _serialize(tmp, step, params, param_states)
     with open(os.path.join(tmp, CHECKPOINT_FILE), 'wb') as f:
       f.write(data)
-    os.rename(tmp, final)
   return final
-
-
-def _lock(final: str) -> file_lock.FileLock:
-  """Holds `<final>.tmp.lock`, which every local writer of `final` takes first."""
-  try:
-    return file_lock.FileLock(f'{final}.tmp.lock', purpose=f'writing {final}').acquire()
-  except file_lock.LockHeld as held:
-    raise FileExistsError(f'Another write of {final} is running: {held} Fix: wait for it to '
-                          f'finish, or write into another model directory.') from None
 
 
 def _serialize(directory: str, step: int, params: Mapping[str, Any],

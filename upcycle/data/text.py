@@ -15,6 +15,7 @@ import numpy as np
 import seqio
 import tensorflow as tf
 
+from upcycle import fields
 from upcycle.data import host_only, source_errors
 from upcycle.data import tasks  # pylint: disable=unused-import  (registers the default tasks)
 
@@ -59,6 +60,10 @@ class TextPipeline:
   feature_lengths: Mapping[str, int]
   pack: bool = True
   shuffle: bool = True
+
+  def __post_init__(self):
+    fields.lengths(self, 'feature_lengths', ('inputs', 'targets'),
+                   "TASK_FEATURE_LENGTHS = {'inputs': 512, 'targets': 114}")
 
   def describe(self) -> Dict[str, Any]:
     """JSON-serializable identity; a resumed iterator must see the same one."""

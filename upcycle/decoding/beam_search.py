@@ -14,7 +14,7 @@ Semantics as T5X (`t5x/decoding.py: beam_search`):
   log-probability); live beams are not added to a non-empty finished set.
 """
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +32,8 @@ def brevity_penalty(alpha: float, length) -> Array:
 
 
 def beam_search(step_fn: StepFn, cache: Cache, *, batch_size: int, max_length: int,
-                eos_id: int, num_beams: int, alpha: float = 0.6) -> Tuple[Array, Array]:
+                eos_id: int, num_beams: int, alpha: float = 0.6,
+                initial_tokens: Optional[Array] = None) -> Tuple[Array, Array]:
   """Beam search over `num_beams` beams per example.
 
   Args:
@@ -43,14 +44,17 @@ def beam_search(step_fn: StepFn, cache: Cache, *, batch_size: int, max_length: i
     eos_id: end-of-sequence token.
     num_beams: beams per example.
     alpha: brevity-penalty exponent (0: rank by log-probability alone).
+    initial_tokens: `[batch]` int32, the first step's input (None: 0, T5's decoder start).
 
   Returns:
     sequences `[batch, beams, max_length]` int32 (0 after EOS), best first, and their scores
     `[batch, beams]` (log-probability / brevity penalty).
   """
   b, k = batch_size, num_beams
-  # Sequences carry a leading 0, the first step's input token (T5's decoder start).
+  # Sequences carry a leading token, the first step's input (T5's decoder start 0).
   seq_shape = (b, k, max_length + 1)
+  first = (jnp.zeros((b,), jnp.int32) if initial_tokens is None
+           else jnp.asarray(initial_tokens, jnp.int32))
   max_penalty = brevity_penalty(alpha, max_length)
 
   def cond(state):
@@ -89,7 +93,7 @@ def beam_search(step_fn: StepFn, cache: Cache, *, batch_size: int, max_length: i
 
   state = (jnp.zeros((), jnp.int32),
            jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (b, 1)),
-           jnp.zeros(seq_shape, jnp.int32),
+           jnp.zeros(seq_shape, jnp.int32).at[:, :, 0].set(first[:, None]),
            jnp.full((b, k), NEG_INF, jnp.float32),
            jnp.zeros(seq_shape, jnp.int32),
            jnp.zeros((b, k), bool),

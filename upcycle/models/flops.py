@@ -11,6 +11,7 @@ shared expert (`MoeConfig.shared_expert`) on every token.
 
 from typing import Optional
 
+from upcycle.models.llama import LlamaConfig
 from upcycle.models.t5 import T5Config
 from upcycle.models.vit import ViTConfig
 from upcycle.moe.config import MoeConfig
@@ -73,6 +74,21 @@ def vit_forward_flops(config: ViTConfig, batch: int) -> int:
     total += 2 * batch * w * config.representation_size
     features = config.representation_size
   return total + 2 * batch * features * config.num_classes
+
+
+def llama_forward_flops(config: LlamaConfig, batch: int, length: int) -> int:
+  """Forward FLOPs of a Llama on `[batch, length]` tokens: q/o projections over all heads,
+  k/v over the key/value heads (grouped-query attention), scores and sum over all heads."""
+  d, hd = config.d_model, config.head_dim
+  q_inner, kv_inner = config.num_heads * hd, config.num_kv_heads * hd
+  attention = 2 * length * d * (2 * q_inner + 2 * kv_inner) + 2 * 2 * length * length * q_inner
+  unit = 2 * 3 * d                                # wi_0 (gate), wi_1 (up), wo (down)
+  sparse = config.sparse_layers()
+  total = 0
+  for i in range(config.num_layers):
+    moe = config.moe if i in sparse else None
+    total += batch * attention + _mlp_block(moe, batch, length, d, config.d_ff, unit)
+  return total + 2 * batch * length * d * config.vocab_size   # logits
 
 
 def train_flops(forward_flops: int) -> int:

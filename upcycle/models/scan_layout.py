@@ -60,7 +60,8 @@ def check_scannable(sparse: Sequence[int], num_layers: int, field: str) -> None:
 def stacks(config) -> List[Tuple[str, str, str, int, Tuple[int, ...]]]:
   """(prefix, unrolled block name with '{}', scanned name, num_layers, sparse) per stack."""
   if not hasattr(config, 'layer_stacks'):
-    raise TypeError(f'scan_layout: expected a T5Config or ViTConfig, got {type(config).__name__}.')
+    raise TypeError(f'scan_layout: expected a T5Config, ViTConfig or LlamaConfig, got '
+                    f'{type(config).__name__}.')
   return config.layer_stacks()
 
 

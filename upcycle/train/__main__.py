@@ -21,25 +21,44 @@ def train(*, objective: Any, optimizer: Any, config: Any, train_data: Any,
   # config.gin is written once the run holds MODEL_DIR and its state is restored or built,
   # so a refused or failed start leaves the config of the run in MODEL_DIR as it was.
   trainer = Trainer(objective, optimizer, config, train_data, eval_data, initializer)
-  result = trainer.run(on_start=lambda: gin_utils.write_config(config.model_dir))
+
+  def on_start():
+    gin_utils.write_config(config.model_dir)
+    _keep_tokenizer(train_data, config.model_dir)
+
+  result = trainer.run(on_start=on_start)
   gin_utils.write_config(config.model_dir, operative=True)
   return result
 
 
+def _keep_tokenizer(train_data: Any, model_dir: str) -> None:
+  """A decoder-only run keeps its tokenizer in MODEL_DIR/tokenizer/ (process 0), where a run
+  that continues it, `infer` and `export --format=hf` find it (`upcycle.data.tokenizer`)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  load = getattr(train_data, 'load_tokenizer', None)
+  if load is not None and jax.process_index() == 0:
+    from upcycle.data import tokenizer  # pylint: disable=g-import-not-at-top
+    load().save(os.path.join(model_dir, tokenizer.RUN_SUBDIR))
+
+
 def main(argv) -> int:
   """Runs `train`; --help exits 0, and refusals (bad flags or gin files, bad config values,
-  MODEL_DIR in use, a checkpoint that does not fit or cannot be read) end with one message and
-  exit status 1 instead of a traceback (gin_utils.run; --verbose shows it); so does a task whose
-  data cannot be read (upcycle.data.source_errors). SIGTERM saves the step it arrives at and
-  exits with status 143 (train/preemption.py)."""
-  from upcycle import fields  # pylint: disable=g-import-not-at-top
-  from upcycle.checkpoints import CheckpointError  # pylint: disable=g-import-not-at-top
-  from upcycle.data.source_errors import SourceError  # pylint: disable=g-import-not-at-top
-  from upcycle.train.preemption import Stopped  # pylint: disable=g-import-not-at-top
-  from upcycle.train.run_lock import RunDirectoryInUse  # pylint: disable=g-import-not-at-top
+  MODEL_DIR in use or not a directory, a checkpoint that does not fit or cannot be read, a
+  loss that became NaN) end with one message and exit status 1 instead of a traceback
+  (gin_utils.run; --verbose shows it); so does a task whose data cannot be read
+  (upcycle.data.source_errors). Any other error shows its traceback once. SIGTERM saves the
+  step it arrives at and exits with status 143 (train/preemption.py)."""
+  # pylint: disable=g-import-not-at-top
+  from upcycle import fields
+  from upcycle.checkpoints import CheckpointError
+  from upcycle.data.source_errors import SourceError
+  from upcycle.train.preemption import Stopped
+  from upcycle.train.run_lock import RunDirectoryInUse
+  from upcycle.train.trainer import NonFiniteLossError
+  # pylint: enable=g-import-not-at-top
   try:
-    gin_utils.run(train, argv, __doc__,
-                  expected=(fields.ConfigError, RunDirectoryInUse, CheckpointError, SourceError))
+    gin_utils.run(train, argv, __doc__, expected=(
+        fields.ConfigError, RunDirectoryInUse, CheckpointError, SourceError, NonFiniteLossError))
   except Stopped as e:   # SIGTERM: the step is saved; the shell's status for a SIGTERM
     print(gin_utils.message(e), file=sys.stderr)
     return 128 + signal.SIGTERM
@@ -47,10 +66,17 @@ def main(argv) -> int:
     _exit_now_if_one_of_many(e)
     raise
   except BaseException:
-    traceback.print_exc()
+    if _one_of_many():   # the exit below skips the interpreter's printing of the traceback
+      traceback.print_exc()
     _exit_now_if_one_of_many(SystemExit(1))
     raise
   return 0
+
+
+def _one_of_many() -> bool:
+  """Whether this process is one of several joined by jax.distributed."""
+  jax = sys.modules.get('jax')
+  return bool(jax and jax.distributed.is_initialized() and jax.process_count() > 1)
 
 
 def _exit_now_if_one_of_many(exit_: SystemExit) -> None:
@@ -58,8 +84,7 @@ def _exit_now_if_one_of_many(exit_: SystemExit) -> None:
   exit would first wait (up to jax.distributed's shutdown timeout, minutes) for peers that may
   be stuck in a collective with the dead process; exiting lets the launcher (launch/local.py,
   or the pod's) stop them. --help, and errors before the processes join, just exit."""
-  jax = sys.modules.get('jax')
-  if exit_.code and jax and jax.distributed.is_initialized() and jax.process_count() > 1:
+  if exit_.code and _one_of_many():
     if isinstance(exit_.code, str):
       print(exit_.code, file=sys.stderr)
     sys.stdout.flush()

@@ -45,7 +45,7 @@ def _jit(owner: str, hook, abstract_state: TrainState, optimizer, model_config,
   try:
     growth: Plan = make_plan(ckpt.params, target.target, first)
   except ValueError as e:
-    raise ValueError(f'{owner}({ckpt.path!r}, format {ckpt.format!r}): {e}') from e
+    raise fields.ConfigError(f'{owner}({ckpt.path!r}, format {ckpt.format!r}): {e}') from e
   return restore.plan_jit(
       ckpt, abstract_state, optimizer, growth, target=target,
       carry_state=lambda state, params: grown_optimizer_state(state, growth, params, optimizer),
@@ -90,8 +90,8 @@ class GrowExperts(restore.OneJit):
     try:
       return json.loads(epath.Path(self.usage).read_text())
     except (OSError, ValueError) as e:
-      raise ValueError(f'{fields.binding(self, "usage")}={self.usage!r}: cannot read a JSON '
-                       f'mapping {{MoE block: [E] usage}} from it ({e}).') from e
+      raise fields.ConfigError(f'{fields.binding(self, "usage")}={self.usage!r}: cannot read '
+                               f'a JSON mapping {{MoE block: [E] usage}} from it ({e}).') from e
 
   def _jit(self, abstract_state: TrainState, optimizer, model_config) -> restore.StateJit:
     usage = self._usage()

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from upcycle.models import T5, ViT, flops
+from upcycle.models.llama import Llama
 from upcycle.moe import MOE_COLLECTIONS
 from upcycle.train import losses
 
@@ -62,6 +63,54 @@ class Seq2Seq:
     batch_size, inputs = np.shape(batch['encoder_input_tokens'])
     return flops.train_flops(flops.t5_forward_flops(
         self.model.config, batch_size, inputs, np.shape(batch['decoder_input_tokens'])[1]))
+
+
+LM_INPUTS = ('decoder_input_tokens', 'decoder_segment_ids', 'decoder_positions')
+
+
+@dataclasses.dataclass(frozen=True)
+class CausalLm:
+  """Decoder-only language modelling on packed rows (`upcycle.data.lm`); loss normalized by
+  the real target tokens (T5X's `DecoderOnly`)."""
+
+  model: Llama
+  z_loss: float = 0.0
+  label_smoothing: float = 0.0
+
+  def apply(self, params: Any, batch: Batch, *, train: bool,
+            rngs: Mapping[str, Array] = None) -> Tuple[Array, Any]:
+    """-> logits `[batch, length, vocab]` and the MoE collections."""
+    kwargs = {k: batch[k] for k in LM_INPUTS[1:] if k in batch}
+    return self.model.apply({'params': params}, batch['decoder_input_tokens'],
+                            enable_dropout=train, rngs=rngs, mutable=MOE_COLLECTIONS, **kwargs)
+
+  def loss(self, logits: Array, batch: Batch) -> Dict[str, Array]:
+    return losses.cross_entropy(logits, batch['decoder_target_tokens'], self._weights(batch),
+                                self.z_loss, self.label_smoothing)
+
+  def loss_weight_sum(self, batch: Batch) -> Array:
+    return jnp.sum(self._weights(batch).astype(jnp.float32))
+
+  @staticmethod
+  def _weights(batch: Batch) -> Array:
+    """`[batch, length]`: the pipeline's loss weights (from segment ids: every id, 0
+    included, is a real token), less padding examples."""
+    weights = batch.get('decoder_loss_weights')
+    if weights is None:
+      weights = (batch['decoder_segment_ids'] > 0 if 'decoder_segment_ids' in batch
+                 else jnp.ones_like(batch['decoder_target_tokens']))
+    mask = batch.get(EXAMPLE_MASK)
+    return weights if mask is None else weights * mask[:, None].astype(weights.dtype)
+
+  def init_batch(self, batch: Batch) -> Tuple[Array, ...]:
+    return (batch['decoder_input_tokens'],)
+
+  def tokens_per_batch(self, batch: Mapping[str, np.ndarray]) -> int:
+    return int(np.size(batch['decoder_input_tokens']))
+
+  def train_flops(self, batch: Mapping[str, Any]) -> int:
+    return flops.train_flops(flops.llama_forward_flops(
+        self.model.config, *np.shape(batch['decoder_input_tokens'])))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,12 +7,15 @@ they live. The batch is split over ('expert', 'data'), expert weights over
 """
 
 import contextlib
-from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
+import math
+from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from upcycle import fields
 
 MESH_AXES = ('data', 'expert', 'model')
 
@@ -47,7 +50,7 @@ def make_mesh(num_expert_partitions: int = 1, num_model_partitions: int = 1,
   n = len(devices)
   parts = num_expert_partitions * num_model_partitions
   if n % parts:
-    raise ValueError(
+    raise fields.ConfigError(
         f'num_expert_partitions={num_expert_partitions} x num_model_partitions='
         f'{num_model_partitions} = {parts} does not divide the {n} devices.')
   shape = (n // parts, num_expert_partitions, num_model_partitions)
@@ -63,6 +66,29 @@ def logical_sharding(boxed_tree: Any, mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> A
   mesh_specs = nn.logical_to_mesh(specs, rules)
   return jax.tree.map(lambda spec: NamedSharding(mesh, spec), mesh_specs,
                       is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def check_divisible(boxed_tree: Any, mesh: Mesh, sizes: Mapping[str, str],
+                    rules=LOGICAL_AXIS_RULES) -> None:
+  """Refuses a parameter dimension that the mesh axes it is split over do not divide (jax
+  would stop later with an IndivisibleError that names no setting). `sizes`: the binding that
+  sets each mesh axis's size ('expert', 'model'), named in the error with the fix."""
+  is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)
+  for keypath, box in jax.tree_util.tree_flatten_with_path(boxed_tree, is_leaf=is_box)[0]:
+    if not is_box(box):
+      continue
+    spec = nn.logical_to_mesh_axes(box.names, rules)
+    for size, logical, axes in zip(box.value.shape, box.names, spec):
+      axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+      ways = math.prod(mesh.shape[a] for a in axes)
+      if size % ways:
+        path = '/'.join(str(k.key) for k in keypath)
+        what = 'NUM_EXPERTS' if logical == 'expert' else f'its {logical!r} size'
+        split = ' x '.join(f'{sizes.get(a, a)} = {mesh.shape[a]}' for a in axes)
+        partitions = ' x '.join(sizes.get(a, a) for a in axes)
+        raise fields.ConfigError(
+            f'{path} has {size} along {logical!r}, split over {split}, which does not divide '
+            f'it. Fix: make {what} a multiple of {ways}, or {partitions} a divisor of {size}.')
 
 
 def logical_axes(boxed_tree: Any) -> Dict[str, Optional[Tuple[Optional[str], ...]]]:

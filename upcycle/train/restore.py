@@ -74,25 +74,29 @@ def _announce(owner: str, ckpt, plan: Plan, reuse: bool) -> None:
 
 
 def _plan(owner: str, where: str, make: Callable[[], Plan], *, source: Any, target: Any,
-          upcycling: bool) -> Plan:
+          upcycling: bool, binding: str) -> Plan:
   """`make()`, its errors saying what the checkpoint holds against what the config builds; a
-  source of another family, or an MoE handed to upcycling, is refused first."""
+  source of another family, or an MoE handed to upcycling, is refused first. `binding`: the
+  hook's checkpoint field, named in the errors (ConfigError: one line at the command line)."""
   held, built = tree.describe(source), tree.describe(target)
+  source_binding = f'{binding} (INITIAL_CHECKPOINT_PATH)'
   mismatch = None
   if tree.family(tree.flatten(source)) != tree.family(tree.flatten(target)):
-    mismatch = 'another model family'
+    mismatch = (f'another model family. Fix: point {source_binding} at a checkpoint of the '
+                f'model the gin files build, or build its model (its model gin file)')
   elif upcycling and tree.moe_layers(tree.flatten(source)):
-    mismatch = ('already an MoE: upcycling starts from a dense checkpoint. Fix: point it at the '
-                'dense checkpoint, or continue this MoE with restore.ContinueFromCheckpoint '
-                '(runs/continue_dense.gin with the MoE model files)')
+    mismatch = (f'already an MoE: upcycling starts from a dense checkpoint. Fix: point '
+                f'{source_binding} at the dense checkpoint, or continue this MoE with '
+                f'restore.ContinueFromCheckpoint (runs/continue_dense.gin with the MoE model '
+                f'files)')
   if mismatch:
-    raise ValueError(f'{owner}({where}): the checkpoint holds {held}; this config builds '
-                     f'{built}: {mismatch}.')
+    raise fields.ConfigError(f'{owner}({where}): the checkpoint holds {held}; this config '
+                             f'builds {built}: {mismatch}.')
   try:
     return make()
   except ValueError as e:
-    raise ValueError(f'{owner}({where}): {e} (The checkpoint holds {held}; this config '
-                     f'builds {built}.)') from e
+    raise fields.ConfigError(f'{owner}({where}): {e} (The checkpoint, {source_binding}, '
+                             f'holds {held}; this config builds {built}.)') from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +216,7 @@ def plan_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer
   placement = sharded.source_shardings(plan, tree.flatten(target.target))
   make_params = lambda source, rng: target.to_model(execute.run(plan, source, rng))
   if stacked and reuse_optimizer_state:
-    raise ValueError(
+    raise fields.ConfigError(
         f'{owner}({ckpt.path!r}): the model is scanned (SCAN_LAYERS = True) and the checkpoint '
         f'holds unrolled layers, so its optimizer state does not fit the scanned slots. Fix: '
         f'{owner}.reuse_optimizer_state = False, or --gin.SCAN_LAYERS=False.')
@@ -239,7 +243,7 @@ def plan_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer
   try:  # The optimizer-state conversion checks, before anything is read.
     jax.eval_shape(build, dense_abstract, saved_abstract, jax.ShapeDtypeStruct((2,), jnp.uint32))
   except ValueError as e:
-    raise ValueError(f'{owner}({ckpt.path!r}, format {ckpt.format!r}): {e}') from e
+    raise fields.ConfigError(f'{owner}({ckpt.path!r}, format {ckpt.format!r}): {e}') from e
   _announce(owner, ckpt, plan, reuse_optimizer_state)
 
   saved_shardings = None if saved is None else _saved_shardings(
@@ -334,7 +338,7 @@ class UpcycleFromDense(ReadsOn):
   def __post_init__(self):
     object.__setattr__(self, 'step', step_policy.check(self.step, 'UpcycleFromDense.step'))
     if isinstance(self.experts, MultiSource):
-      raise ValueError(
+      raise fields.ConfigError(
           f'UpcycleFromDense.experts={self.experts!r}: pass the class instead of an instance '
           f'(gin: experts = @FromCheckpoints, without parentheses) and the source paths as '
           f'UpcycleFromDense.checkpoint = [...]; the hook reads them and calls it with sources=.')
@@ -362,8 +366,8 @@ class UpcycleFromDense(ReadsOn):
     owner = 'UpcycleFromDense'
     ckpt, _, target, plan = self._plan(abstract_state, owner, model_config)
     if not plan.experts.traceable:
-      raise ValueError(f'{owner}: experts from several checkpoints are made on the host, '
-                       f'not in one sharded jit; there is nothing to compile.')
+      raise fields.ConfigError(f'{owner}: experts from several checkpoints are made on the '
+                               f'host, not in one sharded jit; there is nothing to compile.')
     return plan_jit(ckpt, abstract_state, optimizer, plan, target=target,
                     carry_state=_upcycled_state(optimizer),
                     reuse_optimizer_state=self.reuse_optimizer_state,
@@ -380,13 +384,14 @@ class UpcycleFromDense(ReadsOn):
     plan = _plan(owner, where, lambda: make_plan(
         dense, target.target, experts=experts, router=self.router, cast=self.cast,
         step=step_policy.start(self.step, ckpt.step), layers=layers),
-                 source=dense, target=target.target, upcycling=True)
+                 source=dense, target=target.target, upcycling=True,
+                 binding=fields.binding(self, 'checkpoint'))
     return ckpt, dense, target, plan
 
   def _one(self, owner: str):
     """(checkpoint, dense params, initializer) for one dense checkpoint."""
     if not isinstance(self.experts, (str, ExpertInit)):
-      raise ValueError(
+      raise fields.ConfigError(
           f'{owner}.experts={self.experts!r} is neither an initializer name nor an '
           f'ExpertInit instance. A class (gin: @sources.FromCheckpoints, no parentheses) takes '
           f'several source checkpoints: {owner}.checkpoint = [path, path, ...]; any '
@@ -397,22 +402,23 @@ class UpcycleFromDense(ReadsOn):
   def _several(self, owner: str):
     """(first checkpoint, shared params, initializer) for Branch-Train-MiX / UpIT sources."""
     if isinstance(self.experts, (str, ExpertInit)) or not callable(self.experts):
-      raise ValueError(
+      raise fields.ConfigError(
           f'{owner}.checkpoint lists {len(self.checkpoint)} checkpoints, so {owner}.experts must '
           f'make experts from several sources: @FromCheckpoints or @Merge (gin), not '
           f'{self.experts!r}.')
     if self.reuse_optimizer_state:
-      raise ValueError(f'{owner}: several source checkpoints have no one optimizer state to '
-                       f'reuse. Fix: {owner}.reuse_optimizer_state = False.')
+      raise fields.ConfigError(f'{owner}: several source checkpoints have no one optimizer '
+                               f'state to reuse. Fix: {owner}.reuse_optimizer_state = False.')
     ckpts = [pretrained.load(path, self.format) for path in self.checkpoint]
     steps = sorted({c.step for c in ckpts}, key=lambda s: -1 if s is None else s)
     if self.step == 'keep' and len(steps) > 1:
-      raise ValueError(f'{owner}: the source checkpoints are at different steps {steps}, so '
-                       f"step='keep' is ambiguous. Fix: {owner}.step = 'reset' or a number.")
+      raise fields.ConfigError(
+          f'{owner}: the source checkpoints are at different steps {steps}, so '
+          f"step='keep' is ambiguous. Fix: {owner}.step = 'reset' or a number.")
     init = self.experts(sources=[c.params for c in ckpts])
     if not isinstance(init, MultiSource):
-      raise ValueError(f'{owner}.experts(sources=...) returned {init!r}; expected '
-                       f'FromCheckpoints or Merge.')
+      raise fields.ConfigError(f'{owner}.experts(sources=...) returned {init!r}; expected '
+                               f'FromCheckpoints or Merge.')
     ckpt = dataclasses.replace(ckpts[0], path=', '.join(self.checkpoint))
     return ckpt, init.shared_params(), init
 
@@ -453,7 +459,8 @@ class ContinueFromCheckpoint(OneJit):
     plan = _plan(owner, f'{ckpt.path!r}, format {ckpt.format!r}', lambda: plan_lib.make(
         ckpt.params, target.target, Copy(), Normal(), cast=self.cast,
         step=step_policy.start(self.step, ckpt.step), upcycling=False),
-                 source=ckpt.params, target=target.target, upcycling=False)
+                 source=ckpt.params, target=target.target, upcycling=False,
+                 binding=fields.binding(self, 'checkpoint'))
     return plan_jit(ckpt, abstract_state, optimizer, plan, target=target, carry_state=None,
                     reuse_optimizer_state=self.reuse_optimizer_state,
                     step=self.step, seed=0, owner=owner)

@@ -1,41 +1,51 @@
-"""Resuming a run from its own checkpoints: check the model first, skip corrupt steps.
+"""Resuming a run from its own checkpoints: check the model first, skip damaged steps.
 
-`restore` is what the trainer does when MODEL_DIR already holds checkpoints:
+`restore` is what the trainer does when MODEL_DIR already holds checkpoints. From the latest
+step back, each step is checked in this order:
 
-1. The latest step's parameter metadata (names and shapes, no data) is compared with the
-   model's abstract parameters. A different model (another d_model, other layers) stops
-   the run with one message naming the first differing parameter and both shapes: resuming
-   needs the gin config the run was started with (MODEL_DIR/config.gin), or a new MODEL_DIR.
-2. Its stored optimizer state is compared (leaf paths and shapes, no data) with the state
+1. It must be whole: every item it was saved with (orbax lists them in the step's
+   `_CHECKPOINT_METADATA`) and every item a step of this trainer always has (parameters,
+   optimizer state, the data position when the run's data has one) is there, their metadata
+   reads, and every data file the OCDBT index points into exists and holds the bytes it
+   points to (the damage an interrupted copy leaves). Reads the index only, no array data.
+2. Its parameter metadata (names and shapes) is compared with the model's abstract
+   parameters. A different model (another d_model, other layers) stops the run with one
+   message naming the first differing parameter and both shapes: resuming needs the gin
+   config the run was started with (MODEL_DIR/config.gin), or a new MODEL_DIR.
+3. Its stored optimizer state is compared (leaf paths and shapes, no data) with the state
    the run's optimizer makes. A changed optimizer (T5X Adafactor -> AdamW, momentum switched
    on) stops the run before anything is changed, naming the first differing slot, unless
    `on_optimizer_mismatch='fresh'`: then parameters, step and data position are restored and
    the optimizer state starts fresh at that step (said loudly; a state that fits is always
    restored).
-3. The latest step is restored. Local steps are first checked without reading array data:
-   every data file the OCDBT index points into must exist and hold the bytes it points to
-   (the damage an interrupted copy leaves). If a step is damaged (found so, or its restore
-   fails and reading it leaf by leaf names the parameter and the file), the step directory is
-   moved to MODEL_DIR/corrupt_checkpoints/<step>-<time> (kept for inspection, out of the
-   manager's way), and the previous step is tried, with a loud message. A restore that fails
-   on intact files is not damage: the run stops, the step stays where it is. With no readable
-   step left the run stops with the reasons; a MODEL_DIR whose checkpoints were all set aside
-   is never started over silently.
+4. It is restored, and every shard each process restored is compared with the CRC-32 the
+   save recorded (`checkpoints/digests.py`; steps saved before digests were recorded are
+   restored unchecked).
+
+A step that fails 1 or 4 (or whose restore fails and reading it leaf by leaf names the
+parameter and the file) is damaged: its directory is moved to
+MODEL_DIR/corrupt_checkpoints/<step>-<time> (kept for inspection, out of the manager's way)
+and the previous step is tried, with a loud message. A restore that fails on intact files is
+not damage: the run stops, the step stays where it is. With no readable step left the run
+stops with the reasons; a MODEL_DIR whose checkpoints were all set aside is never started over
+silently.
 """
 
 import logging
 import os
 import time
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 import jax
+import numpy as np
 
 from etils import epath
 
-from upcycle.checkpoints import (CheckpointError, ocdbt_files, optimizer_state, orbax_tree,
-                                 paths, validate, verify)
-from upcycle.checkpoints.orbax import (OPTIMIZER, PARAMS, RUN_CHECKPOINTS as CHECKPOINT_DIR,
-                                      CheckpointManager, TrainingCheckpoint)
+from upcycle.checkpoints import (CheckpointError, digests, ocdbt_files, optimizer_state,
+                                 orbax_tree, paths, validate, verify)
+from upcycle.checkpoints.orbax import (DATASET, OPTIMIZER, PARAMS, RUN_CHECKPOINTS as
+                                      CHECKPOINT_DIR, CheckpointManager, TrainingCheckpoint,
+                                      missing_items)
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +110,62 @@ def missing_data(step_dir: str) -> Optional[str]:
   return None
 
 
+def incomplete(step_dir: str, required: Sequence[str]) -> Optional[str]:
+  """Why the step at `step_dir` is not whole without reading array data: an item it was saved
+  with or one of `required` is gone, a data file is missing or short, or an item's OCDBT index
+  or metadata is unreadable; None if none of these."""
+  missing = missing_items(step_dir, required)
+  if missing:
+    return (f'{step_dir}: no {" or ".join(f"{item}/" for item in missing)} (every step the '
+            f'trainer saves has {"it" if len(missing) == 1 else "them"}). The checkpoint copy is '
+            f'incomplete; copy the step again from its source')
+  reason = missing_data(step_dir)   # first: a damaged index fails here in one read
+  if reason is not None:
+    return reason
+  for item in (PARAMS, OPTIMIZER):
+    item_dir = os.path.join(step_dir, item)
+    if paths.isdir(item_dir):
+      try:
+        orbax_tree.read(item_dir)
+      except CheckpointError as e:
+        cause = str(e.__cause__ or e).splitlines()[0].split(' [')[0]
+        return f'{item_dir}: its metadata is unreadable ({cause})'
+  return None
+
+
+def changed_bytes(step_dir: str, restored: TrainingCheckpoint) -> Optional[str]:
+  """Why the arrays restored from `step_dir` are not the ones saved (the first shard this
+  process holds whose CRC-32 differs from the digest of the save); None if they match or the
+  step has no digests (saved before they were recorded, said in the log)."""
+  try:
+    recorded = digests.read(step_dir)
+  except CheckpointError as e:
+    return str(e)
+  if recorded is None:
+    log.info('%s has no digests (saved before they were recorded): its array data was not '
+             'checked.', step_dir)
+    return None
+  for item, tree in ((PARAMS, restored.params), (OPTIMIZER, restored.optimizer_state)):
+    if tree is not None:
+      reason = digests.check_tree(recorded.get(item, {}), tree, os.path.join(step_dir, item))
+      if reason:
+        return reason
+  return None
+
+
+def _agreed(reason: Optional[str]) -> Optional[str]:
+  """`reason`, or that another process found damage: each process checks the shards it
+  holds, and all must set the step aside together."""
+  if jax.process_count() == 1:
+    return reason
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  found = np.asarray(multihost_utils.process_allgather(np.int32(reason is not None)))
+  if reason is None and found.any():
+    return (f'process {int(np.argmax(found))} found a shard whose bytes differ from their '
+            f'digest (its log names it)')
+  return reason
+
+
 def _set_aside(manager: CheckpointManager, step: int, model_dir: str) -> str:
   """Moves the step's directory to MODEL_DIR/corrupt_checkpoints/ (process 0); all reload."""
   target = os.path.join(model_dir, CORRUPT_DIR, f'{step}-{time.strftime("%Y%m%d-%H%M%S")}')
@@ -129,48 +195,69 @@ def _set_aside_only(model_dir: str) -> None:
         f'{corrupt} to start the run over.')
 
 
+class Damaged(CheckpointError):
+  """The step's files are damaged (the message says where): set it aside, try the previous."""
+
+
+def _restore(manager: CheckpointManager, step: int, abstract: Any, model_dir: str,
+             on_optimizer_mismatch: str) -> TrainingCheckpoint:
+  """The whole step `step` restored (checks 2-4 of the module docstring); CheckpointError for
+  damage found while restoring (`Damaged`) or a mismatch that stops the run."""
+  step_dir = os.path.join(manager.directory, str(step))
+  check_model(step_dir, abstract.params, model_dir)
+  mismatch = optimizer_mismatch(step_dir, abstract.opt_state)
+  if mismatch is not None and on_optimizer_mismatch != 'fresh':
+    raise CheckpointError(
+        f'Cannot resume the optimizer state of {step_dir} with this config\'s optimizer: '
+        f'{mismatch.rstrip(".")}. The checkpoint is intact and was left as it is. Fix: resume '
+        f'with the optimizer config this run was started with ({model_dir}/config.gin), or '
+        f'keep its parameters, step and data position and start the optimizer state fresh: '
+        f"--gin.trainer.TrainConfig.on_optimizer_mismatch='fresh'")
+  try:
+    restored = manager.restore(step, params=abstract.params, optimizer_state=abstract.opt_state,
+                               skip=(OPTIMIZER,) if mismatch is not None else ())
+  except Exception as e:  # pylint: disable=broad-except  (orbax raises many kinds)
+    reason = damage(step_dir)
+    if reason is None:
+      lines = [line for line in str(e).splitlines() if line.strip()]
+      raise CheckpointError(
+          f'Restoring {step_dir} failed although its files are intact ({type(e).__name__}: '
+          f'{lines[-1] if lines else ""}); it was left as it is. Fix: resume with the gin '
+          f'config this run was started with ({model_dir}/config.gin).') from e
+    raise Damaged(reason) from e
+  reason = _agreed(changed_bytes(step_dir, restored))
+  if reason is not None:
+    raise Damaged(reason)
+  return restored
+
+
 def restore(manager: CheckpointManager, abstract: Any, model_dir: str,
-            on_optimizer_mismatch: str = 'stop') -> Optional[TrainingCheckpoint]:
-  """The latest readable checkpoint of the run (None if there is none), restored onto the
+            on_optimizer_mismatch: str = 'stop', *,
+            with_dataset: bool = False) -> Optional[TrainingCheckpoint]:
+  """The latest whole checkpoint of the run (None if there is none), restored onto the
   shardings of `abstract` (a TrainState of jax.ShapeDtypeStruct). With
   `on_optimizer_mismatch='fresh'`, a stored optimizer state the run's optimizer does not make
-  comes back None (the caller starts it fresh); 'stop' raises."""
+  comes back None (the caller starts it fresh); 'stop' raises. `with_dataset`: the run's data
+  has a position, so a step without its `dataset/` is damaged."""
   steps = manager.all_steps()
   if not steps:
     _set_aside_only(model_dir)
     return None
-  latest = os.path.join(manager.directory, str(steps[-1]))
-  check_model(latest, abstract.params, model_dir)
-  mismatch = optimizer_mismatch(latest, abstract.opt_state)
-  if mismatch is not None and on_optimizer_mismatch != 'fresh':
-    raise CheckpointError(
-        f'Cannot resume the optimizer state of {latest} with this config\'s optimizer: '
-        f'{mismatch}. The checkpoint is intact and was left as it is. Fix: resume with the '
-        f'optimizer config this run was started with ({model_dir}/config.gin), or keep its '
-        f'parameters, step and data position and start the optimizer state fresh: '
-        f"--gin.trainer.TrainConfig.on_optimizer_mismatch='fresh'")
-  skip = (OPTIMIZER,) if mismatch is not None else ()
+  required = ((PARAMS,) + ((OPTIMIZER,) if abstract.opt_state is not None else ()) +
+              ((DATASET,) if with_dataset else ()))
   reasons: List[str] = []
   for step in reversed(steps):
-    step_dir = os.path.join(manager.directory, str(step))
-    reason = missing_data(step_dir)
+    reason = incomplete(os.path.join(manager.directory, str(step)), required)
     if reason is None:
       try:
-        return manager.restore(step, params=abstract.params, optimizer_state=abstract.opt_state,
-                               skip=skip)
-      except Exception as e:  # pylint: disable=broad-except  (orbax raises many kinds)
-        reason = damage(step_dir)
-        if reason is None:
-          lines = [line for line in str(e).splitlines() if line.strip()]
-          raise CheckpointError(
-              f'Restoring {step_dir} failed although its files are intact ({type(e).__name__}: '
-              f'{lines[-1] if lines else ""}); it was left as it is. Fix: resume with the gin '
-              f'config this run was started with ({model_dir}/config.gin).') from e
+        return _restore(manager, step, abstract, model_dir, on_optimizer_mismatch)
+      except Damaged as e:
+        reason = str(e)
     moved = _set_aside(manager, step, model_dir)
-    reasons.append(f'step {step}: {reason}')
+    reasons.append(f'step {step}: {reason.rstrip(".")}.')
     earlier = [s for s in steps if s < step]
-    _loud(f'Checkpoint step {step} is corrupt and was moved to {moved}. {reason}' + (
-        f' Falling back to the previous checkpoint, step {earlier[-1]}.' if earlier else ''))
+    _loud(f'Checkpoint step {step} is corrupt and was moved to {moved}. {reason.rstrip(".")}.' +
+          (f' Falling back to the previous checkpoint, step {earlier[-1]}.' if earlier else ''))
   raise CheckpointError(
       f'No checkpoint in {manager.directory} can be restored (the unreadable ones were moved '
       f'to {os.path.join(model_dir, CORRUPT_DIR)}). ' + ' '.join(reasons) + ' Restore the '

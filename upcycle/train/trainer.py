@@ -111,6 +111,7 @@ class TrainConfig:
 
   def __post_init__(self):
     fields.string(self, 'model_dir')
+    fields.directory(fields.binding(self, 'model_dir'), self.model_dir)
     fields.integer(self, 'train_steps', 0)
     fields.integer(self, 'batch_size', 1)
     fields.integer(self, 'seed')
@@ -132,12 +133,18 @@ class TrainConfig:
           f'into a local directory after the run.')
 
 
+def _check_batch_split(config: TrainConfig, ways: int, over: str) -> None:
+  """Refuses a batch size that cannot be split `ways` ways (over the hosts, the devices)."""
+  if config.batch_size % ways:
+    raise fields.ConfigError(
+        f'{fields.binding(config, "batch_size")} = {config.batch_size}: expected a multiple of '
+        f'{ways}, the {over} the batch is split over. Fix: --gin.BATCH_SIZE='
+        f'{-(-config.batch_size // ways) * ways} (or another multiple of {ways}).')
+
+
 def _host_batch_size(config: TrainConfig) -> int:
-  hosts = jax.process_count()
-  if config.batch_size % hosts:
-    raise ValueError(f'TrainConfig.batch_size={config.batch_size} is not divisible by the '
-                     f'{hosts} hosts.')
-  return config.batch_size // hosts
+  _check_batch_split(config, jax.process_count(), 'hosts')
+  return config.batch_size // jax.process_count()
 
 
 class Trainer:
@@ -155,10 +162,8 @@ class Trainer:
                                        devices)
     self.host_batch_size = _host_batch_size(config)
     self._eval_batches: Optional[List[Dict[str, np.ndarray]]] = None   # cache_eval_batches
-    if config.batch_size % (self.mesh.shape['data'] * self.mesh.shape['expert']):
-      raise ValueError(
-          f'TrainConfig.batch_size={config.batch_size} must be divisible by the data x expert '
-          f'mesh axes ({self.mesh.shape["data"]} x {self.mesh.shape["expert"]}).')
+    data, expert = self.mesh.shape['data'], self.mesh.shape['expert']
+    _check_batch_split(config, data * expert, f'data x expert mesh axes ({data} x {expert})')
 
   def _global_batch(self, example_batch: Dict[str, Any]) -> Dict[str, jax.ShapeDtypeStruct]:
     """The global batch's shapes, from a host batch: arrays, or (shape, dtype) pairs as
@@ -180,6 +185,9 @@ class Trainer:
     boxed = jax.eval_shape(
         lambda batch: init_params(self.objective, jax.random.PRNGKey(seed), batch),
         self._global_batch(example_batch))
+    partitioning.check_divisible(boxed, self.mesh, {
+        axis: fields.binding(self.config, f'num_{axis}_partitions')
+        for axis in ('expert', 'model')})
     if self.optimizer is None:
       self.optimizer = self.optimizer_config.build(partitioning.logical_axes(boxed))
     param_shardings = partitioning.logical_sharding(boxed, self.mesh)
@@ -255,8 +263,9 @@ class Trainer:
     """(the state to train from, whether it was resumed): MODEL_DIR's latest good checkpoint
     (the data position set from it), else the initializer's state, else a random one."""
     host_states.wait_for_all_hosts('restore')
-    restored = resume.restore(manager, abstract, self.config.model_dir,
-                              self.config.on_optimizer_mismatch)
+    restored = resume.restore(manager, abstract, model_dir=self.config.model_dir,
+                              on_optimizer_mismatch=self.config.on_optimizer_mismatch,
+                              with_dataset=bool(data.get_state()))
     if restored is None:
       if self.initializer is None:
         return self.fresh_state(abstract, example), False

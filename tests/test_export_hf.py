@@ -1,0 +1,180 @@
+"""`python -m upcycle.export --format=hf`: runs of ours written as HuggingFace directories that
+transformers loads with our logits and our reader reads back to the same parameters."""
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+import pytest
+
+from tests.checkpoints import helpers
+from tests.models.helpers import llama_logits
+from upcycle import export, fields, hf_export, pretrained, tree
+from upcycle.checkpoints.orbax import CheckpointManager
+from upcycle.data import tokenizer as tokenizer_lib
+from upcycle.models import Llama3RopeScaling, LlamaConfig, scan_layout
+from upcycle.moe import MoeConfig
+
+LENGTH = 12
+# configs/models/llama/tiny.gin, with a llama3 RoPE whose original context (64) puts the 8
+# frequencies' wavelengths (6 ... 19869) in all three bands: kept, interpolated, stretched.
+TINY_LLAMA = LlamaConfig(vocab_size=4096, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                         d_ff=256, num_layers=4, layer_norm_epsilon=1e-5,
+                         rope_scaling=Llama3RopeScaling(8.0, 1.0, 4.0, 64))
+LLAMA3_GIN = '''from __gin__ import dynamic_registration
+from upcycle import models
+include 'models/llama/tiny.gin'
+models.LlamaConfig.rope_scaling = @models.Llama3RopeScaling()
+models.Llama3RopeScaling.original_max_position_embeddings = 64
+'''
+# head_dim 12, not d_model / heads = 8; 5 query heads over one key/value head.
+SMALL = dict(vocab_size=150, d_model=40, num_heads=5, num_kv_heads=1, head_dim=12, d_ff=64,
+             num_layers=2)
+FAMILIES = {
+    'Qwen2ForCausalLM': LlamaConfig(**SMALL, qkv_bias=True, logits_via_embedding=True,
+                                    rope_theta=1e6),
+    'LlamaForCausalLM': LlamaConfig(**SMALL, qkv_bias=True, out_bias=True),
+    'MistralForCausalLM': LlamaConfig(**SMALL, sliding_window=LENGTH),
+}
+
+
+def _random(config, seed):
+  """Parameters whose logits are not near zero (norm scales around 1)."""
+  return helpers.random_params(config, seed=seed, scale=0.2)
+
+
+def _save_run(model_dir, params, step=2):
+  """A run's MODEL_DIR as the trainer leaves it: checkpoints/<step>/ (parameters only)."""
+  with CheckpointManager(str(model_dir / 'checkpoints'), async_save=False) as manager:
+    manager.save(step, params)
+  return str(model_dir)
+
+
+def _tokens(vocab):
+  return np.random.default_rng(0).integers(0, vocab, (2, LENGTH))
+
+
+def _assert_close(ours, theirs, rtol=1e-4):
+  scale = np.abs(theirs).max()
+  assert scale > 1   # The comparison is not between near-zero numbers.
+  assert np.abs(ours - theirs).max() <= rtol * scale
+
+
+def _assert_reads_back(directory, want, config):
+  """Our HF reader finds exactly the exported parameters and the model's config."""
+  params, read_config = pretrained.load_hf(directory)
+  assert read_config == config
+  got, want = tree.flatten(params), tree.flatten(want)
+  assert got.keys() == want.keys()
+  for path in want:
+    np.testing.assert_array_equal(got[path], want[path], err_msg=path)
+
+
+def _torch_logits(model, tokens):
+  import torch  # pylint: disable=g-import-not-at-top
+  with torch.no_grad():
+    return model(torch.tensor(tokens)).logits.numpy()
+
+
+def test_llama_run_loads_in_transformers_sharded_with_its_tokenizer(tmp_path, capsys):
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  params = _random(TINY_LLAMA, seed=0)
+  run = _save_run(tmp_path / 'run', params)
+  tokenizer = tokenizer_lib.load(tokenizer_lib.OFFLINE_BPE)
+  tokenizer.save(os.path.join(run, tokenizer_lib.RUN_SUBDIR))
+  out = tmp_path / 'hf'
+  (tmp_path / 'llama3.gin').write_text(LLAMA3_GIN)
+  assert export.main(['--format=hf', f'--model_dir={run}', f'--output_dir={out}',
+                      '--max_shard_size=1MB', f'--gin_file={tmp_path / "llama3.gin"}']) == 0
+  assert f'Wrote {out} (LlamaForCausalLM, 39 tensors, with its tokenizer).' in (
+      capsys.readouterr().out)
+  files = sorted(os.listdir(out))
+  shards = [f for f in files if f.startswith('model-')]
+  assert len(shards) >= 2 and 'model.safetensors.index.json' in files
+  assert all(os.path.getsize(out / f) <= 1_100_000 for f in shards)   # header included
+  assert {'tokenizer.json', 'tokenizer_config.json', 'config.json'} <= set(files)
+  assert sorted(os.listdir(tmp_path)) == ['hf', 'llama3.gin', 'run']   # nothing left beside
+  config = json.loads((out / 'config.json').read_text())
+  assert (config['bos_token_id'], config['eos_token_id']) == (1, 2)
+  assert config['rope_parameters']['rope_type'] == 'llama3'
+
+  theirs = transformers.LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+  tokens = _tokens(TINY_LLAMA.vocab_size)
+  _assert_close(llama_logits(params, TINY_LLAMA, tokens), _torch_logits(theirs, tokens))
+  hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
+  text = 'def main(argv):\n  return sorted(argv)[0]  # ünïcode\n'
+  assert hf_tokenizer.encode(text, add_special_tokens=False) == tokenizer.encode(text)
+  _assert_reads_back(str(out), params, TINY_LLAMA)
+
+
+@pytest.mark.parametrize('architecture', sorted(FAMILIES))
+def test_each_family_loads_as_its_class_from_scanned_layers(architecture, tmp_path):
+  """A scanned run is unrolled; q/k/v biases alone are Qwen2's, all four Llama's
+  (attention_bias), a sliding window Mistral's."""
+  import transformers  # pylint: disable=g-import-not-at-top
+  config = FAMILIES[architecture]
+  params = _random(config, seed=1)
+  scanned = scan_layout.stack(params, dataclasses.replace(config, scan_layers=True))
+  run = _save_run(tmp_path / 'run', scanned)
+  out = hf_export.export(run, str(tmp_path / 'hf'), model_config=config)
+  assert sorted(os.listdir(out)) == ['config.json', 'model.safetensors']
+  theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  assert type(theirs).__name__ == architecture
+  tokens = _tokens(config.vocab_size)
+  _assert_close(llama_logits(params, config, tokens), _torch_logits(theirs, tokens))
+  _assert_reads_back(out, params, config)
+
+
+def test_t5_loads_with_its_own_lm_head(tmp_path):
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  params = helpers.random_params(helpers.TINY_T5, seed=2)
+  run = _save_run(tmp_path / 'run', params, step=7)
+  out = hf_export.export(run, str(tmp_path / 'hf'), model_config=helpers.TINY_T5)
+  theirs = transformers.T5ForConditionalGeneration.from_pretrained(out).eval()
+  assert not torch.equal(theirs.lm_head.weight, theirs.shared.weight)
+  np.testing.assert_array_equal(theirs.lm_head.weight.detach().numpy(),
+                                params['decoder']['logits_dense']['kernel'].T)
+  _assert_close(helpers.t5_logits(params),
+                helpers.torch_t5_logits(theirs, helpers.ENCODER_TOKENS, helpers.DECODER_TOKENS))
+  _assert_reads_back(out, params, helpers.TINY_T5)
+
+
+def test_an_hf_checkpoint_exports_to_the_same_tensors(hf_t5, tmp_path):
+  """Any checkpoint the project reads is a source; an HF one names its own model."""
+  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+  out = hf_export.export(hf_t5[0], str(tmp_path / 'hf'))
+  want, got = load_file(os.path.join(hf_t5[0], 'model.safetensors')), load_file(
+      os.path.join(out, 'model.safetensors'))
+  assert got.keys() == want.keys()
+  for name in want:
+    np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def _refusal(capsys, *flags):
+  assert export.main(['--format=hf', *flags]) == 1
+  err = capsys.readouterr().err
+  assert err.count('\n') == 1 and err.startswith('error: ')
+  return err
+
+
+def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys):
+  run = _save_run(tmp_path / 'run', _random(FAMILIES['Qwen2ForCausalLM'], seed=3))
+  out = tmp_path / 'hf'
+  flags = [f'--model_dir={run}', f'--output_dir={out}']
+  assert '--format=t5x' in _refusal(capsys, *flags, '--gin_file=models/t5_1_1/tiny.gin',
+                                    '--gin_file=moe/paper_t5.gin')
+  assert 'ViT is not written' in _refusal(capsys, *flags, '--gin_file=models/vit/tiny.gin')
+  assert 'does not say which model' in _refusal(capsys, *flags)
+  assert "'5XB' is not a size" in _refusal(capsys, *flags, '--max_shard_size=5XB')
+  moe = dataclasses.replace(FAMILIES['Qwen2ForCausalLM'],
+                            moe=MoeConfig(num_experts=2, router='tokens_choose'))
+  with pytest.raises(fields.ConfigError, match='MixtralForCausalLM comes with the upcycling'):
+    hf_export.export(run, str(out), model_config=moe)
+  out.mkdir()
+  (out / 'kept').write_text('')
+  assert 'already exists and is not empty' in _refusal(
+      capsys, *flags, '--gin_file=models/llama/tiny.gin')
+  assert os.listdir(out) == ['kept'] and sorted(os.listdir(tmp_path)) == ['hf', 'run']

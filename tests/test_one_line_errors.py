@@ -1,0 +1,177 @@
+"""Errors a user can cause in `train`, `eval` and `infer` end in one line that names the gin
+binding and the fix, and no traceback (--verbose shows it): a source checkpoint that is an
+MoE, of another family or another size; feature lengths that are no mapping; experts the
+expert axis does not divide; a batch the devices do not divide; a MODEL_DIR that is a file, a
+dangling link, too long a name or under a file; a batch size of 0. The entry points' mains
+run in this process (8 CPU devices), two of them as real processes to show the whole
+output."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.checkpoints import helpers
+from upcycle import eval as eval_main
+from upcycle import infer as infer_main
+from upcycle.checkpoints import t5x_writer
+from upcycle.moe import MoeConfig
+from upcycle.train import __main__ as train_main
+
+LENGTHS = "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}"
+DATA = '--gin_file=data/offline_span_corruption.gin'
+PRETRAIN = ['--gin_file=models/t5_1_1/tiny.gin', '--gin_file=runs/pretrain.gin', DATA,
+            '--gin.TRAIN_STEPS=2', '--gin.BATCH_SIZE=8', LENGTHS]
+UPCYCLE = ['--gin_file=models/t5_1_1/tiny.gin', '--gin_file=moe/paper_t5.gin',
+           '--gin_file=runs/upcycle.gin', DATA, '--gin.TRAIN_STEPS=2', '--gin.BATCH_SIZE=8',
+           LENGTHS, '--gin.NUM_EXPERTS=2']
+SOURCE = 'restore.UpcycleFromDense.checkpoint (INITIAL_CHECKPOINT_PATH)'
+
+
+def _fill(text, **paths):
+  """`text` with each {name} replaced by paths[name] (str.format would read the lengths)."""
+  for name, path in paths.items():
+    text = text.replace(f'{{{name}}}', str(path))
+  return text
+
+
+def _refusal(main, argv, capsys):
+  """The one line `main(argv)` exits with; it prints no traceback."""
+  capsys.readouterr()   # what the fixtures printed
+  with pytest.raises(SystemExit) as stopped:
+    main(argv)
+  assert 'Traceback' not in capsys.readouterr().err
+  message = str(stopped.value)
+  assert '\n' not in message
+  return message
+
+
+@pytest.fixture(scope='module')
+def moe_checkpoint(tmp_path_factory):
+  config = dataclasses.replace(helpers.TINY_T5, encoder_moe=MoeConfig(num_experts=2))
+  return t5x_writer.write(str(tmp_path_factory.mktemp('moe')), 6, helpers.random_params(config))
+
+
+@pytest.mark.parametrize('source, error', [
+    ('moe_checkpoint', 'already an MoE: upcycling starts from a dense checkpoint. Fix: point '
+                       f'{SOURCE} at the dense checkpoint, or continue this MoE with '),
+    ('hf_vit', f'another model family. Fix: point {SOURCE} at a checkpoint of the model the gin '
+               'files build'),
+    ('hf_t5', 'Target leaf decoder/decoder_norm/scale has shape (64,) but dense leaf '
+              'decoder/decoder_norm/scale has shape (8,). Fix: the MoE model config must match '
+              f'the dense one in everything but its MoE blocks (d_model, heads, vocab, classes, '
+              f'...). (The checkpoint, {SOURCE}, holds a T5 model, '),
+])
+def test_a_source_that_cannot_be_upcycled(source, error, request, entry_points, tmp_path,
+                                          capsys):
+  checkpoint = request.getfixturevalue(source)
+  checkpoint = checkpoint if isinstance(checkpoint, str) else checkpoint[0]
+  message = _refusal(train_main.main, UPCYCLE + [
+      f"--gin.INITIAL_CHECKPOINT_PATH='{checkpoint}'", f"--gin.MODEL_DIR='{tmp_path}/run'"],
+                     capsys)
+  assert message.startswith('error: UpcycleFromDense(') and error in message, message
+  assert os.listdir(tmp_path) == []
+
+
+@pytest.fixture
+def paths(tmp_path):
+  """A regular file, a dangling symbolic link, and a name too long, in `tmp_path`."""
+  (tmp_path / 'notes').write_text('notes\n')
+  os.symlink(tmp_path / 'nowhere', tmp_path / 'link')
+  return {'file': tmp_path / 'notes', 'link': tmp_path / 'link', 'long': tmp_path / ('q' * 300)}
+
+
+@pytest.mark.parametrize('flags, error', [
+    (['--gin.TASK_FEATURE_LENGTHS=128'],
+     "text.TextPipeline.feature_lengths = 128: expected a mapping of 'inputs' and 'targets' to "
+     "integers >= 1, such as TASK_FEATURE_LENGTHS = {'inputs': 512, 'targets': 114}."),
+    (['--gin.BATCH_SIZE=6'],
+     'trainer.TrainConfig.batch_size = 6: expected a multiple of 8, the data x expert mesh axes '
+     '(8 x 1) the batch is split over. Fix: --gin.BATCH_SIZE=8 (or another multiple of 8).'),
+    (['--gin_file=moe/paper_t5.gin', '--gin.NUM_EXPERTS=6',
+      '--gin.trainer.TrainConfig.num_expert_partitions=4'],
+     "decoder/layers_1/mlp/expert/wi_0/kernel has 6 along 'expert', split over "
+     'trainer.TrainConfig.num_expert_partitions = 4, which does not divide it. Fix: make '
+     'NUM_EXPERTS a multiple of 4, or trainer.TrainConfig.num_expert_partitions a divisor of 6.'),
+])
+def test_a_config_the_mesh_or_the_data_cannot_take(flags, error, entry_points, tmp_path,
+                                                   capsys):
+  message = _refusal(train_main.main, PRETRAIN + [f"--gin.MODEL_DIR='{tmp_path}/run'", *flags],
+                     capsys)
+  assert message == f'error: {error}'
+  assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize('kind, error', [
+    ('file', "trainer.TrainConfig.model_dir = '{path}' is a file, not a directory. Fix: give a "
+             'directory (one that does not exist yet is created).'),
+    ('link', "trainer.TrainConfig.model_dir = '{path}' is a symbolic link to {tmp}/nowhere, "
+             'which does not exist. Fix: give a directory (one that does not exist yet is '
+             'created).'),
+    ('long', 'trainer.TrainConfig.model_dir: the name qqqqqqqqqqqqqqqq... in {tmp} is 300 '
+             'characters long; the filesystem allows 255. Fix: give a shorter name.'),
+])
+def test_a_model_dir_that_cannot_be_a_directory(kind, error, paths, entry_points, tmp_path,
+                                                capsys):
+  path = paths[kind]
+  message = _refusal(train_main.main, PRETRAIN + [f"--gin.MODEL_DIR='{path}'"], capsys)
+  assert message == 'error: ' + _fill(error, path=path, tmp=tmp_path)
+  assert sorted(os.listdir(tmp_path)) == ['link', 'notes']
+  assert (tmp_path / 'notes').read_text() == 'notes\n'
+
+
+def _eval_argv(checkpoint, *flags):
+  return ['--gin_file=models/t5_1_1/tiny.gin', '--gin_file=runs/eval.gin', DATA, LENGTHS,
+          f"--gin.CHECKPOINT_PATH='{checkpoint}'", *flags]
+
+
+def _infer_argv(checkpoint, *flags):
+  return ['--gin_file=models/t5_1_1/tiny.gin', '--gin_file=runs/infer.gin', DATA, LENGTHS,
+          f"--gin.CHECKPOINT_PATH='{checkpoint}'", *flags]
+
+
+@pytest.mark.parametrize('main, argv, error', [
+    (eval_main.main, _eval_argv('/nonexistent', '--gin.BATCH_SIZE=0'),
+     'BATCH_SIZE (eval_script.evaluate.batch_size) = 0: expected an integer >= 1.'),
+    (eval_main.main, _eval_argv('/nonexistent', "--gin.EVAL_OUTPUT_DIR='{file}/eval'"),
+     "EVAL_OUTPUT_DIR (eval_script.evaluate.output_dir) = '{file}/eval': {file} is a file, not "
+     'a directory, so no directory can be made under it. Fix: give a directory (one that does '
+     'not exist yet is created).'),
+    (infer_main.main, _infer_argv('/nonexistent', "--gin.MODEL_DIR='{tmp}/out'",
+                                  '--gin.BATCH_SIZE=0'),
+     'BATCH_SIZE (infer_script.infer.batch_size) = 0: expected an integer >= 1.'),
+    (infer_main.main, _infer_argv('/nonexistent', "--gin.MODEL_DIR='{file}/out'"),
+     "MODEL_DIR (infer_script.infer.output_dir) = '{file}/out': {file} is a file, not a "
+     'directory, so no directory can be made under it. Fix: give a directory (one that does '
+     'not exist yet is created).'),
+])
+def test_eval_and_infer_refuse_a_batch_of_0_and_an_output_under_a_file(
+    main, argv, error, paths, entry_points, tmp_path, capsys):
+  names = {'file': paths['file'], 'tmp': tmp_path}
+  message = _refusal(main, [_fill(arg, **names) for arg in argv], capsys)
+  assert message == 'error: ' + _fill(error, **names)
+
+
+def _stderr(done):
+  """stderr without the native libraries' start-up lines."""
+  return [line for line in done.stderr.splitlines()
+          if line.strip() and not line.startswith(('WARNING', 'I0000', 'W0000', 'E0000'))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('module, argv, error', [
+    ('upcycle.train', PRETRAIN + ["--gin.MODEL_DIR='{file}'"],
+     "trainer.TrainConfig.model_dir = '{file}' is a file, not a directory. Fix: give a "
+     'directory (one that does not exist yet is created).'),
+    ('upcycle.infer', _infer_argv('/nonexistent', "--gin.MODEL_DIR='{tmp}/out'",
+                                  '--gin.BATCH_SIZE=0'),
+     'BATCH_SIZE (infer_script.infer.batch_size) = 0: expected an integer >= 1.'),
+])
+def test_the_whole_output_is_one_line(module, argv, error, paths, tmp_path):
+  names = {'file': paths['file'], 'tmp': tmp_path}
+  done = subprocess.run([sys.executable, '-m', module, *[_fill(arg, **names) for arg in argv]],
+                        capture_output=True, text=True, timeout=300, check=False)
+  assert (done.returncode, done.stdout) == (1, '')
+  assert _stderr(done) == ['error: ' + _fill(error, **names)], done.stderr

@@ -1,0 +1,80 @@
+"""A decoder-only Llama trained on the offline default: its loss falls, the run keeps its
+tokenizer, and a run killed by SIGKILL resumes step for step as if it had not been."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from upcycle.data import tokenizer as tokenizer_lib
+from upcycle.data.lm import LmPipeline
+from upcycle.models import Llama, LlamaConfig
+from upcycle.train.objectives import CausalLm
+from upcycle.train.optimizers import AdamW, warmup_decay_schedule
+from upcycle.train.trainer import Trainer, TrainConfig
+from tests.train.conftest import RESUME_XLA_FLAGS
+from tests.train.test_training import REPO
+
+TINY_LLAMA = LlamaConfig(vocab_size=4096, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                         d_ff=64, num_layers=2)
+
+
+def _lm(split):
+  return LmPipeline('offline_stdlib_text', split, {'targets': 64})
+
+
+@pytest.mark.slow
+def test_tiny_llama_learns_the_offline_stdlib_text(tmp_path):
+  config = TrainConfig(str(tmp_path), train_steps=60, batch_size=8, log_every=1,
+                       checkpoint_every=1000, eval_batches=2, async_checkpoints=False)
+  optimizer = AdamW(schedule=warmup_decay_schedule(3e-3, 10, 60))
+  result = Trainer(CausalLm(Llama(TINY_LLAMA)), optimizer, config, _lm('train'),
+                   _lm('validation')).run()
+  losses = [h['loss'] for h in result['history']]
+  first, last = np.mean(losses[:3]), np.mean(losses[-3:])
+  assert first > 7.5 and last < first - 1.5, (first, last)   # ln(4096) = 8.3 at the start
+  assert np.isfinite(result['eval']['loss']) and result['eval']['loss'] < first - 1.0
+
+
+def _command(model_dir, steps):
+  return [sys.executable, '-m', 'upcycle.train', '--gin_file=models/llama/tiny.gin',
+          '--gin_file=runs/llm_pretrain.gin', '--gin_file=data/offline_stdlib_lm.gin',
+          f"--gin.MODEL_DIR='{model_dir}'", f'--gin.TRAIN_STEPS={steps}', '--gin.BATCH_SIZE=8',
+          "--gin.TASK_FEATURE_LENGTHS={'targets': 32}", '--gin.models.LlamaConfig.num_layers=2',
+          '--gin.trainer.TrainConfig.log_every=1', '--gin.trainer.TrainConfig.checkpoint_every=4',
+          '--gin.train.eval_data=None']
+
+
+def _losses(model_dir):
+  rows = [json.loads(line) for line in open(os.path.join(model_dir, 'metrics.jsonl'))]
+  return [(r['step'], r['loss']) for r in rows if r['split'] == 'train']
+
+
+@pytest.mark.slow
+def test_a_killed_llm_run_resumes_exactly_and_keeps_its_tokenizer(tmp_path):
+  env = {**os.environ, 'XLA_FLAGS': RESUME_XLA_FLAGS}
+  straight, killed = tmp_path / 'straight', tmp_path / 'killed'
+  subprocess.run(_command(straight, 12), cwd=REPO, env=env, check=True, capture_output=True)
+  proc = subprocess.Popen(_command(killed, 12), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  deadline = time.time() + 300
+  while time.time() < deadline and proc.poll() is None:
+    if ((killed / 'checkpoints' / '4').is_dir() and (killed / 'metrics.jsonl').exists()
+        and max(step for step, _ in _losses(killed)) >= 6):
+      proc.send_signal(signal.SIGKILL)
+      break
+    time.sleep(0.05)
+  proc.wait()
+  assert proc.returncode == -signal.SIGKILL, 'the run ended before it could be killed'
+  done = subprocess.run(_command(killed, 12), cwd=REPO, env=env, capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr[-5000:]
+  assert 'Resuming from' in done.stdout
+  assert [s for s, _ in _losses(killed)] == list(range(1, 13))   # each step logged once
+  assert _losses(killed) == _losses(straight)
+  kept = tokenizer_lib.load(str(killed / 'checkpoints' / '12'))
+  assert kept.digest == tokenizer_lib.load(tokenizer_lib.OFFLINE_BPE).digest

@@ -1,0 +1,68 @@
+"""One table of names for both directions: another format's tensor names <-> this project's
+parameter paths.
+
+Each row is `(theirs, ours, transposed)`, where `{i}` in both names stands for the same layer
+index, e.g. `('model.layers.{i}.mlp.up_proj.weight', 'decoder/layers_{i}/mlp/wi_1/kernel',
+True)`. `transposed`: the two layouts are each other's transpose (torch Linear `[out, in]`
+against a kernel `[in, out]`). Reading looks a name up with `ours`, writing with `theirs`, so
+a reader and its writer cannot disagree.
+"""
+
+import re
+from typing import Any, Dict, Iterable, Optional, Tuple
+
+import numpy as np
+
+from upcycle import tree
+from upcycle.checkpoints.errors import checkpoint_error
+from upcycle.checkpoints.lazy import LazyArray
+
+LAYER = '{i}'
+
+
+def _pattern(template: str) -> re.Pattern:
+  return re.compile(re.escape(template).replace(re.escape(LAYER), r'(?P<i>\d+)'))
+
+
+class NameTable:
+  """Looks a name up in either direction; None for a name the table does not hold."""
+
+  def __init__(self, rows: Iterable[Tuple[str, str, bool]]):
+    self._rows = [(_pattern(theirs), theirs, _pattern(ours), ours, transposed)
+                  for theirs, ours, transposed in rows]
+
+  def ours(self, name: str) -> Optional[Tuple[str, bool]]:
+    """Their tensor name -> (our parameter path, transposed?)."""
+    for pattern, _, _, ours, transposed in self._rows:
+      m = pattern.fullmatch(name)
+      if m:
+        return ours.replace(LAYER, m.groupdict().get('i') or ''), transposed
+    return None
+
+  def theirs(self, path: str) -> Optional[Tuple[str, bool]]:
+    """Our parameter path -> (their tensor name, transposed?)."""
+    for _, theirs, pattern, _, transposed in self._rows:
+      m = pattern.fullmatch(path)
+      if m:
+        return theirs.replace(LAYER, m.groupdict().get('i') or ''), transposed
+    return None
+
+  def to_theirs(self, params: Any, source: str, model: str) -> Dict[str, Any]:
+    """Nested params -> {their tensor name: leaf, transposed where the table says}; a
+    parameter without a name there raises CheckpointError naming it, `source` and `model`."""
+    out = {}
+    for path, leaf in tree.flatten(params).items():
+      found = self.theirs(path)
+      if found is None:
+        raise checkpoint_error(source, f'{model} has no tensor for this parameter', param=path,
+                               fix=f'Only what {model} computes can be written as one')
+      name, transpose = found
+      out[name] = transposed(leaf) if transpose else leaf
+    return out
+
+
+def transposed(leaf: Any) -> Any:
+  """`leaf` transposed; a LazyArray stays lazy (nothing is read)."""
+  if isinstance(leaf, LazyArray):
+    return leaf.map(np.transpose, leaf.shape[::-1])
+  return np.transpose(np.asarray(leaf))

@@ -1,0 +1,170 @@
+"""A checkpoint written as a HuggingFace model directory that transformers loads with the same
+logits (`python -m upcycle.export --format=hf`):
+
+  dense Llama family  -> LlamaForCausalLM, Qwen2ForCausalLM (q/k/v biases alone) or
+                         MistralForCausalLM (a sliding window): `llama_hf.hf_model_type`;
+                         the tokenizer the run keeps (MODEL_DIR/tokenizer/, or an HF source's
+                         own) copied, its BOS / EOS ids in config.json
+  dense T5 v1.1       -> T5ForConditionalGeneration with its own lm_head
+                         (`tie_word_embeddings` false); no tokenizer (T5 runs read seqio's)
+
+The source is a run of ours (MODEL_DIR, its checkpoints/: the step `step`, default the
+latest) or any checkpoint `checkpoints.load` reads (one step of a run, T5X, HF). The model is
+`model_config` (gin's MODEL on the command line), else the one the checkpoint describes (HF);
+the parameters are checked against it before anything is written. Scanned layers are
+unrolled (`scan_layout.unstack`, lazily). MoE models and ViT are refused in one line before
+any array is read. Weights keep their stored dtype and are read one at a time
+(`hf_writer`), which also makes the output appear whole or not at all.
+"""
+
+import dataclasses
+import logging
+import os
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+
+from upcycle import checkpoints, models, pretrained
+from upcycle.checkpoints import (atomic_dir, hf_llama, hf_t5, hf_writer, paths,
+                                 safetensors_file, t5x_export, validate)
+from upcycle.checkpoints.errors import FULL_DISK
+from upcycle.checkpoints.t5x_export import ExportError
+from upcycle.data import tokenizer as tokenizer_lib
+from upcycle.models import LlamaConfig, T5Config, ViTConfig, llama_hf, scan_layout
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_SHARD_SIZE = '5GB'   # transformers' `save_pretrained` default
+
+
+def check_exportable(config: Any) -> None:
+  """Refuses, in one line, a model HuggingFace has no class for (or this export no writer)."""
+  if isinstance(config, ViTConfig):
+    raise ExportError('--format=hf writes dense Llama-family models (Llama, Qwen2, Mistral) and '
+                      'dense T5 v1.1; ViT is not written as HuggingFace yet. Fix: export it with '
+                      '--format=t5x.')
+  if isinstance(config, T5Config) and (config.encoder_moe or config.decoder_moe):
+    raise ExportError('an MoE T5 has no HuggingFace class (T5ForConditionalGeneration is '
+                      'dense). Fix: export it with --format=t5x (Flaxformer\'s MoE names).')
+  if isinstance(config, LlamaConfig):
+    llama_hf.hf_model_type(config)   # refuses MoE and what no HF family computes
+  elif not isinstance(config, T5Config):
+    raise ExportError(f'--format=hf: no HuggingFace export for {type(config).__name__}.')
+
+
+def _checkpoint_path(model_dir: str, step: Optional[int]) -> Tuple[str, str]:
+  """-> (the checkpoint to read, the directory the output may not touch): a run's step
+  (`step`, default the latest) and its checkpoints/, or `model_dir` itself."""
+  try:
+    root, steps = t5x_export.run_steps(model_dir)
+  except ExportError:   # not a run of ours: any checkpoint the readers know
+    if step is not None:
+      raise ExportError(f'--step={step}: {model_dir} holds no run of ours (checkpoints/<step>/ '
+                        f'directories) to pick a step from. Fix: pass the checkpoint itself as '
+                        f'--model_dir, without --step.') from None
+    path = paths.absolute(model_dir)
+    return path, path
+  return steps[t5x_export.pick_step(root, steps, step)], root
+
+
+def _check_output(output_dir: str, source: str) -> None:
+  if paths.is_url(output_dir):
+    raise ExportError(f'--output_dir={output_dir}: the HuggingFace export writes local '
+                      f'directories. Fix: export to a local directory, then copy it.')
+  if not paths.is_url(source):
+    out, src = os.path.realpath(output_dir), os.path.realpath(source)
+    if os.path.commonpath([out, src]) in (out, src):
+      raise ExportError(f'--output_dir={output_dir} is, contains or lies inside the checkpoint '
+                        f'{src}, which is only read. Fix: choose a directory outside it.')
+  if atomic_dir.is_taken(output_dir):
+    raise ExportError(f'{output_dir} already exists and is not empty; an export never '
+                      f'overwrites. Fix: delete it, or pass another --output_dir.')
+
+
+def _dense_params(ckpt: checkpoints.Checkpoint, config: Any) -> Dict[str, Any]:
+  """The checkpoint's parameters checked against `config` (in the layout they are stored in,
+  scanned or not) and unrolled."""
+  scanned = scan_layout.is_scanned(ckpt.params)
+  stored = dataclasses.replace(config, scan_layers=scanned)
+  validate.check_params(ckpt.params, models.abstract_params(stored), ckpt.path,
+                        fix='Pass the gin files of the model it was trained with')
+  return scan_layout.unstack(ckpt.params, config) if scanned else ckpt.params
+
+
+def _tokenizer(path: str) -> Optional[tokenizer_lib.Tokenizer]:
+  try:
+    return tokenizer_lib.load(path)
+  except tokenizer_lib.TokenizerError as e:
+    log.warning('Exporting without a tokenizer (config.json gets no BOS / EOS ids): %s', e)
+    return None
+
+
+def _hf_files(params: Dict[str, Any], config: Any,
+              source: str) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, bytes]]:
+  """-> (config.json, {HF tensor name: leaf}, other files) of the dense, unrolled `params`
+  read from the checkpoint `source`."""
+  dtype = np.dtype(params['token_embedder']['embedding'].dtype).name
+  if isinstance(config, T5Config):
+    hf_config = hf_t5.hf_config(dataclasses.asdict(config), dtype=dtype)
+    return hf_config, hf_t5.to_hf(params, source), {}
+  tokenizer = _tokenizer(source)
+  if tokenizer is None:
+    hf_config = llama_hf.hf_config(config, bos_id=None, eos_id=None, dtype=dtype)
+    files = {}
+  else:
+    hf_config = llama_hf.hf_config(config, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
+                                   dtype=dtype)
+    files = dict(tokenizer.files)
+  return hf_config, hf_llama.to_hf(params, source, hf_config['architectures'][0]), files
+
+
+def export(model_dir: str, output_dir: str, model_config: Any = None,
+           step: Optional[int] = None, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> str:
+  """Writes the checkpoint in `model_dir` (module docstring) as the HuggingFace directory
+  `output_dir`; returns its absolute path.
+
+  Args:
+    model_dir: a run's MODEL_DIR (or its checkpoints/), or any checkpoint the readers know.
+    output_dir: a local directory that does not exist or is empty.
+    model_config: the T5Config / LlamaConfig of the checkpoint (a module's `.config` works
+      too); None: the one an HF checkpoint describes.
+    step: a step of the run (default: its latest); only for runs.
+    max_shard_size: the largest safetensors file, e.g. '5GB', '200KB' (`hf_writer.parse_size`).
+
+  Raises:
+    ExportError: a model HuggingFace has no class for, no model config, a bad size or step,
+      an output that is taken, remote or touches the source, a full disk (nothing left).
+    CheckpointError: the checkpoint does not fit the model or cannot be read.
+    fields.ConfigError: a Llama config no HF family computes (`llama_hf.hf_model_type`).
+  """
+  try:
+    max_shard_bytes = hf_writer.parse_size(max_shard_size)
+  except ValueError as e:
+    raise ExportError(f'--max_shard_size: {e}') from None
+  path, source = _checkpoint_path(model_dir, step)
+  output_dir = paths.absolute(output_dir)
+  _check_output(output_dir, source)
+  ckpt = pretrained.load(path, lazy=True)
+  config = getattr(model_config, 'config', model_config) or ckpt.model_config
+  if config is None:
+    raise ExportError(f'{ckpt.path}: this {ckpt.format} checkpoint does not say which model it '
+                      f'holds. Fix: give the gin files of its model, e.g. '
+                      f'--gin_file=models/llama/tiny.gin (a run\'s MODEL_DIR/config.gin shows '
+                      f'its bindings).')
+  check_exportable(config)
+  params = _dense_params(ckpt, config)
+  hf_config, tensors, files = _hf_files(params, config, ckpt.path)
+  try:
+    written = hf_writer.write(output_dir, hf_config, tensors, files, max_shard_bytes)
+  except FileExistsError as e:   # another export into it started meanwhile
+    raise ExportError(str(e)) from None
+  except OSError as e:
+    if not any(marker in str(e) for marker in FULL_DISK):
+      raise
+    size = sum(safetensors_file.nbytes(t) for t in tensors.values())
+    raise ExportError(f'Exporting to {output_dir} failed: no space left on device; nothing was '
+                      f'left there. It needs {size / 2**20:.1f} MiB. Fix: free space there, or '
+                      f'pass another --output_dir.') from None
+  log.info('Wrote %s (%s, %d tensors%s).', written, hf_config['architectures'][0], len(tensors),
+           ', with its tokenizer' if files else '')
+  return written

@@ -1,0 +1,208 @@
+"""HuggingFace Llama / Mistral / Qwen2 `config.json` <-> `LlamaConfig` fields.
+
+The three compute one function, up to which projections have biases (Llama's
+`attention_bias`: query, key, value and output; Qwen2: query, key and value always; Mistral:
+none) and a sliding window (Mistral's `sliding_window`, Qwen2's with `use_sliding_window`).
+What this model does not compute is refused in one line naming the config.json field and the
+fix, rather than read into a model with other logits: RoPE types other than 'default' and
+'llama3', partial rotary embeddings, MLP biases, activations other than SiLU, and a sliding
+window shorter than the run's sequences. Both spellings of RoPE settings are read:
+transformers 5's `rope_parameters` and the older top-level `rope_theta` with `rope_scaling`.
+
+`hf_config` is the other direction, for `upcycle.hf_export`: the config.json (both RoPE
+spellings) of the HF class that computes a dense LlamaConfig's function.
+"""
+
+import json
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+from upcycle import fields
+from upcycle.models import rope
+
+MODEL_TYPES = ('llama', 'mistral', 'qwen2')
+ARCHITECTURES = {'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM',
+                 'qwen2': 'Qwen2ForCausalLM'}
+DEFAULT_ROPE_THETA = 10000.0      # transformers' `default_theta`
+DEFAULT_RMS_NORM_EPS = 1e-6       # the three configs' default
+
+
+def _refuse(source: str, field: str, value: Any, why: str, fix: str) -> fields.ConfigError:
+  return fields.ConfigError(f'{source}: field "{field}" = {json.dumps(value)}: {why}. Fix: {fix}.')
+
+
+def _required(hf: Mapping[str, Any], field: str, source: str, within: str = '') -> Any:
+  """hf[field]; `within`: the name of the settings `hf` is, for the error."""
+  if hf.get(field) is None:
+    name = f'{within}.{field}' if within else field
+    raise fields.ConfigError(f'{source}: field "{name}" is missing. Fix: a config.json '
+                             f'written by transformers (save_pretrained) has it.')
+  return hf[field]
+
+
+def _rope(hf: Mapping[str, Any], source: str) -> Tuple[float, Optional[rope.Llama3RopeScaling]]:
+  """-> (theta, llama3 scaling or None), with transformers' precedence: `rope_scaling` over
+  `rope_parameters`; theta inside them over the top-level `rope_theta`."""
+  field = 'rope_scaling' if hf.get('rope_scaling') is not None else 'rope_parameters'
+  params = dict(hf.get(field) or {})
+  if any(isinstance(v, Mapping) for v in params.values()):
+    raise _refuse(source, field, params, 'RoPE settings per layer type are not supported',
+                  'use a model with one RoPE for every layer')
+  type_field = 'rope_type' if 'rope_type' in params else 'type'
+  rope_type = params.get(type_field) or 'default'
+  theta = params.get('rope_theta', hf.get('rope_theta', DEFAULT_ROPE_THETA))
+  partial = params.get('partial_rotary_factor', hf.get('partial_rotary_factor'))
+  if partial not in (None, 1.0):
+    raise _refuse(source, 'partial_rotary_factor', partial, 'this model rotates whole heads',
+                  'use a model with partial_rotary_factor 1.0 (or none)')
+  if rope_type == 'default':
+    return theta, None
+  if rope_type != 'llama3':
+    raise _refuse(source, f'{field}.{type_field}', rope_type,
+                  "only 'default' and 'llama3' RoPE are implemented (upcycle/models/rope.py)",
+                  "use a model whose RoPE type is 'default' or 'llama3', or implement this "
+                  'one in upcycle/models/rope.py')
+  # transformers prefers a top-level value (Phi-3 writes one), then the one in the settings.
+  original = (hf.get('original_max_position_embeddings')
+              or params.get('original_max_position_embeddings')
+              or _required(hf, 'max_position_embeddings', source))
+  factors = {name: _required(params, name, source, within=field)
+             for name in ('factor', 'low_freq_factor', 'high_freq_factor')}
+  return theta, rope.Llama3RopeScaling(**factors, original_max_position_embeddings=original)
+
+
+def _sliding_window(hf: Mapping[str, Any], model_type: str, max_length: Optional[int],
+                    source: str) -> Optional[int]:
+  """The window the HF model attends within, or None; refused when shorter than `max_length`
+  (a token then sees fewer earlier tokens in HF than in this model)."""
+  window = hf.get('sliding_window')
+  used = model_type == 'mistral' or (model_type == 'qwen2' and hf.get('use_sliding_window'))
+  if not used or window is None:
+    return None
+  if max_length is not None and window < max_length:
+    flag = ' with "use_sliding_window": true' if model_type == 'qwen2' else ''
+    raise _refuse(source, 'sliding_window', window,
+                  f'{model_type} attends within the last {window} tokens{flag}, this model to '
+                  f'the whole context, so sequences of {max_length} tokens would differ',
+                  f'train on sequences of at most {window} tokens')
+  return window
+
+
+def config_fields(hf: Mapping[str, Any], max_length: Optional[int] = None,
+                  source: str = 'config.json') -> Dict[str, Any]:
+  """config.json (a dict) -> `LlamaConfig` keyword arguments; refuses what it cannot compute.
+
+  `max_length`: the run's longest sequence, or None when unknown (a sliding window is then
+  kept in `sliding_window`, and the model refuses longer inputs). `source`: the file named in
+  errors.
+  """
+  model_type = hf.get('model_type')
+  if model_type not in MODEL_TYPES:
+    raise _refuse(source, 'model_type', model_type, f'expected one of {list(MODEL_TYPES)}',
+                  'read other models with their own config class')
+  activation = hf.get('hidden_act', 'silu')
+  if activation != 'silu':
+    raise _refuse(source, 'hidden_act', activation, 'the MLP is SwiGLU',
+                  'use a model with "hidden_act": "silu"')
+  if hf.get('mlp_bias'):
+    raise _refuse(source, 'mlp_bias', hf['mlp_bias'], 'the MLP has no biases',
+                  'use a model with "mlp_bias": false')
+  heads = _required(hf, 'num_attention_heads', source)
+  d_model = _required(hf, 'hidden_size', source)
+  if model_type == 'qwen2':
+    qkv_bias, out_bias = True, False
+  else:
+    qkv_bias = out_bias = model_type == 'llama' and bool(hf.get('attention_bias'))
+  theta, scaling = _rope(hf, source)
+  return dict(
+      vocab_size=_required(hf, 'vocab_size', source), d_model=d_model, num_heads=heads,
+      num_kv_heads=hf.get('num_key_value_heads') or heads,
+      head_dim=hf.get('head_dim') or d_model // heads,
+      d_ff=_required(hf, 'intermediate_size', source),
+      num_layers=_required(hf, 'num_hidden_layers', source), rope_theta=theta,
+      rope_scaling=scaling, qkv_bias=qkv_bias, out_bias=out_bias,
+      layer_norm_epsilon=hf.get('rms_norm_eps', DEFAULT_RMS_NORM_EPS),
+      logits_via_embedding=bool(hf.get('tie_word_embeddings', False)),
+      sliding_window=_sliding_window(hf, model_type, max_length, source))
+
+
+def hf_model_type(config) -> str:
+  """The HF family that computes `config`'s (a LlamaConfig's) function: q/k/v biases alone are
+  Qwen2's, a sliding window without biases Mistral's, the rest Llama's (`attention_bias`
+  biases all four projections or none). What none of them computes is refused in one line:
+  an MoE model, an output bias alone, Llama with a window or with `hidden_size` not a multiple
+  of the heads (transformers' LlamaConfig refuses that)."""
+  if config.moe is not None:
+    raise fields.ConfigError(
+        f'{fields.binding(config, "moe")} is set: an MoE Llama is no LlamaForCausalLM, and '
+        'writing it as HuggingFace MixtralForCausalLM comes with the upcycling work. Fix: '
+        'export a dense Llama (--format=t5x writes any model\'s parameters).')
+  if config.out_bias and not config.qkv_bias:
+    raise fields.ConfigError(
+        f'{fields.binding(config, "out_bias")} = True without qkv_bias: no HuggingFace '
+        'causal LM has an output bias alone (Llama\'s attention_bias biases q, k, v and o). '
+        'Fix: export a model with both biases or only qkv_bias (Qwen2).')
+  if config.qkv_bias and not config.out_bias:
+    return 'qwen2'
+  if config.sliding_window is not None:
+    if config.qkv_bias:
+      raise fields.ConfigError(
+          f'{fields.binding(config, "sliding_window")} = {config.sliding_window} with '
+          'attention biases: LlamaForCausalLM attends to the whole context. Fix: set '
+          'sliding_window = None (this model attends to the whole context anyway).')
+    return 'mistral'
+  if config.d_model % config.num_heads:
+    raise fields.ConfigError(
+        f'{fields.binding(config, "d_model")} = {config.d_model} is not a multiple of '
+        f'num_heads = {config.num_heads}: transformers\' LlamaConfig refuses that, whatever '
+        'head_dim is. Fix: export a model whose d_model the heads divide.')
+  return 'llama'
+
+
+def _rope_settings(config) -> Dict[str, Any]:
+  """{'rope_parameters' (transformers 5), 'rope_theta' and 'rope_scaling' (older)}, one
+  RoPE in both spellings (`_rope` reads either, transformers too)."""
+  scaling = None
+  if config.rope_scaling is not None:
+    scaling = {'rope_type': 'llama3', 'factor': config.rope_scaling.factor,
+               'low_freq_factor': config.rope_scaling.low_freq_factor,
+               'high_freq_factor': config.rope_scaling.high_freq_factor,
+               'original_max_position_embeddings':
+                   config.rope_scaling.original_max_position_embeddings}
+  parameters = {'rope_type': 'default', **(scaling or {}), 'rope_theta': config.rope_theta}
+  return {'rope_parameters': parameters, 'rope_theta': config.rope_theta,
+          'rope_scaling': scaling}
+
+
+def hf_config(config, bos_id: Optional[int], eos_id: Optional[int],
+              dtype: str) -> Dict[str, Any]:
+  """A dense LlamaConfig -> the config.json of `hf_model_type(config)`'s *ForCausalLM with the
+  same logits (`config_fields` reads it back to `config`, up to dtype and training fields).
+
+  `bos_id` / `eos_id`: the tokenizer's (None: unknown, written as null); `dtype`: the weights'
+  ('float32', 'bfloat16'). The model has no context length of its own: only a llama3 RoPE
+  writes `max_position_embeddings` (its original context times its factor), elsewhere the
+  HF class's default stands.
+  """
+  model_type = hf_model_type(config)
+  hf = {
+      'architectures': [ARCHITECTURES[model_type]], 'model_type': model_type,
+      'vocab_size': config.vocab_size, 'hidden_size': config.d_model,
+      'intermediate_size': config.d_ff, 'num_hidden_layers': config.num_layers,
+      'num_attention_heads': config.num_heads, 'num_key_value_heads': config.num_kv_heads,
+      'head_dim': config.head_dim, 'hidden_act': 'silu',
+      'rms_norm_eps': config.layer_norm_epsilon,
+      'tie_word_embeddings': config.logits_via_embedding, **_rope_settings(config),
+      'bos_token_id': bos_id, 'eos_token_id': eos_id, 'dtype': dtype, 'torch_dtype': dtype,
+  }
+  if config.rope_scaling is not None:
+    hf['max_position_embeddings'] = int(config.rope_scaling.original_max_position_embeddings *
+                                        config.rope_scaling.factor)
+  if model_type == 'llama':
+    hf.update(attention_bias=config.qkv_bias, mlp_bias=False)
+  elif model_type == 'mistral':
+    hf['sliding_window'] = config.sliding_window
+  else:   # qwen2: a window (read from a Qwen2 that had one) covers every layer
+    windowed = config.sliding_window is not None
+    hf.update(use_sliding_window=windowed, sliding_window=config.sliding_window,
+              max_window_layers=0 if windowed else config.num_layers)
+  return hf
