@@ -57,7 +57,7 @@ def infer(entry_points, tmp_path):  # pylint: disable=unused-argument
           '--gin_file=data/offline_stdlib_lm.gin', f"--gin.CHECKPOINT_PATH='{checkpoint}'",
           f"--gin.MODEL_DIR='{tmp_path}'", '--gin.models.LlamaConfig.num_layers=2',
           f"--gin.TASK_FEATURE_LENGTHS={{'targets': {LENGTH}}}", '--gin.BATCH_SIZE=2',
-          f'--gin.infer.max_decode_length={NEW}', *flags])
+          f'--gin.MAX_DECODE_LENGTH={NEW}', *flags])
     finally:
       gin.clear_config(clear_constants=True)
     with open(path) as f:

@@ -2,6 +2,7 @@
 MODEL_DIR it created behind (real `python -m upcycle.train` processes)."""
 
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -84,3 +85,25 @@ def test_a_gin_order_that_picks_c4_names_the_task_and_where_it_reads(tmp_path):
       f'that sets MIXTURE_OR_TASK_NAME decides the task).')
   assert 'Traceback' not in done.stderr
   assert not model_dir.exists()
+
+
+@pytest.mark.slow
+def test_a_train_steps_below_the_saved_step_is_refused_and_the_config_kept(dense_t5_run,
+                                                                          tmp_path):
+  # pylint: disable=g-import-not-at-top
+  from upcycle import fields
+  from upcycle.models import T5
+  from upcycle.train.objectives import Seq2Seq
+  from upcycle.train.optimizers import Adafactor
+  from upcycle.train.trainer import Trainer, TrainConfig
+  from tests.train.test_training import TINY_T5, text
+  # pylint: enable=g-import-not-at-top
+  source, _ = dense_t5_run   # 30 steps
+  run = tmp_path / 'run'
+  shutil.copytree(source, run)
+  config = TrainConfig(str(run), train_steps=10, batch_size=8, async_checkpoints=False)
+  trainer = Trainer(Seq2Seq(T5(TINY_T5)), Adafactor(), config, text('train'))
+  with pytest.raises(fields.ConfigError, match=r'is at step 30, past TRAIN_STEPS = 10 .*'
+                                               r'Fix: --gin.TRAIN_STEPS=30 or more'):
+    trainer.run(on_start=lambda: (run / 'config.gin').write_text('rewritten'))
+  assert not (run / 'config.gin').exists()   # on_start (config.gin's writer) never ran

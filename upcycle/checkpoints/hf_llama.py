@@ -21,7 +21,7 @@ import numpy as np
 from upcycle import tree
 from upcycle.checkpoints.errors import checkpoint_error
 from upcycle.checkpoints.lazy import LazyArray
-from upcycle.checkpoints.name_table import NameTable, transposed
+from upcycle.checkpoints.name_table import NameTable
 
 MODEL_TYPES = ('llama', 'mistral', 'qwen2')
 EMBEDDING = 'token_embedder/embedding'
@@ -64,17 +64,7 @@ def convert(tensors: Dict[str, LazyArray], hf: Dict[str, Any], config_path: str,
   default in all three) the output layer is the embedding: an `lm_head.weight` in the file
   must then equal `model.embed_tokens.weight` and is dropped.
   """
-  params, hf_names, unknown = {}, {}, []
-  for name, tensor in tensors.items():
-    if _DERIVED.fullmatch(name):
-      continue
-    found = TABLE.ours(name)
-    if found is None:
-      unknown.append(name)
-      continue
-    path, transpose = found
-    params[path] = transposed(tensor) if transpose else tensor
-    hf_names[path] = name
+  params, hf_names, unknown = TABLE.to_ours(tensors, skip=_DERIVED.fullmatch)
   if unknown:
     raise checkpoint_error(
         weights_path, 'tensors that a Llama / Mistral / Qwen2 causal LM does not have',

@@ -129,18 +129,8 @@ def convert(tensors: Dict[str, LazyArray], hf: Dict[str, Any], config_path: str,
   """
   via_embedding = _rescales_logits(hf)
   description = _description(hf, config_path, via_embedding)
-  params, hf_names, notes = {}, {}, []
-  unknown = []
-  for name, tensor in tensors.items():
-    if name in _ALIASES:
-      continue
-    found = TABLE.ours(name)
-    if found is None:
-      unknown.append(name)
-      continue
-    path, transpose = found
-    params[path] = transposed(tensor) if transpose else tensor
-    hf_names[path] = name
+  params, hf_names, unknown = TABLE.to_ours(tensors, skip=lambda name: name in _ALIASES)
+  notes = []
   if unknown:
     raise checkpoint_error(
         weights_path, 'tensors that a T5 v1.1 model does not have',

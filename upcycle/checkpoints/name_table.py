@@ -9,7 +9,7 @@ a reader and its writer cannot disagree.
 """
 
 import re
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
@@ -46,6 +46,24 @@ class NameTable:
       if m:
         return theirs.replace(LAYER, m.groupdict().get('i') or ''), transposed
     return None
+
+  def to_ours(self, tensors: Dict[str, Any], skip: Callable[[str], bool]
+              ) -> Tuple[Dict[str, Any], Dict[str, str], List[str]]:
+    """{their tensor name: leaf} -> (flat params, transposed where the table says; {our path:
+    their name} for errors; their names the table does not hold). `skip`: names that carry
+    nothing of their own (aliases, buffers derived from the config)."""
+    params, names, unknown = {}, {}, []
+    for name, tensor in tensors.items():
+      if skip(name):
+        continue
+      found = self.ours(name)
+      if found is None:
+        unknown.append(name)
+        continue
+      path, transpose = found
+      params[path] = transposed(tensor) if transpose else tensor
+      names[path] = name
+    return params, names, unknown
 
   def to_theirs(self, params: Any, source: str, model: str) -> Dict[str, Any]:
     """Nested params -> {their tensor name: leaf, transposed where the table says}; a

@@ -21,8 +21,29 @@ T5_INPUTS = ('encoder_input_tokens', 'decoder_input_tokens', 'decoder_target_tok
              'encoder_segment_ids', 'decoder_segment_ids')
 
 
+class TargetTokenLoss:
+  """Cross-entropy over `decoder_target_tokens`, summed over the target tokens that count and
+  normalized by their number (T5X's seq2seq and decoder-only losses); a subclass says which
+  count when the batch has no `decoder_loss_weights` (`_unweighted_tokens`)."""
+
+  def loss(self, logits: Array, batch: Batch) -> Dict[str, Array]:
+    return losses.cross_entropy(logits, batch['decoder_target_tokens'], self._weights(batch),
+                                self.z_loss, self.label_smoothing)
+
+  def loss_weight_sum(self, batch: Batch) -> Array:
+    """Real target tokens: what the summed loss is divided by."""
+    return jnp.sum(self._weights(batch).astype(jnp.float32))
+
+  def _weights(self, batch: Batch) -> Array:
+    """`[batch, length]`: the target tokens that count (padding examples' none)."""
+    weights = batch.get('decoder_loss_weights')
+    weights = self._unweighted_tokens(batch) if weights is None else weights
+    mask = batch.get(EXAMPLE_MASK)
+    return weights if mask is None else weights * mask[:, None].astype(weights.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
-class Seq2Seq:
+class Seq2Seq(TargetTokenLoss):
   """T5 span corruption / any seq2seq task; loss normalized by real target tokens."""
 
   model: T5
@@ -37,21 +58,10 @@ class Seq2Seq:
                             batch['decoder_input_tokens'], enable_dropout=train, rngs=rngs,
                             mutable=MOE_COLLECTIONS, **kwargs)
 
-  def loss(self, logits: Array, batch: Batch) -> Dict[str, Array]:
-    return losses.cross_entropy(logits, batch['decoder_target_tokens'], self._weights(batch),
-                                self.z_loss, self.label_smoothing)
-
-  def loss_weight_sum(self, batch: Batch) -> Array:
-    """Real target tokens: what T5 normalizes the loss by."""
-    return jnp.sum(self._weights(batch).astype(jnp.float32))
-
   @staticmethod
-  def _weights(batch: Batch) -> Array:
-    """`[batch, length]`: the target tokens that count (padding examples' none)."""
-    weights = batch.get('decoder_loss_weights')
-    weights = batch['decoder_target_tokens'] > 0 if weights is None else weights
-    mask = batch.get(EXAMPLE_MASK)
-    return weights if mask is None else weights * mask[:, None].astype(weights.dtype)
+  def _unweighted_tokens(batch: Batch) -> Array:
+    """Without `decoder_loss_weights`: every non-padding target (T5 pads with 0)."""
+    return batch['decoder_target_tokens'] > 0
 
   def init_batch(self, batch: Batch) -> Tuple[Array, ...]:
     return (batch['encoder_input_tokens'], batch['decoder_input_tokens'])
@@ -69,7 +79,7 @@ LM_INPUTS = ('decoder_input_tokens', 'decoder_segment_ids', 'decoder_positions')
 
 
 @dataclasses.dataclass(frozen=True)
-class CausalLm:
+class CausalLm(TargetTokenLoss):
   """Decoder-only language modelling on packed rows (`upcycle.data.lm`); loss normalized by
   the real target tokens (T5X's `DecoderOnly`)."""
 
@@ -84,23 +94,13 @@ class CausalLm:
     return self.model.apply({'params': params}, batch['decoder_input_tokens'],
                             enable_dropout=train, rngs=rngs, mutable=MOE_COLLECTIONS, **kwargs)
 
-  def loss(self, logits: Array, batch: Batch) -> Dict[str, Array]:
-    return losses.cross_entropy(logits, batch['decoder_target_tokens'], self._weights(batch),
-                                self.z_loss, self.label_smoothing)
-
-  def loss_weight_sum(self, batch: Batch) -> Array:
-    return jnp.sum(self._weights(batch).astype(jnp.float32))
-
   @staticmethod
-  def _weights(batch: Batch) -> Array:
-    """`[batch, length]`: the pipeline's loss weights (from segment ids: every id, 0
-    included, is a real token), less padding examples."""
-    weights = batch.get('decoder_loss_weights')
-    if weights is None:
-      weights = (batch['decoder_segment_ids'] > 0 if 'decoder_segment_ids' in batch
-                 else jnp.ones_like(batch['decoder_target_tokens']))
-    mask = batch.get(EXAMPLE_MASK)
-    return weights if mask is None else weights * mask[:, None].astype(weights.dtype)
+  def _unweighted_tokens(batch: Batch) -> Array:
+    """Without `decoder_loss_weights`: the real tokens by segment id (every token id, 0
+    included, is a real token), else all."""
+    if 'decoder_segment_ids' in batch:
+      return batch['decoder_segment_ids'] > 0
+    return jnp.ones_like(batch['decoder_target_tokens'])
 
   def init_batch(self, batch: Batch) -> Tuple[Array, ...]:
     return (batch['decoder_input_tokens'],)

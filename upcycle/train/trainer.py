@@ -316,6 +316,12 @@ class Trainer:
     try:
       state, resumed = self._initial_state(manager, abstract, example, data)
       start = int(jax.device_get(state.step))
+      if resumed and start > cfg.train_steps:   # before on_start: config.gin stays the run's
+        raise fields.ConfigError(
+            f'{manager.directory} is at step {start}, past TRAIN_STEPS = {cfg.train_steps} '
+            f'(trainer.TrainConfig.train_steps): a run never goes back, so there is nothing to '
+            f'train. Fix: --gin.TRAIN_STEPS={start} or more to evaluate or train on, or '
+            f'another MODEL_DIR.')
       on_start()
       # Rows past the resumed step are from the stopped run's steps that are now redone.
       logger = MetricLogger(cfg.model_dir, cfg.train_steps, tokens, tensorboard=cfg.tensorboard,
