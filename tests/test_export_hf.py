@@ -169,6 +169,11 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys):
   assert 'ViT is not written' in _refusal(capsys, *flags, '--gin_file=models/vit/tiny.gin')
   assert 'does not say which model' in _refusal(capsys, *flags)
   assert "'5XB' is not a size" in _refusal(capsys, *flags, '--max_shard_size=5XB')
+  llama = '--gin_file=models/llama/tiny.gin'
+  assert 'the HuggingFace export writes local directories' in _refusal(
+      capsys, f'--model_dir={run}', '--output_dir=gs://bucket/hf', llama)
+  inside = _refusal(capsys, f'--model_dir={run}', f'--output_dir={run}/checkpoints/hf', llama)
+  assert f'lies inside the checkpoint {run}/checkpoints, which an export only reads' in inside
   moe = dataclasses.replace(FAMILIES['Qwen2ForCausalLM'],
                             moe=MoeConfig(num_experts=2, router='tokens_choose'))
   with pytest.raises(fields.ConfigError, match='MixtralForCausalLM comes with the upcycling'):

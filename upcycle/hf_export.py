@@ -19,7 +19,6 @@ any array is read. Weights keep their stored dtype and are read one at a time
 
 import dataclasses
 import logging
-import os
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
@@ -27,7 +26,6 @@ import numpy as np
 from upcycle import checkpoints, models, pretrained
 from upcycle.checkpoints import (atomic_dir, hf_llama, hf_t5, hf_writer, paths,
                                  safetensors_file, t5x_export, validate)
-from upcycle.checkpoints.errors import FULL_DISK
 from upcycle.checkpoints.t5x_export import ExportError
 from upcycle.data import tokenizer as tokenizer_lib
 from upcycle.models import LlamaConfig, T5Config, ViTConfig, llama_hf, scan_layout
@@ -68,14 +66,8 @@ def _checkpoint_path(model_dir: str, step: Optional[int]) -> Tuple[str, str]:
 
 
 def _check_output(output_dir: str, source: str) -> None:
-  if paths.is_url(output_dir):
-    raise ExportError(f'--output_dir={output_dir}: the HuggingFace export writes local '
-                      f'directories. Fix: export to a local directory, then copy it.')
-  if not paths.is_url(source):
-    out, src = os.path.realpath(output_dir), os.path.realpath(source)
-    if os.path.commonpath([out, src]) in (out, src):
-      raise ExportError(f'--output_dir={output_dir} is, contains or lies inside the checkpoint '
-                        f'{src}, which is only read. Fix: choose a directory outside it.')
+  t5x_export.check_output(output_dir, source, writer='the HuggingFace export',
+                          source_name='the checkpoint')
   if atomic_dir.is_taken(output_dir):
     raise ExportError(f'{output_dir} already exists and is not empty; an export never '
                       f'overwrites. Fix: delete it, or pass another --output_dir.')
@@ -154,17 +146,10 @@ def export(model_dir: str, output_dir: str, model_config: Any = None,
   check_exportable(config)
   params = _dense_params(ckpt, config)
   hf_config, tensors, files = _hf_files(params, config, ckpt.path)
-  try:
-    written = hf_writer.write(output_dir, hf_config, tensors, files, max_shard_bytes)
-  except FileExistsError as e:   # another export into it started meanwhile
-    raise ExportError(str(e)) from None
-  except OSError as e:
-    if not any(marker in str(e) for marker in FULL_DISK):
-      raise
-    size = sum(safetensors_file.nbytes(t) for t in tensors.values())
-    raise ExportError(f'Exporting to {output_dir} failed: no space left on device; nothing was '
-                      f'left there. It needs {size / 2**20:.1f} MiB. Fix: free space there, or '
-                      f'pass another --output_dir.') from None
+  written = t5x_export.written(
+      lambda: hf_writer.write(output_dir, hf_config, tensors, files, max_shard_bytes),
+      what=f'Exporting {ckpt.path} to {output_dir}',
+      nbytes=lambda: sum(safetensors_file.nbytes(t) for t in tensors.values()))
   log.info('Wrote %s (%s, %d tensors%s).', written, hf_config['architectures'][0], len(tensors),
            ', with its tokenizer' if files else '')
   return written

@@ -9,7 +9,7 @@ failed write leaves nothing (`t5x_writer.write`).
 
 import logging
 import os
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -67,16 +67,34 @@ def t5x_param_states(optimizer_state, params: Mapping) -> Optional[dict]:
   return tree.unflatten({key: stored[key] for key in wanted})
 
 
-def _check_output(output_dir: str, root: str) -> None:
+def check_output(output_dir: str, source: str, *, writer: str, source_name: str) -> None:
+  """Refuses, before anything is read or written, an output on gs:// (`writer` writes local
+  directories) or inside the checkpoint `source` (`source_name`, which is only ever read)."""
   if paths.is_url(output_dir):
-    raise ExportError(f'--output_dir={output_dir}: the T5X writer writes local directories. '
+    raise ExportError(f'--output_dir={output_dir}: {writer} writes local directories. '
                       f'Fix: export to a local directory, then copy it (gcloud storage cp -r).')
-  if not paths.is_url(root):
-    out, source = os.path.realpath(output_dir), os.path.realpath(root)
+  if not paths.is_url(source):
+    out, source = os.path.realpath(output_dir), os.path.realpath(source)
     if os.path.commonpath([out, source]) == source:
-      raise ExportError(f'--output_dir={output_dir} lies inside the run\'s checkpoints '
-                        f'{source}, which are never written to. Fix: choose a directory '
-                        f'outside it (the trainer uses MODEL_DIR/t5x).')
+      raise ExportError(f'--output_dir={output_dir} lies inside {source_name} {source}, which '
+                        f'an export only reads. Fix: choose a directory outside it.')
+
+
+def written(write: Callable[[], str], *, what: str, nbytes: Callable[[], int]) -> str:
+  """`write()`, an exporter's writer (`t5x_writer.write`, `hf_writer.write`; they leave
+  nothing behind when they fail), with its refusals and a full disk as one-line ExportErrors:
+  `what` is 'Exporting ... to <where>', `nbytes()` what the arrays need."""
+  try:
+    return write()
+  except FileExistsError as e:   # another export into the same place started meanwhile
+    raise ExportError(str(e)) from None
+  except (OSError, ValueError) as e:
+    if not any(marker in str(e) for marker in FULL_DISK):
+      raise
+    raise ExportError(
+        f'{what} failed: no space left on device; the partial checkpoint was removed. It needs up '
+        f'to {nbytes() / 2**20:.1f} MiB (the arrays uncompressed). Fix: free space there, or '
+        f'pass another --output_dir.') from None
 
 
 def export(model_dir: str, output_dir: str, step: Optional[int] = None,
@@ -90,7 +108,7 @@ def export(model_dir: str, output_dir: str, step: Optional[int] = None,
   """
   root, steps = run_steps(model_dir)
   output_dir = paths.absolute(output_dir)
-  _check_output(output_dir, root)
+  check_output(output_dir, root, writer='the T5X writer', source_name="the run's checkpoints")
   step = pick_step(root, steps, step)
   ckpt = checkpoints.load(steps[step], format='orbax', lazy=True)
   slots = t5x_param_states(ckpt.optimizer_state, ckpt.params)
@@ -111,26 +129,12 @@ def export(model_dir: str, output_dir: str, step: Optional[int] = None,
   if os.path.exists(target):
     raise AlreadyExported(f'{target} already exists; an export never overwrites. Fix: delete '
                           f'it, or pass another --output_dir.')
-  written = _write(output_dir, out_step, ckpt.params, slots if optimizer_state else None)
-  log.info('Wrote %s (T5X, step %d%s).', written, out_step,
-           ', with T5X Adafactor state' if optimizer_state and slots is not None else '')
-  return written
-
-
-def _write(output_dir: str, step: int, params, slots) -> str:
-  """`t5x_writer.write`, its refusals and a full disk as ExportError (its partial directory is
-  removed by then)."""
-  try:
-    return t5x_writer.write(output_dir, step, params, slots)
-  except FileExistsError as e:   # another export of the step started meanwhile
-    raise ExportError(str(e)) from None
-  except (OSError, ValueError) as e:
-    if not any(marker in str(e) for marker in FULL_DISK):
-      raise
-    size = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-               for x in tree.flatten({'params': params, 'slots': slots or {}}).values())
-    raise ExportError(
-        f'Exporting step {step} to {output_dir}/checkpoint_{step} failed: no space left on '
-        f'device; the partial checkpoint was removed. It needs up to {size / 2**20:.1f} MiB '
-        f'(the arrays uncompressed). Fix: free space there, or pass another --output_dir.'
-    ) from None
+  slots = slots if optimizer_state else None
+  arrays = {'params': ckpt.params, 'slots': slots or {}}
+  path = written(lambda: t5x_writer.write(output_dir, out_step, ckpt.params, slots),
+                 what=f'Exporting step {out_step} to {target}',
+                 nbytes=lambda: sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                                    for x in tree.flatten(arrays).values()))
+  log.info('Wrote %s (T5X, step %d%s).', path, out_step,
+           ', with T5X Adafactor state' if slots is not None else '')
+  return path
