@@ -25,15 +25,6 @@ if '--xla_backend_optimization_level' not in _flags:
 os.environ['XLA_FLAGS'] = _flags.strip()
 
 
-def _perturb(model, seed: int):
-  """Adds noise to every weight so that norms' scales and biases are not trivially 1 and 0."""
-  import torch  # pylint: disable=g-import-not-at-top
-  generator = torch.Generator().manual_seed(seed)
-  with torch.no_grad():
-    for p in model.parameters():
-      p.add_(0.2 * torch.randn(p.shape, generator=generator))
-
-
 @pytest.fixture(scope='session')
 def hf_t5(tmp_path_factory):
   """(directory, reference torch model) of an untied T5 v1.1 with its own lm_head.weight.
@@ -48,7 +39,7 @@ def hf_t5(tmp_path_factory):
       num_heads=2, relative_attention_num_buckets=8, relative_attention_max_distance=16,
       feed_forward_proj='gated-gelu', tie_word_embeddings=False, dropout_rate=0.0)
   model = transformers.T5ForConditionalGeneration(config)
-  _perturb(model, 1)
+  hf_files.perturb(model, seed=1)
   directory = str(tmp_path_factory.mktemp('hf_t5'))
   reference = hf_files.save_untied_t5(model, directory)
   return directory, reference
@@ -57,17 +48,13 @@ def hf_t5(tmp_path_factory):
 @pytest.fixture(scope='session')
 def hf_vit(tmp_path_factory):
   """(directory, reference torch model) of a tiny ViTForImageClassification."""
-  import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
-  torch.manual_seed(0)
   config = transformers.ViTConfig(
       hidden_size=8, num_hidden_layers=2, num_attention_heads=2, intermediate_size=12,
       image_size=8, patch_size=4, num_channels=3, num_labels=5, initializer_range=0.2)
-  model = transformers.ViTForImageClassification(config).eval()
-  _perturb(model, 3)
   directory = str(tmp_path_factory.mktemp('hf_vit'))
-  model.save_pretrained(directory)
-  return directory, model
+  return directory, hf_files.save_perturbed(
+      lambda: transformers.ViTForImageClassification(config), directory, seed=3)
 
 
 

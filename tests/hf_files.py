@@ -34,6 +34,18 @@ def save_untied_t5(model, directory: str, seed: int = 2):
   return reference
 
 
+def save_perturbed(build, directory: str, seed: int = 1):
+  """`build()`, a transformers model made under torch seed 0, with its weights perturbed from
+  `seed` (`perturb`) and saved to `directory` by `save_pretrained`; returns it (eval mode),
+  the reference."""
+  import torch  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(0)
+  model = build().eval()
+  perturb(model, seed)
+  model.save_pretrained(directory)
+  return model
+
+
 def perturb(model, seed: int):
   """Adds noise to every weight so that norms' scales and biases are not trivially 1 and 0."""
   import torch  # pylint: disable=g-import-not-at-top

@@ -31,16 +31,13 @@ NEW = 6
 
 @pytest.fixture(scope='module')
 def hf_llama_with_tokenizer(tmp_path_factory):
-  import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
-  torch.manual_seed(0)
-  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+  directory = str(tmp_path_factory.mktemp('llama_bpe'))
+  hf_files.save_perturbed(lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
       vocab_size=4096, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
       num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
-      rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2))
-  hf_files.perturb(model, seed=1)
-  directory = str(tmp_path_factory.mktemp('llama_bpe'))
-  model.save_pretrained(directory)
+      rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)),
+      directory)
   tokenizer_lib.load(tokenizer_lib.OFFLINE_BPE).save(directory)
   return directory
 

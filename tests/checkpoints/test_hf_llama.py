@@ -64,18 +64,14 @@ MODELS = {'llama_gqa': _llama_gqa, 'llama3_tied_bias': _llama3_tied_bias, 'qwen2
 @pytest.fixture(scope='module')
 def saved(tmp_path_factory):
   """name -> (directory, reference torch model), each built and saved once."""
-  import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   cache = {}
 
   def get(name):
     if name not in cache:
-      torch.manual_seed(0)
-      model = MODELS[name](transformers).eval()
-      hf_files.perturb(model, seed=1)
       directory = str(tmp_path_factory.mktemp(name))
-      model.save_pretrained(directory)
-      cache[name] = directory, model
+      cache[name] = directory, hf_files.save_perturbed(lambda: MODELS[name](transformers),
+                                                       directory)
     return cache[name]
   return get
 

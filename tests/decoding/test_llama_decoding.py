@@ -31,17 +31,14 @@ PAD = 0
 @pytest.fixture(scope='module')
 def hf_llama(tmp_path_factory):
   """(directory, reference torch model)."""
-  import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
-  torch.manual_seed(0)
-  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-      vocab_size=211, hidden_size=40, intermediate_size=56, num_hidden_layers=2,
-      num_attention_heads=4, num_key_value_heads=2, head_dim=14, rope_theta=1000.0,
-      rms_norm_eps=1e-5, tie_word_embeddings=False, attn_implementation='eager')).eval()
-  hf_files.perturb(model, seed=1)
   directory = str(tmp_path_factory.mktemp('hf_llama'))
-  model.save_pretrained(directory)
-  return directory, model
+  return directory, hf_files.save_perturbed(lambda: transformers.LlamaForCausalLM(
+      transformers.LlamaConfig(
+          vocab_size=211, hidden_size=40, intermediate_size=56, num_hidden_layers=2,
+          num_attention_heads=4, num_key_value_heads=2, head_dim=14, rope_theta=1000.0,
+          rms_norm_eps=1e-5, tie_word_embeddings=False, attn_implementation='eager')),
+      directory)
 
 
 @pytest.fixture(scope='module')
