@@ -102,15 +102,19 @@ def string(obj: Any, field: str) -> None:
     raise _fail(obj, field, 'a non-empty string')
 
 
-def lengths(obj: Any, field: str, keys: Sequence[str], example: str) -> None:
-  """A mapping of at least `keys` to integers >= 1 (feature lengths); `example` shows one."""
+def lengths(obj: Any, field: str, keys: Sequence[str], example: str,
+            only: bool = False) -> None:
+  """A mapping of at least `keys` (with `only`, of `keys` alone) to integers >= 1 (feature
+  lengths); `example` shows one."""
   value = getattr(obj, field)
-  ok = (isinstance(value, collections.abc.Mapping) and set(keys) <= set(value)
+  ok = (isinstance(value, collections.abc.Mapping)
+        and (set(keys) == set(value) if only else set(keys) <= set(value))
         and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1
                 for v in value.values()))
   if not ok:
-    raise _fail(obj, field, f'a mapping of {" and ".join(map(repr, keys))} to integers >= 1, '
-                            f'such as {example}')
+    raise _fail(obj, field, f'a mapping of {"only " if only else ""}'
+                            f'{" and ".join(map(repr, keys))} to integers >= 1, such as '
+                            f'{example}')
 
 
 def directory(name: str, path: str) -> None:

@@ -142,6 +142,8 @@ def test_shuffled_epochs_are_deterministic_resumable_and_shards_disjoint(docs_ta
 
 
 def test_feature_lengths_other_than_targets_are_refused_naming_the_macro(docs_task):
-  with pytest.raises(fields.ConfigError, match=r"TASK_FEATURE_LENGTHS = \{'inputs': 8, "
-                                               r"'targets': 8\}.*'targets'"):
+  with pytest.raises(fields.ConfigError,
+                     match=r"lm.LmPipeline.feature_lengths = \{'inputs': 8, 'targets': 8\}: "
+                           r"expected a mapping of only 'targets' to integers >= 1, such as "
+                           r"TASK_FEATURE_LENGTHS = \{'targets': 128\}"):
     lm.LmPipeline(docs_task, 'train', {'inputs': 8, 'targets': 8})

@@ -61,13 +61,9 @@ class LmPipeline:
   shuffle: bool = True
   text_key: str = 'text'
 
-  def __post_init__(self):
-    lengths = self.feature_lengths
-    if (not isinstance(lengths, Mapping) or set(lengths) != {'targets'}
-        or not isinstance(lengths['targets'], int) or lengths['targets'] < 1):
-      raise fields.ConfigError(
-          f'TASK_FEATURE_LENGTHS = {lengths!r} (lm.LmPipeline.feature_lengths): a decoder-only '
-          "run takes {'targets': <tokens per row>} alone.")
+  def __post_init__(self):   # a decoder-only run has no 'inputs': refused, not ignored
+    fields.lengths(self, 'feature_lengths', ('targets',), "TASK_FEATURE_LENGTHS = "
+                   "{'targets': 128}", only=True)
 
   @property
   def length(self) -> int:
