@@ -73,11 +73,16 @@ class DenseGeneral(nn.Module):
 
 
 class RMSNorm(nn.Module):
-  """T5 layer norm: scale only, no mean subtraction, no bias; computed in float32."""
+  """T5 layer norm: scale only, no mean subtraction, no bias; computed in float32.
+
+  `scale_in_dtype`: HF Llama's order, normalized in float32, cast to `dtype`, then scaled in
+  `dtype` (the same in float32, not in bfloat16).
+  """
 
   epsilon: float = 1e-6
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
+  scale_in_dtype: bool = False
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
@@ -86,6 +91,8 @@ class RMSNorm(nn.Module):
     y = x * jax.lax.rsqrt(var + self.epsilon)
     scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, ('embed',)),
                        (x.shape[-1],), self.param_dtype)
+    if self.scale_in_dtype:
+      return jnp.asarray(scale, self.dtype) * y.astype(self.dtype)
     return jnp.asarray(y * jnp.asarray(scale, jnp.float32), self.dtype)
 
 

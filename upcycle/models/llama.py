@@ -148,24 +148,6 @@ class LlamaConfig:
     return [('decoder', 'layers_{}', 'layers', self.num_layers, self.sparse_layers())]
 
 
-class RMSNorm(nn.Module):
-  """HF's Llama RMSNorm: normalized in float32, cast to `dtype`, then scaled in `dtype`.
-
-  (`layers.RMSNorm` scales in float32 before casting: the same in float32, not in bfloat16.)
-  """
-
-  epsilon: float
-  dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x: Array) -> Array:
-    scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, ('embed',)),
-                       (x.shape[-1],), jnp.float32)
-    x = jnp.asarray(x, jnp.float32)
-    normed = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.epsilon)
-    return jnp.asarray(scale, self.dtype) * normed.astype(self.dtype)
-
-
 class Attention(nn.Module):
   """Causal grouped-query self-attention with rotary positions (HF `LlamaAttention`).
 
@@ -255,7 +237,8 @@ class DecoderLayer(nn.Module):
     """x `[batch, length, d_model]`; token_mask `[batch, length]` (False: padding) or None;
     a decode step (`cache_index` set) has length 1."""
     cfg = self.config
-    norm = functools.partial(RMSNorm, cfg.layer_norm_epsilon, cfg.dtype)
+    norm = functools.partial(layers.RMSNorm, cfg.layer_norm_epsilon, cfg.dtype,
+                             scale_in_dtype=True)
     dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
     y = norm(name='pre_self_attention_layer_norm')(x)
     y = Attention(cfg, name='self_attention')(y, bias, positions, deterministic, cache_index,
@@ -313,7 +296,8 @@ class Decoder(nn.Module):
     x = stacking.apply_stack(DecoderLayer, cfg, 0, x,
                              (bias, positions, token_mask, cache_index),
                              (deterministic, cache_length if decode else None))
-    x = RMSNorm(cfg.layer_norm_epsilon, cfg.dtype, name='decoder_norm')(x)
+    x = layers.RMSNorm(cfg.layer_norm_epsilon, cfg.dtype, scale_in_dtype=True,
+                       name='decoder_norm')(x)
     x = dropout(x, deterministic=deterministic)
     if cfg.logits_via_embedding:
       logits = self.embedder.attend(x)
