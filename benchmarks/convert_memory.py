@@ -57,7 +57,10 @@ def _dense_checkpoint(directory: str, spec: dict) -> int:
   """Writes the dense model (orbax, step 0); returns its size in bytes."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   from upcycle.checkpoints import orbax  # pylint: disable=g-import-not-at-top
-  from upcycle.models import T5Config, abstract_params  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from upcycle.families import abstract_params
+  from upcycle.models import T5Config
+  # pylint: enable=g-import-not-at-top
   config = T5Config(vocab_size=spec['vocab'], d_model=spec['d_model'], num_heads=spec['heads'],
                     d_kv=spec['d_model'] // spec['heads'], d_ff=spec['d_ff'],
                     num_encoder_layers=spec['layers'], num_decoder_layers=spec['layers'])

@@ -1,4 +1,5 @@
-"""The fit table: the paper's upcycled models compiled for Cloud TPU v4 slices with upcycle.aot.
+"""The fit table: the paper's upcycled models, and dense Llamas, compiled for Cloud TPU v4 slices
+with upcycle.aot.
 
   python benchmarks/tpu_fit.py [--rows t5-base-v4-64,...] [--workdir /tmp/tpu_fit]
 
@@ -15,8 +16,11 @@ batch 4096 at 224 x 224 (the paper's vision batch, big_vision's). bfloat16 activ
 full remat (the model gins' pod defaults), layers scanned (`--gin.SCAN_LAYERS=True`: a pod
 compiles unrolled layers too, only slower). The ViT rows restore without the dense optimizer
 state (`runs/vit_upcycle.gin` reuses it; a scanned model cannot take unrolled slots, and the
-checkpoint written here has none). `--merge FILE` keeps the rows of an earlier JSON that this
-run does not redo.
+checkpoint written here has none). Llama-3.2-1B and Llama-3.1-8B: dense pretraining
+(runs/llm_pretrain.gin, AdamW) at batch 128 x 4096 tokens, bfloat16 activations, full remat,
+scanned layers, `LOGICAL_AXIS_RULES='fsdp'` (parameters and AdamW moments split over 'data'),
+gradient accumulation where the step needs it; no restore hook. `--merge FILE` keeps the rows
+of an earlier JSON that this run does not redo.
 """
 
 import argparse
@@ -36,6 +40,10 @@ T5 = ('--gin_file=moe/paper_t5.gin', '--gin_file=runs/upcycle.gin', '--gin.BATCH
 # The dense checkpoint written here has no optimizer state to reuse (names and shapes only).
 VIT = ('--gin_file=moe/paper_vit.gin', '--gin_file=runs/vit_upcycle.gin',
        '--gin.BATCH_SIZE=4096', '--gin.restore.UpcycleFromDense.reuse_optimizer_state=False')
+LLAMA = ('--gin_file=runs/llm_pretrain.gin', '--gin.BATCH_SIZE=128',
+         "--gin.TASK_FEATURE_LENGTHS={'targets': 4096}", "--gin.ACTIVATION_DTYPE='bfloat16'",
+         "--gin.REMAT_POLICY='full'", "--gin.LOGICAL_AXIS_RULES='fsdp'",
+         "--gin.MIXTURE_OR_TASK_NAME='offline_stdlib_text'")
 SLICES = {'v4-32': 'v4:2x2x4', 'v4-64': 'v4:2x4x4', 'v4-128': 'v4:4x4x4'}   # name: topology
 
 
@@ -45,13 +53,19 @@ class Row(NamedTuple):
   tpu: str                          # the Cloud TPU name, a key of SLICES
   expert_partitions: int
   model_partitions: int = 1
+  upcycles: bool = True             # restores (upcycles) a dense checkpoint written here
 
 
 def _rows(name: str, model_gin: str, family: Tuple[str, ...],
-          layouts: Dict[str, Tuple[int, int, Tuple[str, ...]]]) -> Dict[str, Row]:
+          layouts: Dict[str, Tuple[int, int, Tuple[str, ...]]],
+          upcycles: bool = True) -> Dict[str, Row]:
   """{'<name>-<slice>': Row} for {slice: (expert partitions, model partitions, more flags)}."""
-  return {f'{name}-{tpu}': Row(model_gin, family + extra, tpu, experts, model)
+  return {f'{name}-{tpu}': Row(model_gin, family + extra, tpu, experts, model, upcycles)
           for tpu, (experts, model, extra) in layouts.items()}
+
+
+def _microbatches(n: int) -> Tuple[str, ...]:
+  return () if n == 1 else (f'--gin.trainer.TrainConfig.num_microbatches={n}',)
 
 
 EVEN = {'v4-32': (16, 1, ()), 'v4-64': (32, 1, ()), 'v4-128': (32, 1, ())}
@@ -63,6 +77,12 @@ ROWS = {
         'v4-64': (32, 1, ()), 'v4-128': (32, 2, ())}),
     **_rows('vit-b16', 'models/vit/b16.gin', VIT, {t: EVEN[t] for t in ('v4-64', 'v4-128')}),
     **_rows('vit-l16', 'models/vit/l16.gin', VIT, {t: EVEN[t] for t in ('v4-64', 'v4-128')}),
+    **_rows('llama3.2-1b', 'models/llama/llama3_2_1b.gin', LLAMA, {
+        'v4-32': (1, 1, _microbatches(2)), 'v4-64': (1, 1, ()), 'v4-128': (1, 1, ())},
+        upcycles=False),
+    **_rows('llama3.1-8b', 'models/llama/llama3_1_8b.gin', LLAMA, {
+        'v4-32': (1, 1, _microbatches(4)), 'v4-64': (1, 1, _microbatches(2)),
+        'v4-128': (1, 1, ())}, upcycles=False),
 }
 
 
@@ -74,7 +94,7 @@ def dense_checkpoint(model_gin: str, workdir: str) -> str:
     return os.path.join(directory, 'checkpoint_1000000')
   import dataclasses  # pylint: disable=g-import-not-at-top
   import gin  # pylint: disable=g-import-not-at-top
-  from upcycle import gin_utils, models, tree  # pylint: disable=g-import-not-at-top
+  from upcycle import families, gin_utils, tree  # pylint: disable=g-import-not-at-top
   from upcycle.checkpoints import t5x_writer  # pylint: disable=g-import-not-at-top
   from upcycle.convert import target_from_gin  # pylint: disable=g-import-not-at-top
   gin.clear_config()
@@ -82,15 +102,16 @@ def dense_checkpoint(model_gin: str, workdir: str) -> str:
   config = dataclasses.replace(target_from_gin(), scan_layers=False)
   dense = (dataclasses.replace(config, encoder_moe=None, decoder_moe=None)
            if hasattr(config, 'encoder_moe') else dataclasses.replace(config, moe=None))
-  return t5x_writer.write(directory, 1_000_000, tree.unbox(models.abstract_params(dense)))
+  return t5x_writer.write(directory, 1_000_000, tree.unbox(families.abstract_params(dense)))
 
 
 def flags(name: str, workdir: str):
   """The row's training flags (what `launch/tpu_vm.py train -- ...` passes)."""
   row = ROWS[name]
+  restore = ([f"--gin.INITIAL_CHECKPOINT_PATH='{dense_checkpoint(row.model_gin, workdir)}'"]
+             if row.upcycles else [])
   return [f'--gin_file={row.model_gin}', *row.family, '--gin.SCAN_LAYERS=True',
-          f"--gin.MODEL_DIR='gs://BUCKET/{name}'", '--gin.TRAIN_STEPS=1100000',
-          f"--gin.INITIAL_CHECKPOINT_PATH='{dense_checkpoint(row.model_gin, workdir)}'",
+          f"--gin.MODEL_DIR='gs://BUCKET/{name}'", '--gin.TRAIN_STEPS=1100000', *restore,
           f'--gin.trainer.TrainConfig.num_expert_partitions={row.expert_partitions}',
           f'--gin.trainer.TrainConfig.num_model_partitions={row.model_partitions}']
 
@@ -119,7 +140,9 @@ def table(rows) -> str:
       lines.append(f'| {row["name"]} | error: {row["error"]} |||||||')
       continue
     mesh = '×'.join(str(row['mesh'][k]) for k in ('data', 'expert', 'model'))
-    for fn in ('train_step', 'restore_hook'):
+    for fn in ('train_step', 'restore_hook', 'eval_step'):
+      if fn not in row['functions'] and fn not in row['not_compiled']:
+        continue
       if fn not in row['functions']:
         lines.append(f'| {row["name"]} {fn} | {mesh} | {row["not_compiled"].get(fn, "")} '
                      f'|||||||')

@@ -87,6 +87,21 @@ def gcs_emulator():
 
 
 @pytest.fixture
+def on_gcs(gcs_emulator, monkeypatch):
+  """etils.epath (through gcsfs) and tensorstore of this process on the emulator."""
+  import gcsfs  # pylint: disable=g-import-not-at-top
+  from etils.epath import gpath  # pylint: disable=g-import-not-at-top
+  for key, value in gcs_emulator.items():
+    monkeypatch.setenv(key, value)
+  for cached in (gcsfs.GCSFileSystem.clear_instance_cache,   # clients of another endpoint
+                 gpath._is_tf_installed.cache_clear):  # pylint: disable=protected-access
+    cached()   # etils decides between TensorFlow's client and gcsfs once per process
+  yield gcs_emulator
+  gcsfs.GCSFileSystem.clear_instance_cache()
+  gpath._is_tf_installed.cache_clear()  # pylint: disable=protected-access
+
+
+@pytest.fixture
 def entry_points(monkeypatch):
   """The functions the gin files bind as `__main__.<name>` (train, evaluate, infer), as each
   entry point runs them; gin's configuration is cleared afterwards."""

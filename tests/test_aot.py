@@ -127,7 +127,8 @@ def test_a_config_that_does_not_fit_names_what_dominates_and_the_levers():
   assert report.dominant() == 'activations'
   line = aot.advice(report)
   assert line.startswith('does NOT fit: 3.00 GiB over; activations dominate(s) (14.00 GiB)')
-  assert 'num_microbatches' in line and "remat_policy = 'full'" in line
+  assert 'num_microbatches' in line and "REMAT_POLICY = 'full'" in line
   params_bound = dataclasses.replace(report, arguments=40 * gib, temp=2 * gib,
                                      parts={**report.parts, 'parameters': 30 * gib})
-  assert 'num_model_partitions' in aot.advice(params_bound)
+  assert ("LOGICAL_AXIS_RULES = 'fsdp'" in aot.advice(params_bound)
+          and 'num_model_partitions' in aot.advice(params_bound))

@@ -35,7 +35,7 @@ ALLOWED = {
 }
 # Wiring: may import any part.
 WIRING = {'train', 'pretrained', 'predictions', 'aot', 'convert', 'export', 'hf_export', 'eval',
-          'infer', 'inspect', 'quickstart', 'study', '__init__'}
+          'families', 'infer', 'inspect', 'quickstart', 'study', '__init__'}
 # The command-line modules (`python -m ...`): flags and one call; no module imports them.
 COMMANDS = {'upcycle.aot', 'upcycle.convert', 'upcycle.eval', 'upcycle.export', 'upcycle.infer',
             'upcycle.inspect', 'upcycle.quickstart', 'upcycle.study.__main__',
@@ -163,3 +163,58 @@ def test_a_hidden_import_against_the_direction_is_named(tmp_path):
 @pytest.mark.parametrize('part', sorted(ALLOWED))
 def test_every_part_exists(part):
   assert (PACKAGE / part).is_dir() or (PACKAGE / f'{part}.py').is_file()
+
+
+# The model configs and modules of upcycle.families; dispatching on them is the registry's job.
+FAMILY_TYPES = {'T5Config', 'ViTConfig', 'LlamaConfig', 'T5', 'ViT', 'Llama'}
+REGISTRY = PACKAGE / 'families.py'
+
+
+def _type_names(node: ast.AST):
+  for sub in ast.walk(node):
+    if isinstance(sub, ast.Name):
+      yield sub.id
+    elif isinstance(sub, ast.Attribute):
+      yield sub.attr
+
+
+def family_dispatch(paths, root: pathlib.Path = PACKAGE):
+  """'<file>:<line>: ...' for each `isinstance` / `issubclass` / `type(x) is|==` on a model
+  config or module outside the registry."""
+  out = []
+  for path in paths:
+    if path == REGISTRY:
+      continue
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+          and node.func.id in ('isinstance', 'issubclass') and len(node.args) == 2):
+        found = set(_type_names(node.args[1])) & FAMILY_TYPES
+      elif (isinstance(node, ast.Compare) and isinstance(node.left, ast.Call)
+            and isinstance(node.left.func, ast.Name) and node.left.func.id == 'type'):
+        found = set().union(*(_type_names(c) for c in node.comparators)) & FAMILY_TYPES
+      else:
+        continue
+      for name in sorted(found):
+        out.append(f'{path.relative_to(root.parent)}:{node.lineno}: dispatches on {name}; ask '
+                   f'upcycle.families.of(config) instead')
+  return out
+
+
+def test_model_families_are_dispatched_on_only_by_the_registry():
+  from upcycle import families  # pylint: disable=g-import-not-at-top
+  registered = {t.__name__ for f in families.FAMILIES for t in (f.config, f.module)}
+  assert registered == FAMILY_TYPES   # a new family is added to the check too
+  found = family_dispatch(sorted(PACKAGE.rglob('*.py')))
+  assert not found, 'Dispatch on a model family outside upcycle/families.py:\n  ' + '\n  '.join(
+      found)
+
+
+def test_a_dispatch_on_a_model_config_is_named(tmp_path):
+  fake = tmp_path / 'upcycle' / 'infer.py'
+  fake.parent.mkdir(parents=True)
+  fake.write_text('from upcycle import models\n\ndef f(model, config):\n'
+                  '  if isinstance(model, (models.Llama, int)):\n    return 1\n'
+                  '  return type(config) is models.T5Config or isinstance(config, dict)\n')
+  assert family_dispatch([fake], tmp_path / 'upcycle') == [
+      'upcycle/infer.py:4: dispatches on Llama; ask upcycle.families.of(config) instead',
+      'upcycle/infer.py:6: dispatches on T5Config; ask upcycle.families.of(config) instead']

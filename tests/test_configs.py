@@ -5,12 +5,10 @@ import os
 
 import gin
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from upcycle import gin_utils
-from upcycle.models import Llama, T5, ViT
+from upcycle import families, gin_utils
 
 CONFIGS = gin_utils.CONFIGS_DIR
 FILES = sorted(os.path.relpath(p, CONFIGS)
@@ -66,16 +64,12 @@ def test_all_config_groups_are_present():
 def test_config_parses_and_builds_its_model(name):
   parse(context(name), MACROS + ['probe.model = %MODEL'])
   model = probe()
-  if isinstance(model, T5):
-    args = (jnp.ones((1, 8), jnp.int32), jnp.ones((1, 4), jnp.int32))
-  elif isinstance(model, Llama):
-    args = (jnp.ones((1, 8), jnp.int32),)
-  else:
-    assert isinstance(model, ViT)
-    size = model.config.image_size
-    args = (jnp.ones((1,) + size + (3,), jnp.float32),)
-  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), *args)
+  family = families.of(model)
+  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), *family.example_inputs(model.config))
   assert jax.tree.leaves(shapes)
+  # The objective the model's architecture.gin binds is the one its family registers.
+  objective = gin.query_parameter('OBJECTIVE/gin.macro.value')
+  assert objective.configurable.wrapped is family.objective
 
 
 def test_published_sizes():
@@ -132,7 +126,7 @@ def test_includes_do_not_depend_on_the_working_directory(layout, tmp_path, monke
   for name in INCLUDING:
     gin.clear_config(clear_constants=True)
     parse(context(name), MACROS + ['probe.model = %MODEL'])
-    assert isinstance(probe(), (T5, ViT, Llama)), name
+    assert families.of(probe()), name
 
 
 def test_a_missing_gin_file_names_the_search_paths(tmp_path, monkeypatch):
@@ -164,7 +158,7 @@ def test_search_paths_come_first_then_configs_then_the_working_directory(tmp_pat
     ('drop_upcycling_152m', 152_318_464),
 ])
 def test_published_llama_sizes_have_their_parameter_counts(name, count):
-  from upcycle.models import abstract_params  # pylint: disable=g-import-not-at-top
+  from upcycle.families import abstract_params  # pylint: disable=g-import-not-at-top
   parse([f'models/llama/{name}.gin'], ['probe.model = %MODEL'])
   shapes = jax.tree.leaves(abstract_params(probe().config))
   assert sum(int(np.prod(s.shape)) for s in shapes) == count

@@ -15,7 +15,8 @@ import pytest
 from tests.checkpoints import helpers, t5x_writer
 from upcycle import checkpoints, convert, tree
 from upcycle.locks.file_lock import FileLock
-from upcycle.models import T5, abstract_params
+from upcycle.families import abstract_params
+from upcycle.models import T5
 from upcycle.moe import MoeConfig
 from upcycle.train import objectives, optimizers, partitioning
 from upcycle.train.restore import ContinueFromCheckpoint

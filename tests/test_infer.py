@@ -110,21 +110,6 @@ def _gcs_object(gcs_emulator, url: str) -> bytes:
                                 f"/o/{urllib.parse.quote(name, safe='')}?alt=media").read()
 
 
-@pytest.fixture
-def on_gcs(gcs_emulator, monkeypatch):
-  """etils.epath (through gcsfs) and tensorstore of this process on the emulator."""
-  import gcsfs  # pylint: disable=g-import-not-at-top
-  from etils.epath import gpath  # pylint: disable=g-import-not-at-top
-  for key, value in gcs_emulator.items():
-    monkeypatch.setenv(key, value)
-  for cached in (gcsfs.GCSFileSystem.clear_instance_cache,   # clients of another endpoint
-                 gpath._is_tf_installed.cache_clear):  # pylint: disable=protected-access
-    cached()   # etils decides between TensorFlow's client and gcsfs once per process
-  yield gcs_emulator
-  gcsfs.GCSFileSystem.clear_instance_cache()
-  gpath._is_tf_installed.cache_clear()  # pylint: disable=protected-access
-
-
 @pytest.mark.slow
 def test_gs_outputs_of_infer_and_eval_land_on_gcs(byte_vocab_t5, main_module, on_gcs, tmp_path,
                                                   monkeypatch):

@@ -1,4 +1,5 @@
-"""Sharded forward passes and gradients on 8 simulated devices equal unsharded ones."""
+"""Sharded forward passes and gradients on 8 simulated devices equal unsharded ones, with the
+default rules and with the fully-sharded-data-parallel ones."""
 
 import dataclasses
 import functools
@@ -11,10 +12,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from tests.models.helpers import TINY_T5, TINY_VIT, tokens
-from upcycle import tree
-from upcycle.models import T5, ViT
+from upcycle import fields, tree
+from upcycle.checkpoints import slots
+from upcycle.models import Llama, LlamaConfig, T5, ViT
 from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses
-from upcycle.train import partitioning
+from upcycle.train import optimizers, partitioning
 
 T5_MOE = dataclasses.replace(
     TINY_T5, num_encoder_layers=2, num_decoder_layers=2,
@@ -22,6 +24,10 @@ T5_MOE = dataclasses.replace(
     decoder_moe=MoeConfig(num_experts=8, router='tokens_choose', k=2, dispatch='indices'))
 VIT_MOE = dataclasses.replace(TINY_VIT, moe=MoeConfig(num_experts=8, router='tokens_choose',
                                                       k=2, group_size=10))
+LLAMA_MOE = LlamaConfig(vocab_size=64, d_model=16, num_heads=4, num_kv_heads=2, head_dim=8,
+                        d_ff=32, num_layers=2,
+                        moe=MoeConfig(num_experts=8, router='tokens_choose', k=2,
+                                      dispatch='indices', train_capacity_factor=2.0))
 
 
 def t5_case():
@@ -34,6 +40,11 @@ def vit_case():
   model = ViT(VIT_MOE)
   inputs = (jax.random.normal(jax.random.PRNGKey(0), (8, 8, 8, 3)),)
   return model, inputs, lambda logits: jnp.mean(logits ** 2)
+
+
+def llama_case():
+  model = Llama(LLAMA_MOE)
+  return model, (tokens(2, (8, 8), 64),), lambda logits: jnp.mean(logits ** 2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,17 +64,23 @@ def loss_and_grads(model, inputs, objective):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('case', [t5_case, vit_case], ids=['t5', 'vit'])
-@pytest.mark.parametrize('mesh_shape', [(2, 2, 2), (1, 8, 1)])
-def test_sharded_equals_unsharded(case, mesh_shape):
+@pytest.mark.parametrize('case, mesh_shape, rules', [
+    (t5_case, (2, 2, 2), 'default'), (t5_case, (1, 8, 1), 'default'),
+    (vit_case, (2, 2, 2), 'default'), (vit_case, (1, 8, 1), 'default'),
+    (t5_case, (4, 2, 1), 'fsdp'), (vit_case, (2, 2, 2), 'fsdp'),
+    (llama_case, (2, 2, 2), 'default'), (llama_case, (4, 2, 1), 'fsdp')],
+    ids=['t5-2x2x2', 't5-1x8x1', 'vit-2x2x2', 'vit-1x8x1', 't5-fsdp-4x2x1', 'vit-fsdp-2x2x2',
+         'llama-2x2x2', 'llama-fsdp-4x2x1'])
+def test_sharded_equals_unsharded(case, mesh_shape, rules):
   assert jax.device_count() == 8, 'tests/conftest.py simulates 8 CPU devices'
   model, inputs, objective, boxed, params, (expected_loss, expected_grads) = unsharded(case)
+  rules = partitioning.rules(rules, 'rules')
 
   mesh = partitioning.make_mesh(num_expert_partitions=mesh_shape[1],
                                 num_model_partitions=mesh_shape[2])
   assert dict(mesh.shape) == dict(zip(partitioning.MESH_AXES, mesh_shape))
-  with partitioning.activate(mesh):
-    shardings = partitioning.logical_sharding(boxed, mesh)
+  with partitioning.activate(mesh, rules):
+    shardings = partitioning.logical_sharding(boxed, mesh, rules)
     sharded_params = jax.device_put(params, shardings)
     sharded_inputs = [jax.device_put(x, partitioning.batch_sharding(mesh, x.ndim))
                       for x in inputs]
@@ -73,8 +90,12 @@ def test_sharded_equals_unsharded(case, mesh_shape):
   np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grads, expected_grads)
   block = (grads['encoder']['layers_1']['mlp'] if 'encoder' in grads
+           else grads['decoder']['layers_1']['mlp'] if 'decoder' in grads
            else grads['Transformer']['encoderblock_1']['MlpBlock_0'])
-  assert jax.tree.leaves(block['expert'])[0].sharding.spec[0] == 'expert'
+  kernel = next(leaf for path, leaf in tree.flatten(block['expert']).items()
+                if path in ('wi_0/kernel', 'Dense_0/kernel'))   # [experts, d_model, d_ff]
+  assert kernel.sharding.spec[:2] == (
+      ('expert', 'data') if rules == partitioning.FSDP_RULES else ('expert', None))
 
 
 def test_rules_put_experts_on_the_expert_axis_and_mlp_on_model():
@@ -104,3 +125,42 @@ def test_shared_expert_is_sharded_like_the_dense_mlp():
 def test_mesh_must_divide_the_devices():
   with pytest.raises(ValueError, match='does not divide the 8 devices'):
     partitioning.make_mesh(num_expert_partitions=3)
+
+
+def test_fsdp_splits_parameters_and_their_optimizer_state_over_data_not_the_batch():
+  boxed = jax.eval_shape(T5(T5_MOE).init, jax.random.PRNGKey(0), *t5_case()[1])['params']
+  mesh = partitioning.make_mesh(2, 2)   # data 2 x expert 2 x model 2
+  fsdp = partitioning.rules('fsdp', 'rules')
+  shardings = partitioning.logical_sharding(boxed, mesh, fsdp)
+  flat = tree.flatten(shardings)
+  assert flat['encoder/layers_1/mlp/expert/wi_0/kernel'].spec == P('expert', 'data', 'model')
+  assert flat['encoder/layers_0/mlp/wo/kernel'].spec == P('model', 'data')
+  assert flat['token_embedder/embedding'].spec == P('model', 'data')
+  assert flat['encoder/layers_1/mlp/router/router_weights/w/kernel'].spec == P('data', None)
+  # Activations keep the batch on ('expert', 'data'); their d_model stays whole.
+  assert nn.logical_to_mesh_axes(('batch', 'length', 'embed'), fsdp) == P(('expert', 'data'),
+                                                                          None, None)
+  params = tree.unbox(boxed)
+  opt_state = jax.eval_shape(optimizers.AdamW(schedule=1e-3).build().init, params)
+  state = slots.state_shardings(opt_state, params, shardings)
+  adam = [s for s in jax.tree.leaves(state, is_leaf=lambda s: hasattr(s, 'mu'))
+          if hasattr(s, 'mu')]
+  mu = tree.flatten(adam[0].mu)   # optax's ScaleByAdamState
+  assert mu['encoder/layers_1/mlp/expert/wi_0/kernel'].spec == P('expert', 'data', 'model')
+  assert mu['encoder/layers_0/mlp/wo/kernel'].spec == P('model', 'data')
+
+
+@pytest.mark.parametrize('value, message', [
+    ('zero3', r"^TrainConfig.logical_axis_rules = 'zero3': expected one of \['default', "
+              r"'fsdp'\] or a list"),
+    ([('embed', 'dta')], r"^TrainConfig.logical_axis_rules: \('embed', 'dta'\) is not a "
+                         r'\(logical axis, mesh axes\) pair; mesh axes are None, one of'),
+])
+def test_rules_that_are_neither_a_set_nor_pairs_are_named(value, message):
+  with pytest.raises(fields.ConfigError, match=message):
+    partitioning.rules(value, 'TrainConfig.logical_axis_rules')
+
+
+def test_rules_from_gin_lists_are_a_table():
+  assert partitioning.rules([['batch', ['expert', 'data']], ['embed', None]], 'b') == (
+      ('batch', ('expert', 'data')), ('embed', None))

@@ -75,9 +75,8 @@ import tempfile
 import time
 from typing import Any, Callable, List, Mapping, Optional, Union
 
-from upcycle import checkpoints, console, gin_utils, pretrained, reachability
+from upcycle import checkpoints, console, families, gin_utils, pretrained, reachability
 from upcycle.checkpoints import gcs, paths, t5x_writer, zarr_leaf
-from upcycle.models import T5Config, ViTConfig, abstract_params
 from upcycle.locks import file_lock
 from upcycle.locks.gcs_lock import STALE_SECONDS, GcsLock
 from upcycle.upcycling import experts as experts_lib
@@ -130,11 +129,11 @@ def target_from_gin(macro: str = MODEL_MACRO):
                        f'plus the moe/ files, or --gin.{macro}=...') from e
   if isinstance(value, gin.config.ConfigurableReference) and value.evaluate:
     value = value.scoped_configurable_fn()
-  config = getattr(value, 'config', value)
-  if not isinstance(config, (T5Config, ViTConfig)):
-    raise ConvertError(f'gin macro {macro} is {value!r}; expected models.T5 / models.ViT or a '
-                       f'T5Config / ViTConfig.')
-  return config
+  try:
+    families.of(value)
+  except TypeError as e:
+    raise ConvertError(f'gin macro {macro} is {value!r}: {e}') from None
+  return getattr(value, 'config', value)
 
 
 def _inside(path: str, directory: str) -> bool:
@@ -321,7 +320,7 @@ def _convert_into_gcs(output_dir: str, write: Callable[[str], None], overwrite: 
     lock.release()
 
 
-def convert(source: str, model_config: Union[T5Config, ViTConfig], output_dir: str, *,
+def convert(source: str, model_config: Any, output_dir: str, *,
             format: Optional[str] = None,  # pylint: disable=redefined-builtin
             experts: Any = 'copy', router: Any = 'normal', seed: int = 0,
             step: Union[str, int] = 'keep', cast: bool = False, overwrite: bool = False,
@@ -345,7 +344,7 @@ def convert(source: str, model_config: Union[T5Config, ViTConfig], output_dir: s
     raise ConvertError(str(e)) from e
   ckpt = pretrained.load(source, format, lazy=True)
   check_paths(source, ckpt.path, output_dir, overwrite)
-  target, first = abstract_params(model_config), step_policy.start(step, ckpt.step)
+  target, first = families.abstract_params(model_config), step_policy.start(step, ckpt.step)
   if grow_experts is not None:
     plan = expert_growth.plan(ckpt.params, target, sources=grow_experts, step=first,
                               binding='--grow_experts')

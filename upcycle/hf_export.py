@@ -21,14 +21,11 @@ import dataclasses
 import logging
 from typing import Any, Dict, Optional, Tuple
 
-import numpy as np
-
-from upcycle import checkpoints, models, pretrained
-from upcycle.checkpoints import (atomic_dir, hf_llama, hf_t5, hf_writer, paths,
-                                 safetensors_file, t5x_export, validate)
+from upcycle import checkpoints, families, pretrained
+from upcycle.checkpoints import (atomic_dir, hf_writer, paths, safetensors_file, t5x_export,
+                                 validate)
 from upcycle.checkpoints.t5x_export import ExportError
-from upcycle.data import tokenizer as tokenizer_lib
-from upcycle.models import LlamaConfig, T5Config, ViTConfig, llama_hf, scan_layout
+from upcycle.models import scan_layout
 
 log = logging.getLogger(__name__)
 
@@ -37,17 +34,12 @@ DEFAULT_MAX_SHARD_SIZE = '5GB'   # transformers' `save_pretrained` default
 
 def check_exportable(config: Any) -> None:
   """Refuses, in one line, a model HuggingFace has no class for (or this export no writer)."""
-  if isinstance(config, ViTConfig):
-    raise ExportError('--format=hf writes dense Llama-family models (Llama, Qwen2, Mistral) and '
-                      'dense T5 v1.1; ViT is not written as HuggingFace yet. Fix: export it with '
-                      '--format=t5x.')
-  if isinstance(config, T5Config) and (config.encoder_moe or config.decoder_moe):
-    raise ExportError('an MoE T5 has no HuggingFace class (T5ForConditionalGeneration is '
-                      'dense). Fix: export it with --format=t5x (Flaxformer\'s MoE names).')
-  if isinstance(config, LlamaConfig):
-    llama_hf.hf_model_type(config)   # refuses MoE and what no HF family computes
-  elif not isinstance(config, T5Config):
-    raise ExportError(f'--format=hf: no HuggingFace export for {type(config).__name__}.')
+  family = families.of(config)
+  if family.hf_export is None:
+    raise ExportError(f'--format=hf writes dense Llama-family models (Llama, Qwen2, Mistral) and '
+                      f'dense T5 v1.1; {family.module.__name__} is not written as HuggingFace '
+                      f'yet. Fix: export it with --format=t5x.')
+  family.hf_export.check(config)
 
 
 def _checkpoint_path(model_dir: str, step: Optional[int]) -> Tuple[str, str]:
@@ -78,36 +70,9 @@ def _dense_params(ckpt: checkpoints.Checkpoint, config: Any) -> Dict[str, Any]:
   scanned or not) and unrolled."""
   scanned = scan_layout.is_scanned(ckpt.params)
   stored = dataclasses.replace(config, scan_layers=scanned)
-  validate.check_params(ckpt.params, models.abstract_params(stored), ckpt.path,
+  validate.check_params(ckpt.params, families.abstract_params(stored), ckpt.path,
                         fix='Pass the gin files of the model it was trained with')
   return scan_layout.unstack(ckpt.params, config) if scanned else ckpt.params
-
-
-def _tokenizer(path: str) -> Optional[tokenizer_lib.Tokenizer]:
-  try:
-    return tokenizer_lib.load(path)
-  except tokenizer_lib.TokenizerError as e:
-    log.warning('Exporting without a tokenizer (config.json gets no BOS / EOS ids): %s', e)
-    return None
-
-
-def _hf_files(params: Dict[str, Any], config: Any,
-              source: str) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, bytes]]:
-  """-> (config.json, {HF tensor name: leaf}, other files) of the dense, unrolled `params`
-  read from the checkpoint `source`."""
-  dtype = np.dtype(params['token_embedder']['embedding'].dtype).name
-  if isinstance(config, T5Config):
-    hf_config = hf_t5.hf_config(dataclasses.asdict(config), dtype=dtype)
-    return hf_config, hf_t5.to_hf(params, source), {}
-  tokenizer = _tokenizer(source)
-  if tokenizer is None:
-    hf_config = llama_hf.hf_config(config, bos_id=None, eos_id=None, dtype=dtype)
-    files = {}
-  else:
-    hf_config = llama_hf.hf_config(config, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
-                                   dtype=dtype)
-    files = dict(tokenizer.files)
-  return hf_config, hf_llama.to_hf(params, source, hf_config['architectures'][0]), files
 
 
 def export(model_dir: str, output_dir: str, model_config: Any = None,
@@ -145,7 +110,7 @@ def export(model_dir: str, output_dir: str, model_config: Any = None,
                       f'its bindings).')
   check_exportable(config)
   params = _dense_params(ckpt, config)
-  hf_config, tensors, files = _hf_files(params, config, ckpt.path)
+  hf_config, tensors, files = families.of(config).hf_export.files(params, config, ckpt.path)
   written = t5x_export.written(
       lambda: hf_writer.write(output_dir, hf_config, tensors, files, max_shard_bytes),
       what=f'Exporting {ckpt.path} to {output_dir}',

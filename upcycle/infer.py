@@ -78,17 +78,22 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
   """
   # pylint: disable=g-import-not-at-top
   from upcycle import checkpoints
+  from upcycle import families
   from upcycle import pretrained
   from upcycle.data.prompts import Prompts
-  from upcycle.models import Llama
   # pylint: enable=g-import-not-at-top
   if getattr(infer_data, 'pack', False):
     raise ValueError('infer_data: decoding needs one example per row; bind '
                      "infer/text.TextPipeline.pack = False (as runs/infer.gin does).")
-  if isinstance(model, Llama) and not isinstance(infer_data, Prompts):
-    raise fields.ConfigError('MODEL is a decoder-only Llama, which continues prompts: decode '
-                             'with --gin_file=runs/llm_infer.gin, not runs/infer.gin.')
-  if isinstance(infer_data, Prompts) and not isinstance(model, Llama):
+  decodes = families.of(model).decodes
+  if decodes == 'prompts' and not isinstance(infer_data, Prompts):
+    raise fields.ConfigError(f'MODEL is a decoder-only {type(model).__name__}, which continues '
+                             'prompts: decode with --gin_file=runs/llm_infer.gin, not '
+                             'runs/infer.gin.')
+  if decodes is None:
+    raise fields.ConfigError(f'MODEL is a {type(model).__name__}, which infer does not decode. '
+                             'Fix: evaluate it with python -m upcycle.eval.')
+  if isinstance(infer_data, Prompts) and decodes != 'prompts':
     raise fields.ConfigError(
         f'infer_data is prompts (runs/llm_infer.gin), which a decoder-only model continues, but '
         f'MODEL is a {type(model).__name__}: give a models/llama/ file, or decode a split with '

@@ -1,7 +1,7 @@
 """A checkpoint together with the model it fits: where `checkpoints` and `models` meet.
 
 Checkpoint readers know names and arrays (and, for HuggingFace, a plain description of
-the model); `upcycle.models` knows shapes. This module wires the two:
+the model); `upcycle.families` knows shapes. This module wires the two:
 
   ckpt = pretrained.load(path, model_config=cfg)   # checked against cfg's shapes
   params, config = pretrained.load_hf(path)        # the config HF's config.json implies
@@ -10,7 +10,7 @@ the model); `upcycle.models` knows shapes. This module wires the two:
 import os
 from typing import Any, Dict, Optional, Tuple
 
-from upcycle import checkpoints, models
+from upcycle import checkpoints, families
 
 
 def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-builtin
@@ -20,7 +20,7 @@ def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-b
   Args:
     path: file or directory, any supported format.
     format: one of `checkpoints.FORMATS`; None detects it.
-    model_config: the T5Config / ViTConfig to check against. None: the config the
+    model_config: the model config (T5Config, ViTConfig, LlamaConfig) to check against. None: the config the
       checkpoint describes (HF), or no check for formats without one.
     lazy: LazyArray leaves, read on demand (see `checkpoints.load`); default numpy arrays.
 
@@ -31,11 +31,11 @@ def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-b
   def config_for(description: Optional[Dict[str, Any]]):
     if model_config is not None:
       return model_config
-    return None if description is None else models.config_from_description(description)
+    return None if description is None else families.config_from_description(description)
 
   def expected(description):
     config = config_for(description)
-    return None if config is None else models.abstract_params(config)
+    return None if config is None else families.abstract_params(config)
 
   ckpt = checkpoints.load(os.fspath(path), format, expected, lazy)
   ckpt.model_config = config_for(ckpt.description)
@@ -43,7 +43,7 @@ def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-b
 
 
 def load_hf(path: str, lazy: bool = False) -> Tuple[Dict[str, Any], Any]:
-  """HuggingFace directory -> (params in this project's names, the T5Config / ViTConfig);
+  """HuggingFace directory -> (params in this project's names, the model config it describes);
   numpy leaves, or LazyArrays with `lazy=True`."""
   ckpt = load(path, 'hf', lazy=lazy)
   return ckpt.params, ckpt.model_config

@@ -8,7 +8,8 @@ import jax
 import numpy as np
 
 from upcycle import tree
-from upcycle.models import T5, T5Config, ViT, ViTConfig, abstract_params
+from upcycle.families import abstract_params
+from upcycle.models import T5, T5Config, ViT, ViTConfig
 
 # Written by T5X's own checkpointer (t5x/testdata/tiny_t5, Apache-2.0); see its README.md.
 T5X_FIXTURE = str(pathlib.Path(__file__).parents[1] / 'fixtures' / 't5x' / 'tiny_t5' /

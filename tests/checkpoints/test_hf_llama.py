@@ -145,6 +145,35 @@ def test_sharded_safetensors_read_the_same(saved, tmp_path):
     np.testing.assert_array_equal(got[path], want[path], err_msg=path)
 
 
+def _upload(gcs_emulator, directory: str, prefix: str) -> str:
+  """Every file of `directory` put into the emulator's bucket under `prefix` by its JSON
+  upload API (not through the code under test); -> the gs:// URL of the copy."""
+  import urllib.parse  # pylint: disable=g-import-not-at-top
+  import urllib.request  # pylint: disable=g-import-not-at-top
+  for name in os.listdir(directory):
+    with open(os.path.join(directory, name), 'rb') as f:
+      urllib.request.urlopen(urllib.request.Request(
+          f"{gcs_emulator['STORAGE_EMULATOR_HOST']}/upload/storage/v1/b/bucket/o?uploadType=media"
+          f"&name={urllib.parse.quote(f'{prefix}/{name}', safe='')}", data=f.read(),
+          headers={'Content-Type': 'application/octet-stream'}))
+  return f'gs://bucket/{prefix}'
+
+
+def test_a_sharded_directory_on_gcs_reads_lazily_as_on_disk(saved, tmp_path, on_gcs):
+  directory, reference = saved('llama_gqa')
+  sharded = str(tmp_path / 'sharded')
+  reference.save_pretrained(sharded, max_shard_size='20KB')
+  url = _upload(on_gcs, sharded, 'llama_gqa')
+  ckpt = pretrained.load(url, lazy=True)
+  assert ckpt.format == 'hf' and ckpt.model_config == pretrained.load_hf(directory)[1]
+  want = tree.flatten(pretrained.load_hf(directory)[0])
+  got = tree.flatten(ckpt.params)
+  assert got.keys() == want.keys()
+  for path in want:
+    assert not isinstance(got[path], np.ndarray)   # read when asked for
+    np.testing.assert_array_equal(np.asarray(got[path]), want[path], err_msg=path)
+
+
 def test_bfloat16_checkpoint(saved, tmp_path):
   """bf16 leaves are read exactly; in float32 they give the logits of the bf16 weights, and a
   bfloat16 model comes close to them."""

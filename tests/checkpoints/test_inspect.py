@@ -13,7 +13,7 @@ from tests.checkpoints import helpers, t5x_writer
 from upcycle import inspect, tree
 from upcycle.checkpoints import describe, verify
 from upcycle.checkpoints.orbax import CheckpointManager
-from upcycle.models import abstract_params
+from upcycle.families import abstract_params
 from upcycle.moe.config import MoeConfig
 
 

@@ -19,7 +19,8 @@ from tests import hf_files
 from upcycle import pretrained, upcycling
 from upcycle.decoding import DecodeConfig, sampling_logits
 from upcycle.decoding import llama as llama_decoding
-from upcycle.models import Llama, abstract_params, scan_layout
+from upcycle.families import abstract_params
+from upcycle.models import Llama, scan_layout
 from upcycle.moe import MoeConfig
 from upcycle.predictions import through_eos
 

@@ -11,7 +11,8 @@ import pytest
 
 from upcycle import pretrained, upcycling
 from upcycle.decoding import DecodeConfig, make_decode_fn
-from upcycle.models import T5, abstract_params
+from upcycle.families import abstract_params
+from upcycle.models import T5
 from upcycle.moe import MoeConfig
 
 MAX_LENGTH = 10

@@ -13,7 +13,8 @@ import pytest
 
 from tests.models.helpers import llama_logits
 from upcycle import fields, tree, upcycling
-from upcycle.models import Llama, Llama3RopeScaling, LlamaConfig, abstract_params, scan_layout
+from upcycle.families import abstract_params
+from upcycle.models import Llama, Llama3RopeScaling, LlamaConfig, scan_layout
 from upcycle.models import rope
 from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses
 

@@ -11,7 +11,8 @@ import pytest
 
 from tests.models.helpers import jitted, TINY_T5, TINY_VIT, tokens
 from upcycle import fields, tree, upcycling
-from upcycle.models import T5, ViT, abstract_params, scan_layout
+from upcycle.families import abstract_params
+from upcycle.models import T5, ViT, scan_layout
 from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses
 from upcycle.train import partitioning
 

@@ -11,7 +11,8 @@ import pytest
 
 from tests.models.helpers import jitted, TINY_T5, TINY_VIT, tile_experts, tokens
 from upcycle import upcycling
-from upcycle.models import T5, T5Config, ViT, abstract_params
+from upcycle.families import abstract_params
+from upcycle.models import T5, T5Config, ViT
 from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses, metrics
 
 

@@ -1,5 +1,6 @@
 """A decoder-only Llama trained on the offline default: its loss falls, the run keeps its
-tokenizer, and a run killed by SIGKILL resumes step for step as if it had not been."""
+tokenizer, a run killed by SIGKILL resumes step for step as if it had not been, and a run
+continuing another's step (runs/llm_continue.gin, RESTORE_DATASET) trains its next steps."""
 
 import json
 import os
@@ -41,9 +42,9 @@ def test_tiny_llama_learns_the_offline_stdlib_text(tmp_path):
   assert np.isfinite(result['eval']['loss']) and result['eval']['loss'] < first - 1.0
 
 
-def _command(model_dir, steps):
+def _command(model_dir, steps, run='runs/llm_pretrain.gin'):
   return [sys.executable, '-m', 'upcycle.train', '--gin_file=models/llama/tiny.gin',
-          '--gin_file=runs/llm_pretrain.gin', '--gin_file=data/offline_stdlib_lm.gin',
+          f'--gin_file={run}', '--gin_file=data/offline_stdlib_lm.gin',
           f"--gin.MODEL_DIR='{model_dir}'", f'--gin.TRAIN_STEPS={steps}', '--gin.BATCH_SIZE=8',
           "--gin.TASK_FEATURE_LENGTHS={'targets': 32}", '--gin.models.LlamaConfig.num_layers=2',
           '--gin.trainer.TrainConfig.log_every=1', '--gin.trainer.TrainConfig.checkpoint_every=4',
@@ -78,3 +79,12 @@ def test_a_killed_llm_run_resumes_exactly_and_keeps_its_tokenizer(tmp_path):
   assert _losses(killed) == _losses(straight)
   kept = tokenizer_lib.load(str(killed / 'checkpoints' / '12'))
   assert kept.digest == tokenizer_lib.load(tokenizer_lib.OFFLINE_BPE).digest
+
+  # Another run continuing step 8 (its parameters, AdamW moments, step and data position)
+  # trains steps 9-12 as the straight run did.
+  continued = tmp_path / 'continued'
+  done = subprocess.run(_command(continued, 12, run='runs/llm_continue.gin') + [
+      f"--gin.INITIAL_CHECKPOINT_PATH='{straight / 'checkpoints' / '8'}'",
+      '--gin.RESTORE_DATASET=True'], cwd=REPO, env=env, capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr[-5000:]
+  assert _losses(continued) == _losses(straight)[8:]

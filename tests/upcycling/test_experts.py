@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from upcycle import tree
-from upcycle.models import T5Config, ViTConfig, abstract_params
+from upcycle.families import abstract_params
+from upcycle.models import T5Config, ViTConfig
 from upcycle.moe import MoeConfig
 from upcycle.upcycling import experts, ffn
 from upcycle.upcycling import sources as sources_lib

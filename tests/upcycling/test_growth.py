@@ -12,7 +12,7 @@ import pytest
 
 from tests.checkpoints import helpers
 from upcycle import layers, tree
-from upcycle.models import abstract_params
+from upcycle.families import abstract_params
 from upcycle.moe import ROUTER_LOGITS, MoeConfig, MoeLayer, router_logits
 from upcycle.train import optimizers
 from upcycle.upcycling import depth_growth, expert_growth, grow_depth, grow_experts

@@ -27,6 +27,8 @@ def detect_format(path: str) -> str:
   """The format of `path`, from the files present (nothing is parsed but .npz keys)."""
   path = os.fspath(path)
   if zarr_leaf.split_gcs(path):
+    if hf.is_hf_dir(path):
+      return 'hf'
     if orbax.is_step_dir(path) or orbax.finished_steps(path):
       return 'orbax'
     return t5x.find_checkpoint(path)[1]

@@ -7,7 +7,8 @@ shapes). Supported:
 `T5ForConditionalGeneration` with `feed_forward_proj='gated-gelu'` (T5 v1.1, Flan-T5),
 `ViTForImageClassification`, and the causal LMs of `model_type` 'llama', 'mistral' and 'qwen2'
 (their description is config.json itself, which `LlamaConfig.from_hf_config` reads). Leaves are
-numpy arrays, or with `lazy=True` memory-mapped LazyArrays.
+numpy arrays, or with `lazy=True` memory-mapped LazyArrays. A directory on gs:// reads the same
+way (config.json and safetensors headers first, each tensor by a ranged read when read).
 """
 
 import json
@@ -17,7 +18,9 @@ from typing import Dict, Optional, Tuple
 import ml_dtypes
 import numpy as np
 
-from upcycle.checkpoints import hf_llama, hf_t5, hf_vit, safetensors_file, validate
+from etils import epath
+
+from upcycle.checkpoints import hf_llama, hf_t5, hf_vit, paths, safetensors_file, validate
 from upcycle.checkpoints.checkpoint import Checkpoint, ExpectedFn
 from upcycle.checkpoints.errors import checkpoint_error
 from upcycle.checkpoints.lazy import LazyArray
@@ -35,8 +38,12 @@ MODEL_TYPES = {model_type: hf_llama.convert for model_type in hf_llama.MODEL_TYP
 
 
 def is_hf_dir(path: str) -> bool:
-  return (os.path.isfile(os.path.join(path, 'config.json'))
-          and any(os.path.isfile(os.path.join(path, f)) for f in WEIGHT_FILES))
+  return (paths.isfile(os.path.join(path, 'config.json'))
+          and any(paths.isfile(os.path.join(path, f)) for f in WEIGHT_FILES))
+
+
+def _json(path: str):
+  return json.loads(epath.Path(path).read_text())
 
 
 def load_checkpoint(path: str, expected: Optional[ExpectedFn] = None,
@@ -51,11 +58,10 @@ def load_checkpoint(path: str, expected: Optional[ExpectedFn] = None,
   """
   path = os.fspath(path)
   config_path = os.path.join(path, 'config.json')
-  if not os.path.isfile(config_path):
+  if not paths.isfile(config_path):
     raise checkpoint_error(path, 'not a HuggingFace checkpoint directory: no config.json',
                            fix='Pass the directory that holds config.json and the weights')
-  with open(config_path) as f:
-    config = json.load(f)
+  config = _json(config_path)
   architectures = config.get('architectures') or []
   supported = [ARCHITECTURES[a] for a in architectures if a in ARCHITECTURES]
   if config.get('model_type') in MODEL_TYPES:
@@ -83,26 +89,29 @@ def read_tensors(path: str) -> Tuple[Dict[str, LazyArray], str]:
   single = os.path.join(path, SAFETENSORS)
   index = os.path.join(path, SAFETENSORS_INDEX)
   torch_bin = os.path.join(path, TORCH_BIN)
-  if os.path.isfile(single):
+  if paths.isfile(single):
     return safetensors_file.load(single), single
-  if os.path.isfile(index):
+  if paths.isfile(index):
     return _read_sharded(path, index), index
-  if os.path.isfile(torch_bin):
+  if paths.isfile(torch_bin):
+    if paths.is_url(torch_bin):
+      raise checkpoint_error(torch_bin, 'pytorch_model.bin is read from local disk only',
+                             fix='Copy the directory locally, or save it as safetensors '
+                             '(save_pretrained(..., safe_serialization=True))')
     return _read_torch(torch_bin), torch_bin
   raise checkpoint_error(path, 'no weights file', expected=f'one of {list(WEIGHT_FILES)}',
-                         found=sorted(os.listdir(path)),
+                         found=paths.listdir(path),
                          fix='Save the model with save_pretrained()')
 
 
 def _read_sharded(path: str, index: str) -> Dict[str, LazyArray]:
-  with open(index) as f:
-    weight_map = json.load(f).get('weight_map')
+  weight_map = _json(index).get('weight_map')
   if not isinstance(weight_map, dict):
     raise checkpoint_error(index, 'no "weight_map" object', fix='Re-save the model')
   tensors = {}
   for shard in sorted(set(weight_map.values())):
     shard_path = os.path.join(path, shard)
-    if not os.path.isfile(shard_path):
+    if not paths.isfile(shard_path):
       raise checkpoint_error(index, 'a shard listed in "weight_map" is missing',
                              expected=shard_path, found='no such file',
                              fix='Download every shard next to the index')

@@ -1,5 +1,8 @@
 """A minimal safetensors reader and writer: memory-mapped, lazy, bfloat16 and float8 included.
 
+Local files are memory-mapped; a file on gs:// is read by ranged reads (etils.epath through
+gcsfs), the header once and each tensor's bytes when the tensor is read.
+
 File layout: 8 bytes little-endian header length n, n bytes of JSON header
 `{name: {'dtype': 'F32', 'shape': [...], 'data_offsets': [begin, end]}, '__metadata__': {...}}`,
 then the raw little-endian C-order data; offsets are relative to the end of the header.
@@ -11,10 +14,12 @@ import os
 import struct
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from etils import epath
 import ml_dtypes
 import numpy as np
 
 from upcycle import progress
+from upcycle.checkpoints import paths
 from upcycle.checkpoints.errors import checkpoint_error
 from upcycle.checkpoints.lazy import LazyArray
 
@@ -28,10 +33,31 @@ DTYPE_NAMES = {np.dtype(dtype): name for name, dtype in DTYPES.items()}
 _MAX_HEADER_BYTES = 100 * 2**20
 
 
+def _size(path: str) -> int:
+  return epath.Path(path).stat().length if paths.is_url(path) else os.path.getsize(path)
+
+
+class _RangedObject:
+  """The data bytes of a remote file, read range by range (`obj[begin:end]`, as a memmap)."""
+
+  def __init__(self, path: str, start: int):
+    self.path, self.start = path, start
+
+  def __getitem__(self, key: slice) -> np.ndarray:
+    with epath.Path(self.path).open('rb') as f:
+      f.seek(self.start + key.start)
+      data = f.read(key.stop - key.start)
+    if len(data) != key.stop - key.start:
+      raise checkpoint_error(self.path, 'the object is shorter than its header says (changed '
+                             'while being read?)', expected=f'{key.stop - key.start} bytes',
+                             found=f'{len(data)} bytes', fix='Re-upload the file')
+    return np.frombuffer(data, np.uint8)
+
+
 def read_header(path: str) -> Tuple[dict, int]:
   """-> (the JSON header, the byte offset where tensor data starts)."""
-  size = os.path.getsize(path)
-  with open(path, 'rb') as f:
+  size = _size(path)
+  with epath.Path(path).open('rb') if paths.is_url(path) else open(path, 'rb') as f:
     prefix = f.read(8)
     if len(prefix) < 8:
       raise checkpoint_error(path, 'not a safetensors file: shorter than its 8-byte header length',
@@ -53,14 +79,18 @@ def read_header(path: str) -> Tuple[dict, int]:
 def load(path: str) -> Dict[str, LazyArray]:
   """Maps every tensor of a .safetensors file without reading it: name -> LazyArray.
 
-  The file is memory-mapped once; each leaf is a view that the OS pages in when read.
+  A local file is memory-mapped once; each leaf is a view that the OS pages in when read. A
+  gs:// object is read tensor by tensor, each leaf's bytes by one ranged read.
   """
   path = os.fspath(path)
   header, start = read_header(path)
   header.pop('__metadata__', None)
-  data_bytes = os.path.getsize(path) - start
-  mapped = (np.memmap(path, dtype=np.uint8, mode='r', offset=start, shape=(data_bytes,))
-            if data_bytes else np.zeros((0,), np.uint8))
+  data_bytes = _size(path) - start
+  if paths.is_url(path):
+    mapped = _RangedObject(path, start)
+  else:
+    mapped = (np.memmap(path, dtype=np.uint8, mode='r', offset=start, shape=(data_bytes,))
+              if data_bytes else np.zeros((0,), np.uint8))
   tensors = {}
   for name, info in header.items():
     if info.get('dtype') not in DTYPES:

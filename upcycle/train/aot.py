@@ -154,13 +154,14 @@ def compile_report(lowered: jax.stages.Lowered, *, hbm: int, devices: int,
 
 
 LEVERS = {
-    'parameters': ('trainer.TrainConfig.num_model_partitions (shards MLP, heads and vocab) or '
+    'parameters': ("LOGICAL_AXIS_RULES = 'fsdp' (splits every parameter over 'data' too), "
+                   'trainer.TrainConfig.num_model_partitions (shards MLP, heads and vocab) or '
                    'num_expert_partitions (shards experts)'),
-    'optimizer_state': ('trainer.TrainConfig.num_model_partitions / num_expert_partitions '
-                        '(slots are sharded like their parameters), or a factored optimizer '
-                        '(T5XAdafactor) in place of AdamW'),
+    'optimizer_state': ("LOGICAL_AXIS_RULES = 'fsdp', trainer.TrainConfig.num_model_partitions "
+                        '/ num_expert_partitions (slots are sharded like their parameters), or '
+                        'a factored optimizer (T5XAdafactor) in place of AdamW'),
     'activations': ("a smaller BATCH_SIZE or trainer.TrainConfig.num_microbatches, "
-                    "T5Config/ViTConfig.scan_layers = True with remat_policy = 'full'"),
+                    "SCAN_LAYERS = True with REMAT_POLICY = 'full'"),
 }
 
 
@@ -263,7 +264,7 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
   mesh, hbm, n = trainer.mesh, hbm_bytes(devices[0], megacore), len(devices)
   reports: Dict[str, FunctionReport] = {}
   not_compiled: Dict[str, str] = {}
-  with partitioning.activate(mesh):
+  with partitioning.activate(mesh, config.logical_axis_rules):
     abstract = trainer.abstract_state(train_data.batch_spec(trainer.host_batch_size))
     state_parts = {'parameters': per_device_bytes(abstract.params),
                    'optimizer_state': per_device_bytes(abstract.opt_state)}

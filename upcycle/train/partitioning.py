@@ -1,9 +1,18 @@
-"""The mesh ('data', 'expert', 'model') and the one table mapping logical axes onto it.
+"""The mesh ('data', 'expert', 'model') and the tables mapping logical axes onto it.
 
-Models name their axes (layers.py, moe/layer.py); only this table decides where
-they live. The batch is split over ('expert', 'data'), expert weights over
-'expert', MLP/heads/vocab over 'model'. Everything else is replicated, the
-`layers` axis of scanned parameters included (as T5X's default rules).
+Models name their axes (layers.py, moe/layer.py); only a rule table decides where they live
+(T5X's `logical_axis_rules`, chosen by `TrainConfig.logical_axis_rules`):
+
+  'default'  the batch split over ('expert', 'data'), expert weights over 'expert',
+             MLP/heads/vocab over 'model'; everything else replicated, the `layers` axis of
+             scanned parameters included (T5X's default rules).
+  'fsdp'     the same, and every parameter's d_model axis ('embed', 'mlp_embed') split over
+             'data' too: parameters and optimizer state fully sharded over the data-parallel
+             devices (big_vision's `fsdp`, ZeRO-3), gathered by XLA where a layer uses them.
+             Activations keep the batch on 'data' (flax gives each mesh axis to the first
+             rule that asks for it, and 'batch' asks first).
+
+Or any table of (logical axis, mesh axes) pairs, bound in gin.
 """
 
 import contextlib
@@ -19,7 +28,9 @@ from upcycle import fields
 
 MESH_AXES = ('data', 'expert', 'model')
 
-LOGICAL_AXIS_RULES: Tuple[Tuple[str, Any], ...] = (
+Rules = Tuple[Tuple[str, Any], ...]
+
+LOGICAL_AXIS_RULES: Rules = (
     ('batch', ('expert', 'data')),
     ('expert_group', 'data'),
     ('expert', 'expert'),
@@ -37,6 +48,34 @@ LOGICAL_AXIS_RULES: Tuple[Tuple[str, Any], ...] = (
     ('classes', None),
     ('layers', None),       # the stacked axis of scanned layers: every device holds all layers
 )
+# Parameters' d_model axes over 'data' as well; after 'batch', so activations keep theirs.
+FSDP_RULES: Rules = tuple((name, 'data') if name in ('embed', 'mlp_embed') else (name, axes)
+                          for name, axes in LOGICAL_AXIS_RULES)
+RULE_SETS: Dict[str, Rules] = {'default': LOGICAL_AXIS_RULES, 'fsdp': FSDP_RULES}
+
+
+def rules(value: Any, binding: str) -> Rules:
+  """A rule set's name (`RULE_SETS`) or a sequence of (logical axis, mesh axes) pairs, mesh
+  axes None, one of MESH_AXES or a tuple of them -> the rule table; anything else is refused
+  naming `binding`."""
+  if isinstance(value, str):
+    if value not in RULE_SETS:
+      raise fields.ConfigError(f'{binding} = {value!r}: expected one of {sorted(RULE_SETS)} or '
+                               f"a list of (logical axis, mesh axes) pairs, e.g. [('batch', "
+                               f"'data'), ('embed', None)].")
+    return RULE_SETS[value]
+  table = []
+  for pair in value if isinstance(value, (list, tuple)) else [value]:
+    pair = tuple(pair) if isinstance(pair, (list, tuple)) else (pair,)
+    axes = pair[1] if len(pair) == 2 else None
+    mesh_axes = (axes,) if isinstance(axes, str) or axes is None else tuple(axes)
+    if (len(pair) != 2 or not isinstance(pair[0], str)
+        or not all(a is None or a in MESH_AXES for a in mesh_axes)):
+      raise fields.ConfigError(
+          f'{binding}: {pair!r} is not a (logical axis, mesh axes) pair; mesh axes are None, '
+          f'one of {MESH_AXES} or a tuple of them.')
+    table.append((pair[0], axes if axes is None or isinstance(axes, str) else tuple(axes)))
+  return tuple(table)
 
 
 def make_mesh(num_expert_partitions: int = 1, num_model_partitions: int = 1,

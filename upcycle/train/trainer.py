@@ -64,6 +64,10 @@ class TrainConfig:
     keep_checkpoints: how many recent checkpoints stay on disk.
     num_microbatches: gradient accumulation steps per batch.
     num_expert_partitions / num_model_partitions: mesh shape; data = rest.
+    logical_axis_rules: where each logical axis lives on the mesh: 'default' (parameters
+      replicated over 'data'), 'fsdp' (parameters and optimizer state also split over
+      'data' along d_model), or a list of (logical axis, mesh axes) pairs
+      (`partitioning.RULE_SETS`; T5X's `logical_axis_rules`).
     async_checkpoints: write checkpoints in the background.
     eval_at_start: evaluate the initial state before the first step of a new run
       (e.g. the upcycled model at step 0, to compare with the dense model).
@@ -101,6 +105,7 @@ class TrainConfig:
   num_microbatches: int = 1
   num_expert_partitions: int = 1
   num_model_partitions: int = 1
+  logical_axis_rules: Any = 'default'
   async_checkpoints: bool = True
   eval_at_start: bool = False
   stall_warning_steps: int = 50
@@ -126,6 +131,8 @@ class TrainConfig:
     fields.boolean(self, 'tensorboard')
     fields.boolean(self, 'export_t5x')
     fields.choice(self, 'on_optimizer_mismatch', ('stop', 'fresh'))
+    object.__setattr__(self, 'logical_axis_rules', partitioning.rules(
+        self.logical_axis_rules, fields.binding(self, 'logical_axis_rules')))
     if self.export_t5x and paths.is_url(self.model_dir):
       raise fields.ConfigError(
           f'{fields.binding(self, "export_t5x")} = True with model_dir={self.model_dir}: the '
@@ -185,12 +192,14 @@ class Trainer:
     boxed = jax.eval_shape(
         lambda batch: init_params(self.objective, jax.random.PRNGKey(seed), batch),
         self._global_batch(example_batch))
-    partitioning.check_divisible(boxed, self.mesh, {
-        axis: fields.binding(self.config, f'num_{axis}_partitions')
-        for axis in ('expert', 'model')})
+    rules = self.config.logical_axis_rules
+    sizes = {axis: fields.binding(self.config, f'num_{axis}_partitions')
+             for axis in ('expert', 'model')}
+    sizes['data'] = 'the data axis (devices / expert x model partitions)'
+    partitioning.check_divisible(boxed, self.mesh, sizes, rules)
     if self.optimizer is None:
       self.optimizer = self.optimizer_config.build(partitioning.logical_axes(boxed))
-    param_shardings = partitioning.logical_sharding(boxed, self.mesh)
+    param_shardings = partitioning.logical_sharding(boxed, self.mesh, rules)
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           tree.unbox(boxed), param_shardings)
     opt_state = jax.eval_shape(self.optimizer.init, params)
@@ -255,7 +264,8 @@ class Trainer:
     'state': the final TrainState}.
     """
     cfg = self.config
-    with run_lock.hold(cfg.model_dir), partitioning.activate(self.mesh):
+    with (run_lock.hold(cfg.model_dir),
+          partitioning.activate(self.mesh, cfg.logical_axis_rules)):
       return self._run(cfg, on_start or (lambda: None))
 
   def _initial_state(self, manager: CheckpointManager, abstract: TrainState, example,
