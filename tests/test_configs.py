@@ -20,7 +20,7 @@ MACROS = ["MODEL_DIR = '/tmp/unused'", 'TRAIN_STEPS = 10', "INITIAL_CHECKPOINT_P
 def context(name):
   """The files a user would give before `name` on the command line."""
   vit = 'vit' in name or 'digits' in name
-  llm = 'llama' in name or 'llm' in name or name.endswith('_lm.gin')
+  llm = 'llama' in name or 'llm' in name or 'mixtral' in name or name.endswith('_lm.gin')
   model = ('models/vit/tiny.gin' if vit else 'models/llama/tiny.gin' if llm
            else 'models/t5_1_1/tiny.gin')
   run = ('runs/vit_pretrain.gin' if vit else 'runs/llm_pretrain.gin' if llm
@@ -70,6 +70,14 @@ def test_config_parses_and_builds_its_model(name):
   # The objective the model's architecture.gin binds is the one its family registers.
   objective = gin.query_parameter('OBJECTIVE/gin.macro.value')
   assert objective.configurable.wrapped is family.objective
+
+
+def test_mixtral_gin_is_the_block_a_mixtral_config_json_reads_into():
+  """moe/mixtral.gin and `llama_hf.mixtral_moe` (what MixtralForCausalLM's config.json reads
+  into, tests/checkpoints/test_hf_mixtral.py) are one MoE block."""
+  from upcycle.models import llama_hf  # pylint: disable=g-import-not-at-top
+  parse(['models/llama/tiny.gin', 'moe/mixtral.gin'], ['probe.model = %MODEL'])
+  assert probe().config.moe == llama_hf.mixtral_moe(8, 2, 0.02)
 
 
 def test_published_sizes():

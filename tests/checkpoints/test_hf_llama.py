@@ -245,7 +245,7 @@ def test_other_heads_are_refused(saved, tmp_path):
   tensors['score.weight'] = tensors.pop('lm_head.weight')[:2]
   save_file(tensors, weights)
   with pytest.raises(CheckpointError, match=r'model.safetensors: tensors that a Llama / Mistral '
-                     r"/ Qwen2 causal LM does not have.*'score.weight'"):
+                     r"/ Qwen2 / Mixtral causal LM does not have.*'score.weight'"):
     pretrained.load_hf(directory)
 
 

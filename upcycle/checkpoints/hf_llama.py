@@ -1,11 +1,16 @@
-"""HuggingFace `LlamaForCausalLM` / `MistralForCausalLM` / `Qwen2ForCausalLM` <-> Llama names.
+"""HuggingFace `LlamaForCausalLM` / `MistralForCausalLM` / `Qwen2ForCausalLM` /
+`MixtralForCausalLM` <-> Llama names.
 
 The names are T5's decoder names (`upcycle/models/llama.py`): `model.layers.{i}` ->
 `decoder/layers_{i}`, `self_attn.{q,k,v,o}_proj` -> `self_attention/{query,key,value,out}`,
 `mlp.{gate,up,down}_proj` -> `mlp/{wi_0,wi_1,wo}`, `input_layernorm` /
 `post_attention_layernorm` -> `pre_self_attention_layer_norm` / `pre_mlp_layer_norm`,
-`model.norm` -> `decoder/decoder_norm`, `lm_head` -> `decoder/logits_dense`. torch Linear
-weights `[out, in]` become kernels `[in, out]`; biases and norm scales keep their shape.
+`model.norm` -> `decoder/decoder_norm`, `lm_head` -> `decoder/logits_dense`; Mixtral's
+`block_sparse_moe.gate` -> `mlp/router/router_weights/w`, its per-expert
+`block_sparse_moe.experts.{j}.{w1,w3,w2}` -> the stacked `mlp/expert/{wi_0,wi_1,wo}` (expert
+j at index j of the first axis; the layout `save_pretrained` writes and transformers fuses on
+load). torch Linear weights `[out, in]` become kernels `[in, out]`; biases and norm scales
+keep their shape.
 `TABLE` holds every name once and serves both directions: `convert` (reading) and `to_hf`
 (writing, `upcycle.hf_export`).
 
@@ -23,7 +28,7 @@ from upcycle.checkpoints.errors import checkpoint_error
 from upcycle.checkpoints.lazy import LazyArray
 from upcycle.checkpoints.name_table import NameTable
 
-MODEL_TYPES = ('llama', 'mistral', 'qwen2')
+MODEL_TYPES = ('llama', 'mistral', 'qwen2', 'mixtral')
 EMBEDDING = 'token_embedder/embedding'
 HEAD = 'decoder/logits_dense/kernel'
 _TOP = {
@@ -37,6 +42,10 @@ _LAYER_TENSORS = {
     'mlp.gate_proj.weight': 'mlp/wi_0/kernel',
     'mlp.up_proj.weight': 'mlp/wi_1/kernel',
     'mlp.down_proj.weight': 'mlp/wo/kernel',
+    'block_sparse_moe.gate.weight': 'mlp/router/router_weights/w/kernel',
+    'block_sparse_moe.experts.{j}.w1.weight': 'mlp/expert/wi_0/kernel',
+    'block_sparse_moe.experts.{j}.w3.weight': 'mlp/expert/wi_1/kernel',
+    'block_sparse_moe.experts.{j}.w2.weight': 'mlp/expert/wo/kernel',
     **{f'self_attn.{hf}_proj.{kind}': f'self_attention/{ours}/{leaf}'
        for hf, ours in (('q', 'query'), ('k', 'key'), ('v', 'value'), ('o', 'out'))
        for kind, leaf in (('weight', 'kernel'), ('bias', 'bias'))},
@@ -67,9 +76,10 @@ def convert(tensors: Dict[str, LazyArray], hf: Dict[str, Any], config_path: str,
   params, hf_names, unknown = TABLE.to_ours(tensors, skip=_DERIVED.fullmatch)
   if unknown:
     raise checkpoint_error(
-        weights_path, 'tensors that a Llama / Mistral / Qwen2 causal LM does not have',
-        expected='model.embed_tokens, model.layers.*.{self_attn,mlp,input_layernorm,'
-        'post_attention_layernorm}, model.norm, lm_head', found=sorted(unknown)[:8],
+        weights_path, 'tensors that a Llama / Mistral / Qwen2 / Mixtral causal LM does not have',
+        expected='model.embed_tokens, model.layers.*.{self_attn,mlp,block_sparse_moe,'
+        'input_layernorm,post_attention_layernorm}, model.norm, lm_head',
+        found=sorted(unknown)[:8],
         fix='Check that config.json belongs to these weights (only *ForCausalLM models read)')
   if hf.get('tie_word_embeddings', False) and HEAD in params:
     embedding = tensors.get('model.embed_tokens.weight')

@@ -95,6 +95,22 @@ class LazyArray:
     return f'LazyArray(shape={self.shape}, dtype={self.dtype}, source={self.source!r})'
 
 
+def stack(leaves: Sequence[Any], source: str) -> Any:
+  """`np.stack(leaves)` along a new first axis; lazy if any leaf is (nothing read now, and
+  reading one entry reads only its leaf)."""
+  if not any(isinstance(x, LazyArray) for x in leaves):
+    return np.stack([np.asarray(x) for x in leaves])
+  first = leaves[0]
+
+  def read_block(index: Tuple[slice, ...]) -> np.ndarray:
+    rows = range(*index[0].indices(len(leaves)))
+    return np.stack([np.asarray(leaves[i])[index[1:]] for i in rows])
+
+  return LazyArray((len(leaves),) + tuple(first.shape), first.dtype,
+                   lambda: np.stack([np.asarray(x) for x in leaves]), source,
+                   read_block=read_block)
+
+
 def materialize(tree: Any) -> Any:
   """Reads every lazy leaf of `tree` into a numpy array (the whole tree is then in memory)."""
   return jax.tree.map(lambda x: np.asarray(x) if isinstance(x, LazyArray) else x, tree)

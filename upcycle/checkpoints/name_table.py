@@ -5,7 +5,9 @@ Each row is `(theirs, ours, transposed)`, where `{i}` in both names stands for t
 index, e.g. `('model.layers.{i}.mlp.up_proj.weight', 'decoder/layers_{i}/mlp/wi_1/kernel',
 True)`. `transposed`: the two layouts are each other's transpose (torch Linear `[out, in]`
 against a kernel `[in, out]`). Reading looks a name up with `ours`, writing with `theirs`, so
-a reader and its writer cannot disagree.
+a reader and its writer cannot disagree. `{j}` in their name alone is an expert index: their
+per-expert tensors (`...experts.{j}.w1.weight`) are the entries of our stacked leaf's first
+axis (`.../expert/wi_0/kernel` `[experts, ...]`), stacked lazily when read, split when written.
 """
 
 import re
@@ -15,13 +17,16 @@ import numpy as np
 
 from upcycle import tree
 from upcycle.checkpoints.errors import checkpoint_error
+from upcycle.checkpoints import lazy
 from upcycle.checkpoints.lazy import LazyArray
 
 LAYER = '{i}'
+EXPERT = '{j}'
 
 
 def _pattern(template: str) -> re.Pattern:
-  return re.compile(re.escape(template).replace(re.escape(LAYER), r'(?P<i>\d+)'))
+  return re.compile(re.escape(template).replace(re.escape(LAYER), r'(?P<i>\d+)')
+                    .replace(re.escape(EXPERT), r'(?P<j>\d+)'))
 
 
 class NameTable:
@@ -31,16 +36,19 @@ class NameTable:
     self._rows = [(_pattern(theirs), theirs, _pattern(ours), ours, transposed)
                   for theirs, ours, transposed in rows]
 
-  def ours(self, name: str) -> Optional[Tuple[str, bool]]:
-    """Their tensor name -> (our parameter path, transposed?)."""
+  def ours(self, name: str) -> Optional[Tuple[str, bool, Optional[int]]]:
+    """Their tensor name -> (our parameter path, transposed?, expert index or None)."""
     for pattern, _, _, ours, transposed in self._rows:
       m = pattern.fullmatch(name)
       if m:
-        return ours.replace(LAYER, m.groupdict().get('i') or ''), transposed
+        expert = m.groupdict().get('j')
+        return (ours.replace(LAYER, m.groupdict().get('i') or ''), transposed,
+                None if expert is None else int(expert))
     return None
 
   def theirs(self, path: str) -> Optional[Tuple[str, bool]]:
-    """Our parameter path -> (their tensor name, transposed?)."""
+    """Our parameter path -> (their tensor name, `{j}` left in for stacked experts,
+    transposed?)."""
     for _, theirs, pattern, _, transposed in self._rows:
       m = pattern.fullmatch(path)
       if m:
@@ -52,7 +60,7 @@ class NameTable:
     """{their tensor name: leaf} -> (flat params, transposed where the table says; {our path:
     their name} for errors; their names the table does not hold). `skip`: names that carry
     nothing of their own (aliases, buffers derived from the config)."""
-    params, names, unknown = {}, {}, []
+    params, names, unknown, experts = {}, {}, [], {}
     for name, tensor in tensors.items():
       if skip(name):
         continue
@@ -60,9 +68,20 @@ class NameTable:
       if found is None:
         unknown.append(name)
         continue
-      path, transpose = found
-      params[path] = transposed(tensor) if transpose else tensor
-      names[path] = name
+      path, transpose, expert = found
+      leaf = transposed(tensor) if transpose else tensor
+      if expert is None:
+        params[path], names[path] = leaf, name
+      else:
+        experts.setdefault(path, {})[expert] = leaf
+        names[path] = re.sub(r'\.experts\.\d+\.', '.experts.{j}.', name)
+    for path, by_index in experts.items():
+      if sorted(by_index) != list(range(len(by_index))):
+        missing = sorted(set(range(max(by_index) + 1)) - set(by_index))
+        raise checkpoint_error(names[path], 'expert tensors are missing', param=path,
+                               expected=f'experts 0..{max(by_index)}', found=f'no {missing}',
+                               fix='Re-save the model; every expert must be present')
+      params[path] = lazy.stack([by_index[j] for j in range(len(by_index))], names[path])
     return params, names, unknown
 
   def to_theirs(self, params: Any, source: str, model: str) -> Dict[str, Any]:
@@ -75,7 +94,11 @@ class NameTable:
         raise checkpoint_error(source, f'{model} has no tensor for this parameter', param=path,
                                fix=f'Only what {model} computes can be written as one')
       name, transpose = found
-      out[name] = transposed(leaf) if transpose else leaf
+      if EXPERT in name:   # our stacked leaf [experts, ...] -> one tensor per expert
+        for j in range(leaf.shape[0]):
+          out[name.replace(EXPERT, str(j))] = transposed(leaf[j]) if transpose else leaf[j]
+      else:
+        out[name] = transposed(leaf) if transpose else leaf
     return out
 
 

@@ -56,7 +56,8 @@ EMBEDDING_INIT = nn.initializers.normal(stddev=0.02)
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
   """Llama hyperparameters (defaults: transformers' `LlamaConfig`, Llama 2 7B). MoE: a MoeConfig
-  or None. `LlamaConfig.from_hf_config(config_json)` reads a Llama / Mistral / Qwen2 config.json.
+  or None. `LlamaConfig.from_hf_config(config_json)` reads a Llama / Mistral / Qwen2 / Mixtral
+  config.json.
 
   Attributes beyond T5Config's names:
     num_kv_heads: key/value heads (grouped-query attention); divides num_heads.
@@ -127,12 +128,13 @@ class LlamaConfig:
   @classmethod
   def from_hf_config(cls, hf_config: Mapping[str, Any], max_length: Optional[int] = None,
                      source: str = 'config.json') -> 'LlamaConfig':
-    """A Llama / Mistral / Qwen2 config.json (as a dict) -> the LlamaConfig of the same logits.
+    """A Llama / Mistral / Qwen2 / Mixtral config.json (as a dict) -> the LlamaConfig of the
+    same logits (Mixtral's: `moe` = `llama_hf.mixtral_moe`).
 
     `max_length`: the longest sequence the run feeds (refuses a shorter sliding window);
     `source`: the file named in errors. Refusals (`llama_hf.config_fields`) are one-line
     `fields.ConfigError`s naming the config.json field and the fix. Set `dtype`, `moe`,
-    `scan_layers`, ... afterwards with `dataclasses.replace`.
+    `scan_layers`, ... afterwards with `dataclasses.replace` (the `moe` of a dense one).
     """
     return cls(**llama_hf.config_fields(hf_config, max_length=max_length, source=source))
 

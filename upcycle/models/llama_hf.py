@@ -1,8 +1,11 @@
-"""HuggingFace Llama / Mistral / Qwen2 `config.json` <-> `LlamaConfig` fields.
+"""HuggingFace Llama / Mistral / Qwen2 / Mixtral `config.json` <-> `LlamaConfig` fields.
 
-The three compute one function, up to which projections have biases (Llama's
-`attention_bias`: query, key, value and output; Qwen2: query, key and value always; Mistral:
-none) and a sliding window (Mistral's `sliding_window`, Qwen2's with `use_sliding_window`).
+The four compute one function, up to which projections have biases (Llama's
+`attention_bias`: query, key, value and output; Qwen2: query, key and value always; Mistral
+and Mixtral: none), a sliding window (Mistral's and Mixtral's `sliding_window`, Qwen2's with
+`use_sliding_window`) and Mixtral's MoE MLP in every layer (`mixtral_moe`: Top-k of
+`num_local_experts` SwiGLU experts, softmax then top-k then renormalized, no token dropped,
+its load-balancing loss pooled over layers and tokens).
 What this model does not compute is refused in one line naming the config.json field and the
 fix, rather than read into a model with other logits: RoPE types other than 'default' and
 'llama3', partial rotary embeddings, MLP biases, activations other than SiLU, and a sliding
@@ -18,10 +21,11 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from upcycle import fields
 from upcycle.models import rope
+from upcycle.moe.config import MoeConfig
 
-MODEL_TYPES = ('llama', 'mistral', 'qwen2')
+MODEL_TYPES = ('llama', 'mistral', 'qwen2', 'mixtral')
 ARCHITECTURES = {'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM',
-                 'qwen2': 'Qwen2ForCausalLM'}
+                 'qwen2': 'Qwen2ForCausalLM', 'mixtral': 'MixtralForCausalLM'}
 DEFAULT_ROPE_THETA = 10000.0      # transformers' `default_theta`
 DEFAULT_RMS_NORM_EPS = 1e-6       # the three configs' default
 
@@ -75,7 +79,8 @@ def _sliding_window(hf: Mapping[str, Any], model_type: str, max_length: Optional
   """The window the HF model attends within, or None; refused when shorter than `max_length`
   (a token then sees fewer earlier tokens in HF than in this model)."""
   window = hf.get('sliding_window')
-  used = model_type == 'mistral' or (model_type == 'qwen2' and hf.get('use_sliding_window'))
+  used = model_type in ('mistral', 'mixtral') or (model_type == 'qwen2' and
+                                                 hf.get('use_sliding_window'))
   if not used or window is None:
     return None
   if max_length is not None and window < max_length:
@@ -85,6 +90,34 @@ def _sliding_window(hf: Mapping[str, Any], model_type: str, max_length: Optional
                   f'the whole context, so sequences of {max_length} tokens would differ',
                   f'train on sequences of at most {window} tokens')
   return window
+
+
+def mixtral_moe(num_experts: int, k: int, aux_loss_coef: float) -> MoeConfig:
+  """The MoE block transformers' MixtralSparseMoeBlock computes: router logits in float32,
+  softmax over the E experts, the top k renormalized to sum to 1, every token processed by
+  its k experts (capacity factor E: a group's every token fits each expert), every layer
+  MoE; `load_balancing_loss_func`'s loss (E x sum_e f_e p_e over all layers' and all real
+  tokens' choices together) weighted by `router_aux_loss_coef`; no z-loss."""
+  return MoeConfig(
+      num_experts=num_experts, router='tokens_choose', k=k,
+      train_capacity_factor=float(num_experts), eval_capacity_factor=float(num_experts),
+      capacity_convention='vmoe', capacity_multiple_of=1, normalize_combine_weights=True,
+      placement='all', dispatch='indices', load_balancing_loss_weight=aux_loss_coef,
+      load_balancing_scope='batch', load_balancing_layers='pooled', router_z_loss_weight=0.0,
+      ignore_padding_tokens=True)
+
+
+def _moe(hf: Mapping[str, Any], source: str) -> Optional[MoeConfig]:
+  """Mixtral's MoE block (None for the dense families)."""
+  if hf.get('model_type') != 'mixtral':
+    return None
+  if hf.get('router_jitter_noise'):
+    raise _refuse(source, 'router_jitter_noise', hf['router_jitter_noise'],
+                  'Mixtral\'s jitter multiplies the experts\' inputs too, this model\'s only '
+                  'the router\'s', 'set it to 0.0 (MoeConfig.jitter_noise jitters the router)')
+  return mixtral_moe(_required(hf, 'num_local_experts', source),
+                     _required(hf, 'num_experts_per_tok', source),
+                     hf.get('router_aux_loss_coef', 0.001))
 
 
 def config_fields(hf: Mapping[str, Any], max_length: Optional[int] = None,
@@ -122,7 +155,8 @@ def config_fields(hf: Mapping[str, Any], max_length: Optional[int] = None,
       rope_scaling=scaling, qkv_bias=qkv_bias, out_bias=out_bias,
       layer_norm_epsilon=hf.get('rms_norm_eps', DEFAULT_RMS_NORM_EPS),
       logits_via_embedding=bool(hf.get('tie_word_embeddings', False)),
-      sliding_window=_sliding_window(hf, model_type, max_length, source))
+      sliding_window=_sliding_window(hf, model_type, max_length, source),
+      moe=_moe(hf, source))
 
 
 def hf_model_type(config) -> str:

@@ -1,0 +1,105 @@
+"""HuggingFace Mixtral checkpoints (per-expert tensors, as `save_pretrained` writes them) read
+into the Llama MoE give transformers' `MixtralForCausalLM` logits and auxiliary loss."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from tests import hf_files
+from upcycle import fields, pretrained
+from upcycle.checkpoints import CheckpointError
+from upcycle.models import Llama
+from upcycle.moe import MOE_COLLECTIONS, aux_losses
+
+LENGTH = 12
+
+
+def _mixtral(transformers):
+  """4 experts of d_ff 40, top 2; 6 query heads over 2 key/value heads of 10 (not 36 / 6)."""
+  return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+      vocab_size=97, hidden_size=36, intermediate_size=40, num_hidden_layers=2,
+      num_attention_heads=6, num_key_value_heads=2, head_dim=10, num_local_experts=4,
+      num_experts_per_tok=2, router_aux_loss_coef=0.02, output_router_logits=True,
+      sliding_window=None, rope_parameters={'rope_type': 'default', 'rope_theta': 1000.0},
+      attn_implementation='eager'))
+
+
+@pytest.fixture(scope='module')
+def saved(tmp_path_factory):
+  import transformers  # pylint: disable=g-import-not-at-top
+  directory = str(tmp_path_factory.mktemp('mixtral'))
+  return directory, hf_files.save_perturbed(lambda: _mixtral(transformers), directory)
+
+
+def _batch():
+  """Tokens `[3, LENGTH]` and HF's attention mask: full, right-padded (8), left-padded (5)."""
+  tokens = np.random.default_rng(0).integers(0, 97, (3, LENGTH))
+  mask = np.ones((3, LENGTH), np.int64)
+  mask[1, 8:] = 0
+  mask[2, :LENGTH - 5] = 0
+  return tokens, mask
+
+
+def test_the_file_holds_one_tensor_per_expert(saved):
+  """What the reader is written against: transformers 5 fuses Mixtral's experts in memory
+  and `save_pretrained` writes them per expert."""
+  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+  with safe_open(os.path.join(saved[0], 'model.safetensors'), 'np') as f:
+    names = list(f.keys())
+  assert 'model.layers.1.block_sparse_moe.experts.3.w2.weight' in names
+  assert 'model.layers.0.block_sparse_moe.gate.weight' in names
+
+
+def test_logits_and_load_balancing_loss_match_transformers(saved):
+  import torch  # pylint: disable=g-import-not-at-top
+  directory, reference = saved
+  params, config = pretrained.load_hf(directory)
+  moe = config.moe
+  assert (moe.num_experts, moe.k, moe.router, moe.normalize_combine_weights,
+          moe.load_balancing_loss_weight, moe.router_z_loss_weight) == (
+              4, 2, 'tokens_choose', True, 0.02, 0.0)
+  assert params['decoder']['layers_1']['mlp']['expert']['wi_0']['kernel'].shape == (4, 36, 40)
+  tokens, mask = _batch()
+  with torch.no_grad():
+    out = reference(torch.tensor(tokens), attention_mask=torch.tensor(mask))
+  logits, state = jax.jit(lambda p, t, s: Llama(config).apply(
+      {'params': p}, t, decoder_segment_ids=s, mutable=MOE_COLLECTIONS))(
+          params, tokens, mask.astype(np.int32))
+  ours, theirs = np.asarray(logits)[mask == 1], out.logits.float().numpy()[mask == 1]
+  scale = np.abs(theirs).max()
+  assert scale > 1 and np.abs(ours - theirs).max() <= 1e-4 * scale
+  # transformers' load_balancing_loss_func over both layers' router logits, padding masked.
+  np.testing.assert_allclose(aux_losses(state)['load_balancing_loss'], out.aux_loss.item(),
+                             rtol=1e-5)
+
+
+def test_a_missing_expert_is_named(saved, tmp_path):
+  from safetensors.numpy import load_file, save_file  # pylint: disable=g-import-not-at-top
+  directory = str(tmp_path / 'gap')
+  os.makedirs(directory)
+  for name in os.listdir(saved[0]):
+    if name.endswith('.json'):
+      with open(os.path.join(saved[0], name)) as src, open(os.path.join(directory, name), 'w') as dst:
+        dst.write(src.read())
+  tensors = load_file(os.path.join(saved[0], 'model.safetensors'))
+  del tensors['model.layers.0.block_sparse_moe.experts.1.w1.weight']
+  save_file(tensors, os.path.join(directory, 'model.safetensors'))
+  with pytest.raises(CheckpointError, match=r'model.layers.0.block_sparse_moe.experts.\{j\}.w1.'
+                     r"weight: parameter 'decoder/layers_0/mlp/expert/wi_0/kernel': expert "
+                     r'tensors are missing. Expected experts 0..3, found no \[1\]'):
+    pretrained.load_hf(directory)
+
+
+def test_router_jitter_is_refused_by_name(saved, tmp_path):
+  directory = str(tmp_path / 'jitter')
+  os.makedirs(directory)
+  hf = json.load(open(os.path.join(saved[0], 'config.json')))
+  hf['router_jitter_noise'] = 0.1
+  json.dump(hf, open(os.path.join(directory, 'config.json'), 'w'))
+  os.symlink(os.path.join(saved[0], 'model.safetensors'),
+             os.path.join(directory, 'model.safetensors'))
+  with pytest.raises(fields.ConfigError, match=r'config.json: field "router_jitter_noise" = 0.1'):
+    pretrained.load_hf(directory)
