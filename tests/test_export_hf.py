@@ -13,8 +13,9 @@ from tests.models.helpers import llama_logits
 from upcycle import export, fields, hf_export, pretrained, tree
 from upcycle.checkpoints.orbax import CheckpointManager
 from upcycle.data import tokenizer as tokenizer_lib
-from upcycle.models import Llama3RopeScaling, LlamaConfig, scan_layout
-from upcycle.moe import MoeConfig
+from upcycle import upcycling
+from upcycle.families import abstract_params
+from upcycle.models import Llama3RopeScaling, LlamaConfig, llama_hf, scan_layout
 
 LENGTH = 12
 # configs/models/llama/tiny.gin, with a llama3 RoPE whose original context (64) puts the 8
@@ -175,11 +176,44 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys):
   inside = _refusal(capsys, f'--model_dir={run}', f'--output_dir={run}/checkpoints/hf', llama)
   assert f'lies inside the checkpoint {run}/checkpoints, which an export only reads' in inside
   moe = dataclasses.replace(FAMILIES['Qwen2ForCausalLM'],
-                            moe=MoeConfig(num_experts=2, router='tokens_choose'))
-  with pytest.raises(fields.ConfigError, match='MixtralForCausalLM comes with the upcycling'):
+                            moe=llama_hf.mixtral_moe(num_experts=2, k=1, aux_loss_coef=0.01))
+  with pytest.raises(fields.ConfigError, match=r"^models.LlamaConfig.qkv_bias / out_bias: "
+                     r"Mixtral's attention has no biases, so this MoE is no MixtralForCausalLM"):
     hf_export.export(run, str(out), model_config=moe)
+  for change, binding in ((dict(placement='every_other'), r'moe.MoeConfig.placement'),
+                          (dict(eval_capacity_factor=1.0), r'moe.MoeConfig.eval_capacity_factor'),
+                          (dict(shared_expert=True), r'moe.MoeConfig.shared_expert')):
+    odd = dataclasses.replace(FAMILIES['MistralForCausalLM'], moe=dataclasses.replace(
+        llama_hf.mixtral_moe(num_experts=2, k=1, aux_loss_coef=0.01), **change))
+    with pytest.raises(fields.ConfigError, match=f'^{binding}.*Fix: train it with'):
+      hf_export.export(run, str(out), model_config=odd)
   out.mkdir()
   (out / 'kept').write_text('')
   assert 'already exists and is not empty' in _refusal(
       capsys, *flags, '--gin_file=models/llama/tiny.gin')
   assert os.listdir(out) == ['kept'] and sorted(os.listdir(tmp_path)) == ['hf', 'run']
+
+
+def test_a_copy_upcycled_llama_is_a_mixtral_with_the_dense_logits_in_transformers(tmp_path):
+  """Step-0 equality where users check it: a dense Llama upcycled with copied experts (4 of
+  them, top 2, renormalized weights), exported, and loaded by MixtralForCausalLM gives the
+  dense LlamaForCausalLM's logits; and the export reads back to the same parameters."""
+  import transformers  # pylint: disable=g-import-not-at-top
+  dense_config = FAMILIES['MistralForCausalLM']
+  dense = _random(dense_config, seed=5)
+  config = dataclasses.replace(dense_config, moe=llama_hf.mixtral_moe(4, 2, 0.02))
+  params, _ = upcycling.upcycle(dense, abstract_params(config), experts='copy',
+                                router='normal', rng=0)
+  run = _save_run(tmp_path / 'run', params)
+  dense_run = _save_run(tmp_path / 'dense', dense)
+  hf_export.export(run, str(tmp_path / 'mixtral'), model_config=config)
+  hf_export.export(dense_run, str(tmp_path / 'mistral'), model_config=dense_config)
+  hf = json.loads((tmp_path / 'mixtral' / 'config.json').read_text())
+  assert (hf['architectures'], hf['num_local_experts'], hf['num_experts_per_tok'],
+          hf['router_aux_loss_coef']) == (['MixtralForCausalLM'], 4, 2, 0.02)
+  mixtral = transformers.MixtralForCausalLM.from_pretrained(tmp_path / 'mixtral').eval()
+  mistral = transformers.MistralForCausalLM.from_pretrained(tmp_path / 'mistral').eval()
+  tokens = _tokens(dense_config.vocab_size)
+  _assert_close(_torch_logits(mixtral, tokens), _torch_logits(mistral, tokens))
+  _assert_close(llama_logits(params, config, tokens), _torch_logits(mixtral, tokens))
+  _assert_reads_back(tmp_path / 'mixtral', params, config)

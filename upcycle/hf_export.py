@@ -1,8 +1,9 @@
 """A checkpoint written as a HuggingFace model directory that transformers loads with the same
 logits (`python -m upcycle.export --format=hf`):
 
-  dense Llama family  -> LlamaForCausalLM, Qwen2ForCausalLM (q/k/v biases alone) or
-                         MistralForCausalLM (a sliding window): `llama_hf.hf_model_type`;
+  Llama family        -> LlamaForCausalLM, Qwen2ForCausalLM (q/k/v biases alone),
+                         MistralForCausalLM (a sliding window), or MixtralForCausalLM (an
+                         MoE in every layer as Mixtral routes): `llama_hf.hf_model_type`;
                          the tokenizer the run keeps (MODEL_DIR/tokenizer/, or an HF source's
                          own) copied, its BOS / EOS ids in config.json
   dense T5 v1.1       -> T5ForConditionalGeneration with its own lm_head
@@ -12,8 +13,8 @@ The source is a run of ours (MODEL_DIR, its checkpoints/: the step `step`, defau
 latest) or any checkpoint `checkpoints.load` reads (one step of a run, T5X, HF). The model is
 `model_config` (gin's MODEL on the command line), else the one the checkpoint describes (HF);
 the parameters are checked against it before anything is written. Scanned layers are
-unrolled (`scan_layout.unstack`, lazily). MoE models and ViT are refused in one line before
-any array is read. Weights keep their stored dtype and are read one at a time
+unrolled (`scan_layout.unstack`, lazily). ViT, MoE T5 and an MoE Llama that Mixtral does
+not compute are refused in one line before any array is read. Weights keep their stored dtype and are read one at a time
 (`hf_writer`), which also makes the output appear whole or not at all.
 """
 
@@ -36,9 +37,9 @@ def check_exportable(config: Any) -> None:
   """Refuses, in one line, a model HuggingFace has no class for (or this export no writer)."""
   family = families.of(config)
   if family.hf_export is None:
-    raise ExportError(f'--format=hf writes dense Llama-family models (Llama, Qwen2, Mistral) and '
-                      f'dense T5 v1.1; {family.module.__name__} is not written as HuggingFace '
-                      f'yet. Fix: export it with --format=t5x.')
+    raise ExportError(f'--format=hf writes Llama-family models (Llama, Qwen2, Mistral, '
+                      f'Mixtral) and dense T5 v1.1; {family.module.__name__} is not written as '
+                      f'HuggingFace yet. Fix: export it with --format=t5x.')
   family.hf_export.check(config)
 
 

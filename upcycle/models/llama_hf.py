@@ -159,17 +159,45 @@ def config_fields(hf: Mapping[str, Any], max_length: Optional[int] = None,
       moe=_moe(hf, source))
 
 
+def _check_mixtral(config) -> None:
+  """Refuses, naming the binding, an MoE Llama that MixtralForCausalLM does not compute."""
+  moe, binding = config.moe, lambda name: fields.binding(config.moe, name)
+  why = None
+  if config.qkv_bias or config.out_bias:
+    why = (f'{fields.binding(config, "qkv_bias")} / out_bias: Mixtral\'s attention has no '
+           'biases', 'a model without attention biases')
+  elif moe.router != 'tokens_choose':
+    why = (f"{binding('router')} = {moe.router!r}: Mixtral routes each token to its top k",
+           "router = 'tokens_choose'")
+  elif config.sparse_layers() != tuple(range(config.num_layers)):
+    why = (f'{binding("placement")} = {moe.placement!r}: Mixtral has an MoE MLP in every layer',
+           "placement = 'all'")
+  elif moe.shared_expert:
+    why = (f'{binding("shared_expert")} = True: Mixtral has no shared expert',
+           'shared_expert = False')
+  elif not moe.normalize_combine_weights:
+    why = (f'{binding("normalize_combine_weights")} = False: Mixtral renormalizes the top k '
+           'weights to sum to 1', 'normalize_combine_weights = True')
+  elif min(moe.train_capacity_factor, moe.eval_capacity_factor) * (
+      moe.k if moe.capacity_convention == 'vmoe' else 1) < moe.num_experts:
+    why = (f'{binding("eval_capacity_factor")} / train_capacity_factor: an expert\'s capacity '
+           'can drop tokens, and Mixtral processes every token with its k experts',
+           f'capacity factors of at least {moe.num_experts} (moe/mixtral.gin)')
+  if why:
+    raise fields.ConfigError(f'{why[0]}, so this MoE is no MixtralForCausalLM. Fix: train it '
+                             f'with {why[1]}, or export it with --format=t5x.')
+
+
 def hf_model_type(config) -> str:
-  """The HF family that computes `config`'s (a LlamaConfig's) function: q/k/v biases alone are
-  Qwen2's, a sliding window without biases Mistral's, the rest Llama's (`attention_bias`
-  biases all four projections or none). What none of them computes is refused in one line:
-  an MoE model, an output bias alone, Llama with a window or with `hidden_size` not a multiple
-  of the heads (transformers' LlamaConfig refuses that)."""
+  """The HF family that computes `config`'s (a LlamaConfig's) function: an MoE model
+  Mixtral's (refused, naming the binding, where Mixtral computes something else), q/k/v
+  biases alone Qwen2's, a sliding window without biases Mistral's, the rest Llama's
+  (`attention_bias` biases all four projections or none). What none of them computes is
+  refused in one line: an output bias alone, Llama with a window or with `hidden_size` not a
+  multiple of the heads (transformers' LlamaConfig refuses that)."""
   if config.moe is not None:
-    raise fields.ConfigError(
-        f'{fields.binding(config, "moe")} is set: an MoE Llama is no LlamaForCausalLM, and '
-        'writing it as HuggingFace MixtralForCausalLM comes with the upcycling work. Fix: '
-        'export a dense Llama (--format=t5x writes any model\'s parameters).')
+    _check_mixtral(config)
+    return 'mixtral'
   if config.out_bias and not config.qkv_bias:
     raise fields.ConfigError(
         f'{fields.binding(config, "out_bias")} = True without qkv_bias: no HuggingFace '
@@ -209,8 +237,9 @@ def _rope_settings(config) -> Dict[str, Any]:
 
 def hf_config(config, bos_id: Optional[int], eos_id: Optional[int],
               dtype: str) -> Dict[str, Any]:
-  """A dense LlamaConfig -> the config.json of `hf_model_type(config)`'s *ForCausalLM with the
-  same logits (`config_fields` reads it back to `config`, up to dtype and training fields).
+  """A LlamaConfig (dense, or with Mixtral's MoE) -> the config.json of
+  `hf_model_type(config)`'s *ForCausalLM with the same logits (`config_fields` reads it back
+  to `config`, up to dtype and training fields).
 
   `bos_id` / `eos_id`: the tokenizer's (None: unknown, written as null); `dtype`: the weights'
   ('float32', 'bfloat16'). The model has no context length of its own: only a llama3 RoPE
@@ -235,6 +264,11 @@ def hf_config(config, bos_id: Optional[int], eos_id: Optional[int],
     hf.update(attention_bias=config.qkv_bias, mlp_bias=False)
   elif model_type == 'mistral':
     hf['sliding_window'] = config.sliding_window
+  elif model_type == 'mixtral':
+    hf.update(sliding_window=config.sliding_window, num_local_experts=config.moe.num_experts,
+              num_experts_per_tok=config.moe.k,
+              router_aux_loss_coef=config.moe.load_balancing_loss_weight,
+              output_router_logits=False, router_jitter_noise=0.0)
   else:   # qwen2: a window (read from a Qwen2 that had one) covers every layer
     windowed = config.sliding_window is not None
     hf.update(use_sliding_window=windowed, sliding_window=config.sliding_window,
