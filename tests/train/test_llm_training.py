@@ -2,6 +2,7 @@
 tokenizer, a run killed by SIGKILL resumes step for step as if it had not been, and a run
 continuing another's step (runs/llm_continue.gin, RESTORE_DATASET) trains its next steps."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -88,3 +89,37 @@ def test_a_killed_llm_run_resumes_exactly_and_keeps_its_tokenizer(tmp_path):
       '--gin.RESTORE_DATASET=True'], cwd=REPO, env=env, capture_output=True, text=True)
   assert done.returncode == 0, done.stderr[-5000:]
   assert _losses(continued) == _losses(straight)[8:]
+
+
+@pytest.mark.slow
+def test_an_hf_llama_upcycled_in_the_restore_hook_starts_at_the_dense_loss(tmp_path):
+  """runs/llm_upcycle.gin's hook: an HF LlamaForCausalLM directory becomes the Mixtral-routed
+  MoE (copied experts, Drop-Upcycling's uniform router) in one sharded jit on 8 devices; its
+  evaluation before the first step equals the dense checkpoint's (top-2 of identical
+  experts, weights renormalized), and it trains."""
+  import transformers  # pylint: disable=g-import-not-at-top
+  from tests import hf_files  # pylint: disable=g-import-not-at-top
+  from upcycle.models import llama_hf  # pylint: disable=g-import-not-at-top
+  from upcycle.train.restore import ContinueFromCheckpoint, UpcycleFromDense  # pylint: disable=g-import-not-at-top
+  hf_dir = str(tmp_path / 'hf_llama')
+  hf_files.save_perturbed(lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+      vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)),
+      hf_dir)
+  dense = LlamaConfig.from_hf_config(json.load(open(os.path.join(hf_dir, 'config.json'))))
+  moe = dataclasses.replace(dense, moe=llama_hf.mixtral_moe(4, 2, 0.02))
+  optimizer = AdamW(schedule=warmup_decay_schedule(1e-3, 1, 4))
+
+  def run(config, initializer, name):
+    train_config = TrainConfig(str(tmp_path / name), train_steps=2, batch_size=8, log_every=1,
+                               checkpoint_every=1000, eval_batches=2, eval_at_start=True,
+                               async_checkpoints=False)
+    return Trainer(CausalLm(Llama(config)), optimizer, train_config, _lm('train'),
+                   _lm('validation'), initializer).run()
+
+  upcycled = run(moe, UpcycleFromDense(hf_dir, experts='copy', router='uniform'), 'moe')
+  reference = run(dense, ContinueFromCheckpoint(hf_dir, reuse_optimizer_state=False), 'dense')
+  np.testing.assert_allclose(upcycled['initial_eval']['loss'],
+                             reference['initial_eval']['loss'], rtol=1e-5)
+  assert [h['step'] for h in upcycled['history']] == [1, 2]
+  assert all(np.isfinite(h['loss']) for h in upcycled['history'])
