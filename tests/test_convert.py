@@ -364,3 +364,37 @@ def test_gcs_output_equals_the_local_one_and_is_refused_and_cleaned_alike(
       assert got[path].dtype == np.asarray(x).dtype, path
   msgpack = open(tmp_path / 'moe_t5x' / 'checkpoint_6' / 'checkpoint', 'rb').read()
   assert remote['t5x_msgpack'].tobytes() == msgpack
+
+
+def test_a_sharded_hf_llama_converts_to_drop_upcycled_mixtral_experts(tmp_path):
+  """Drop-Upcycling as its paper defines it, offline from a sharded HF Llama: each expert is
+  the dense MLP with the same half of the d_ff units (shared by gate, up and down
+  projections) redrawn; everything else is copied."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  from upcycle import pretrained  # pylint: disable=g-import-not-at-top
+  from upcycle.models import llama_hf  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(0)
+  transformers.LlamaForCausalLM(transformers.LlamaConfig(
+      vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=8)).save_pretrained(
+          tmp_path / 'hf', max_shard_size='20KB')
+  assert (tmp_path / 'hf' / 'model.safetensors.index.json').exists()
+  dense, dense_config = pretrained.load_hf(str(tmp_path / 'hf'))
+  config = dataclasses.replace(dense_config, moe=llama_hf.mixtral_moe(4, 2, 0.02))
+  convert.convert(str(tmp_path / 'hf'), config, str(tmp_path / 'moe'), experts='drop',
+                  router='uniform')
+  moe = tree.flatten(pretrained.load(str(tmp_path / 'moe'), model_config=config).params)
+  dense = tree.flatten(dense)
+  for layer in range(2):
+    mlp = f'decoder/layers_{layer}/mlp'
+    gate, up, down = (moe[f'{mlp}/expert/{name}/kernel'] for name in ('wi_0', 'wi_1', 'wo'))
+    for e in range(4):
+      redrawn = [np.flatnonzero(np.any(gate[e] != dense[f'{mlp}/wi_0/kernel'], axis=0)),
+                 np.flatnonzero(np.any(up[e] != dense[f'{mlp}/wi_1/kernel'], axis=0)),
+                 np.flatnonzero(np.any(down[e] != dense[f'{mlp}/wo/kernel'], axis=1))]
+      assert len(redrawn[0]) == 24 and all(np.array_equal(r, redrawn[0]) for r in redrawn)
+    assert moe[f'{mlp}/router/router_weights/w/kernel'].std() == pytest.approx(0.02, rel=0.3)
+  for path, leaf in dense.items():
+    if '/mlp/' not in path:
+      np.testing.assert_array_equal(moe[path], leaf, err_msg=path)
