@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -96,7 +97,8 @@ def test_an_hf_llama_upcycled_in_the_restore_hook_starts_at_the_dense_loss(tmp_p
   """runs/llm_upcycle.gin's hook: an HF LlamaForCausalLM directory becomes the Mixtral-routed
   MoE (copied experts, Drop-Upcycling's uniform router) in one sharded jit on 8 devices; its
   evaluation before the first step equals the dense checkpoint's (top-2 of identical
-  experts, weights renormalized), and it trains."""
+  experts, weights renormalized), and it trains. From a dense run's step instead, with
+  reuse_optimizer_state, each expert starts with its dense MLP's AdamW moments."""
   import transformers  # pylint: disable=g-import-not-at-top
   from tests import hf_files  # pylint: disable=g-import-not-at-top
   from upcycle.models import llama_hf  # pylint: disable=g-import-not-at-top
@@ -110,8 +112,8 @@ def test_an_hf_llama_upcycled_in_the_restore_hook_starts_at_the_dense_loss(tmp_p
   moe = dataclasses.replace(dense, moe=llama_hf.mixtral_moe(4, 2, 0.02))
   optimizer = AdamW(schedule=warmup_decay_schedule(1e-3, 1, 4))
 
-  def run(config, initializer, name):
-    train_config = TrainConfig(str(tmp_path / name), train_steps=2, batch_size=8, log_every=1,
+  def run(config, initializer, name, steps=2):
+    train_config = TrainConfig(str(tmp_path / name), train_steps=steps, batch_size=8, log_every=1,
                                checkpoint_every=1000, eval_batches=2, eval_at_start=True,
                                async_checkpoints=False)
     return Trainer(CausalLm(Llama(config)), optimizer, train_config, _lm('train'),
@@ -123,3 +125,18 @@ def test_an_hf_llama_upcycled_in_the_restore_hook_starts_at_the_dense_loss(tmp_p
                              reference['initial_eval']['loss'], rtol=1e-5)
   assert [h['step'] for h in upcycled['history']] == [1, 2]
   assert all(np.isfinite(h['loss']) for h in upcycled['history'])
+
+  # The dense run's AdamW moments, reused: every expert starts with its MLP's moments.
+  reused = run(moe, UpcycleFromDense(str(tmp_path / 'dense' / 'checkpoints' / '2'),
+                                     reuse_optimizer_state=True), 'reused', steps=2)['state']
+  dense_state = reference['state']
+  adam = lambda state: [s for s in jax.tree.leaves(state.opt_state,
+                                                   is_leaf=lambda s: hasattr(s, 'mu'))
+                        if hasattr(s, 'mu')][0]
+  for moment in ('mu', 'nu'):
+    moe_moments, dense_moments = getattr(adam(reused), moment), getattr(adam(dense_state), moment)
+    for name in ('wi_0', 'wi_1', 'wo'):
+      tiled = np.asarray(moe_moments['decoder']['layers_1']['mlp']['expert'][name]['kernel'])
+      source = np.asarray(dense_moments['decoder']['layers_1']['mlp'][name]['kernel'])
+      assert np.abs(source).max() > 0
+      np.testing.assert_array_equal(tiled, np.broadcast_to(source, tiled.shape))
