@@ -48,7 +48,8 @@ def test_a_misspelt_macro_is_refused_naming_the_macro_meant():
 def test_a_macro_nothing_is_close_to_lists_the_macros_in_use():
   message = refusal(T5 + ['--gin.NUM_EXPERTS=8'])   # a dense model: no MoE file given
   assert message.endswith('the macros this configuration uses are ACTIVATION_DTYPE, '
-                          'BATCH_SIZE, DROPOUT_RATE, MIXTURE_OR_TASK_NAME, MODEL, MODEL_DIR, '
+                          'BATCH_SIZE, DROPOUT_RATE, LOGICAL_AXIS_RULES, MIXTURE_OR_TASK_NAME, '
+                          'MODEL, MODEL_DIR, '
                           'OBJECTIVE, REMAT_POLICY, SCAN_LAYERS, SEED, TASK_FEATURE_LENGTHS, '
                           'TRAIN_STEPS, WARMUP_STEPS.')
 
