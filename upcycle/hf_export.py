@@ -14,8 +14,9 @@ latest) or any checkpoint `checkpoints.load` reads (one step of a run, T5X, HF).
 `model_config` (gin's MODEL on the command line), else the one the checkpoint describes (HF);
 the parameters are checked against it before anything is written. Scanned layers are
 unrolled (`scan_layout.unstack`, lazily). ViT, MoE T5 and an MoE Llama that Mixtral does
-not compute are refused in one line before any array is read. Weights keep their stored dtype and are read one at a time
-(`hf_writer`), which also makes the output appear whole or not at all.
+not compute are refused in one line before any array is read. Weights keep their stored dtype
+and are read one at a time (`hf_writer`), which also makes the output appear whole or not at
+all.
 """
 
 import dataclasses

@@ -74,7 +74,7 @@ class NameTable:
         params[path], names[path] = leaf, name
       else:
         experts.setdefault(path, {})[expert] = leaf
-        names[path] = re.sub(r'\.experts\.\d+\.', '.experts.{j}.', name)
+        names[path] = self.theirs(path)[0]   # their name with `{j}` for the expert
     for path, by_index in experts.items():
       if sorted(by_index) != list(range(len(by_index))):
         missing = sorted(set(range(max(by_index) + 1)) - set(by_index))
