@@ -2,6 +2,7 @@
 
   python benchmarks/moe_layer.py [--flaxformer DIR] [--quick] [--repeats 5]
   python benchmarks/moe_layer.py --topology v4:2x2x1 [--mesh 1x4x1] [--flaxformer DIR]
+  [--only Top-2]
 
 Work (forward + backward: value_and_grad of sum(y^2) w.r.t. the parameters and the input),
 float32, tokens [8, 512, 768], gated-GELU experts with d_ff 2048; three cases:
@@ -15,7 +16,9 @@ Groups and capacity follow T5X/Flaxformer (`capacity_convention='t5x'`,
   dense MLP       the MLP the MoE layer replaces, on all tokens
   pure experts    the vmapped expert MLPs on already-dispatched [E, groups*capacity, d]
                   inputs: the floor any dispatch can reach
-  ours <dispatch> `MoeLayer` with dispatch='masked' and 'indices'
+  ours <dispatch> `MoeLayer` with dispatch='masked' and 'indices'; for Top-K also 'ragged'
+                  (dropless: every token's k choices, sorted rows through ragged_dot; on
+                  CPU a masked dense product over all experts, E times the work)
   ... +metrics    the same with the auxiliary losses in the loss and every logged metric
                   returned (what a training step computes)
   flaxformer ...  with --flaxformer DIR (a directory holding flaxformer/, e.g. from
@@ -271,6 +274,9 @@ def case_runs(case, x, args, dense_run, flax_modules, mesh=None):
   for dispatch in ('masked', 'indices'):
     config = moe_config(num_experts, router, k, factor, length, dispatch)
     runs[f'ours {dispatch}'], layer = ours(x, config, args.d_ff, mesh)
+  if router == 'tokens_choose':   # dropless: each token's k rows, no capacity slots
+    runs['ours ragged'] = ours(x, moe_config(num_experts, router, k, factor, length, 'ragged'),
+                               args.d_ff, mesh)[0]
   if mesh is None:
     runs['ours indices +metrics'] = ours(x, config, args.d_ff, with_metrics=True)[0]
   scatters = ((False, True) if router == 'tokens_choose' else (False,)) if flax_modules else ()
@@ -394,6 +400,7 @@ def main():
   parser.add_argument('--d_ff', type=int, default=2048)
   parser.add_argument('--repeats', type=int, default=5)
   parser.add_argument('--quick', action='store_true', help='4x128 tokens, d 128, d_ff 256')
+  parser.add_argument('--only', default='', help="run the cases whose name holds this, e.g. 'Top-2'")
   parser.add_argument('--output', default=None, help='default: benchmarks/results/'
                       'moe_layer.json, with --topology moe_layer_tpu.json')
   args = parser.parse_args()
@@ -422,7 +429,7 @@ def main():
     x = inputs((args.batch, args.length, args.d_model), TOKEN_AXES, mesh)
     dense_run = dense(x, args.d_ff, mesh)
     rows, verdicts = [], []
-    for case in CASES:
+    for case in [case for case in CASES if args.only in case[0]]:
       case_rows, verdict = rows_of(case[0], case_runs(case, x, args, dense_run, flax_modules,
                                                       mesh), args)
       rows += case_rows

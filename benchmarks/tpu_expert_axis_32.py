@@ -55,7 +55,7 @@ def main() -> None:
                       help='the layout that crashes the compiler (the process dies)')
   args = parser.parse_args()
   if args.direct:
-    moe_layer.DISPATCH['masked'] = dispatch_direct
+    moe_layer.SLOT_DISPATCH['masked'] = dispatch_direct
   devices = aot.topology_devices('v4:4x4x2', megacore=False)
   mesh = partitioning.make_mesh(EXPERTS, 1, devices)
   config = MoeConfig(num_experts=EXPERTS, router='experts_choose', train_capacity_factor=2.0,

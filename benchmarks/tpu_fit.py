@@ -44,6 +44,10 @@ LLAMA = ('--gin_file=runs/llm_pretrain.gin', '--gin.BATCH_SIZE=128',
          "--gin.TASK_FEATURE_LENGTHS={'targets': 4096}", "--gin.ACTIVATION_DTYPE='bfloat16'",
          "--gin.REMAT_POLICY='full'", "--gin.LOGICAL_AXIS_RULES='fsdp'",
          "--gin.MIXTURE_OR_TASK_NAME='offline_stdlib_text'")
+# Llama -> Mixtral (moe/mixtral.gin: E = 8, top 2, every layer, dropless 'ragged' dispatch),
+# trained as the Llamas above; '--indices' rows hold every token in capacity slots instead.
+MIXTRAL = LLAMA + ('--gin_file=moe/mixtral.gin',)
+INDICES = ("--gin.moe.MoeConfig.dispatch='indices'",)
 SLICES = {'v4-32': 'v4:2x2x4', 'v4-64': 'v4:2x4x4', 'v4-128': 'v4:4x4x4'}   # name: topology
 
 
@@ -83,6 +87,18 @@ ROWS = {
     **_rows('llama3.1-8b', 'models/llama/llama3_1_8b.gin', LLAMA, {
         'v4-32': (1, 1, _microbatches(4)), 'v4-64': (1, 1, _microbatches(2)),
         'v4-128': (1, 1, ())}, upcycles=False),
+    **_rows('drop-8x1.5b', 'models/llama/drop_upcycling_1_5b.gin', MIXTRAL, {
+        'v4-64': (8, 1, _microbatches(4))}, upcycles=False),
+    **_rows('drop-8x1.5b-indices', 'models/llama/drop_upcycling_1_5b.gin', MIXTRAL + INDICES, {
+        'v4-64': (8, 1, _microbatches(4))}, upcycles=False),
+    **_rows('drop-8x3.7b', 'models/llama/drop_upcycling_3_7b.gin', MIXTRAL, {
+        'v4-128': (8, 1, _microbatches(4))}, upcycles=False),
+    **_rows('drop-8x3.7b-indices', 'models/llama/drop_upcycling_3_7b.gin', MIXTRAL + INDICES, {
+        'v4-128': (8, 1, _microbatches(4))}, upcycles=False),
+    **_rows('llama3.1-8x8b', 'models/llama/llama3_1_8b.gin', MIXTRAL, {
+        'v4-128': (8, 1, _microbatches(8))}, upcycles=False),
+    **_rows('llama3.1-8x8b-indices', 'models/llama/llama3_1_8b.gin', MIXTRAL + INDICES, {
+        'v4-128': (8, 1, _microbatches(8))}, upcycles=False),
 }
 
 

@@ -366,10 +366,13 @@ def test_gcs_output_equals_the_local_one_and_is_refused_and_cleaned_alike(
   assert remote['t5x_msgpack'].tobytes() == msgpack
 
 
-def test_a_sharded_hf_llama_converts_to_drop_upcycled_mixtral_experts(tmp_path):
-  """Drop-Upcycling as its paper defines it, offline from a sharded HF Llama: each expert is
-  the dense MLP with the same half of the d_ff units (shared by gate, up and down
-  projections) redrawn; everything else is copied."""
+@pytest.mark.parametrize('drop', ['drop', 'drop(index_sharing="per_matrix")'],
+                         ids=['paper', 'official-code'])
+def test_a_sharded_hf_llama_converts_to_drop_upcycled_mixtral_experts(tmp_path, drop):
+  """Drop-Upcycling offline from a sharded HF Llama: each expert is the dense MLP with half of
+  its d_ff units redrawn from the mean and std of the values they replace; everything else is
+  copied. As the paper writes it, one set of units shared by the gate, up and down
+  projections; as the official code does it, a set drawn for each matrix."""
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   from upcycle import pretrained  # pylint: disable=g-import-not-at-top
@@ -382,7 +385,8 @@ def test_a_sharded_hf_llama_converts_to_drop_upcycled_mixtral_experts(tmp_path):
   assert (tmp_path / 'hf' / 'model.safetensors.index.json').exists()
   dense, dense_config = pretrained.load_hf(str(tmp_path / 'hf'))
   config = dataclasses.replace(dense_config, moe=llama_hf.mixtral_moe(4, 2, 0.02))
-  convert.convert(str(tmp_path / 'hf'), config, str(tmp_path / 'moe'), experts='drop',
+  convert.convert(str(tmp_path / 'hf'), config, str(tmp_path / 'moe'),
+                  experts=convert.parse_init(drop, experts.EXPERT_INITS, '--experts'),
                   router='uniform')
   moe = tree.flatten(pretrained.load(str(tmp_path / 'moe'), model_config=config).params)
   dense = tree.flatten(dense)
@@ -393,7 +397,13 @@ def test_a_sharded_hf_llama_converts_to_drop_upcycled_mixtral_experts(tmp_path):
       redrawn = [np.flatnonzero(np.any(gate[e] != dense[f'{mlp}/wi_0/kernel'], axis=0)),
                  np.flatnonzero(np.any(up[e] != dense[f'{mlp}/wi_1/kernel'], axis=0)),
                  np.flatnonzero(np.any(down[e] != dense[f'{mlp}/wo/kernel'], axis=1))]
-      assert len(redrawn[0]) == 24 and all(np.array_equal(r, redrawn[0]) for r in redrawn)
+      assert [len(r) for r in redrawn] == [24, 24, 24]
+      shared = all(np.array_equal(r, redrawn[0]) for r in redrawn)
+      assert shared == (drop == 'drop')
+      new = np.asarray(up[e][:, redrawn[1]], np.float64)
+      replaced = np.asarray(dense[f'{mlp}/wi_1/kernel'][:, redrawn[1]], np.float64)
+      assert abs(new.mean() - replaced.mean()) < 0.2 * replaced.std()
+      assert new.std() == pytest.approx(replaced.std(), rel=0.2)
     assert moe[f'{mlp}/router/router_weights/w/kernel'].std() == pytest.approx(0.02, rel=0.3)
   for path, leaf in dense.items():
     if '/mlp/' not in path:

@@ -14,6 +14,7 @@ from upcycle import export, fields, hf_export, pretrained, tree
 from upcycle.checkpoints.orbax import CheckpointManager
 from upcycle.data import tokenizer as tokenizer_lib
 from upcycle import upcycling
+from upcycle.upcycling.experts import Granular
 from upcycle.families import abstract_params
 from upcycle.models import Llama3RopeScaling, LlamaConfig, llama_hf, scan_layout
 
@@ -181,7 +182,8 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys):
                      r"Mixtral's attention has no biases, so this MoE is no MixtralForCausalLM"):
     hf_export.export(run, str(out), model_config=moe)
   for change, binding in ((dict(placement='every_other'), r'moe.MoeConfig.placement'),
-                          (dict(eval_capacity_factor=1.0), r'moe.MoeConfig.eval_capacity_factor'),
+                          (dict(eval_capacity_factor=1.0, dispatch='indices'),
+                           r'moe.MoeConfig.eval_capacity_factor'),
                           (dict(shared_expert=True), r'moe.MoeConfig.shared_expert')):
     odd = dataclasses.replace(FAMILIES['MistralForCausalLM'], moe=dataclasses.replace(
         llama_hf.mixtral_moe(num_experts=2, k=1, aux_loss_coef=0.01), **change))
@@ -194,15 +196,21 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys):
   assert os.listdir(out) == ['kept'] and sorted(os.listdir(tmp_path)) == ['hf', 'run']
 
 
-def test_a_copy_upcycled_llama_is_a_mixtral_with_the_dense_logits_in_transformers(tmp_path):
-  """Step-0 equality where users check it: a dense Llama upcycled with copied experts (4 of
-  them, top 2, renormalized weights), exported, and loaded by MixtralForCausalLM gives the
-  dense LlamaForCausalLM's logits; and the export reads back to the same parameters."""
+@pytest.mark.parametrize('experts, expert_d_ff', [('copy', 64), (Granular(2), 32)],
+                         ids=['copy', 'granular'])
+def test_an_upcycled_llama_is_a_mixtral_with_the_dense_logits_in_transformers(
+    tmp_path, experts, expert_d_ff):
+  """Step-0 equality where users check it: a dense Llama upcycled into 4 experts, top 2,
+  renormalized weights, exported, and loaded by MixtralForCausalLM gives the dense model's
+  logits; and the export reads back to the same parameters. Copied experts; or fine-grained
+  ones (each expert half the dense d_ff units, its down projection times 2, the two halves'
+  router rows tied, so top 2 takes a whole dense MLP)."""
   import transformers  # pylint: disable=g-import-not-at-top
   dense_config = FAMILIES['MistralForCausalLM']
   dense = _random(dense_config, seed=5)
-  config = dataclasses.replace(dense_config, moe=llama_hf.mixtral_moe(4, 2, 0.02))
-  params, _ = upcycling.upcycle(dense, abstract_params(config), experts='copy',
+  config = dataclasses.replace(dense_config, d_ff=expert_d_ff,
+                               moe=llama_hf.mixtral_moe(4, 2, 0.02))
+  params, _ = upcycling.upcycle(dense, abstract_params(config), experts=experts,
                                 router='normal', rng=0)
   run = _save_run(tmp_path / 'run', params)
   dense_run = _save_run(tmp_path / 'dense', dense)

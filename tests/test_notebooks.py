@@ -19,7 +19,8 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-NOTEBOOKS = ('upcycle_a_checkpoint.ipynb', 'routing.ipynb', 'ablations.ipynb')  # in this order
+NOTEBOOKS = ('upcycle_a_checkpoint.ipynb', 'routing.ipynb', 'ablations.ipynb',  # in this order
+             'upcycle_llama.ipynb')
 KERNEL = 'upcycle-test-python'
 
 

@@ -47,6 +47,18 @@ def llama_case():
   return model, (tokens(2, (8, 8), 64),), lambda logits: jnp.mean(logits ** 2)
 
 
+def llama_dropless_case(group_size=None):
+  """The Mixtral block's dropless dispatch: rows sorted and multiplied per batch shard."""
+  model = Llama(dataclasses.replace(LLAMA_MOE, moe=dataclasses.replace(
+      LLAMA_MOE.moe, dispatch='ragged', normalize_combine_weights=True, group_size=group_size)))
+  return model, (tokens(2, (8, 8), 64),), lambda logits: jnp.mean(logits ** 2)
+
+
+def llama_dropless_few_groups_case():
+  """4 routing groups of 16 tokens over 8 batch shards: each group is cut in two."""
+  return llama_dropless_case(group_size=16)
+
+
 @functools.lru_cache(maxsize=None)
 def unsharded(case):
   model, inputs, objective = case()
@@ -68,9 +80,11 @@ def loss_and_grads(model, inputs, objective):
     (t5_case, (2, 2, 2), 'default'), (t5_case, (1, 8, 1), 'default'),
     (vit_case, (2, 2, 2), 'default'), (vit_case, (1, 8, 1), 'default'),
     (t5_case, (4, 2, 1), 'fsdp'), (vit_case, (2, 2, 2), 'fsdp'),
-    (llama_case, (2, 2, 2), 'default'), (llama_case, (4, 2, 1), 'fsdp')],
+    (llama_case, (2, 2, 2), 'default'), (llama_case, (4, 2, 1), 'fsdp'),
+    (llama_dropless_case, (2, 2, 2), 'fsdp'), (llama_dropless_few_groups_case, (4, 2, 1), 'default')],
     ids=['t5-2x2x2', 't5-1x8x1', 'vit-2x2x2', 'vit-1x8x1', 't5-fsdp-4x2x1', 'vit-fsdp-2x2x2',
-         'llama-2x2x2', 'llama-fsdp-4x2x1'])
+         'llama-2x2x2', 'llama-fsdp-4x2x1', 'llama-ragged-fsdp-2x2x2',
+         'llama-ragged-few-groups-4x2x1'])
 def test_sharded_equals_unsharded(case, mesh_shape, rules):
   assert jax.device_count() == 8, 'tests/conftest.py simulates 8 CPU devices'
   model, inputs, objective, boxed, params, (expected_loss, expected_grads) = unsharded(case)

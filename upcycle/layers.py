@@ -5,12 +5,14 @@ Parameters are created in float32 (`param_dtype`) and cast to the compute `dtype
 """
 
 import functools
+import math
 from typing import Callable, Optional, Sequence, Tuple, Union
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 Array = jax.Array
 Axes = Tuple[Optional[str], ...]
@@ -31,11 +33,66 @@ def _as_tuple(x: Union[int, Sequence[int]]) -> Tuple[int, ...]:
   return (x,) if isinstance(x, int) else tuple(x)
 
 
+def _batch_axes() -> Tuple[str, ...]:
+  """The mesh axes (size > 1) the logical 'batch' axis is split over in the current mesh and
+  rules; () outside a mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return ()
+  spec = nn.logical_to_mesh_axes(('batch',))
+  axes = spec[0] if spec else None
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  return tuple(a for a in axes if mesh.shape[a] > 1)
+
+
+def per_batch_shard(fn: Callable, batched: Tuple[bool, ...], out_batched: Tuple[bool, ...]):
+  """`fn` run on each batch shard: arguments flagged in `batched` split on their leading axis
+  over the batch's mesh axes, the others whole; outputs likewise. Outside a mesh: `fn`."""
+  axes = _batch_axes()
+  if not axes:
+    return fn
+  mesh = jax.sharding.get_abstract_mesh()
+  spec = lambda split: PartitionSpec(axes) if split else PartitionSpec()
+  return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(b) for b in batched),
+                       out_specs=tuple(spec(b) for b in out_batched),
+                       axis_names=frozenset(mesh.axis_names))
+
+
+def batch_shards() -> int:
+  """How many shards the logical 'batch' axis has in the current mesh (1 outside one)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return math.prod(mesh.shape[a] for a in _batch_axes())
+
+
+def grouped_matmul(rows: Array, kernel: Array, group_sizes: Array,
+                   bias: Optional[Array] = None) -> Array:
+  """Each row by its expert's kernel: rows `[R, d_in]` sorted by expert, group_sizes
+  `[shards, E]` (`upcycle.moe.ragged.sort_by_expert`), kernel `[E, d_in, d_out]`, bias
+  `[E, d_out]` -> `[R, d_out]`, rows past the groups 0. One `jax.lax.ragged_dot` per shard."""
+
+  def local(rows, kernel, group_sizes, *bias):
+    sizes = group_sizes[0]
+    out = jax.lax.ragged_dot(rows, kernel, sizes)
+    if bias:
+      expert = jnp.repeat(jnp.arange(sizes.shape[0]), sizes, total_repeat_length=rows.shape[0])
+      counted = jnp.arange(rows.shape[0]) < jnp.sum(sizes)
+      out = out + jnp.where(counted[:, None], bias[0][expert], 0).astype(out.dtype)
+    return (out,)
+
+  args = (rows, kernel, group_sizes) + (() if bias is None else (bias,))
+  batched = (True, False, True, False)[:len(args)]
+  return per_batch_shard(local, batched, (True,))(*args)[0]
+
+
 class DenseGeneral(nn.Module):
   """Projection of the last `len(in_features)` axes onto `features`.
 
   The kernel has shape `[*in_features, *features]`, e.g. `[d_model, heads, head_dim]`
   for big_vision attention or `[d_model, heads * d_kv]` for T5X attention.
+
+  With `num_experts` = E: E kernels `[E, in, features]` (and biases `[E, features]`) on the
+  logical axis 'expert', as `nn.vmap` over experts makes them, applied to rows `[R, in]`
+  sorted by expert, `group_sizes` of them each (`upcycle.moe.ragged`).
   """
 
   features: Union[int, Sequence[int]]
@@ -46,9 +103,11 @@ class DenseGeneral(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
   kernel_init: Initializer = default_kernel_init
   bias_init: Initializer = nn.initializers.zeros
+  num_experts: Optional[int] = None
 
   @nn.compact
-  def __call__(self, x: Array) -> Array:
+  def __call__(self, x: Array, group_sizes: Optional[Array] = None) -> Array:
+    """x `[..., *in_features]`; with `num_experts`, x `[R, in]` and group_sizes `[shards, E]`."""
     features = _as_tuple(self.features)
     in_features = (x.shape[-1],) if self.in_features is None else _as_tuple(self.in_features)
     n_in = len(in_features)
@@ -59,6 +118,8 @@ class DenseGeneral(nn.Module):
       flat = self.kernel_init(rng, (int(np.prod(in_features)), int(np.prod(features))), dtype)
       return flat.reshape(shape)
 
+    if self.num_experts is not None:
+      return self._grouped(x, group_sizes, init, kernel_shape)
     kernel = self.param('kernel', nn.with_logical_partitioning(init, self.kernel_axes),
                         kernel_shape, self.param_dtype)
     kernel = jnp.asarray(kernel, self.dtype)
@@ -70,6 +131,25 @@ class DenseGeneral(nn.Module):
                         features, self.param_dtype)
       y = y + jnp.asarray(bias, self.dtype)
     return y
+
+  def _grouped(self, x: Array, group_sizes: Array, init: Initializer, kernel_shape) -> Array:
+    experts = self.num_experts
+
+    def per_expert(initializer):     # each expert drawn on its own, as under nn.vmap
+      return lambda rng, shape, dtype: jax.vmap(lambda r: initializer(r, shape[1:], dtype))(
+          jax.random.split(rng, experts))
+
+    axes = ('expert',) + tuple(self.kernel_axes)
+    kernel = self.param('kernel', nn.with_logical_partitioning(per_expert(init), axes),
+                        (experts,) + kernel_shape, self.param_dtype)
+    bias = None
+    if self.use_bias:
+      bias_axes = ('expert',) + tuple(self.kernel_axes[len(kernel_shape) - 1:])
+      bias = self.param('bias', nn.with_logical_partitioning(per_expert(self.bias_init), bias_axes),
+                        (experts, kernel_shape[-1]), self.param_dtype)
+      bias = jnp.asarray(bias, self.dtype)
+    return grouped_matmul(jnp.asarray(x, self.dtype), jnp.asarray(kernel, self.dtype),
+                                 group_sizes, bias)
 
 
 class RMSNorm(nn.Module):
@@ -128,6 +208,7 @@ class GatedMlp(nn.Module):
   Kernels: wi_0 (the gate), wi_1 `[d_model, d_ff]`, wo `[d_ff, d_model]`. Rank agnostic, so
   the MoE layer can vmap it over experts. `intermediate_axes=None` leaves the
   hidden activation unconstrained (inside the experts the MoE layer constrains).
+  `num_experts`: E experts' kernels `[E, ...]` over rows sorted by expert (`DenseGeneral`).
   """
 
   d_ff: int
@@ -135,37 +216,44 @@ class GatedMlp(nn.Module):
   dtype: jnp.dtype = jnp.float32
   intermediate_axes: Optional[Axes] = ('batch', 'length', 'mlp')
   activation: str = 'gelu'   # a key of GATE_ACTIVATIONS
+  num_experts: Optional[int] = None
 
   @nn.compact
-  def __call__(self, x: Array, deterministic: bool) -> Array:
-    dense = functools.partial(DenseGeneral, dtype=self.dtype)
-    gate = GATE_ACTIVATIONS[self.activation](dense(self.d_ff, ('embed', 'mlp'), name='wi_0')(x))
-    linear = dense(self.d_ff, ('embed', 'mlp'), name='wi_1')(x)
-    h = constrain(gate * linear, self.intermediate_axes)
+  def __call__(self, x: Array, deterministic: bool,
+               group_sizes: Optional[Array] = None) -> Array:
+    dense = functools.partial(DenseGeneral, dtype=self.dtype, num_experts=self.num_experts)
+    gate = dense(self.d_ff, ('embed', 'mlp'), name='wi_0')(x, group_sizes)
+    linear = dense(self.d_ff, ('embed', 'mlp'), name='wi_1')(x, group_sizes)
+    h = constrain(GATE_ACTIVATIONS[self.activation](gate) * linear, self.intermediate_axes)
     h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
-    return dense(x.shape[-1], ('mlp', 'embed'), name='wo')(h)
+    return dense(x.shape[-1], ('mlp', 'embed'), name='wo')(h, group_sizes)
 
 
 class Mlp(nn.Module):
-  """ViT feed-forward with biases: Dense_1(dropout(gelu(Dense_0 x))) (big_vision MlpBlock)."""
+  """ViT feed-forward with biases: Dense_1(dropout(gelu(Dense_0 x))) (big_vision MlpBlock).
+
+  `num_experts`: E experts' kernels and biases over rows sorted by expert (`DenseGeneral`).
+  """
 
   mlp_dim: int
   dropout_rate: float = 0.0
   approximate_gelu: bool = True
   dtype: jnp.dtype = jnp.float32
   intermediate_axes: Optional[Axes] = ('batch', 'length', 'mlp')
+  num_experts: Optional[int] = None
 
   @nn.compact
-  def __call__(self, x: Array, deterministic: bool) -> Array:
+  def __call__(self, x: Array, deterministic: bool,
+               group_sizes: Optional[Array] = None) -> Array:
     dense = functools.partial(
-        DenseGeneral, use_bias=True, dtype=self.dtype,
+        DenseGeneral, use_bias=True, dtype=self.dtype, num_experts=self.num_experts,
         kernel_init=nn.initializers.xavier_uniform(),
         bias_init=nn.initializers.normal(stddev=1e-6))
-    h = nn.gelu(dense(self.mlp_dim, ('embed', 'mlp'), name='Dense_0')(x),
+    h = nn.gelu(dense(self.mlp_dim, ('embed', 'mlp'), name='Dense_0')(x, group_sizes),
                 approximate=self.approximate_gelu)
     h = constrain(h, self.intermediate_axes)
     h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
-    return dense(x.shape[-1], ('mlp', 'embed'), name='Dense_1')(h)
+    return dense(x.shape[-1], ('mlp', 'embed'), name='Dense_1')(h, group_sizes)
 
 
 def attention_bias_from_mask(mask: Array, dtype=jnp.float32) -> Array:

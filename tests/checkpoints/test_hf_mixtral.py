@@ -1,5 +1,6 @@
 """HuggingFace Mixtral checkpoints (per-expert tensors, as `save_pretrained` writes them) read
-into the Llama MoE give transformers' `MixtralForCausalLM` logits and auxiliary loss."""
+into the Llama MoE give transformers' `MixtralForCausalLM` logits and auxiliary loss, and
+greedy decoding gives its `generate` tokens."""
 
 import json
 import os
@@ -11,6 +12,8 @@ import pytest
 from tests import hf_files
 from upcycle import fields, pretrained
 from upcycle.checkpoints import CheckpointError
+from upcycle.decoding import DecodeConfig
+from upcycle.decoding import llama as llama_decoding
 from upcycle.models import Llama
 from upcycle.moe import MOE_COLLECTIONS, aux_losses
 
@@ -74,6 +77,27 @@ def test_logits_and_load_balancing_loss_match_transformers(saved):
   # transformers' load_balancing_loss_func over both layers' router logits, padding masked.
   np.testing.assert_allclose(aux_losses(state)['load_balancing_loss'], out.aux_loss.item(),
                              rtol=1e-5)
+
+
+def test_greedy_decoding_matches_generate(saved):
+  """Left-padded prompts of 12, 5 and 1 tokens, 8 new tokens each; the experts dropless
+  ('ragged'), each decode step's token routed on its own, as HF routes it."""
+  import torch  # pylint: disable=g-import-not-at-top
+  directory, reference = saved
+  params, config = pretrained.load_hf(directory)
+  assert config.moe.dispatch == 'ragged'
+  tokens, mask = _batch()
+  tokens, mask = np.where(mask[[0, 2, 2]] == 1, tokens, 0), mask[[0, 2, 2]]
+  mask[2, :LENGTH - 1] = 0
+  tokens = np.where(mask == 1, tokens, 0)
+  reference.generation_config.eos_token_id = None
+  with torch.no_grad():   # (no router logits: HF's aux loss does not take a growing mask)
+    theirs = reference.generate(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask),
+                                max_new_tokens=8, do_sample=False, num_beams=1, pad_token_id=0,
+                                output_router_logits=False)
+  decode = llama_decoding.make_decode_fn(Llama(config), DecodeConfig(method='greedy'), 8)
+  ours, _ = decode(params, tokens.astype(np.int32), mask.astype(np.int32), jax.random.PRNGKey(0))
+  np.testing.assert_array_equal(np.asarray(ours), theirs[:, LENGTH:].numpy())
 
 
 def test_a_missing_expert_is_named(saved, tmp_path):

@@ -3,7 +3,8 @@
 Counts the matrix multiplications (2 FLOPs per multiply-add), which dominate; norms,
 softmaxes, activations, the router's top-k and the MoE dispatch/combine (a gather/scatter
 with `dispatch='indices'`) are left out. A training step is 3 forward passes (the backward
-pass costs two). An MoE block computes its experts on every capacity slot, filled or not:
+pass costs two). An MoE block computes its experts on every capacity slot, filled or not
+(with `dispatch='ragged'`, on each token's k choices only):
 groups x E x capacity slots of one expert MLP each, plus the router (d x E per token), with
 the training capacity factor and the grouping of `MoeConfig` (padding included), and its
 shared expert (`MoeConfig.shared_expert`) on every token.
@@ -32,7 +33,10 @@ def _mlp_block(moe: Optional[MoeConfig], batch: int, length: int, d: int, d_ff: 
   if moe is None:
     return tokens * d_ff * unit_flops
   plan = moe.group_plan(batch, length)
-  slots = plan.num_groups * moe.num_experts * moe.capacity(plan.group_size, deterministic=False)
+  if moe.dispatch == 'ragged':     # dropless: each token's k rows, nothing more
+    slots = plan.num_groups * plan.group_size * moe.k
+  else:
+    slots = plan.num_groups * moe.num_experts * moe.capacity(plan.group_size, deterministic=False)
   shared = tokens * (moe.shared_d_ff(d_ff) or 0) * unit_flops
   return slots * d_ff * unit_flops + 2 * tokens * d * moe.num_experts + shared
 

@@ -95,14 +95,14 @@ def _sliding_window(hf: Mapping[str, Any], model_type: str, max_length: Optional
 def mixtral_moe(num_experts: int, k: int, aux_loss_coef: float) -> MoeConfig:
   """The MoE block transformers' MixtralSparseMoeBlock computes: router logits in float32,
   softmax over the E experts, the top k renormalized to sum to 1, every token processed by
-  its k experts (capacity factor E: a group's every token fits each expert), every layer
-  MoE; `load_balancing_loss_func`'s loss (E x sum_e f_e p_e over all layers' and all real
+  its k experts (the dropless 'ragged' dispatch; the capacity factors E, unused by it, give
+  'indices' or 'masked' a slot for every token too), every layer MoE; `load_balancing_loss_func`'s loss (E x sum_e f_e p_e over all layers' and all real
   tokens' choices together) weighted by `router_aux_loss_coef`; no z-loss."""
   return MoeConfig(
       num_experts=num_experts, router='tokens_choose', k=k,
       train_capacity_factor=float(num_experts), eval_capacity_factor=float(num_experts),
       capacity_convention='vmoe', capacity_multiple_of=1, normalize_combine_weights=True,
-      placement='all', dispatch='indices', load_balancing_loss_weight=aux_loss_coef,
+      placement='all', dispatch='ragged', load_balancing_loss_weight=aux_loss_coef,
       load_balancing_scope='batch', load_balancing_layers='pooled', router_z_loss_weight=0.0,
       ignore_padding_tokens=True)
 
@@ -178,11 +178,11 @@ def _check_mixtral(config) -> None:
   elif not moe.normalize_combine_weights:
     why = (f'{binding("normalize_combine_weights")} = False: Mixtral renormalizes the top k '
            'weights to sum to 1', 'normalize_combine_weights = True')
-  elif min(moe.train_capacity_factor, moe.eval_capacity_factor) * (
+  elif moe.dispatch != 'ragged' and min(moe.train_capacity_factor, moe.eval_capacity_factor) * (
       moe.k if moe.capacity_convention == 'vmoe' else 1) < moe.num_experts:
     why = (f'{binding("eval_capacity_factor")} / train_capacity_factor: an expert\'s capacity '
            'can drop tokens, and Mixtral processes every token with its k experts',
-           f'capacity factors of at least {moe.num_experts} (moe/mixtral.gin)')
+           f"dispatch = 'ragged' (dropless) or capacity factors of at least {moe.num_experts}")
   if why:
     raise fields.ConfigError(f'{why[0]}, so this MoE is no MixtralForCausalLM. Fix: train it '
                              f'with {why[1]}, or export it with --format=t5x.')

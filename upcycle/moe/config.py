@@ -8,7 +8,7 @@ from upcycle.moe import grouping
 from upcycle.moe.placement import sparse_layer_indices
 
 ROUTERS = ('experts_choose', 'tokens_choose')
-DISPATCHES = ('masked', 'indices')
+DISPATCHES = ('masked', 'indices', 'ragged')
 CAPACITY_CONVENTIONS = ('vmoe', 't5x')
 LOAD_BALANCING_SCOPES = ('group', 'batch')
 LOAD_BALANCING_LAYERS = ('separate', 'pooled')
@@ -61,7 +61,11 @@ class MoeConfig:
       not change with the number of devices. 1 = one copy of each expert
       (Flaxformer on a mesh with data * expert * model = E devices, or fewer).
     dispatch: 'masked' (one-hot einsum, TPU friendly) or 'indices'
-      (gather/scatter, CPU/GPU friendly). Both compute the same function.
+      (gather/scatter, CPU/GPU friendly), the same function of the capacity slots; or
+      'ragged' (Top-K only): dropless, each token's K choices sorted by expert and the
+      experts run as grouped matmuls (`jax.lax.ragged_dot`) on exactly the rows that chose
+      them; the capacity factors are then not used (it equals the other two with a capacity
+      of the whole group, `capacity` returns the group size).
     load_balancing_loss_weight: weight of the Switch load-balancing loss
       E * mean_g sum_e f_ge * p_ge, f_ge the fraction of group g's tokens that chose
       expert e among their K (summing to K), p_ge their mean router probability of e
@@ -158,6 +162,11 @@ class MoeConfig:
           f'{fields.binding(self, "max_group_size")} = {self.max_group_size}: set one of them '
           f'(group_size: fixed groups; max_group_size: Flaxformer\'s rule).')
     fields.choice(self, 'dispatch', DISPATCHES)
+    if self.dispatch == 'ragged' and self.router != 'tokens_choose':
+      raise fields.ConfigError(
+          f"{fields.binding(self, 'dispatch')} = 'ragged' is dropless Top-K: each token's k "
+          f"choices, with no capacity. Set {fields.binding(self, 'router')} = 'tokens_choose', "
+          f"or keep Expert Choice with dispatch 'masked' or 'indices'.")
     fields.number(self, 'load_balancing_loss_weight', 0.0)
     fields.choice(self, 'load_balancing_scope', LOAD_BALANCING_SCOPES)
     fields.choice(self, 'load_balancing_layers', LOAD_BALANCING_LAYERS)
@@ -191,7 +200,10 @@ class MoeConfig:
         num_experts=self.num_experts, num_expert_replicas=self.num_expert_replicas)
 
   def capacity(self, group_size: int, deterministic: bool) -> int:
-    """Slots per expert and group of `group_size` tokens (see `capacity_convention`)."""
+    """Slots per expert and group of `group_size` tokens (see `capacity_convention`); the
+    whole group for the dropless 'ragged' dispatch."""
+    if self.dispatch == 'ragged':
+      return group_size
     factor = self.eval_capacity_factor if deterministic else self.train_capacity_factor
     if self.capacity_convention == 't5x':
       # Flaxformer's MoeLayer.__call__: int(round(C * S / E)), then the minimum.

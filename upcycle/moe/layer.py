@@ -1,4 +1,8 @@
-"""`MoeLayer`: grouping -> router -> dispatch -> vmapped experts -> combine.
+"""`MoeLayer`: grouping -> router -> dispatch -> experts -> combine.
+
+Dispatches: 'masked' and 'indices' fill each expert's capacity slots `[E, G, C, d]` and run
+the experts vmapped over them; 'ragged' is dropless: each token's K copies sorted by expert,
+the experts as grouped matmuls over the sorted rows (`upcycle.moe.ragged`).
 
 The layer stands where the dense MLP stood, under the same name. Its parameters:
   expert/<dense MLP params with a leading expert axis>   e.g. expert/wi_0/kernel [E, d_model, d_ff]
@@ -33,7 +37,7 @@ import jax.numpy as jnp
 
 from upcycle import tree
 from upcycle.layers import DenseGeneral, constrain
-from upcycle.moe import grouping, routing
+from upcycle.moe import grouping, ragged, routing
 from upcycle.moe.config import MoeConfig
 
 Array = jax.Array
@@ -116,7 +120,7 @@ def dispatch_indices(x: Array, decision: routing.RoutingDecision, experts_fn) ->
   return jnp.zeros_like(x).at[g, index].add(expert_out * weight, mode='promise_in_bounds')
 
 
-DISPATCH = {'masked': dispatch_masked, 'indices': dispatch_indices}
+SLOT_DISPATCH = {'masked': dispatch_masked, 'indices': dispatch_indices}
 
 
 class MoeLayer(nn.Module):
@@ -182,16 +186,29 @@ class MoeLayer(nn.Module):
       statistics = routing.load_balancing_statistics(
           probs, jax.lax.top_k(probs, cfg.k)[1], cfg.load_balancing_scope, mask)
     self._sow_metrics(probs, decision, mask)
-    if cfg.normalize_combine_weights:
-      decision = routing.normalize_combine_weights(decision, tokens)
+    if cfg.dispatch == 'ragged':
+      out = self._dropless(grouped, probs, mask, deterministic)
+    else:
+      if cfg.normalize_combine_weights:
+        decision = routing.normalize_combine_weights(decision, tokens)
+      out = SLOT_DISPATCH[cfg.dispatch](grouped, decision, self._vmapped_experts(deterministic))
 
+    self.sow('router_logits', 'logits', grouping.ungroup_tokens(logits, batch, length, plan))
+    self._sow_aux_losses(statistics, routing.router_z_loss(logits, mask))
+    out = grouping.ungroup_tokens(out, batch, length, plan)
+    if self.shared_expert is None:
+      return out
+    return out + self.shared_expert(name=tree.SHARED_EXPERT)(x, deterministic)
+
+  def _vmapped_experts(self, deterministic: bool) -> Callable[[Array], Array]:
+    """The experts on their capacity slots: `[E, G, C, d] -> [E, G, C, d]`."""
     experts = nn.vmap(
         self.expert, in_axes=(0, None), out_axes=0,
         variable_axes={'params': 0}, split_rngs={'params': True, 'dropout': True},
         metadata_params={nn.PARTITION_NAME: 'expert'},  # the logical axis
     )(intermediate_axes=None, name=tree.EXPERT)
 
-    def run_experts(expert_in: Array) -> Array:
+    def run(expert_in: Array) -> Array:
       # [E, G, C, d] -> [E, G*C, d]: each expert multiplies one matrix of its slots. Handing
       # the experts [E, G, C, d] instead costs ~25% more time on CPU (two free dimensions
       # in every dot of the backward pass).
@@ -200,14 +217,28 @@ class MoeLayer(nn.Module):
       expert_out = constrain(experts(slots, deterministic), EXPERT_SLOT_AXES)
       return expert_out.reshape(num_experts, groups, capacity, -1)
 
-    out = DISPATCH[cfg.dispatch](grouped, decision, run_experts)
+    return run
 
-    self.sow('router_logits', 'logits', grouping.ungroup_tokens(logits, batch, length, plan))
-    self._sow_aux_losses(statistics, routing.router_z_loss(logits, mask))
-    out = grouping.ungroup_tokens(out, batch, length, plan)
-    if self.shared_expert is None:
-      return out
-    return out + self.shared_expert(name=tree.SHARED_EXPERT)(x, deterministic)
+  def _dropless(self, grouped: Array, probs: Array, mask: Optional[Array],
+                deterministic: bool) -> Array:
+    """'ragged': every token through its K experts. grouped `[G, S, d]`, probs `[G, S, E]`,
+    mask `[G, S]` (False: padding, through no expert) -> `[G, S, d]`."""
+    cfg = self.config
+    gates, expert_index = jax.lax.top_k(probs, cfg.k)                 # [G, S, K]
+    routed = jnp.ones(gates.shape, bool) if mask is None else jnp.broadcast_to(
+        mask[..., None], gates.shape)
+    if cfg.normalize_combine_weights:
+      gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    weights = jnp.where(routed, gates, 0.0)
+    groups, tokens, d = grouped.shape
+    parts = ragged.split_for_shards(groups, tokens)   # as many token sets as shards, or more
+    cut = lambda x: x.reshape((groups * parts, tokens // parts) + x.shape[2:])
+    rows, group_sizes, order, inverse = ragged.sort_by_expert(
+        cut(grouped), cut(expert_index), cut(routed), cfg.num_experts)
+    experts = self.expert(intermediate_axes=None, num_experts=cfg.num_experts, name=tree.EXPERT)
+    out = experts(rows, deterministic, group_sizes)
+    out = ragged.unsort_and_combine(out, inverse, order, cut(weights), cut(routed))
+    return out.reshape(groups, tokens, d)
 
   def _sow_aux_losses(self, statistics: Optional[Tuple[Array, Array]], z_loss: Array) -> None:
     """statistics: the load-balancing (f, p) `[groups, experts]`, None for Expert Choice."""

@@ -1,0 +1,103 @@
+"""Several HF Llama directories upcycled into one Mixtral in the restore hook: Branch-Train-MiX
+(each expert one branch's MLP, everything else the branches' mean) and UpIT's expansion (the
+sources' MLPs, then DARE merges around the base model), compared with the safetensors files
+read directly."""
+
+import dataclasses
+import functools
+import json
+import os
+
+import numpy as np
+import pytest
+
+from tests import hf_files
+from upcycle.models import Llama, LlamaConfig, llama_hf
+from upcycle.train import objectives, optimizers, partitioning
+from upcycle.train.restore import UpcycleFromDense
+from upcycle.train.trainer import TrainConfig, Trainer
+from upcycle.upcycling import sources
+
+E = 4
+
+
+@pytest.fixture(scope='module')
+def branches(tmp_path_factory):
+  """A base Llama and two branches of it (its weights perturbed two ways), as HF directories;
+  the Mixtral trainer on 8 devices and its abstract state."""
+  import transformers  # pylint: disable=g-import-not-at-top
+  build = lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+      vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=4, tie_word_embeddings=False))
+  root = tmp_path_factory.mktemp('branches')
+  dirs = {name: str(root / name) for name in ('base', 'a', 'b')}
+  for seed, name in enumerate(dirs, 1):
+    hf_files.save_perturbed(build, dirs[name], seed=seed)
+  dense = LlamaConfig.from_hf_config(json.load(open(os.path.join(dirs['a'], 'config.json'))))
+  config = dataclasses.replace(dense, moe=llama_hf.mixtral_moe(E, 2, 0.02))
+  train_config = TrainConfig(model_dir='unused', train_steps=1, batch_size=8,
+                             num_expert_partitions=2)
+  optimizer = optimizers.AdamW(optimizers.warmup_decay_schedule(1e-3, 1, 4))
+  trainer = Trainer(objectives.CausalLm(Llama(config)), optimizer, train_config, train_data=None)
+  batch = {key: np.zeros((8, 8), np.int32) for key in (
+      'decoder_input_tokens', 'decoder_target_tokens', 'decoder_loss_weights',
+      'decoder_segment_ids', 'decoder_positions')}
+  with partitioning.activate(trainer.mesh):
+    abstract = trainer.abstract_state(batch)
+  return dirs, trainer, abstract
+
+
+def _safetensors(directory):
+  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+  return load_file(os.path.join(directory, 'model.safetensors'))
+
+
+def _run(trainer, abstract, hook):
+  with partitioning.activate(trainer.mesh):
+    return hook(abstract, trainer.optimizer).params
+
+
+# Our MLP kernels -> HF's projections (ours are their weights transposed).
+MLP = {'wi_0': 'gate_proj', 'wi_1': 'up_proj', 'wo': 'down_proj'}
+
+
+@pytest.mark.slow
+def test_branch_train_mix_from_hf_llamas(branches):
+  dirs, trainer, abstract = branches
+  hook = UpcycleFromDense([dirs['a'], dirs['b']], router='uniform', experts=functools.partial(
+      sources.FromCheckpoints, assignment=(0, 1, 1, 0)))
+  params = _run(trainer, abstract, hook)
+  a, b = _safetensors(dirs['a']), _safetensors(dirs['b'])
+  for layer in range(2):
+    moe = params['decoder'][f'layers_{layer}']['mlp']
+    for ours, theirs in MLP.items():
+      name = f'model.layers.{layer}.mlp.{theirs}.weight'
+      want = np.stack([a[name].T, b[name].T, b[name].T, a[name].T])
+      np.testing.assert_array_equal(np.asarray(moe['expert'][ours]['kernel']), want)
+    query = params['decoder'][f'layers_{layer}']['self_attention']['query']['kernel']
+    name = f'model.layers.{layer}.self_attn.q_proj.weight'
+    np.testing.assert_allclose(np.asarray(query).reshape(16, -1),
+                               ((a[name] + b[name]) / 2).T, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(params['token_embedder']['embedding']),
+                             (a['model.embed_tokens.weight'] + b['model.embed_tokens.weight']) / 2,
+                             rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_upit_expansion_from_hf_llamas_merges_around_the_base(branches):
+  dirs, trainer, abstract = branches
+  hook = UpcycleFromDense([dirs['a'], dirs['b']], router='uniform', experts=functools.partial(
+      sources.Merge, method='dare', drop_rate=0.5, dare_base=dirs['base']))
+  params = _run(trainer, abstract, hook)
+  a, b, base = (_safetensors(dirs[name]) for name in ('a', 'b', 'base'))
+  name = 'model.layers.1.mlp.gate_proj.weight'
+  kernel = np.asarray(params['decoder']['layers_1']['mlp']['expert']['wi_0']['kernel'])
+  np.testing.assert_array_equal(kernel[0], a[name].T)
+  np.testing.assert_array_equal(kernel[1], b[name].T)
+  # Expert 2 is DARE of a and b around the base: each delta entry kept (times 1 / (1 - 0.5))
+  # or dropped, the two averaged, so every entry is one of four values.
+  da, db, merged = (a[name] - base[name]).T, (b[name] - base[name]).T, kernel[2] - base[name].T
+  candidates = np.stack([np.zeros_like(da), da, db, da + db])   # (kept / 0.5) / 2 each
+  assert np.all(np.min(np.abs(merged[None] - candidates), axis=0) <= 1e-5)
+  kept_a = np.isclose(merged, da, atol=1e-5) | np.isclose(merged, da + db, atol=1e-5)
+  assert 0.35 < kept_a.mean() < 0.65            # about half of a's delta kept
