@@ -19,8 +19,11 @@ state (`runs/vit_upcycle.gin` reuses it; a scanned model cannot take unrolled sl
 checkpoint written here has none). Llama-3.2-1B and Llama-3.1-8B: dense pretraining
 (runs/llm_pretrain.gin, AdamW) at batch 128 x 4096 tokens, bfloat16 activations, full remat,
 scanned layers, `LOGICAL_AXIS_RULES='fsdp'` (parameters and AdamW moments split over 'data'),
-gradient accumulation where the step needs it; no restore hook. `--merge FILE` keeps the rows
-of an earlier JSON that this run does not redo.
+gradient accumulation where the step needs it; no restore hook. Llama -> Mixtral
+(`drop-8x1.5b`, `drop-8x3.7b`, `llama3.1-8x8b`): the same with `moe/mixtral.gin` (8 experts in
+every layer, top 2, dropless 'ragged'), 8 expert partitions; the `-indices` rows hold every token
+in capacity slots instead. `--merge FILE` keeps the rows of an earlier JSON that this run does
+not redo.
 """
 
 import argparse
@@ -48,7 +51,8 @@ LLAMA = ('--gin_file=runs/llm_pretrain.gin', '--gin.BATCH_SIZE=128',
 # trained as the Llamas above; '--indices' rows hold every token in capacity slots instead.
 MIXTRAL = LLAMA + ('--gin_file=moe/mixtral.gin',)
 INDICES = ("--gin.moe.MoeConfig.dispatch='indices'",)
-SLICES = {'v4-32': 'v4:2x2x4', 'v4-64': 'v4:2x4x4', 'v4-128': 'v4:4x4x4'}   # name: topology
+SLICES = {'v4-32': 'v4:2x2x4', 'v4-64': 'v4:2x4x4', 'v4-128': 'v4:4x4x4',
+          'v4-256': 'v4:4x4x8'}   # name: topology
 
 
 class Row(NamedTuple):
@@ -96,7 +100,8 @@ ROWS = {
     **_rows('drop-8x3.7b-indices', 'models/llama/drop_upcycling_3_7b.gin', MIXTRAL + INDICES, {
         'v4-128': (8, 1, _microbatches(4))}, upcycles=False),
     **_rows('llama3.1-8x8b', 'models/llama/llama3_1_8b.gin', MIXTRAL, {
-        'v4-128': (8, 1, _microbatches(8))}, upcycles=False),
+        'v4-128': (8, 1, _microbatches(8)), 'v4-256': (8, 1, _microbatches(4))},
+        upcycles=False),
     **_rows('llama3.1-8x8b-indices', 'models/llama/llama3_1_8b.gin', MIXTRAL + INDICES, {
         'v4-128': (8, 1, _microbatches(8))}, upcycles=False),
 }

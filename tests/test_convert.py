@@ -176,6 +176,14 @@ def _write(path, text):
   return path
 
 
+def test_an_output_name_of_250_characters_converts_and_is_replaced(source, tmp_path):
+  """The hidden work and replaced directories beside it fit the filesystem's 255 bytes."""
+  out = tmp_path / ('c' * 250)
+  assert _main(source, out) == 0
+  assert _main(source, out, '--overwrite', '--experts', DROP) == 0
+  assert os.listdir(tmp_path) == [out.name] and os.listdir(out)
+
+
 def test_dry_run_prints_the_report_and_writes_nothing(source, tmp_path, capsys):
   out = tmp_path / 'moe'
   assert _main(source, out, '--dry_run', '--router', 'zeros', '--step', 'reset') == 0

@@ -1,8 +1,10 @@
 """Errors a user can cause in `train`, `eval` and `infer` end in one line that names the gin
 binding and the fix, and no traceback (--verbose shows it): a source checkpoint that is an
-MoE, of another family or another size; feature lengths that are no mapping; experts the
-expert axis does not divide; a batch the devices do not divide; a MODEL_DIR that is a file, a
-dangling link, too long a name or under a file; a batch size of 0. The entry points' mains
+MoE, of another family or another size; feature lengths that are no mapping, or with which
+span corruption corrupts nothing or cuts the targets; a binding gin cannot parse (an unquoted
+string, an unclosed bracket); experts the expert axis does not divide; a batch the devices do
+not divide; a MODEL_DIR that is a file, a dangling link, too long a name, under a file or
+inside the source checkpoint; a batch size of 0. The entry points' mains
 run in this process (8 CPU devices), two of them as real processes to show the whole
 output."""
 
@@ -95,6 +97,16 @@ def paths(tmp_path):
      "decoder/layers_1/mlp/expert/wi_0/kernel has 6 along 'expert', split over "
      'trainer.TrainConfig.num_expert_partitions = 4, which does not divide it. Fix: make '
      'NUM_EXPERTS a multiple of 4, or trainer.TrainConfig.num_expert_partitions a divisor of 6.'),
+    (["--gin.TASK_FEATURE_LENGTHS={'inputs': 4, 'targets': 2}"],
+     "text.TextPipeline.feature_lengths = {'inputs': 4, 'targets': 2} (TASK_FEATURE_LENGTHS): "
+     'Span corruption with inputs length 4 (noise density 0.15, mean span 3.0) leaves no room '
+     'for a corrupted span: the examples would be their text copied, with no sentinel in the '
+     "inputs. Set the task feature lengths to at least {'inputs': 10, 'targets': 4}."),
+    (["--gin.TASK_FEATURE_LENGTHS={'inputs': 128, 'targets': 4}"],
+     "text.TextPipeline.feature_lengths = {'inputs': 128, 'targets': 4} (TASK_FEATURE_LENGTHS): "
+     'Span corruption with inputs length 128 (noise density 0.15, mean span 3.0) makes targets '
+     'of up to 29 tokens, but the targets feature length is 4. Set the task feature lengths to '
+     "{'inputs': 128, 'targets': 29}."),
 ])
 def test_a_config_the_mesh_or_the_data_cannot_take(flags, error, entry_points, tmp_path,
                                                    capsys):
@@ -102,6 +114,31 @@ def test_a_config_the_mesh_or_the_data_cannot_take(flags, error, entry_points, t
                      capsys)
   assert message == f'error: {error}'
   assert os.listdir(tmp_path) == []
+
+
+def test_a_model_dir_inside_the_source_is_refused_before_anything_is_written(
+    entry_points, tmp_path, capsys):
+  source = t5x_writer.write(str(tmp_path / 'dense'), 6, helpers.random_params(helpers.TINY_T5))
+  before = helpers.snapshot(source)
+  message = _refusal(train_main.main, UPCYCLE + [f"--gin.INITIAL_CHECKPOINT_PATH='{source}'",
+                                                 f"--gin.MODEL_DIR='{source}/moe'"], capsys)
+  assert message == (
+      f"error: trainer.TrainConfig.model_dir = '{source}/moe' lies inside the source checkpoint "
+      f'{source}, which a run only reads (UpcycleFromDense.checkpoint, INITIAL_CHECKPOINT_PATH). '
+      f'Fix: give the run a directory of its own, outside it.')
+  assert helpers.snapshot(source) == before
+
+
+@pytest.mark.parametrize('binding, error', [
+    ("--gin.MODEL_DIR=/tmp/run", "gin configuration error: the binding 'MODEL_DIR = /tmp/run': "
+     "Unable to parse value. A string value is quoted for gin inside the shell's quotes: "
+     "--gin.MODEL_DIR=\"'/tmp/run'\"."),
+    ("--gin.TASK_FEATURE_LENGTHS={'inputs': 4", 'gin configuration error: the binding '
+     "\"TASK_FEATURE_LENGTHS = {'inputs': 4\" does not close its brackets or quotes (EOF in "
+     'multi-line statement).'),
+])
+def test_a_binding_gin_cannot_parse_is_named(binding, error, entry_points, capsys):
+  assert _refusal(train_main.main, PRETRAIN + [binding], capsys) == error
 
 
 @pytest.mark.parametrize('kind, error', [

@@ -66,6 +66,7 @@ leaves an OUTPUT_DIR without markers (refused as non-empty: rerun with --overwri
 import argparse
 import ast
 import glob
+import hashlib
 import logging
 import os
 import re
@@ -178,8 +179,18 @@ def _check_url_paths(source: str, resolved: str, output_dir: str, overwrite: boo
     raise _exists_refusal(output_dir)
 
 
+def _hidden_prefix(output_dir: str, kind: str) -> str:
+  """The prefix of a hidden sibling of `output_dir` ('.NAME.<kind>-'); a name too long to
+  carry it within the filesystem's 255 bytes is cut and told apart by its digest."""
+  name = os.path.basename(output_dir)
+  if len(name.encode()) > 200:
+    digest = hashlib.sha256(name.encode()).hexdigest()[:16]
+    name = f'{name.encode()[:160].decode(errors="ignore")}-{digest}'
+  return os.path.join(os.path.dirname(output_dir), f'.{name}.{kind}-')
+
+
 def _work_prefix(output_dir: str) -> str:
-  return os.path.join(os.path.dirname(output_dir), f'.{os.path.basename(output_dir)}.converting-')
+  return _hidden_prefix(output_dir, 'converting')
 
 
 def _running(output_dir: str, work: str) -> ConvertError:
@@ -226,7 +237,7 @@ def _replace(tmp: str, output_dir: str) -> None:
   """Renames `tmp` to `output_dir`; an old output is moved aside first, deleted last."""
   old = None
   if os.path.lexists(output_dir):
-    old = tempfile.mkdtemp(prefix=f'.{os.path.basename(output_dir)}.replaced-',
+    old = tempfile.mkdtemp(prefix=os.path.basename(_hidden_prefix(output_dir, 'replaced')),
                            dir=os.path.dirname(output_dir))
     os.rename(output_dir, os.path.join(old, 'output'))
   os.rename(tmp, output_dir)

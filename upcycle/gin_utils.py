@@ -17,9 +17,11 @@ nothing); so are T5X's macros and flags that mean nothing here, with what to use
 import argparse
 import contextlib
 import difflib
+import io
 import os
 import re
 import sys
+import tokenize
 import traceback
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Type
 
@@ -183,8 +185,38 @@ def parse_gin(args: argparse.Namespace, bindings: Sequence[str], read: Sequence[
   try:
     parse_files_and_bindings(args.gin_file, bindings, args.gin_search_paths.split(','))
     check_macros(bindings, read)
-  except (ValueError, IOError, SyntaxError) as e:
+  except SyntaxError as e:
+    raise SystemExit(f'gin configuration error: {syntax_error(e)}') from e
+  except tokenize.TokenError as e:
+    unclosed = [b for b in bindings if _unclosed(b)]
+    where = f'the binding {unclosed[0]!r}' if unclosed else 'a gin file or binding'
+    raise SystemExit(f'gin configuration error: {where} does not close its brackets or '
+                     f'quotes ({e.args[0]}).') from e
+  except (ValueError, IOError) as e:
     raise SystemExit(f'gin configuration error: {e}') from e
+
+
+def _unclosed(binding: str) -> bool:
+  try:
+    list(tokenize.generate_tokens(io.StringIO(binding).readline))
+  except tokenize.TokenError:
+    return True
+  return False
+
+
+def syntax_error(error: SyntaxError) -> str:
+  """gin's parse error, naming the binding or the file line it is in; an unquoted string
+  value gets the quoting it needs."""
+  text = (error.text or '').strip()
+  if error.filename:
+    return f'{error.filename}, line {error.lineno}: {error.msg} ({text})'
+  key, _, value = text.partition('=')
+  key, value = key.strip(), value.strip()
+  hint = ''
+  if value and value[0] not in '\'"[{(@%' and not re.fullmatch(r'[-+.\w]+', value):
+    hint = (f' A string value is quoted for gin inside the shell\'s quotes: '
+            f'--gin.{key}="\'{value}\'".')
+  return f'the binding {text!r}: {error.msg}{hint}'
 
 
 # Set by `launch/local.py` for each of the N processes it starts on one machine.

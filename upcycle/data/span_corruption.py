@@ -26,6 +26,10 @@ NOISE_DENSITY = 0.15
 MEAN_NOISE_SPAN_LENGTH = 3.0
 
 
+class LengthError(ValueError):
+  """The task feature lengths cannot hold a span-corrupted example."""
+
+
 def random_spans_helper(
     inputs_length: int,
     noise_density: float = NOISE_DENSITY,
@@ -51,6 +55,14 @@ def random_spans_helper(
     tokens_length -= 1
     targets_length -= 1
   return tokens_length, targets_length
+
+
+def _spans_fit(inputs_length: int, noise_density: float, mean_noise_span_length: float) -> bool:
+  """Whether `random_spans_helper`'s chunk for `inputs_length` has a whole noise span, so that
+  the corrupted inputs (non-noise, a sentinel per span, EOS) fit."""
+  tokens_length, _ = random_spans_helper(inputs_length, noise_density, mean_noise_span_length)
+  noise = int(round(tokens_length * noise_density))
+  return int(round(noise / mean_noise_span_length)) >= 1
 
 
 def num_noise_spans(
@@ -150,8 +162,17 @@ def span_corruption(
   inputs_length = sequence_length['inputs']
   tokens_length, targets_length = random_spans_helper(
       inputs_length, noise_density, mean_noise_span_length)
+  if not _spans_fit(inputs_length, noise_density, mean_noise_span_length):
+    shortest = next(n for n in range(inputs_length + 1, 10 * inputs_length + 100)
+                    if _spans_fit(n, noise_density, mean_noise_span_length))
+    raise LengthError(
+        f'Span corruption with inputs length {inputs_length} (noise density {noise_density}, '
+        f'mean span {mean_noise_span_length}) leaves no room for a corrupted span: the '
+        f'examples would be their text copied, with no sentinel in the inputs. Set the task '
+        f"feature lengths to at least {{'inputs': {shortest}, 'targets': "
+        f'{random_spans_helper(shortest, noise_density, mean_noise_span_length)[1]}}}.')
   if sequence_length['targets'] < targets_length:
-    raise ValueError(
+    raise LengthError(
         f"Span corruption with inputs length {inputs_length} (noise density {noise_density}, "
         f"mean span {mean_noise_span_length}) makes targets of up to {targets_length} tokens, but "
         f"the targets feature length is {sequence_length['targets']}. Set the task feature "

@@ -16,7 +16,7 @@ import seqio
 import tensorflow as tf
 
 from upcycle import fields
-from upcycle.data import host_only, source_errors
+from upcycle.data import host_only, source_errors, span_corruption
 from upcycle.data import tasks  # pylint: disable=unused-import  (registers the default tasks)
 
 
@@ -101,6 +101,10 @@ class TextPipeline:
       ds = task.get_dataset(
           dict(self.feature_lengths), split=self.split, use_cached=False, shuffle=self.shuffle,
           seed=seed, shard_info=shard_info, num_epochs=1)
+    except span_corruption.LengthError as e:
+      raise fields.ConfigError(
+          f'{fields.binding(self, "feature_lengths")} = {dict(self.feature_lengths)} '
+          f'(TASK_FEATURE_LENGTHS): {e}') from None
     except Exception as e:  # pylint: disable=broad-except  (TFDS and imports fail many ways)
       raise source_errors.source_error(self.task, task, e) from e
     ds = seqio.EncDecFeatureConverter(pack=self.pack)(ds, dict(self.feature_lengths))

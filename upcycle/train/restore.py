@@ -38,6 +38,7 @@ bound in gin with the model, not here. In gin (the training entry point passes
 
 import dataclasses
 import logging
+import os
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import jax
@@ -45,7 +46,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from upcycle import checkpoints, fields, pretrained, tree
-from upcycle.checkpoints import optimizer_state, orbax
+from upcycle.checkpoints import optimizer_state, orbax, paths
 from upcycle.models import scan_layout
 from upcycle.checkpoints import slots
 from upcycle.train.state import TrainState
@@ -152,7 +153,30 @@ class StateJit:
 
 class ReadsOn:
   """A hook with `checkpoint` and `restore_dataset`: `dataset_state()` gives the trainer the
-  data positions to read on from (None: the data starts from its beginning)."""
+  data positions to read on from (None: the data starts from its beginning);
+  `check_apart(model_dir)` refuses a run directory that would write into a source."""
+
+  def check_apart(self, model_dir: str) -> None:
+    """Refuses a MODEL_DIR inside a source checkpoint (the run would write into the source
+    tree) or one whose checkpoints/ holds a source (retention would delete it)."""
+    if paths.is_url(model_dir):
+      return
+    run = os.path.realpath(model_dir)
+    steps = os.path.join(run, orbax.RUN_CHECKPOINTS)
+    sources = [self.checkpoint] if isinstance(self.checkpoint, str) else list(self.checkpoint)
+    for source in sources:
+      if paths.is_url(source):
+        continue
+      src = os.path.realpath(source)
+      inside = lambda path, directory: path == directory or path.startswith(directory + os.sep)
+      if inside(run, src) or inside(src, steps):
+        owner = type(self).__name__
+        why = (f'lies inside the source checkpoint {source}, which a run only reads'
+               if inside(run, src) else f'holds the source checkpoint {source} in its '
+               f'checkpoints/, where the run saves and deletes steps')
+        raise fields.ConfigError(
+            f'trainer.TrainConfig.model_dir = {model_dir!r} {why} ({owner}.checkpoint, '
+            f'INITIAL_CHECKPOINT_PATH). Fix: give the run a directory of its own, outside it.')
 
   def dataset_state(self) -> Optional[dict]:
     if not self.restore_dataset:

@@ -264,6 +264,7 @@ class Trainer:
     'state': the final TrainState}.
     """
     cfg = self.config
+    getattr(self.initializer, 'check_apart', lambda model_dir: None)(cfg.model_dir)
     with (run_lock.hold(cfg.model_dir),
           partitioning.activate(self.mesh, cfg.logical_axis_rules)):
       return self._run(cfg, on_start or (lambda: None))
