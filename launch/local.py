@@ -1,4 +1,4 @@
-"""Run one training command as N JAX processes on this machine: the multi-host path, locally.
+r"""Run one training command as N JAX processes on this machine: the multi-host path, locally.
 
   python launch/local.py --num_processes=2 --devices_per_process=4 -- \
       --gin_file=models/t5_1_1/tiny.gin --gin_file=runs/pretrain.gin \

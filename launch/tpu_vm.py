@@ -1,4 +1,4 @@
-"""Cloud TPU VM lifecycle for upcycle runs: create, set up, train on every worker, watch, delete.
+r"""Cloud TPU VM lifecycle for upcycle runs: create, set up, train on every worker, watch, delete.
 
   WHERE='--name=moe --zone=us-central2-b --project=P --accelerator_type=v4-64'
   python launch/tpu_vm.py create $WHERE --spot

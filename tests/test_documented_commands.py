@@ -13,6 +13,7 @@ import importlib.util
 import os
 import re
 import shlex
+import subprocess
 import types
 
 import gin
@@ -145,3 +146,34 @@ def test_documented_command_parses(argv):
     check(argv)
   except SystemExit as e:
     pytest.fail(f'python {shlex.join(argv)}\n  -> {e}')
+
+
+def _shell_blocks():
+  """pytest params of the ```bash / ```sh blocks of README.md and docs/*.md."""
+  found = []
+  for document in DOCUMENTS:
+    text = open(os.path.join(REPO, document)).read()
+    for match in re.finditer(r'^```(?:bash|sh)\n(.*?)^```', text, re.MULTILINE | re.DOTALL):
+      line = text[:match.start()].count('\n') + 1
+      found.append(pytest.param(match.group(1), id=f'{document}:{line}'))
+  return found
+
+
+@pytest.mark.parametrize('block', _shell_blocks())
+def test_a_documented_block_is_whole_shell_commands(block):
+  """`bash -n`: every quote and continuation closes, so the block pastes as it reads; and no
+  backquote, which in these blocks is markdown that leaked in (prose spliced into a command),
+  not a command substitution."""
+  code = '\n'.join(re.sub(r'(^|\s)#.*', '', line) for line in block.splitlines())
+  assert '`' not in code, block
+  checked = subprocess.run(['bash', '-n'], input=block, text=True, capture_output=True)
+  assert checked.returncode == 0, checked.stderr
+
+
+@pytest.mark.parametrize('script', ['tpu_vm', 'local'])
+def test_a_launcher_help_keeps_its_examples_line_continuations(script):
+  """The examples in `--help` paste as shown: each `\\` still ends its line."""
+  help_text = _launcher(script).build_parser().format_help()
+  continued = [line for line in help_text.splitlines() if line.rstrip().endswith('\\')]
+  assert continued and all(line.rstrip().endswith(' \\') for line in continued)
+  assert '--       --' not in help_text
