@@ -132,3 +132,32 @@ def test_a_config_that_does_not_fit_names_what_dominates_and_the_levers():
                                      parts={**report.parts, 'parameters': 30 * gib})
   assert ("LOGICAL_AXIS_RULES = 'fsdp'" in aot.advice(params_bound)
           and 'num_model_partitions' in aot.advice(params_bound))
+
+
+def test_the_exit_status_tells_fits_from_does_not_fit_from_not_compiled():
+  from upcycle import aot  # pylint: disable=g-import-not-at-top
+  fits, over = {'fits': True}, {'fits': False}
+  status = lambda functions, not_compiled: aot.exit_status(
+      {'functions': functions, 'not_compiled': not_compiled})
+  assert status({'train_step': fits, 'eval_step': fits}, {}) == aot.FITS == 0
+  assert status({'train_step': over, 'eval_step': fits}, {}) == aot.DOES_NOT_FIT == 2
+  assert status({'eval_step': fits}, {'train_step': 'does NOT fit: the TPU compiler refused it'}
+                ) == aot.DOES_NOT_FIT
+  assert status({'train_step': fits}, {'restore_hook': 'not lowered: OSError: ...'}
+                ) == aot.NOT_COMPILED == 3
+
+
+def test_an_unreachable_checkpoint_stops_it_in_one_line_before_compiling(tmp_path):
+  """The gs:// paths it reads answer first (MODEL_DIR, never written, need not)."""
+  command = [sys.executable, '-m', 'upcycle.aot', '--topology=v4:2x2x1',
+             f'--json={tmp_path}/aot.json', '--gin_file=models/t5_1_1/tiny.gin',
+             '--gin_file=moe/paper_t5.gin', '--gin_file=runs/upcycle.gin',
+             '--gin_file=data/offline_span_corruption.gin', '--gin.NUM_EXPERTS=4',
+             "--gin.MODEL_DIR='gs://no-such-bucket-upcycle-test/moe'", '--gin.TRAIN_STEPS=10',
+             "--gin.INITIAL_CHECKPOINT_PATH='gs://no-such-bucket-upcycle-test/dense'"]
+  done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
+                        env={**os.environ, 'XLA_FLAGS': '', 'UPCYCLE_GCS_TIMEOUT_SECONDS': '3'})
+  assert done.returncode == 1
+  last = done.stderr.strip().splitlines()[-1]
+  assert 'INITIAL_CHECKPOINT_PATH' in last and 'gs://no-such-bucket-upcycle-test' in last, last
+  assert 'Traceback' not in done.stderr and not (tmp_path / 'aot.json').exists()

@@ -6,7 +6,9 @@ the train step, the upcycling / restore hook's sharded jit (when the run has one
 step for it, allocating nothing. Prints per function the per-device bytes (parameters,
 optimizer state, arguments, outputs, temporaries, total) against the device's HBM, FLOPs per
 device and compile time, and what to change when it does not fit (`upcycle/train/aot.py`).
-Needs libtpu: pip install -e '.[tpu]'.
+The gs:// paths it reads (not MODEL_DIR) must answer first, in bounded time. Exit status: 0
+every function fits, 2 one does not, 3 one could not be compiled (its reason printed and in
+--json), 1 a bad flag, config or topology. Needs libtpu: pip install -e '.[tpu]'.
 """
 
 import argparse
@@ -22,7 +24,11 @@ _FLAGS = argparse.Namespace(topology='v4:2x2x1', megacore=True, json=None)
 def train(*, objective: Any, optimizer: Any, config: Any, train_data: Any,
           eval_data: Optional[Any] = None, initializer: Optional[Any] = None) -> dict:
   """What `python -m upcycle.train` would run, compiled for `--topology` instead of run."""
+  from upcycle import reachability  # pylint: disable=g-import-not-at-top
   from upcycle.train import aot  # pylint: disable=g-import-not-at-top
+  # What is read must answer first, in bounded time; MODEL_DIR is never written here.
+  reachability.check({binding: path for binding, path in reachability.gin_paths().items()
+                      if not binding.lower().endswith('model_dir')})
   devices = aot.topology_devices(_FLAGS.topology, _FLAGS.megacore)
   run = aot.compile_run(objective=objective, optimizer=optimizer, config=config,
                         train_data=train_data, eval_data=eval_data, initializer=initializer,
@@ -60,11 +66,25 @@ def main(argv: Sequence[str]) -> int:
   rest = _own_flags(argv)
   try:
     # Nothing is written: MODEL_DIR may name a bucket this machine cannot reach.
-    gin_utils.run(train, [*rest, '--multi_host=no'], __doc__, reach_gcs=False)
+    document = gin_utils.run(train, [*rest, '--multi_host=no'], __doc__, reach_gcs=False)
   except (fields.ConfigError, CheckpointError, TopologyError, ValueError) as e:
     print(f'error: {e}', file=sys.stderr, flush=True)
     return 1
-  return 0
+  return exit_status(document)
+
+
+# Exit statuses: every function compiled and fits; a bad flag or config; one does not fit;
+# one could not be compiled (its reason is in the table and in --json's not_compiled).
+FITS, ERROR, DOES_NOT_FIT, NOT_COMPILED = 0, 1, 2, 3
+
+
+def exit_status(document: dict) -> int:
+  """The status for `describe`'s document: DOES_NOT_FIT before NOT_COMPILED before FITS."""
+  reasons = document['not_compiled'].values()
+  if (any(not f['fits'] for f in document['functions'].values())
+      or any('does NOT fit' in reason for reason in reasons)):
+    return DOES_NOT_FIT
+  return NOT_COMPILED if reasons else FITS
 
 
 if __name__ == '__main__':

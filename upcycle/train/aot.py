@@ -234,8 +234,9 @@ def _compile_or_reason(name: str, lower, *, hbm: int, devices: int, parts: Mappi
                        model_flops_per_step: Optional[float] = None) -> None:
   try:
     lowered = lower()
-  except (ValueError, OSError) as e:   # e.g. a restore hook's checkpoint that is not here
-    not_compiled[name] = f'not lowered: {str(e).splitlines()[0]}'
+  except Exception as e:  # pylint: disable=broad-except  (one function's reason; the rest go on)
+    lines = str(e).strip().splitlines()
+    not_compiled[name] = f'not lowered: {type(e).__name__}: {lines[0] if lines else ""}'
     return
   try:
     reports[name] = compile_report(lowered, hbm=hbm, devices=devices, parts=parts,
