@@ -48,8 +48,8 @@ def test_a_misspelt_macro_is_refused_naming_the_macro_meant():
 def test_a_macro_nothing_is_close_to_lists_the_macros_in_use():
   message = refusal(T5 + ['--gin.NUM_EXPERTS=8'])   # a dense model: no MoE file given
   assert message.endswith('the macros this configuration uses are ACTIVATION_DTYPE, '
-                          'BATCH_SIZE, DROPOUT_RATE, LOGICAL_AXIS_RULES, MIXTURE_OR_TASK_NAME, '
-                          'MODEL, MODEL_DIR, '
+                          'BATCH_SIZE, DROPOUT_RATE, EVAL_PERIOD, EVAL_STEPS, '
+                          'LOGICAL_AXIS_RULES, MIXTURE_OR_TASK_NAME, MODEL, MODEL_DIR, '
                           'OBJECTIVE, REMAT_POLICY, SCAN_LAYERS, SEED, TASK_FEATURE_LENGTHS, '
                           'TRAIN_STEPS, WARMUP_STEPS.')
 
@@ -68,7 +68,8 @@ def test_a_macro_the_entry_point_reads_itself_is_accepted(tmp_path):
     ('RANDOM_SEED=1', 'the seed here is the macro SEED: --gin.SEED=N.'),
     ('Z_LOSS=0.001', 'set --gin.objectives.Seq2Seq.z_loss=X (default 1e-4).'),
     ("LOSS_NORMALIZING_FACTOR='NUM_REAL_TARGET_TOKENS'", "(T5X's 'NUM_REAL_TARGET_TOKENS')"),
-    ('USE_CACHED_TASKS=True', 'tasks are always read uncached (no seqio cache)'),
+    ('USE_CACHED_TASKS=True', 'tasks are always read uncached (no seqio cache): =False is '
+                              'accepted, =True is not.'),
     ("INFER_OUTPUT_DIR='/tmp/x'", 'set --gin.MODEL_DIR instead.')])
 def test_t5x_macros_are_refused_with_what_to_use_instead(macro, instead):
   name = macro.split('=')[0]
@@ -83,11 +84,32 @@ def test_what_the_t5x_refusals_suggest_works():
   assert gin.query_parameter('upcycle.train.objectives.Seq2Seq.z_loss') == 0.001
 
 
-@pytest.mark.parametrize('flag', ['--alsologtostderr', '--logtostderr'])
-def test_t5x_logging_flags_are_refused(flag):
-  with pytest.raises(SystemExit, match=f'^{flag}: a T5X flag without effect here: .*drop the '
-                                       'flag.$'):
-    gin_utils.parse_flags(T5 + [flag], 'test')
+def test_t5x_habits_that_ask_for_what_happens_anyway_are_accepted_with_a_note(capsys):
+  parse(T5 + ['--alsologtostderr', '--logtostderr', '--gin.USE_CACHED_TASKS=False',
+              '--gin.EVAL_PERIOD=500', '--gin.EVAL_STEPS=3'])
+  notes = capsys.readouterr().err.splitlines()
+  assert notes == [
+      'note: --alsologtostderr (T5X): accepted; progress and warnings already go to the '
+      'terminal (no absl log files are kept).',
+      'note: --logtostderr (T5X): accepted; progress and warnings already go to the terminal '
+      '(no absl log files are kept).',
+      'note: USE_CACHED_TASKS = False (T5X): accepted; tasks are always read uncached here.']
+  # T5X's EVAL_PERIOD / EVAL_STEPS macros are the trainer's evaluation period and batches.
+  assert gin.query_parameter('upcycle.train.trainer.TrainConfig.eval_every').config_key == (
+      'EVAL_PERIOD', 'gin.macro')
+  assert gin.query_parameter('EVAL_PERIOD/gin.macro.value') == 500
+  assert gin.query_parameter('EVAL_STEPS/gin.macro.value') == 3
+
+
+@pytest.mark.parametrize('binding, instead', [
+    ('utils.SaveCheckpointConfig.period=100', 'trainer.TrainConfig.checkpoint_every'),
+    ('train_script.train.eval_steps=5', 'EVAL_STEPS (trainer.TrainConfig.eval_batches)'),
+    ('partitioning.PjitPartitioner.num_partitions=2', 'trainer.TrainConfig.num_model_partitions')])
+def test_t5x_configurables_are_refused_with_the_binding_to_use(binding, instead):
+  key = binding.split('=')[0]
+  assert refusal(T5 + [f'--gin.{binding}']) == (
+      f"gin configuration error: {key} is T5X's; here the same is {instead} "
+      f'(docs/training.md, "From T5X").')
 
 
 def test_tfds_data_dir_is_where_tasks_and_image_datasets_are_read(monkeypatch, tmp_path):

@@ -43,21 +43,46 @@ T5X_MACROS = {
     'Z_LOSS': 'set --gin.objectives.Seq2Seq.z_loss=X (default 1e-4)',
     'LOSS_NORMALIZING_FACTOR': ('the loss is always normalized by the number of real target '
                                 "tokens (T5X's 'NUM_REAL_TARGET_TOKENS'); drop the binding"),
-    'USE_CACHED_TASKS': 'tasks are always read uncached (no seqio cache); drop the binding',
+    'USE_CACHED_TASKS': ('tasks are always read uncached (no seqio cache): =False is '
+                         'accepted, =True is not'),
     'INFER_OUTPUT_DIR': ('python -m upcycle.infer writes MODEL_DIR/inference/'
                          '<task>-<step>-<method>.jsonl: set --gin.MODEL_DIR instead'),
 }
-_NO_LOG_FILES = ('the entry points print their progress and warnings to the terminal and keep '
-                 'no absl log files; drop the flag')
-T5X_FLAGS = {'--alsologtostderr': _NO_LOG_FILES, '--logtostderr': _NO_LOG_FILES}
+# T5X's habits that do here what they ask for already: accepted, with a note on stderr.
+_TO_THE_TERMINAL = ('progress and warnings already go to the terminal (no absl log files are '
+                    'kept)')
+T5X_FLAGS = {'--alsologtostderr': _TO_THE_TERMINAL, '--logtostderr': _TO_THE_TERMINAL}
+T5X_ACCEPTED_BINDINGS = {'USE_CACHED_TASKS = False': 'tasks are always read uncached here'}
+# T5X configurables (the training command's names) and the binding that does the same here.
+T5X_CONFIGURABLES = {
+    'utils.SaveCheckpointConfig.period': 'trainer.TrainConfig.checkpoint_every',
+    'utils.SaveCheckpointConfig.keep': 'trainer.TrainConfig.keep_checkpoints',
+    'train_script.train.eval_period': 'EVAL_PERIOD (trainer.TrainConfig.eval_every)',
+    'train_script.train.eval_steps': 'EVAL_STEPS (trainer.TrainConfig.eval_batches)',
+    'train_script.train.stats_period': 'trainer.TrainConfig.log_every',
+    'train_script.train.random_seed': 'SEED',
+    'train_script.train.total_steps': 'TRAIN_STEPS',
+    'partitioning.PjitPartitioner.num_partitions': 'trainer.TrainConfig.num_model_partitions',
+    'trainer.Trainer.num_microbatches': 'trainer.TrainConfig.num_microbatches',
+    'utils.RestoreCheckpointConfig.path': 'INITIAL_CHECKPOINT_PATH',
+    'utils.DatasetConfig.batch_size': 'BATCH_SIZE',
+}
+
+
+def _note(message: str) -> None:
+  print(f'note: {message}.', file=sys.stderr, flush=True)
 
 
 def parse_flags(argv: Sequence[str], description: str) -> Tuple[argparse.Namespace, List[str]]:
   """Splits argv into known flags and gin bindings (from --gin.K=V and --gin_bindings)."""
+  kept = []
   for arg in argv:
     flag = arg.split('=', 1)[0]
     if flag in T5X_FLAGS:
-      raise SystemExit(f'{flag}: a T5X flag without effect here: {T5X_FLAGS[flag]}.')
+      _note(f'{flag} (T5X): accepted; {T5X_FLAGS[flag]}')
+    else:
+      kept.append(arg)
+  argv = kept
   parser = argparse.ArgumentParser(description=description)
   parser.add_argument('--gin_file', action='append', default=[],
                       help='gin file; repeatable, later files override earlier ones')
@@ -82,7 +107,24 @@ def parse_flags(argv: Sequence[str], description: str) -> Tuple[argparse.Namespa
     else:
       rest.append(arg)
   args = parser.parse_args(rest)
-  return args, list(args.gin_bindings) + bindings
+  return args, _translated(list(args.gin_bindings) + bindings)
+
+
+def _translated(bindings: Sequence[str]) -> List[str]:
+  """`bindings` less T5X's that ask for what happens here anyway (a note each); a binding of
+  a T5X configurable stops with the binding to use instead."""
+  kept = []
+  for binding in bindings:
+    normalized = ' = '.join(part.strip() for part in binding.split('=', 1))
+    if normalized in T5X_ACCEPTED_BINDINGS:
+      _note(f'{normalized} (T5X): accepted; {T5X_ACCEPTED_BINDINGS[normalized]}')
+      continue
+    key = binding.split('=', 1)[0].strip()
+    if key in T5X_CONFIGURABLES:
+      raise SystemExit(f'gin configuration error: {key} is T5X\'s; here the same is '
+                       f'{T5X_CONFIGURABLES[key]} (docs/training.md, "From T5X").')
+    kept.append(binding)
+  return kept
 
 
 def search_paths(extra: Sequence[str] = ()) -> List[str]:
