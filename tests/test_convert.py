@@ -184,6 +184,29 @@ def test_an_output_name_of_250_characters_converts_and_is_replaced(source, tmp_p
   assert os.listdir(tmp_path) == [out.name] and os.listdir(out)
 
 
+def test_the_restore_hooks_initializer_bindings_are_honoured_or_refused(source, tmp_path,
+                                                                         capsys):
+  """--gin_file=upcycling/drop.gin does in convert what it does in training; a flag that
+  disagrees, and Branch-Train-MiX's several sources, stop in one line."""
+  assert _main(source, tmp_path / 'gin', '--gin_file=upcycling/drop.gin', '--seed', '3') == 0
+  assert _main(source, tmp_path / 'flag', '--experts', 'drop(ratio=0.5)', '--seed', '3') == 0
+  by_gin = tree.flatten(checkpoints.load(str(tmp_path / 'gin')).params)
+  by_flag = tree.flatten(checkpoints.load(str(tmp_path / 'flag')).params)
+  for path, leaf in by_flag.items():
+    np.testing.assert_array_equal(by_gin[path], leaf, err_msg=path)
+  wo = 'decoder/layers_1/mlp/expert/wo/kernel'
+  assert not np.array_equal(by_gin[wo][0], source['params']['decoder']['layers_1']['mlp']['wo'][
+      'kernel'])   # not copies: Drop redrew units
+  capsys.readouterr()
+  assert _main(source, tmp_path / 'both', '--gin_file=upcycling/drop.gin', '--experts', 'copy') == 1
+  assert capsys.readouterr().err.strip() == (
+      "error: --experts=copy and the gin binding restore.UpcycleFromDense.experts = "
+      "Drop(ratio=0.5, index_sharing='shared') disagree. Fix: give one of them.")
+  assert _main(source, tmp_path / 'btx', '--gin_file=upcycling/btx.gin') == 1
+  assert 'convert reads one --source' in capsys.readouterr().err
+  assert sorted(os.listdir(tmp_path)) == ['flag', 'gin']
+
+
 def test_dry_run_prints_the_report_and_writes_nothing(source, tmp_path, capsys):
   out = tmp_path / 'moe'
   assert _main(source, out, '--dry_run', '--router', 'zeros', '--step', 'reset') == 0

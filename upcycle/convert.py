@@ -20,6 +20,9 @@ are MoE, how many experts, shapes and dtypes. --gin_file / --gin.KEY=VALUE /
 'partial(copied=4)', 'granular(granularity=2)', 'zero_output(inner="drop")' (with a shared
 expert: the dense model at step 0).
 --router: normal | uniform | zeros (routers.ROUTER_INITS), e.g. 'normal(std=0.02)'.
+Without them, the restore hook's gin bindings decide as they do for training
+(`--gin_file=upcycling/drop.gin` gives Drop here too); a flag that disagrees with them, and
+the several-source initializers (upcycling/btx.gin, upit.gin: the trainer's hook), are refused.
 --step: the output's step: keep (the source's, 0 if its format has none), reset (0), or N.
 
 Growing instead of upcycling (the target is the source's architecture, larger):
@@ -409,8 +412,12 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument('--output_dir', required=True, help='where the MoE checkpoint goes')
   parser.add_argument('--output_format', choices=OUTPUT_FORMATS, default='orbax',
                       help="orbax (this project's runs) or t5x (T5X native checkpoint_<step>/)")
-  parser.add_argument('--experts', default='copy', help="e.g. copy, 'drop(ratio=0.5)'")
-  parser.add_argument('--router', default='normal', help="e.g. normal, 'normal(std=0.02)'")
+  parser.add_argument('--experts', default=None,
+                      help="e.g. copy (the default), 'drop(ratio=0.5)'; or the restore hook's "
+                           'gin binding (--gin_file=upcycling/drop.gin)')
+  parser.add_argument('--router', default=None,
+                      help="e.g. normal (the default), 'normal(std=0.02)'; or the restore "
+                           "hook's gin binding")
   parser.add_argument('--seed', type=int, default=0, help='expert and router initializer seed')
   grow = parser.add_mutually_exclusive_group()
   grow.add_argument('--grow_experts', default=None,
@@ -423,6 +430,41 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument('--overwrite', action='store_true', help='replace an existing output')
   parser.add_argument('--dry_run', action='store_true', help='print the report, write nothing')
   return parser
+
+
+HOOK = 'upcycle.train.restore.UpcycleFromDense'
+
+
+def _hook_binding(name: str) -> Any:
+  """What gin binds to the restore hook's `name` (an instance, a name, or None)."""
+  import gin  # pylint: disable=g-import-not-at-top
+  try:
+    bound = gin.query_parameter(f'{HOOK}.{name}')
+  except ValueError:
+    return None
+  if not isinstance(bound, gin.config.ConfigurableReference):
+    return bound
+  if not bound.evaluate:   # a class the hook calls with several sources
+    raise ConvertError(
+        f'restore.UpcycleFromDense.{name} = {bound!r} (gin) makes experts from several '
+        f'checkpoints, and convert reads one --source. Fix: run Branch-Train-MiX / UpIT in '
+        f"the trainer's restore hook (INITIAL_CHECKPOINT_PATH a list; docs/upcycling.md).")
+  return bound.scoped_configurable_fn()
+
+
+def _initializer(flag: Optional[str], name: str, choices: Mapping[str, Any], default: str) -> Any:
+  """The initializer `--<name>` gives, else the restore hook's gin binding of it (what
+  `--gin_file=upcycling/drop.gin` sets for training), else `default`; both given must agree."""
+  bound = _hook_binding(name)
+  if isinstance(bound, str):
+    bound = parse_init(bound, choices, f'restore.UpcycleFromDense.{name}')
+  if flag is None:
+    return parse_init(default, choices, f'--{name}') if bound is None else bound
+  given = parse_init(flag, choices, f'--{name}')
+  if bound is not None and repr(given) != repr(bound):
+    raise ConvertError(f'--{name}={flag} and the gin binding restore.UpcycleFromDense.{name} '
+                       f'= {bound!r} disagree. Fix: give one of them.')
+  return given
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -439,11 +481,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     report_args = dict(
         format=args.format, seed=args.seed, step=args.step, cast=args.cast,
         overwrite=args.overwrite, dry_run=args.dry_run, output_format=args.output_format,
-        experts=parse_init(args.experts, experts_lib.EXPERT_INITS, '--experts'),
-        router=parse_init(args.router, routers_lib.ROUTER_INITS, '--router'),
+        experts=_initializer(args.experts, 'experts', experts_lib.EXPERT_INITS, 'copy'),
+        router=_initializer(args.router, 'router', routers_lib.ROUTER_INITS, 'normal'),
         grow_experts=_literal(args.grow_experts), grow_depth=_literal(args.grow_depth))
     growing = '--grow_experts' if args.grow_experts else '--grow_depth' if args.grow_depth else ''
-    if growing and (args.experts, args.router, args.cast) != ('copy', 'normal', False):
+    if growing and (args.experts, args.router, args.cast) != (None, None, False):
       raise ConvertError(f'{growing} copies the source\'s own experts and router columns; '
                          f'--experts, --router and --cast apply to upcycling a dense checkpoint. '
                          f'Fix: drop them.')
