@@ -116,14 +116,24 @@ def entry_points(monkeypatch):
   gin.clear_config(clear_constants=True)
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-  """A 3 MiB tmpfs (root only): a tiny T5's checkpoint fits once, not twice."""
+def _tmpfs(tmp_path, size: str):
   mount = tmp_path / 'disk'
   mount.mkdir()
-  done = subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=3M', 'tmpfs', str(mount)],
+  done = subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={size}', 'tmpfs', str(mount)],
                         capture_output=True, text=True)
   if done.returncode:
     pytest.skip(f'cannot mount a small tmpfs here: {done.stderr.strip()}')
   yield mount
   subprocess.run(['umount', str(mount)], check=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """A 3 MiB tmpfs (root only): a tiny T5's checkpoint fits once, not twice."""
+  yield from _tmpfs(tmp_path, '3M')
+
+
+@pytest.fixture
+def roomy_disk(tmp_path):
+  """A 16 MiB tmpfs (root only): room for a tiny T5's checkpoints, until something fills it."""
+  yield from _tmpfs(tmp_path, '16M')

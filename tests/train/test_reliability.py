@@ -8,6 +8,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import types
 
@@ -363,6 +364,44 @@ def test_a_full_disk_stops_the_run_at_the_save_in_one_line(run_4_steps, small_di
   assert 'Traceback' not in done.stderr
   assert os.listdir(model_dir / 'checkpoints') == ['2']
   assert [r['step'] for r in _rows(model_dir)][-1] == 4   # stopped at the save, not later
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_during_the_save_stops_the_run_in_one_line(roomy_disk):
+  """The free-space check passes, then another writer fills the disk while step 4 is written:
+  one error line, none of the background writers' echoes (orbax's closed event loop, its
+  orphaned tasks), and the run resumes from step 2 once there is room."""
+  model_dir = roomy_disk / 'run'
+  filler = roomy_disk / 'filler'
+
+  def fill_when_step_4_is_written():
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+      if glob.glob(str(model_dir / 'checkpoints' / '4.orbax-checkpoint-tmp*')):
+        try:
+          with open(filler, 'wb') as f:
+            while True:
+              f.write(b'\0' * 65536)
+        except OSError:
+          return
+      time.sleep(0.005)
+
+  thread = threading.Thread(target=fill_when_step_4_is_written, daemon=True)
+  thread.start()
+  done = _train(model_dir, 6)
+  thread.join()
+  assert done.returncode == 1 and filler.exists()
+  errors = [line for line in done.stderr.splitlines() if line.startswith('error:')]
+  assert errors == [f'error: Saving step 4 to {model_dir}/checkpoints failed: no space left on '
+                    f'device; the last good checkpoint, step 2, is kept as it is. Fix: free space '
+                    f'there (or the cause above) and restart: the run resumes from its last '
+                    f'checkpoint.'], done.stderr[-3000:]
+  for echo in ('Traceback', 'Event loop is closed', 'Task exception was never retrieved'):
+    assert echo not in done.stderr
+  filler.unlink()
+  resumed = _train(model_dir, 6)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert f'Resuming from {model_dir}/checkpoints at step 2.' in resumed.stdout + resumed.stderr
 
 
 def test_a_save_that_fails_midway_is_one_error_naming_the_step(small_disk):

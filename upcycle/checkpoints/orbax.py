@@ -18,6 +18,8 @@ import logging
 import os
 import re
 import shutil
+import sys
+import traceback
 from typing import Any, List, NamedTuple, Optional, Sequence
 
 import jax
@@ -61,6 +63,42 @@ class TrainingCheckpoint(NamedTuple):
   dataset_state: Optional[dict]
 
 
+def _after_a_failed_save(error: BaseException) -> bool:
+  """Whether `error` is the echo of a background save that already failed: tensorstore's
+  callbacks scheduling onto orbax's event loop, which the failure closed. The failure itself
+  is reported once, as a CheckpointError (`CheckpointManager._failed`)."""
+  if not (isinstance(error, RuntimeError) and str(error) == 'Event loop is closed'):
+    return False
+  return any(frame.name == 'call_soon_threadsafe'
+             for frame in traceback.extract_tb(error.__traceback__))
+
+
+class _OrbaxTaskEchoes(logging.Filter):
+  """Drops asyncio's 'Task exception was never retrieved' for orbax's serialization tasks of
+  a failed save (reported once, as a CheckpointError)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not (message.startswith('Task exception was never retrieved') and 'orbax' in message)
+
+
+def _quiet_failed_save_echoes() -> None:
+  """Installs, once, the filters that keep a failed background save's echoes off the console:
+  tensorstore reports its callbacks' errors (raised in its own threads) as unraisable, and
+  asyncio logs the orphaned tasks when they are collected."""
+  if getattr(sys.unraisablehook, 'upcycle_quiet', False):
+    return
+  original = sys.unraisablehook
+
+  def hook(unraisable):
+    if not _after_a_failed_save(unraisable.exc_value):
+      original(unraisable)
+
+  hook.upcycle_quiet = True
+  sys.unraisablehook = hook
+  logging.getLogger('asyncio').addFilter(_OrbaxTaskEchoes())
+
+
 class CheckpointManager:
   """Saves and restores (params, optimizer state, step, dataset-iterator state).
 
@@ -72,6 +110,7 @@ class CheckpointManager:
   def __init__(self, directory: str, *, keep: Optional[int] = 3, save_interval_steps: int = 1,
                async_save: bool = True):
     self.directory = paths.absolute(directory)
+    _quiet_failed_save_echoes()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, save_interval_steps=save_interval_steps, create=True,
         cleanup_tmp_directories=True, enable_async_checkpointing=async_save)
