@@ -42,7 +42,8 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
   fields.integer_value('BATCH_SIZE (eval_script.evaluate.batch_size)', batch_size, 1)
   if output_dir:
     fields.directory('EVAL_OUTPUT_DIR (eval_script.evaluate.output_dir)', output_dir)
-  checkpoint = pretrained.load(checkpoint_path, format, model_config=objective.model.config)
+  checkpoint = pretrained.load(checkpoint_path, format, model_config=objective.model.config,
+                               with_optimizer_state=False)
   mesh = partitioning.make_mesh(num_expert_partitions, num_model_partitions)
   host_batch = batch_size // jax.process_count()
   with partitioning.activate(mesh):

@@ -100,7 +100,8 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
         'runs/infer.gin.')
   fields.integer_value('BATCH_SIZE (infer_script.infer.batch_size)', batch_size, 1)
   fields.directory('MODEL_DIR (infer_script.infer.output_dir)', output_dir)
-  checkpoint = pretrained.load(checkpoint_path, format, model_config=model.config, lazy=True)
+  checkpoint = pretrained.load(checkpoint_path, format, model_config=model.config, lazy=True,
+                               with_optimizer_state=False)
   path = epath.Path(output_dir) / 'inference' / output_name(
       predictions.source_name(infer_data), checkpoint.step or 0, decoding, seed)
   if jax.process_index() != 0:   # every worker of a slice runs the command; one decodes

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -104,7 +103,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.verify:
       print(_verified(ckpt), file=sys.stderr)
   except checkpoints.CheckpointError as e:
-    if existed and _deleted_meanwhile(path):
+    if existed and orbax.vanishing(path):
       print(f'note: {path} was deleted by retention while being read (a running trainer keeps '
             f'its last TrainConfig.keep_checkpoints steps); that is not damage. Inspect a newer '
             f'step.', file=sys.stderr)
@@ -132,30 +131,6 @@ def _verified(ckpt: checkpoints.Checkpoint) -> str:
             f'(saved before they were recorded): changed bytes that still decode are not found.')
   return (f'verified: all {count} arrays read back complete and match the digests recorded '
           f'when the step was saved.')
-
-
-def _deleted_meanwhile(path: str, settle_seconds: float = 1.0) -> bool:
-  """Whether `path`, which existed when reading began, is gone or going: orbax's retention
-  unlinks a step's files, then removes its directory. A local `path` that keeps all its files
-  for `settle_seconds` is not being deleted (its data is damaged)."""
-  path = epath.Path(path)
-  before = _file_count(path)
-  deadline = time.time() + settle_seconds
-  while True:
-    if not path.exists():
-      return True
-    if time.time() > deadline:
-      return False
-    time.sleep(0.1)
-    if _file_count(path) < before:
-      return True
-
-
-def _file_count(path: epath.Path) -> int:
-  """Files under a local `path` (0 on gs://, where only a vanished step counts)."""
-  if paths.is_url(path):
-    return 0
-  return sum(len(names) for _, _, names in os.walk(path))
 
 
 if __name__ == '__main__':

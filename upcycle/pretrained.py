@@ -14,7 +14,8 @@ from upcycle import checkpoints, families
 
 
 def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-builtin
-         model_config: Any = None, lazy: bool = False) -> checkpoints.Checkpoint:
+         model_config: Any = None, lazy: bool = False,
+         with_optimizer_state: bool = True) -> checkpoints.Checkpoint:
   """`checkpoints.load`, every name and shape checked against the model.
 
   Args:
@@ -23,6 +24,7 @@ def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-b
     model_config: the model config (T5Config, ViTConfig, LlamaConfig) to check against. None: the config the
       checkpoint describes (HF), or no check for formats without one.
     lazy: LazyArray leaves, read on demand (see `checkpoints.load`); default numpy arrays.
+    with_optimizer_state: False: the optimizer state is neither opened nor read (None).
 
   Returns:
     The Checkpoint, `model_config` set to the config it was checked against (or None).
@@ -37,7 +39,7 @@ def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-b
     config = config_for(description)
     return None if config is None else families.abstract_params(config)
 
-  ckpt = checkpoints.load(os.fspath(path), format, expected, lazy)
+  ckpt = checkpoints.load(os.fspath(path), format, expected, lazy, with_optimizer_state)
   ckpt.model_config = config_for(ckpt.description)
   return ckpt
 

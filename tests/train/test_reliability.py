@@ -366,6 +366,36 @@ def test_a_full_disk_stops_the_run_at_the_save_in_one_line(run_4_steps, small_di
   assert [r['step'] for r in _rows(model_dir)][-1] == 4   # stopped at the save, not later
 
 
+def test_a_live_runs_latest_step_deleted_while_read_is_read_again_at_the_new_latest(
+    run_4_steps, tmp_path, monkeypatch, caplog):
+  """What eval, infer and inspect meet on a run whose trainer saves and prunes while they read:
+  the step being read is removed by retention (here: step 6 lands, step 4 goes, as orbax does
+  it) and the reader moves on to the new latest step instead of calling the step damaged.
+  Evaluation opens no optimizer state."""
+  from upcycle import checkpoints  # pylint: disable=g-import-not-at-top
+  from upcycle.checkpoints import orbax_tree  # pylint: disable=g-import-not-at-top
+  run = _copy(run_4_steps, tmp_path)
+  steps = run / 'checkpoints'
+  original, calls = orbax_tree.read, []
+
+  def read_during_retention(directory):
+    calls.append(directory)
+    if len(calls) == 1:   # the trainer saves step 6 and retention deletes step 4 meanwhile
+      shutil.copytree(steps / '4', steps / '6')
+      shutil.rmtree(steps / '4')
+    return original(directory)
+
+  monkeypatch.setattr(orbax_tree, 'read', read_during_retention)
+  ckpt = checkpoints.load(str(steps), with_optimizer_state=False)
+  assert ckpt.step == 6 and ckpt.optimizer_state is None
+  assert calls == [f'{steps}/4/params', f'{steps}/6/params']   # no optimizer_state opened
+  assert f'{steps}/4 was deleted by retention while being read' in caplog.text
+  # A step that stays damaged is an error, not a retry.
+  shutil.rmtree(steps / '6' / 'params' / 'ocdbt.process_0')
+  with pytest.raises(CheckpointError):
+    checkpoints.load(str(steps))
+
+
 @pytest.mark.slow
 def test_a_disk_that_fills_during_the_save_stops_the_run_in_one_line(roomy_disk):
   """The free-space check passes, then another writer fills the disk while step 4 is written:

@@ -5,6 +5,7 @@
   upcycle.checkpoints.load(path, lazy=True).params   # LazyArray leaves, read on demand
 """
 
+import dataclasses
 import os
 from typing import Optional
 
@@ -59,7 +60,8 @@ def detect_format(path: str) -> str:
 
 
 def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-builtin
-         expected: Optional[ExpectedFn] = None, lazy: bool = False) -> Checkpoint:
+         expected: Optional[ExpectedFn] = None, lazy: bool = False,
+         with_optimizer_state: bool = True) -> Checkpoint:
   """Reads any supported checkpoint into contract names; nothing is ever written.
 
   Args:
@@ -71,22 +73,32 @@ def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-b
     lazy: return LazyArray leaves (shape and dtype now, data on `np.asarray` or
       `leaf.read(index)`), for checkpoints larger than memory; by default every leaf is
       read into a numpy array, usable wherever a jax/numpy array is.
+    with_optimizer_state: False leaves the optimizer state out (None), unread (evaluation,
+      decoding).
+
+  A MODEL_DIR of a running trainer is read at its latest step; when retention deletes that
+  step while it is read, the new latest is read instead (`orbax.read_live`).
   """
   format = format or detect_format(path)
+
+  def finish(ckpt: Checkpoint) -> Checkpoint:
+    if not with_optimizer_state:
+      ckpt = dataclasses.replace(ckpt, optimizer_state=None)
+    shapes = expected(ckpt.description) if expected else None
+    if shapes is not None:
+      validate.check_params(ckpt.params, shapes, ckpt.path)
+    return ckpt if lazy else ckpt.read()
+
   if format in ('t5x', 't5x_orbax'):
-    ckpt = t5x.load(path)
-  elif format == 'orbax':
-    ckpt = orbax.load(path)
-  elif format == 'hf':   # checks the shapes itself, naming HuggingFace's tensors
+    return finish(t5x.load(path))
+  if format == 'orbax':
+    return orbax.read_live(path, lambda step_dir: finish(orbax.load(
+        step_dir, with_optimizer_state=with_optimizer_state)))
+  if format == 'hf':   # checks the shapes itself, naming HuggingFace's tensors
     return hf.load_checkpoint(path, expected, lazy)
-  elif format in ('vit_jax', 'big_vision'):
-    ckpt = vit_npz.load(path, lazy=True)
-  else:
-    raise checkpoint_error(path, 'unknown format argument', expected=FORMATS, found=repr(format))
-  shapes = expected(ckpt.description) if expected else None
-  if shapes is not None:
-    validate.check_params(ckpt.params, shapes, ckpt.path)
-  return ckpt if lazy else ckpt.read()
+  if format in ('vit_jax', 'big_vision'):
+    return finish(vit_npz.load(path, lazy=True))
+  raise checkpoint_error(path, 'unknown format argument', expected=FORMATS, found=repr(format))
 
 
 __all__ = ['Checkpoint', 'CheckpointError', 'FORMATS', 'LazyArray', 'detect_format',

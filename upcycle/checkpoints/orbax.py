@@ -19,8 +19,9 @@ import os
 import re
 import shutil
 import sys
+import time
 import traceback
-from typing import Any, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
 import jax
 import numpy as np
@@ -31,6 +32,8 @@ from upcycle.checkpoints import digests, orbax_tree, paths
 from upcycle.checkpoints.checkpoint import Checkpoint
 from upcycle.checkpoints.errors import FULL_DISK, CheckpointError, checkpoint_error
 from upcycle.checkpoints.lazy import materialize
+
+log = logging.getLogger(__name__)
 
 MIB = 2 ** 20
 
@@ -303,20 +306,69 @@ def dataset_state(step_dir: str) -> Optional[dict]:
   return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(directory)
 
 
-def load(path: str) -> Checkpoint:
-  """A step directory or a MODEL_DIR (latest step) -> Checkpoint with lazy leaves."""
-  path = paths.absolute(path)
-  if not is_step_dir(path):
-    steps = finished_steps(path)
-    if not steps:
-      raise checkpoint_error(path, 'no finished orbax checkpoint here',
-                             expected=f'<step>/{_MARKER} and <step>/{PARAMS}/',
-                             found=paths.listdir(path)[:10] if paths.isdir(path) else
-                             'no such directory', fix='Pass MODEL_DIR or MODEL_DIR/<step>')
-    path = steps[max(steps)]
+def load(path: str, with_optimizer_state: bool = True) -> Checkpoint:
+  """A step directory or a MODEL_DIR (latest step) -> Checkpoint with lazy leaves (the
+  optimizer state None unless `with_optimizer_state` and saved)."""
+  path = latest(path)
   optimizer_dir = os.path.join(path, OPTIMIZER)
   return Checkpoint(
       params=orbax_tree.read(os.path.join(path, PARAMS)),
       step=step_of(path),
-      optimizer_state=orbax_tree.read(optimizer_dir) if paths.isdir(optimizer_dir) else None,
+      optimizer_state=(orbax_tree.read(optimizer_dir)
+                       if with_optimizer_state and paths.isdir(optimizer_dir) else None),
       format='orbax', path=path)
+
+
+def latest(path: str) -> str:
+  """`path` if it is a step directory, else its latest finished step's directory."""
+  path = paths.absolute(path)
+  if is_step_dir(path):
+    return path
+  steps = finished_steps(path)
+  if not steps:
+    raise checkpoint_error(path, 'no finished orbax checkpoint here',
+                           expected=f'<step>/{_MARKER} and <step>/{PARAMS}/',
+                           found=paths.listdir(path)[:10] if paths.isdir(path) else
+                           'no such directory', fix='Pass MODEL_DIR or MODEL_DIR/<step>')
+  return steps[max(steps)]
+
+
+def read_live(path: str, read: Callable[[str], Any], attempts: int = 3) -> Any:
+  """`read(step directory)` of `path`'s step (its latest, for a MODEL_DIR). A live run's
+  retention may delete that step while it is read: then the newer latest step is read
+  instead (`attempts` in all), said on the console; an error of a step that stays is raised.
+  """
+  for attempt in range(attempts):
+    step_dir = latest(path)
+    try:
+      return read(step_dir)
+    except (CheckpointError, OSError, ValueError):
+      if step_dir == paths.absolute(path) or attempt == attempts - 1 or not vanishing(step_dir):
+        raise
+      log.warning('%s was deleted by retention while being read (a running trainer keeps its '
+                  'last TrainConfig.keep_checkpoints steps); reading the latest step again.',
+                  step_dir)
+  raise AssertionError('unreachable')
+
+
+def vanishing(path: str, settle_seconds: float = 1.0) -> bool:
+  """Whether `path`, which existed when reading began, is gone or going: orbax's retention
+  unlinks a step's files, then removes its directory. A local `path` that keeps all its files
+  for `settle_seconds` is not being deleted (its data is damaged)."""
+  before = _file_count(path)
+  deadline = time.time() + settle_seconds
+  while True:
+    if not epath.Path(path).exists():
+      return True
+    if time.time() > deadline:
+      return False
+    time.sleep(0.1)
+    if _file_count(path) < before:
+      return True
+
+
+def _file_count(path: str) -> int:
+  """Files under a local `path` (0 on gs://, where only a vanished step counts)."""
+  if paths.is_url(path):
+    return 0
+  return sum(len(names) for _, _, names in os.walk(path))
