@@ -300,6 +300,17 @@ def test_watch_reports_each_stall_once():
   assert stall.Watch(('loss',), steps=0).warnings(9) == []
 
 
+def test_a_gradient_norm_of_exactly_0_warns_after_3_steps_not_50():
+  """Saturated by too large a learning rate (report E18: from step 2 every gradient is 0)."""
+  watch = stall.Watch(('grad_norm',), steps=50)
+  first = None
+  for step, value in enumerate([4.8, 0.0, 0.0, 0.0, 0.0], start=1):
+    watch.update({'grad_norm': np.float32(value)})
+    if watch.warnings(step) and first is None:
+      first = step
+  assert first == 4   # steps 2, 3, 4
+
+
 def _run_tiny(model_dir, learning_rate, steps, **train_kwargs):
   config = TrainConfig(str(model_dir), train_steps=steps, batch_size=8, log_every=1,
                        checkpoint_every=1000, async_checkpoints=False, **train_kwargs)

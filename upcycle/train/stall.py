@@ -2,8 +2,10 @@
 
 A healthy loss or gradient norm changes every step; one repeated exactly for many steps
 means training has stopped doing anything (e.g. a learning rate so large that the
-parameters saturate and every gradient is 0). `Watch` counts the repeats on device, so that
-checking costs no host round trip per step, and reports each stall once.
+parameters saturate and every gradient is 0). A value of exactly 0 (a gradient norm of 0)
+never happens while training works, so it warns after `ZERO_STEPS` steps already. `Watch`
+counts the repeats on device, so that checking costs no host round trip per step, and
+reports each stall once.
 """
 
 from typing import Dict, List, Mapping, Sequence, Tuple
@@ -11,6 +13,8 @@ from typing import Dict, List, Mapping, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+ZERO_STEPS = 3   # consecutive steps of a metric exactly 0 that warn (if `steps` is larger)
 
 
 @jax.jit
@@ -41,11 +45,11 @@ class Watch:
       return []
     out = []
     for name, (value, lasted) in jax.device_get(self._state).items():
-      lasted, since = int(lasted), step - int(lasted) + 1
-      if lasted < self.steps or self._warned.get(name) == since:
+      lasted, since, value = int(lasted), step - int(lasted) + 1, float(np.asarray(value))
+      enough = min(self.steps, ZERO_STEPS) if value == 0 else self.steps
+      if lasted < enough or self._warned.get(name) == since:
         continue
       self._warned[name] = since
-      value = float(np.asarray(value))
       out.append((
           f'{name} has been exactly {value:.6g} for {lasted} consecutive steps (steps {since} '
           f'to {step}): training is not changing the model. Check the learning rate (too large '

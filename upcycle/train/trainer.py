@@ -77,7 +77,8 @@ class TrainConfig:
     tensorboard: write TensorBoard event files (MODEL_DIR/tensorboard/).
     stall_warning_steps: warn (console and metrics.jsonl) when the loss or the gradient
       norm has stayed exactly the same for this many consecutive steps, a sign of a
-      degenerate run (e.g. a learning rate so large that every gradient is 0); 0: never.
+      degenerate run (e.g. a learning rate so large that every gradient is 0); a value of
+      exactly 0 warns after 3 steps already (`stall.ZERO_STEPS`); 0: never.
     on_optimizer_mismatch: resuming a checkpoint whose optimizer state is not the one this
       config's optimizer makes (another optimizer, momentum on or off): 'stop' (with the
       first differing slot; nothing is changed) or 'fresh' (restore parameters, step and data
