@@ -217,3 +217,37 @@ def test_an_export_onto_a_full_disk_stops_in_one_line_and_leaves_nothing(run, sm
   assert err.endswith(' MiB (the arrays uncompressed). Fix: free space there, or pass another '
                       '--output_dir.\n')
   assert os.listdir(out) == []
+
+
+@pytest.mark.slow
+def test_a_scanned_run_exports_unrolled_as_t5x_models_read_it(tmp_path):
+  """SCAN_LAYERS=True stores `layers/subblock_{j}` with the layer axis first; T5X's models are
+  unrolled: the export writes `layers_{i}` (params and T5X Adafactor slots), which the
+  unrolled model reads with the scanned run's logits; inspect describes both alike."""
+  from upcycle import inspect  # pylint: disable=g-import-not-at-top
+  unrolled = dataclasses.replace(MOE, num_encoder_layers=4, num_decoder_layers=4)
+  scanned = dataclasses.replace(unrolled, scan_layers=True)   # every other layer MoE: period 2
+  config = TrainConfig(str(tmp_path / 'run'), train_steps=2, batch_size=8, log_every=1,
+                       checkpoint_every=1000, async_checkpoints=False, tensorboard=False)
+  trainer = Trainer(Seq2Seq(T5(scanned)), optimizers.T5XAdafactor(beta1=0.9), config,
+                    text('train'), devices=jax.devices()[:1])
+  state = jax.device_get(trainer.run()['state'])
+  assert 'subblock_1' in state.params['encoder']['layers']
+  out = t5x_export.export(str(tmp_path / 'run'), str(tmp_path / 't5x'))
+  exported = checkpoints.load(out)
+  assert 'layers_1' in exported.params['encoder'] and 'layers' not in exported.params['encoder']
+  np.testing.assert_allclose(helpers.t5_logits(exported.params, unrolled),
+                             helpers.t5_logits(state.params, scanned), rtol=1e-6, atol=1e-6)
+  # Layer i = 2k + j of a period of 2: layer 3 is sub-block 1's entry 1.
+  slots = tree.flatten(t5x_writer.adafactor_param_states(state.opt_state))
+  got = tree.flatten(exported.optimizer_state['param_states'])
+  for slot in ('v_row', 'v_col', 'm'):
+    np.testing.assert_array_equal(
+        got[f'encoder/layers_3/mlp/expert/wi_0/kernel/{slot}'],
+        slots[f'encoder/layers/subblock_1/mlp/expert/wi_0/kernel/{slot}'][1])
+  raw, _ = t5x_reader.read(out)   # the independent reader
+  assert 'layers_1' in raw['optimizer']['target']['encoder']
+  run_model = inspect.summary(checkpoints.load(str(tmp_path / 'run' / 'checkpoints'),
+                                               lazy=True))['model']
+  assert run_model == inspect.summary(checkpoints.load(out, lazy=True))['model'] + (
+      '; layers stored scanned')

@@ -23,7 +23,7 @@ import dataclasses
 import logging
 from typing import Any, Dict, Optional, Tuple
 
-from upcycle import checkpoints, families, pretrained
+from upcycle import checkpoints, families, pretrained, tree
 from upcycle.checkpoints import (atomic_dir, hf_writer, paths, safetensors_file, t5x_export,
                                  validate)
 from upcycle.checkpoints.t5x_export import ExportError
@@ -70,7 +70,7 @@ def _check_output(output_dir: str, source: str) -> None:
 def _dense_params(ckpt: checkpoints.Checkpoint, config: Any) -> Dict[str, Any]:
   """The checkpoint's parameters checked against `config` (in the layout they are stored in,
   scanned or not) and unrolled."""
-  scanned = scan_layout.is_scanned(ckpt.params)
+  scanned = tree.is_scanned(ckpt.params)
   stored = dataclasses.replace(config, scan_layers=scanned)
   validate.check_params(ckpt.params, families.abstract_params(stored), ckpt.path,
                         fix='Pass the gin files of the model it was trained with')

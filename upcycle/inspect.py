@@ -41,12 +41,19 @@ def summary(ckpt: checkpoints.Checkpoint) -> Dict[str, Any]:
       'num_arrays': len(params),
       'optimizer_state': ckpt.optimizer_state is not None,
       'optimizer_arrays': len(optimizer),
-      'model': describe.describe(ckpt.params),
+      'model': _model(ckpt.params),
       'model_config': repr(ckpt.model_config) if ckpt.model_config is not None else None,
       'notes': list(ckpt.notes),
       'params': [{'path': p, 'shape': list(x.shape), 'dtype': str(np.dtype(x.dtype))}
                  for p, x in sorted(params.items())],
   }
+
+
+def _model(params: Any) -> str:
+  """What the parameters are; a scanned layout is described as the layers it unrolls to."""
+  if not tree.is_scanned(params):
+    return describe.describe(params)
+  return f'{describe.describe(tree.unroll_scanned(params))}; layers stored scanned'
 
 
 def _human(num_bytes: int) -> str:

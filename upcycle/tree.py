@@ -26,6 +26,10 @@ from flax.core import meta
 EXPERT = 'expert'
 ROUTER = 'router'
 SHARED_EXPERT = 'shared_expert'
+# A scanned stack's sub-block j (`upcycle.models.scan_layout`): PREFIX/NAME/subblock_{j}/REST
+# with the layers axis first, unrolled PREFIX/NAME_{k*p + j}/REST.
+SUBBLOCK = 'subblock_{}'
+_SCANNED = re.compile(r'(.*?)([A-Za-z]\w*)/subblock_(\d+)/(.*)')
 
 
 def _is_box(x: Any) -> bool:
@@ -242,3 +246,37 @@ def describe(params: Any) -> str:
   count = (f'{size / 1e9:.1f}B' if size >= 1e9 else f'{size / 1e6:.1f}M' if size >= 1e6
            else f'{size:,}')
   return f'a {family(flat)} model, {count} parameters, {moe}'
+
+
+def is_scanned(params: Any) -> bool:
+  """Whether a parameter tree is in a scanned layout (has `.../subblock_{j}/...` paths)."""
+  return any(_SCANNED.fullmatch(path) for path in flatten(params))
+
+
+def unroll_scanned(params: Any) -> Dict[str, Any]:
+  """A scanned tree unrolled from its names and shapes alone (no model config): each stack's
+  `PREFIX/NAME/subblock_{j}/REST [n, ...]` becomes `PREFIX/NAME_{k·p + j}/REST` for k < n, p
+  the number of sub-blocks the stack has. Leaves are indexed (`leaf[k]`: numpy, jax or lazy;
+  abstract ones lose the axis). A tree whose paths extend the parameters' (optimizer slots
+  `.../kernel/v_row`, the layers axis first) unrolls the same way. `upcycle.models.scan_layout.unstack` is the inverse of
+  its `stack` given the config; this needs none."""
+  flat = flatten(params)
+  periods: Dict[Tuple[str, str], set] = {}
+  for path in flat:
+    match = _SCANNED.fullmatch(path)
+    if match:
+      periods.setdefault(match.group(1, 2), set()).add(int(match.group(3)))
+  out = {}
+  for path, leaf in flat.items():
+    match = _SCANNED.fullmatch(path)
+    if not match:
+      out[path] = leaf
+      continue
+    prefix, name, j, rest = match.group(1), match.group(2), int(match.group(3)), match.group(4)
+    p = len(periods[(prefix, name)])
+    for k in range(leaf.shape[0]):
+      out[f'{prefix}{name}_{k * p + j}/{rest}'] = (
+          jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
+          if isinstance(leaf, jax.ShapeDtypeStruct) else leaf[k])
+  return unflatten(out)
+

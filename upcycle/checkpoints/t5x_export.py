@@ -7,6 +7,7 @@ existing `checkpoint_<step>` is refused before anything is written (`ExportError
 failed write leaves nothing (`t5x_writer.write`).
 """
 
+import dataclasses
 import logging
 import os
 from typing import Callable, Dict, Mapping, Optional, Tuple
@@ -112,6 +113,11 @@ def export(model_dir: str, output_dir: str, step: Optional[int] = None,
   step = pick_step(root, steps, step)
   ckpt = checkpoints.load(steps[step], format='orbax', lazy=True)
   slots = t5x_param_states(ckpt.optimizer_state, ckpt.params)
+  if tree.is_scanned(ckpt.params):   # T5X's models are unrolled: layers_{i}
+    log.info('%s holds scanned layers: exporting them unrolled (layers_0, layers_1, ...).',
+             ckpt.path)
+    ckpt = dataclasses.replace(ckpt, params=tree.unroll_scanned(ckpt.params))
+    slots = None if slots is None else tree.unroll_scanned(slots)
   out_step = step
   if not optimizer_state:
     log.info('Exporting the parameters only (no optimizer state asked for).')

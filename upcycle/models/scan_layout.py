@@ -29,7 +29,6 @@ import numpy as np
 
 from upcycle import fields, tree
 
-SUBBLOCK = 'subblock_{}'
 
 
 def period(sparse: Sequence[int], num_layers: int) -> int:
@@ -87,12 +86,6 @@ def _slice_leaf(leaf: Any, k: int) -> Any:
   return jax.tree.map(one, leaf)
 
 
-def is_scanned(params: Any) -> bool:
-  """Whether a parameter tree is in a scanned layout (has `.../subblock_{j}/...` paths)."""
-  sub = re.compile('(^|/)' + SUBBLOCK.replace('{}', r'\d+') + '/')
-  return any(sub.search(path) for path in tree.flatten(params))
-
-
 def stack(params: Any, config) -> Dict[str, Any]:
   """Unrolled tree (`.../layers_{i}/...`) -> the scanned layout of `config`'s stacks.
 
@@ -117,7 +110,7 @@ def stack(params: Any, config) -> Dict[str, Any]:
         if missing:
           raise ValueError(f'scan_layout.stack: {prefix}/{block.format(missing[0])}/{rest} is '
                            f'missing; layers {layer_ids} share sub-block {j} and must all have it.')
-        out[f'{prefix}/{scanned}/{SUBBLOCK.format(j)}/{rest}'] = _stack_leaves(
+        out[f'{prefix}/{scanned}/{tree.SUBBLOCK.format(j)}/{rest}'] = _stack_leaves(
             [by_layer[i] for i in layer_ids])
   out.update(flat)
   return tree.unflatten(out)
@@ -133,7 +126,7 @@ def unstack(params: Any, config) -> Dict[str, Any]:
   out = {}
   for prefix, block, scanned, num_layers, sparse in stacks(config):
     p = period(sparse, num_layers)
-    head = re.compile(re.escape(f'{prefix}/{scanned}/') + SUBBLOCK.replace('{}', r'(\d+)')
+    head = re.compile(re.escape(f'{prefix}/{scanned}/') + tree.SUBBLOCK.replace('{}', r'(\d+)')
                       + '/(.*)')
     for path in [q for q in flat if head.fullmatch(q)]:
       j, rest = head.fullmatch(path).groups()
@@ -142,4 +135,3 @@ def unstack(params: Any, config) -> Dict[str, Any]:
         out[f'{prefix}/{block.format(k * p + int(j))}/{rest}'] = _slice_leaf(leaf, k)
   out.update(flat)
   return tree.unflatten(out)
-

@@ -16,6 +16,7 @@ from typing import Any, Dict, Sequence, Tuple, Type
 import flax.linen as nn
 import jax
 
+from upcycle import tree
 from upcycle.models import scan_layout
 
 REMAT_POLICIES = {
@@ -60,7 +61,7 @@ class Period(nn.Module):
   @nn.compact
   def __call__(self, x, *dynamic):
     for j, sparse in enumerate(self.pattern):
-      x = self.layer(self.config, sparse, name=scan_layout.SUBBLOCK.format(j))(
+      x = self.layer(self.config, sparse, name=tree.SUBBLOCK.format(j))(
           x, *dynamic, *self.static)
     return x, None
 

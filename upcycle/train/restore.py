@@ -115,7 +115,7 @@ class Layout:
 def layout(source_params: Any, abstract_params: Any, model_config: Optional[Any]) -> Layout:
   """The `Layout` of restoring `source_params` into a model of `model_config` (None: as is)."""
   if (model_config is None or not getattr(model_config, 'scan_layers', False)
-      or scan_layout.is_scanned(source_params)):
+      or tree.is_scanned(source_params)):
     return Layout(abstract_params, lambda params: params, stacked=False)
   return Layout(scan_layout.unstack(abstract_params, model_config),
                 lambda params: scan_layout.stack(params, model_config), stacked=True)
