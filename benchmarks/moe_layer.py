@@ -400,7 +400,8 @@ def main():
   parser.add_argument('--d_ff', type=int, default=2048)
   parser.add_argument('--repeats', type=int, default=5)
   parser.add_argument('--quick', action='store_true', help='4x128 tokens, d 128, d_ff 256')
-  parser.add_argument('--only', default='', help="run the cases whose name holds this, e.g. 'Top-2'")
+  parser.add_argument('--only', default='',
+                      help="run the cases whose name holds this, e.g. 'Top-2'")
   parser.add_argument('--output', default=None, help='default: benchmarks/results/'
                       'moe_layer.json, with --topology moe_layer_tpu.json')
   args = parser.parse_args()

@@ -439,3 +439,49 @@ def test_a_sharded_hf_llama_converts_to_drop_upcycled_mixtral_experts(tmp_path, 
   for path, leaf in dense.items():
     if '/mlp/' not in path:
       np.testing.assert_array_equal(moe[path], leaf, err_msg=path)
+
+
+@pytest.fixture(scope='module')
+def sharded_hf_llama(tmp_path_factory):
+  """A dense HF Llama saved in several safetensors shards, and the config it reads into."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  from upcycle import pretrained  # pylint: disable=g-import-not-at-top
+  directory = tmp_path_factory.mktemp('sharded_llama') / 'hf'
+  torch.manual_seed(0)
+  transformers.LlamaForCausalLM(transformers.LlamaConfig(
+      vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=8)).save_pretrained(
+          directory, max_shard_size='20KB')
+  dense, config = pretrained.load_hf(str(directory))
+  return str(directory), tree.flatten(dense), config
+
+
+@pytest.mark.parametrize('initializer, expert_d_ff', [
+    ('copy', 48), ('noise', 48), ('random', 48), ('partial(copied=2)', 48),
+    ('granular(granularity=2)', 24)])
+def test_every_single_source_initializer_converts_a_sharded_hf_llama(
+    sharded_hf_llama, initializer, expert_d_ff, tmp_path):
+  """The initializers besides Drop (above) from the same sharded HF Llama into Mixtral's
+  block: experts of the expected shape, attention and embeddings copied bit for bit; copied
+  experts are the dense MLP exactly."""
+  from upcycle import pretrained  # pylint: disable=g-import-not-at-top
+  from upcycle.models import llama_hf  # pylint: disable=g-import-not-at-top
+  source, dense, dense_config = sharded_hf_llama
+  config = dataclasses.replace(dense_config, d_ff=expert_d_ff,
+                               moe=llama_hf.mixtral_moe(4, 2, 0.02))
+  convert.convert(source, config, str(tmp_path / 'moe'),
+                  experts=convert.parse_init(initializer, experts.EXPERT_INITS, '--experts'),
+                  router='uniform')
+  moe = tree.flatten(pretrained.load(str(tmp_path / 'moe'), model_config=config).params)
+  gate = moe['decoder/layers_1/mlp/expert/wi_0/kernel']
+  assert gate.shape == (4, 32, expert_d_ff)
+  for path, leaf in dense.items():
+    if '/mlp/' not in path:
+      np.testing.assert_array_equal(moe[path], leaf, err_msg=path)
+  copied = {'copy': 4, 'partial(copied=2)': 2}.get(initializer, 0)
+  for e in range(copied):
+    np.testing.assert_array_equal(gate[e], dense['decoder/layers_1/mlp/wi_0/kernel'])
+  if initializer in ('noise', 'random'):
+    assert not np.array_equal(gate[0], dense['decoder/layers_1/mlp/wi_0/kernel'])
+

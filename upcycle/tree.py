@@ -258,8 +258,9 @@ def unroll_scanned(params: Any) -> Dict[str, Any]:
   `PREFIX/NAME/subblock_{j}/REST [n, ...]` becomes `PREFIX/NAME_{k·p + j}/REST` for k < n, p
   the number of sub-blocks the stack has. Leaves are indexed (`leaf[k]`: numpy, jax or lazy;
   abstract ones lose the axis). A tree whose paths extend the parameters' (optimizer slots
-  `.../kernel/v_row`, the layers axis first) unrolls the same way. `upcycle.models.scan_layout.unstack` is the inverse of
-  its `stack` given the config; this needs none."""
+  `.../kernel/v_row`, the layers axis first) unrolls the same way.
+  (`upcycle.models.scan_layout.unstack` inverts its `stack` given the config; this needs
+  none.)"""
   flat = flatten(params)
   periods: Dict[Tuple[str, str], set] = {}
   for path in flat:

@@ -96,8 +96,9 @@ def mixtral_moe(num_experts: int, k: int, aux_loss_coef: float) -> MoeConfig:
   """The MoE block transformers' MixtralSparseMoeBlock computes: router logits in float32,
   softmax over the E experts, the top k renormalized to sum to 1, every token processed by
   its k experts (the dropless 'ragged' dispatch; the capacity factors E, unused by it, give
-  'indices' or 'masked' a slot for every token too), every layer MoE; `load_balancing_loss_func`'s loss (E x sum_e f_e p_e over all layers' and all real
-  tokens' choices together) weighted by `router_aux_loss_coef`; no z-loss."""
+  'indices' or 'masked' a slot for every token too), every layer MoE;
+  `load_balancing_loss_func`'s loss (E x sum_e f_e p_e over all layers' and all real tokens'
+  choices together) weighted by `router_aux_loss_coef`; no z-loss."""
   return MoeConfig(
       num_experts=num_experts, router='tokens_choose', k=k,
       train_capacity_factor=float(num_experts), eval_capacity_factor=float(num_experts),

@@ -1,10 +1,11 @@
 """Dropless dispatch: token copies sorted by expert, the experts as grouped matmuls.
 
 Each token's K choices become K rows; the rows are sorted by expert, so expert e's rows are
-one contiguous block and an expert MLP is one `jax.lax.ragged_dot` per kernel over all of them
-(`upcycle.layers.grouped_matmul`); the outputs are unsorted and summed with the combine weights. No capacity,
-no slot: every choice is computed, and an expert computes only the rows that chose it (on TPU;
-on CPU `ragged_dot` lowers to a masked dense product over all groups, E times the work).
+one contiguous block and an expert MLP is one `jax.lax.ragged_dot` per kernel over all of
+them (`upcycle.layers.grouped_matmul`); the outputs are unsorted and summed with the combine
+weights. No capacity, no slot: every choice is computed, and an expert computes only the rows
+that chose it (on TPU; on CPU `ragged_dot` lowers to a masked dense product over all groups,
+E times the work).
 MaxText's `sparse_matmul` path, without its expert-parallel all-to-all.
 
 The sort is a permutation whose gradient is the inverse permutation (`_permute`), so neither
@@ -16,7 +17,7 @@ split over), each device sorting its own tokens; the expert kernels enter every 
 (gathered like FSDP's parameters, the gradient reduced back). Outside a mesh they run whole.
 """
 
-from typing import Callable, Optional, Tuple
+from typing import Tuple
 
 import jax
 import jax.numpy as jnp
@@ -102,4 +103,5 @@ def unsort_and_combine(rows: Array, inverse: Array, order: Array, weights: Array
     copies = jnp.where(routed[..., None], copies, 0)
     return (jnp.einsum('gskd,gsk->gsd', copies, weights.astype(copies.dtype)),)
 
-  return layers.per_batch_shard(local, (True,) * 5, (True,))(rows, inverse, order, weights, routed)[0]
+  combine = layers.per_batch_shard(local, (True,) * 5, (True,))
+  return combine(rows, inverse, order, weights, routed)[0]
