@@ -140,10 +140,6 @@ def target_from_gin(macro: str = MODEL_MACRO):
   return getattr(value, 'config', value)
 
 
-def _inside(path: str, directory: str) -> bool:
-  return os.path.commonpath([path, directory]) == directory
-
-
 def _touches_source(output_dir: str, src: str) -> ConvertError:
   return ConvertError(
       f'--output_dir={output_dir} is, contains or lies inside the source {src}; the source '
@@ -161,7 +157,7 @@ def check_paths(source: str, resolved: str, output_dir: str, overwrite: bool) ->
     return _check_url_paths(source, resolved, output_dir, overwrite)
   out = os.path.realpath(output_dir)
   for src in {os.path.realpath(source), os.path.realpath(resolved)}:
-    if out == src or _inside(src, out) or (os.path.isdir(src) and _inside(out, src)):
+    if out == src or paths.inside(src, out) or (os.path.isdir(src) and paths.inside(out, src)):
       raise _touches_source(output_dir, src)
   if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
     if not overwrite:

@@ -149,7 +149,7 @@ class DenseGeneral(nn.Module):
                         (experts, kernel_shape[-1]), self.param_dtype)
       bias = jnp.asarray(bias, self.dtype)
     return grouped_matmul(jnp.asarray(x, self.dtype), jnp.asarray(kernel, self.dtype),
-                                 group_sizes, bias)
+                          group_sizes, bias)
 
 
 class RMSNorm(nn.Module):

@@ -21,6 +21,12 @@ def absolute(path) -> str:
   return path.rstrip('/') if is_url(path) else os.path.abspath(path)
 
 
+def inside(path, directory) -> bool:
+  """Whether local `path` is `directory` or lies below it (both resolved as the caller wants:
+  `os.path.realpath` to see through links)."""
+  return os.path.commonpath([os.fspath(path), os.fspath(directory)]) == os.fspath(directory)
+
+
 def isdir(path) -> bool:
   return epath.Path(path).is_dir()
 

@@ -76,7 +76,7 @@ def check_output(output_dir: str, source: str, *, writer: str, source_name: str)
                       f'Fix: export to a local directory, then copy it (gcloud storage cp -r).')
   if not paths.is_url(source):
     out, source = os.path.realpath(output_dir), os.path.realpath(source)
-    if os.path.commonpath([out, source]) == source:
+    if paths.inside(out, source):
       raise ExportError(f'--output_dir={output_dir} lies inside {source_name} {source}, which '
                         f'an export only reads. Fix: choose a directory outside it.')
 

@@ -30,6 +30,17 @@ class LengthError(ValueError):
   """The task feature lengths cannot hold a span-corrupted example."""
 
 
+def _corrupted_lengths(tokens_length: int, noise_density: float,
+                       mean_noise_span_length: float) -> Tuple[int, int, int]:
+  """(noise spans, inputs length, targets length) of a `tokens_length` chunk as
+  `random_spans_helper` counts them: inputs hold the non-noise tokens, a sentinel per span and
+  EOS; targets the noise tokens, a sentinel per span and EOS."""
+  num_noise_tokens = int(round(tokens_length * noise_density))
+  num_noise_spans = int(round(num_noise_tokens / mean_noise_span_length))
+  return (num_noise_spans, tokens_length - num_noise_tokens + num_noise_spans + 1,
+          num_noise_tokens + num_noise_spans + 1)
+
+
 def random_spans_helper(
     inputs_length: int,
     noise_density: float = NOISE_DENSITY,
@@ -41,12 +52,7 @@ def random_spans_helper(
   tokens, one sentinel per span and EOS. For inputs_length=512 this is (568, 114), T5's numbers.
   """
 
-  def lengths(tokens_length):
-    num_noise_tokens = int(round(tokens_length * noise_density))
-    num_nonnoise_tokens = tokens_length - num_noise_tokens
-    num_noise_spans = int(round(num_noise_tokens / mean_noise_span_length))
-    return (num_nonnoise_tokens + num_noise_spans + 1, num_noise_tokens + num_noise_spans + 1)
-
+  lengths = lambda n: _corrupted_lengths(n, noise_density, mean_noise_span_length)[1:]
   tokens_length = inputs_length - 1
   while lengths(tokens_length + 1)[0] <= inputs_length:
     tokens_length += 1
@@ -61,8 +67,7 @@ def _spans_fit(inputs_length: int, noise_density: float, mean_noise_span_length:
   """Whether `random_spans_helper`'s chunk for `inputs_length` has a whole noise span, so that
   the corrupted inputs (non-noise, a sentinel per span, EOS) fit."""
   tokens_length, _ = random_spans_helper(inputs_length, noise_density, mean_noise_span_length)
-  noise = int(round(tokens_length * noise_density))
-  return int(round(noise / mean_noise_span_length)) >= 1
+  return _corrupted_lengths(tokens_length, noise_density, mean_noise_span_length)[0] >= 1
 
 
 def num_noise_spans(

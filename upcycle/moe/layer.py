@@ -183,11 +183,12 @@ class MoeLayer(nn.Module):
       statistics = None
     else:
       decision = routing.tokens_choose(probs, cfg.k, capacity, cfg.batch_priority_routing, mask)
+      gates, expert_index = jax.lax.top_k(probs, cfg.k)               # [G, S, K]
       statistics = routing.load_balancing_statistics(
-          probs, jax.lax.top_k(probs, cfg.k)[1], cfg.load_balancing_scope, mask)
+          probs, expert_index, cfg.load_balancing_scope, mask)
     self._sow_metrics(probs, decision, mask)
     if cfg.dispatch == 'ragged':
-      out = self._dropless(grouped, probs, mask, deterministic)
+      out = self._dropless(grouped, gates, expert_index, mask, deterministic)
     else:
       if cfg.normalize_combine_weights:
         decision = routing.normalize_combine_weights(decision, tokens)
@@ -219,12 +220,12 @@ class MoeLayer(nn.Module):
 
     return run
 
-  def _dropless(self, grouped: Array, probs: Array, mask: Optional[Array],
-                deterministic: bool) -> Array:
-    """'ragged': every token through its K experts. grouped `[G, S, d]`, probs `[G, S, E]`,
-    mask `[G, S]` (False: padding, through no expert) -> `[G, S, d]`."""
+  def _dropless(self, grouped: Array, gates: Array, expert_index: Array,
+                mask: Optional[Array], deterministic: bool) -> Array:
+    """'ragged': every token through its K experts. grouped `[G, S, d]`, gates and
+    expert_index `[G, S, K]` (the router's top k), mask `[G, S]` (False: padding, through no
+    expert) -> `[G, S, d]`."""
     cfg = self.config
-    gates, expert_index = jax.lax.top_k(probs, cfg.k)                 # [G, S, K]
     routed = jnp.ones(gates.shape, bool) if mask is None else jnp.broadcast_to(
         mask[..., None], gates.shape)
     if cfg.normalize_combine_weights:

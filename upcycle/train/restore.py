@@ -168,11 +168,10 @@ class ReadsOn:
       if paths.is_url(source):
         continue
       src = os.path.realpath(source)
-      inside = lambda path, directory: path == directory or path.startswith(directory + os.sep)
-      if inside(run, src) or inside(src, steps):
+      if paths.inside(run, src) or paths.inside(src, steps):
         owner = type(self).__name__
         why = (f'lies inside the source checkpoint {source}, which a run only reads'
-               if inside(run, src) else f'holds the source checkpoint {source} in its '
+               if paths.inside(run, src) else f'holds the source checkpoint {source} in its '
                f'checkpoints/, where the run saves and deletes steps')
         raise fields.ConfigError(
             f'trainer.TrainConfig.model_dir = {model_dir!r} {why} ({owner}.checkpoint, '
