@@ -44,6 +44,7 @@ setuptools.setup(
         'test': [
             'libtpu==0.0.42.1',   # tests/test_aot.py compiles for TPU v4
             'pytest==9.2.0',
+            'pytest-xdist==3.8.0',   # the suite runs on two workers (pytest.ini)
             'torch==2.13.0',
             'transformers==5.24.0',
             'safetensors==0.8.0',
