@@ -2,7 +2,7 @@
 
   python benchmarks/moe_layer.py [--flaxformer DIR] [--quick] [--repeats 5]
   python benchmarks/moe_layer.py --topology v4:2x2x1 [--mesh 1x4x1] [--flaxformer DIR]
-  [--only Top-2]
+  [--only Top-2] [--papers]
 
 Work (forward + backward: value_and_grad of sum(y^2) w.r.t. the parameters and the input),
 float32, tokens [8, 512, 768], gated-GELU experts with d_ff 2048; three cases:
@@ -45,11 +45,22 @@ the 'expert' axis, as T5X runs it (it counts expert replicas from this host's de
 its groups match only a mesh with data 1); its equality check with ours needs execution, so
 it is done in the CPU mode only. Per case and row, per device: temporary HBM bytes
 (`memory_analysis()`), the compiler's FLOPs and bytes accessed (`cost_analysis()`) and the
-compile seconds. Prints a table and writes benchmarks/results/moe_layer_tpu.json.
+compile seconds, and the roofline time max(FLOPs / 275 TFLOP/s, bytes / 1.2 TB/s), a v4
+chip's bfloat16 peak and HBM bandwidth: the least time the work can take. Prints a table and
+writes benchmarks/results/moe_layer_tpu.json.
+
+--papers (with --topology): the cases at the group sizes the configs run at (PAPER_CASES:
+T5's groups of 4096 for the encoder's Expert Choice and the decoder's Top-2, ViT's one group
+per 197-token image, Mixtral's one group per 4096-token sequence, dropless), about 32,768
+tokens per chip, with the dropless rows 'ours ragged'
+(`jax.lax.ragged_dot`) and 'ours ragged megablox' (megablox's Pallas `gmm` / `tgmm`; its
+FLOPs and bytes are the kernel's own declared estimate) and the floor 'pure experts (k
+rows/token)'. Writes benchmarks/results/moe_layer_tpu_papers.json.
 """
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -57,6 +68,7 @@ import os
 import sys
 import time
 import types
+from typing import Optional
 
 import flax
 import flax.linen as nn
@@ -70,11 +82,46 @@ from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses
 from upcycle.moe.layer import EXPERT_SLOT_AXES
 from upcycle.train import partitioning
 
-CASES = (  # name, experts, router, k, T5X capacity factor
-    ('EC C=2, E=8', 8, 'experts_choose', 1, 2.0),
-    ('EC C=2, E=32', 32, 'experts_choose', 1, 2.0),
-    ('Top-2 BPR, E=8', 8, 'tokens_choose', 2, 2.5),
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One MoE layer setting: groups and capacity by T5X's rules (`capacity_convention='t5x'`,
+  `max_group_size`: groups span examples up to that many tokens; None: --length)."""
+
+  name: str
+  num_experts: int
+  router: str
+  k: int
+  factor: float                        # T5X capacity factor (slots = round(factor * S / E))
+  batch_priority: bool = True          # Top-K only
+  max_group_size: Optional[int] = None
+  length: Optional[int] = None         # sequence length; None: --length
+  sequences_per_shard: Optional[int] = None   # with --topology; None: 32
+  dropless: bool = False               # Top-K: also the dropless rows (ragged, megablox)
+
+
+CASES = (
+    Case('EC C=2, E=8', 8, 'experts_choose', 1, 2.0),
+    Case('EC C=2, E=32', 32, 'experts_choose', 1, 2.0),
+    Case('Top-2 BPR, E=8', 8, 'tokens_choose', 2, 2.5, dropless=True),
 )
+# --papers: the group sizes the configs run at, about 32,768 tokens per chip (the T5 cases need 32
+# groups of 4096 for Flaxformer's rule, groups >= E). T5 (moe/paper_t5.gin): groups of up to
+# 4096 tokens, the encoder's Expert Choice and the decoder's Top-2 (no BPR: causal); ViT
+# (moe/paper_vit.gin): one group per image, 197 tokens at 224^2/16; Mixtral (moe/mixtral.gin):
+# one group per sequence of 4096, dropless, beside slot dispatches at capacity factor 2.5
+# (1.25 slots per choice, some tokens dropped).
+PAPER_CASES = (
+    Case('T5 enc EC C=2, E=32, groups 4096', 32, 'experts_choose', 1, 2.0,
+         max_group_size=4096, length=512, sequences_per_shard=64),
+    Case('T5 dec Top-2, E=32, groups 4096', 32, 'tokens_choose', 2, 1.25, batch_priority=False,
+         max_group_size=4096, length=512, sequences_per_shard=64),
+    Case('ViT EC C=2, E=32, groups 197', 32, 'experts_choose', 1, 2.0, max_group_size=197,
+         length=197, sequences_per_shard=166),
+    Case('Mixtral Top-2, E=8, groups 4096', 8, 'tokens_choose', 2, 2.5, batch_priority=False,
+         max_group_size=4096, length=4096, sequences_per_shard=8, dropless=True),
+)
+# TPU v4 per chip (megacore): bfloat16 peak and HBM bandwidth (Cloud TPU v4 documentation).
+V4_PEAK_FLOPS, V4_HBM_BYTES_PER_SECOND = 275e12, 1.2e12
 TOKEN_AXES = ('batch', 'length', 'embed')
 
 
@@ -154,11 +201,13 @@ def pure_experts(num_experts, slots, d_model, d_ff, mesh=None):
                   lambda x: experts.init(jax.random.PRNGKey(1), x, True)['params'], x, mesh)
 
 
-def moe_config(num_experts, router, k, factor, length, dispatch):
-  return MoeConfig(num_experts=num_experts, router=router, k=k, train_capacity_factor=factor,
-                   eval_capacity_factor=factor, capacity_convention='t5x',
-                   min_expert_capacity=1, max_group_size=length, dispatch=dispatch,
-                   batch_priority_routing=router == 'tokens_choose')
+def moe_config(case, length, dispatch, grouped_kernel='ragged_dot'):
+  return MoeConfig(num_experts=case.num_experts, router=case.router, k=case.k,
+                   train_capacity_factor=case.factor, eval_capacity_factor=case.factor,
+                   capacity_convention='t5x', min_expert_capacity=1,
+                   max_group_size=case.max_group_size or length, dispatch=dispatch,
+                   grouped_kernel=grouped_kernel,
+                   batch_priority_routing=case.router == 'tokens_choose' and case.batch_priority)
 
 
 def ours(x, config, d_ff, mesh=None, with_metrics=False):
@@ -201,24 +250,26 @@ def import_flaxformer(directory):
 FLAXFORMER_RULES = partitioning.LOGICAL_AXIS_RULES + (('expert_replicas', 'data'),)
 
 
-def flaxformer(flax_modules, x, num_experts, router, k, factor, d_ff, scatter, mesh=None):
+def flaxformer(flax_modules, x, case, d_ff, scatter, mesh=None):
   """Flaxformer's MoeLayer on `x`: (Compiled, apply(params, x) -> y)."""
   moe_layers, routing, ff_dense = flax_modules
   weights = routing.RouterWeights(dtype=jnp.float32, use_bias=False)
   common = dict(router_weights=weights, jitter_noise=0.0, dtype=jnp.float32,
                 ignore_padding_tokens=False)
-  if router == 'experts_choose':
+  if case.router == 'experts_choose':
     ff_router = routing.ExpertsChooseMaskedRouter(**common)
   else:
     cls = routing.TokensChooseScatterRouter if scatter else routing.TokensChooseMaskedRouter
-    ff_router = cls(num_selected_experts=k, batch_prioritized_routing=True, **common)
+    ff_router = cls(num_selected_experts=case.k, batch_prioritized_routing=case.batch_priority,
+                    **common)
   expert = ff_dense.MlpBlock(use_bias=False, intermediate_dim=d_ff,
                              activations=('gelu', 'linear'), intermediate_dropout_rate=0.0,
                              final_dropout_rate=0.0, dtype=x.dtype)
   layer = moe_layers.MoeLayer(
-      num_experts=num_experts, max_group_size=x.shape[1], train_capacity_factor=factor,
-      eval_capacity_factor=factor, expert=expert, router=ff_router,
-      num_expert_partitions=mesh.shape['expert'] if mesh else num_experts,
+      num_experts=case.num_experts, max_group_size=case.max_group_size or x.shape[1],
+      train_capacity_factor=case.factor, eval_capacity_factor=case.factor, expert=expert,
+      router=ff_router,
+      num_expert_partitions=mesh.shape['expert'] if mesh else case.num_experts,
       num_model_partitions=mesh.shape['model'] if mesh else 1, dropout_rate=0.0,
       dtype=x.dtype, min_expert_capacity=1)
 
@@ -263,31 +314,35 @@ def check_same_function(our_layer, our_params, ff_apply, ff_params, x):
 def case_runs(case, x, args, dense_run, flax_modules, mesh=None):
   """One case's rows, name -> Compiled (on CPU also `+metrics`, and Flaxformer's layer is
   first checked to compute ours' function); prints the case's groups and capacity."""
-  name, num_experts, router, k, factor = case
   batch, length, d_model = x.shape
-  config = moe_config(num_experts, router, k, factor, length, 'indices')
+  config = moe_config(case, length, 'indices')
   plan = config.group_plan(batch, length)
   capacity = config.capacity(plan.group_size, deterministic=True)
-  runs = {'dense MLP': dense_run,
-          'pure experts': pure_experts(num_experts, plan.num_groups * capacity, d_model,
-                                       args.d_ff, mesh)}
+  runs = {} if dense_run is None else {'dense MLP': dense_run}
+  runs['pure experts'] = pure_experts(case.num_experts, plan.num_groups * capacity, d_model,
+                                      args.d_ff, mesh)
+  if case.dropless:   # the floor of a dropless layer: every token's k rows, evenly spread
+    runs['pure experts (k rows/token)'] = pure_experts(
+        case.num_experts, -(-batch * length * case.k // case.num_experts), d_model, args.d_ff,
+        mesh)
   for dispatch in ('masked', 'indices'):
-    config = moe_config(num_experts, router, k, factor, length, dispatch)
+    config = moe_config(case, length, dispatch)
     runs[f'ours {dispatch}'], layer = ours(x, config, args.d_ff, mesh)
-  if router == 'tokens_choose':   # dropless: each token's k rows, no capacity slots
-    runs['ours ragged'] = ours(x, moe_config(num_experts, router, k, factor, length, 'ragged'),
-                               args.d_ff, mesh)[0]
+  if case.dropless:   # each token's k rows, no capacity slots
+    runs['ours ragged'] = ours(x, moe_config(case, length, 'ragged'), args.d_ff, mesh)[0]
+    if mesh is not None:   # the Pallas TPU kernel (interpreted on CPU: not timed)
+      runs['ours ragged megablox'] = ours(x, moe_config(case, length, 'ragged', 'megablox'),
+                                          args.d_ff, mesh)[0]
   if mesh is None:
     runs['ours indices +metrics'] = ours(x, config, args.d_ff, with_metrics=True)[0]
-  scatters = ((False, True) if router == 'tokens_choose' else (False,)) if flax_modules else ()
+  scatters = ((False, True) if case.router == 'tokens_choose' else (False,)) if flax_modules else ()
   for scatter in scatters:
-    run, apply = flaxformer(flax_modules, x, num_experts, router, k, factor, args.d_ff,
-                            scatter, mesh)
+    run, apply = flaxformer(flax_modules, x, case, args.d_ff, scatter, mesh)
     if mesh is None:
       check_same_function(layer, runs['ours indices'].params, apply, run.params, x)
     runs[f'flaxformer {"scatter" if scatter else "masked"}'] = run
-  print(f'\n{name}: {plan.num_groups} groups x {plan.group_size} tokens, {capacity} slots per '
-        f'expert and group', flush=True)
+  print(f'\n{case.name}: {plan.num_groups} groups x {plan.group_size} tokens, {capacity} slots '
+        f'per expert and group', flush=True)
   return runs
 
 
@@ -337,23 +392,33 @@ def ratios(run, base):
           for key in TPU_KEYS}
 
 
+def roofline_seconds(run):
+  """The step's lower bound on a v4 chip: max(FLOPs / peak, bytes / HBM bandwidth)."""
+  return max(run.flops / V4_PEAK_FLOPS, run.bytes_accessed / V4_HBM_BYTES_PER_SECOND)
+
+
 def tpu_rows(case, runs, args):  # pylint: disable=unused-argument
   """The compiled runs' per-device figures; prints and returns their rows and the verdict
-  (indices over masked; ours' lower-memory dispatch over Flaxformer's)."""
-  print(f'  {"":24s} {"temp MiB":>9s} {"x pure":>7s} {"GFLOP":>8s} {"x pure":>7s} '
-        f'{"GB accessed":>11s} {"x pure":>7s} {"compile s":>9s}')
+  (indices over masked; ours' lower-memory dispatch over Flaxformer's; each row's roofline
+  time, and ours' lowest)."""
+  print(f'  {"":28s} {"temp MiB":>9s} {"x pure":>7s} {"GFLOP":>8s} {"x pure":>7s} '
+        f'{"GB accessed":>11s} {"x pure":>7s} {"roofline ms":>11s} {"compile s":>9s}')
   rows = []
   for impl, run in runs.items():
     over = {k: f'{"-":>7s}' if v is None else f'{v:7.2f}'
             for k, v in ratios(run, runs['pure experts']).items()}
-    print(f'  {impl:24s} {run.temp_bytes / 2**20:9.1f} {over["temp_bytes"]} '
+    print(f'  {impl:28s} {run.temp_bytes / 2**20:9.1f} {over["temp_bytes"]} '
           f'{run.flops / 1e9:8.2f} {over["flops"]} {run.bytes_accessed / 1e9:11.3f} '
-          f'{over["bytes_accessed"]} {run.compile_seconds:9.1f}')
+          f'{over["bytes_accessed"]} {roofline_seconds(run) * 1e3:11.2f} '
+          f'{run.compile_seconds:9.1f}')
     rows.append({'case': case, 'impl': impl, 'temp_bytes': run.temp_bytes, 'flops': run.flops,
-                 'bytes_accessed': run.bytes_accessed, 'compile_seconds': run.compile_seconds})
+                 'bytes_accessed': run.bytes_accessed, 'compile_seconds': run.compile_seconds,
+                 'roofline_seconds': roofline_seconds(run)})
   lowest = lambda impls: min(impls, key=lambda impl: runs[impl].temp_bytes)
   best = lowest(('ours masked', 'ours indices'))
-  verdict = {'case': case, 'ours_best_memory': best,
+  fastest = min((impl for impl in runs if impl.startswith('ours')),
+                key=lambda impl: roofline_seconds(runs[impl]))
+  verdict = {'case': case, 'ours_best_memory': best, 'ours_fastest_roofline': fastest,
              'indices_over_masked': ratios(runs['ours indices'], runs['ours masked'])}
   theirs = [impl for impl in runs if impl.startswith('flaxformer')]
   if theirs:
@@ -367,7 +432,8 @@ def tpu_summary(verdicts):
                              for key in TPU_KEYS)
   print('\nper device:')
   for v in verdicts:
-    line = f'  {v["case"]:16s} indices over masked: {show(v["indices_over_masked"])}'
+    line = (f'  {v["case"]:16s} lowest roofline: {v["ours_fastest_roofline"]}; indices over '
+            f'masked: {show(v["indices_over_masked"])}')
     if 'flaxformer_best_memory' in v:
       line += (f'; {v["ours_best_memory"]} over {v["flaxformer_best_memory"]}: '
                f'{show(v["ours_over_flaxformer"])}')
@@ -400,6 +466,8 @@ def main():
   parser.add_argument('--d_ff', type=int, default=2048)
   parser.add_argument('--repeats', type=int, default=5)
   parser.add_argument('--quick', action='store_true', help='4x128 tokens, d 128, d_ff 256')
+  parser.add_argument('--papers', action='store_true',
+                      help='with --topology: the cases at the configs\' group sizes (PAPER_CASES)')
   parser.add_argument('--only', default='',
                       help="run the cases whose name holds this, e.g. 'Top-2'")
   parser.add_argument('--output', default=None, help='default: benchmarks/results/'
@@ -407,9 +475,9 @@ def main():
   args = parser.parse_args()
   if args.quick:
     args.batch, args.length, args.d_model, args.d_ff, args.repeats = 4, 128, 128, 256, 3
-  args.output = args.output or os.path.join(
-      os.path.dirname(__file__), 'results', 'moe_layer_tpu.json' if args.topology
-      else 'moe_layer.json')
+  name = ('moe_layer_tpu_papers.json' if args.papers else 'moe_layer_tpu.json') if args.topology \
+      else 'moe_layer.json'
+  args.output = args.output or os.path.join(os.path.dirname(__file__), 'results', name)
   flax_modules = import_flaxformer(args.flaxformer) if args.flaxformer else None
   mesh = topology_mesh(args.topology, args.mesh) if args.topology else None
   if mesh is None:
@@ -426,15 +494,27 @@ def main():
           f'GELU), bfloat16 activations, float32 parameters, forward+backward, compiled for '
           f'{args.topology} ({mesh.devices.size} x {mesh.devices.flat[0].device_kind}), mesh '
           f'{dict(mesh.shape)}; per device', flush=True)
+  if args.papers and mesh is None:
+    parser.error('--papers needs --topology (the cases are sized for a TPU chip)')
   with partitioning.activate(mesh) if mesh else contextlib.nullcontext():
-    x = inputs((args.batch, args.length, args.d_model), TOKEN_AXES, mesh)
-    dense_run = dense(x, args.d_ff, mesh)
     rows, verdicts = [], []
-    for case in [case for case in CASES if args.only in case[0]]:
-      case_rows, verdict = rows_of(case[0], case_runs(case, x, args, dense_run, flax_modules,
-                                                      mesh), args)
-      rows += case_rows
-      verdicts.append(verdict)
+    if args.papers:
+      shards = mesh.shape['data'] * mesh.shape['expert']
+      for case in [case for case in PAPER_CASES if args.only in case.name]:
+        x = inputs((case.sequences_per_shard * shards, case.length, args.d_model), TOKEN_AXES,
+                   mesh)
+        case_rows, verdict = rows_of(case.name, case_runs(case, x, args, None, flax_modules,
+                                                          mesh), args)
+        rows += case_rows
+        verdicts.append(verdict)
+    else:
+      x = inputs((args.batch, args.length, args.d_model), TOKEN_AXES, mesh)
+      dense_run = dense(x, args.d_ff, mesh)
+      for case in [case for case in CASES if args.only in case.name]:
+        case_rows, verdict = rows_of(case.name, case_runs(case, x, args, dense_run, flax_modules,
+                                                          mesh), args)
+        rows += case_rows
+        verdicts.append(verdict)
   summary(verdicts)
   os.makedirs(os.path.dirname(args.output), exist_ok=True)
   with open(args.output, 'w') as f:

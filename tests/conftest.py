@@ -23,6 +23,17 @@ if '--xla_backend_optimization_level' not in _flags:
   # compile time and leaves results within the tests' tolerances.
   _flags += ' --xla_backend_optimization_level=0'
 os.environ['XLA_FLAGS'] = _flags.strip()
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')   # the workers' TensorFlow start-up lines
+
+
+@pytest.fixture(autouse=True)
+def _gin_left_unlocked():
+  """A test that finalized gin's configuration (an entry point run in process) leaves it
+  unlocked: the next test on this worker may register configurables."""
+  yield
+  import gin  # pylint: disable=g-import-not-at-top
+  if gin.config_is_locked():
+    gin.clear_config()
 
 
 @pytest.fixture(scope='session')

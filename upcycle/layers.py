@@ -47,7 +47,10 @@ def _batch_axes() -> Tuple[str, ...]:
 
 def per_batch_shard(fn: Callable, batched: Tuple[bool, ...], out_batched: Tuple[bool, ...]):
   """`fn` run on each batch shard: arguments flagged in `batched` split on their leading axis
-  over the batch's mesh axes, the others whole; outputs likewise. Outside a mesh: `fn`."""
+  over the batch's mesh axes, the others whole; outputs likewise. Outside a mesh: `fn`.
+
+  `fn` computes on its shard alone (no collectives), so shard_map's varying-axes check is off:
+  Pallas kernels (megablox) declare outputs without the axes they vary over."""
   axes = _batch_axes()
   if not axes:
     return fn
@@ -55,7 +58,7 @@ def per_batch_shard(fn: Callable, batched: Tuple[bool, ...], out_batched: Tuple[
   spec = lambda split: PartitionSpec(axes) if split else PartitionSpec()
   return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(b) for b in batched),
                        out_specs=tuple(spec(b) for b in out_batched),
-                       axis_names=frozenset(mesh.axis_names))
+                       axis_names=frozenset(mesh.axis_names), check_vma=False)
 
 
 def batch_shards() -> int:
@@ -64,15 +67,59 @@ def batch_shards() -> int:
   return math.prod(mesh.shape[a] for a in _batch_axes())
 
 
+@jax.custom_vjp
+def _gradient_where(x: Array, keep: Array) -> Array:
+  """x, with its gradient zeroed where `keep` `[rows]` is False."""
+  return x
+
+
+def _gradient_where_fwd(x, keep):
+  return x, keep
+
+
+def _gradient_where_bwd(keep, grad):
+  return jnp.where(keep[:, None], grad, 0).astype(grad.dtype), None
+
+
+_gradient_where.defvjp(_gradient_where_fwd, _gradient_where_bwd)
+
+
+def _megablox_gmm(rows: Array, kernel: Array, sizes: Array) -> Array:
+  """megablox's `gmm` (Pallas; its backward is its own `gmm` and `tgmm`, each over the rows'
+  groups only): the TPU kernel on TPU, its interpreter elsewhere. rows `[R, d_in]`, kernel
+  `[E, d_in, d_out]`, sizes `[E]` -> `[R, d_out]`, rows past the groups 0 (the kernel leaves
+  them unwritten, so they and their gradients are masked)."""
+  from jax.experimental.pallas.ops.tpu.megablox import ops  # pylint: disable=g-import-not-at-top
+  count, d_in = rows.shape
+  # Tiles of 512 rows x 1024 x 1024 (the kernel's default: 128 x 128 x 128): each row tile
+  # reads its experts' kernels once per output tile, so small tiles multiply the bytes read.
+  tile = 512 if count >= 512 else -(-count // 8) * 8
+  padded = -(-count // tile) * tile
+  counted = jnp.arange(padded) < jnp.sum(sizes)
+  rows = _gradient_where(jnp.pad(rows, ((0, padded - count), (0, 0))), counted)
+  tiling = (tile, min(1024, d_in), min(1024, kernel.shape[-1]))
+
+  def gmm(interpret):
+    return lambda r, w, s: ops.gmm(r, w, s, r.dtype, tiling, None, None, False, interpret)
+
+  out = jax.lax.platform_dependent(rows, kernel, sizes, cpu=gmm(True), default=gmm(False))
+  return jnp.where(counted[:, None], out, 0).astype(out.dtype)[:count]
+
+
+# How `grouped_matmul` multiplies each expert's rows (`MoeConfig.grouped_kernel`).
+GROUPED_KERNELS = {'ragged_dot': jax.lax.ragged_dot, 'megablox': _megablox_gmm}
+
+
 def grouped_matmul(rows: Array, kernel: Array, group_sizes: Array,
-                   bias: Optional[Array] = None) -> Array:
+                   bias: Optional[Array] = None, grouped_kernel: str = 'ragged_dot') -> Array:
   """Each row by its expert's kernel: rows `[R, d_in]` sorted by expert, group_sizes
   `[shards, E]` (`upcycle.moe.ragged.sort_by_expert`), kernel `[E, d_in, d_out]`, bias
-  `[E, d_out]` -> `[R, d_out]`, rows past the groups 0. One `jax.lax.ragged_dot` per shard."""
+  `[E, d_out]` -> `[R, d_out]`, rows past the groups 0. One grouped matmul per shard, by
+  `GROUPED_KERNELS[grouped_kernel]`."""
 
   def local(rows, kernel, group_sizes, *bias):
     sizes = group_sizes[0]
-    out = jax.lax.ragged_dot(rows, kernel, sizes)
+    out = GROUPED_KERNELS[grouped_kernel](rows, kernel, sizes)
     if bias:
       expert = jnp.repeat(jnp.arange(sizes.shape[0]), sizes, total_repeat_length=rows.shape[0])
       counted = jnp.arange(rows.shape[0]) < jnp.sum(sizes)
@@ -104,6 +151,7 @@ class DenseGeneral(nn.Module):
   kernel_init: Initializer = default_kernel_init
   bias_init: Initializer = nn.initializers.zeros
   num_experts: Optional[int] = None
+  grouped_kernel: str = 'ragged_dot'   # with num_experts: a key of GROUPED_KERNELS
 
   @nn.compact
   def __call__(self, x: Array, group_sizes: Optional[Array] = None) -> Array:
@@ -149,7 +197,7 @@ class DenseGeneral(nn.Module):
                         (experts, kernel_shape[-1]), self.param_dtype)
       bias = jnp.asarray(bias, self.dtype)
     return grouped_matmul(jnp.asarray(x, self.dtype), jnp.asarray(kernel, self.dtype),
-                          group_sizes, bias)
+                          group_sizes, bias, self.grouped_kernel)
 
 
 class RMSNorm(nn.Module):
@@ -217,11 +265,13 @@ class GatedMlp(nn.Module):
   intermediate_axes: Optional[Axes] = ('batch', 'length', 'mlp')
   activation: str = 'gelu'   # a key of GATE_ACTIVATIONS
   num_experts: Optional[int] = None
+  grouped_kernel: str = 'ragged_dot'
 
   @nn.compact
   def __call__(self, x: Array, deterministic: bool,
                group_sizes: Optional[Array] = None) -> Array:
-    dense = functools.partial(DenseGeneral, dtype=self.dtype, num_experts=self.num_experts)
+    dense = functools.partial(DenseGeneral, dtype=self.dtype, num_experts=self.num_experts,
+                              grouped_kernel=self.grouped_kernel)
     gate = dense(self.d_ff, ('embed', 'mlp'), name='wi_0')(x, group_sizes)
     linear = dense(self.d_ff, ('embed', 'mlp'), name='wi_1')(x, group_sizes)
     h = constrain(GATE_ACTIVATIONS[self.activation](gate) * linear, self.intermediate_axes)
@@ -241,12 +291,14 @@ class Mlp(nn.Module):
   dtype: jnp.dtype = jnp.float32
   intermediate_axes: Optional[Axes] = ('batch', 'length', 'mlp')
   num_experts: Optional[int] = None
+  grouped_kernel: str = 'ragged_dot'
 
   @nn.compact
   def __call__(self, x: Array, deterministic: bool,
                group_sizes: Optional[Array] = None) -> Array:
     dense = functools.partial(
         DenseGeneral, use_bias=True, dtype=self.dtype, num_experts=self.num_experts,
+        grouped_kernel=self.grouped_kernel,
         kernel_init=nn.initializers.xavier_uniform(),
         bias_init=nn.initializers.normal(stddev=1e-6))
     h = nn.gelu(dense(self.mlp_dim, ('embed', 'mlp'), name='Dense_0')(x, group_sizes),

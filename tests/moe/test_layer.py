@@ -12,6 +12,7 @@ from upcycle import layers
 from upcycle.moe import (MOE_COLLECTIONS, ROUTER_LOGITS, MoeConfig, MoeLayer, aux_losses,
                          grouping, metrics, router_logits, routing)
 from tests.models.helpers import jitted
+from tests.moe.helpers import primitive_names
 
 D_MODEL, D_FF, E = 8, 16, 4
 EXPERT = functools.partial(layers.GatedMlp, d_ff=D_FF)
@@ -71,11 +72,31 @@ def test_without_normalization_output_is_dense_scaled_by_summed_weights(router):
   logits = x @ params['router']['router_weights']['w']['kernel']
   probs = jax.nn.softmax(logits, -1)
   capacity = config.capacity(8, True)
-  decision = (routing.tokens_choose(probs, 2, capacity) if router == 'tokens_choose'
-              else routing.experts_choose(probs, capacity))
+  decision = (routing.tokens_choose(probs, jax.lax.top_k(probs, 2)[1], capacity)
+              if router == 'tokens_choose' else routing.experts_choose(probs, capacity))
   scale = routing.token_weight_sums(decision, 8)
   assert np.any(scale == 0) and np.any(scale > 0)   # some tokens dropped, some routed
   np.testing.assert_allclose(out, dense_out * scale[..., None], atol=1e-5)
+
+
+def test_top_k_routing_metrics_and_masked_dispatch_have_no_scatter_forward_or_backward():
+  """Top-2 with Batch Priority Routing, padding, normalized weights, the metrics and the
+  auxiliary losses in the loss: no scatter of any kind (each is serialized on TPU, and the
+  slot-assignment scatters were most of this layer's bytes accessed there)."""
+  x, _, _ = dense_setup()
+  config = MoeConfig(num_experts=E, router='tokens_choose', k=2, batch_priority_routing=True,
+                     eval_capacity_factor=0.5, capacity_multiple_of=1,
+                     normalize_combine_weights=True, dispatch='masked')
+  layer = MoeLayer(config, EXPERT)
+  padding = jnp.arange(x.shape[1])[None, :] < jnp.array([[x.shape[1]], [3]])
+
+  def loss(p, x):
+    out, state = layer.apply({'params': p}, x, True, padding, mutable=MOE_COLLECTIONS)
+    return jnp.sum(out ** 2) + aux_losses(state)['total'] + sum(
+        jnp.sum(m) for m in jax.tree.leaves(state['moe_metrics']))
+
+  names = primitive_names(jax.grad(loss, argnums=(0, 1)), moe_params(config, x), x)
+  assert 'dot_general' in names and not {n for n in names if 'scatter' in n}, names
 
 
 @pytest.mark.slow

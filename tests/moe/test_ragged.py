@@ -14,6 +14,7 @@ import pytest
 from upcycle import fields, layers
 from upcycle.models import LlamaConfig, flops
 from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, metrics, ragged
+from tests.moe.helpers import primitive_names
 
 E = 4
 SWIGLU = functools.partial(layers.GatedMlp, d_ff=12, activation='silu')
@@ -42,13 +43,20 @@ def loss_and_grads(layer_config, expert, params, x, mask):
   return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
 
 
-@pytest.mark.parametrize('expert, overrides', [
-    (SWIGLU, dict(normalize_combine_weights=True)),        # the Mixtral block
-    (SWIGLU, dict(group_size=4, load_balancing_scope='batch')),
-    (VIT_MLP, dict(normalize_combine_weights=True))],
-    ids=['mixtral', 'groups-unnormalized', 'biased-experts'])
-def test_ragged_equals_indices_with_a_slot_for_every_token(expert, overrides):
-  indices, dropless = config('indices', **overrides), config('ragged', **overrides)
+@pytest.mark.parametrize('expert, overrides, kernel', [
+    (SWIGLU, dict(normalize_combine_weights=True), 'ragged_dot'),        # the Mixtral block
+    (SWIGLU, dict(group_size=4, load_balancing_scope='batch'), 'ragged_dot'),
+    (VIT_MLP, dict(normalize_combine_weights=True), 'ragged_dot'),
+    pytest.param(SWIGLU, dict(normalize_combine_weights=True), 'megablox',
+                 marks=pytest.mark.slow),
+    pytest.param(VIT_MLP, dict(group_size=4), 'megablox', marks=pytest.mark.slow)],
+    ids=['mixtral', 'groups-unnormalized', 'biased-experts', 'mixtral-megablox',
+         'biased-experts-megablox'])
+def test_ragged_equals_indices_with_a_slot_for_every_token(expert, overrides, kernel):
+  """'megablox': the Pallas kernels in interpret mode (their TPU build is compiled by
+  benchmarks/moe_layer.py --topology), with padding whose rows the kernel leaves unwritten."""
+  indices = config('indices', **overrides)
+  dropless = config('ragged', grouped_kernel=kernel, **overrides)
   params = nn.meta.unbox(MoeLayer(indices, expert, causal=True).init(
       jax.random.PRNGKey(1), X, True, PADDING))['params']
   # An opinionated router: uneven loads, and experts left empty in some groups.
@@ -85,14 +93,17 @@ def test_sort_and_unsort_have_no_scatter_add_forward_or_backward():
 
   # Each real token comes back k = 2 times: out = 2x, loss = 4x^2, gradient 8x (pads: 0).
   np.testing.assert_allclose(jax.grad(through)(X), 8 * X * PADDING[..., None], rtol=1e-6)
-  primitives = {eqn.primitive.name for eqn in jax.make_jaxpr(jax.grad(through))(X).eqns}
+  primitives = primitive_names(jax.grad(through), X)
   assert not {name for name in primitives if 'scatter' in name}, primitives
 
 
-def test_ragged_is_top_k_only():
+def test_ragged_is_top_k_only_and_a_grouped_kernel_needs_it():
   with pytest.raises(fields.ConfigError, match=r"dispatch = 'ragged' is dropless Top-K.*"
                                                r"router = 'tokens_choose'"):
     MoeConfig(num_experts=E, router='experts_choose', dispatch='ragged')
+  with pytest.raises(fields.ConfigError, match=r"grouped_kernel = 'megablox' is for the "
+                                               r"dropless dispatch: set .*dispatch = 'ragged'"):
+    MoeConfig(num_experts=E, router='tokens_choose', dispatch='masked', grouped_kernel='megablox')
 
 
 def test_capacity_is_the_whole_group_and_flops_count_k_rows_per_token():

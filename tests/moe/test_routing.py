@@ -12,6 +12,11 @@ from upcycle.moe import MoeConfig, routing
 PROBS = np.array([[[0.6, 0.4], [0.7, 0.3], [0.2, 0.8], [0.9, 0.1]]], np.float32)
 
 
+def top(k):
+  """Each token's k most probable experts in PROBS."""
+  return jax.lax.top_k(PROBS, k)[1]
+
+
 def slots(decision):
   """{expert: [(token, weight), ...]} of the valid slots, in slot order."""
   out = {}
@@ -35,7 +40,7 @@ def test_experts_choose_takes_padding_last_and_marks_it_invalid():
 
 @pytest.mark.slow
 def test_top2_first_choices_outrank_second_choices_and_overflow_drops():
-  decision = routing.tokens_choose(PROBS, k=2, capacity=2)
+  decision = routing.tokens_choose(PROBS, top(2), capacity=2)
   # First choices in position order: t0,t1 fill e0; t3's first choice overflows e0.
   # Second choices: t0 -> e1 fits; t1 -> e1 overflows; t2 -> e0 and t3 -> e1 overflow.
   assert slots(decision) == {0: [(0, 0.6), (1, 0.7)], 1: [(2, 0.8), (0, 0.4)]}
@@ -44,25 +49,25 @@ def test_top2_first_choices_outrank_second_choices_and_overflow_drops():
 
 
 def test_top2_batch_priority_routing_ranks_by_top1_probability():
-  decision = routing.tokens_choose(PROBS, k=2, capacity=2, batch_priority=True)
+  decision = routing.tokens_choose(PROBS, top(2), capacity=2, batch_priority=True)
   # Priority t3 (.9), t2 (.8), t1 (.7), t0 (.6): t0's first choice now overflows.
   assert slots(decision) == {0: [(3, 0.9), (1, 0.7)], 1: [(2, 0.8), (3, 0.1)]}
   np.testing.assert_array_equal(routing.token_slot_counts(decision, 4), [[0, 1, 1, 2]])
 
 
 def test_top1_with_room_for_everyone():
-  decision = routing.tokens_choose(PROBS, k=1, capacity=4)
+  decision = routing.tokens_choose(PROBS, top(1), capacity=4)
   assert slots(decision) == {0: [(0, 0.6), (1, 0.7), (3, 0.9)], 1: [(2, 0.8)]}
 
 
 def test_padding_claims_no_slot_in_top_k():
   mask = np.array([[False, True, True, True]])
-  decision = routing.tokens_choose(PROBS, k=1, capacity=2, token_mask=mask)
+  decision = routing.tokens_choose(PROBS, top(1), capacity=2, token_mask=mask)
   assert slots(decision) == {0: [(1, 0.7), (3, 0.9)], 1: [(2, 0.8)]}
 
 
 def test_normalized_weights_sum_to_one_per_routed_token_and_zero_for_dropped():
-  decision = routing.normalize_combine_weights(routing.tokens_choose(PROBS, 2, 2), 4)
+  decision = routing.normalize_combine_weights(routing.tokens_choose(PROBS, top(2), 2), 4)
   assert slots(decision) == {0: [(0, 0.6), (1, 1.0)], 1: [(2, 1.0), (0, 0.4)]}
   np.testing.assert_allclose(routing.token_weight_sums(decision, 4), [[1, 1, 1, 0]], atol=1e-6)
 

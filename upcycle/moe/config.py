@@ -4,6 +4,7 @@ import dataclasses
 from typing import Optional, Sequence, Union
 
 from upcycle import fields
+from upcycle.layers import GROUPED_KERNELS
 from upcycle.moe import grouping
 from upcycle.moe.placement import sparse_layer_indices
 
@@ -66,6 +67,11 @@ class MoeConfig:
       experts run as grouped matmuls (`jax.lax.ragged_dot`) on exactly the rows that chose
       them; the capacity factors are then not used (it equals the other two with a capacity
       of the whole group, `capacity` returns the group size).
+    grouped_kernel: with dispatch 'ragged', what multiplies each expert's rows:
+      'ragged_dot' (`jax.lax.ragged_dot`; XLA's TPU compiler counts its kernels' gradient
+      over all experts) or 'megablox' (megablox's Pallas `gmm`, whose backward is its own
+      `gmm` and `tgmm` over each expert's rows only; TPU kernels, interpreted off TPU, which
+      is slow: for tests).
     load_balancing_loss_weight: weight of the Switch load-balancing loss
       E * mean_g sum_e f_ge * p_ge, f_ge the fraction of group g's tokens that chose
       expert e among their K (summing to K), p_ge their mean router probability of e
@@ -113,6 +119,7 @@ class MoeConfig:
   max_group_size: Optional[int] = None
   num_expert_replicas: int = 1
   dispatch: str = 'masked'
+  grouped_kernel: str = 'ragged_dot'
   load_balancing_loss_weight: float = 0.01
   load_balancing_scope: str = 'group'
   load_balancing_layers: str = 'separate'
@@ -167,6 +174,12 @@ class MoeConfig:
           f"{fields.binding(self, 'dispatch')} = 'ragged' is dropless Top-K: each token's k "
           f"choices, with no capacity. Set {fields.binding(self, 'router')} = 'tokens_choose', "
           f"or keep Expert Choice with dispatch 'masked' or 'indices'.")
+    fields.choice(self, 'grouped_kernel', tuple(GROUPED_KERNELS))
+    if self.grouped_kernel != 'ragged_dot' and self.dispatch != 'ragged':
+      raise fields.ConfigError(
+          f"{fields.binding(self, 'grouped_kernel')} = {self.grouped_kernel!r} is for the "
+          f"dropless dispatch: set {fields.binding(self, 'dispatch')} = 'ragged' too, or leave "
+          f"grouped_kernel at 'ragged_dot'.")
     fields.number(self, 'load_balancing_loss_weight', 0.0)
     fields.choice(self, 'load_balancing_scope', LOAD_BALANCING_SCOPES)
     fields.choice(self, 'load_balancing_layers', LOAD_BALANCING_LAYERS)

@@ -179,17 +179,22 @@ class MoeLayer(nn.Module):
     logits = Router(cfg.num_experts, cfg.jitter_noise, name=tree.ROUTER)(grouped, deterministic)
     probs = jax.nn.softmax(logits, axis=-1)                           # [G, S, E]
     if cfg.router == 'experts_choose':
-      decision = routing.experts_choose(probs, capacity, mask)
-      statistics = None
+      decision, statistics = routing.experts_choose(probs, capacity, mask), None
     else:
-      decision = routing.tokens_choose(probs, cfg.k, capacity, cfg.batch_priority_routing, mask)
       gates, expert_index = jax.lax.top_k(probs, cfg.k)               # [G, S, K]
       statistics = routing.load_balancing_statistics(
           probs, expert_index, cfg.load_balancing_scope, mask)
-    self._sow_metrics(probs, decision, mask)
+      if cfg.dispatch != 'ragged':
+        decision = routing.tokens_choose(probs, expert_index, capacity,
+                                         cfg.batch_priority_routing, mask)
     if cfg.dispatch == 'ragged':
-      out = self._dropless(grouped, gates, expert_index, mask, deterministic)
+      routed = jnp.ones(gates.shape, bool) if mask is None else jnp.broadcast_to(
+          mask[..., None], gates.shape)
+      self._sow_metrics(probs, routing.dropless_use(gates, expert_index, routed, cfg.num_experts),
+                        mask)
+      out = self._dropless(grouped, gates, expert_index, routed, deterministic)
     else:
+      self._sow_metrics(probs, routing.slot_use(decision, tokens), mask)
       if cfg.normalize_combine_weights:
         decision = routing.normalize_combine_weights(decision, tokens)
       out = SLOT_DISPATCH[cfg.dispatch](grouped, decision, self._vmapped_experts(deterministic))
@@ -220,14 +225,12 @@ class MoeLayer(nn.Module):
 
     return run
 
-  def _dropless(self, grouped: Array, gates: Array, expert_index: Array,
-                mask: Optional[Array], deterministic: bool) -> Array:
-    """'ragged': every token through its K experts. grouped `[G, S, d]`, gates and
-    expert_index `[G, S, K]` (the router's top k), mask `[G, S]` (False: padding, through no
-    expert) -> `[G, S, d]`."""
+  def _dropless(self, grouped: Array, gates: Array, expert_index: Array, routed: Array,
+                deterministic: bool) -> Array:
+    """'ragged': every token through its K experts. grouped `[G, S, d]`, gates,
+    expert_index and routed `[G, S, K]` (the router's top k; routed False for padding, which
+    goes through no expert) -> `[G, S, d]`."""
     cfg = self.config
-    routed = jnp.ones(gates.shape, bool) if mask is None else jnp.broadcast_to(
-        mask[..., None], gates.shape)
     if cfg.normalize_combine_weights:
       gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
     weights = jnp.where(routed, gates, 0.0)
@@ -236,7 +239,8 @@ class MoeLayer(nn.Module):
     cut = lambda x: x.reshape((groups * parts, tokens // parts) + x.shape[2:])
     rows, group_sizes, order, inverse = ragged.sort_by_expert(
         cut(grouped), cut(expert_index), cut(routed), cfg.num_experts)
-    experts = self.expert(intermediate_axes=None, num_experts=cfg.num_experts, name=tree.EXPERT)
+    experts = self.expert(intermediate_axes=None, num_experts=cfg.num_experts,
+                          grouped_kernel=cfg.grouped_kernel, name=tree.EXPERT)
     out = experts(rows, deterministic, group_sizes)
     out = ragged.unsort_and_combine(out, inverse, order, cut(weights), cut(routed))
     return out.reshape(groups, tokens, d)
@@ -259,23 +263,19 @@ class MoeLayer(nn.Module):
     self.sow('aux_loss', 'load_balancing_loss', balance)
     self.sow('aux_loss', 'weighted', cfg.load_balancing_loss_weight * balance + weighted_z_loss)
 
-  def _sow_metrics(self, probs: Array, decision: routing.RoutingDecision,
-                   mask: Optional[Array]) -> None:
-    """Routing metrics of `decision` (combine weights = router probabilities, before any
-    normalization) over the tokens of `mask`; 'router_confidence' and 'expert_usage' as
-    Flaxformer's `MoeLayer` defines them."""
+  def _sow_metrics(self, probs: Array, use: routing.SlotUse, mask: Optional[Array]) -> None:
+    """Routing metrics of the slots `use` fills (combine weights = router probabilities,
+    before any normalization) over the tokens of `mask`; 'router_confidence' and
+    'expert_usage' as Flaxformer's `MoeLayer` defines them."""
     groups, tokens, _ = probs.shape
     real = jnp.ones((groups, tokens), bool) if mask is None else mask
-    slots = routing.token_slot_counts(decision, tokens)
     num_real = jnp.maximum(real.sum(), 1)
-    dispatched = decision.valid.sum()
-    tokens_per_expert = decision.valid.sum(axis=2).astype(jnp.float32).mean(axis=0)  # [E]
+    dispatched = jnp.sum(use.per_expert)
+    tokens_per_expert = jnp.mean(use.per_expert, axis=0)              # [E]
     self.sow('moe_metrics', 'fraction_dropped_tokens',
-             jnp.sum((slots == 0) & real) / num_real)
-    self.sow('moe_metrics', 'router_confidence',
-             jnp.sum(jnp.where(decision.valid, decision.combine_weight, 0.0))
-             / jnp.maximum(dispatched, 1))
-    self.sow('moe_metrics', 'expert_usage', dispatched / decision.valid.size)
+             jnp.sum((use.slots_per_token == 0) & real) / num_real)
+    self.sow('moe_metrics', 'router_confidence', use.weight / jnp.maximum(dispatched, 1))
+    self.sow('moe_metrics', 'expert_usage', dispatched / use.num_slots)
     self.sow('moe_metrics', 'router_top1_probability',
              jnp.sum(jnp.max(probs, axis=-1) * real) / num_real)
     self.sow('moe_metrics', 'tokens_per_expert', tokens_per_expert)

@@ -22,21 +22,49 @@ class RoutingDecision:
   valid: Array           # [groups, experts, capacity] bool
 
 
+@flax.struct.dataclass
+class SlotUse:
+  """What a routing fills, as the layer's metrics read it."""
+  slots_per_token: Array   # [groups, tokens] int32: expert slots each token fills
+  per_expert: Array        # [groups, experts] float32: filled slots per expert
+  weight: Array            # [] float32: the filled slots' combine weights, summed
+  num_slots: int = flax.struct.field(pytree_node=False)   # all slots, filled or not
+
+
+def slot_use(decision: RoutingDecision, num_tokens: int) -> SlotUse:
+  """The slots of a capacity-bound `decision` over groups of `num_tokens`."""
+  return SlotUse(slots_per_token=token_slot_counts(decision, num_tokens),
+                 per_expert=jnp.sum(decision.valid, axis=2, dtype=jnp.float32),
+                 weight=jnp.sum(jnp.where(decision.valid, decision.combine_weight, 0.0)),
+                 num_slots=decision.valid.size)
+
+
+def dropless_use(gates: Array, expert_index: Array, routed: Array, num_experts: int) -> SlotUse:
+  """The rows of a dropless routing, as slots of a capacity of the whole group: gates,
+  expert_index and routed (False: padding) `[groups, tokens, k]`."""
+  groups, tokens, _ = gates.shape
+  chosen = jax.nn.one_hot(expert_index, num_experts, dtype=jnp.float32) * routed[..., None]
+  return SlotUse(slots_per_token=jnp.sum(routed, axis=-1, dtype=jnp.int32),
+                 per_expert=jnp.sum(chosen, axis=(1, 2)),
+                 weight=jnp.sum(jnp.where(routed, gates, 0.0)),
+                 num_slots=groups * num_experts * tokens)
+
+
+def _slot_holds_token(decision: RoutingDecision, num_tokens: int) -> Array:
+  """`[groups, experts, capacity, tokens]`: True where the slot holds the token (a
+  comparison XLA fuses into the reduction that reads it: neither scatters nor is stored)."""
+  return decision.valid[..., None] & (decision.token_index[..., None] == jnp.arange(num_tokens))
+
+
 def token_weight_sums(decision: RoutingDecision, num_tokens: int) -> Array:
   """Sum of each token's combine weights over the slots it fills: `[groups, tokens]`."""
-  groups = decision.token_index.shape[0]
-  weights = jnp.where(decision.valid, decision.combine_weight, 0.0)
-  sums = jnp.zeros((groups, num_tokens), jnp.float32)
-  g = jnp.arange(groups)[:, None, None]
-  return sums.at[g, decision.token_index].add(weights)
+  hits = _slot_holds_token(decision, num_tokens)
+  return jnp.sum(jnp.where(hits, decision.combine_weight[..., None], 0.0), axis=(1, 2))
 
 
 def token_slot_counts(decision: RoutingDecision, num_tokens: int) -> Array:
   """How many expert slots each token fills: `[groups, tokens]`."""
-  groups = decision.token_index.shape[0]
-  counts = jnp.zeros((groups, num_tokens), jnp.int32)
-  g = jnp.arange(groups)[:, None, None]
-  return counts.at[g, decision.token_index].add(decision.valid.astype(jnp.int32))
+  return jnp.sum(_slot_holds_token(decision, num_tokens), axis=(1, 2), dtype=jnp.int32)
 
 
 def normalize_combine_weights(decision: RoutingDecision, num_tokens: int) -> RoutingDecision:
@@ -44,10 +72,9 @@ def normalize_combine_weights(decision: RoutingDecision, num_tokens: int) -> Rou
 
   A token no expert took has no weights and keeps output 0 (residual only).
   """
-  sums = token_weight_sums(decision, num_tokens)                      # [G, S]
-  per_slot = jnp.take_along_axis(
-      sums, decision.token_index.reshape(sums.shape[0], -1), axis=1
-  ).reshape(decision.token_index.shape)                               # [G, E, C]
+  hits = _slot_holds_token(decision, num_tokens)                      # [G, E, C, S]
+  sums = jnp.sum(jnp.where(hits, decision.combine_weight[..., None], 0.0), axis=(1, 2))
+  per_slot = jnp.sum(jnp.where(hits, sums[:, None, None, :], 0.0), axis=-1)  # [G, E, C]
   safe = jnp.where(per_slot > 0, per_slot, 1.0)
   weights = jnp.where(decision.valid & (per_slot > 0), decision.combine_weight / safe, 0.0)
   return decision.replace(combine_weight=weights)
@@ -75,49 +102,50 @@ def experts_choose(probs: Array, capacity: int,
   return RoutingDecision(index.astype(jnp.int32), jnp.where(valid, weights, 0.0), valid)
 
 
-def tokens_choose(probs: Array, k: int, capacity: int, batch_priority: bool = False,
+def tokens_choose(probs: Array, expert_index: Array, capacity: int,
+                  batch_priority: bool = False,
                   token_mask: Optional[Array] = None) -> RoutingDecision:
-  """Top-K: every token picks its `k` most probable experts, in priority order.
+  """Top-K: every token takes its K chosen experts' slots, in priority order.
 
   Args:
     probs: `[groups, tokens, experts]` router probabilities.
-    k: experts per token.
+    expert_index: `[groups, tokens, k]` each token's K most probable experts, the most
+      probable first (`jax.lax.top_k(probs, k)[1]`).
     capacity: slots per expert; choices past it are dropped (the token then
       passes on the residual only for that choice).
     batch_priority: rank tokens by their top-1 probability (Batch Priority
       Routing) instead of by position in the group.
     token_mask: `[groups, tokens]`, False for padding, which claims no slot.
 
-  Every first choice of every token outranks every second choice, and so on.
+  Every first choice of every token outranks every second choice, and so on. Formed as
+  Flaxformer's masked router forms it, with no scatter forward or backward: a token's slot in
+  an expert is a cumulative sum over one-hot choices, and each slot's token and weight are
+  read off by comparing slots with positions (the weight is the router probability itself,
+  so its gradient reaches `probs` without top-k's).
   """
   groups, tokens, experts = probs.shape
-  gates, expert_index = jax.lax.top_k(probs, k)                       # [G, S, K]
+  k = expert_index.shape[-1]
   if batch_priority:
-    order = jnp.argsort(-gates[..., 0], axis=1, stable=True)          # [G, S]
-  else:
-    order = jnp.broadcast_to(jnp.arange(tokens), (groups, tokens))
-  take = lambda x: jnp.take_along_axis(x, order[..., None], axis=1)
-  gates, expert_index = take(gates), take(expert_index)              # priority order
+    order = jnp.argsort(-jnp.max(probs, axis=-1), axis=1, stable=True)  # [G, S]
+    expert_index = jnp.take_along_axis(expert_index, order[..., None], axis=1)
+    if token_mask is not None:
+      token_mask = jnp.take_along_axis(token_mask, order, axis=1)
   chosen = jax.nn.one_hot(expert_index, experts, dtype=jnp.int32)     # [G, S, K, E]
   if token_mask is not None:
-    mask = jnp.take_along_axis(token_mask, order, axis=1)
-    chosen = chosen * mask[:, :, None, None].astype(jnp.int32)
+    chosen = chosen * token_mask[:, :, None, None].astype(jnp.int32)
   # Candidates k-major: all first choices, then all second choices, ...
   chosen = jnp.swapaxes(chosen, 1, 2).reshape(groups, k * tokens, experts)
-  position = jnp.cumsum(chosen, axis=1) - 1                           # slot in the expert
-  keep = (chosen > 0) & (position < capacity)
-  candidate_token = jnp.tile(order, (1, k))                           # [G, K*S]
-  candidate_gate = jnp.swapaxes(gates, 1, 2).reshape(groups, k * tokens)
-  slot = jnp.where(keep, position, capacity)                          # out of range: dropped
-  g = jnp.arange(groups)[:, None, None]
-  e = jnp.arange(experts)[None, None, :]
-  shape = (groups, experts, capacity)
-  scatter = lambda init, values: init.at[g, e, slot].set(
-      jnp.broadcast_to(values[..., None], slot.shape), mode='drop')
-  token_index = scatter(jnp.zeros(shape, jnp.int32), candidate_token.astype(jnp.int32))
-  combine_weight = scatter(jnp.zeros(shape, jnp.float32), candidate_gate.astype(jnp.float32))
-  valid = scatter(jnp.zeros(shape, bool), jnp.ones_like(candidate_token, bool))
-  return RoutingDecision(token_index, combine_weight, valid)
+  position = jnp.cumsum(chosen, axis=1) * chosen - 1                  # slot, -1: not chosen
+  # A token chooses an expert at most once: its slot there, over its K choices.
+  position = jnp.max(position.reshape(groups, k, tokens, experts), axis=1)  # [G, S, E]
+  if batch_priority:
+    position = jnp.take_along_axis(position, jnp.argsort(order, axis=1)[..., None], axis=1)
+  holds = position[..., None] == jnp.arange(capacity)                # [G, S, E, C]
+  token = jnp.arange(tokens, dtype=jnp.int32)[None, :, None, None]
+  return RoutingDecision(
+      token_index=jnp.sum(jnp.where(holds, token, 0), axis=1),
+      combine_weight=jnp.sum(jnp.where(holds, probs[..., None], 0.0), axis=1),
+      valid=jnp.any(holds, axis=1))
 
 
 def load_balancing_statistics(probs: Array, expert_index: Array, scope: str = 'group',

@@ -1,0 +1,84 @@
+"""Routers and the layer against Flaxformer's, on arrays Flaxformer computed
+(tests/fixtures/flaxformer/routing.npz, written by make_routing.py beside it)."""
+
+import functools
+import os
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from upcycle import layers
+from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, routing
+
+FIXTURE = np.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                               'fixtures', 'flaxformer', 'routing.npz'))
+CAPACITY = FIXTURE['top2_bpr/combine'].shape[-1]
+# name -> (router, k, batch priority, padded), as make_routing.py made them
+CASES = {
+    'top2_bpr': ('tokens_choose', 2, True, False),
+    'top2': ('tokens_choose', 2, False, False),
+    'top1_padded': ('tokens_choose', 1, False, True),
+    'top2_bpr_padded': ('tokens_choose', 2, True, True),
+    'experts_choose': ('experts_choose', None, None, False),
+    'experts_choose_padded': ('experts_choose', None, None, True),
+}
+
+
+def dispatch_and_combine(probs, mask, router, k, bpr):
+  """Our decision in Flaxformer's form: dispatch and combine `[G, S, E, C]`."""
+  if router == 'experts_choose':
+    decision = routing.experts_choose(probs, CAPACITY, mask)
+  else:
+    decision = routing.tokens_choose(probs, jax.lax.top_k(probs, k)[1], CAPACITY, bpr, mask)
+  tokens = probs.shape[1]
+  holds = decision.valid[..., None] & (decision.token_index[..., None] == jnp.arange(tokens))
+  dispatch = jnp.transpose(holds, (0, 3, 1, 2))                       # [G, S, E, C]
+  return dispatch, dispatch * decision.combine_weight[:, None]
+
+
+@pytest.mark.parametrize('case', list(CASES))
+def test_decisions_and_their_gradients_are_flaxformers(case):
+  router, k, bpr, padded = CASES[case]
+  probs = jnp.asarray(FIXTURE['probs'])
+  mask = jnp.asarray(FIXTURE['mask'] > 0) if padded else None
+  dispatch, combine = dispatch_and_combine(probs, mask, router, k, bpr)
+  theirs = FIXTURE[f'{case}/dispatch']
+  if router == 'experts_choose' and padded:
+    # Flaxformer's experts may pick padding (its probability zeroed, so its weight is 0);
+    # ours mark those slots empty: the same layer output.
+    assert np.all(FIXTURE[f'{case}/combine'][~FIXTURE['mask'].astype(bool)] == 0)
+    theirs = theirs & FIXTURE['mask'].astype(bool)[:, :, None, None]
+  np.testing.assert_array_equal(dispatch, theirs)
+  np.testing.assert_allclose(combine, FIXTURE[f'{case}/combine'], rtol=0, atol=1e-7)
+  cotangent = jnp.asarray(FIXTURE['cotangent'])
+  dprobs = jax.grad(
+      lambda p: jnp.sum(dispatch_and_combine(p, mask, router, k, bpr)[1] * cotangent))(probs)
+  np.testing.assert_allclose(dprobs, FIXTURE[f'{case}/dprobs'], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize('dispatch', ['masked', 'indices'])
+def test_layer_outputs_and_gradients_are_flaxformers(dispatch):
+  """Top-2 with Batch Priority Routing, capacity by T5X's convention: the output, and the
+  gradients of sum(y^2) for the input and for the router (through the combine weights)."""
+  config = MoeConfig(num_experts=4, router='tokens_choose', k=2, batch_priority_routing=True,
+                     train_capacity_factor=1.0, eval_capacity_factor=1.0,
+                     capacity_convention='t5x', min_expert_capacity=1, max_group_size=8,
+                     dispatch=dispatch)
+  layer = MoeLayer(config, functools.partial(layers.GatedMlp, d_ff=16, dtype=jnp.float32))
+  params = flax.traverse_util.unflatten_dict(
+      {tuple(k.split('/')[2:]): jnp.asarray(FIXTURE[k]) for k in FIXTURE.files
+       if k.startswith('layer/params/')})
+  x = jnp.asarray(FIXTURE['layer/x'])
+
+  def loss(p, x):
+    y = layer.apply({'params': p}, x, True, mutable=MOE_COLLECTIONS)[0]
+    return jnp.sum(y ** 2), y
+
+  (_, y), (dparams, dx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+  np.testing.assert_allclose(y, FIXTURE['layer/y'], rtol=0, atol=1e-5)
+  np.testing.assert_allclose(dx, FIXTURE['layer/dx'], rtol=0, atol=1e-4)
+  np.testing.assert_allclose(dparams['router']['router_weights']['w']['kernel'],
+                             FIXTURE['layer/drouter'], rtol=0, atol=1e-4)
