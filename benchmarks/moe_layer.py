@@ -490,7 +490,9 @@ def main():
     rows_of, summary = tpu_rows, tpu_summary
     shards = mesh.shape['data'] * mesh.shape['expert']
     args.batch = math.lcm(args.batch, shards) if args.batch else 32 * shards
-    print(f'{args.batch}x{args.length} tokens, d_model {args.d_model}, d_ff {args.d_ff} (gated '
+    tokens = ("each case's groups and ~32,768 tokens per chip" if args.papers
+              else f'{args.batch}x{args.length} tokens')
+    print(f'{tokens}, d_model {args.d_model}, d_ff {args.d_ff} (gated '
           f'GELU), bfloat16 activations, float32 parameters, forward+backward, compiled for '
           f'{args.topology} ({mesh.devices.size} x {mesh.devices.flat[0].device_kind}), mesh '
           f'{dict(mesh.shape)}; per device', flush=True)

@@ -84,11 +84,11 @@ def _gradient_where_bwd(keep, grad):
 _gradient_where.defvjp(_gradient_where_fwd, _gradient_where_bwd)
 
 
-def _megablox_gmm(rows: Array, kernel: Array, sizes: Array) -> Array:
+def _megablox_gmm(rows: Array, kernel: Array, sizes: Array, interpret: bool) -> Array:
   """megablox's `gmm` (Pallas; its backward is its own `gmm` and `tgmm`, each over the rows'
-  groups only): the TPU kernel on TPU, its interpreter elsewhere. rows `[R, d_in]`, kernel
-  `[E, d_in, d_out]`, sizes `[E]` -> `[R, d_out]`, rows past the groups 0 (the kernel leaves
-  them unwritten, so they and their gradients are masked)."""
+  groups only). rows `[R, d_in]`, kernel `[E, d_in, d_out]`, sizes `[E]` -> `[R, d_out]`, rows
+  past the groups 0 (the kernel leaves them unwritten, so they and their gradients are
+  masked). `interpret`: Pallas' interpreter, on any platform (slow; for tests)."""
   from jax.experimental.pallas.ops.tpu.megablox import ops  # pylint: disable=g-import-not-at-top
   count, d_in = rows.shape
   # Tiles of 512 rows x 1024 x 1024 (the kernel's default: 128 x 128 x 128): each row tile
@@ -98,16 +98,20 @@ def _megablox_gmm(rows: Array, kernel: Array, sizes: Array) -> Array:
   counted = jnp.arange(padded) < jnp.sum(sizes)
   rows = _gradient_where(jnp.pad(rows, ((0, padded - count), (0, 0))), counted)
   tiling = (tile, min(1024, d_in), min(1024, kernel.shape[-1]))
-
-  def gmm(interpret):
-    return lambda r, w, s: ops.gmm(r, w, s, r.dtype, tiling, None, None, False, interpret)
-
-  out = jax.lax.platform_dependent(rows, kernel, sizes, cpu=gmm(True), default=gmm(False))
+  out = ops.gmm(rows, kernel, sizes, rows.dtype, tiling, None, None, False, interpret)
   return jnp.where(counted[:, None], out, 0).astype(out.dtype)[:count]
 
 
+def _megablox_on_tpu(rows: Array, kernel: Array, sizes: Array) -> Array:
+  """megablox's TPU kernel where the program is lowered for TPU, `jax.lax.ragged_dot` (the
+  same function) elsewhere."""
+  tpu = functools.partial(_megablox_gmm, interpret=False)
+  return jax.lax.platform_dependent(rows, kernel, sizes, tpu=tpu, default=jax.lax.ragged_dot)
+
+
 # How `grouped_matmul` multiplies each expert's rows (`MoeConfig.grouped_kernel`).
-GROUPED_KERNELS = {'ragged_dot': jax.lax.ragged_dot, 'megablox': _megablox_gmm}
+GROUPED_KERNELS = {'ragged_dot': jax.lax.ragged_dot, 'megablox': _megablox_on_tpu,
+                   'megablox_interpret': functools.partial(_megablox_gmm, interpret=True)}
 
 
 def grouped_matmul(rows: Array, kernel: Array, group_sizes: Array,

@@ -2,6 +2,7 @@
 (tests/fixtures/flaxformer/routing.npz, written by make_routing.py beside it)."""
 
 import functools
+import json
 import os
 
 import flax
@@ -17,14 +18,7 @@ FIXTURE = np.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(_
                                'fixtures', 'flaxformer', 'routing.npz'))
 CAPACITY = FIXTURE['top2_bpr/combine'].shape[-1]
 # name -> (router, k, batch priority, padded), as make_routing.py made them
-CASES = {
-    'top2_bpr': ('tokens_choose', 2, True, False),
-    'top2': ('tokens_choose', 2, False, False),
-    'top1_padded': ('tokens_choose', 1, False, True),
-    'top2_bpr_padded': ('tokens_choose', 2, True, True),
-    'experts_choose': ('experts_choose', None, None, False),
-    'experts_choose_padded': ('experts_choose', None, None, True),
-}
+CASES = json.loads(str(FIXTURE['cases']))
 
 
 def dispatch_and_combine(probs, mask, router, k, bpr):

@@ -47,14 +47,16 @@ def loss_and_grads(layer_config, expert, params, x, mask):
     (SWIGLU, dict(normalize_combine_weights=True), 'ragged_dot'),        # the Mixtral block
     (SWIGLU, dict(group_size=4, load_balancing_scope='batch'), 'ragged_dot'),
     (VIT_MLP, dict(normalize_combine_weights=True), 'ragged_dot'),
-    pytest.param(SWIGLU, dict(normalize_combine_weights=True), 'megablox',
+    (SWIGLU, dict(normalize_combine_weights=True), 'megablox'),   # ragged_dot off TPU
+    pytest.param(SWIGLU, dict(normalize_combine_weights=True), 'megablox_interpret',
                  marks=pytest.mark.slow),
-    pytest.param(VIT_MLP, dict(group_size=4), 'megablox', marks=pytest.mark.slow)],
-    ids=['mixtral', 'groups-unnormalized', 'biased-experts', 'mixtral-megablox',
-         'biased-experts-megablox'])
+    pytest.param(VIT_MLP, dict(group_size=4), 'megablox_interpret', marks=pytest.mark.slow)],
+    ids=['mixtral', 'groups-unnormalized', 'biased-experts', 'mixtral-megablox-off-tpu',
+         'mixtral-megablox', 'biased-experts-megablox'])
 def test_ragged_equals_indices_with_a_slot_for_every_token(expert, overrides, kernel):
-  """'megablox': the Pallas kernels in interpret mode (their TPU build is compiled by
-  benchmarks/moe_layer.py --topology), with padding whose rows the kernel leaves unwritten."""
+  """'megablox_interpret': megablox's Pallas kernels interpreted (their TPU build is compiled
+  by benchmarks/moe_layer.py --topology), with padding whose rows the kernel leaves
+  unwritten."""
   indices = config('indices', **overrides)
   dropless = config('ragged', grouped_kernel=kernel, **overrides)
   params = nn.meta.unbox(MoeLayer(indices, expert, causal=True).init(

@@ -69,9 +69,10 @@ class MoeConfig:
       of the whole group, `capacity` returns the group size).
     grouped_kernel: with dispatch 'ragged', what multiplies each expert's rows:
       'ragged_dot' (`jax.lax.ragged_dot`; XLA's TPU compiler counts its kernels' gradient
-      over all experts) or 'megablox' (megablox's Pallas `gmm`, whose backward is its own
-      `gmm` and `tgmm` over each expert's rows only; TPU kernels, interpreted off TPU, which
-      is slow: for tests).
+      over all experts), 'megablox' (on TPU megablox's Pallas `gmm`, whose backward is its
+      own `gmm` and `tgmm` over each expert's rows only; `ragged_dot` on other platforms) or
+      'megablox_interpret' (the Pallas kernels interpreted, on any platform: slow, for
+      tests).
     load_balancing_loss_weight: weight of the Switch load-balancing loss
       E * mean_g sum_e f_ge * p_ge, f_ge the fraction of group g's tokens that chose
       expert e among their K (summing to K), p_ge their mean router probability of e
