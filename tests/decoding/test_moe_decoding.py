@@ -92,3 +92,24 @@ def test_sampling_does_not_depend_on_the_rest_of_the_batch(skewed):
   eos = np.asarray(tokens) == 1
   lengths = np.where(eos.any(axis=1), eos.argmax(axis=1) + 1, MAX_LENGTH)
   assert lengths.min() < lengths.max()   # some rows finish while others go on
+
+
+def test_a_training_group_size_that_does_not_divide_the_decode_batch_decodes_as_without_one():
+  """The decoder groups 4 tokens at a time in training; 3 prompts x 10 decode positions are
+  30 tokens, which 4 does not divide: decoding still routes each new token on its own (the
+  prefill's placeholder too), so the tokens are those of the same model without groups."""
+  def decoded(group_size):
+    moe = MoeConfig(num_experts=4, router='tokens_choose', k=2, placement='all',
+                    group_size=group_size)
+    model = T5(T5Config(vocab_size=32, d_model=16, num_heads=2, d_kv=8, d_ff=32,
+                        num_encoder_layers=1, num_decoder_layers=2, decoder_moe=moe))
+    params = flax.linen.meta.unbox(
+        jitted(model.init, jax.random.PRNGKey(0), INPUTS[:3], OTHER_INPUTS[:3, :4])['params'])
+    params = jax.tree.map(lambda w: 3.0 * w, params)
+    return make_decode_fn(model, DecodeConfig(method='greedy'), MAX_LENGTH)(
+        params, INPUTS[:3], None)
+
+  tokens, scores = decoded(group_size=4)
+  reference_tokens, reference_scores = decoded(group_size=None)
+  np.testing.assert_array_equal(tokens, reference_tokens)
+  np.testing.assert_allclose(scores, reference_scores, rtol=1e-6)

@@ -165,13 +165,15 @@ class DecoderLayer(nn.Module):
     y = norm(name='pre_mlp_layer_norm')(x)
     if not self.sparse:
       y = _mlp(cfg, None, False, causal=True)(y, deterministic)
-    elif position is None:
+    elif not decode:
       y = _mlp(cfg, cfg.decoder_moe, True, causal=True)(y, deterministic, token_mask)
     else:
       # A decode step routes each sequence's new token `[batch, 1]` as a group of its own,
       # whatever the training grouping: capacity(1) is 1 slot per expert and the K choices
       # are distinct experts, so no token is dropped and a sequence's routing does not depend
       # on the other sequences of the batch, nor on whether they have finished (docs/inference.md).
+      # The prefill's placeholder run (its outputs unused) is grouped the same way, so a
+      # training `group_size` that does not divide batch x max_length is no obstacle.
       step_moe = dataclasses.replace(cfg.decoder_moe, group_size=None, max_group_size=None)
       y = _mlp(cfg, step_moe, True, causal=True)(y, deterministic)
     x = x + dropout(y, deterministic=deterministic)
