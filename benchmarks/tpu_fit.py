@@ -51,6 +51,8 @@ LLAMA = ('--gin_file=runs/llm_pretrain.gin', '--gin.BATCH_SIZE=128',
 # trained as the Llamas above; '--indices' rows hold every token in capacity slots instead.
 MIXTRAL = LLAMA + ('--gin_file=moe/mixtral.gin',)
 INDICES = ("--gin.moe.MoeConfig.dispatch='indices'",)
+RAGGED_DOT = ("--gin.moe.MoeConfig.grouped_kernel='ragged_dot'",)
+MEGABLOX = ("--gin.moe.MoeConfig.grouped_kernel='megablox'",)
 SLICES = {'v4-32': 'v4:2x2x4', 'v4-64': 'v4:2x4x4', 'v4-128': 'v4:4x4x4',
           'v4-256': 'v4:4x4x8'}   # name: topology
 
@@ -93,13 +95,20 @@ ROWS = {
         'v4-128': (1, 1, ())}, upcycles=False),
     **_rows('drop-8x1.5b', 'models/llama/drop_upcycling_1_5b.gin', MIXTRAL, {
         'v4-64': (8, 1, _microbatches(4))}, upcycles=False),
+    **_rows('drop-8x1.5b-megablox', 'models/llama/drop_upcycling_1_5b.gin', MIXTRAL + MEGABLOX, {
+        'v4-64': (8, 1, _microbatches(4))}, upcycles=False),
     **_rows('drop-8x1.5b-indices', 'models/llama/drop_upcycling_1_5b.gin', MIXTRAL + INDICES, {
         'v4-64': (8, 1, _microbatches(4))}, upcycles=False),
     **_rows('drop-8x3.7b', 'models/llama/drop_upcycling_3_7b.gin', MIXTRAL, {
         'v4-128': (8, 1, _microbatches(4))}, upcycles=False),
+    **_rows('drop-8x3.7b-megablox', 'models/llama/drop_upcycling_3_7b.gin', MIXTRAL + MEGABLOX, {
+        'v4-128': (8, 1, _microbatches(4))}, upcycles=False),
     **_rows('drop-8x3.7b-indices', 'models/llama/drop_upcycling_3_7b.gin', MIXTRAL + INDICES, {
         'v4-128': (8, 1, _microbatches(4))}, upcycles=False),
     **_rows('llama3.1-8x8b', 'models/llama/llama3_1_8b.gin', MIXTRAL, {
+        'v4-128': (8, 1, _microbatches(8)), 'v4-256': (8, 1, _microbatches(4))},
+        upcycles=False),
+    **_rows('llama3.1-8x8b-megablox', 'models/llama/llama3_1_8b.gin', MIXTRAL + MEGABLOX, {
         'v4-128': (8, 1, _microbatches(8)), 'v4-256': (8, 1, _microbatches(4))},
         upcycles=False),
     **_rows('llama3.1-8x8b-indices', 'models/llama/llama3_1_8b.gin', MIXTRAL + INDICES, {

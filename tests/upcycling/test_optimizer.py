@@ -20,9 +20,21 @@ def schedule(step):
   return 0.1 / jnp.sqrt(1.0 + step)  # inverse square root, as the dense run
 
 
+def _matrices(params):
+  return jax.tree.map(lambda x: x.ndim >= 2, params)
+
+
 OPTIMIZERS = {
     'adam': lambda: optax.adam(schedule),
     'adafactor': lambda: optax.adafactor(schedule, min_dim_size_to_factor=4, momentum=0.9),
+    # Adafactor on the matrices only (the vectors' updates are their gradients), and
+    # Adafactor for matrices beside Adam for vectors: slots of parameters a branch does not
+    # update are optax.MaskedNode.
+    'masked adafactor': lambda: optax.masked(
+        optax.adafactor(schedule, min_dim_size_to_factor=4), _matrices),
+    'multi_transform': lambda: optax.multi_transform(
+        {True: optax.adafactor(schedule, min_dim_size_to_factor=4), False: optax.adam(schedule)},
+        _matrices),
 }
 
 

@@ -17,7 +17,9 @@ filled by path from the dense state with the weights' rule (`tree.classify`):
 A state leaf belongs to a parameter when its key path ends in that
 parameter's path (optax slot trees mirror the param tree), so any chain of
 optax transformations (Adam mu/nu, momentum traces, EMAs, schedule counts)
-is handled without knowing it. Adafactor's factored second moments
+is handled without knowing it, inside `optax.masked` and `optax.multi_transform` too (a
+parameter a branch does not update has `optax.MaskedNode` slots there, kept as they are).
+Adafactor's factored second moments
 (`optax.FactoredState`, see `factored.py`) are handled per parameter as a
 unit: their layout can differ between a dense `[d_model, d_ff]` kernel and
 its `[E, d_model, d_ff]` experts.
@@ -101,7 +103,10 @@ class _Filler(slots.FromState):
     for path, shape in self.shapes.items():
       role = self.roles[path]
       slots = tuple(fresh_slots[k][path] for k in ('v_row', 'v_col', 'v'))
-      if role.kind != 'router':
+      # optax.masked / multi_transform: a parameter this Adafactor does not update has
+      # MaskedNode slots, kept as they are.
+      masked = any(isinstance(x, optax.MaskedNode) for x in slots)
+      if role.kind != 'router' and not masked:
         source = tuple(dense_slots[k].get(role.source) for k in ('v_row', 'v_col', 'v'))
         if any(s is None for s in source):
           raise ValueError(f'Optimizer-state upcycling: the dense Adafactor state '
