@@ -21,9 +21,11 @@ checkpoint written here has none). Llama-3.2-1B and Llama-3.1-8B: dense pretrain
 scanned layers, `LOGICAL_AXIS_RULES='fsdp'` (parameters and AdamW moments split over 'data'),
 gradient accumulation where the step needs it; no restore hook. Llama -> Mixtral
 (`drop-8x1.5b`, `drop-8x3.7b`, `llama3.1-8x8b`): the same with `moe/mixtral.gin` (8 experts in
-every layer, top 2, dropless 'ragged'), 8 expert partitions; the `-indices` rows hold every token
-in capacity slots instead. `--merge FILE` keeps the rows of an earlier JSON that this run does
-not redo.
+every layer, top 2, dropless 'ragged' with megablox's kernels), 8 expert partitions; the
+`-ragged-dot` rows multiply with `jax.lax.ragged_dot` instead, the `-indices` rows hold every
+token in capacity slots. A row that does not fit is still a row (`upcycle.aot` exits 2 with
+its JSON written). `--merge FILE` keeps the rows of an earlier JSON that this run does not
+redo.
 """
 
 import argparse
@@ -36,6 +38,7 @@ from typing import Dict, NamedTuple, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from upcycle import aot  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 GIB = 2 ** 30
 T5 = ('--gin_file=moe/paper_t5.gin', '--gin_file=runs/upcycle.gin', '--gin.BATCH_SIZE=256',
@@ -47,12 +50,12 @@ LLAMA = ('--gin_file=runs/llm_pretrain.gin', '--gin.BATCH_SIZE=128',
          "--gin.TASK_FEATURE_LENGTHS={'targets': 4096}", "--gin.ACTIVATION_DTYPE='bfloat16'",
          "--gin.REMAT_POLICY='full'", "--gin.LOGICAL_AXIS_RULES='fsdp'",
          "--gin.MIXTURE_OR_TASK_NAME='offline_stdlib_text'")
-# Llama -> Mixtral (moe/mixtral.gin: E = 8, top 2, every layer, dropless 'ragged' dispatch),
-# trained as the Llamas above; '--indices' rows hold every token in capacity slots instead.
+# Llama -> Mixtral (moe/mixtral.gin: E = 8, top 2, every layer, dropless 'ragged' dispatch with
+# megablox's kernels), trained as the Llamas above; '-ragged-dot' rows multiply with
+# jax.lax.ragged_dot instead, '-indices' rows hold every token in capacity slots.
 MIXTRAL = LLAMA + ('--gin_file=moe/mixtral.gin',)
 INDICES = ("--gin.moe.MoeConfig.dispatch='indices'",)
 RAGGED_DOT = ("--gin.moe.MoeConfig.grouped_kernel='ragged_dot'",)
-MEGABLOX = ("--gin.moe.MoeConfig.grouped_kernel='megablox'",)
 SLICES = {'v4-32': 'v4:2x2x4', 'v4-64': 'v4:2x4x4', 'v4-128': 'v4:4x4x4',
           'v4-256': 'v4:4x4x8'}   # name: topology
 
@@ -95,20 +98,23 @@ ROWS = {
         'v4-128': (1, 1, ())}, upcycles=False),
     **_rows('drop-8x1.5b', 'models/llama/drop_upcycling_1_5b.gin', MIXTRAL, {
         'v4-64': (8, 1, _microbatches(4))}, upcycles=False),
-    **_rows('drop-8x1.5b-megablox', 'models/llama/drop_upcycling_1_5b.gin', MIXTRAL + MEGABLOX, {
+    **_rows('drop-8x1.5b-ragged-dot', 'models/llama/drop_upcycling_1_5b.gin',
+            MIXTRAL + RAGGED_DOT, {
         'v4-64': (8, 1, _microbatches(4))}, upcycles=False),
     **_rows('drop-8x1.5b-indices', 'models/llama/drop_upcycling_1_5b.gin', MIXTRAL + INDICES, {
         'v4-64': (8, 1, _microbatches(4))}, upcycles=False),
     **_rows('drop-8x3.7b', 'models/llama/drop_upcycling_3_7b.gin', MIXTRAL, {
         'v4-128': (8, 1, _microbatches(4))}, upcycles=False),
-    **_rows('drop-8x3.7b-megablox', 'models/llama/drop_upcycling_3_7b.gin', MIXTRAL + MEGABLOX, {
+    **_rows('drop-8x3.7b-ragged-dot', 'models/llama/drop_upcycling_3_7b.gin',
+            MIXTRAL + RAGGED_DOT, {
         'v4-128': (8, 1, _microbatches(4))}, upcycles=False),
     **_rows('drop-8x3.7b-indices', 'models/llama/drop_upcycling_3_7b.gin', MIXTRAL + INDICES, {
         'v4-128': (8, 1, _microbatches(4))}, upcycles=False),
     **_rows('llama3.1-8x8b', 'models/llama/llama3_1_8b.gin', MIXTRAL, {
         'v4-128': (8, 1, _microbatches(8)), 'v4-256': (8, 1, _microbatches(4))},
         upcycles=False),
-    **_rows('llama3.1-8x8b-megablox', 'models/llama/llama3_1_8b.gin', MIXTRAL + MEGABLOX, {
+    **_rows('llama3.1-8x8b-ragged-dot', 'models/llama/llama3_1_8b.gin',
+            MIXTRAL + RAGGED_DOT, {
         'v4-128': (8, 1, _microbatches(8)), 'v4-256': (8, 1, _microbatches(4))},
         upcycles=False),
     **_rows('llama3.1-8x8b-indices', 'models/llama/llama3_1_8b.gin', MIXTRAL + INDICES, {
@@ -154,7 +160,7 @@ def run_row(name: str, workdir: str) -> dict:
   start = time.perf_counter()
   done = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
                         env={**os.environ, 'XLA_FLAGS': ''})
-  if done.returncode:
+  if done.returncode not in (aot.FITS, aot.DOES_NOT_FIT, aot.NOT_COMPILED):
     return {'name': name, 'error': done.stderr.strip().splitlines()[-1]}
   result = json.loads(open(output).read())
   return {'name': name, 'seconds': time.perf_counter() - start, 'command': command[2:],

@@ -95,15 +95,17 @@ def _sliding_window(hf: Mapping[str, Any], model_type: str, max_length: Optional
 def mixtral_moe(num_experts: int, k: int, aux_loss_coef: float) -> MoeConfig:
   """The MoE block transformers' MixtralSparseMoeBlock computes: router logits in float32,
   softmax over the E experts, the top k renormalized to sum to 1, every token processed by
-  its k experts (the dropless 'ragged' dispatch; the capacity factors E, unused by it, give
-  'indices' or 'masked' a slot for every token too), every layer MoE;
+  its k experts (the dropless 'ragged' dispatch, megablox's kernels on TPU; the capacity
+  factors E, unused by it, give 'indices' or 'masked' a slot for every token too), every
+  layer MoE;
   `load_balancing_loss_func`'s loss (E x sum_e f_e p_e over all layers' and all real tokens'
   choices together) weighted by `router_aux_loss_coef`; no z-loss."""
   return MoeConfig(
       num_experts=num_experts, router='tokens_choose', k=k,
       train_capacity_factor=float(num_experts), eval_capacity_factor=float(num_experts),
       capacity_convention='vmoe', capacity_multiple_of=1, normalize_combine_weights=True,
-      placement='all', dispatch='ragged', load_balancing_loss_weight=aux_loss_coef,
+      placement='all', dispatch='ragged', grouped_kernel='megablox',
+      load_balancing_loss_weight=aux_loss_coef,
       load_balancing_scope='batch', load_balancing_layers='pooled', router_z_loss_weight=0.0,
       ignore_padding_tokens=True)
 
