@@ -99,13 +99,12 @@ def test_sort_and_unsort_have_no_scatter_add_forward_or_backward():
   assert not {name for name in primitives if 'scatter' in name}, primitives
 
 
-def test_ragged_is_top_k_only_and_a_grouped_kernel_needs_it():
+def test_ragged_is_top_k_only_and_grouped_kernels_are_named():
   with pytest.raises(fields.ConfigError, match=r"dispatch = 'ragged' is dropless Top-K.*"
                                                r"router = 'tokens_choose'"):
     MoeConfig(num_experts=E, router='experts_choose', dispatch='ragged')
-  with pytest.raises(fields.ConfigError, match=r"grouped_kernel = 'megablox' is for the "
-                                               r"dropless dispatch: set .*dispatch = 'ragged'"):
-    MoeConfig(num_experts=E, router='tokens_choose', dispatch='masked', grouped_kernel='megablox')
+  with pytest.raises(fields.ConfigError, match=r"grouped_kernel.*'gmm'.*'megablox'"):
+    MoeConfig(num_experts=E, router='tokens_choose', dispatch='ragged', grouped_kernel='gmm')
 
 
 def test_capacity_is_the_whole_group_and_flops_count_k_rows_per_token():

@@ -72,7 +72,8 @@ class MoeConfig:
       over all experts), 'megablox' (on TPU megablox's Pallas `gmm`, whose backward is its
       own `gmm` and `tgmm` over each expert's rows only; `ragged_dot` on other platforms) or
       'megablox_interpret' (the Pallas kernels interpreted, on any platform: slow, for
-      tests).
+      tests). Unused by 'masked' and 'indices' (so a Mixtral file's 'megablox' stays when a
+      run binds dispatch = 'indices').
     load_balancing_loss_weight: weight of the Switch load-balancing loss
       E * mean_g sum_e f_ge * p_ge, f_ge the fraction of group g's tokens that chose
       expert e among their K (summing to K), p_ge their mean router probability of e
@@ -176,11 +177,6 @@ class MoeConfig:
           f"choices, with no capacity. Set {fields.binding(self, 'router')} = 'tokens_choose', "
           f"or keep Expert Choice with dispatch 'masked' or 'indices'.")
     fields.choice(self, 'grouped_kernel', tuple(GROUPED_KERNELS))
-    if self.grouped_kernel != 'ragged_dot' and self.dispatch != 'ragged':
-      raise fields.ConfigError(
-          f"{fields.binding(self, 'grouped_kernel')} = {self.grouped_kernel!r} is for the "
-          f"dropless dispatch: set {fields.binding(self, 'dispatch')} = 'ragged' too, or leave "
-          f"grouped_kernel at 'ragged_dot'.")
     fields.number(self, 'load_balancing_loss_weight', 0.0)
     fields.choice(self, 'load_balancing_scope', LOAD_BALANCING_SCOPES)
     fields.choice(self, 'load_balancing_layers', LOAD_BALANCING_LAYERS)
