@@ -350,12 +350,12 @@ def cpu_rows(case, runs, args):
   """Times the runs; prints and returns their rows and the case's verdict."""
   seconds = median_seconds(runs, args.repeats)
   pure = seconds['pure experts']
-  print(f'  {"":24s} {"ms":>8s} {"x pure":>7s} {"temp MiB":>9s} {"x pure":>7s}')
+  print(f'  {"":28s} {"ms":>8s} {"x pure":>7s} {"temp MiB":>9s} {"x pure":>7s}')
   rows = []
   for impl, run in runs.items():
     temp = run.temp_bytes
     ratio = '' if temp is None else f'{temp / runs["pure experts"].temp_bytes:7.2f}'
-    print(f'  {impl:24s} {seconds[impl] * 1e3:8.1f} {seconds[impl] / pure:7.2f} '
+    print(f'  {impl:28s} {seconds[impl] * 1e3:8.1f} {seconds[impl] / pure:7.2f} '
           f'{"" if temp is None else f"{temp / 2**20:9.1f}"} {ratio}')
     rows.append({'case': case, 'impl': impl, 'seconds': seconds[impl], 'temp_bytes': temp})
   best = min(('ours masked', 'ours indices'), key=seconds.get)
@@ -451,6 +451,21 @@ def topology_mesh(topology, shape):
   return partitioning.make_mesh(expert, model, devices=devices)
 
 
+def case_inputs(args, mesh):
+  """(case, tokens, dense MLP run or None) per case to measure: --papers' cases each with its
+  own tokens and no dense row; the others share one input and its dense MLP."""
+  if args.papers:
+    shards = mesh.shape['data'] * mesh.shape['expert']
+    for case in [case for case in PAPER_CASES if args.only in case.name]:
+      shape = (case.sequences_per_shard * shards, case.length, args.d_model)
+      yield case, inputs(shape, TOKEN_AXES, mesh), None
+    return
+  x = inputs((args.batch, args.length, args.d_model), TOKEN_AXES, mesh)
+  dense_run = dense(x, args.d_ff, mesh)
+  for case in [case for case in CASES if args.only in case.name]:
+    yield case, x, dense_run
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--flaxformer', default=None,
@@ -500,23 +515,11 @@ def main():
     parser.error('--papers needs --topology (the cases are sized for a TPU chip)')
   with partitioning.activate(mesh) if mesh else contextlib.nullcontext():
     rows, verdicts = [], []
-    if args.papers:
-      shards = mesh.shape['data'] * mesh.shape['expert']
-      for case in [case for case in PAPER_CASES if args.only in case.name]:
-        x = inputs((case.sequences_per_shard * shards, case.length, args.d_model), TOKEN_AXES,
-                   mesh)
-        case_rows, verdict = rows_of(case.name, case_runs(case, x, args, None, flax_modules,
-                                                          mesh), args)
-        rows += case_rows
-        verdicts.append(verdict)
-    else:
-      x = inputs((args.batch, args.length, args.d_model), TOKEN_AXES, mesh)
-      dense_run = dense(x, args.d_ff, mesh)
-      for case in [case for case in CASES if args.only in case.name]:
-        case_rows, verdict = rows_of(case.name, case_runs(case, x, args, dense_run, flax_modules,
-                                                          mesh), args)
-        rows += case_rows
-        verdicts.append(verdict)
+    for case, x, dense_run in case_inputs(args, mesh):
+      case_rows, verdict = rows_of(case.name, case_runs(case, x, args, dense_run, flax_modules,
+                                                        mesh), args)
+      rows += case_rows
+      verdicts.append(verdict)
   summary(verdicts)
   os.makedirs(os.path.dirname(args.output), exist_ok=True)
   with open(args.output, 'w') as f:

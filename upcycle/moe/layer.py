@@ -179,14 +179,11 @@ class MoeLayer(nn.Module):
     logits = Router(cfg.num_experts, cfg.jitter_noise, name=tree.ROUTER)(grouped, deterministic)
     probs = jax.nn.softmax(logits, axis=-1)                           # [G, S, E]
     if cfg.router == 'experts_choose':
-      decision, statistics = routing.experts_choose(probs, capacity, mask), None
+      statistics = None
     else:
       gates, expert_index = jax.lax.top_k(probs, cfg.k)               # [G, S, K]
       statistics = routing.load_balancing_statistics(
           probs, expert_index, cfg.load_balancing_scope, mask)
-      if cfg.dispatch != 'ragged':
-        decision = routing.tokens_choose(probs, expert_index, capacity,
-                                         cfg.batch_priority_routing, mask)
     if cfg.dispatch == 'ragged':
       routed = jnp.ones(gates.shape, bool) if mask is None else jnp.broadcast_to(
           mask[..., None], gates.shape)
@@ -194,6 +191,10 @@ class MoeLayer(nn.Module):
                         mask)
       out = self._dropless(grouped, gates, expert_index, routed, deterministic)
     else:
+      decision = (routing.experts_choose(probs, capacity, mask)
+                  if cfg.router == 'experts_choose' else
+                  routing.tokens_choose(probs, expert_index, capacity,
+                                        cfg.batch_priority_routing, mask))
       self._sow_metrics(probs, routing.slot_use(decision, tokens), mask)
       if cfg.normalize_combine_weights:
         decision = routing.normalize_combine_weights(decision, tokens)

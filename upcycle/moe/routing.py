@@ -72,8 +72,8 @@ def normalize_combine_weights(decision: RoutingDecision, num_tokens: int) -> Rou
 
   A token no expert took has no weights and keeps output 0 (residual only).
   """
+  sums = token_weight_sums(decision, num_tokens)                      # [G, S]
   hits = _slot_holds_token(decision, num_tokens)                      # [G, E, C, S]
-  sums = jnp.sum(jnp.where(hits, decision.combine_weight[..., None], 0.0), axis=(1, 2))
   per_slot = jnp.sum(jnp.where(hits, sums[:, None, None, :], 0.0), axis=-1)  # [G, E, C]
   safe = jnp.where(per_slot > 0, per_slot, 1.0)
   weights = jnp.where(decision.valid & (per_slot > 0), decision.combine_weight / safe, 0.0)
