@@ -117,7 +117,8 @@ def test_t5x_output_is_t5x_native_with_flaxformer_moe_names(source, tmp_path, ca
   out = tmp_path / 'moe_t5x'
   assert _main(source, out, '--experts', DROP, '--seed', '3', '--output_format', 't5x') == 0
   assert f'Wrote {out}/checkpoint_6.' in capsys.readouterr().out
-  assert os.listdir(tmp_path) == ['moe_t5x'] and os.listdir(out) == ['checkpoint_6']
+  assert os.listdir(tmp_path) == ['moe_t5x']
+  assert sorted(os.listdir(out)) == ['checkpoint_6', 'upcycling_report.txt']
   assert os.path.isdir(out / 'checkpoint_6' / 'target.encoder.layers_1.mlp.expert.wi_0.kernel')
   ckpt = checkpoints.load(str(out))
   assert (ckpt.format, ckpt.step) == ('t5x', 6)
@@ -217,6 +218,25 @@ def test_dry_run_prints_the_report_and_writes_nothing(source, tmp_path, capsys):
   assert os.listdir(tmp_path) == []
 
 
+def test_the_console_shows_the_summary_and_the_output_keeps_every_leaf(source, tmp_path,
+                                                                        capsys):
+  """The report a dry run prints (as every conversion printed it before) is the output's
+  upcycling_report.txt; a conversion prints its summary and where the report is."""
+  flags = ('--experts', DROP, '--seed', '3')
+  out = tmp_path / 'moe'
+  assert _main(source, out, '--dry_run', *flags) == 0
+  lines = capsys.readouterr().out.splitlines()
+  first = next(i for i, line in enumerate(lines) if 'target leaves: ' in line)
+  printed = '\n'.join(lines[first:lines.index('Dry run: nothing written.')]) + '\n'
+  assert _main(source, out, *flags) == 0
+  report = (out / 'upcycling_report.txt').read_text()
+  assert report == printed
+  lines = capsys.readouterr().out.splitlines()
+  assert report.splitlines()[0] in lines
+  assert f'Full upcycling report (every leaf): {out}/upcycling_report.txt' in lines
+  assert not [line for line in lines if line.startswith(('copied ', 'experts ', 'router '))]
+
+
 def test_refuses_to_touch_the_source_or_an_existing_output(source, tmp_path, capsys):
   before = helpers.snapshot(source['dir'])
   for inside in (os.path.join(source['dir'], 'moe'), os.path.dirname(source['dir'])):
@@ -231,7 +251,8 @@ def test_refuses_to_touch_the_source_or_an_existing_output(source, tmp_path, cap
   assert 'already exists and is not empty' in capsys.readouterr().err
   assert os.listdir(out) == ['notes.txt']
   assert _main(source, out, '--overwrite', '--step', '9') == 0
-  assert sorted(os.listdir(out)) == ['9'] and checkpoints.load(str(out)).step == 9
+  assert sorted(os.listdir(out)) == ['9', 'upcycling_report.txt']
+  assert checkpoints.load(str(out)).step == 9
   assert sorted(os.listdir(tmp_path)) == ['moe']
 
   assert _main(source, tmp_path / 'other', '--experts', 'drop(0.5)') == 1
@@ -380,7 +401,8 @@ def test_gcs_output_equals_the_local_one_and_is_refused_and_cleaned_alike(
   assert 'Wrote gs://bucket/moe_t5x/checkpoint_6.' in runs[3][1]
   assert runs[4:] == [['orbax', 6, 'gs://bucket/moe/6'],
                       ['t5x', 6, 'gs://bucket/moe_t5x/checkpoint_6']]
-  assert report['listing']['moe'] and all(n.startswith('6/') for n in report['listing']['moe'])
+  assert 'upcycling_report.txt' in report['listing']['moe']
+  assert all(n.startswith('6/') for n in report['listing']['moe'] if n != 'upcycling_report.txt')
   assert report['listing']['hidden'] == [   # no work directory, no lock left
       'gs://bucket/.moe.converting-x.converting-1-2/6/_METADATA']
 

@@ -38,6 +38,8 @@ only; train from it with `ContinueFromCheckpoint(OUTPUT_DIR, reuse_optimizer_sta
 (train/restore.py). `t5x`: OUTPUT_DIR/checkpoint_<step>/, T5X's native layout
 (`upcycle.checkpoints.t5x_writer`): parameters under `optimizer/target` with Flaxformer's MoE
 names, `state/step`, an empty `state/param_states` (restore it in T5X as docs/checkpoints.md says).
+Either way OUTPUT_DIR/upcycling_report.txt holds the upcycling report, every leaf (the console
+shows its summary; `upcycling/report_file.py`).
 Leaves are computed and written one at a time (upcycling/stream.py): peak memory is about
 one MoE block (E copies of one dense MLP) plus bounded write buffers, whatever the model size,
 so a dense checkpoint converts on a machine smaller than the MoE (benchmarks/convert_memory.py
@@ -51,7 +53,7 @@ while it writes; the next conversion into the same OUTPUT_DIR deletes the hidden
 directories whose lock no live process holds (left by killed conversions, said on the
 console), refuses to start while another conversion into it is running, and lists (without
 deleting) hidden directories that have no lock file. --dry_run prints the plan
-(the upcycling report) and writes nothing.
+(the whole upcycling report) and writes nothing.
 
 OUTPUT_DIR may be gs://BUCKET/PATH. GCS has no rename and no OS locks, so there: one lock object
 `.OUTPUT_DIR.converting.lock` beside it (locks/gcs_lock.py: created only if absent, with a
@@ -85,7 +87,7 @@ from upcycle.locks import file_lock
 from upcycle.locks.gcs_lock import STALE_SECONDS, GcsLock
 from upcycle.upcycling import experts as experts_lib
 from upcycle.upcycling import routers as routers_lib
-from upcycle.upcycling import depth_growth, expert_growth, step_policy, stream
+from upcycle.upcycling import depth_growth, expert_growth, report_file, step_policy, stream
 from upcycle.upcycling.report import UpcycleReport
 from upcycle.upcycling.surgery import make_plan
 
@@ -341,7 +343,8 @@ def convert(source: str, model_config: Any, output_dir: str, *,
   with `grow_experts` (expert_growth sources) or `grow_depth` (a depth_growth layer map) it
   grows the source into that model instead.
 
-  Returns the surgery report (also printed). Raises ConvertError (refusals),
+  Returns the surgery report (its summary logged, the whole report in
+  OUTPUT_DIR/upcycling_report.txt; logged whole by a dry run). Raises ConvertError (refusals),
   CheckpointError (unreadable source) or ValueError (surgery mismatches) before
   anything is written.
   """
@@ -368,23 +371,27 @@ def convert(source: str, model_config: Any, output_dir: str, *,
   log.info('%s (%s, step %s) -> %s/%s', ckpt.path, ckpt.format, ckpt.step, output_dir, written)
   for note in ckpt.notes:
     log.info('  reader: %s', note)
-  log.info('%s', plan)
+  report = plan.report()
   if dry_run:
+    log.info('%s', report)
     log.info('Dry run: nothing written.')
-    return plan.report()
+    return report
+  log.info('%s', report_file.summary(report, os.path.join(output_dir, report_file.REPORT_FILE)))
+
   def write(work: str) -> None:
     leaves = stream.leaves(plan, ckpt.params, seed)
     if output_format == 't5x':
       t5x_writer.write(work, plan.step, leaves)
     else:
       stream.write(work, plan.step, leaves)
+    report_file.write(report, work)
 
   if paths.is_url(output_dir):
     _convert_into_gcs(output_dir, write, overwrite)
   else:
     _convert_locally(output_dir, write)
   log.info('Wrote %s/%s.', output_dir, written)
-  return plan.report()
+  return report
 
 
 def _literal(value: Optional[str]) -> Any:

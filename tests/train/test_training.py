@@ -176,6 +176,29 @@ def test_trains_from_a_working_directory_with_folders_named_like_config_groups(t
   assert list(_train_losses(model_dir)) == [1]
 
 
+def _assert_the_console_is_short(done, model_dir, source):
+  """What a continuation of `source` to step 12 (checkpoint_every 4) shows: the restore
+  report's summary (every leaf in MODEL_DIR/upcycling_report.txt), a line per checkpoint, the
+  end-of-run summary; on stderr nothing (no TensorFlow start-up lines, no seqio warning)."""
+  from upcycle import checkpoints, tree  # pylint: disable=g-import-not-at-top
+  lines = done.stdout.splitlines()
+  report = (model_dir / 'upcycling_report.txt').read_text().splitlines()
+  assert report[0] in lines   # the summary
+  assert f'Full upcycling report (every leaf): {model_dir}/upcycling_report.txt' in lines
+  rows = [line.split()[1] for line in report if line.startswith('copied ')]
+  assert rows == sorted(tree.flatten(checkpoints.load(source).params))
+  assert not [line for line in lines if line.startswith('copied ')]   # not on the console
+  saved = [line for line in lines if line.startswith('Saved step ')]
+  assert [line.split(' in ')[0] for line in saved] == [
+      f'Saved step {step} to {model_dir}/checkpoints/{step}' for step in (8, 12)]
+  assert lines[-4].startswith('Done: step 12 in 0:'), lines[-4:]
+  assert lines[-3:] == [f'  checkpoints:  {model_dir}/checkpoints (latest: '
+                        f'{model_dir}/checkpoints/12)',
+                        f'  metrics:      {model_dir}/metrics.jsonl',
+                        f'  TensorBoard:  tensorboard --logdir {model_dir}/tensorboard']
+  assert done.stderr == ''
+
+
 @pytest.mark.slow
 def test_a_continuation_that_restores_the_dataset_trains_like_the_uninterrupted_run(
     tmp_path, straight_run):
@@ -188,11 +211,14 @@ def test_a_continuation_that_restores_the_dataset_trains_like_the_uninterrupted_
              for c in _train_command(model_dir, 12)]
   command += [f"--gin.INITIAL_CHECKPOINT_PATH='{straight_run}/checkpoints/4'",
               '--gin.RESTORE_DATASET=True']
-  done = subprocess.run(command, cwd=REPO, env={**os.environ, 'XLA_FLAGS': RESUME_XLA_FLAGS},
+  # As a user runs it: TensorFlow's log level unset.
+  env = {k: v for k, v in os.environ.items() if k != 'TF_CPP_MIN_LOG_LEVEL'}
+  done = subprocess.run(command, cwd=REPO, env={**env, 'XLA_FLAGS': RESUME_XLA_FLAGS},
                         capture_output=True, text=True)
   assert done.returncode == 0, done.stderr[-3000:]
   assert ("Reading the data on from the initial checkpoint's position: epoch 0, batch 4 of 8 "
           'examples (shard 0)') in done.stdout + done.stderr
+  _assert_the_console_is_short(done, model_dir, f'{straight_run}/checkpoints/4')
   expected, continued = _train_losses(straight_run), _train_losses(model_dir)
   assert sorted(continued) == list(range(5, 13))
   for step in range(5, 13):

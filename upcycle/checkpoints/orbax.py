@@ -124,6 +124,7 @@ class CheckpointManager:
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_names=(PARAMS, OPTIMIZER, DATASET, DIGESTS),
                                           item_handlers={DIGESTS: own_digests})
+    self._pending = None   # the step saved, not yet said to be committed
 
   def save(self, step: int, params: Any, optimizer_state: Any = None,
            dataset_state: Optional[dict] = None, *, force: bool = False) -> bool:
@@ -146,16 +147,22 @@ class CheckpointManager:
     items[DIGESTS] = ocp.args.JsonSave(digests.record(arrays))
     self._saving = int(step)
     try:
-      return self._manager.save(int(step), args=ocp.args.Composite(**items), force=force)
+      saved = self._manager.save(int(step), args=ocp.args.Composite(**items), force=force)
     except Exception as e:  # pylint: disable=broad-except  (orbax raises many kinds)
       raise self._failed(e) from e
+    if saved:
+      self._pending = int(step)
+      self._say_saved()
+    return saved
 
   def check(self) -> None:
-    """Raises CheckpointError if a background save has failed (does not wait)."""
+    """Raises CheckpointError if a background save has failed (does not wait); says so when
+    it has been committed."""
     try:
       self._manager.check_for_errors()
     except Exception as e:  # pylint: disable=broad-except
       raise self._failed(e) from e
+    self._say_saved()
 
   def wait(self) -> None:
     """Blocks until the background save, if any, is committed (CheckpointError if it failed)."""
@@ -163,6 +170,19 @@ class CheckpointManager:
       self._manager.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-except
       raise self._failed(e) from e
+    self._say_saved()
+
+  def _say_saved(self) -> None:
+    """Once the last save is committed (seen by `check`, `wait` or `save`), process 0 logs
+    one line: its step, its directory and the seconds the save took (`save_seconds`)."""
+    if self._pending is None or self._manager.is_saving_in_progress():
+      return
+    step_dir = os.path.join(self.directory, str(self._pending))
+    step, self._pending = self._pending, None
+    if jax.process_index() == 0:
+      seconds = save_seconds(step_dir)
+      took = '' if seconds is None else f' in {seconds:.1f} s'
+      log.info('Saved step %d to %s%s.', step, step_dir, took)
 
   def _check_space(self, step: int, state: Sequence[Any]) -> None:
     if paths.is_url(self.directory) or not os.path.isdir(self.directory):
@@ -283,6 +303,16 @@ def saved_items(step_dir: str) -> List[str]:
   except (OSError, ValueError):
     return []
   return sorted(listed) if isinstance(listed, dict) else []
+
+
+def save_seconds(step_dir: str) -> Optional[float]:
+  """From the start of the step's save to its commit, as orbax timed them in its
+  `_CHECKPOINT_METADATA` (None if that does not say)."""
+  try:
+    marker = json.loads(epath.Path(step_dir, _MARKER).read_text())
+    return (marker['commit_timestamp_nsecs'] - marker['init_timestamp_nsecs']) / 1e9
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
 
 
 def missing_items(step_dir: str, required: Sequence[str] = ()) -> List[str]:

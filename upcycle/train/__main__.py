@@ -8,6 +8,7 @@ MIXTURE_OR_TASK_NAME, TASK_FEATURE_LENGTHS, INITIAL_CHECKPOINT_PATH.
 import os
 import signal
 import sys
+import time
 import traceback
 from typing import Any, Optional
 
@@ -16,8 +17,11 @@ from upcycle import gin_utils
 
 def train(*, objective: Any, optimizer: Any, config: Any, train_data: Any,
           eval_data: Optional[Any] = None, initializer: Optional[Any] = None) -> dict:
-  """Runs `upcycle.train.trainer.Trainer` with gin-built pieces; returns its result."""
+  """Runs `upcycle.train.trainer.Trainer` with gin-built pieces; returns its result. Process 0
+  ends with where the run's checkpoints, metrics and TensorBoard files are
+  (`run_summary`)."""
   from upcycle.train.trainer import Trainer  # pylint: disable=g-import-not-at-top
+  started = time.monotonic()
   # config.gin is written once the run holds MODEL_DIR and its state is restored or built,
   # so a refused or failed start leaves the config of the run in MODEL_DIR as it was.
   trainer = Trainer(objective, optimizer, config, train_data, eval_data, initializer)
@@ -28,7 +32,18 @@ def train(*, objective: Any, optimizer: Any, config: Any, train_data: Any,
 
   result = trainer.run(on_start=on_start)
   gin_utils.write_config(config.model_dir, operative=True)
+  _show_summary(config, result, time.monotonic() - started)
   return result
+
+
+def _show_summary(config: Any, result: dict, seconds: float) -> None:
+  """Prints `run_summary.text` for the finished run (process 0)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from upcycle.train import run_summary  # pylint: disable=g-import-not-at-top
+  if jax.process_index() == 0:
+    step = max(result['start_step'], config.train_steps)
+    print(run_summary.text(config.model_dir, step, result['checkpoint'], config.tensorboard,
+                           seconds), flush=True)
 
 
 def _keep_tokenizer(train_data: Any, model_dir: str) -> None:

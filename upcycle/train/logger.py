@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 
 FLUSH_SECONDS = 30.0
+METRICS_FILE = 'metrics.jsonl'    # in MODEL_DIR
+TENSORBOARD_DIR = 'tensorboard'   # in MODEL_DIR: one subdirectory per split
 
 
 def _is_gcs(path: epath.Path) -> bool:
@@ -124,18 +126,18 @@ class MetricLogger:
     self._model_dir = epath.Path(model_dir)
     if self._writes:
       self._model_dir.mkdir(parents=True, exist_ok=True)
-      dropped = truncate_log(self._model_dir / 'metrics.jsonl', resume_step)
+      dropped = truncate_log(self._model_dir / METRICS_FILE, resume_step)
       if dropped:
         log.info('metrics.jsonl: dropped %d rows after step %d, from the part of an earlier '
                  'attempt that is redone now.', dropped, resume_step or 0)
-      self._jsonl = _Jsonl(self._model_dir / 'metrics.jsonl')
+      self._jsonl = _Jsonl(self._model_dir / METRICS_FILE)
     self._last = None  # (time, step) of the previous train log
 
   def _tb_writer(self, split: str):
     if split not in self._tb:
       import tensorflow as tf  # pylint: disable=g-import-not-at-top  (training imports TF anyway)
       self._tb[split] = tf.summary.create_file_writer(
-          str(self._model_dir / 'tensorboard' / split))
+          str(self._model_dir / TENSORBOARD_DIR / split))
     return self._tb[split]
 
   def write(self, step: int, metrics: Mapping[str, np.ndarray], split: str = 'train') -> Dict:

@@ -14,7 +14,8 @@ state returned is placed with exactly those shardings.
 
 Both read any format `upcycle.checkpoints.load` knows (T5X, T5X-orbax, ours, HF, ViT .npz),
 build the upcycling plan from shapes alone (`upcycle.upcycling.plan`: every mismatch fails
-before anything is read), print it as the report, and run it in one `jax.jit` whose
+before anything is read), log its report (its summary, and every leaf in
+MODEL_DIR/upcycling_report.txt: `upcycling/report_file.py`), and run it in one `jax.jit` whose
 out_shardings are the abstract state's: every expert tensor is created already split over
 the 'expert' mesh axis and no host holds E copies. The dense leaves are its inputs, each host
 reading only the blocks its devices need (`upcycling/sharded.py`). Initializers that read
@@ -50,7 +51,7 @@ from upcycle.checkpoints import optimizer_state, orbax, paths
 from upcycle.models import scan_layout
 from upcycle.checkpoints import slots
 from upcycle.train.state import TrainState
-from upcycle.upcycling import execute, sharded, step_policy
+from upcycle.upcycling import execute, report_file, sharded, step_policy
 from upcycle.upcycling import plan as plan_lib
 from upcycle.upcycling.base import ExpertInit
 from upcycle.upcycling.experts import Copy
@@ -71,7 +72,7 @@ def _announce(owner: str, ckpt, plan: Plan, reuse: bool) -> None:
            ckpt.format, ckpt.step, plan.step, state)
   for note in ckpt.notes:
     log.info('  reader: %s', note)
-  log.info('%s', plan)
+  report_file.show(plan.report(), log)
 
 
 def _plan(owner: str, where: str, make: Callable[[], Plan], *, source: Any, target: Any,
@@ -341,7 +342,7 @@ class UpcycleFromDense(ReadsOn):
     seed: seed of the expert and router initializers.
     cast: cast dense values to the model's parameter dtypes (e.g. a bfloat16
       checkpoint into a float32 model) instead of failing; casts are listed in
-      the printed report.
+      the report (MODEL_DIR/upcycling_report.txt).
     restore_dataset: read on from the data position saved with the checkpoint (a step of
       a `python -m upcycle.train` run; T5X's `restore_dataset`), so the new run sees none
       of the dense run's examples again; the batch size may differ if the position is a

@@ -29,7 +29,7 @@ from upcycle.train.logger import MetricLogger
 from upcycle.train.objectives import init_params
 from upcycle.train.state import TrainState
 from upcycle.train.step import make_eval_step, make_train_step
-from upcycle.upcycling import step_policy
+from upcycle.upcycling import report_file, step_policy
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +262,8 @@ class Trainer:
 
     Returns {'history': logged train metrics, 'eval': final evaluation,
     'initial_eval': evaluation before the first step (eval_at_start), 'start_step',
-    'state': the final TrainState}.
+    'state': the final TrainState, 'checkpoint': the directory of the latest saved step, None
+    if none was (a new run that starts at `train_steps`)}.
     """
     cfg = self.config
     getattr(self.initializer, 'check_apart', lambda model_dir: None)(cfg.model_dir)
@@ -281,7 +282,8 @@ class Trainer:
     if restored is None:
       if self.initializer is None:
         return self.fresh_state(abstract, example), False
-      state = self.initializer(abstract, self.optimizer, self.objective.model.config)
+      with report_file.kept_in(self.config.model_dir):   # the hook's report, every leaf
+        state = self.initializer(abstract, self.optimizer, self.objective.model.config)
       positions = getattr(self.initializer, 'dataset_state', lambda: None)()
       if positions is not None:    # restore_dataset: read on where the source run stopped
         owner = type(self.initializer).__name__
@@ -399,11 +401,13 @@ class Trainer:
         eval_results = self.evaluate(state.params, eval_step)
     finally:
       manager.wait()
+      latest = manager.latest_step()
       manager.close()
       logger.close()
     if stopped is not None:
       raise preemption.Stopped(stopped, manager.directory)
     if cfg.export_t5x and (resumed or start < cfg.train_steps):   # else no step was saved
       self._export_t5x(manager.directory, max(start, cfg.train_steps))
+    checkpoint = None if latest is None else os.path.join(manager.directory, str(latest))
     return {'history': history, 'eval': eval_results, 'initial_eval': initial_eval,
-            'start_step': start, 'state': state}
+            'start_step': start, 'state': state, 'checkpoint': checkpoint}
