@@ -1,5 +1,7 @@
 """python -m upcycle.aot: a real config compiled for TPU v4 (libtpu's compiler, no TPU), with the
-per-device bytes held against a count by hand; and the mesh that used to crash the compiler."""
+per-device bytes held against a count by hand, the levers it sets and the largest batch that
+fits; the HBM the compiler can use, asked of the compiler; the fit decision, the levers and
+the batch prediction on numbers; and the mesh that used to crash the compiler."""
 
 import dataclasses
 import json
@@ -36,7 +38,8 @@ def dense_param_count() -> int:
 
 @pytest.fixture(scope='module')
 def aot_result(tmp_path_factory):
-  """The JSON of `upcycle.aot` for an upcycling run of a T5 MoE, E = 4 over 4 v4 chips."""
+  """The JSON of `upcycle.aot --find_batch` for an upcycling run of a T5 MoE, E = 4 over 4 v4
+  chips, with full remat (2 + 2 layers, one of them MoE, have no period to scan over)."""
   tmp = tmp_path_factory.mktemp('aot')
   dense = models.T5(models.T5Config(**DIMS))
   shapes = jax.eval_shape(lambda: dense.init(jax.random.PRNGKey(0), np.ones((2, 8), np.int32),
@@ -45,10 +48,11 @@ def aot_result(tmp_path_factory):
   checkpoint = t5x_writer.write(str(tmp / 'dense'), 1000, params)
   command = [
       sys.executable, '-m', 'upcycle.aot', '--topology=v4:2x2x1', f'--json={tmp}/aot.json',
+      '--find_batch',
       '--gin_file=models/t5_1_1/tiny.gin', '--gin_file=moe/paper_t5.gin',
       '--gin_file=runs/upcycle.gin', '--gin_file=data/offline_span_corruption.gin',
       *[f'--gin.models.T5Config.{k}={v}' for k, v in DIMS.items()],
-      f'--gin.NUM_EXPERTS={E}', "--gin.ACTIVATION_DTYPE='bfloat16'",
+      f'--gin.NUM_EXPERTS={E}', "--gin.ACTIVATION_DTYPE='bfloat16'", "--gin.REMAT_POLICY='full'",
       f'--gin.MODEL_DIR=\'{tmp}/moe\'', '--gin.TRAIN_STEPS=1100', '--gin.BATCH_SIZE=16',
       f'--gin.INITIAL_CHECKPOINT_PATH=\'{checkpoint}\'',
       f'--gin.trainer.TrainConfig.num_expert_partitions={E}']
@@ -69,6 +73,7 @@ def test_aot_compiles_every_function_for_the_topology(aot_result):
   assert result['not_compiled'] == {}
   for name, report in result['functions'].items():
     assert report['hbm_bytes_per_device'] == 32 * 2**30, name    # a v4 chip (megacore)
+    assert report['usable_hbm_bytes_per_device'] == 30.75 * 2**30, name
     assert report['fits'] and report['per_device_bytes']['total'] < 2**30, name
     assert report['flops_per_device'] > 0 and report['compile_seconds'] > 0, name
   assert 'train_step: fits' in stdout and 'mesh data 1 x expert 4 x model 1' in stdout
@@ -116,22 +121,158 @@ def test_expert_axis_32_mesh_compiles():
   assert 'compiled: groups 32' in done.stdout
 
 
-def test_a_config_that_does_not_fit_names_what_dominates_and_the_levers():
-  from upcycle.train import aot  # pylint: disable=g-import-not-at-top
+@pytest.mark.slow
+def test_aot_names_the_levers_set_and_the_largest_batch_that_fits(aot_result):
+  result, stdout = aot_result
+  assert result['levers_set'] == [
+      "REMAT_POLICY = 'full'",
+      'num_expert_partitions = 4 (the most: E = 4 over 4 devices)', 'T5XAdafactor.factored = True']
+  assert result['advice']['train_step'].startswith('fits, ')
+  # --find_batch: the run's batch and half of it compiled; the line through them predicts a
+  # batch, a multiple of the 4-way data x expert split, far past 4 x 16 for so small a model:
+  # reported, not compiled.
+  search = result['batch_search']
+  totals = {int(b): t for b, t in search['total_bytes_by_batch'].items()}
+  assert set(totals) == {16, 8} and totals[8] < totals[16]
+  assert search['predicted'] % 4 == 0 and search['predicted'] > 4 * 16
+  assert search['largest_fitting'] == 16
+  assert "levers set: REMAT_POLICY = 'full'" in stdout and '--find_batch: ' in stdout
+
+
+@pytest.mark.slow
+def test_the_usable_hbm_is_what_the_compiler_says():
+  """A program far too large for each device kind, compiled: the compiler's refusal names the
+  HBM it can use, which `hbm.CAPACITIES` holds."""
+  from upcycle.train import hbm  # pylint: disable=g-import-not-at-top
+  script = '''
+import json, jax, jax.numpy as jnp, numpy as np
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from upcycle.train import aot, hbm
+aot.topology_devices('v4:2x2x1')   # libtpu's environment
+cases = {'v4:2x2x1': {'chip_config_name': 'megacore', 'chips_per_host_bounds': (2, 2, 1),
+                      'num_slices': 1},
+         'v4:2x2x1 per core': {'chip_config_name': 'default', 'chips_per_host_bounds': (2, 2, 1),
+                               'num_slices': 1},
+         'v5e:2x2': {}, 'v5p:2x2x1': {}, 'v6e:2x2': {}}
+out = {}
+for name, options in cases.items():
+  device = topologies.get_topology_desc(topology_name=name.split()[0], platform='tpu',
+                                        **options).devices[0]
+  one = NamedSharding(Mesh(np.array([device]), ('x',)), PartitionSpec())
+  scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=one)
+  big = lambda n: jnp.cumsum(jnp.arange(64 * 2**30, dtype=jnp.float32) * n)[::4096]
+  try:
+    jax.jit(big).lower(scalar).compile()
+  except jax.errors.JaxRuntimeError as e:
+    out[name] = (device.device_kind, hbm.refusal(str(e)))
+print(json.dumps(out))
+'''
+  done = subprocess.run([sys.executable, '-c', script], cwd=REPO, capture_output=True, text=True,
+                        timeout=300, env={**os.environ, 'XLA_FLAGS': ''})
+  assert done.returncode == 0, done.stderr[-2000:]
+  found = json.loads(done.stdout.strip().splitlines()[-1])
+  for name, (kind, (temp, usable)) in found.items():
+    assert temp > 256 * 2**30, name
+    assert usable == hbm.capacity(kind, megacore='per core' not in name).usable, name
+  assert len(found) == 5
+
+
+def test_a_total_over_the_usable_hbm_does_not_fit_though_under_the_nominal():
+  from upcycle import aot as cli  # pylint: disable=g-import-not-at-top
+  from upcycle.train import aot, hbm, levers  # pylint: disable=g-import-not-at-top
   gib = 2**30
+  v4 = hbm.capacity('TPU v4')
+  assert (v4.nominal, v4.usable) == (32 * gib, 30.75 * gib)
+  assert hbm.capacity('TPU v4', megacore=False).usable == 15.25 * gib
+  assert hbm.refusal('RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required '
+                     'for HLO temporaries (32.98G) exceeds available HBM (30.75G).') == (
+                         int(32.98 * gib), v4.usable)
   report = aot.FunctionReport(
-      arguments=20 * gib, outputs=20 * gib, alias=19 * gib, temp=14 * gib, code=0,
-      hbm=32 * gib, flops_per_device=1.0, devices=64, compile_seconds=1.0,
-      parts={'parameters': 12 * gib, 'optimizer_state': 7 * gib, 'batch': gib})
-  assert report.total == 35 * gib and not report.fits
-  assert report.dominant() == 'activations'
-  line = aot.advice(report)
-  assert line.startswith('does NOT fit: 3.00 GiB over; activations dominate(s) (14.00 GiB)')
-  assert 'num_microbatches' in line and "REMAT_POLICY = 'full'" in line
-  params_bound = dataclasses.replace(report, arguments=40 * gib, temp=2 * gib,
-                                     parts={**report.parts, 'parameters': 30 * gib})
-  assert ("LOGICAL_AXIS_RULES = 'fsdp'" in aot.advice(params_bound)
-          and 'num_model_partitions' in aot.advice(params_bound))
+      arguments=10 * gib, outputs=2 * gib, alias=2 * gib, temp=21 * gib, code=0, hbm=v4,
+      flops_per_device=1.0, devices=16, compile_seconds=1.0,
+      parts={'parameters': 9 * gib, 'optimizer_state': gib // 64, 'batch': gib // 64})
+  assert report.total == 31 * gib and not report.fits
+  settings = levers.Settings(scan_layers=True, remat_policy='full', fsdp=False,
+                             mesh={'data': 1, 'expert': 16, 'model': 1}, num_experts=32,
+                             optimizer='T5XAdafactor', factored=True, num_microbatches=1,
+                             batch_size=256)
+  line = aot.advice(report, settings)
+  assert line.startswith('does NOT fit: 0.25 GiB over the 30.75 GiB the compiler can use (of '
+                         '32 GiB); activations (temp 21.00 GiB) dominate'), line
+  assert cli.exit_status({'functions': {'train_step': report.as_json()},
+                          'not_compiled': {}}) == cli.DOES_NOT_FIT
+  under = dataclasses.replace(report, temp=20 * gib + 3 * gib // 4)
+  assert under.fits and aot.advice(under, settings).startswith('fits, 0.00 GiB to spare')
+
+
+def _t5_xl_on_a_v4_32(**changes):
+  """T5 XL MoE on a v4-32 as the fit table compiles it: every lever for activations but the
+  batch set."""
+  from upcycle.train import levers  # pylint: disable=g-import-not-at-top
+  settings = levers.Settings(scan_layers=True, remat_policy='full', fsdp=False,
+                             mesh={'data': 1, 'expert': 16, 'model': 1}, num_experts=32,
+                             optimizer='T5XAdafactor', factored=True, num_microbatches=1,
+                             batch_size=256)
+  return dataclasses.replace(settings, **changes)
+
+
+def test_levers_already_set_are_named_and_never_advised():
+  from upcycle.train import levers  # pylint: disable=g-import-not-at-top
+  gib = 2**30
+  xl = _t5_xl_on_a_v4_32()
+  assert levers.already_set(xl) == [
+      'SCAN_LAYERS = True', "REMAT_POLICY = 'full'",
+      'num_expert_partitions = 16 (the most: E = 32 over 16 devices)',
+      'T5XAdafactor.factored = True']
+  activations = dict(parameters=int(9.53 * gib), optimizer_state=gib // 64, temp=33 * gib)
+  advised = levers.advise(xl, **activations)
+  assert advised == ['a smaller BATCH_SIZE (is 256; --find_batch predicts the largest that fits)']
+  assert levers.advise(xl, **activations, largest_batch=192) == [
+      'BATCH_SIZE = 192 (the largest that fits, from --find_batch)']
+  unset = levers.advise(_t5_xl_on_a_v4_32(scan_layers=False, remat_policy='dots'), **activations)
+  assert [lever.split(' (')[0] for lever in unset] == [
+      "REMAT_POLICY = 'full'", 'SCAN_LAYERS = True', 'a smaller BATCH_SIZE']
+  assert not any('microbatches' in lever for lever in advised + unset)
+  # The state dominates: the experts split as far as they go, FSDP only with a data axis to
+  # split over, a factored optimizer in place of AdamW's full-size moments.
+  state = dict(parameters=20 * gib, optimizer_state=gib // 8, temp=8 * gib)
+  assert levers.advise(xl, **state) == []
+  assert 'every lever for them is set' in levers.summary(xl, **state)
+  fewer = _t5_xl_on_a_v4_32(mesh={'data': 2, 'expert': 8, 'model': 1})
+  assert [lever.split(' (')[0] for lever in levers.advise(fewer, **state)] == [
+      'trainer.TrainConfig.num_expert_partitions = 16', "LOGICAL_AXIS_RULES = 'fsdp'"]
+  adam = _t5_xl_on_a_v4_32(mesh={'data': 16, 'expert': 1, 'model': 1}, num_experts=0,
+                           optimizer='AdamW', factored=None, fsdp=True)
+  assert levers.advise(adam, parameters=4 * gib, optimizer_state=8 * gib, temp=gib) == [
+      'a factored optimizer (optimizers.T5XAdafactor, optimizers.Adafactor) in place of AdamW']
+  assert "LOGICAL_AXIS_RULES = 'fsdp'" in levers.already_set(adam)
+
+
+def test_the_largest_batch_is_where_the_line_through_two_compiles_meets_the_usable_hbm():
+  from upcycle.train import batch_fit  # pylint: disable=g-import-not-at-top
+  gib = 2**30
+  # total = 4 GiB + batch / 8 GiB: 30.75 GiB at batch 214, so 208 in multiples of 16.
+  low, high = (128, 20 * gib), (256, 36 * gib)
+  assert batch_fit.largest_batch(low, high, usable=int(30.75 * gib), multiple=16) == 208
+  assert batch_fit.largest_batch(high, low, usable=int(30.75 * gib), multiple=1) == 214
+  assert batch_fit.largest_batch(low, high, usable=4 * gib, multiple=16) == 0
+  assert batch_fit.largest_batch(low, (256, 20 * gib), usable=gib, multiple=16) is None
+  assert batch_fit.second_batch(256, 16) == 128 and batch_fit.second_batch(16, 16) == 32
+  compiled = []
+
+  def total_at(batch):
+    compiled.append(batch)
+    return 4 * gib + batch * gib // 8
+
+  search = batch_fit.search(total_at, batch=256, total=36 * gib, usable=int(30.75 * gib),
+                            multiple=16)
+  assert compiled == [128, 208] and search.predicted == 208
+  assert search.largest_fitting() == 208
+  far = batch_fit.search(total_at, batch=16, total=4 * gib + 2 * gib, usable=int(30.75 * gib),
+                         multiple=16)
+  assert compiled[2:] == [32] and far.predicted == 208 and far.largest_fitting() == 32
+  assert 'BATCH_SIZE = 208 (over 4 x 16: not compiled)' in far.lines()[0]
 
 
 def test_the_exit_status_tells_fits_from_does_not_fit_from_not_compiled():

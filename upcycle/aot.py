@@ -1,11 +1,15 @@
-"""python -m upcycle.aot --topology=v4:4x4x4 --gin_file=... [--json=OUT.json]: will this run fit?
+"""python -m upcycle.aot --topology=v4:4x4x4 --gin_file=... [--json=OUT.json] [--find_batch]: will
+this run fit?
 
 Takes exactly the training command's gin files and bindings, builds the same trainer, mesh and
 shardings over the devices of a TPU topology (libtpu's description: no TPU needed) and compiles
 the train step, the upcycling / restore hook's sharded jit (when the run has one) and the eval
 step for it, allocating nothing. Prints per function the per-device bytes (parameters,
-optimizer state, arguments, outputs, temporaries, total) against the device's HBM, FLOPs per
-device and compile time, and what to change when it does not fit (`upcycle/train/aot.py`).
+optimizer state, arguments, outputs, temporaries, total) against the HBM the TPU compiler can
+use of the device's (30.75 of a v4 chip's 32 GiB), FLOPs per device and compile time, the
+memory levers the run has set, and for what does not fit, what dominates and the levers not
+set that would shrink it (`upcycle/train/aot.py`). --find_batch compiles the train step at up
+to two more batch sizes and names the largest BATCH_SIZE that fits.
 The gs:// paths it reads (not MODEL_DIR) must answer first, in bounded time. Exit status: 0
 every function fits, 2 one does not, 3 one could not be compiled (its reason printed and in
 --json), 1 a bad flag, config or topology. Needs libtpu: pip install -e '.[tpu]'.
@@ -18,7 +22,7 @@ from typing import Any, Optional, Sequence
 
 from upcycle import gin_utils
 
-_FLAGS = argparse.Namespace(topology='v4:2x2x1', megacore=True, json=None)
+_FLAGS = argparse.Namespace(topology='v4:2x2x1', megacore=True, json=None, find_batch=False)
 
 
 def train(*, objective: Any, optimizer: Any, config: Any, train_data: Any,
@@ -32,7 +36,8 @@ def train(*, objective: Any, optimizer: Any, config: Any, train_data: Any,
   devices = aot.topology_devices(_FLAGS.topology, _FLAGS.megacore)
   run = aot.compile_run(objective=objective, optimizer=optimizer, config=config,
                         train_data=train_data, eval_data=eval_data, initializer=initializer,
-                        devices=devices, megacore=_FLAGS.megacore)
+                        devices=devices, megacore=_FLAGS.megacore,
+                        find_batch=_FLAGS.find_batch)
   print(aot.table(run), flush=True)
   document = run.describe(_FLAGS.topology)
   if _FLAGS.json:
@@ -44,13 +49,16 @@ def train(*, objective: Any, optimizer: Any, config: Any, train_data: Any,
 
 
 def _own_flags(argv: Sequence[str]) -> Sequence[str]:
-  """Takes --topology, --json and --no_megacore out of argv; the rest are the train flags."""
+  """Takes --topology, --json, --no_megacore and --find_batch out of argv; the rest are the
+  train flags."""
   parser = argparse.ArgumentParser(add_help=False)
   parser.add_argument('--topology', default=_FLAGS.topology)
   parser.add_argument('--json', default=None)
   parser.add_argument('--no_megacore', action='store_true')
+  parser.add_argument('--find_batch', action='store_true')
   known, rest = parser.parse_known_args(argv)
   _FLAGS.topology, _FLAGS.json, _FLAGS.megacore = known.topology, known.json, not known.no_megacore
+  _FLAGS.find_batch = known.find_batch
   return rest
 
 
@@ -60,7 +68,8 @@ def main(argv: Sequence[str]) -> int:
   from upcycle.train.aot import TopologyError  # pylint: disable=g-import-not-at-top
   if any(a in ('-h', '--help') for a in argv):
     print(__doc__.strip() + '\n\nflags: --topology=v4:AxBxC (chips per axis), --json=PATH, '
-          '--no_megacore (one device per TensorCore), then the training flags '
+          '--no_megacore (one device per TensorCore), --find_batch (the largest BATCH_SIZE that '
+          'fits, from up to two more compiles of the train step), then the training flags '
           '(--gin_file, --gin.KEY=VALUE, --gin_bindings, --gin_search_paths).')
     return 0
   rest = _own_flags(argv)

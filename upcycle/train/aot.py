@@ -4,8 +4,11 @@ The run's trainer (mesh, shardings, steps: exactly what `python -m upcycle.train
 built over the devices of a TPU topology description, and its compiled functions are lowered
 on abstract inputs (`jax.ShapeDtypeStruct`s with the run's shardings) and compiled by the TPU
 compiler (libtpu), on any host: nothing is allocated or executed. The compiler's memory
-analysis gives the bytes per device; the parameters', optimizer state's and batch's shares
-are counted from their shardings.
+analysis gives the bytes per device, held against the HBM the compiler can use (`hbm.py`);
+the parameters', optimizer state's and batch's shares are counted from their shardings. What
+does not fit is told what dominates and which of the levers the run has not set would shrink
+it (`levers.py`); `find_batch` compiles the train step at up to two more batch sizes for the
+largest batch that fits (`batch_fit.py`).
 
   train_step    the jitted training step (state donated, as the trainer runs it)
   restore_hook  the upcycling / restore initializer's one sharded jit (when the run has one)
@@ -22,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from upcycle.train import partitioning
+from upcycle.train import batch_fit, levers, partitioning
+from upcycle.train import hbm as hbm_sizes
 
 # Compiling needs libtpu's compiler only: no TPU, no metadata server (libtpu otherwise asks
 # GCE's), and a training process holding libtpu's lock file on a TPU VM is no obstacle.
@@ -30,13 +34,6 @@ LIBTPU_ENV = {'TPU_SKIP_MDS_QUERY': '1', 'TPU_ACCELERATOR_TYPE': 'v4-8',
               'TPU_WORKER_HOSTNAMES': 'localhost', 'ALLOW_MULTIPLE_LIBTPU_LOAD': '1'}
 
 GIB = 2 ** 30
-# HBM per chip, by the device kind libtpu reports (Cloud TPU system architecture pages):
-# v4, v5p ('TPU v5'), v5e ('TPU v5 lite'), v6e ('TPU v6 lite'). A v4 chip has two
-# TensorCores, which a Cloud TPU VM shows as one device (megacore) and libtpu's topology
-# description as two unless asked for the chip view; v5p's description is per chip already.
-HBM_BYTES = {'TPU v4': 32 * GIB, 'TPU v5': 95 * GIB, 'TPU v5 lite': 16 * GIB,
-             'TPU v6 lite': 32 * GIB}
-TWO_CORE_CHIPS = ('TPU v4',)
 
 
 class TopologyError(ValueError):
@@ -68,14 +65,6 @@ def topology_devices(name: str, megacore: bool = True) -> List[jax.Device]:
                         f"topology such as 'v4:2x2x1' or 'v4:4x4x4' (chips per axis).") from e
 
 
-def hbm_bytes(device: jax.Device, megacore: bool = True) -> int:
-  """HBM of one device of `device`'s kind (a chip's, or a core's for v4 without megacore)."""
-  kind = device.device_kind
-  if kind not in HBM_BYTES:
-    raise TopologyError(f'No HBM size known for {kind!r}; known: {sorted(HBM_BYTES)}.')
-  return HBM_BYTES[kind] // (1 if megacore or kind not in TWO_CORE_CHIPS else 2)
-
-
 def per_device_bytes(tree: Any) -> int:
   """Bytes one device holds of a tree of ShapeDtypeStructs with shardings (the largest
   shard of each leaf, summed)."""
@@ -92,11 +81,13 @@ class FunctionReport:
 
   `arguments` / `outputs` / `temp` are the TPU compiler's (`memory_analysis()`); `total` is
   what the device holds at once: arguments + outputs not aliased to donated arguments +
-  temporaries + code. `parts` splits the arguments into parameters, optimizer state and
-  batch, counted from their shardings. `flops_per_device` is the compiler's
-  (`cost_analysis()`), which counts a loop body once: with scanned layers it is a fraction of
-  the step's; `model_flops_per_step` (train step) is the model's matmul FLOPs
-  (`models/flops.py`, as logged in training).
+  temporaries + code, held against the HBM the compiler can use (`hbm.py`). `parts` splits
+  the arguments into parameters, optimizer state and batch, counted from their shardings.
+  `flops_per_device` is the compiler's (`cost_analysis()`), which counts a loop body once:
+  with scanned layers it is a fraction of the step's; `model_flops_per_step` (train step) is
+  the model's matmul FLOPs (`models/flops.py`, as logged in training). For a program the
+  compiler refused (`refused`: its message), `temp` is the temporaries the refusal names and
+  `arguments` the sum of `parts`; there are no FLOPs.
   """
 
   arguments: int
@@ -104,12 +95,13 @@ class FunctionReport:
   alias: int
   temp: int
   code: int
-  hbm: int
+  hbm: hbm_sizes.Capacity
   flops_per_device: float
   devices: int
   compile_seconds: float
   parts: Mapping[str, int]
   model_flops_per_step: Optional[float] = None
+  refused: Optional[str] = None
 
   @property
   def total(self) -> int:
@@ -117,30 +109,37 @@ class FunctionReport:
 
   @property
   def fits(self) -> bool:
-    return self.total <= self.hbm
-
-  def dominant(self) -> str:
-    """The largest of parameters, optimizer state and activations (temp)."""
-    shares = {**{k: v for k, v in self.parts.items() if k != 'batch'}, 'activations': self.temp}
-    return max(shares, key=shares.get)
+    return self.total <= self.hbm.usable
 
   def as_json(self) -> Dict[str, Any]:
     return {'per_device_bytes': {'arguments': self.arguments, 'outputs': self.outputs,
                                  'aliased': self.alias, 'temp': self.temp, 'code': self.code,
                                  'total': self.total, **{k: v for k, v in self.parts.items()}},
-            'hbm_bytes_per_device': self.hbm, 'fits': self.fits,
-            'flops_per_device': self.flops_per_device,
+            'hbm_bytes_per_device': self.hbm.nominal,
+            'usable_hbm_bytes_per_device': self.hbm.usable, 'fits': self.fits,
+            'refused': self.refused, 'flops_per_device': self.flops_per_device,
             'flops_per_step': self.flops_per_device * self.devices,
             'model_flops_per_step': self.model_flops_per_step,
             'compile_seconds': round(self.compile_seconds, 1)}
 
 
-def compile_report(lowered: jax.stages.Lowered, *, hbm: int, devices: int,
+def compile_report(lowered: jax.stages.Lowered, *, hbm: hbm_sizes.Capacity, devices: int,
                    parts: Mapping[str, int],
                    model_flops_per_step: Optional[float] = None) -> FunctionReport:
-  """Compiles `lowered` and reads the compiler's per-device memory and FLOPs."""
+  """Compiles `lowered` and reads the compiler's per-device memory and FLOPs; a program the
+  compiler refuses for want of HBM is reported with the temporaries its refusal names."""
   start = time.perf_counter()
-  compiled = lowered.compile()
+  try:
+    compiled = lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    first = str(e).strip().splitlines()[0]
+    refused = hbm_sizes.refusal(first) if 'RESOURCE_EXHAUSTED' in first else None
+    if refused is None:
+      raise
+    return FunctionReport(
+        arguments=sum(parts.values()), outputs=0, alias=0, temp=refused[0], code=0, hbm=hbm,
+        flops_per_device=0.0, devices=devices, compile_seconds=time.perf_counter() - start,
+        parts=dict(parts), model_flops_per_step=model_flops_per_step, refused=first)
   seconds = time.perf_counter() - start
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
@@ -153,60 +152,66 @@ def compile_report(lowered: jax.stages.Lowered, *, hbm: int, devices: int,
       compile_seconds=seconds, parts=dict(parts), model_flops_per_step=model_flops_per_step)
 
 
-LEVERS = {
-    'parameters': ("LOGICAL_AXIS_RULES = 'fsdp' (splits every parameter over 'data' too), "
-                   'trainer.TrainConfig.num_model_partitions (shards MLP, heads and vocab) or '
-                   'num_expert_partitions (shards experts)'),
-    'optimizer_state': ("LOGICAL_AXIS_RULES = 'fsdp', trainer.TrainConfig.num_model_partitions "
-                        '/ num_expert_partitions (slots are sharded like their parameters), or '
-                        'a factored optimizer (T5XAdafactor) in place of AdamW'),
-    'activations': ("a smaller BATCH_SIZE or trainer.TrainConfig.num_microbatches, "
-                    "SCAN_LAYERS = True with REMAT_POLICY = 'full'"),
-}
-
-
-def advice(report: FunctionReport) -> str:
-  """One line: by how much `report` fits or not, and what to change when it does not."""
-  margin = (report.hbm - report.total) / GIB
+def advice(report: FunctionReport, settings: levers.Settings,
+           largest_batch: Optional[int] = None) -> str:
+  """One line: by how much `report` fits within the usable HBM or not and, when it does not,
+  what dominates and the levers the run has not set that would shrink it (`levers.py`)."""
+  usable = report.hbm.usable / GIB
+  margin = (report.hbm.usable - report.total) / GIB
   if report.fits:
-    return f'fits, {margin:.2f} GiB to spare'
-  part = report.dominant()
-  return (f'does NOT fit: {-margin:.2f} GiB over; {part.replace("_", " ")} dominate(s) '
-          f'({report.parts.get(part, report.temp) / GIB:.2f} GiB): {LEVERS[part]}')
+    return f'fits, {margin:.2f} GiB to spare of the {usable:.2f} GiB the compiler can use'
+  refused = f' (the compiler refused it: {report.refused})' if report.refused else ''
+  return (f'does NOT fit{refused}: {-margin:.2f} GiB over the {usable:.2f} GiB the compiler '
+          f'can use (of {report.hbm.nominal / GIB:.0f} GiB); ' + levers.summary(
+              settings, parameters=report.parts.get('parameters', 0),
+              optimizer_state=report.parts.get('optimizer_state', 0), temp=report.temp,
+              largest_batch=largest_batch))
 
 
 @dataclasses.dataclass(frozen=True)
 class CompiledRun:
-  """A run compiled for a topology: its mesh, a report per compiled function, and the
-  functions that were not compiled with the one-line reason (e.g. the compiler's
-  RESOURCE_EXHAUSTED, or a restore hook whose checkpoint cannot be read here)."""
+  """A run compiled for a topology: its mesh, the memory levers its config sets, a report
+  per compiled function, the functions that were not compiled with the one-line reason (a
+  restore hook whose checkpoint cannot be read here, a lowering error), and the largest
+  batch found to fit (`--find_batch`)."""
 
   devices: Sequence[jax.Device]
   mesh: jax.sharding.Mesh
   megacore: bool
+  settings: levers.Settings
   reports: Dict[str, FunctionReport]
   not_compiled: Dict[str, str]
+  batch_search: Optional[batch_fit.BatchSearch] = None
+
+  def advice(self) -> Dict[str, str]:
+    """{function: its advice line}; the train step's names the batch found to fit."""
+    found = None if self.batch_search is None else self.batch_search.largest_fitting()
+    return {name: advice(r, self.settings, found if name == 'train_step' else None)
+            for name, r in self.reports.items()}
 
   def describe(self, topology: str) -> Dict[str, Any]:
     """The `--json` document."""
     return {'topology': topology, 'devices': len(self.devices),
             'device_kind': self.devices[0].device_kind, 'megacore': self.megacore,
             'mesh': {name: int(size) for name, size in self.mesh.shape.items()},
+            'levers_set': levers.already_set(self.settings),
             'functions': {k: r.as_json() for k, r in self.reports.items()},
-            'not_compiled': dict(self.not_compiled)}
+            'advice': self.advice(), 'not_compiled': dict(self.not_compiled),
+            'batch_search': None if self.batch_search is None else self.batch_search.as_json()}
 
 
 def table(run: CompiledRun) -> str:
   """The console table of a compiled run (GiB per device)."""
   reports = run.reports
-  head = ('function', 'params', 'opt state', 'args', 'outputs', 'temp', 'total', 'HBM',
+  head = ('function', 'params', 'opt state', 'args', 'outputs', 'temp', 'total', 'usable HBM',
           'TFLOP/dev', 'model TFLOP/step', 'compile s')
   rows = [head]
   for name, r in reports.items():
     model_flops = r.model_flops_per_step
     rows.append((name, *(f'{x / GIB:.2f}' for x in (
         r.parts.get('parameters', 0), r.parts.get('optimizer_state', 0), r.arguments,
-        r.outputs - r.alias, r.temp, r.total, r.hbm)), f'{r.flops_per_device / 1e12:.2f}',
+        r.outputs - r.alias, r.temp, r.total, r.hbm.usable)),
+                 '-' if r.refused else f'{r.flops_per_device / 1e12:.2f}',
                  '-' if model_flops is None else f'{model_flops / 1e12:.1f}',
                  f'{r.compile_seconds:.0f}'))
   widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
@@ -216,9 +221,13 @@ def table(run: CompiledRun) -> str:
   lines.insert(0, f'{len(run.devices)} x {run.devices[0].device_kind} '
                   f'({"megacore: one device per chip" if run.megacore else "one device per core"}'
                   f'), mesh {mesh}')
-  lines.append('(GiB per device; TFLOP/dev: the compiler\'s count, a scanned loop body once)')
-  lines += [f'{name}: {advice(r)}' for name, r in reports.items()]
+  lines.append("(GiB per device; usable HBM: what the TPU compiler can use of the device's; "
+               'TFLOP/dev: the compiler\'s count, a scanned loop body once)')
+  lines.append('levers set: ' + (', '.join(levers.already_set(run.settings)) or 'none'))
+  lines += [f'{name}: {line}' for name, line in run.advice().items()]
   lines += [f'{name}: {reason}' for name, reason in run.not_compiled.items()]
+  if run.batch_search is not None:
+    lines += run.batch_search.lines()
   return '\n'.join(lines)
 
 
@@ -229,9 +238,12 @@ def _batch(spec: Mapping[str, Any], mesh: jax.sharding.Mesh) -> Dict[str, jax.Sh
           for k, (shape, dtype) in spec.items()}
 
 
-def _compile_or_reason(name: str, lower, *, hbm: int, devices: int, parts: Mapping[str, int],
-                       reports: Dict[str, FunctionReport], not_compiled: Dict[str, str],
+def _compile_or_reason(name: str, lower, *, hbm: hbm_sizes.Capacity, devices: int,
+                       parts: Mapping[str, int], reports: Dict[str, FunctionReport],
+                       not_compiled: Dict[str, str],
                        model_flops_per_step: Optional[float] = None) -> None:
+  """Lowers and compiles one function into `reports`, or its one-line reason into
+  `not_compiled`."""
   try:
     lowered = lower()
   except Exception as e:  # pylint: disable=broad-except  (one function's reason; the rest go on)
@@ -247,13 +259,14 @@ def _compile_or_reason(name: str, lower, *, hbm: int, devices: int, parts: Mappi
       raise
     not_compiled[name] = (f'does NOT fit: the TPU compiler refused it ({first}); parameters '
                           f'{parts.get("parameters", 0) / GIB:.2f} GiB, optimizer state '
-                          f'{parts.get("optimizer_state", 0) / GIB:.2f} GiB per device. '
-                          f'Levers: {LEVERS["activations"]}; {LEVERS["parameters"]}.')
+                          f'{parts.get("optimizer_state", 0) / GIB:.2f} GiB per device.')
 
 
 def compile_run(*, objective, optimizer, config, train_data, eval_data=None, initializer=None,
-                devices: Sequence[jax.Device], megacore: bool = True) -> CompiledRun:
-  """Builds the run's trainer over `devices` and compiles its functions (module docstring).
+                devices: Sequence[jax.Device], megacore: bool = True,
+                find_batch: bool = False) -> CompiledRun:
+  """Builds the run's trainer over `devices` and compiles its functions (module docstring);
+  with `find_batch`, the train step at up to two more batch sizes (`batch_fit.py`).
 
   The arguments are `python -m upcycle.train`'s (gin-built); nothing is read from the data,
   nothing is written to the run's directory, and a restore hook reads only its checkpoint's
@@ -262,23 +275,41 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
   from upcycle.train.trainer import Trainer  # pylint: disable=g-import-not-at-top
   trainer = Trainer(objective, optimizer, config, train_data, eval_data, initializer,
                     devices=list(devices))
-  mesh, hbm, n = trainer.mesh, hbm_bytes(devices[0], megacore), len(devices)
+  mesh, n = trainer.mesh, len(devices)
+  hbm = hbm_sizes.capacity(devices[0].device_kind, megacore)
+  settings = levers.read(config=config, model_config=objective.model.config,
+                         optimizer=optimizer, mesh=mesh)
   reports: Dict[str, FunctionReport] = {}
   not_compiled: Dict[str, str] = {}
+  search = None
   with partitioning.activate(mesh, config.logical_axis_rules):
     abstract = trainer.abstract_state(train_data.batch_spec(trainer.host_batch_size))
     state_parts = {'parameters': per_device_bytes(abstract.params),
                    'optimizer_state': per_device_bytes(abstract.opt_state)}
-    batch = _batch(train_data.batch_spec(config.batch_size), mesh)
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, PartitionSpec()))
     train_step = trainer.jit_train_step(jax.tree.map(lambda x: x.sharding, abstract))
-    micro = {k: jax.ShapeDtypeStruct((x.shape[0] // config.num_microbatches,) + x.shape[1:],
-                                     x.dtype) for k, x in batch.items()}
-    _compile_or_reason('train_step', lambda: train_step.lower(abstract, batch, rng), hbm=hbm,
-                       devices=n, parts={**state_parts, 'batch': per_device_bytes(batch)},
-                       reports=reports, not_compiled=not_compiled,
-                       model_flops_per_step=float(objective.train_flops(micro) *
-                                                  config.num_microbatches))
+
+    def compile_train_step(size: int, into: Dict[str, FunctionReport],
+                           reasons: Dict[str, str]) -> None:
+      batch = _batch(train_data.batch_spec(size), mesh)
+      micro = {k: jax.ShapeDtypeStruct((size // config.num_microbatches,) + x.shape[1:],
+                                       x.dtype) for k, x in batch.items()}
+      _compile_or_reason('train_step', lambda: train_step.lower(abstract, batch, rng), hbm=hbm,
+                         devices=n, parts={**state_parts, 'batch': per_device_bytes(batch)},
+                         reports=into, not_compiled=reasons,
+                         model_flops_per_step=float(objective.train_flops(micro) *
+                                                    config.num_microbatches))
+
+    def total_at(size: int) -> Optional[int]:
+      found: Dict[str, FunctionReport] = {}
+      compile_train_step(size, found, {})
+      return found['train_step'].total if found else None
+
+    compile_train_step(config.batch_size, reports, not_compiled)
+    if find_batch and 'train_step' in reports:
+      search = batch_fit.search(total_at, batch=config.batch_size,
+                                total=reports['train_step'].total, usable=hbm.usable,
+                                multiple=settings.batch_multiple())
     if initializer is not None:
       _compile_or_reason('restore_hook', lambda: initializer.lower(abstract, trainer.optimizer, objective.model.config),
                          hbm=hbm, devices=n, parts=state_parts, reports=reports,
@@ -291,4 +322,4 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
           parts={'parameters': state_parts['parameters'],
                  'batch': per_device_bytes(eval_batch)},
           reports=reports, not_compiled=not_compiled)
-  return CompiledRun(list(devices), mesh, megacore, reports, not_compiled)
+  return CompiledRun(list(devices), mesh, megacore, settings, reports, not_compiled, search)

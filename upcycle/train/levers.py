@@ -1,0 +1,148 @@
+"""The memory levers of a run: which it has set, and which of the others would help.
+
+Read from the run's own configuration (model, optimizer, mesh, batch), not from a fixed list:
+a lever already set is named as set and never advised. The rest are advised by what the
+compile says dominates a device's memory:
+
+  activations (temporaries) over parameters + optimizer state: REMAT_POLICY = 'full',
+      SCAN_LAYERS = True, then a smaller BATCH_SIZE (`batch_fit`: the largest that fits);
+  parameters + optimizer state over activations: the most expert partitions the experts and
+      devices allow, LOGICAL_AXIS_RULES = 'fsdp' (when the mesh has a data axis to split
+      over), and a factored optimizer when the state is as large as the parameters or more
+      (full-size second moments: AdamW, or factored = False).
+
+Gradient accumulation (`num_microbatches`) is not advised: it adds a float32 accumulator the
+size of the parameters to the step, and in the fit table it cost memory (T5 XL MoE on a
+v4-32, mesh 1x8x2: 33.09 GiB, 36.68 GiB with 2 microbatches). Compile with it to measure.
+"""
+
+import dataclasses
+import math
+from typing import Any, List, Mapping, Optional
+
+from upcycle.moe.config import MoeConfig
+from upcycle.train import partitioning
+
+GIB = 2 ** 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """What a run has set of the memory levers.
+
+  `mesh`: {'data', 'expert', 'model'} sizes; `num_experts`: the most experts of its MoE
+  blocks (0: dense); `factored`: the optimizer's `factored` field, None where it has none
+  (AdamW: full-size moments; big_vision's Adafactor: always factored).
+  """
+
+  scan_layers: bool
+  remat_policy: str
+  fsdp: bool
+  mesh: Mapping[str, int]
+  num_experts: int
+  optimizer: str
+  factored: Optional[bool]
+  num_microbatches: int
+  batch_size: int
+
+  def most_expert_partitions(self) -> int:
+    """The most expert partitions the experts allow over the devices not in 'model'."""
+    return math.gcd(self.num_experts, self.mesh['data'] * self.mesh['expert'])
+
+  def batch_multiple(self) -> int:
+    """What BATCH_SIZE must be a multiple of: every microbatch split over data x expert."""
+    return self.mesh['data'] * self.mesh['expert'] * self.num_microbatches
+
+
+def read(*, config: Any, model_config: Any, optimizer: Any, mesh: Any) -> Settings:
+  """The settings of a run from its TrainConfig, model config, optimizer config and mesh."""
+  moes = [v for v in vars(model_config).values() if isinstance(v, MoeConfig)]
+  return Settings(
+      scan_layers=bool(getattr(model_config, 'scan_layers', False)),
+      remat_policy=getattr(model_config, 'remat_policy', 'none'),
+      fsdp=tuple(config.logical_axis_rules) == partitioning.RULE_SETS['fsdp'],
+      mesh={name: int(size) for name, size in mesh.shape.items()},
+      num_experts=max((moe.num_experts for moe in moes), default=0),
+      optimizer=type(optimizer).__name__, factored=getattr(optimizer, 'factored', None),
+      num_microbatches=config.num_microbatches, batch_size=config.batch_size)
+
+
+def already_set(s: Settings) -> List[str]:
+  """The levers `s` has set, as the bindings that set them."""
+  out = []
+  if s.scan_layers:
+    out.append('SCAN_LAYERS = True')
+  if s.remat_policy != 'none':
+    out.append(f'REMAT_POLICY = {s.remat_policy!r}')
+  if s.mesh['expert'] > 1:
+    most = s.most_expert_partitions()
+    out.append(f'num_expert_partitions = {s.mesh["expert"]}'
+               + (f' (the most: E = {s.num_experts} over {s.mesh["data"] * s.mesh["expert"]} '
+                  f'devices)' if s.mesh['expert'] == most else ''))
+  if s.mesh['model'] > 1:
+    out.append(f'num_model_partitions = {s.mesh["model"]}')
+  if s.fsdp:
+    out.append("LOGICAL_AXIS_RULES = 'fsdp'")
+  if s.factored:
+    out.append(f'{s.optimizer}.factored = True')
+  if s.num_microbatches > 1:
+    out.append(f'num_microbatches = {s.num_microbatches}')
+  return out
+
+
+def advise(s: Settings, *, parameters: int, optimizer_state: int, temp: int,
+           largest_batch: Optional[int] = None) -> List[str]:
+  """The levers `s` has not set that would shrink what dominates: activations (`temp`) or
+  the state (`parameters` + `optimizer_state`, bytes per device). `largest_batch`: the
+  largest BATCH_SIZE found to fit (`batch_fit`), when searched."""
+  if temp >= parameters + optimizer_state:
+    return _activation_levers(s, largest_batch)
+  return _state_levers(s, parameters, optimizer_state)
+
+
+def _activation_levers(s: Settings, largest_batch: Optional[int]) -> List[str]:
+  out = []
+  if s.remat_policy != 'full':
+    out.append(f"REMAT_POLICY = 'full' (is {s.remat_policy!r}: recompute every block's "
+               f'activations in the backward pass)')
+  if not s.scan_layers:
+    out.append('SCAN_LAYERS = True (the layer stack under nn.scan: with remat, one input per '
+               'layer is kept)')
+  if largest_batch is None:
+    out.append(f'a smaller BATCH_SIZE (is {s.batch_size}; --find_batch predicts the largest '
+               f'that fits)')
+  elif largest_batch == 0:
+    out.append(f'no BATCH_SIZE fits (the smallest, {s.batch_multiple()}, does not)')
+  elif largest_batch != s.batch_size:
+    out.append(f'BATCH_SIZE = {largest_batch} (the largest that fits, from --find_batch)')
+  return out
+
+
+def _state_levers(s: Settings, parameters: int, optimizer_state: int) -> List[str]:
+  out = []
+  most = s.most_expert_partitions()
+  if s.num_experts and s.mesh['expert'] < most:
+    out.append(f'trainer.TrainConfig.num_expert_partitions = {most} (is {s.mesh["expert"]}: '
+               f'the experts split {most} ways)')
+  if not s.fsdp and s.mesh['data'] > 1:
+    out.append(f"LOGICAL_AXIS_RULES = 'fsdp' (parameters and optimizer state split "
+               f"{s.mesh['data']} ways over 'data' too)")
+  if optimizer_state >= parameters and not s.factored:   # full-size second moments
+    out.append(f'{s.optimizer}.factored = True' if s.factored is False else
+               f'a factored optimizer (optimizers.T5XAdafactor, optimizers.Adafactor) in place '
+               f'of {s.optimizer}')
+  return out
+
+
+def summary(s: Settings, *, parameters: int, optimizer_state: int, temp: int,
+            largest_batch: Optional[int] = None) -> str:
+  """What dominates and the levers not set that would shrink it, in one clause."""
+  state = parameters + optimizer_state
+  part = (f'activations (temp {temp / GIB:.2f} GiB) dominate parameters + optimizer state '
+          f'({state / GIB:.2f} GiB)' if temp >= state else
+          f'parameters + optimizer state ({state / GIB:.2f} GiB) dominate activations (temp '
+          f'{temp / GIB:.2f} GiB)')
+  levers = advise(s, parameters=parameters, optimizer_state=optimizer_state, temp=temp,
+                  largest_batch=largest_batch)
+  return (f'{part}; levers not set: {"; ".join(levers)}' if levers else
+          f'{part}; every lever for them is set: a larger slice')
