@@ -29,6 +29,9 @@ setuptools.setup(
         'tensorflow==2.21.0',
         'tensorflow-text==2.21.1',
         'tensorflow-datasets==4.9.10',
+        # TFDS 4.9.10 imports it to prepare any dataset (DatasetBuilder.code_path) but
+        # declares it for Python < 3.9 only.
+        'importlib_resources==7.1.0',
         'tensorboard==2.21.0',
         'scikit-learn==1.9.1',
         # Decoder-only runs: a checkpoint's own tokenizer (tokenizer.json / tokenizer.model)

@@ -13,6 +13,8 @@ r"""Cloud TPU VM lifecycle for upcycle runs: create, set up, train on every work
   python launch/tpu_vm.py status $WHERE                 # running / exit status on each worker
   python launch/tpu_vm.py logs   $WHERE --worker=0      # reattach: follow worker 0's log
   python launch/tpu_vm.py stop   $WHERE
+  python launch/tpu_vm.py eval   $WHERE --run=ev -- --gin_file=... --gin.CHECKPOINT_PATH=...
+  python launch/tpu_vm.py infer  $WHERE --run=dec -- --gin_file=... --gin.CHECKPOINT_PATH=...
   python launch/tpu_vm.py delete $WHERE
 
 Every subcommand takes --dry_run (print every command, run none). Each command is a plain
@@ -24,7 +26,8 @@ to ~/upcycle_logs/<run>.log (and, when MODEL_DIR is gs://, to MODEL_DIR/logs/). 
 --retries `train` returns once the job has started; with --retries it stays and watches the
 slice's state and the job: when the slice is preempted or gone it re-creates it, sets it up
 again and starts the same command, which resumes from the last checkpoint in MODEL_DIR (a path
-every worker shares that outlives the VM: a gs:// bucket).
+every worker shares that outlives the VM: a gs:// bucket). `eval` and `infer` start
+`python -m upcycle.eval` / `upcycle.infer` the same way (no retries), one job over all workers.
 """
 
 import argparse
@@ -208,11 +211,17 @@ def model_dir(train_args: Sequence[str]) -> Optional[str]:
   return None
 
 
+# The verbs that run an entry point on every worker: verb -> python -m module.
+MODULES = {'train': 'upcycle.train', 'eval': 'upcycle.eval', 'infer': 'upcycle.infer'}
+
+
 def start_command(args, train_args: Sequence[str]) -> List[str]:
-  """Starts the training command, detached, on every worker (launch/tpu_job.py)."""
+  """Starts the verb's entry point (`MODULES`), detached, on every worker
+  (launch/tpu_job.py)."""
   if not train_args:
-    raise SystemExit('train: give the training flags after `--`, e.g. '
-                     "-- --gin_file=models/t5_1_1/base.gin --gin.MODEL_DIR=\"'gs://b/run'\"")
+    raise SystemExit(f'{args.verb}: give the flags of python -m {MODULES[args.verb]} after '
+                     "`--`, e.g. -- --gin_file=models/t5_1_1/base.gin "
+                     "--gin.CHECKPOINT_PATH=\"'gs://b/run/checkpoints/1000'\"")
   flags = list(train_args)
   if num_workers(args.accelerator_type) > 1 and not any(
       f.startswith('--multi_host') for f in flags):
@@ -222,7 +231,7 @@ def start_command(args, train_args: Sequence[str]) -> List[str]:
     env['TFDS_DATA_DIR'] = args.tfds_data_dir
   directory = model_dir(train_args) or ''
   return on_workers(args, tpu_job.start(
-      args.run, REMOTE_DIR, ['.venv/bin/python', '-m', 'upcycle.train', *flags], env,
+      args.run, REMOTE_DIR, ['.venv/bin/python', '-m', MODULES[args.verb], *flags], env,
       gcs_log_dir=directory.rstrip('/') + '/logs' if directory.startswith('gs://') else None))
 
 
@@ -418,6 +427,12 @@ def build_parser() -> argparse.ArgumentParser:
                         'preemption, up to this many times')
   run.add_argument('--retry_wait', type=float, default=60.0,
                    help='seconds to wait before replacing a preempted slice')
+  for verb, what in (('eval', 'evaluate a checkpoint'), ('infer', 'decode a split')):
+    one = sub.add_parser(verb, parents=[common, job],
+                         help=f'{what} with every worker (python -m {MODULES[verb]}, flags '
+                              'after --), detached; `status` / `logs` follow it')
+    one.add_argument('--tfds_data_dir', default=None,
+                     help='TFDS_DATA_DIR of the job on every worker')
   status = sub.add_parser('status', parents=[common, job],
                           help="the job's state on every worker and its last log lines")
   status.add_argument('--lines', type=int, default=5, help='log lines per worker')
@@ -451,6 +466,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       shell(command)
   elif args.verb == 'train':
     train(args, train_args, shell)
+  elif args.verb in ('eval', 'infer'):
+    print(f'{args.accelerator_type}: {num_workers(args.accelerator_type)} worker(s) start '
+          f'{args.verb} job {args.run}:', flush=True)
+    shell(start_command(args, train_args))
   elif args.verb == 'status':
     shell(on_workers(args, tpu_job.status(args.run, args.lines)))
   elif args.verb == 'stop':

@@ -75,7 +75,9 @@ def test_infer_writes_jsonl_with_hf_greedy_predictions(byte_vocab_t5, tmp_path, 
     records = [json.loads(line) for line in f]
   assert len(records) == 6
   import torch  # pylint: disable=g-import-not-at-top
-  vocabulary = predictions.target_vocabulary('offline_span_corruption')
+  import seqio  # pylint: disable=g-import-not-at-top
+  vocabulary = seqio.get_mixture_or_task('offline_span_corruption').output_features[
+      'targets'].vocabulary
   for record in records:
     assert set(record) == {'inputs', 'targets', 'prediction', 'score', 'input_tokens',
                            'target_tokens', 'prediction_tokens'}
@@ -94,12 +96,14 @@ def test_eval_sequence_accuracy_counts_exact_matches(byte_vocab_t5):
   from upcycle.data.text import TextPipeline  # pylint: disable=g-import-not-at-top
   from upcycle.decoding import DecodeConfig  # pylint: disable=g-import-not-at-top
   from upcycle.models import T5  # pylint: disable=g-import-not-at-top
+  from upcycle.train import partitioning  # pylint: disable=g-import-not-at-top
   params, config = pretrained.load_hf(byte_vocab_t5[0])
   pipeline = TextPipeline('offline_span_corruption', 'validation',
                           {'inputs': 32, 'targets': 8}, pack=False, shuffle=False)
-  result = predictions.sequence_accuracy(T5(config), params, pipeline, DecodeConfig(),
-                                       batch_size=3, max_batches=2, seed=0)
-  assert result['decoded_examples'] == 6
+  records, result = predictions.decoded_split(
+      T5(config), params, pipeline, DecodeConfig(), batch_size=3, mesh=partitioning.make_mesh(),
+      max_batches=2, seed=0)
+  assert result['decoded_examples'] == len(records) == 6
   assert result['sequence_accuracy'] == 0.0   # a random model reproduces no span
 
 
@@ -129,8 +133,13 @@ def test_gs_outputs_of_infer_and_eval_land_on_gcs(byte_vocab_t5, main_module, on
   results = gin_utils.run(eval_main.evaluate, run_argv(
       'eval', directory, "--gin.EVAL_OUTPUT_DIR='gs://bucket/eval'",
       '--gin.BATCH_SIZE=8', '--gin.upcycle.eval.evaluate.eval_batches=1',
-      '--gin.EVAL_DECODE_BATCHES=1'), 'test')
+      '--gin.EVAL_DECODE_BATCHES=1',
+      '--gin.upcycle.eval.evaluate.tensorboard=False'), 'test')   # TF's GCS: not the emulator
   assert json.loads(_gcs_object(on_gcs, 'gs://bucket/eval/eval_results.json')) == results
+  (row,) = [json.loads(line) for line in _gcs_object(
+      on_gcs, 'gs://bucket/eval/metrics.jsonl').decode().splitlines()]
+  assert row == {'step': 0, 'split': 'eval', **{
+      k: v for k, v in results.items() if k not in ('checkpoint', 'format', 'step')}}
   assert results['decoded_examples'] == 8
   assert os.listdir(tmp_path) == []   # nothing written locally
 

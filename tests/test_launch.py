@@ -66,6 +66,20 @@ def test_train_runs_one_command_on_every_worker_at_once(capsys):
       '>>', '$HOME/upcycle_logs/moe.log']
 
 
+@pytest.mark.parametrize('verb,module', [('eval', 'upcycle.eval'), ('infer', 'upcycle.infer')])
+def test_eval_and_infer_run_one_command_on_every_worker_at_once(capsys, verb, module):
+  flags = ['--gin_file=models/t5_1_1/base.gin', f'--gin_file=runs/{verb}.gin',
+           "--gin.CHECKPOINT_PATH='gs://bucket/run/checkpoints/1000'"]
+  (ssh,) = commands(capsys, verb, *WHERE, '--accelerator_type=v4-32', '--run=ev', '--dry_run',
+                    '--', *flags)
+  assert '--worker=all' in ssh
+  remote = shlex.split(next(a for a in ssh if a.startswith('--command='))[len('--command='):])
+  start = remote.index('.venv/bin/python')
+  assert remote[start:start + 4 + len(flags)] == ['.venv/bin/python', '-m', module, *flags,
+                                                   '--multi_host=yes']
+  assert '$HOME/upcycle_logs/ev.log' in remote
+
+
 def test_train_with_retries_shows_how_a_preempted_vm_is_replaced(capsys):
   run = commands(capsys, 'train', *WHERE, '--accelerator_type=v4-32', '--spot', '--retries=2',
                  '--git_url=https://example.org/upcycle.git', '--git_ref=v1', '--dry_run', '--',

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 from etils import epath
 import jax
 
-from upcycle import fields, gin_utils, predictions
+from upcycle import fields, gin_utils, predictions, task_metrics
 
 
 def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size: int,
@@ -25,34 +25,39 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
              decode_data: Optional[Any] = None, decoding: Optional[Any] = None,
              decode_batches: int = 0,
              num_expert_partitions: int = 1, num_model_partitions: int = 1,
-             output_dir: Optional[str] = None, seed: int = 0) -> dict:
+             output_dir: Optional[str] = None, tensorboard: bool = True,
+             seed: int = 0) -> dict:
   """Evaluates `checkpoint_path` with `objective`'s model; returns (and prints) the metrics.
 
   `decode_data` (an unpacked seq2seq split; None: skip) adds `sequence_accuracy` from decoded
   outputs (`decoding`, an `upcycle.decoding.DecodeConfig`; None: greedy) over at most
-  `decode_batches` batches (0: all) and `decoded_examples`, their number.
+  `decode_batches` batches (0: all), `decoded_examples`, their number, and the metrics of the
+  task's own `metric_fns` ('<task>/<metric>', `upcycle.task_metrics`).
+
+  Every process of a slice runs it (`launch/tpu_vm.py eval`); the numbers are those of one
+  process. With `output_dir`, process 0 writes eval_results.json, appends a row to
+  metrics.jsonl and, with `tensorboard`, writes TensorBoard scalars (tensorboard/eval), at the
+  checkpoint's step.
   """
   # pylint: disable=g-import-not-at-top
   from upcycle import decoding as decoding_lib
+  from upcycle import families
   from upcycle import pretrained
   from upcycle.train import evaluation, partitioning
-  from upcycle.train.objectives import init_params
   from upcycle.train.step import make_eval_step
+  from upcycle.upcycling import sharded
   # pylint: enable=g-import-not-at-top
   fields.integer_value('BATCH_SIZE (eval_script.evaluate.batch_size)', batch_size, 1)
   if output_dir:
     fields.directory('EVAL_OUTPUT_DIR (eval_script.evaluate.output_dir)', output_dir)
   checkpoint = pretrained.load(checkpoint_path, format, model_config=objective.model.config,
-                               with_optimizer_state=False)
+                               lazy=True, with_optimizer_state=False)
   mesh = partitioning.make_mesh(num_expert_partitions, num_model_partitions)
   host_batch = batch_size // jax.process_count()
+  shardings = partitioning.logical_sharding(
+      families.logical_params(objective.model.config), mesh)
+  params = jax.tree.map(sharded.read, checkpoint.params, shardings)
   with partitioning.activate(mesh):
-    example = next(iter(evaluation.host_batches(eval_data, host_batch, 1, seed)))
-    boxed = jax.eval_shape(lambda: init_params(objective, jax.random.PRNGKey(0), example))
-    shardings = partitioning.logical_sharding(boxed, mesh)
-    params = jax.tree.map(
-        lambda leaf, s: jax.make_array_from_callback(leaf.shape, s, lambda i: leaf[i]),
-        checkpoint.params, shardings)
     results = evaluation.evaluate(jax.jit(make_eval_step(objective)), params, eval_data,
                                   batch_size=host_batch, mesh=mesh, max_batches=eval_batches,
                                   seed=seed)
@@ -61,17 +66,53 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
           objective, params, fewshot_train_data, eval_data, batch_size=host_batch, mesh=mesh,
           shots=fewshot_shots, l2_reg=fewshot_l2_reg, max_batches=eval_batches, seed=seed))
   if decode_data is not None:
-    results.update(predictions.sequence_accuracy(
-        objective.model, params, decode_data, decoding or decoding_lib.DecodeConfig(),
-        batch_size=host_batch, max_batches=decode_batches, seed=seed))
+    results.update(_decoded_metrics(
+        objective, params, decode_data, decoding or decoding_lib.DecodeConfig(),
+        batch_size=batch_size, mesh=mesh, max_batches=decode_batches, seed=seed))
   results = {'checkpoint': os.fspath(checkpoint_path), 'format': checkpoint.format,
              'step': checkpoint.step, **results}
   print(json.dumps(results, indent=2), flush=True)
   if output_dir and jax.process_index() == 0:
-    directory = epath.Path(output_dir)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / 'eval_results.json').write_text(json.dumps(results, indent=2))
+    _write(epath.Path(output_dir), results, tensorboard=tensorboard)
   return results
+
+
+def _decoded_metrics(objective: Any, params: Any, pipeline: Any, decoding: Any, *,
+                     batch_size: int, mesh: Any, max_batches: int, seed: int) -> dict:
+  """Sequence accuracy and the task's own metrics (`upcycle.task_metrics`) of `pipeline`'s
+  decoded examples; its score metrics, if it has any, from the targets' log-likelihoods."""
+  records, results = predictions.decoded_split(
+      objective.model, params, pipeline, decoding, batch_size=batch_size, mesh=mesh,
+      max_batches=max_batches, seed=seed)
+  task = pipeline.seqio_task()
+  results.update(task_metrics.predict_metrics(task, records))
+  if task.score_metric_fns:
+    scores = predictions.target_scores(objective, params, pipeline, batch_size=batch_size,
+                                       mesh=mesh, max_batches=max_batches, seed=seed)
+    results.update(task_metrics.score_metrics(task, records, scores))
+  return results
+
+
+def _write(directory: epath.Path, results: dict, *, tensorboard: bool) -> None:
+  """eval_results.json (this evaluation), a row of metrics.jsonl ({'step', 'split': 'eval',
+  metrics...}, one per evaluation, appended) and, with `tensorboard`, TensorBoard scalars
+  (tensorboard/eval) in `directory`, local or gs://."""
+  directory.mkdir(parents=True, exist_ok=True)
+  (directory / 'eval_results.json').write_text(json.dumps(results, indent=2))
+  step = int(results['step'] or 0)
+  scalars = {k: v for k, v in results.items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != 'step'}
+  log = directory / 'metrics.jsonl'
+  before = log.read_text() if log.exists() else ''
+  log.write_text(before + json.dumps({'step': step, 'split': 'eval', **scalars}) + '\n')
+  if not tensorboard:
+    return
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top  (the data pipelines load it)
+  writer = tf.summary.create_file_writer(os.fspath(directory / 'tensorboard' / 'eval'))
+  with writer.as_default(step=step):
+    for name, value in scalars.items():
+      tf.summary.scalar(name, value)
+  writer.close()
 
 
 def main(argv) -> dict:

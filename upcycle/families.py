@@ -147,8 +147,9 @@ def named(name: Optional[str]) -> Family:
                    f'{[f.name for f in FAMILIES]}.')
 
 
-def abstract_params(config: Any) -> Dict[str, Any]:
-  """A model config -> nested dict of `jax.ShapeDtypeStruct`, boxes opened; nothing computed.
+def logical_params(config: Any) -> Dict[str, Any]:
+  """A model config -> its parameters as `jax.ShapeDtypeStruct`s in their logical-axis boxes
+  (`nn.LogicallyPartitioned`, what `partitioning.logical_sharding` reads); nothing computed.
 
   Safe under an active mesh with logical axis rules (no sharding constraint is applied to
   the abstract values).
@@ -156,7 +157,12 @@ def abstract_params(config: Any) -> Dict[str, Any]:
   family = of(config)
   init = lambda: family.module(config).init({'params': jax.random.key(0)},
                                             *family.example_inputs(config))
-  return tree.unbox(jax.eval_shape(init))['params']
+  return jax.eval_shape(init)['params']
+
+
+def abstract_params(config: Any) -> Dict[str, Any]:
+  """A model config -> nested dict of `jax.ShapeDtypeStruct`, boxes opened."""
+  return tree.unbox(logical_params(config))
 
 
 def config_from_description(description: Mapping[str, Any]) -> Any:

@@ -23,12 +23,13 @@ one's partial file is removed by the next. Gin files bind `infer_script.infer`
 (`import __main__ as infer_script`); see configs/runs/infer.gin and llm_infer.gin.
 """
 
+import contextlib
 import json
 import logging
 import os
 import secrets
 import sys
-from typing import Any, Optional
+from typing import IO, Any, Iterator, Optional
 
 from etils import epath
 import jax
@@ -60,8 +61,14 @@ def output_name(task: str, step: int, decoding: Any, seed: int) -> str:
 def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
           batch_size: int, decoding: Any, max_decode_length: Optional[int] = None,
           format: Optional[str] = None,  # pylint: disable=redefined-builtin
-          max_batches: int = 0, seed: int = 0) -> str:
+          max_batches: int = 0, num_expert_partitions: int = 1, num_model_partitions: int = 1,
+          seed: int = 0) -> str:
   """Decodes `infer_data` with the checkpoint; returns the path of the JSONL written.
+
+  Every process of a slice runs it (`launch/tpu_vm.py infer`): the parameters are placed on
+  the mesh of all devices, each process reading only its blocks, every batch is decoded by
+  all of them (`upcycle.predictions`), and process 0 writes the one file, the rows and order
+  a single process writes.
 
   Args:
     model: the `T5` or decoder-only `Llama` the checkpoint fits (gin: %MODEL).
@@ -74,13 +81,16 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
       for prompts, as many as a prompt may hold).
     format: checkpoint format (None: detected).
     max_batches: stop after this many batches (0: the whole split).
+    num_expert_partitions: devices the expert axis is split over (as in training).
+    num_model_partitions: devices the model axis (MLP, heads, vocabulary) is split over.
     seed: data order and sampling randomness.
   """
   # pylint: disable=g-import-not-at-top
-  from upcycle import checkpoints
   from upcycle import families
   from upcycle import pretrained
   from upcycle.data.prompts import Prompts
+  from upcycle.train import partitioning
+  from upcycle.upcycling import sharded
   # pylint: enable=g-import-not-at-top
   if getattr(infer_data, 'pack', False):
     raise ValueError('infer_data: decoding needs one example per row; bind '
@@ -104,32 +114,46 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
                                with_optimizer_state=False)
   path = epath.Path(output_dir) / 'inference' / output_name(
       predictions.source_name(infer_data), checkpoint.step or 0, decoding, seed)
-  if jax.process_index() != 0:   # every worker of a slice runs the command; one decodes
-    return os.fspath(path)
+  mesh = partitioning.make_mesh(num_expert_partitions, num_model_partitions)
+  shardings = partitioning.logical_sharding(families.logical_params(model.config), mesh)
+  writer = jax.process_index() == 0
+  with _output(path, writer) as f:
+    params = jax.tree.map(sharded.read, checkpoint.params, shardings)
+    done = progress.Progress('infer', 'examples', total=predictions.expected_examples(
+        infer_data, batch_size=batch_size, max_batches=max_batches))
+    for records in predictions.batch_records(
+        model, params, infer_data, decoding,
+        max_decode_length=max_decode_length or infer_data.feature_lengths['targets'],
+        batch_size=batch_size, mesh=mesh, max_batches=max_batches, seed=seed):
+      if writer:
+        f.writelines(json.dumps(record) + '\n' for record in records)
+      done.update(len(records))
+  done.finish()
+  if writer:
+    print(f'Wrote {done.done} predictions ({decoding.method}) of checkpoint {checkpoint_path} '
+          f'(step {checkpoint.step}) to {path}', flush=True)
+  return os.fspath(path)
+
+
+@contextlib.contextmanager
+def _output(path: epath.Path, writer: bool) -> Iterator[Optional[IO[str]]]:
+  """The JSONL being written, on the process that writes it (None on the others): `path`'s
+  lock held, the partial files of killed decodes removed, a partial file of its own renamed
+  to `path` when the decode completes and removed when it fails."""
+  if not writer:
+    yield None
+    return
   with output_lock.hold(os.fspath(path), 'decode', 'wait for it to finish, or decode into '
                         'another MODEL_DIR.'):
     _remove_killed(path)
-    params = jax.tree.map(jax.numpy.asarray, checkpoints.materialize(checkpoint.params))
-    done = progress.Progress('infer', 'examples', total=predictions.expected_examples(
-        infer_data, batch_size=batch_size, max_batches=max_batches))
     partial = path.parent / f'{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}'
     try:
       with partial.open('w') as f:
-        for records in predictions.batch_records(
-            model, params, infer_data, decoding,
-            max_decode_length=max_decode_length or infer_data.feature_lengths['targets'],
-            batch_size=batch_size, max_batches=max_batches, seed=seed):
-          for record in records:
-            f.write(json.dumps(record) + '\n')
-          done.update(len(records))
+        yield f
     except BaseException:
       partial.unlink(missing_ok=True)
       raise
     partial.replace(path)
-  done.finish()
-  print(f'Wrote {done.done} predictions ({decoding.method}) of checkpoint {checkpoint_path} '
-        f'(step {checkpoint.step}) to {path}', flush=True)
-  return os.fspath(path)
 
 
 def _remove_killed(path: epath.Path) -> None:

@@ -1,22 +1,67 @@
 """Decoding batch by batch (`python -m upcycle.infer`, `python -m upcycle.eval`): a task
 split's examples with a T5, or prompts continued by a decoder-only Llama; each batch's tokens
-and scores, one JSON-ready record per example, sequence accuracy."""
+and scores, one JSON-ready record per example, sequence accuracy.
+
+Over a slice, every process runs the same loop: each reads the split whole, in the same order
+(reading is cheap next to decoding), and feeds its devices their rows of each batch; the mesh
+decodes the batch as one program (parameters placed by their logical axes, the batch split
+over ('expert', 'data')) and every process gets the whole batch's tokens back. So a slice's
+output has the rows, in the order, that one process writes (T5X's infer shards by process
+and merges by index to the same end).
+"""
 
 import dataclasses
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import jax
+from jax.experimental import multihost_utils
+import jax.numpy as jnp
+from jax.sharding import Mesh
 import numpy as np
 
 from upcycle import decoding as decoding_lib
 from upcycle.data.prompts import Prompts
+from upcycle.train import partitioning
 
 Predictions = Tuple[Dict[str, np.ndarray], np.ndarray, np.ndarray]
 
 
-def decoded_batches(decode_fn, params: Any, pipeline: Any, *, batch_size: int,
+def padded_rows(batch_size: int, mesh: Mesh) -> int:
+  """Rows of a decoded batch: `batch_size` rounded up to a multiple of the devices a batch is
+  split over (the extra rows are padding, cut off again)."""
+  ways = mesh.shape['data'] * mesh.shape['expert']
+  return -(-batch_size // ways) * ways
+
+
+def _global(rows: np.ndarray, mesh: Mesh) -> jax.Array:
+  """A batch every process holds whole `[rows, ...]` -> one array over the mesh, each device
+  given its rows."""
+  return jax.make_array_from_callback(rows.shape, partitioning.batch_sharding(mesh, rows.ndim),
+                                      lambda index: rows[index])
+
+
+def _fetched(x: jax.Array) -> np.ndarray:
+  """The whole value of an array of the mesh, on every process."""
+  if x.is_fully_addressable:
+    return np.asarray(x)
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _decode(decode_fn, params: Any, inputs: Tuple[np.ndarray, ...], rng: jax.Array, *,
+            mesh: Mesh) -> Tuple[np.ndarray, np.ndarray]:
+  """`decode_fn(params, *inputs, rng)` on the mesh, inputs `[rows, ...]` padded to
+  `padded_rows`; (tokens, scores) as numpy, whole on every process."""
+  rows = padded_rows(inputs[0].shape[0], mesh)
+  padded = [_global(x, mesh) for x in _padded(dict(enumerate(inputs)), rows).values()]
+  with partitioning.activate(mesh):
+    tokens, scores = decode_fn(params, *padded, rng)
+  return _fetched(tokens), _fetched(scores)
+
+
+def decoded_batches(decode_fn, params: Any, pipeline: Any, *, batch_size: int, mesh: Mesh,
                     max_batches: int = 0, seed: int = 0) -> Iterator[Predictions]:
-  """(batch, tokens `[n, max_length]`, scores `[n]`) for each batch of `pipeline`, in order.
+  """(batch, tokens `[n, max_length]`, scores `[n]`) for each batch of `pipeline`, in order,
+  on every process (`params` placed on `mesh`).
 
   Every example is decoded once: the last partial batch is padded to `batch_size` (one
   compiled shape) and the padding cut off again, so `n <= batch_size`.
@@ -30,17 +75,17 @@ def decoded_batches(decode_fn, params: Any, pipeline: Any, *, batch_size: int,
       return
     n = batch['encoder_input_tokens'].shape[0]
     inputs = np.pad(batch['encoder_input_tokens'], ((0, batch_size - n), (0, 0)))
-    tokens, scores = decode_fn(params, inputs, jax.random.fold_in(rng, i))
-    yield batch, np.asarray(tokens)[:n], np.asarray(scores)[:n]
+    tokens, scores = _decode(decode_fn, params, (inputs,), jax.random.fold_in(rng, i),
+                             mesh=mesh)
+    yield batch, tokens[:n], scores[:n]
 
 
-def target_vocabulary(task: str) -> Optional[Any]:
-  """The seqio vocabulary of `task`'s 'targets' feature, or None if it has none."""
-  import seqio  # pylint: disable=g-import-not-at-top
-  from upcycle.data import tasks  # pylint: disable=g-import-not-at-top,unused-import  (registers)
+def target_vocabulary(pipeline: Any) -> Optional[Any]:
+  """The seqio vocabulary of the 'targets' feature of `pipeline`'s task, or None if it has
+  none."""
   try:
-    return seqio.get_mixture_or_task(task).output_features['targets'].vocabulary
-  except (ValueError, KeyError):
+    return pipeline.seqio_task().output_features['targets'].vocabulary
+  except KeyError:
     return None
 
 
@@ -87,19 +132,22 @@ def source_name(pipeline: Any) -> str:
 
 
 def continued_prompts(decode_fn, params: Any, prompts: Prompts, *, batch_size: int,
-                      max_batches: int = 0, seed: int = 0) -> Iterator[Predictions]:
+                      mesh: Mesh, max_batches: int = 0, seed: int = 0) -> Iterator[Predictions]:
   """(batch, continuations `[n, max_decode_length]`, scores `[n]`) for each batch of
-  `prompts`, in order, decoded by `decoding.llama.make_decode_fn`'s function. The last partial
-  batch is padded with empty rows to `batch_size` (one compiled shape) and cut again."""
+  `prompts`, in order, decoded by `decoding.llama.make_decode_fn`'s function on `mesh`. The
+  last partial batch is padded with empty rows to `batch_size` (one compiled shape) and cut
+  again."""
   rng = jax.random.PRNGKey(seed)
   for i, batch in enumerate(prompts.batches(batch_size)):
     if max_batches and i >= max_batches:
       return
     n = len(batch['prompt'])
     padding = ((0, batch_size - n), (0, 0))
-    tokens, scores = decode_fn(params, np.pad(batch['prompt_tokens'], padding),
-                               np.pad(batch['prompt_mask'], padding), jax.random.fold_in(rng, i))
-    yield batch, np.asarray(tokens)[:n], np.asarray(scores)[:n]
+    tokens, scores = _decode(
+        decode_fn, params, (np.pad(batch['prompt_tokens'], padding),
+                            np.pad(batch['prompt_mask'], padding)),
+        jax.random.fold_in(rng, i), mesh=mesh)
+    yield batch, tokens[:n], scores[:n]
 
 
 def through_eos(tokens: np.ndarray, eos_id: int) -> List[int]:
@@ -123,7 +171,7 @@ def continuation_records(batch: Dict[str, Any], tokens: np.ndarray, scores: np.n
 
 
 def batch_records(model: Any, params: Any, pipeline: Any, decoding: Any, *,
-                  max_decode_length: int, batch_size: int, max_batches: int,
+                  max_decode_length: int, batch_size: int, mesh: Mesh, max_batches: int,
                   seed: int) -> Iterator[List[Dict[str, Any]]]:
   """The records of each decoded batch, in order: a task split's examples decoded by a T5
   (`pipeline` a `TextPipeline`), or prompts continued by a decoder-only Llama (a `Prompts`;
@@ -133,24 +181,64 @@ def batch_records(model: Any, params: Any, pipeline: Any, decoding: Any, *,
     decode_fn = decoding_lib.llama.make_decode_fn(
         model, dataclasses.replace(decoding, eos_id=tokenizer.eos_id), max_decode_length)
     for batch, tokens, scores in continued_prompts(
-        decode_fn, params, pipeline, batch_size=batch_size, max_batches=max_batches, seed=seed):
+        decode_fn, params, pipeline, batch_size=batch_size, mesh=mesh, max_batches=max_batches,
+        seed=seed):
       yield list(continuation_records(batch, tokens, scores, tokenizer))
     return
   decode_fn = decoding_lib.make_decode_fn(model, decoding, max_decode_length)
-  vocabulary = target_vocabulary(pipeline.task)
+  vocabulary = target_vocabulary(pipeline)
   for batch, tokens, scores in decoded_batches(
-      decode_fn, params, pipeline, batch_size=batch_size, max_batches=max_batches, seed=seed):
+      decode_fn, params, pipeline, batch_size=batch_size, mesh=mesh, max_batches=max_batches,
+      seed=seed):
     yield list(example_records(batch, tokens, scores, vocabulary))
 
 
-def sequence_accuracy(model: Any, params: Any, pipeline: Any, decoding: Any, *,
-                      batch_size: int, max_batches: int, seed: int) -> dict:
-  """Fraction of `pipeline`'s examples whose decoded targets equal the reference exactly
-  (T5's sequence accuracy, on token ids), and how many examples were decoded."""
+def decoded_split(model: Any, params: Any, pipeline: Any, decoding: Any, *, batch_size: int,
+                  mesh: Mesh, max_batches: int, seed: int) -> Tuple[List[Dict[str, Any]], dict]:
+  """`pipeline`'s examples decoded (at most `max_batches` batches): their records
+  (`example_records`) and {'sequence_accuracy': the fraction whose decoded targets equal the
+  reference exactly (T5's, on token ids), 'decoded_examples': their number}."""
   decode_fn = decoding_lib.make_decode_fn(model, decoding, pipeline.feature_lengths['targets'])
-  matches = [np.asarray(decoding_lib.exact_match(tokens, batch['decoder_target_tokens']))
-             for batch, tokens, _ in decoded_batches(
-                 decode_fn, params, pipeline, batch_size=batch_size, max_batches=max_batches,
-                 seed=seed)]
+  vocabulary = target_vocabulary(pipeline)
+  records, matches = [], []
+  for batch, tokens, scores in decoded_batches(
+      decode_fn, params, pipeline, batch_size=batch_size, mesh=mesh, max_batches=max_batches,
+      seed=seed):
+    matches.append(np.asarray(decoding_lib.exact_match(tokens, batch['decoder_target_tokens'])))
+    records.extend(example_records(batch, tokens, scores, vocabulary))
   matches = np.concatenate(matches)
-  return {'sequence_accuracy': float(matches.mean()), 'decoded_examples': int(matches.size)}
+  return records, {'sequence_accuracy': float(matches.mean()),
+                   'decoded_examples': int(matches.size)}
+
+
+def _padded(batch: Dict[str, np.ndarray], rows: int) -> Dict[str, np.ndarray]:
+  return {k: np.pad(v, [(0, rows - v.shape[0])] + [(0, 0)] * (v.ndim - 1))
+          for k, v in batch.items()}
+
+
+def target_scores(objective: Any, params: Any, pipeline: Any, *, batch_size: int, mesh: Mesh,
+                  max_batches: int, seed: int) -> np.ndarray:
+  """`[examples]`: each example's log-likelihood of its targets, the sum of log p(token) over
+  its target tokens with the reference fed back (T5X's `score_batch`), in the order
+  `decoded_batches` gives the examples of `pipeline` (an unpacked split)."""
+  from upcycle.data.iterator import DataIterator  # pylint: disable=g-import-not-at-top
+
+  @jax.jit
+  def score(params, batch):
+    logits, _ = objective.apply(params, batch, train=False)
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
+    targets = batch['decoder_target_tokens']
+    token = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum(token * batch['decoder_loss_weights'], axis=-1)
+
+  iterator = DataIterator(pipeline, batch_size=batch_size, seed=seed, num_epochs=1,
+                          drop_remainder=False)
+  rows, scores = padded_rows(batch_size, mesh), []
+  for i, batch in enumerate(iterator):
+    if max_batches and i >= max_batches:
+      break
+    n = batch['decoder_target_tokens'].shape[0]
+    inputs = {k: _global(v, mesh) for k, v in _padded(batch, rows).items()}
+    with partitioning.activate(mesh):
+      scores.append(_fetched(score(params, inputs))[:n])
+  return np.concatenate(scores)

@@ -74,12 +74,13 @@ def test_a_gin_order_that_picks_c4_names_the_task_and_where_it_reads(tmp_path):
   done = subprocess.run(command, cwd=REPO, env={**ENV, 'TFDS_DATA_DIR': str(tmp_path / 'tfds')},
                         capture_output=True, text=True, timeout=300)
   assert done.returncode == 1
-  error = _stderr_lines(done)[0]
+  error = _stderr_lines(done)[-1]   # after TFDS's own Beam warning
   assert error.startswith(f'error: task c4_span_corruption reads TFDS c4/en:3.1.0 from '
                           f'TFDS_DATA_DIR={tmp_path}/tfds, which failed to load ('), error
   assert error.endswith(
-      f'Fix: prepare it there (tfds build c4/en:3.1.0 --data_dir={tmp_path}/tfds) or pass '
-      f"--tfds_data_dir=<where it is prepared>; or use the offline task "
+      f'Fix: it is built with Apache Beam (`tfds build c4/en:3.1.0 --data_dir={tmp_path}/tfds` '
+      "where apache-beam and TFDS's extras for c4 are installed; C4 downloads ~7 TB of Common "
+      f"Crawl), or pass --tfds_data_dir=<where it is prepared>; or use the offline task "
       f"'offline_span_corruption' (--gin.MIXTURE_OR_TASK_NAME=\"'offline_span_corruption'\", "
       f'or --gin_file=data/offline_span_corruption.gin after the runs/ file: the last gin file '
       f'that sets MIXTURE_OR_TASK_NAME decides the task).')

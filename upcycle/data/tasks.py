@@ -1,36 +1,49 @@
 """Registered seqio span-corruption tasks.
 
-- `c4_span_corruption`: T5's pretraining task, TFDS `c4/en:3.1.0` with the 32k T5 SentencePiece
-  vocabulary (100 extra ids), for real runs. T5 named `c4/en:3.0.1`; the pinned TFDS builds only
-  3.1.0 (the same documents, with `content-type`/`content-length` fields added), and the task
-  reads only `text`. Re-register with another vocabulary path or TFDS data
-  dir by calling `add_c4_span_corruption(...)` from the entry point.
+- T5's C4 pretraining objective, one task per name of `C4_TASKS`, with the 32k T5
+  SentencePiece vocabulary (100 extra ids), for real runs: `c4_v220_span_corruption` is T5's
+  and T5X's name (t5.data.tasks, TFDS `c4/en:2.2.0`, which the pinned TFDS reads but no longer
+  builds), `c4_span_corruption` this project's, on `c4/en:3.1.0`, the version the pinned TFDS
+  builds (the same documents, with `content-type`/`content-length` fields added; the task
+  reads only `text`). Re-register one with another vocabulary path or TFDS data dir by calling
+  `add_c4_span_corruption(...)` from the entry point.
 - `offline_span_corruption` (default): the same objective over the Python documentation
   (`offline_text`, 'pydoc') with `seqio.ByteVocabulary(extra_ids=100)`; needs no download.
 - `offline_stdlib_span_corruption`: the same over the standard library's source (`offline_text`,
   'stdlib', ~25x larger), for runs that must not repeat their data.
 
-Both have 'train' and 'validation' splits and features `inputs`/`targets` (int32, EOS added).
+The span-corruption tasks have 'train' and 'validation' splits and features `inputs`/`targets`
+(int32, EOS added).
 
 Text tasks, for decoder-only language models (`upcycle.data.lm` tokenizes them with the run's
 tokenizer): `offline_stdlib_text` and `offline_pydoc_text`, the two offline corpora's
 documents under `text`, untokenized. Registration is lazy: nothing is read until a dataset is
 requested.
+
+Tasks of your own: a module that registers them, named by T5X's `MIXTURE_OR_TASK_MODULE`, is
+imported before the task is looked up (`get_task`).
 """
 
 import functools
-from typing import Mapping, Optional
+import importlib
+from typing import Mapping, Optional, Union
 
 import seqio
 
+from upcycle import fields
 from upcycle.data import offline_text
 from upcycle.data import span_corruption
 
+# T5's C4 span-corruption tasks (t5/data/tasks.py) and this project's: name -> TFDS name:version.
+C4_TASKS = {
+    'c4_v220_span_corruption': 'c4/en:2.2.0',
+    'c4_span_corruption': 'c4/en:3.1.0',
+}
 C4_TASK = 'c4_span_corruption'
 OFFLINE_TASK = 'offline_span_corruption'
 OFFLINE_STDLIB_TASK = 'offline_stdlib_span_corruption'
 OFFLINE_TEXT_TASKS = {'offline_stdlib_text': 'stdlib', 'offline_pydoc_text': 'pydoc'}
-C4_TFDS_NAME = 'c4/en:3.1.0'
+C4_TFDS_NAME = C4_TASKS[C4_TASK]
 T5_VOCABULARY_PATH = 'gs://t5-data/vocabs/cc_all.32000/sentencepiece.model'
 EXTRA_IDS = 100
 SPLITS = ('train', 'validation')
@@ -113,7 +126,43 @@ def add_offline_text_task(name: str, corpus: str) -> seqio.Task:
   return seqio.TaskRegistry.add(name, source=source, output_features={})
 
 
-add_c4_span_corruption()
+def import_task_module(module: Optional[str], *, binding: str) -> None:
+  """Imports `module` (T5X's MIXTURE_OR_TASK_MODULE), which registers its tasks; None: none.
+
+  A module that fails to import is a `fields.ConfigError` naming `binding` and the module.
+  """
+  if not module:
+    return
+  try:
+    importlib.import_module(module)
+  except Exception as e:  # pylint: disable=broad-except  (a user's module fails many ways)
+    lines = str(e).strip().splitlines()
+    cause = f'{type(e).__name__}: {lines[-1]}' if lines else type(e).__name__
+    raise fields.ConfigError(
+        f'{binding} = {module!r} (MIXTURE_OR_TASK_MODULE): importing it failed ({cause}). Fix: '
+        'name a module on the Python path that registers your seqio tasks, or None.') from e
+
+
+def get_task(name: str, *, module: Optional[str], task_binding: str,
+             module_binding: str) -> Union[seqio.Task, seqio.Mixture]:
+  """The seqio task or mixture `name`, after importing `module` (`import_task_module`).
+
+  A name nothing registered is a `fields.ConfigError` naming `task_binding` and the way to
+  register one.
+  """
+  import_task_module(module, binding=module_binding)
+  try:
+    return seqio.get_mixture_or_task(name)
+  except ValueError:
+    known = sorted(seqio.TaskRegistry.names())[:20]
+    raise fields.ConfigError(
+        f'{task_binding} = {name!r} (MIXTURE_OR_TASK_NAME): not a registered seqio task or '
+        f'mixture (registered: {known}). Fix: one of those, or register yours in a module and '
+        f'name it: --gin.MIXTURE_OR_TASK_MODULE="\'my_tasks\'".') from None
+
+
+for _name, _tfds_name in C4_TASKS.items():
+  add_c4_span_corruption(_name, tfds_name=_tfds_name)
 add_offline_span_corruption()
 add_offline_span_corruption(OFFLINE_STDLIB_TASK, corpus='stdlib')
 for _name, _corpus in OFFLINE_TEXT_TASKS.items():

@@ -9,7 +9,7 @@ Segment ids and positions exist only with `pack=True`.
 
 import dataclasses
 import logging
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 import seqio
@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from upcycle import fields
 from upcycle.data import host_only, source_errors, span_corruption
-from upcycle.data import tasks  # pylint: disable=unused-import  (registers the default tasks)
+from upcycle.data import tasks
 
 
 class _OnceFilter(logging.Filter):
@@ -54,12 +54,15 @@ class TextPipeline:
     feature_lengths: task feature lengths, e.g. {'inputs': 512, 'targets': 114}.
     pack: pack several examples per row (`EncDecFeatureConverter(pack=True)`).
     shuffle: shuffle documents (source order and seqio's example buffer).
+    module: a module to import before `task` is looked up, which registers it (T5X's
+      MIXTURE_OR_TASK_MODULE); None: none.
   """
   task: str
   split: str
   feature_lengths: Mapping[str, int]
   pack: bool = True
   shuffle: bool = True
+  module: Optional[str] = None
 
   def __post_init__(self):
     fields.lengths(self, 'feature_lengths', ('inputs', 'targets'),
@@ -78,6 +81,12 @@ class TextPipeline:
     lengths = converter.get_model_feature_lengths(dict(self.feature_lengths))
     return {k: ((batch_size, n), np.dtype(np.int32)) for k, n in lengths.items()}
 
+  def seqio_task(self) -> Any:
+    """The registered seqio task or mixture `task`, its `module` imported first."""
+    return tasks.get_task(self.task, module=self.module,
+                          task_binding=fields.binding(self, 'task'),
+                          module_binding=fields.binding(self, 'module'))
+
   def batches(self, *, seed: int, batch_size: int, shard_index: int, num_shards: int,
               drop_remainder: bool, skip_batches: int) -> tf.data.Dataset:
     """One epoch of this host's shard, as batches, starting after `skip_batches` of them.
@@ -86,13 +95,7 @@ class TextPipeline:
     stochastic preprocessor and shuffle from `seed`. Skipping re-runs the skipped work.
     """
     host_only.hide_accelerators()
-    try:
-      task = seqio.get_mixture_or_task(self.task)
-    except ValueError as e:
-      raise ValueError(
-          f'TextPipeline.task={self.task!r} is not a registered seqio task or mixture. Known '
-          f'tasks include {sorted(seqio.TaskRegistry.names())[:20]}; register yours with '
-          f'upcycle.data.tasks.add_span_corruption_task.') from e
+    task = self.seqio_task()
     if self.split not in task.splits:
       raise ValueError(f'Task {self.task!r} has splits {tuple(task.splits)}; '
                        f'TextPipeline.split={self.split!r} is not one of them.')
@@ -106,7 +109,7 @@ class TextPipeline:
           f'{fields.binding(self, "feature_lengths")} = {dict(self.feature_lengths)} '
           f'(TASK_FEATURE_LENGTHS): {e}') from None
     except Exception as e:  # pylint: disable=broad-except  (TFDS and imports fail many ways)
-      raise source_errors.source_error(self.task, task, e) from e
+      raise source_errors.source_error(self.task, task, e, module=self.module) from e
     ds = seqio.EncDecFeatureConverter(pack=self.pack)(ds, dict(self.feature_lengths))
     ds = ds.batch(batch_size, drop_remainder=drop_remainder)
     return ds.skip(skip_batches)

@@ -5,7 +5,6 @@ padded to the batch size (one compiled shape) with rows that `EXAMPLE_MASK` mark
 objectives weigh 0 (T5X's evaluator pads the same way).
 """
 
-import itertools
 from typing import Dict, Optional, Sequence
 
 import jax
@@ -25,31 +24,23 @@ def pad_batch(batch: Dict[str, np.ndarray], batch_size: int) -> Dict[str, np.nda
   return {**padded, EXAMPLE_MASK: (np.arange(batch_size) < n).astype(np.float32)}
 
 
-def _any_host(has_batch: bool) -> bool:
-  """Whether any host still has a batch (every host runs each evaluation step together)."""
-  if jax.process_count() == 1:
-    return has_batch
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  return bool(np.any(multihost_utils.process_allgather(np.int32(has_batch))))
-
-
 def host_batches(pipeline, batch_size: int, max_batches: int, seed: int):
-  """One epoch of this host's shard of `pipeline` (at most `max_batches`; 0: all), every
-  example once: each batch padded to `batch_size` with its `EXAMPLE_MASK`. With several
-  hosts, each yields as many batches as the host with the most (all padding past its own)."""
-  iterator = DataIterator(pipeline, batch_size=batch_size, seed=seed,
-                          shard_index=jax.process_index(), num_shards=jax.process_count(),
-                          num_epochs=1, drop_remainder=False)
-  for i in itertools.count():
+  """This host's rows of one epoch of `pipeline` (at most `max_batches` batches; 0: all), every
+  example once, each batch padded to `batch_size` with its `EXAMPLE_MASK`.
+
+  Every host reads the split whole, in one order, and keeps its `batch_size` rows of each
+  global batch (`batch_size` x the number of hosts): a slice evaluates the examples, and
+  batches, one process evaluates, whatever its number of hosts (sharding the source instead
+  would give each host examples of its own, span corruption's noise included).
+  """
+  hosts, host = jax.process_count(), jax.process_index()
+  iterator = DataIterator(pipeline, batch_size=batch_size * hosts, seed=seed, num_epochs=1,
+                          drop_remainder=False)
+  for i, batch in enumerate(iterator):
     if max_batches and i >= max_batches:
       return
-    batch = next(iterator, None)
-    if not _any_host(batch is not None):
-      return
-    if batch is None:
-      batch = {k: np.zeros((0,) + shape[1:], dtype)
-               for k, (shape, dtype) in pipeline.batch_spec(batch_size).items()}
-    yield pad_batch(batch, batch_size)
+    yield pad_batch({k: v[host * batch_size:(host + 1) * batch_size] for k, v in batch.items()},
+                    batch_size)
 
 
 def global_batch(local: Dict[str, np.ndarray], mesh) -> Dict[str, jax.Array]:
@@ -92,7 +83,7 @@ def evaluate(eval_step, params, pipeline, *, batch_size: int, mesh, max_batches:
   weight = max(float(weights.sum()), 1.0)
   metrics = {'loss': float(losses.sum()) / weight,
              'accuracy': float(sums['correct'].sum()) / weight, 'batches': len(per_batch)}
-  real = weights > 0    # batches of padding only (a host past its shard) are not batches
+  real = weights > 0    # a batch with no real token (padding only) is not a batch
   if real.sum() > 1:
     metrics['loss_stderr'] = ratio_stderr(losses[real], weights[real])
   return metrics
