@@ -147,3 +147,41 @@ def test_feature_lengths_other_than_targets_are_refused_naming_the_macro(docs_ta
                            r"expected a mapping of only 'targets' to integers >= 1, such as "
                            r"TASK_FEATURE_LENGTHS = \{'targets': 128\}"):
     lm.LmPipeline(docs_task, 'train', {'inputs': 8, 'targets': 8})
+
+
+USER_MODULE = '''
+import seqio, tensorflow as tf
+from upcycle.data import offline_text
+
+DOCS = [d[:25 * (i + 1)] for i, d in enumerate(offline_text.stdlib_documents('validation')[:12])]
+
+seqio.TaskRegistry.add(
+    'upcycle_test_user_text',
+    source=seqio.FunctionDataSource(
+        lambda split, shuffle_files, seed=None: tf.data.Dataset.from_tensor_slices(
+            {'text': DOCS}), splits=('validation',)),
+    output_features={})
+'''
+
+
+def test_mixture_or_task_module_registers_the_text_task_of_training_and_of_prompts(
+    docs, docs_task, offline, tmp_path, monkeypatch):
+  """A decoder-only run's LmPipeline and a decode's Prompts import the user's module
+  (MIXTURE_OR_TASK_MODULE) before looking the task up."""
+  from upcycle.data import prompts  # pylint: disable=g-import-not-at-top
+  (tmp_path / 'upcycle_test_lm_tasks.py').write_text(USER_MODULE)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  assert 'upcycle_test_user_text' not in seqio.TaskRegistry.names()
+  length = {'targets': 48}
+  theirs = lm.LmPipeline('upcycle_test_user_text', 'validation', length, shuffle=False,
+                         module='upcycle_test_lm_tasks')
+  ours = lm.LmPipeline(docs_task, 'train', length, shuffle=False)
+  windows = lambda p: sorted(w[0].tolist() for b in _rows(p) for w in _windows(b))
+  assert windows(theirs) == windows(ours) and len(windows(ours)) >= 12
+  read = prompts.Prompts('upcycle_test_user_text', 'validation', {'targets': 8},
+                         tokenizer_lib.OFFLINE_BPE, module='upcycle_test_lm_tasks')
+  assert [tokens for _, tokens in read._task_prompts(offline)] == [  # pylint: disable=protected-access
+      [offline.bos_id, *offline.encode(d)][:8] for d in docs]
+  with pytest.raises(fields.ConfigError, match=r"^prompts.Prompts.module = 'no_such_tasks' "):
+    list(prompts.Prompts('x', 'validation', {'targets': 8}, tokenizer_lib.OFFLINE_BPE,
+                         module='no_such_tasks')._task_prompts(offline))  # pylint: disable=protected-access

@@ -17,7 +17,7 @@ segment ids, not from `token != 0` (Llama 3's id 0 is a real piece).
 
 import dataclasses
 import functools
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 import seqio
@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from upcycle import fields
 from upcycle.data import host_only, source_errors
-from upcycle.data import tasks  # pylint: disable=unused-import  (registers the default tasks)
+from upcycle.data import tasks
 from upcycle.data import tokenizer as tokenizer_lib
 
 FEATURES = ('decoder_input_tokens', 'decoder_target_tokens', 'decoder_loss_weights',
@@ -52,6 +52,8 @@ class LmPipeline:
     pack: several windows per row (segment ids apart); else one window per row, padded.
     shuffle: shuffle documents (the source's order) and windows (a seeded buffer).
     text_key: the source's text feature.
+    module: a module to import before `task` is looked up, which registers it (T5X's
+      MIXTURE_OR_TASK_MODULE); None: none.
   """
   task: str
   split: str
@@ -60,6 +62,7 @@ class LmPipeline:
   pack: bool = True
   shuffle: bool = True
   text_key: str = 'text'
+  module: Optional[str] = None
 
   def __post_init__(self):   # a decoder-only run has no 'inputs': refused, not ignored
     fields.lengths(self, 'feature_lengths', ('targets',), "TASK_FEATURE_LENGTHS = "
@@ -87,12 +90,9 @@ class LmPipeline:
     """One epoch of this host's shard, as batches, after `skip_batches` of them; a pure
     function of (seed, shard_index, num_shards)."""
     host_only.hide_accelerators()
-    try:
-      task = seqio.get_mixture_or_task(self.task)
-    except ValueError as e:
-      raise ValueError(
-          f'LmPipeline.task={self.task!r} is not a registered seqio task. Known tasks include '
-          f'{sorted(seqio.TaskRegistry.names())[:20]}.') from e
+    task = tasks.get_task(self.task, module=self.module,
+                          task_binding=fields.binding(self, 'task'),
+                          module_binding=fields.binding(self, 'module'))
     # As seqio's Task.get_dataset: a source that shards itself gets the shard, others are
     # read whole and sharded by example.
     by_source = num_shards > 1 and task.source.supports_arbitrary_sharding
@@ -103,7 +103,7 @@ class LmPipeline:
       if num_shards > 1 and not by_source:
         ds = ds.shard(num_shards, shard_index)
     except Exception as e:  # pylint: disable=broad-except  (TFDS and imports fail many ways)
-      raise source_errors.source_error(self.task, task, e) from e
+      raise source_errors.source_error(self.task, task, e, module=self.module) from e
     ds = ds.flat_map(functools.partial(self._windows, tok=self.load_tokenizer()))
     if self.shuffle:
       ds = ds.shuffle(SHUFFLE_BUFFER, seed=seed)

@@ -42,6 +42,8 @@ class Prompts:
     prompts_file: a JSONL file (local or gs://), one `{"prompt": "..."}` per line; None: the
       task's documents.
     text_key: the task source's text feature.
+    module: a module to import before `task` is looked up, which registers it (T5X's
+      MIXTURE_OR_TASK_MODULE); None: none.
   """
   task: str
   split: str
@@ -49,6 +51,7 @@ class Prompts:
   tokenizer: str
   prompts_file: Optional[str] = None
   text_key: str = 'text'
+  module: Optional[str] = None
 
   def __post_init__(self):
     fields.lengths(self, 'feature_lengths', ('targets',), "TASK_FEATURE_LENGTHS = {'targets': 128}")
@@ -72,10 +75,8 @@ class Prompts:
     its source says)."""
     if self.prompts_file is not None:
       return sum(1 for _ in self._file_lines())
-    import seqio  # pylint: disable=g-import-not-at-top
-    from upcycle.data import tasks  # pylint: disable=g-import-not-at-top,unused-import  (registers)
     try:
-      return seqio.get_mixture_or_task(self.task).num_input_examples(self.split)
+      return self._task().num_input_examples(self.split)
     except Exception:  # pylint: disable=broad-except  (no count; reading the split says why)
       return None
 
@@ -141,25 +142,25 @@ class Prompts:
             f"Fix: --gin.TASK_FEATURE_LENGTHS=\"{{'targets': {len(tokens)}}}\", or shorten it.")
       yield record['prompt'], tokens
 
+  def _task(self) -> Any:
+    """The registered seqio task `task`, its `module` imported first (a name nothing
+    registers: one line naming the binding; prompts of your own: PROMPTS_FILE)."""
+    from upcycle.data import tasks  # pylint: disable=g-import-not-at-top  (imports seqio, TF)
+    return tasks.get_task(self.task, module=self.module,
+                          task_binding=fields.binding(self, 'task'),
+                          module_binding=fields.binding(self, 'module'))
+
   def _task_prompts(self, tok: tokenizer_lib.Tokenizer) -> Iterator[Tuple[str, List[int]]]:
     """Each document's first window, and its text (decoded: the window cuts between tokens)."""
     # pylint: disable=g-import-not-at-top  (a prompts file needs no TensorFlow)
-    import seqio
     from upcycle.data import host_only, source_errors
-    from upcycle.data import tasks  # pylint: disable=unused-import  (registers the default tasks)
     # pylint: enable=g-import-not-at-top
     host_only.hide_accelerators()
-    try:
-      task = seqio.get_mixture_or_task(self.task)
-    except ValueError as e:
-      raise PromptsError(
-          f'prompts.Prompts.task = {self.task!r}: not a registered seqio task (known: '
-          f'{sorted(seqio.TaskRegistry.names())[:20]}). Fix: MIXTURE_OR_TASK_NAME, or '
-          'PROMPTS_FILE for prompts of your own.') from e
+    task = self._task()
     try:
       ds = task.source.get_dataset(split=self.split, shuffle=False)
     except Exception as e:  # pylint: disable=broad-except  (TFDS and imports fail many ways)
-      raise source_errors.source_error(self.task, task, e) from e
+      raise source_errors.source_error(self.task, task, e, module=self.module) from e
     for example in ds.as_numpy_iterator():
       text = example[self.text_key].decode('utf-8', errors='replace')
       tokens = [tok.bos_id, *tok.encode(text)][:self.length]
