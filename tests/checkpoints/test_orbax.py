@@ -112,3 +112,65 @@ def test_save_killed_midway_keeps_previous_checkpoint(tmp_path):
     assert manager.all_steps() == [1]
     restored = manager.restore()
   assert restored.step == 1 and restored.dataset_state == {'step': 1}
+
+
+def test_a_failed_saves_orphaned_orbax_futures_are_not_echoed_and_others_are(tmp_path, caplog):
+  """asyncio logs 'Future exception was never retrieved' for an orbax file write that failed
+  with the save (a full disk): the save's one error line says it; a future of anyone else's
+  is still logged."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+  import logging  # pylint: disable=g-import-not-at-top
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  from orbax.checkpoint._src.path import async_path  # pylint: disable=g-import-not-at-top
+  orbax.CheckpointManager(tmp_path / 'checkpoints')   # installs the filters
+  loop = asyncio.new_event_loop()
+  try:
+    async def write():
+      try:
+        await async_path.write_text(epath.Path(tmp_path / 'absent' / 'f'), 'x')
+      except OSError as e:
+        return e
+
+    failed = loop.run_until_complete(write())
+    assert isinstance(failed, FileNotFoundError)
+    with caplog.at_level(logging.ERROR, logger='asyncio'):
+      loop.call_exception_handler({'message': 'Future exception was never retrieved',
+                                   'exception': failed})
+      assert caplog.records == []
+      loop.call_exception_handler({'message': 'Future exception was never retrieved',
+                                   'exception': OSError(28, 'No space left on device')})
+      assert [r.getMessage() for r in caplog.records] == ['Future exception was never retrieved']
+  finally:
+    loop.close()
+
+
+def test_after_a_failed_save_orbax_writer_threads_dying_are_not_echoed_and_others_are(
+    tmp_path, monkeypatch):
+  """A failed save's other writers, still running when the run stops on the failure, die
+  as the interpreter shuts down; the save's one error line says what happened."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  from orbax.checkpoint._src.path import async_path  # pylint: disable=g-import-not-at-top
+  shown = []   # what reaches the console's hook
+  monkeypatch.setattr(threading, 'excepthook', lambda args: shown.append(args.exc_type))
+  monkeypatch.setattr(sys, 'unraisablehook', lambda unraisable: None)
+  monkeypatch.setattr(orbax, '_SAVES_FAILED', [])   # this test's failure stays this test's
+  manager = orbax.CheckpointManager(tmp_path / 'checkpoints')   # installs the filters
+
+  def orbax_writer():
+    asyncio.run(async_path.write_text(epath.Path(tmp_path / 'absent' / 'f'), 'x'))
+
+  def other_thread():
+    raise OSError(28, 'No space left on device')
+
+  def run(target):
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    return shown.pop() if shown else None
+
+  assert run(orbax_writer) is FileNotFoundError   # no save has failed: shown
+  manager._failed(OSError(28, 'No space left on device'))  # pylint: disable=protected-access
+  assert run(orbax_writer) is None
+  assert run(other_thread) is OSError

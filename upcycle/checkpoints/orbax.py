@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence
@@ -76,29 +77,54 @@ def _after_a_failed_save(error: BaseException) -> bool:
              for frame in traceback.extract_tb(error.__traceback__))
 
 
+_ORPHANS = ('Task exception was never retrieved', 'Future exception was never retrieved')
+
+
 class _OrbaxTaskEchoes(logging.Filter):
-  """Drops asyncio's 'Task exception was never retrieved' for orbax's serialization tasks of
-  a failed save (reported once, as a CheckpointError)."""
+  """Drops asyncio's 'Task / Future exception was never retrieved' for orbax's serialization
+  tasks and file writes of a failed save (reported once, as a CheckpointError): the task or
+  future named in the message, or the exception's traceback, is orbax's."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     message = record.getMessage()
-    return not (message.startswith('Task exception was never retrieved') and 'orbax' in message)
+    if not message.startswith(_ORPHANS):
+      return True
+    error = record.exc_info[1] if record.exc_info else None
+    frames = traceback.extract_tb(error.__traceback__) if error is not None else []
+    return not ('orbax' in message or any('/orbax/' in f.filename for f in frames))
+
+
+_SAVES_FAILED = []   # the failed saves' CheckpointErrors: after one, orbax's threads echo
+
+
+def _orbax_thread_echo(exception: BaseException) -> bool:
+  """Whether a thread's uncaught `exception` is orbax's, after a save failed: the failed
+  save's other writers, still running when the run stops on the failure (the interpreter,
+  shutting down, refuses their new work)."""
+  frames = traceback.extract_tb(exception.__traceback__)
+  return bool(_SAVES_FAILED) and any('/orbax/' in f.filename for f in frames)
 
 
 def _quiet_failed_save_echoes() -> None:
   """Installs, once, the filters that keep a failed background save's echoes off the console:
-  tensorstore reports its callbacks' errors (raised in its own threads) as unraisable, and
-  asyncio logs the orphaned tasks when they are collected."""
+  tensorstore reports its callbacks' errors (raised in its own threads) as unraisable,
+  asyncio logs the orphaned tasks and futures when they are collected, and orbax's other
+  writer threads fail as the interpreter shuts down."""
   if getattr(sys.unraisablehook, 'upcycle_quiet', False):
     return
-  original = sys.unraisablehook
+  original, original_thread = sys.unraisablehook, threading.excepthook
 
   def hook(unraisable):
     if not _after_a_failed_save(unraisable.exc_value):
       original(unraisable)
 
+  def thread_hook(args):
+    if args.exc_value is None or not _orbax_thread_echo(args.exc_value):
+      original_thread(args)
+
   hook.upcycle_quiet = True
   sys.unraisablehook = hook
+  threading.excepthook = thread_hook
   logging.getLogger('asyncio').addFilter(_OrbaxTaskEchoes())
 
 
@@ -215,10 +241,12 @@ class CheckpointManager:
     latest = self.latest_step()
     kept = (f'the last good checkpoint, step {latest}, is kept as it is' if latest is not None
             else 'no checkpoint was written')
-    return CheckpointError(
+    failure = CheckpointError(
         f'Saving step {getattr(self, "_saving", "?")} to {self.directory} failed: '
         f'{cause}; {kept}. Fix: free space there (or the cause above) and restart: the '
         f'run resumes from its last checkpoint.')
+    _SAVES_FAILED.append(failure)
+    return failure
 
   def all_steps(self) -> List[int]:
     return sorted(self._manager.all_steps())
