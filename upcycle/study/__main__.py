@@ -15,6 +15,7 @@ import platform
 import sys
 import time
 
+from upcycle import console
 from upcycle.study import drop_units, epochs, execute, render, runs as runs_lib
 from upcycle.study.curves import Results
 from upcycle.study.scale import FULL, QUICK
@@ -161,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> None:
+  console.show_progress()   # and off a TPU VM, JAX (the Drop statistics) never loads libtpu
   args = build_parser().parse_args(argv)
   args.runs_dir_given = None if args.runs_dir == 'runs/study' else args.runs_dir
   args.runs_dir = os.path.abspath(args.runs_dir)
