@@ -196,3 +196,17 @@ def test_cached_steps_give_the_uncached_logits(converted, prompts, variant):
     np.testing.assert_allclose(logits, expected[:, width - 1 + t], atol=2e-5, rtol=1e-5)
   assert int(cache['decoder']['index']) == full.shape[1]
   np.testing.assert_array_equal(cache['decoder']['positions'], full_mask.sum(1))
+
+
+def test_a_training_group_size_that_does_not_divide_the_prompts_decodes_per_sequence(
+    converted, prompts, eos):
+  """An MoE trained with groups of 8 tokens decodes 4 prompts of 7 (28 tokens): the prefill
+  routes each sequence as a group of its own, as every decode step does, so it decodes as the
+  model routed per sequence (group_size=None) does."""
+  model, params = _moe_scanned(*converted)
+  grouped = Llama(dataclasses.replace(model.config, moe=dataclasses.replace(
+      model.config.moe, group_size=8)))
+  greedy = DecodeConfig(method='greedy', eos_id=eos)
+  ours = [_decode((m, params), prompts, greedy) for m in (grouped, model)]
+  np.testing.assert_array_equal(ours[0][0], ours[1][0])
+  np.testing.assert_allclose(ours[0][1], ours[1][1], rtol=1e-6)

@@ -249,14 +249,15 @@ class DecoderLayer(nn.Module):
     y = norm(name='pre_mlp_layer_norm')(x)
     if not self.sparse:
       y = _mlp(cfg, None)(y, deterministic)
-    elif cache_index is None:
+    elif cache_index is None and cache_length is None:
       y = _mlp(cfg, cfg.moe)(y, deterministic, token_mask)
     else:
-      # A decode step routes each sequence's new token as a group of its own, as T5's
-      # decoder does: no token is dropped for capacity, and a sequence's routing does not
-      # depend on the rest of the batch (docs/inference.md).
+      # Decoding (the prefill's prompts, then each step's new token) routes each sequence as
+      # a group of its own, as T5's decoder does: a sequence's routing does not depend on the
+      # rest of the batch, and a training group_size that does not divide the prompts'
+      # tokens is no obstacle (docs/inference.md).
       step_moe = dataclasses.replace(cfg.moe, group_size=None, max_group_size=None)
-      y = _mlp(cfg, step_moe)(y, deterministic)
+      y = _mlp(cfg, step_moe)(y, deterministic, token_mask)
     x = x + dropout(y, deterministic=deterministic)
     return layers.constrain(x, ('batch', 'length', 'embed'))
 
