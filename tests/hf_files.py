@@ -34,15 +34,15 @@ def save_untied_t5(model, directory: str, seed: int = 2):
   return reference
 
 
-def save_perturbed(build, directory: str, seed: int = 1):
+def save_perturbed(build, directory: str, seed: int = 1, **save_args):
   """`build()`, a transformers model made under torch seed 0, with its weights perturbed from
-  `seed` (`perturb`) and saved to `directory` by `save_pretrained`; returns it (eval mode),
-  the reference."""
+  `seed` (`perturb`) and saved to `directory` by `save_pretrained(**save_args)`; returns it
+  (eval mode), the reference."""
   import torch  # pylint: disable=g-import-not-at-top
   torch.manual_seed(0)
   model = build().eval()
   perturb(model, seed)
-  model.save_pretrained(directory)
+  model.save_pretrained(directory, **save_args)
   return model
 
 

@@ -188,7 +188,7 @@ def test_an_output_name_of_250_characters_converts_and_is_replaced(source, tmp_p
 def test_the_restore_hooks_initializer_bindings_are_honoured_or_refused(source, tmp_path,
                                                                          capsys):
   """--gin_file=upcycling/drop.gin does in convert what it does in training; a flag that
-  disagrees, and Branch-Train-MiX's several sources, stop in one line."""
+  disagrees stops in one line."""
   assert _main(source, tmp_path / 'gin', '--gin_file=upcycling/drop.gin', '--seed', '3') == 0
   assert _main(source, tmp_path / 'flag', '--experts', 'drop(ratio=0.5)', '--seed', '3') == 0
   by_gin = tree.flatten(checkpoints.load(str(tmp_path / 'gin')).params)
@@ -203,9 +203,36 @@ def test_the_restore_hooks_initializer_bindings_are_honoured_or_refused(source, 
   assert capsys.readouterr().err.strip() == (
       "error: --experts=copy and the gin binding restore.UpcycleFromDense.experts = "
       "Drop(ratio=0.5, index_sharing='shared') disagree. Fix: give one of them.")
-  assert _main(source, tmp_path / 'btx', '--gin_file=upcycling/btx.gin') == 1
-  assert 'convert reads one --source' in capsys.readouterr().err
   assert sorted(os.listdir(tmp_path)) == ['flag', 'gin']
+
+
+def test_branch_train_mix_converts_from_several_sources(source, tmp_path, capsys):
+  """upcycling/btx.gin with --source given twice: every expert the MLP of the source its
+  assignment names, every other leaf the two sources' mean (against the arrays written);
+  several sources with a one-source initializer stop in one line."""
+  other_params = helpers.random_params(helpers.TINY_T5, seed=5)
+  other = t5x_writer.write(str(tmp_path / 'branch_b'), 6, other_params)
+  out = tmp_path / 'btx'
+  assert _main(source, out, '--source', other, '--gin_file=upcycling/btx.gin',
+               '--gin.sources.FromCheckpoints.assignment=[1, 0, 0, 1]') == 0
+  moe = tree.flatten(checkpoints.load(str(out)).params)
+  a, b = tree.flatten(source['params']), tree.flatten(other_params)
+  assert checkpoints.load(str(out)).step == 6
+  for layer in ('encoder/layers_1', 'decoder/layers_1'):
+    for name in ('wi_0/kernel', 'wi_1/kernel', 'wo/kernel'):
+      dense = f'{layer}/mlp/{name}'
+      want = np.stack([b[dense], a[dense], a[dense], b[dense]])
+      np.testing.assert_array_equal(moe[f'{layer}/mlp/expert/{name}'], want)
+  for path in ('token_embedder/embedding', 'encoder/layers_0/mlp/wi_0/kernel',
+               'decoder/layers_1/self_attention/query/kernel'):
+    np.testing.assert_allclose(moe[path], (a[path] + b[path]) / 2, rtol=1e-6, atol=1e-7)
+  capsys.readouterr()
+  assert _main(source, tmp_path / 'two', '--source', other, '--experts', 'copy') == 1
+  assert capsys.readouterr().err.strip() == (
+      'error: --source is given 2 times, and the initializer Copy() makes experts from one '
+      'checkpoint. Fix: give one --source, or an initializer that reads several '
+      '(--gin_file=upcycling/btx.gin or upit.gin).')
+  assert not (tmp_path / 'two').exists()
 
 
 def test_dry_run_prints_the_report_and_writes_nothing(source, tmp_path, capsys):

@@ -21,8 +21,17 @@ are MoE, how many experts, shapes and dtypes. --gin_file / --gin.KEY=VALUE /
 expert: the dense model at step 0).
 --router: normal | uniform | zeros (routers.ROUTER_INITS), e.g. 'normal(std=0.02)'.
 Without them, the restore hook's gin bindings decide as they do for training
-(`--gin_file=upcycling/drop.gin` gives Drop here too); a flag that disagrees with them, and
-the several-source initializers (upcycling/btx.gin, upit.gin: the trainer's hook), are refused.
+(`--gin_file=upcycling/drop.gin` gives Drop here too); a flag that disagrees with them is
+refused.
+Branch-Train-MiX and UpIT make the experts from several dense checkpoints: give each with
+its own --source, in order, and the initializer in gin as for training:
+  python -m upcycle.convert --source=/ckpt/branch_a --source=/ckpt/branch_b \
+    --gin_file=models/llama/tiny.gin --gin_file=moe/mixtral.gin \
+    --gin_file=upcycling/btx.gin --gin.sources.FromCheckpoints.assignment='[0, 1, 0, 1]' \
+    --output_dir=/ckpt/btx_moe
+(upcycling/upit.gin with --gin.DARE_BASE=... merges the extra experts). Every source is read
+lazily, leaf by leaf, as one source is: the non-expert leaves are averaged as they are
+written (or taken from `base`).
 --step: the output's step: keep (the source's, 0 if its format has none), reset (0), or N.
 
 Growing instead of upcycling (the target is the source's architecture, larger):
@@ -88,7 +97,9 @@ from upcycle.locks.gcs_lock import STALE_SECONDS, GcsLock
 from upcycle.upcycling import experts as experts_lib
 from upcycle.upcycling import routers as routers_lib
 from upcycle.upcycling import depth_growth, expert_growth, report_file, step_policy, stream
+from upcycle.upcycling.base import ExpertInit
 from upcycle.upcycling.report import UpcycleReport
+from upcycle.upcycling.sources import combine
 from upcycle.upcycling.surgery import make_plan
 
 # Named, not __name__: under `python -m upcycle.convert` this module is __main__, whose records
@@ -332,7 +343,33 @@ def _convert_into_gcs(output_dir: str, write: Callable[[str], None], overwrite: 
     lock.release()
 
 
-def convert(source: str, model_config: Any, output_dir: str, *,
+def _makes_several(experts: Any) -> bool:
+  """Whether `experts` is a class (or partial) that makes experts from several sources
+  (`sources.FromCheckpoints`, `sources.Merge`) rather than an initializer or its name."""
+  return not isinstance(experts, (str, ExpertInit))
+
+
+def _sources(ckpts: List[checkpoints.Checkpoint], experts: Any, step: Union[str, int],
+             growing: bool):
+  """(the checkpoint standing for the sources, the dense params the plan copies from, the
+  expert initializer) of one --source, or of Branch-Train-MiX / UpIT's several."""
+  if not _makes_several(experts):
+    if len(ckpts) > 1:
+      raise ConvertError(
+          f'--source is given {len(ckpts)} times, and the initializer {experts!r} makes '
+          f'experts from one checkpoint. Fix: give one --source, or an initializer that reads several '
+          f'(--gin_file=upcycling/btx.gin or upit.gin).')
+    return ckpts[0], ckpts[0].params, experts
+  if growing:
+    raise ConvertError(f'--grow_experts / --grow_depth grow one trained checkpoint, and '
+                       f'restore.UpcycleFromDense.experts = {experts!r} (gin) makes experts '
+                       f'from several. Fix: drop upcycling/btx.gin / upit.gin.')
+  ckpt, init = combine(ckpts, experts, step=step, names={
+      'step': '--step', 'experts': 'restore.UpcycleFromDense.experts'})
+  return ckpt, init.shared_params(), init
+
+
+def convert(source: Union[str, List[str]], model_config: Any, output_dir: str, *,
             format: Optional[str] = None,  # pylint: disable=redefined-builtin
             experts: Any = 'copy', router: Any = 'normal', seed: int = 0,
             step: Union[str, int] = 'keep', cast: bool = False, overwrite: bool = False,
@@ -341,7 +378,9 @@ def convert(source: str, model_config: Any, output_dir: str, *,
   """Upcycles checkpoint `source` into the model of `model_config`, written to `output_dir`
   as `output_format` ('orbax': `<step>/`, 't5x': `checkpoint_<step>/`, T5X's native layout);
   with `grow_experts` (expert_growth sources) or `grow_depth` (a depth_growth layer map) it
-  grows the source into that model instead.
+  grows the source into that model instead. `source` may be a list of checkpoints when
+  `experts` makes experts from several (`sources.FromCheckpoints` / `Merge`, the class or a
+  partial of it: Branch-Train-MiX, UpIT).
 
   Returns the surgery report (its summary logged, the whole report in
   OUTPUT_DIR/upcycling_report.txt; logged whole by a dry run). Raises ConvertError (refusals),
@@ -355,17 +394,21 @@ def convert(source: str, model_config: Any, output_dir: str, *,
     step = step_policy.check(step, '--step')
   except ValueError as e:
     raise ConvertError(str(e)) from e
-  ckpt = pretrained.load(source, format, lazy=True)
-  check_paths(source, ckpt.path, output_dir, overwrite)
+  source_paths = [source] if isinstance(source, str) else list(source)
+  ckpts = [pretrained.load(path, format, lazy=True) for path in source_paths]
+  for path, read in zip(source_paths, ckpts):
+    check_paths(path, read.path, output_dir, overwrite)
+  ckpt, dense, experts = _sources(ckpts, experts, step,
+                                  growing=grow_experts is not None or grow_depth is not None)
   target, first = families.abstract_params(model_config), step_policy.start(step, ckpt.step)
   if grow_experts is not None:
-    plan = expert_growth.plan(ckpt.params, target, sources=grow_experts, step=first,
+    plan = expert_growth.plan(dense, target, sources=grow_experts, step=first,
                               binding='--grow_experts')
   elif grow_depth is not None:
-    plan = depth_growth.plan(ckpt.params, target, layer_map=grow_depth, step=first,
+    plan = depth_growth.plan(dense, target, layer_map=grow_depth, step=first,
                              binding='--grow_depth')
   else:
-    plan = make_plan(ckpt.params, target, experts=experts, router=router, cast=cast,
+    plan = make_plan(dense, target, experts=experts, router=router, cast=cast,
                      step=first, layers=model_config.moe_positions())
   written = str(plan.step) if output_format == 'orbax' else f'checkpoint_{plan.step}'
   log.info('%s (%s, step %s) -> %s/%s', ckpt.path, ckpt.format, ckpt.step, output_dir, written)
@@ -379,7 +422,7 @@ def convert(source: str, model_config: Any, output_dir: str, *,
   log.info('%s', report_file.summary(report, os.path.join(output_dir, report_file.REPORT_FILE)))
 
   def write(work: str) -> None:
-    leaves = stream.leaves(plan, ckpt.params, seed)
+    leaves = stream.leaves(plan, dense, seed)
     if output_format == 't5x':
       t5x_writer.write(work, plan.step, leaves)
     else:
@@ -409,7 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog='python -m upcycle.convert', description=__doc__, allow_abbrev=False,
       formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument('--source', required=True, help='dense checkpoint, any supported format')
+  parser.add_argument('--source', required=True, action='append',
+                      help='dense checkpoint, any supported format; Branch-Train-MiX / UpIT: '
+                           'once per source, in order')
   parser.add_argument('--format', choices=checkpoints.FORMATS, default=None,
                       help='skip format detection')
   parser.add_argument('--output_dir', required=True, help='where the MoE checkpoint goes')
@@ -447,11 +492,8 @@ def _hook_binding(name: str) -> Any:
     return None
   if not isinstance(bound, gin.config.ConfigurableReference):
     return bound
-  if not bound.evaluate:   # a class the hook calls with several sources
-    raise ConvertError(
-        f'restore.UpcycleFromDense.{name} = {bound!r} (gin) makes experts from several '
-        f'checkpoints, and convert reads one --source. Fix: run Branch-Train-MiX / UpIT in '
-        f"the trainer's restore hook (INITIAL_CHECKPOINT_PATH a list; docs/upcycling.md).")
+  if not bound.evaluate:   # a class called with the sources (btx.gin, upit.gin)
+    return bound.scoped_configurable_fn
   return bound.scoped_configurable_fn()
 
 
@@ -459,6 +501,12 @@ def _initializer(flag: Optional[str], name: str, choices: Mapping[str, Any], def
   """The initializer `--<name>` gives, else the restore hook's gin binding of it (what
   `--gin_file=upcycling/drop.gin` sets for training), else `default`; both given must agree."""
   bound = _hook_binding(name)
+  if name == 'experts' and bound is not None and _makes_several(bound):
+    if flag is not None:
+      raise ConvertError(f'--{name}={flag} and the gin binding restore.UpcycleFromDense.{name} '
+                         f'= {bound!r} (experts from several checkpoints) disagree. Fix: give '
+                         f'one of them.')
+    return bound
   if isinstance(bound, str):
     bound = parse_init(bound, choices, f'restore.UpcycleFromDense.{name}')
   if flag is None:
@@ -475,7 +523,8 @@ def main(argv: Optional[List[str]] = None) -> int:
   console.show_progress()
   args, rest = build_parser().parse_known_args(argv)
   gin_args, bindings = gin_utils.parse_flags(rest, 'gin flags of python -m upcycle.convert')
-  if reachability.refused({'--source': args.source, '--output_dir': args.output_dir}):
+  if reachability.refused({**{f'--source #{i + 1}': path for i, path in enumerate(args.source)},
+                           '--output_dir': args.output_dir}):
     return 1
   import gin  # pylint: disable=g-import-not-at-top
   gin.clear_config()  # Each call parses its own flags (main may run more than once in a process).
@@ -492,7 +541,8 @@ def main(argv: Optional[List[str]] = None) -> int:
       raise ConvertError(f'{growing} copies the source\'s own experts and router columns; '
                          f'--experts, --router and --cast apply to upcycling a dense checkpoint. '
                          f'Fix: drop them.')
-    convert(args.source, target_from_gin(), args.output_dir, **report_args)
+    convert(args.source if len(args.source) > 1 else args.source[0], target_from_gin(),
+            args.output_dir, **report_args)
   except (ConvertError, checkpoints.CheckpointError, ValueError) as e:
     print(gin_utils.one_line(e, argv), file=sys.stderr)   # --verbose: the traceback first
     return 1

@@ -1,17 +1,20 @@
-"""Several HF Llama directories upcycled into one Mixtral in the restore hook: Branch-Train-MiX
-(each expert one branch's MLP, everything else the branches' mean) and UpIT's expansion (the
-sources' MLPs, then DARE merges around the base model), compared with the safetensors files
-read directly."""
+"""Several sharded HF Llama directories upcycled into one Mixtral, in the restore hook and by
+`upcycle.convert`: Branch-Train-MiX (each expert one branch's MLP, everything else the
+branches' mean) and UpIT's expansion (the sources' MLPs, then DARE merges around the base
+model), compared with the safetensors files read directly."""
 
 import dataclasses
 import functools
 import json
 import os
 
+import glob
+
 import numpy as np
 import pytest
 
 from tests import hf_files
+from upcycle import convert, pretrained
 from upcycle.models import Llama, LlamaConfig, llama_hf
 from upcycle.train import objectives, optimizers, partitioning
 from upcycle.train.restore import UpcycleFromDense
@@ -23,8 +26,9 @@ E = 4
 
 @pytest.fixture(scope='module')
 def branches(tmp_path_factory):
-  """A base Llama and two branches of it (its weights perturbed two ways), as HF directories;
-  the Mixtral trainer on 8 devices and its abstract state."""
+  """A base Llama and two branches of it (its weights perturbed two ways), as HF directories
+  of several safetensors shards; the Mixtral config, its trainer on 8 devices and its
+  abstract state."""
   import transformers  # pylint: disable=g-import-not-at-top
   build = lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
       vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -32,7 +36,8 @@ def branches(tmp_path_factory):
   root = tmp_path_factory.mktemp('branches')
   dirs = {name: str(root / name) for name in ('base', 'a', 'b')}
   for seed, name in enumerate(dirs, 1):
-    hf_files.save_perturbed(build, dirs[name], seed=seed)
+    hf_files.save_perturbed(build, dirs[name], seed=seed, max_shard_size='8KB')
+    assert len(glob.glob(os.path.join(dirs[name], '*.safetensors'))) > 1
   dense = LlamaConfig.from_hf_config(json.load(open(os.path.join(dirs['a'], 'config.json'))))
   config = dataclasses.replace(dense, moe=llama_hf.mixtral_moe(E, 2, 0.02))
   train_config = TrainConfig(model_dir='unused', train_steps=1, batch_size=8,
@@ -44,17 +49,27 @@ def branches(tmp_path_factory):
       'decoder_segment_ids', 'decoder_positions')}
   with partitioning.activate(trainer.mesh):
     abstract = trainer.abstract_state(batch)
-  return dirs, trainer, abstract
+  return dirs, config, trainer, abstract
 
 
 def _safetensors(directory):
+  """{HF name: array} of every shard of `directory`."""
   from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
-  return load_file(os.path.join(directory, 'model.safetensors'))
+  out = {}
+  for shard in glob.glob(os.path.join(directory, '*.safetensors')):
+    out.update(load_file(shard))
+  return out
 
 
-def _run(trainer, abstract, hook):
-  with partitioning.activate(trainer.mesh):
-    return hook(abstract, trainer.optimizer).params
+def _upcycled(branches, via, tmp_path, **hook_args):
+  """The Mixtral params made from branches a and b by the restore hook or by convert."""
+  dirs, config, trainer, abstract = branches
+  sources = [dirs['a'], dirs['b']]
+  if via == 'hook':
+    with partitioning.activate(trainer.mesh):
+      return UpcycleFromDense(sources, **hook_args)(abstract, trainer.optimizer).params
+  convert.convert(sources, config, str(tmp_path / 'moe'), **hook_args)
+  return pretrained.load(str(tmp_path / 'moe'), model_config=config).params
 
 
 # Our MLP kernels -> HF's projections (ours are their weights transposed).
@@ -62,11 +77,11 @@ MLP = {'wi_0': 'gate_proj', 'wi_1': 'up_proj', 'wo': 'down_proj'}
 
 
 @pytest.mark.slow
-def test_branch_train_mix_from_hf_llamas(branches):
-  dirs, trainer, abstract = branches
-  hook = UpcycleFromDense([dirs['a'], dirs['b']], router='uniform', experts=functools.partial(
+@pytest.mark.parametrize('via', ['hook', 'convert'])
+def test_branch_train_mix_from_hf_llamas(branches, via, tmp_path):
+  dirs = branches[0]
+  params = _upcycled(branches, via, tmp_path, router='uniform', experts=functools.partial(
       sources.FromCheckpoints, assignment=(0, 1, 1, 0)))
-  params = _run(trainer, abstract, hook)
   a, b = _safetensors(dirs['a']), _safetensors(dirs['b'])
   for layer in range(2):
     moe = params['decoder'][f'layers_{layer}']['mlp']
@@ -84,11 +99,11 @@ def test_branch_train_mix_from_hf_llamas(branches):
 
 
 @pytest.mark.slow
-def test_upit_expansion_from_hf_llamas_merges_around_the_base(branches):
-  dirs, trainer, abstract = branches
-  hook = UpcycleFromDense([dirs['a'], dirs['b']], router='uniform', experts=functools.partial(
+@pytest.mark.parametrize('via', ['hook', 'convert'])
+def test_upit_expansion_from_hf_llamas_merges_around_the_base(branches, via, tmp_path):
+  dirs = branches[0]
+  params = _upcycled(branches, via, tmp_path, router='uniform', experts=functools.partial(
       sources.Merge, method='dare', drop_rate=0.5, dare_base=dirs['base']))
-  params = _run(trainer, abstract, hook)
   a, b, base = (_safetensors(dirs[name]) for name in ('a', 'b', 'base'))
   name = 'model.layers.1.mlp.gate_proj.weight'
   kernel = np.asarray(params['decoder']['layers_1']['mlp']['expert']['wi_0']['kernel'])

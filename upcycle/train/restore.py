@@ -58,7 +58,7 @@ from upcycle.upcycling.experts import Copy
 from upcycle.upcycling.optimizer import upcycle_optimizer_state
 from upcycle.upcycling.plan import Plan
 from upcycle.upcycling.routers import Normal, RouterInit
-from upcycle.upcycling.sources import MultiSource
+from upcycle.upcycling.sources import MultiSource, combine
 from upcycle.upcycling.surgery import make_plan
 
 log = logging.getLogger(__name__)
@@ -329,9 +329,10 @@ class UpcycleFromDense(ReadsOn):
       a model directory means its latest step). Branch-Train-MiX / UpIT: a list
       of checkpoints, with `experts` the FromCheckpoints or Merge class (gin:
       `@FromCheckpoints`, its other arguments bound in gin); the hook calls it
-      with `sources=`. These run the surgery on the host (they are not
-      traceable) and then place the result on the mesh, so the host holds all
-      sources and the MoE params at once; the optimizer state is then fresh.
+      with `sources=` (`sources.combine`, as `python -m upcycle.convert` does).
+      These run the surgery on the host (they are not traceable), reading the
+      sources lazily, and then place the result on the mesh, so the host holds
+      the MoE params at once; the optimizer state is then fresh.
     format: one of `upcycle.checkpoints.FORMATS`; None detects it.
     experts: an ExpertInit, or 'copy', 'drop', 'noise', 'random'.
     router: a RouterInit, or 'normal', 'uniform', 'zeros'.
@@ -433,17 +434,12 @@ class UpcycleFromDense(ReadsOn):
     if self.reuse_optimizer_state:
       raise fields.ConfigError(f'{owner}: several source checkpoints have no one optimizer '
                                f'state to reuse. Fix: {owner}.reuse_optimizer_state = False.')
-    ckpts = [pretrained.load(path, self.format) for path in self.checkpoint]
-    steps = sorted({c.step for c in ckpts}, key=lambda s: -1 if s is None else s)
-    if self.step == 'keep' and len(steps) > 1:
-      raise fields.ConfigError(
-          f'{owner}: the source checkpoints are at different steps {steps}, so '
-          f"step='keep' is ambiguous. Fix: {owner}.step = 'reset' or a number.")
-    init = self.experts(sources=[c.params for c in ckpts])
-    if not isinstance(init, MultiSource):
-      raise fields.ConfigError(f'{owner}.experts(sources=...) returned {init!r}; expected '
-                               f'FromCheckpoints or Merge.')
-    ckpt = dataclasses.replace(ckpts[0], path=', '.join(self.checkpoint))
+    ckpts = [pretrained.load(path, self.format, lazy=True) for path in self.checkpoint]
+    try:
+      ckpt, init = combine(ckpts, self.experts, step=self.step, names={
+          'step': f'{owner}.step', 'experts': f'{owner}.experts'})
+    except ValueError as e:
+      raise fields.ConfigError(f'{owner}: {e}') from None
     return ckpt, init.shared_params(), init
 
 

@@ -1,19 +1,22 @@
 """Experts from several dense checkpoints: Branch-Train-MiX and UpIT.
 
 These initializers change the non-expert parameters too (averaged across the
-sources, or taken from one of them), so they are used through
-`surgery.upcycle_from_checkpoints`, which takes the shared parameters from
-`init.shared_params()` and the experts from the initializer itself.
+sources, or taken from one of them): a plan copies its shared leaves from
+`init.shared_params()` and makes the experts with the initializer itself, which reads
+its sources. `combine` builds one from loaded checkpoints, as the restore hook and
+`python -m upcycle.convert` both do. The sources may be lazy (`checkpoints.LazyArray`):
+a shared leaf is averaged when it is read, so a conversion streams leaf by leaf.
 """
 
 import dataclasses
-from typing import Any, Dict, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import (Any, Callable, Dict, Mapping, Optional, Sequence, Set, Tuple, Union)
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from upcycle import checkpoints, tree
+from upcycle.checkpoints.lazy import LazyArray
 from upcycle.upcycling.base import Array, ExpertInit, as_array, check_choice, draw, key_for
 
 
@@ -71,14 +74,21 @@ class MultiSource(ExpertInit):
     object.__setattr__(self, '_flats', flats)
 
   def shared_params(self) -> Dict[str, Any]:
-    """The non-expert params: source `base`, or the mean of all sources."""
+    """The non-expert params: source `base`, or the mean of all sources (`mean_leaf`; a
+    float leaf is averaged lazily, when it is read; other leaves are compared now)."""
     flats = self._flats
     if self.base is not None:
       return tree.unflatten(dict(flats[self.base]))
     out = {}
-    for path in flats[0]:
+    for path, first in flats[0].items():
+      leaves = [flat[path] for flat in flats]
+      if jnp.issubdtype(first.dtype, jnp.floating):
+        out[path] = LazyArray(tree.shape_of(first), first.dtype,
+                              lambda leaves=leaves: np.asarray(mean_leaf(leaves)),
+                              f'the mean of {len(flats)} sources', path)
+        continue
       try:
-        out[path] = mean_leaf([flat[path] for flat in flats])
+        out[path] = mean_leaf(leaves)
       except ValueError as e:
         raise ValueError(f'{type(self).__name__}: {path}: {e} Fix: pick one with base=<index>.') from e
     return tree.unflatten(out)
@@ -240,7 +250,7 @@ class Merge(MultiSource):
     if self.method == 'dare':
       base = self.dare_base
       if isinstance(base, str):
-        base = checkpoints.load(base).params
+        base = checkpoints.load(base, lazy=True, with_optimizer_state=False).params
       object.__setattr__(self, '_dare_base', tree.flatten(base))
 
   def __repr__(self):
@@ -287,3 +297,30 @@ class Merge(MultiSource):
       merged.add((i, j))
       pool.append(self._merge(pool[i], pool[j], key_for(rng, str(len(pool))), layer))
     return {name: jnp.stack([e[name] for e in pool]).astype(mlp[name].dtype) for name in names}
+
+
+def combine(ckpts: Sequence[checkpoints.Checkpoint], make: Callable[..., MultiSource], *,
+            step: Any, names: Mapping[str, str]) -> Tuple[checkpoints.Checkpoint, MultiSource]:
+  """Branch-Train-MiX / UpIT from loaded dense checkpoints (lazy ones stream).
+
+  Args:
+    ckpts: the sources, in order (expert e of FromCheckpoints comes from `ckpts[e]`).
+    make: `make(sources=[params, ...])` -> the initializer (FromCheckpoints, Merge, or a
+      partial of one with its other arguments).
+    step: the step policy (`step_policy.check`'d); 'keep' needs the sources at one step.
+    names: what to call the step policy and `make` in errors: {'step': ..., 'experts': ...}.
+
+  Returns:
+    (one Checkpoint standing for all: the first's, with every path and their common step;
+    the initializer).
+  """
+  steps = sorted({c.step for c in ckpts}, key=lambda s: -1 if s is None else s)
+  if step == 'keep' and len(steps) > 1:
+    raise ValueError(f'the source checkpoints are at different steps {steps}, so '
+                     f"{names['step']} = 'keep' is ambiguous. Fix: set it to 'reset' or a "
+                     f'number.')
+  init = make(sources=[c.params for c in ckpts])
+  if not isinstance(init, MultiSource):
+    raise ValueError(f"{names['experts']}(sources=...) returned {init!r}; expected "
+                     f'FromCheckpoints or Merge.')
+  return dataclasses.replace(ckpts[0], path=', '.join(c.path for c in ckpts)), init
