@@ -26,7 +26,7 @@ Auxiliary losses and metrics are sown (see `upcycle.moe.summary`):
                  [E] (filled slots per group) and expert_load [E] (tokens_per_expert / group
                  size). Padding counts only with ignore_padding_tokens=False.
   'router_logits': logits [batch, length, E] (float32; only when the collection is
-                 mutable, e.g. for `upcycling.router_training`)
+                 mutable, e.g. for UpIT's router stage, `train/router_stage.py`)
 """
 
 from typing import Callable, Optional, Tuple

@@ -1,7 +1,7 @@
 """What the trainer's pluggable parts must provide: an objective, an optimizer, an initializer.
 
-`objectives.Seq2Seq` / `Classification`, `optimizers.T5XAdafactor` / `BigVisionAdafactor` /
-`Adafactor` / `AdamW` and
+`objectives.Seq2Seq` / `CausalLm` / `Classification` (and `router_stage.RouterStage` around
+one), `optimizers.T5XAdafactor` / `BigVisionAdafactor` / `Adafactor` / `AdamW` / `RoutersOnly` and
 `restore.UpcycleFromDense` / `ContinueFromCheckpoint` are the implementations here; a new one
 needs only these members (structural typing, nothing to inherit).
 """
@@ -30,8 +30,9 @@ class Objective(Protocol):
     """The positional inputs `model.init` takes, from a batch."""
 
   def apply(self, params: Any, batch: Batch, *, train: bool,
-            rngs: Optional[Mapping[str, Array]] = None) -> Tuple[Array, Any]:
-    """-> (logits, the mutated MoE collections)."""
+            rngs: Optional[Mapping[str, Array]] = None,
+            mutable: Sequence[str] = ...) -> Tuple[Array, Any]:
+    """-> (logits, the mutated collections: the MoE ones by default, `mutable` if given)."""
 
   def loss(self, logits: Array, batch: Batch) -> Dict[str, Array]:
     """-> summed 'loss' (and other summed metrics) over the batch's real examples/tokens."""

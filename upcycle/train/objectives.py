@@ -1,7 +1,7 @@
 """What a model is trained on: batch -> model inputs, logits -> loss. One per model family."""
 
 import dataclasses
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any, Dict, Mapping, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -27,14 +27,14 @@ class TargetTokenLoss:
   count when the batch has no `decoder_loss_weights` (`_unweighted_tokens`)."""
 
   def loss(self, logits: Array, batch: Batch) -> Dict[str, Array]:
-    return losses.cross_entropy(logits, batch['decoder_target_tokens'], self._weights(batch),
+    return losses.cross_entropy(logits, batch['decoder_target_tokens'], self.target_weights(batch),
                                 self.z_loss, self.label_smoothing)
 
   def loss_weight_sum(self, batch: Batch) -> Array:
     """Real target tokens: what the summed loss is divided by."""
-    return jnp.sum(self._weights(batch).astype(jnp.float32))
+    return jnp.sum(self.target_weights(batch).astype(jnp.float32))
 
-  def _weights(self, batch: Batch) -> Array:
+  def target_weights(self, batch: Batch) -> Array:
     """`[batch, length]`: the target tokens that count (padding examples' none)."""
     weights = batch.get('decoder_loss_weights')
     weights = self._unweighted_tokens(batch) if weights is None else weights
@@ -51,12 +51,13 @@ class Seq2Seq(TargetTokenLoss):
   label_smoothing: float = 0.0
 
   def apply(self, params: Any, batch: Batch, *, train: bool,
-            rngs: Mapping[str, Array] = None) -> Tuple[Array, Any]:
-    """-> logits `[batch, target_len, vocab]` and the MoE collections."""
+            rngs: Mapping[str, Array] = None,
+            mutable: Sequence[str] = MOE_COLLECTIONS) -> Tuple[Array, Any]:
+    """-> logits `[batch, target_len, vocab]` and the MoE collections (`mutable`)."""
     kwargs = {k: batch[k] for k in T5_INPUTS[2:] if k in batch}
     return self.model.apply({'params': params}, batch['encoder_input_tokens'],
                             batch['decoder_input_tokens'], enable_dropout=train, rngs=rngs,
-                            mutable=MOE_COLLECTIONS, **kwargs)
+                            mutable=mutable, **kwargs)
 
   @staticmethod
   def _unweighted_tokens(batch: Batch) -> Array:
@@ -88,11 +89,12 @@ class CausalLm(TargetTokenLoss):
   label_smoothing: float = 0.0
 
   def apply(self, params: Any, batch: Batch, *, train: bool,
-            rngs: Mapping[str, Array] = None) -> Tuple[Array, Any]:
-    """-> logits `[batch, length, vocab]` and the MoE collections."""
+            rngs: Mapping[str, Array] = None,
+            mutable: Sequence[str] = MOE_COLLECTIONS) -> Tuple[Array, Any]:
+    """-> logits `[batch, length, vocab]` and the MoE collections (`mutable`)."""
     kwargs = {k: batch[k] for k in LM_INPUTS[1:] if k in batch}
     return self.model.apply({'params': params}, batch['decoder_input_tokens'],
-                            enable_dropout=train, rngs=rngs, mutable=MOE_COLLECTIONS, **kwargs)
+                            enable_dropout=train, rngs=rngs, mutable=mutable, **kwargs)
 
   @staticmethod
   def _unweighted_tokens(batch: Batch) -> Array:
@@ -121,9 +123,11 @@ class Classification:
   label_smoothing: float = 0.0
 
   def apply(self, params: Any, batch: Batch, *, train: bool,
-            rngs: Mapping[str, Array] = None) -> Tuple[Array, Any]:
+            rngs: Mapping[str, Array] = None,
+            mutable: Sequence[str] = MOE_COLLECTIONS) -> Tuple[Array, Any]:
+    """-> logits `[batch, classes]` and the MoE collections (`mutable`)."""
     return self.model.apply({'params': params}, batch['image'], train=train, rngs=rngs,
-                            mutable=MOE_COLLECTIONS)
+                            mutable=mutable)
 
   def features(self, params: Any, batch: Batch) -> Array:
     """Pre-logit features `[batch, width]` for linear probes."""

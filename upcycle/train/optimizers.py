@@ -4,6 +4,7 @@
   BigVisionAdafactor  big_vision's Adafactor with decoupled weight decay: the ViT runs
   Adafactor           optax.adafactor with T5X's defaults (whole tensors, no axis names)
   AdamW               AdamW with global-norm clipping
+  RoutersOnly         another optimizer on the MoE routers alone (UpIT's router stage)
 
 `build(param_axes)` gets the params' logical axis names (path -> names), which only
 T5XAdafactor uses. Schedules are functions of the optimizer's step count. An upcycled run
@@ -14,9 +15,11 @@ defined over the whole budget (dense + upcycled steps) continues across the upcy
 import dataclasses
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
+import jax
 import jax.numpy as jnp
 import optax
 
+from upcycle import tree
 from upcycle.train import t5x_adafactor
 
 Schedule = Callable[[jnp.ndarray], jnp.ndarray]
@@ -228,3 +231,36 @@ class BigVisionAdafactor:
       parts.append(optax.add_decayed_weights(self.weight_decay, _kernels))
     parts += [optax.scale_by_schedule(self.decay_schedule), optax.scale(-1.0)]
     return optax.chain(*parts)
+
+
+def _router_or_frozen(params: Any) -> Any:
+  """'router' for every leaf under an MoE block's `router/`, else 'frozen' (same tree)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: 'router' if any(getattr(k, 'key', None) == tree.ROUTER for k in path)
+      else 'frozen', params)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutersOnly:
+  """`inner` on the MoE routers' parameters, no update and no state for the others (UpIT's
+  router stage, `router_stage.RouterStage`): `optax.multi_transform`, so the checkpoint holds
+  the inner optimizer's state of the routers alone.
+
+  Attributes:
+    inner: the optimizer of the routers (e.g. `AdamW`; gradient clipping then counts the
+      routers' gradients only).
+  """
+
+  inner: Any
+
+  @property
+  def schedule(self) -> Schedule:
+    return self.inner.schedule
+
+  def build(self, param_axes: Optional[ParamAxes] = None) -> optax.GradientTransformation:
+    if param_axes is not None and not any(
+        f'/{tree.ROUTER}/' in f'/{path}' for path in param_axes):
+      raise ValueError('RoutersOnly: the model has no MoE router to train (no parameter '
+                       'under router/). Fix: give the model MoE layers, or another optimizer.')
+    return optax.multi_transform({'router': self.inner.build(param_axes),
+                                  'frozen': optax.set_to_zero()}, _router_or_frozen)
