@@ -508,17 +508,20 @@ def sharded_hf_llama(tmp_path_factory):
 
 @pytest.mark.parametrize('initializer, expert_d_ff', [
     ('copy', 48), ('noise', 48), ('random', 48), ('partial(copied=2)', 48),
-    ('granular(granularity=2)', 24)])
+    ('granular(granularity=2)', 24), ('zero_output(inner="copy")', 48)])
 def test_every_single_source_initializer_converts_a_sharded_hf_llama(
     sharded_hf_llama, initializer, expert_d_ff, tmp_path):
   """The initializers besides Drop (above) from the same sharded HF Llama into Mixtral's
-  block: experts of the expected shape, attention and embeddings copied bit for bit; copied
-  experts are the dense MLP exactly."""
+  block (with a shared expert for zero_output): experts of the expected shape, attention and
+  embeddings copied bit for bit; copied experts are the dense MLP exactly; zero_output's
+  shared expert is the dense MLP and its experts output nothing."""
   from upcycle import pretrained  # pylint: disable=g-import-not-at-top
   from upcycle.models import llama_hf  # pylint: disable=g-import-not-at-top
   source, dense, dense_config = sharded_hf_llama
+  moe = llama_hf.mixtral_moe(4, 2, 0.02)
+  shared = initializer.startswith('zero_output')
   config = dataclasses.replace(dense_config, d_ff=expert_d_ff,
-                               moe=llama_hf.mixtral_moe(4, 2, 0.02))
+                               moe=dataclasses.replace(moe, shared_expert=shared))
   convert.convert(source, config, str(tmp_path / 'moe'),
                   experts=convert.parse_init(initializer, experts.EXPERT_INITS, '--experts'),
                   router='uniform')
@@ -528,9 +531,15 @@ def test_every_single_source_initializer_converts_a_sharded_hf_llama(
   for path, leaf in dense.items():
     if '/mlp/' not in path:
       np.testing.assert_array_equal(moe[path], leaf, err_msg=path)
-  copied = {'copy': 4, 'partial(copied=2)': 2}.get(initializer, 0)
+  copied = {'copy': 4, 'partial(copied=2)': 2, 'zero_output(inner="copy")': 4}.get(
+      initializer, 0)
   for e in range(copied):
     np.testing.assert_array_equal(gate[e], dense['decoder/layers_1/mlp/wi_0/kernel'])
+  if shared:
+    for name in ('wi_0', 'wi_1', 'wo'):
+      np.testing.assert_array_equal(moe[f'decoder/layers_1/mlp/shared_expert/{name}/kernel'],
+                                    dense[f'decoder/layers_1/mlp/{name}/kernel'])
+    assert not np.any(moe['decoder/layers_1/mlp/expert/wo/kernel'])
   if initializer in ('noise', 'random'):
     assert not np.array_equal(gate[0], dense['decoder/layers_1/mlp/wi_0/kernel'])
 
