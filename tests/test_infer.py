@@ -100,11 +100,12 @@ def test_eval_sequence_accuracy_counts_exact_matches(byte_vocab_t5):
   params, config = pretrained.load_hf(byte_vocab_t5[0])
   pipeline = TextPipeline('offline_span_corruption', 'validation',
                           {'inputs': 32, 'targets': 8}, pack=False, shuffle=False)
-  records, result = predictions.decoded_split(
+  records, result, scores = predictions.decoded_split(
       T5(config), params, pipeline, DecodeConfig(), batch_size=3, mesh=partitioning.make_mesh(),
       max_batches=2, seed=0)
   assert result['decoded_examples'] == len(records) == 6
   assert result['sequence_accuracy'] == 0.0   # a random model reproduces no span
+  assert scores is None   # not asked for
 
 
 def _gcs_object(gcs_emulator, url: str) -> bytes:

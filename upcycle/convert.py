@@ -523,7 +523,8 @@ def main(argv: Optional[List[str]] = None) -> int:
   console.show_progress()
   args, rest = build_parser().parse_known_args(argv)
   gin_args, bindings = gin_utils.parse_flags(rest, 'gin flags of python -m upcycle.convert')
-  if reachability.refused({**{f'--source #{i + 1}': path for i, path in enumerate(args.source)},
+  if reachability.refused({**{'--source' + (f' ({i + 1})' if i else ''): path
+                              for i, path in enumerate(args.source)},
                            '--output_dir': args.output_dir}):
     return 1
   import gin  # pylint: disable=g-import-not-at-top

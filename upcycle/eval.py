@@ -41,11 +41,9 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
   """
   # pylint: disable=g-import-not-at-top
   from upcycle import decoding as decoding_lib
-  from upcycle import families
   from upcycle import pretrained
   from upcycle.train import evaluation, partitioning
   from upcycle.train.step import make_eval_step
-  from upcycle.upcycling import sharded
   # pylint: enable=g-import-not-at-top
   fields.integer_value('BATCH_SIZE (eval_script.evaluate.batch_size)', batch_size, 1)
   if output_dir:
@@ -54,9 +52,7 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
                                lazy=True, with_optimizer_state=False)
   mesh = partitioning.make_mesh(num_expert_partitions, num_model_partitions)
   host_batch = batch_size // jax.process_count()
-  shardings = partitioning.logical_sharding(
-      families.logical_params(objective.model.config), mesh)
-  params = jax.tree.map(sharded.read, checkpoint.params, shardings)
+  params = pretrained.on_mesh(checkpoint.params, objective.model.config, mesh)
   with partitioning.activate(mesh):
     results = evaluation.evaluate(jax.jit(make_eval_step(objective)), params, eval_data,
                                   batch_size=host_batch, mesh=mesh, max_batches=eval_batches,
@@ -81,14 +77,13 @@ def _decoded_metrics(objective: Any, params: Any, pipeline: Any, decoding: Any, 
                      batch_size: int, mesh: Any, max_batches: int, seed: int) -> dict:
   """Sequence accuracy and the task's own metrics (`upcycle.task_metrics`) of `pipeline`'s
   decoded examples; its score metrics, if it has any, from the targets' log-likelihoods."""
-  records, results = predictions.decoded_split(
-      objective.model, params, pipeline, decoding, batch_size=batch_size, mesh=mesh,
-      max_batches=max_batches, seed=seed)
   task = pipeline.seqio_task()
+  records, results, scores = predictions.decoded_split(
+      objective.model, params, pipeline, decoding, batch_size=batch_size, mesh=mesh,
+      max_batches=max_batches, seed=seed,
+      scored_by=objective if task.score_metric_fns else None)
   results.update(task_metrics.predict_metrics(task, records))
-  if task.score_metric_fns:
-    scores = predictions.target_scores(objective, params, pipeline, batch_size=batch_size,
-                                       mesh=mesh, max_batches=max_batches, seed=seed)
+  if scores is not None:
     results.update(task_metrics.score_metrics(task, records, scores))
   return results
 
@@ -96,23 +91,17 @@ def _decoded_metrics(objective: Any, params: Any, pipeline: Any, decoding: Any, 
 def _write(directory: epath.Path, results: dict, *, tensorboard: bool) -> None:
   """eval_results.json (this evaluation), a row of metrics.jsonl ({'step', 'split': 'eval',
   metrics...}, one per evaluation, appended) and, with `tensorboard`, TensorBoard scalars
-  (tensorboard/eval) in `directory`, local or gs://."""
+  (tensorboard/eval) in `directory`, local or gs://: the training log's writer."""
+  from upcycle.train.logger import MetricLogger  # pylint: disable=g-import-not-at-top
   directory.mkdir(parents=True, exist_ok=True)
   (directory / 'eval_results.json').write_text(json.dumps(results, indent=2))
   step = int(results['step'] or 0)
   scalars = {k: v for k, v in results.items()
              if isinstance(v, (int, float)) and not isinstance(v, bool) and k != 'step'}
-  log = directory / 'metrics.jsonl'
-  before = log.read_text() if log.exists() else ''
-  log.write_text(before + json.dumps({'step': step, 'split': 'eval', **scalars}) + '\n')
-  if not tensorboard:
-    return
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top  (the data pipelines load it)
-  writer = tf.summary.create_file_writer(os.fspath(directory / 'tensorboard' / 'eval'))
-  with writer.as_default(step=step):
-    for name, value in scalars.items():
-      tf.summary.scalar(name, value)
-  writer.close()
+  logger = MetricLogger(os.fspath(directory), total_steps=step, tokens_per_step=0,
+                        tensorboard=tensorboard, append=True)
+  logger.write(step, scalars, split='eval')
+  logger.close()
 
 
 def main(argv) -> dict:

@@ -90,7 +90,6 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
   from upcycle import pretrained
   from upcycle.data.prompts import Prompts
   from upcycle.train import partitioning
-  from upcycle.upcycling import sharded
   # pylint: enable=g-import-not-at-top
   if getattr(infer_data, 'pack', False):
     raise ValueError('infer_data: decoding needs one example per row; bind '
@@ -115,10 +114,9 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
   path = epath.Path(output_dir) / 'inference' / output_name(
       predictions.source_name(infer_data), checkpoint.step or 0, decoding, seed)
   mesh = partitioning.make_mesh(num_expert_partitions, num_model_partitions)
-  shardings = partitioning.logical_sharding(families.logical_params(model.config), mesh)
   writer = jax.process_index() == 0
   with _output(path, writer) as f:
-    params = jax.tree.map(sharded.read, checkpoint.params, shardings)
+    params = pretrained.on_mesh(checkpoint.params, model.config, mesh)
     done = progress.Progress('infer', 'examples', total=predictions.expected_examples(
         infer_data, batch_size=batch_size, max_batches=max_batches))
     for records in predictions.batch_records(

@@ -11,7 +11,7 @@ and merges by index to the same end).
 """
 
 import dataclasses
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import jax
 from jax.experimental import multihost_utils
@@ -47,15 +47,15 @@ def _fetched(x: jax.Array) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def _decode(decode_fn, params: Any, inputs: Tuple[np.ndarray, ...], rng: jax.Array, *,
-            mesh: Mesh) -> Tuple[np.ndarray, np.ndarray]:
-  """`decode_fn(params, *inputs, rng)` on the mesh, inputs `[rows, ...]` padded to
-  `padded_rows`; (tokens, scores) as numpy, whole on every process."""
-  rows = padded_rows(inputs[0].shape[0], mesh)
-  padded = [_global(x, mesh) for x in _padded(dict(enumerate(inputs)), rows).values()]
+def _on_mesh(fn, params: Any, inputs: Sequence[np.ndarray], *extra, rows: int, mesh: Mesh):
+  """`fn(params, *inputs, *extra)` on the mesh, each input `[n, ...]` padded with zero rows to
+  `rows` (one compiled shape for every batch); its outputs as numpy, whole on every process
+  and cut back to the n rows."""
+  n = inputs[0].shape[0]
+  padded = [_global(np.pad(x, [(0, rows - n)] + [(0, 0)] * (x.ndim - 1)), mesh) for x in inputs]
   with partitioning.activate(mesh):
-    tokens, scores = decode_fn(params, *padded, rng)
-  return _fetched(tokens), _fetched(scores)
+    outputs = fn(params, *padded, *extra)
+  return jax.tree.map(lambda x: _fetched(x)[:n], outputs)
 
 
 def decoded_batches(decode_fn, params: Any, pipeline: Any, *, batch_size: int, mesh: Mesh,
@@ -63,21 +63,19 @@ def decoded_batches(decode_fn, params: Any, pipeline: Any, *, batch_size: int, m
   """(batch, tokens `[n, max_length]`, scores `[n]`) for each batch of `pipeline`, in order,
   on every process (`params` placed on `mesh`).
 
-  Every example is decoded once: the last partial batch is padded to `batch_size` (one
+  Every example is decoded once: every batch is padded to `padded_rows(batch_size)` (one
   compiled shape) and the padding cut off again, so `n <= batch_size`.
   """
   from upcycle.data.iterator import DataIterator  # pylint: disable=g-import-not-at-top
   iterator = DataIterator(pipeline, batch_size=batch_size, seed=seed, num_epochs=1,
                           drop_remainder=False)
-  rng = jax.random.PRNGKey(seed)
+  rows, rng = padded_rows(batch_size, mesh), jax.random.PRNGKey(seed)
   for i, batch in enumerate(iterator):
     if max_batches and i >= max_batches:
       return
-    n = batch['encoder_input_tokens'].shape[0]
-    inputs = np.pad(batch['encoder_input_tokens'], ((0, batch_size - n), (0, 0)))
-    tokens, scores = _decode(decode_fn, params, (inputs,), jax.random.fold_in(rng, i),
-                             mesh=mesh)
-    yield batch, tokens[:n], scores[:n]
+    tokens, scores = _on_mesh(decode_fn, params, [batch['encoder_input_tokens']],
+                              jax.random.fold_in(rng, i), rows=rows, mesh=mesh)
+    yield batch, tokens, scores
 
 
 def target_vocabulary(pipeline: Any) -> Optional[Any]:
@@ -137,17 +135,13 @@ def continued_prompts(decode_fn, params: Any, prompts: Prompts, *, batch_size: i
   `prompts`, in order, decoded by `decoding.llama.make_decode_fn`'s function on `mesh`. The
   last partial batch is padded with empty rows to `batch_size` (one compiled shape) and cut
   again."""
-  rng = jax.random.PRNGKey(seed)
+  rows, rng = padded_rows(batch_size, mesh), jax.random.PRNGKey(seed)
   for i, batch in enumerate(prompts.batches(batch_size)):
     if max_batches and i >= max_batches:
       return
-    n = len(batch['prompt'])
-    padding = ((0, batch_size - n), (0, 0))
-    tokens, scores = _decode(
-        decode_fn, params, (np.pad(batch['prompt_tokens'], padding),
-                            np.pad(batch['prompt_mask'], padding)),
-        jax.random.fold_in(rng, i), mesh=mesh)
-    yield batch, tokens[:n], scores[:n]
+    tokens, scores = _on_mesh(decode_fn, params, [batch['prompt_tokens'], batch['prompt_mask']],
+                              jax.random.fold_in(rng, i), rows=rows, mesh=mesh)
+    yield batch, tokens, scores
 
 
 def through_eos(tokens: np.ndarray, eos_id: int) -> List[int]:
@@ -194,34 +188,37 @@ def batch_records(model: Any, params: Any, pipeline: Any, decoding: Any, *,
 
 
 def decoded_split(model: Any, params: Any, pipeline: Any, decoding: Any, *, batch_size: int,
-                  mesh: Mesh, max_batches: int, seed: int) -> Tuple[List[Dict[str, Any]], dict]:
+                  mesh: Mesh, max_batches: int, seed: int, scored_by: Any = None
+                  ) -> Tuple[List[Dict[str, Any]], dict, Optional[np.ndarray]]:
   """`pipeline`'s examples decoded (at most `max_batches` batches): their records
-  (`example_records`) and {'sequence_accuracy': the fraction whose decoded targets equal the
-  reference exactly (T5's, on token ids), 'decoded_examples': their number}."""
+  (`example_records`); {'sequence_accuracy': the fraction whose decoded targets equal the
+  reference exactly (T5's, on token ids), 'decoded_examples': their number}; and with
+  `scored_by` (the model's objective) `[examples]` the log-likelihood of each example's
+  targets, the sum of log p(token) over its target tokens with the reference fed back
+  (T5X's `score_batch`), else None. The split is read once for both."""
   decode_fn = decoding_lib.make_decode_fn(model, decoding, pipeline.feature_lengths['targets'])
+  score_fn = None if scored_by is None else _target_score_fn(scored_by)
   vocabulary = target_vocabulary(pipeline)
-  records, matches = [], []
-  for batch, tokens, scores in decoded_batches(
+  records, matches, scores = [], [], []
+  for batch, tokens, beam_scores in decoded_batches(
       decode_fn, params, pipeline, batch_size=batch_size, mesh=mesh, max_batches=max_batches,
       seed=seed):
     matches.append(np.asarray(decoding_lib.exact_match(tokens, batch['decoder_target_tokens'])))
-    records.extend(example_records(batch, tokens, scores, vocabulary))
+    records.extend(example_records(batch, tokens, beam_scores, vocabulary))
+    if score_fn is not None:
+      names = sorted(batch)
+      scores.append(_on_mesh(lambda p, *xs: score_fn(p, dict(zip(names, xs))), params,
+                             [batch[k] for k in names], rows=padded_rows(batch_size, mesh),
+                             mesh=mesh))
   matches = np.concatenate(matches)
   return records, {'sequence_accuracy': float(matches.mean()),
-                   'decoded_examples': int(matches.size)}
+                   'decoded_examples': int(matches.size)}, (
+                       np.concatenate(scores) if score_fn is not None else None)
 
 
-def _padded(batch: Dict[str, np.ndarray], rows: int) -> Dict[str, np.ndarray]:
-  return {k: np.pad(v, [(0, rows - v.shape[0])] + [(0, 0)] * (v.ndim - 1))
-          for k, v in batch.items()}
-
-
-def target_scores(objective: Any, params: Any, pipeline: Any, *, batch_size: int, mesh: Mesh,
-                  max_batches: int, seed: int) -> np.ndarray:
-  """`[examples]`: each example's log-likelihood of its targets, the sum of log p(token) over
-  its target tokens with the reference fed back (T5X's `score_batch`), in the order
-  `decoded_batches` gives the examples of `pipeline` (an unpacked split)."""
-  from upcycle.data.iterator import DataIterator  # pylint: disable=g-import-not-at-top
+def _target_score_fn(objective: Any):
+  """jitted (params, batch) -> `[batch]`: each example's summed log-likelihood of its target
+  tokens (weighted by `decoder_loss_weights`), the reference fed back."""
 
   @jax.jit
   def score(params, batch):
@@ -231,14 +228,4 @@ def target_scores(objective: Any, params: Any, pipeline: Any, *, batch_size: int
     token = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
     return jnp.sum(token * batch['decoder_loss_weights'], axis=-1)
 
-  iterator = DataIterator(pipeline, batch_size=batch_size, seed=seed, num_epochs=1,
-                          drop_remainder=False)
-  rows, scores = padded_rows(batch_size, mesh), []
-  for i, batch in enumerate(iterator):
-    if max_batches and i >= max_batches:
-      break
-    n = batch['decoder_target_tokens'].shape[0]
-    inputs = {k: _global(v, mesh) for k, v in _padded(batch, rows).items()}
-    with partitioning.activate(mesh):
-      scores.append(_fetched(score(params, inputs))[:n])
-  return np.concatenate(scores)
+  return score

@@ -5,10 +5,13 @@ the model); `upcycle.families` knows shapes. This module wires the two:
 
   ckpt = pretrained.load(path, model_config=cfg)   # checked against cfg's shapes
   params, config = pretrained.load_hf(path)        # the config HF's config.json implies
+  params = pretrained.on_mesh(ckpt.params, cfg, mesh)   # placed by the model's logical axes
 """
 
 import os
 from typing import Any, Dict, Optional, Tuple
+
+import jax
 
 from upcycle import checkpoints, families
 
@@ -49,3 +52,15 @@ def load_hf(path: str, lazy: bool = False) -> Tuple[Dict[str, Any], Any]:
   numpy leaves, or LazyArrays with `lazy=True`."""
   ckpt = load(path, 'hf', lazy=lazy)
   return ckpt.params, ckpt.model_config
+
+
+def on_mesh(params: Any, model_config: Any, mesh: jax.sharding.Mesh) -> Any:
+  """A checkpoint's parameters (lazy or not) placed on `mesh` by the model's logical axes
+  under the rules active (`partitioning.activate`; the default rules outside it), each
+  process reading only the blocks its devices hold (`upcycling.sharded.read`)."""
+  # pylint: disable=g-import-not-at-top
+  from upcycle.train import partitioning
+  from upcycle.upcycling import sharded
+  # pylint: enable=g-import-not-at-top
+  shardings = partitioning.logical_sharding(families.logical_params(model_config), mesh)
+  return jax.tree.map(sharded.read, params, shardings)

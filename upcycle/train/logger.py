@@ -114,9 +114,12 @@ class MetricLogger:
   """Writes metrics to the console, `metrics.jsonl` and TensorBoard event files."""
 
   def __init__(self, model_dir: str, total_steps: int, tokens_per_step: int,
-               tensorboard: bool = True, resume_step: Optional[int] = None):
+               tensorboard: bool = True, resume_step: Optional[int] = None,
+               append: bool = False):
     """`resume_step`: the step a resumed run continues from (rows after it are dropped from
-    metrics.jsonl); None for a new run (an earlier, checkpoint-less attempt's rows go)."""
+    metrics.jsonl); None for a new run (an earlier, checkpoint-less attempt's rows go).
+    `append`: keep every row already in metrics.jsonl (`upcycle.eval` adds one per
+    evaluation to a run's log)."""
     self.total_steps = total_steps
     self.tokens_per_step = tokens_per_step
     self._writes = jax.process_index() == 0
@@ -126,7 +129,7 @@ class MetricLogger:
     self._model_dir = epath.Path(model_dir)
     if self._writes:
       self._model_dir.mkdir(parents=True, exist_ok=True)
-      dropped = truncate_log(self._model_dir / METRICS_FILE, resume_step)
+      dropped = 0 if append else truncate_log(self._model_dir / METRICS_FILE, resume_step)
       if dropped:
         log.info('metrics.jsonl: dropped %d rows after step %d, from the part of an earlier '
                  'attempt that is redone now.', dropped, resume_step or 0)
