@@ -4,19 +4,25 @@ transformers loads with our logits and our reader reads back to the same paramet
 import dataclasses
 import json
 import os
+import re
 
+import jax
 import numpy as np
 import pytest
 
 from tests.checkpoints import helpers
 from tests.models.helpers import llama_logits
 from upcycle import export, fields, hf_export, pretrained, tree
+from upcycle.checkpoints import CheckpointError
 from upcycle.checkpoints.orbax import CheckpointManager
 from upcycle.data import tokenizer as tokenizer_lib
+from upcycle.decoding import DecodeConfig
+from upcycle.decoding import llama as llama_decoding
 from upcycle import upcycling
 from upcycle.upcycling.experts import Granular
 from upcycle.families import abstract_params
-from upcycle.models import Llama3RopeScaling, LlamaConfig, llama_hf, scan_layout
+from upcycle.models import Llama, Llama3RopeScaling, LlamaConfig, llama_hf, scan_layout
+from upcycle.moe import MOE_COLLECTIONS, aux_losses
 
 LENGTH = 12
 # configs/models/llama/tiny.gin, with a llama3 RoPE whose original context (64) puts the 8
@@ -176,19 +182,24 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys):
       capsys, f'--model_dir={run}', '--output_dir=gs://bucket/hf', llama)
   inside = _refusal(capsys, f'--model_dir={run}', f'--output_dir={run}/checkpoints/hf', llama)
   assert f'lies inside the checkpoint {run}/checkpoints, which an export only reads' in inside
-  moe = dataclasses.replace(FAMILIES['Qwen2ForCausalLM'],
-                            moe=llama_hf.mixtral_moe(num_experts=2, k=1, aux_loss_coef=0.01))
-  with pytest.raises(fields.ConfigError, match=r"^models.LlamaConfig.qkv_bias / out_bias: "
-                     r"Mixtral's attention has no biases, so this MoE is no MixtralForCausalLM"):
-    hf_export.export(run, str(out), model_config=moe)
-  for change, binding in ((dict(placement='every_other'), r'moe.MoeConfig.placement'),
-                          (dict(eval_capacity_factor=1.0, dispatch='indices'),
-                           r'moe.MoeConfig.eval_capacity_factor'),
-                          (dict(shared_expert=True), r'moe.MoeConfig.shared_expert')):
-    odd = dataclasses.replace(FAMILIES['MistralForCausalLM'], moe=dataclasses.replace(
-        llama_hf.mixtral_moe(num_experts=2, k=1, aux_loss_coef=0.01), **change))
-    with pytest.raises(fields.ConfigError, match=f'^{binding}.*Fix: train it with'):
-      hf_export.export(run, str(out), model_config=odd)
+  moe = llama_hf.mixtral_moe(num_experts=2, k=1, aux_loss_coef=0.01)
+  neither = 'so neither MixtralForCausalLM nor Qwen2MoeForCausalLM computes this MoE'
+  for config, binding, fix in (
+      (dataclasses.replace(FAMILIES['LlamaForCausalLM'], moe=moe),
+       'models.LlamaConfig.out_bias = True', 'out_bias = False'),
+      (dataclasses.replace(FAMILIES['MistralForCausalLM'], moe=dataclasses.replace(
+          moe, eval_capacity_factor=1.0, dispatch='indices')),
+       'moe.MoeConfig.eval_capacity_factor', "dispatch = 'ragged'"),
+      (dataclasses.replace(FAMILIES['Qwen2ForCausalLM'], moe=dataclasses.replace(
+          moe, capacity_convention='t5x', train_capacity_factor=1.5, dispatch='masked',
+          shared_expert=True)), 'moe.MoeConfig.eval_capacity_factor', "dispatch = 'ragged'")):
+    with pytest.raises(fields.ConfigError, match=f'^{re.escape(binding)}.*{neither}. Fix: '
+                       f'train it with {re.escape(fix)}'):
+      hf_export.export(run, str(out), model_config=config)
+  # Expert Choice reads the future in a decoder: no Llama holds it, in either format.
+  assert "models.LlamaConfig.moe.router = 'experts_choose'" in _refusal(
+      capsys, *flags, llama, '--gin_file=moe/mixtral.gin',
+      "--gin.moe.MoeConfig.router='experts_choose'", "--gin.moe.MoeConfig.dispatch='indices'")
   out.mkdir()
   (out / 'kept').write_text('')
   assert 'already exists and is not empty' in _refusal(
@@ -225,3 +236,143 @@ def test_an_upcycled_llama_is_a_mixtral_with_the_dense_logits_in_transformers(
   _assert_close(_torch_logits(mixtral, tokens), _torch_logits(mistral, tokens))
   _assert_close(llama_logits(params, config, tokens), _torch_logits(mixtral, tokens))
   _assert_reads_back(tmp_path / 'mixtral', params, config)
+
+
+def _moe(**change):
+  return dataclasses.replace(llama_hf.mixtral_moe(4, 2, 0.02), **change)
+
+
+# MoE Llamas Mixtral cannot express, each written as Qwen2MoeForCausalLM.
+QWEN2_MOE = {
+    # MoE in layers 0 and 2 only, q/k/v biases, a shared expert of its own d_ff.
+    'some_layers_shared_expert_qkv_bias': LlamaConfig(
+        **{**SMALL, 'num_layers': 3}, qkv_bias=True, rope_theta=1e6,
+        moe=_moe(placement=(0, 2), shared_expert=True, shared_expert_d_ff=24)),
+    # Raw top-2 weights, no shared expert (written as one of 0 units), full capacity, tied head.
+    'raw_weights_no_shared_expert': LlamaConfig(
+        **SMALL, logits_via_embedding=True,
+        moe=_moe(normalize_combine_weights=False, dispatch='indices')),
+    # A shared expert of the dense d_ff under a sliding window, which every layer then has.
+    'window_shared_expert': LlamaConfig(**SMALL, sliding_window=LENGTH,
+                                        moe=_moe(shared_expert=True)),
+}
+
+
+@pytest.fixture(scope='module', params=sorted(QWEN2_MOE))
+def qwen2_moe(request, tmp_path_factory):
+  """(config, params, the exported directory, transformers' model loaded from it)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  config = QWEN2_MOE[request.param]
+  params = _random(config, seed=6)
+  tmp = tmp_path_factory.mktemp(request.param)
+  out = hf_export.export(_save_run(tmp / 'run', params), str(tmp / 'hf'), model_config=config)
+  theirs = transformers.Qwen2MoeForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  return config, params, out, theirs
+
+
+def _masked_batch(vocab):
+  """Tokens `[3, LENGTH]` and HF's attention mask: full, right-padded (8), left-padded (5)."""
+  mask = np.ones((3, LENGTH), np.int64)
+  mask[1, 8:] = 0
+  mask[2, :LENGTH - 5] = 0
+  return np.random.default_rng(0).integers(0, vocab, (3, LENGTH)), mask
+
+
+def test_qwen2_moe_export_is_what_save_pretrained_writes_and_reads_back(qwen2_moe, tmp_path):
+  """config.json's Qwen2-MoE fields, and the file holds what `save_pretrained` writes for the
+  model it loads as (names, shapes, values: per-expert tensors, which transformers fuses on
+  load and splits on save). Our ungated shared expert is theirs with a gate of zeros and the
+  down projection doubled; no shared expert is one of 0 units."""
+  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+  config, params, out, theirs = qwen2_moe
+  with open(os.path.join(out, 'config.json')) as f:
+    hf = json.load(f)
+  shared_d_ff = config.moe.shared_d_ff(config.d_ff) or 0
+  dense = [i for i in range(config.num_layers) if i not in config.sparse_layers()]
+  assert (hf['architectures'], hf['mlp_only_layers'], hf['decoder_sparse_step'],
+          hf['moe_intermediate_size'], hf['shared_expert_intermediate_size'],
+          hf['norm_topk_prob'], hf['qkv_bias'], hf['router_aux_loss_coef']) == (
+              ['Qwen2MoeForCausalLM'], dense, 1, config.d_ff, shared_d_ff,
+              config.moe.normalize_combine_weights, config.qkv_bias, 0.02)
+  windowed = config.sliding_window is not None
+  assert theirs.config.layer_types == [
+      'sliding_attention' if windowed else 'full_attention'] * config.num_layers
+  theirs.save_pretrained(tmp_path / 'resaved')
+  ours = load_file(os.path.join(out, 'model.safetensors'))
+  resaved = load_file(str(tmp_path / 'resaved' / 'model.safetensors'))
+  assert sorted(ours) == sorted(resaved)
+  for name in ours:
+    np.testing.assert_array_equal(ours[name], resaved[name], err_msg=name)
+  i = config.sparse_layers()[-1]
+  mlp = params['decoder'][f'layers_{i}']['mlp']
+  np.testing.assert_array_equal(ours[f'model.layers.{i}.mlp.shared_expert_gate.weight'],
+                                np.zeros((1, config.d_model), np.float32))
+  down = ours[f'model.layers.{i}.mlp.shared_expert.down_proj.weight']
+  assert down.shape == (config.d_model, shared_d_ff)
+  if shared_d_ff:
+    np.testing.assert_array_equal(down, 2 * mlp['shared_expert']['wo']['kernel'].T)
+  # Read back: the same parameters, and the config up to the dispatch (a dropless one reads
+  # as 'ragged', the one that needs no capacity).
+  _assert_reads_back(out, params, dataclasses.replace(
+      config, moe=dataclasses.replace(config.moe, dispatch='ragged')))
+
+
+def test_qwen2_moe_logits_and_load_balancing_loss_are_ours(qwen2_moe):
+  """Within 1e-4 relative (padding masked) on rows full, right- and left-padded; the loss is
+  the pooled one (`mixtral_moe`'s), over the MoE layers' real tokens, as transformers'."""
+  import torch  # pylint: disable=g-import-not-at-top
+  config, params, _, theirs = qwen2_moe
+  tokens, mask = _masked_batch(config.vocab_size)
+  with torch.no_grad():
+    reference = theirs(torch.tensor(tokens), attention_mask=torch.tensor(mask),
+                       output_router_logits=True)
+  logits, state = jax.jit(lambda p, t, s: Llama(config).apply(
+      {'params': p}, t, decoder_segment_ids=s, mutable=MOE_COLLECTIONS))(
+          params, tokens, mask.astype(np.int32))
+  _assert_close(np.asarray(logits)[mask == 1], reference.logits.numpy()[mask == 1])
+  np.testing.assert_allclose(aux_losses(state)['load_balancing_loss'],
+                             reference.aux_loss.item(), rtol=1e-5)
+
+
+def test_qwen2_moe_greedy_decoding_is_generate(qwen2_moe):
+  """Left-padded prompts of 6 and 5 tokens, 6 new tokens each (12 in all: the window)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  config, params, _, theirs = qwen2_moe
+  tokens, mask = (x[[0, 2], LENGTH // 2:] for x in _masked_batch(config.vocab_size))
+  tokens = np.where(mask == 1, tokens, 0)
+  theirs.generation_config.eos_token_id = None
+  with torch.no_grad():
+    want = theirs.generate(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask),
+                           max_new_tokens=6, do_sample=False, num_beams=1, pad_token_id=0,
+                           output_router_logits=False)
+  decode = llama_decoding.make_decode_fn(Llama(config), DecodeConfig(method='greedy'), 6)
+  got, _ = decode(params, tokens.astype(np.int32), mask.astype(np.int32), jax.random.PRNGKey(0))
+  np.testing.assert_array_equal(np.asarray(got), want[:, LENGTH // 2:].numpy())
+
+
+def test_a_qwen2_moe_we_did_not_write_is_refused_on_read(tmp_path):
+  """A learned shared-expert gate (Qwen1.5-MoE's) is no ungated shared expert, and experts of
+  another size than the dense MLPs are no Llama MoE: each refused in one line."""
+  from safetensors.numpy import load_file, save_file  # pylint: disable=g-import-not-at-top
+  config = QWEN2_MOE['some_layers_shared_expert_qkv_bias']
+  out = hf_export.export(_save_run(tmp_path / 'run', _random(config, seed=7)),
+                         str(tmp_path / 'hf'), model_config=config)
+  weights = os.path.join(out, 'model.safetensors')
+  tensors = load_file(weights)
+  tensors['model.layers.2.mlp.shared_expert_gate.weight'][0, 3] = 0.5
+  save_file(tensors, weights, metadata={'format': 'pt'})
+  with pytest.raises(CheckpointError, match=r"^model.layers.2.mlp.shared_expert_gate.weight: "
+                     r"parameter 'decoder/layers_2/mlp/shared_expert_gate/kernel': a shared "
+                     r"expert gated by its input.*Expected a shared_expert_gate.weight of zeros"):
+    pretrained.load_hf(out)
+  tensors['model.layers.2.mlp.shared_expert_gate.weight'][0, 3] = 0.0
+  save_file(tensors, weights, metadata={'format': 'pt'})
+  with open(os.path.join(out, 'config.json')) as f:
+    hf = json.load(f)
+  with open(os.path.join(out, 'config.json'), 'w') as f:
+    json.dump(dict(hf, moe_intermediate_size=32), f)
+  with pytest.raises(fields.ConfigError, match=r'config.json: field "moe_intermediate_size" = '
+                     r'32: this model\'s experts have the dense MLP\'s d_ff \("intermediate_size'
+                     r'" = 64\)\. Fix: '):
+    pretrained.load_hf(out)

@@ -34,13 +34,15 @@ config.json, the weights as safetensors (shards of at most --max_shard_size, def
 with model.safetensors.index.json), and for a Llama-family model the tokenizer the run keeps
 in MODEL_DIR/tokenizer/. A dense Llama is written as LlamaForCausalLM, one with q/k/v biases
 alone as Qwen2ForCausalLM, one with a sliding window as MistralForCausalLM; a dense T5 v1.1 as
-T5ForConditionalGeneration with its own lm_head, an MoE Llama as MixtralForCausalLM (what
-Mixtral does not compute is refused naming the binding). T5 MoE models and ViT are refused
-(use --format=t5x). --model_dir may also be one step of a run, a T5X or an HF checkpoint. The
-model is gin's MODEL from --gin_file / --gin.KEY=VALUE (the model files the run was trained
-with); an HF checkpoint names its own. Scanned layers are unrolled. OUTPUT_DIR must not exist
-or be empty; it is written as OUTPUT_DIR.tmp-* and renamed when complete (a second export
-into it while one runs is refused).
+T5ForConditionalGeneration with its own lm_head, an MoE Llama as MixtralForCausalLM, or where
+Mixtral cannot express it (MoE in some layers only, a shared expert, raw top-k weights, q/k/v
+biases) as Qwen2MoeForCausalLM (what neither computes, e.g. capacity that drops tokens, is
+refused naming the binding). T5 MoE models and ViT are refused (use --format=t5x).
+--model_dir may also be one step of a run, a T5X or an HF checkpoint. The model is gin's MODEL
+from --gin_file / --gin.KEY=VALUE (the model files the run was trained with); an HF checkpoint
+names its own. Scanned layers are unrolled. OUTPUT_DIR must not exist or be empty; it is
+written as OUTPUT_DIR.tmp-* and renamed when complete (a second export into it while one runs
+is refused).
 """
 
 import argparse

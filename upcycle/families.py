@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from upcycle import tree
-from upcycle.checkpoints import hf_llama, hf_t5
+from upcycle.checkpoints import hf_llama, hf_qwen2_moe, hf_t5
 from upcycle.checkpoints.t5x_export import ExportError
 from upcycle.data import tokenizer as tokenizer_lib
 from upcycle.models import Llama, LlamaConfig, T5, T5Config, ViT, ViTConfig, llama_hf
@@ -101,6 +101,8 @@ def _llama_hf_files(params: Mapping[str, Any], config: LlamaConfig, source: str)
          else {'bos_id': tokenizer.bos_id, 'eos_id': tokenizer.eos_id})
   hf_config = llama_hf.hf_config(config, dtype=_dtype(params), **ids)
   files = {} if tokenizer is None else dict(tokenizer.files)
+  if hf_config['model_type'] == 'qwen2_moe':   # its gated shared expert: hf_qwen2_moe
+    return hf_config, hf_qwen2_moe.to_hf(params, source), files
   return hf_config, hf_llama.to_hf(params, source, hf_config['architectures'][0]), files
 
 

@@ -2,10 +2,13 @@
 logits (`python -m upcycle.export --format=hf`):
 
   Llama family        -> LlamaForCausalLM, Qwen2ForCausalLM (q/k/v biases alone),
-                         MistralForCausalLM (a sliding window), or MixtralForCausalLM (an
-                         MoE in every layer as Mixtral routes): `llama_hf.hf_model_type`;
-                         the tokenizer the run keeps (MODEL_DIR/tokenizer/, or an HF source's
-                         own) copied, its BOS / EOS ids in config.json
+                         MistralForCausalLM (a sliding window), MixtralForCausalLM (an MoE
+                         in every layer as Mixtral routes), or Qwen2MoeForCausalLM (an MoE
+                         Mixtral cannot express: in some layers only, with a shared expert,
+                         raw top-k weights or q/k/v biases; `checkpoints.hf_qwen2_moe`):
+                         `llama_hf.hf_model_type`; the tokenizer the run keeps
+                         (MODEL_DIR/tokenizer/, or an HF source's own) copied, its BOS / EOS
+                         ids in config.json
   dense T5 v1.1       -> T5ForConditionalGeneration with its own lm_head
                          (`tie_word_embeddings` false); no tokenizer (T5 runs read seqio's)
 
@@ -13,8 +16,9 @@ The source is a run of ours (MODEL_DIR, its checkpoints/: the step `step`, defau
 latest) or any checkpoint `checkpoints.load` reads (one step of a run, T5X, HF). The model is
 `model_config` (gin's MODEL on the command line), else the one the checkpoint describes (HF);
 the parameters are checked against it before anything is written. Scanned layers are
-unrolled (`scan_layout.unstack`, lazily). ViT, MoE T5 and an MoE Llama that Mixtral does
-not compute are refused in one line before any array is read. Weights keep their stored dtype
+unrolled (`scan_layout.unstack`, lazily). ViT, MoE T5 and an MoE Llama that neither Mixtral
+nor Qwen2-MoE computes (an output bias, capacity that drops tokens) are refused in one line
+before any array is read. Weights keep their stored dtype
 and are read one at a time (`hf_writer`), which also makes the output appear whole or not at
 all.
 """
@@ -39,8 +43,8 @@ def check_exportable(config: Any) -> None:
   family = families.of(config)
   if family.hf_export is None:
     raise ExportError(f'--format=hf writes Llama-family models (Llama, Qwen2, Mistral, '
-                      f'Mixtral) and dense T5 v1.1; {family.module.__name__} is not written as '
-                      f'HuggingFace yet. Fix: export it with --format=t5x.')
+                      f'Mixtral, Qwen2-MoE) and dense T5 v1.1; {family.module.__name__} is not '
+                      f'written as HuggingFace yet. Fix: export it with --format=t5x.')
   family.hf_export.check(config)
 
 

@@ -5,8 +5,9 @@ names") and, as `Checkpoint.description`, the T5Config / ViTConfig fields that r
 HuggingFace model's logits (`upcycle.pretrained.load_hf` makes the config and checks the
 shapes). Supported:
 `T5ForConditionalGeneration` with `feed_forward_proj='gated-gelu'` (T5 v1.1, Flan-T5),
-`ViTForImageClassification`, and the causal LMs of `model_type` 'llama', 'mistral' and 'qwen2'
-(their description is config.json itself, which `LlamaConfig.from_hf_config` reads). Leaves are
+`ViTForImageClassification`, and the causal LMs of `model_type` 'llama', 'mistral', 'qwen2',
+'mixtral' and 'qwen2_moe' (the last only as `upcycle.export` writes it: `hf_qwen2_moe`; their
+description is config.json itself, which `LlamaConfig.from_hf_config` reads). Leaves are
 numpy arrays, or with `lazy=True` memory-mapped LazyArrays. A directory on gs:// reads the same
 way (config.json and safetensors headers first, each tensor by a ranged read when read).
 """
@@ -20,7 +21,8 @@ import numpy as np
 
 from etils import epath
 
-from upcycle.checkpoints import hf_llama, hf_t5, hf_vit, paths, safetensors_file, validate
+from upcycle.checkpoints import (hf_llama, hf_qwen2_moe, hf_t5, hf_vit, paths, safetensors_file,
+                                 validate)
 from upcycle.checkpoints.checkpoint import Checkpoint, ExpectedFn
 from upcycle.checkpoints.errors import checkpoint_error
 from upcycle.checkpoints.lazy import LazyArray
@@ -34,7 +36,8 @@ ARCHITECTURES = {
     'ViTForImageClassification': hf_vit.convert,
 }
 # Read by `model_type`: one converter for the family's causal LMs (it refuses other heads).
-MODEL_TYPES = {model_type: hf_llama.convert for model_type in hf_llama.MODEL_TYPES}
+MODEL_TYPES = {**{model_type: hf_llama.convert for model_type in hf_llama.MODEL_TYPES},
+               'qwen2_moe': hf_qwen2_moe.convert}
 
 
 def is_hf_dir(path: str) -> bool:
@@ -72,7 +75,7 @@ def load_checkpoint(path: str, expected: Optional[ExpectedFn] = None,
         expected=f'one of {sorted(ARCHITECTURES)}, or a model_type of {sorted(MODEL_TYPES)}',
         found=f'{architectures or None} and {config.get("model_type")!r}',
         fix='Only T5 v1.1 (gated-GELU) encoder-decoders, ViT classifiers and Llama / Mistral / '
-        'Qwen2 causal LMs convert')
+        'Qwen2 / Mixtral / Qwen2-MoE causal LMs convert')
   tensors, weights_path = read_tensors(path)
   params, description, notes, names = supported[0](tensors, config, config_path, weights_path)
   shapes = expected(description) if expected else None

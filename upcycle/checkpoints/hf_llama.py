@@ -12,7 +12,7 @@ j at index j of the first axis; the layout `save_pretrained` writes and transfor
 load). torch Linear weights `[out, in]` become kernels `[in, out]`; biases and norm scales
 keep their shape.
 `TABLE` holds every name once and serves both directions: `convert` (reading) and `to_hf`
-(writing, `upcycle.hf_export`).
+(writing, `upcycle.hf_export`); `name_table` gives another MoE block's (`hf_qwen2_moe`).
 
 The description is config.json itself (`{'model': 'llama', 'hf_config', 'config_path'}`):
 `LlamaConfig.from_hf_config` reads it and refuses what the model does not compute.
@@ -42,18 +42,29 @@ _LAYER_TENSORS = {
     'mlp.gate_proj.weight': 'mlp/wi_0/kernel',
     'mlp.up_proj.weight': 'mlp/wi_1/kernel',
     'mlp.down_proj.weight': 'mlp/wo/kernel',
-    'block_sparse_moe.gate.weight': 'mlp/router/router_weights/w/kernel',
-    'block_sparse_moe.experts.{j}.w1.weight': 'mlp/expert/wi_0/kernel',
-    'block_sparse_moe.experts.{j}.w3.weight': 'mlp/expert/wi_1/kernel',
-    'block_sparse_moe.experts.{j}.w2.weight': 'mlp/expert/wo/kernel',
     **{f'self_attn.{hf}_proj.{kind}': f'self_attention/{ours}/{leaf}'
        for hf, ours in (('q', 'query'), ('k', 'key'), ('v', 'value'), ('o', 'out'))
        for kind, leaf in (('weight', 'kernel'), ('bias', 'bias'))},
 }
-TABLE = NameTable(
-    [(hf, ours, ours.endswith('/kernel')) for hf, ours in _TOP.items()] +
-    [(f'model.layers.{{i}}.{hf}', f'decoder/layers_{{i}}/{ours}', ours.endswith('/kernel'))
-     for hf, ours in _LAYER_TENSORS.items()])
+MIXTRAL_MOE = {
+    'block_sparse_moe.gate.weight': 'mlp/router/router_weights/w/kernel',
+    'block_sparse_moe.experts.{j}.w1.weight': 'mlp/expert/wi_0/kernel',
+    'block_sparse_moe.experts.{j}.w3.weight': 'mlp/expert/wi_1/kernel',
+    'block_sparse_moe.experts.{j}.w2.weight': 'mlp/expert/wo/kernel',
+}
+
+
+def name_table(moe_tensors: Mapping[str, str]) -> NameTable:
+  """The table of a causal LM of this family whose MoE blocks' tensors are `moe_tensors`
+  ({their name within `model.layers.{i}`: our path within `decoder/layers_{i}`})."""
+  layer = {**_LAYER_TENSORS, **moe_tensors}
+  return NameTable(
+      [(hf, ours, ours.endswith('/kernel')) for hf, ours in _TOP.items()] +
+      [(f'model.layers.{{i}}.{hf}', f'decoder/layers_{{i}}/{ours}', ours.endswith('/kernel'))
+       for hf, ours in layer.items()])
+
+
+TABLE = name_table(MIXTRAL_MOE)
 # Buffers older transformers saved with the weights; the model computes them from config.json.
 _DERIVED = re.compile(r'model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq')
 
@@ -66,17 +77,20 @@ def to_hf(params: Mapping[str, Any], source: str, model: str) -> Dict[str, Any]:
 
 
 def convert(tensors: Dict[str, LazyArray], hf: Dict[str, Any], config_path: str,
-            weights_path: str) -> Tuple[Dict[str, Any], Dict[str, Any], List[str], Dict[str, str]]:
+            weights_path: str, table: NameTable = TABLE,
+            family: str = 'Llama / Mistral / Qwen2 / Mixtral',
+            ) -> Tuple[Dict[str, Any], Dict[str, Any], List[str], Dict[str, str]]:
   """HF tensors + config.json -> (nested contract params, description, notes, names).
 
   `names`: contract path -> HF tensor name, for errors. With `tie_word_embeddings` (false by
   default in all three) the output layer is the embedding: an `lm_head.weight` in the file
-  must then equal `model.embed_tokens.weight` and is dropped.
+  must then equal `model.embed_tokens.weight` and is dropped. `table`, `family`: the names and
+  the models they are (Qwen2-MoE's for `hf_qwen2_moe`).
   """
-  params, hf_names, unknown = TABLE.to_ours(tensors, skip=_DERIVED.fullmatch)
+  params, hf_names, unknown = table.to_ours(tensors, skip=_DERIVED.fullmatch)
   if unknown:
     raise checkpoint_error(
-        weights_path, 'tensors that a Llama / Mistral / Qwen2 / Mixtral causal LM does not have',
+        weights_path, f'tensors that a {family} causal LM does not have',
         expected='model.embed_tokens, model.layers.*.{self_attn,mlp,block_sparse_moe,'
         'input_layernorm,post_attention_layernorm}, model.norm, lm_head',
         found=sorted(unknown)[:8],

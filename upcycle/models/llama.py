@@ -57,7 +57,7 @@ EMBEDDING_INIT = nn.initializers.normal(stddev=0.02)
 class LlamaConfig:
   """Llama hyperparameters (defaults: transformers' `LlamaConfig`, Llama 2 7B). MoE: a MoeConfig
   or None. `LlamaConfig.from_hf_config(config_json)` reads a Llama / Mistral / Qwen2 / Mixtral
-  config.json.
+  config.json, and a Qwen2-MoE one as `upcycle.export` writes it.
 
   Attributes beyond T5Config's names:
     num_kv_heads: key/value heads (grouped-query attention); divides num_heads.
@@ -128,8 +128,9 @@ class LlamaConfig:
   @classmethod
   def from_hf_config(cls, hf_config: Mapping[str, Any], max_length: Optional[int] = None,
                      source: str = 'config.json') -> 'LlamaConfig':
-    """A Llama / Mistral / Qwen2 / Mixtral config.json (as a dict) -> the LlamaConfig of the
-    same logits (Mixtral's: `moe` = `llama_hf.mixtral_moe`).
+    """A Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE config.json (as a dict) -> the
+    LlamaConfig of the same logits (Mixtral's: `moe` = `llama_hf.mixtral_moe`; Qwen2-MoE's
+    that routing in its MoE layers, with its shared expert).
 
     `max_length`: the longest sequence the run feeds (refuses a shorter sliding window);
     `source`: the file named in errors. Refusals (`llama_hf.config_fields`) are one-line

@@ -1,11 +1,15 @@
-"""HuggingFace Llama / Mistral / Qwen2 / Mixtral `config.json` <-> `LlamaConfig` fields.
+"""HuggingFace Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE `config.json` <-> `LlamaConfig`
+fields.
 
-The four compute one function, up to which projections have biases (Llama's
-`attention_bias`: query, key, value and output; Qwen2: query, key and value always; Mistral
-and Mixtral: none), a sliding window (Mistral's and Mixtral's `sliding_window`, Qwen2's with
-`use_sliding_window`) and Mixtral's MoE MLP in every layer (`mixtral_moe`: Top-k of
-`num_local_experts` SwiGLU experts, softmax then top-k then renormalized, no token dropped,
-its load-balancing loss pooled over layers and tokens).
+The five compute one function, up to which projections have biases (Llama's
+`attention_bias`: query, key, value and output; Qwen2: query, key and value always; Qwen2-MoE:
+those with `qkv_bias`; Mistral and Mixtral: none), a sliding window (Mistral's and Mixtral's
+`sliding_window`, Qwen2's and Qwen2-MoE's with `use_sliding_window`) and the MoE MLP:
+Mixtral's in every layer (`mixtral_moe`: Top-k of `num_local_experts` SwiGLU experts, softmax
+then top-k then renormalized, no token dropped, its load-balancing loss pooled over layers and
+tokens), Qwen2-MoE's the same routing in the layers `mlp_only_layers` leaves sparse, the top k
+renormalized or not, plus a shared expert (of 0 units: none) (`qwen2_moe_fields`; read only
+as this project writes it: experts of the dense d_ff, a gate `checkpoints.hf_qwen2_moe` checks).
 What this model does not compute is refused in one line naming the config.json field and the
 fix, rather than read into a model with other logits: RoPE types other than 'default' and
 'llama3', partial rotary embeddings, MLP biases, activations other than SiLU, and a sliding
@@ -13,9 +17,12 @@ window shorter than the run's sequences. Both spellings of RoPE settings are rea
 transformers 5's `rope_parameters` and the older top-level `rope_theta` with `rope_scaling`.
 
 `hf_config` is the other direction, for `upcycle.hf_export`: the config.json (both RoPE
-spellings) of the HF class that computes a dense LlamaConfig's function.
+spellings) of the HF class that computes a LlamaConfig's function (`hf_model_type`: an MoE
+Llama Mixtral's where Mixtral computes it, else Qwen2-MoE's where that computes it exactly,
+else refused naming the binding).
 """
 
+import dataclasses
 import json
 from typing import Any, Dict, Mapping, Optional, Tuple
 
@@ -23,9 +30,10 @@ from upcycle import fields
 from upcycle.models import rope
 from upcycle.moe.config import MoeConfig
 
-MODEL_TYPES = ('llama', 'mistral', 'qwen2', 'mixtral')
+MODEL_TYPES = ('llama', 'mistral', 'qwen2', 'mixtral', 'qwen2_moe')
 ARCHITECTURES = {'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM',
-                 'qwen2': 'Qwen2ForCausalLM', 'mixtral': 'MixtralForCausalLM'}
+                 'qwen2': 'Qwen2ForCausalLM', 'mixtral': 'MixtralForCausalLM',
+                 'qwen2_moe': 'Qwen2MoeForCausalLM'}
 DEFAULT_ROPE_THETA = 10000.0      # transformers' `default_theta`
 DEFAULT_RMS_NORM_EPS = 1e-6       # the three configs' default
 
@@ -79,12 +87,12 @@ def _sliding_window(hf: Mapping[str, Any], model_type: str, max_length: Optional
   """The window the HF model attends within, or None; refused when shorter than `max_length`
   (a token then sees fewer earlier tokens in HF than in this model)."""
   window = hf.get('sliding_window')
-  used = model_type in ('mistral', 'mixtral') or (model_type == 'qwen2' and
+  used = model_type in ('mistral', 'mixtral') or (model_type in ('qwen2', 'qwen2_moe') and
                                                  hf.get('use_sliding_window'))
   if not used or window is None:
     return None
   if max_length is not None and window < max_length:
-    flag = ' with "use_sliding_window": true' if model_type == 'qwen2' else ''
+    flag = ' with "use_sliding_window": true' if model_type.startswith('qwen2') else ''
     raise _refuse(source, 'sliding_window', window,
                   f'{model_type} attends within the last {window} tokens{flag}, this model to '
                   f'the whole context, so sequences of {max_length} tokens would differ',
@@ -110,8 +118,34 @@ def mixtral_moe(num_experts: int, k: int, aux_loss_coef: float) -> MoeConfig:
       ignore_padding_tokens=True)
 
 
+def _qwen2_moe(hf: Mapping[str, Any], source: str) -> Optional[MoeConfig]:
+  """Qwen2-MoE's block as `qwen2_moe_fields` writes it (None where every layer is dense):
+  Mixtral's routing in the layers `mlp_only_layers` and `decoder_sparse_step` make MoE, the
+  top k renormalized iff `norm_topk_prob`, a shared expert iff it has units (its gate, which
+  must be zeros, is `hf_qwen2_moe`'s to check), experts of the dense MLPs' d_ff."""
+  layers = _required(hf, 'num_hidden_layers', source)
+  step, dense = hf.get('decoder_sparse_step', 1), set(hf.get('mlp_only_layers') or ())
+  sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+  if not sparse or not hf.get('num_experts', 60):   # transformers' default: 60
+    return None
+  d_ff = _required(hf, 'intermediate_size', source)
+  if _required(hf, 'moe_intermediate_size', source) != d_ff:
+    raise _refuse(source, 'moe_intermediate_size', hf['moe_intermediate_size'],
+                  f'this model\'s experts have the dense MLP\'s d_ff ("intermediate_size" = '
+                  f'{d_ff})', 'use a model whose experts and dense MLPs have one size')
+  shared = _required(hf, 'shared_expert_intermediate_size', source)
+  return dataclasses.replace(
+      mixtral_moe(hf.get('num_experts', 60), _required(hf, 'num_experts_per_tok', source),
+                  hf.get('router_aux_loss_coef', 0.001)),
+      placement='all' if len(sparse) == layers else sparse,
+      normalize_combine_weights=bool(hf.get('norm_topk_prob', False)),
+      shared_expert=shared > 0, shared_expert_d_ff=None if shared in (0, d_ff) else shared)
+
+
 def _moe(hf: Mapping[str, Any], source: str) -> Optional[MoeConfig]:
-  """Mixtral's MoE block (None for the dense families)."""
+  """Mixtral's or Qwen2-MoE's MoE block (None for the dense families)."""
+  if hf.get('model_type') == 'qwen2_moe':
+    return _qwen2_moe(hf, source)
   if hf.get('model_type') != 'mixtral':
     return None
   if hf.get('router_jitter_noise'):
@@ -146,6 +180,8 @@ def config_fields(hf: Mapping[str, Any], max_length: Optional[int] = None,
   d_model = _required(hf, 'hidden_size', source)
   if model_type == 'qwen2':
     qkv_bias, out_bias = True, False
+  elif model_type == 'qwen2_moe':
+    qkv_bias, out_bias = bool(hf.get('qkv_bias', True)), False
   else:
     qkv_bias = out_bias = model_type == 'llama' and bool(hf.get('attention_bias'))
   theta, scaling = _rope(hf, source)
@@ -162,45 +198,74 @@ def config_fields(hf: Mapping[str, Any], max_length: Optional[int] = None,
       moe=_moe(hf, source))
 
 
-def _check_mixtral(config) -> None:
-  """Refuses, naming the binding, an MoE Llama that MixtralForCausalLM does not compute."""
+def _slots_per_token(moe: MoeConfig) -> int:
+  """K for 'vmoe' capacity, 1 for 't5x': an expert has a slot for every token of its group
+  once C * this >= E (`MoeConfig.capacity`)."""
+  return moe.k if moe.capacity_convention == 'vmoe' else 1
+
+
+def _drops_tokens(moe: MoeConfig) -> bool:
+  """Whether an expert's capacity can drop a token: not the dropless 'ragged' dispatch, and
+  a capacity factor C with C * `_slots_per_token` < E."""
+  return moe.dispatch != 'ragged' and min(
+      moe.train_capacity_factor, moe.eval_capacity_factor) * _slots_per_token(moe) < (
+          moe.num_experts)
+
+
+def _moe_misfit(config) -> Optional[Tuple[str, str]]:
+  """(why, fix), naming the binding, where Qwen2MoeForCausalLM does not compute the MoE Llama
+  `config` exactly, else None. Qwen2-MoE (and Mixtral, a special case) routes each token to
+  its top k and processes it with all k; Qwen2-MoE takes any set of MoE layers
+  (`mlp_only_layers`), normalized or raw top-k weights, q/k/v biases or none, and a shared
+  expert or none (`qwen2_moe_fields`)."""
   moe, binding = config.moe, lambda name: fields.binding(config.moe, name)
-  why = None
-  if config.qkv_bias or config.out_bias:
-    why = (f'{fields.binding(config, "qkv_bias")} / out_bias: Mixtral\'s attention has no '
-           'biases', 'a model without attention biases')
-  elif moe.router != 'tokens_choose':
-    why = (f"{binding('router')} = {moe.router!r}: Mixtral routes each token to its top k",
-           "router = 'tokens_choose'")
-  elif config.sparse_layers() != tuple(range(config.num_layers)):
-    why = (f'{binding("placement")} = {moe.placement!r}: Mixtral has an MoE MLP in every layer',
-           "placement = 'all'")
-  elif moe.shared_expert:
-    why = (f'{binding("shared_expert")} = True: Mixtral has no shared expert',
-           'shared_expert = False')
-  elif not moe.normalize_combine_weights:
-    why = (f'{binding("normalize_combine_weights")} = False: Mixtral renormalizes the top k '
-           'weights to sum to 1', 'normalize_combine_weights = True')
-  elif moe.dispatch != 'ragged' and min(moe.train_capacity_factor, moe.eval_capacity_factor) * (
-      moe.k if moe.capacity_convention == 'vmoe' else 1) < moe.num_experts:
-    why = (f'{binding("eval_capacity_factor")} / train_capacity_factor: an expert\'s capacity '
-           'can drop tokens, and Mixtral processes every token with its k experts',
-           f"dispatch = 'ragged' (dropless) or capacity factors of at least {moe.num_experts}")
-  if why:
-    raise fields.ConfigError(f'{why[0]}, so this MoE is no MixtralForCausalLM. Fix: train it '
-                             f'with {why[1]}, or export it with --format=t5x.')
+  if config.out_bias:
+    return (f'{fields.binding(config, "out_bias")} = True: neither Mixtral nor Qwen2-MoE has '
+            'an attention output bias', 'out_bias = False (Qwen2-MoE takes qkv_bias alone)')
+  if moe.router != 'tokens_choose':
+    return (f"{binding('router')} = {moe.router!r}: Mixtral and Qwen2-MoE route each token "
+            'to its top k', "router = 'tokens_choose'")
+  if _drops_tokens(moe):
+    return (f'{binding("eval_capacity_factor")} / train_capacity_factor: an expert\'s capacity '
+            'can drop tokens, and Mixtral and Qwen2-MoE process every token with its k experts',
+            f"dispatch = 'ragged' (dropless) or capacity factors of at least "
+            f'{moe.num_experts / _slots_per_token(moe):g}')
+  return None
+
+
+def _mixtral_computes(config) -> bool:
+  """Whether MixtralForCausalLM computes the MoE Llama `config`: what Qwen2-MoE computes
+  (`_moe_misfit`) without attention biases, with an MoE MLP in every layer, no shared expert
+  and the top k weights renormalized to sum to 1."""
+  moe = config.moe
+  return (not config.qkv_bias and not moe.shared_expert and moe.normalize_combine_weights
+          and config.sparse_layers() == tuple(range(config.num_layers))
+          and _moe_misfit(config) is None)
+
+
+def _moe_model_type(config) -> str:
+  """'mixtral' where Mixtral computes the MoE Llama `config`, else 'qwen2_moe' where Qwen2-MoE
+  computes it exactly; else refused in one line naming the binding to change."""
+  if _mixtral_computes(config):
+    return 'mixtral'
+  misfit = _moe_misfit(config)
+  if misfit is None:
+    return 'qwen2_moe'
+  why, fix = misfit
+  raise fields.ConfigError(f'{why}, so neither MixtralForCausalLM nor Qwen2MoeForCausalLM '
+                           f'computes this MoE. Fix: train it with {fix}, or export it with '
+                           f'--format=t5x.')
 
 
 def hf_model_type(config) -> str:
   """The HF family that computes `config`'s (a LlamaConfig's) function: an MoE model
-  Mixtral's (refused, naming the binding, where Mixtral computes something else), q/k/v
-  biases alone Qwen2's, a sliding window without biases Mistral's, the rest Llama's
-  (`attention_bias` biases all four projections or none). What none of them computes is
-  refused in one line: an output bias alone, Llama with a window or with `hidden_size` not a
-  multiple of the heads (transformers' LlamaConfig refuses that)."""
+  Mixtral's, else Qwen2-MoE's (`_moe_model_type`: what neither computes is refused, naming
+  the binding), q/k/v biases alone Qwen2's, a sliding window without biases Mistral's, the
+  rest Llama's (`attention_bias` biases all four projections or none). What none of them
+  computes is refused in one line: an output bias alone, Llama with a window or with
+  `hidden_size` not a multiple of the heads (transformers' LlamaConfig refuses that)."""
   if config.moe is not None:
-    _check_mixtral(config)
-    return 'mixtral'
+    return _moe_model_type(config)
   if config.out_bias and not config.qkv_bias:
     raise fields.ConfigError(
         f'{fields.binding(config, "out_bias")} = True without qkv_bias: no HuggingFace '
@@ -238,11 +303,35 @@ def _rope_settings(config) -> Dict[str, Any]:
           'rope_scaling': scaling}
 
 
+def qwen2_moe_fields(config) -> Dict[str, Any]:
+  """The Qwen2-MoE part of config.json for the MoE Llama `config`: every layer its own
+  (`decoder_sparse_step` 1), the dense ones `mlp_only_layers`; the experts and the dense MLPs
+  both of `config.d_ff` units; `norm_topk_prob` the renormalized top k; the shared expert
+  (Qwen2-MoE always has one, gated by `shared_expert_gate`) of `shared_d_ff` units, or of 0
+  (output 0) where the model has none: `hf_qwen2_moe` writes our ungated one exactly.
+  A sliding window covers every layer (`layer_types`; `max_window_layers` 0 for transformers
+  4, which slides from that layer on)."""
+  moe, windowed = config.moe, config.sliding_window is not None
+  sparse = set(config.sparse_layers())
+  return {
+      'num_experts': moe.num_experts, 'num_experts_per_tok': moe.k,
+      'moe_intermediate_size': config.d_ff, 'norm_topk_prob': moe.normalize_combine_weights,
+      'shared_expert_intermediate_size': moe.shared_d_ff(config.d_ff) or 0,
+      'decoder_sparse_step': 1,
+      'mlp_only_layers': [i for i in range(config.num_layers) if i not in sparse],
+      'qkv_bias': config.qkv_bias, 'router_aux_loss_coef': moe.load_balancing_loss_weight,
+      'output_router_logits': False, 'use_sliding_window': windowed,
+      'sliding_window': config.sliding_window,
+      'max_window_layers': 0 if windowed else config.num_layers,
+      'layer_types': [('sliding_attention' if windowed else 'full_attention')] * config.num_layers,
+  }
+
+
 def hf_config(config, bos_id: Optional[int], eos_id: Optional[int],
               dtype: str) -> Dict[str, Any]:
-  """A LlamaConfig (dense, or with Mixtral's MoE) -> the config.json of
-  `hf_model_type(config)`'s *ForCausalLM with the same logits (`config_fields` reads it back
-  to `config`, up to dtype and training fields).
+  """A LlamaConfig (dense or MoE) -> the config.json of `hf_model_type(config)`'s
+  *ForCausalLM with the same logits (`config_fields` reads it back to `config`, up to dtype
+  and training fields, a dropless dispatch read as 'ragged').
 
   `bos_id` / `eos_id`: the tokenizer's (None: unknown, written as null); `dtype`: the weights'
   ('float32', 'bfloat16'). The model has no context length of its own: only a llama3 RoPE
@@ -272,6 +361,8 @@ def hf_config(config, bos_id: Optional[int], eos_id: Optional[int],
               num_experts_per_tok=config.moe.k,
               router_aux_loss_coef=config.moe.load_balancing_loss_weight,
               output_router_logits=False, router_jitter_noise=0.0)
+  elif model_type == 'qwen2_moe':
+    hf.update(qwen2_moe_fields(config))
   else:   # qwen2: a window (read from a Qwen2 that had one) covers every layer
     windowed = config.sliding_window is not None
     hf.update(use_sliding_window=windowed, sliding_window=config.sliding_window,
