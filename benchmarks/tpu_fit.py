@@ -169,7 +169,8 @@ def run_row(name: str, workdir: str) -> dict:
 
 def table(rows) -> str:
   head = ('| model, slice | mesh d×e×m | params | opt state | temp | total / HBM | fits | '
-          'model TFLOP / step | compile |\n|---|---|---|---|---|---|---|---|---|')
+          'model TFLOP / step | TFLOP, GB / chip | roofline | MFU max | compile |\n'
+          '|---|---|---|---|---|---|---|---|---|---|---|---|')
   lines = [head]
   for row in rows:
     if 'error' in row:
@@ -186,12 +187,19 @@ def table(rows) -> str:
       r = row['functions'][fn]
       b = r['per_device_bytes']
       flops = r['model_flops_per_step']
+      seconds, mfu, bound = (r.get(k) for k in ('roofline_seconds', 'mfu_at_roofline',
+                                                  'roofline_bound'))
+      roofline = '' if seconds is None else f'{seconds * 1e3:.0f} ms ({bound})'
+      counts = (f'{r["flops_per_device"] / 1e12:.1f}, '
+                f'{r.get("bytes_accessed_per_device", 0) / 1e9:.0f}')
       lines.append(
           f'| {row["name"]} {fn} | {mesh} | {b["parameters"] / GIB:.2f} | '
           f'{b.get("optimizer_state", 0) / GIB:.3f} | {b["temp"] / GIB:.2f} | '
           f'{b["total"] / GIB:.2f} / {r["hbm_bytes_per_device"] / GIB:.0f} | '
           f'{"yes" if r["fits"] else "**no**"} | '
-          f'{"" if flops is None else f"{flops / 1e12:.0f}"} | {r["compile_seconds"]:.0f} s |')
+          f'{"" if flops is None else f"{flops / 1e12:.0f}"} | {counts} | '
+          f'{roofline} | '
+          f'{"" if mfu is None else f"{100 * mfu:.0f}%"} | {r["compile_seconds"]:.0f} s |')
   return '\n'.join(lines)
 
 

@@ -13,19 +13,27 @@ largest batch that fits (`batch_fit.py`).
   train_step    the jitted training step (state donated, as the trainer runs it)
   restore_hook  the upcycling / restore initializer's one sharded jit (when the run has one)
   eval_step     the jitted evaluation step
+
+Each also gets its FLOPs and bytes accessed per device and call, and the roofline bound on
+its time they imply (`roofline.py`), with the model FLOPs utilization at that bound for the
+train step. The compiler counts a loop's body once, so for a step with loops (scanned layers,
+microbatches) those counts come from a second compile of a copy with every scan unrolled
+(`upcycle.loops`), whose memory is not used.
 """
 
 import dataclasses
 import os
 import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from upcycle import loops
 from upcycle.train import batch_fit, levers, partitioning
+from upcycle.train import roofline as rooflines
 from upcycle.train import hbm as hbm_sizes
 
 # Compiling needs libtpu's compiler only: no TPU, no metadata server (libtpu otherwise asks
@@ -83,11 +91,15 @@ class FunctionReport:
   what the device holds at once: arguments + outputs not aliased to donated arguments +
   temporaries + code, held against the HBM the compiler can use (`hbm.py`). `parts` splits
   the arguments into parameters, optimizer state and batch, counted from their shardings.
-  `flops_per_device` is the compiler's (`cost_analysis()`), which counts a loop body once:
-  with scanned layers it is a fraction of the step's; `model_flops_per_step` (train step) is
-  the model's matmul FLOPs (`models/flops.py`, as logged in training). For a program the
-  compiler refused (`refused`: its message), `temp` is the temporaries the refusal names and
-  `arguments` the sum of `parts`; there are no FLOPs.
+  `flops_per_device` and `bytes_per_device` (HBM bytes accessed) are the compiler's
+  (`cost_analysis()`) per call, from a copy with its loops unrolled where the function has
+  loops (`counted_unrolled`; the compiler counts a loop body once); `model_flops_per_step`
+  (train step) is the model's matmul FLOPs (`models/flops.py`, as logged in training);
+  `roofline` the bound they imply (`roofline.py`); `uncounted` why a function with loops has
+  no roofline (its unrolled copy could not be compiled: the counts are then the compiler's,
+  a loop body once). For a program the compiler refused
+  (`refused`: its message), `temp` is the temporaries the refusal names and `arguments` the
+  sum of `parts`; there are no FLOPs.
   """
 
   arguments: int
@@ -102,6 +114,10 @@ class FunctionReport:
   parts: Mapping[str, int]
   model_flops_per_step: Optional[float] = None
   refused: Optional[str] = None
+  bytes_per_device: float = 0.0
+  counted_unrolled: bool = False
+  roofline: Optional[rooflines.Roofline] = None
+  uncounted: Optional[str] = None
 
   @property
   def total(self) -> int:
@@ -119,15 +135,27 @@ class FunctionReport:
             'usable_hbm_bytes_per_device': self.hbm.usable, 'fits': self.fits,
             'refused': self.refused, 'flops_per_device': self.flops_per_device,
             'flops_per_step': self.flops_per_device * self.devices,
+            'bytes_accessed_per_device': self.bytes_per_device,
+            'counted_unrolled': self.counted_unrolled, 'uncounted': self.uncounted,
             'model_flops_per_step': self.model_flops_per_step,
+            'roofline_seconds': None if self.roofline is None else self.roofline.seconds,
+            'roofline_bound': None if self.roofline is None else self.roofline.bound,
+            'mfu_at_roofline': None if self.roofline is None else self.roofline.mfu,
             'compile_seconds': round(self.compile_seconds, 1)}
+
+
+def _counts(compiled: jax.stages.Compiled) -> Tuple[float, float]:
+  """(FLOPs, bytes accessed) per device of one call, as the compiler counts them."""
+  cost = compiled.cost_analysis()
+  cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+  return float(cost.get('flops', 0.0)), float(cost.get('bytes accessed', 0.0))
 
 
 def compile_report(lowered: jax.stages.Lowered, *, hbm: hbm_sizes.Capacity, devices: int,
                    parts: Mapping[str, int],
                    model_flops_per_step: Optional[float] = None) -> FunctionReport:
-  """Compiles `lowered` and reads the compiler's per-device memory and FLOPs; a program the
-  compiler refuses for want of HBM is reported with the temporaries its refusal names."""
+  """Compiles `lowered` and reads the compiler's per-device memory, FLOPs and bytes; a program
+  the compiler refuses for want of HBM is reported with the temporaries its refusal names."""
   start = time.perf_counter()
   try:
     compiled = lowered.compile()
@@ -142,14 +170,41 @@ def compile_report(lowered: jax.stages.Lowered, *, hbm: hbm_sizes.Capacity, devi
         parts=dict(parts), model_flops_per_step=model_flops_per_step, refused=first)
   seconds = time.perf_counter() - start
   memory = compiled.memory_analysis()
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  flops, accessed = _counts(compiled)
   return FunctionReport(
       arguments=int(memory.argument_size_in_bytes), outputs=int(memory.output_size_in_bytes),
       alias=int(memory.alias_size_in_bytes), temp=int(memory.temp_size_in_bytes),
-      code=int(memory.generated_code_size_in_bytes), hbm=hbm,
-      flops_per_device=float((cost or {}).get('flops', 0.0)), devices=devices,
-      compile_seconds=seconds, parts=dict(parts), model_flops_per_step=model_flops_per_step)
+      code=int(memory.generated_code_size_in_bytes), hbm=hbm, flops_per_device=flops,
+      bytes_per_device=accessed, devices=devices, compile_seconds=seconds, parts=dict(parts),
+      model_flops_per_step=model_flops_per_step)
+
+
+def with_roofline(report: FunctionReport, *, device_kind: str, megacore: bool,
+                  unrolled: Optional[Callable[[], jax.stages.Lowered]] = None
+                  ) -> FunctionReport:
+  """`report` with its roofline; with `unrolled` (the function lowered with every scan
+  unrolled), its FLOPs and bytes counted from that copy's compile first."""
+  if report.refused:
+    return report
+  if unrolled is not None:
+    start = time.perf_counter()
+    try:
+      with loops.unrolled():
+        flops, accessed = _counts(unrolled().compile())
+    except jax.errors.JaxRuntimeError as e:
+      if 'RESOURCE_EXHAUSTED' not in str(e):
+        raise
+      return dataclasses.replace(report, uncounted=(
+          'no roofline: the copy with its loops unrolled, which counts every iteration, is '
+          f'refused by the compiler ({str(e).strip().splitlines()[0]}); the FLOPs and bytes '
+          'shown count a loop body once'))
+    report = dataclasses.replace(
+        report, flops_per_device=flops, bytes_per_device=accessed, counted_unrolled=True,
+        compile_seconds=report.compile_seconds + time.perf_counter() - start)
+  return dataclasses.replace(report, roofline=rooflines.roofline(
+      flops_per_device=report.flops_per_device, bytes_per_device=report.bytes_per_device,
+      device_kind=device_kind, megacore=megacore, devices=report.devices,
+      model_flops=report.model_flops_per_step))
 
 
 def advice(report: FunctionReport, settings: levers.Settings,
@@ -204,7 +259,7 @@ def table(run: CompiledRun) -> str:
   """The console table of a compiled run (GiB per device)."""
   reports = run.reports
   head = ('function', 'params', 'opt state', 'args', 'outputs', 'temp', 'total', 'usable HBM',
-          'TFLOP/dev', 'model TFLOP/step', 'compile s')
+          'TFLOP/dev', 'GB/dev', 'model TFLOP/step', 'roofline ms', 'MFU max', 'compile s')
   rows = [head]
   for name, r in reports.items():
     model_flops = r.model_flops_per_step
@@ -212,7 +267,12 @@ def table(run: CompiledRun) -> str:
         r.parts.get('parameters', 0), r.parts.get('optimizer_state', 0), r.arguments,
         r.outputs - r.alias, r.temp, r.total, r.hbm.usable)),
                  '-' if r.refused else f'{r.flops_per_device / 1e12:.2f}',
+                 '-' if r.refused else f'{r.bytes_per_device / 1e9:.2f}',
                  '-' if model_flops is None else f'{model_flops / 1e12:.1f}',
+                 '-' if r.roofline is None else
+                 f'{r.roofline.seconds * 1e3:.1f} ({r.roofline.bound})',
+                 '-' if r.roofline is None or r.roofline.mfu is None else
+                 f'{100 * r.roofline.mfu:.0f}%',
                  f'{r.compile_seconds:.0f}'))
   widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
   lines = ['  '.join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
@@ -222,9 +282,12 @@ def table(run: CompiledRun) -> str:
                   f'({"megacore: one device per chip" if run.megacore else "one device per core"}'
                   f'), mesh {mesh}')
   lines.append("(GiB per device; usable HBM: what the TPU compiler can use of the device's; "
-               'TFLOP/dev: the compiler\'s count, a scanned loop body once)')
+               "TFLOP/dev, GB/dev: the compiler's FLOPs and HBM bytes accessed per call, every "
+               'loop iteration counted; roofline ms: the least time per call they allow, and '
+               'what bounds it; MFU max: the model FLOPs utilization at that time)')
   lines.append('levers set: ' + (', '.join(levers.already_set(run.settings)) or 'none'))
   lines += [f'{name}: {line}' for name, line in run.advice().items()]
+  lines += [f'{name}: {r.uncounted}' for name, r in reports.items() if r.uncounted]
   lines += [f'{name}: {reason}' for name, reason in run.not_compiled.items()]
   if run.batch_search is not None:
     lines += run.batch_search.lines()
@@ -287,7 +350,13 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
     state_parts = {'parameters': per_device_bytes(abstract.params),
                    'optimizer_state': per_device_bytes(abstract.opt_state)}
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, PartitionSpec()))
-    train_step = trainer.jit_train_step(jax.tree.map(lambda x: x.sharding, abstract))
+    shardings = jax.tree.map(lambda x: x.sharding, abstract)
+    train_step = trainer.jit_train_step(shardings)
+    # The compiler counts a loop body once: where there are loops, count an unrolled copy.
+    scans = bool(getattr(objective.model.config, 'scan_layers', False))
+    counted = lambda report, unrolled, loops_here: with_roofline(
+        report, device_kind=devices[0].device_kind, megacore=megacore,
+        unrolled=unrolled if loops_here else None)
 
     def compile_train_step(size: int, into: Dict[str, FunctionReport],
                            reasons: Dict[str, str]) -> None:
@@ -306,6 +375,12 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
       return found['train_step'].total if found else None
 
     compile_train_step(config.batch_size, reports, not_compiled)
+    if 'train_step' in reports:
+      batch = _batch(train_data.batch_spec(config.batch_size), mesh)
+      reports['train_step'] = counted(
+          reports['train_step'],
+          lambda: trainer.jit_train_step(shardings).lower(abstract, batch, rng),
+          scans or config.num_microbatches > 1)
     if find_batch and 'train_step' in reports:
       search = batch_fit.search(total_at, batch=config.batch_size,
                                 total=reports['train_step'].total, usable=hbm.usable,
@@ -314,6 +389,8 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
       _compile_or_reason('restore_hook', lambda: initializer.lower(abstract, trainer.optimizer, objective.model.config),
                          hbm=hbm, devices=n, parts=state_parts, reports=reports,
                          not_compiled=not_compiled)
+      if 'restore_hook' in reports:
+        reports['restore_hook'] = counted(reports['restore_hook'], None, False)
     if eval_data is not None:
       eval_batch = _batch(eval_data.batch_spec(config.batch_size), mesh)
       _compile_or_reason(
@@ -322,4 +399,8 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
           parts={'parameters': state_parts['parameters'],
                  'batch': per_device_bytes(eval_batch)},
           reports=reports, not_compiled=not_compiled)
+      if 'eval_step' in reports:
+        reports['eval_step'] = counted(
+            reports['eval_step'],
+            lambda: trainer.jit_eval_step().lower(abstract.params, eval_batch), scans)
   return CompiledRun(list(devices), mesh, megacore, settings, reports, not_compiled, search)

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from upcycle import loops
 from upcycle.moe import aux_losses, metrics as moe_metrics
 from upcycle.train.state import TrainState
 
@@ -60,7 +61,8 @@ def make_train_step(objective, optimizer: optax.GradientTransformation,
       zero = jax.eval_shape(grad_fn, state.params, jax.tree.map(lambda x: x[0], micro), rng,
                             total_weight, num_microbatches)
       zero = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), zero)
-      (grads, stats), _ = jax.lax.scan(accumulate, zero, (jnp.arange(num_microbatches), micro))
+      (grads, stats), _ = jax.lax.scan(accumulate, zero, (jnp.arange(num_microbatches), micro),
+                                       unroll=loops.unroll(num_microbatches))
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     weight = jnp.maximum(stats.pop('weight_sum'), 1.0)
