@@ -93,7 +93,8 @@ def test_the_step_counts_every_microbatch_and_its_roofline_follows(aot_result):
   result, stdout = aot_result
   train = result['functions']['train_step']
   assert train['counted_unrolled'] and not result['functions']['restore_hook']['counted_unrolled']
-  assert train['model_flops_per_step'] <= train['flops_per_step'] <= 3 * train['model_flops_per_step']
+  model_flops = train['model_flops_per_step']
+  assert model_flops <= train['flops_per_step'] <= 3 * model_flops
   compute, memory = train['flops_per_device'] / 275e12, train['bytes_accessed_per_device'] / 1228e9
   assert train['roofline_seconds'] == pytest.approx(max(compute, memory), rel=1e-9)
   assert train['roofline_bound'] == ('compute' if compute >= memory else 'memory')

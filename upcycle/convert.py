@@ -357,8 +357,8 @@ def _sources(ckpts: List[checkpoints.Checkpoint], experts: Any, step: Union[str,
     if len(ckpts) > 1:
       raise ConvertError(
           f'--source is given {len(ckpts)} times, and the initializer {experts!r} makes '
-          f'experts from one checkpoint. Fix: give one --source, or an initializer that reads several '
-          f'(--gin_file=upcycling/btx.gin or upit.gin).')
+          f'experts from one checkpoint. Fix: give one --source, or an initializer that reads '
+          f'several (--gin_file=upcycling/btx.gin or upit.gin).')
     return ckpts[0], ckpts[0].params, experts
   if growing:
     raise ConvertError(f'--grow_experts / --grow_depth grow one trained checkpoint, and '
@@ -542,8 +542,7 @@ def main(argv: Optional[List[str]] = None) -> int:
       raise ConvertError(f'{growing} copies the source\'s own experts and router columns; '
                          f'--experts, --router and --cast apply to upcycling a dense checkpoint. '
                          f'Fix: drop them.')
-    convert(args.source if len(args.source) > 1 else args.source[0], target_from_gin(),
-            args.output_dir, **report_args)
+    convert(args.source, target_from_gin(), args.output_dir, **report_args)
   except (ConvertError, checkpoints.CheckpointError, ValueError) as e:
     print(gin_utils.one_line(e, argv), file=sys.stderr)   # --verbose: the traceback first
     return 1

@@ -22,6 +22,7 @@ microbatches) those counts come from a second compile of a copy with every scan 
 """
 
 import dataclasses
+import functools
 import os
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -354,9 +355,8 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
     train_step = trainer.jit_train_step(shardings)
     # The compiler counts a loop body once: where there are loops, count an unrolled copy.
     scans = bool(getattr(objective.model.config, 'scan_layers', False))
-    counted = lambda report, unrolled, loops_here: with_roofline(
-        report, device_kind=devices[0].device_kind, megacore=megacore,
-        unrolled=unrolled if loops_here else None)
+    counted = functools.partial(with_roofline, device_kind=devices[0].device_kind,
+                                megacore=megacore)
 
     def compile_train_step(size: int, into: Dict[str, FunctionReport],
                            reasons: Dict[str, str]) -> None:
@@ -377,10 +377,10 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
     compile_train_step(config.batch_size, reports, not_compiled)
     if 'train_step' in reports:
       batch = _batch(train_data.batch_spec(config.batch_size), mesh)
+      unrolled = lambda: trainer.jit_train_step(shardings).lower(abstract, batch, rng)
       reports['train_step'] = counted(
           reports['train_step'],
-          lambda: trainer.jit_train_step(shardings).lower(abstract, batch, rng),
-          scans or config.num_microbatches > 1)
+          unrolled=unrolled if scans or config.num_microbatches > 1 else None)
     if find_batch and 'train_step' in reports:
       search = batch_fit.search(total_at, batch=config.batch_size,
                                 total=reports['train_step'].total, usable=hbm.usable,
@@ -390,7 +390,7 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
                          hbm=hbm, devices=n, parts=state_parts, reports=reports,
                          not_compiled=not_compiled)
       if 'restore_hook' in reports:
-        reports['restore_hook'] = counted(reports['restore_hook'], None, False)
+        reports['restore_hook'] = counted(reports['restore_hook'])
     if eval_data is not None:
       eval_batch = _batch(eval_data.batch_spec(config.batch_size), mesh)
       _compile_or_reason(
@@ -400,7 +400,6 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
                  'batch': per_device_bytes(eval_batch)},
           reports=reports, not_compiled=not_compiled)
       if 'eval_step' in reports:
-        reports['eval_step'] = counted(
-            reports['eval_step'],
-            lambda: trainer.jit_eval_step().lower(abstract.params, eval_batch), scans)
+        unrolled = lambda: trainer.jit_eval_step().lower(abstract.params, eval_batch)
+        reports['eval_step'] = counted(reports['eval_step'], unrolled=unrolled if scans else None)
   return CompiledRun(list(devices), mesh, megacore, settings, reports, not_compiled, search)

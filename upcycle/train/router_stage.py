@@ -141,6 +141,9 @@ class RouterStage:
     return self.inner.tokens_per_batch(batch)
 
   def train_flops(self, batch) -> int:
+    """The inner objective's count: the E scoring forwards are not in it, and the backward
+    (to the routers only) costs less than a training step's, so the logged FLOPs are a
+    stand-in for the stage's, not its count."""
     return self.inner.train_flops(batch)
 
   def loss_weight_sum(self, batch: Batch) -> Array:
