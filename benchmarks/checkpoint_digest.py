@@ -35,7 +35,7 @@ from upcycle.train import optimizers, partitioning
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = {
-    # The tests' tiny T5 (tests/train/test_training.py).
+    # The training tests' tiny T5 (TRAINING_T5, tests/train/helpers.py).
     'tiny': T5Config(vocab_size=384, d_model=32, num_heads=2, d_kv=16, d_ff=64,
                      num_encoder_layers=2, num_decoder_layers=2),
     # T5 v1.1 Small.

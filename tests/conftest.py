@@ -1,6 +1,6 @@
 """Test session setup: 8 simulated CPU devices, so sharding tests can build real meshes, and
-session fixtures: tiny HuggingFace T5 v1.1 and ViT checkpoints, built and saved once, and a
-local GCS emulator."""
+fixtures: tiny HuggingFace T5 v1.1 and ViT checkpoints, built and saved once a session (and a
+byte-vocabulary T5 once a module), a local GCS emulator, the entry points on `__main__`."""
 
 import json
 import os
@@ -67,6 +67,20 @@ def hf_vit(tmp_path_factory):
   return directory, hf_files.save_perturbed(
       lambda: transformers.ViTForImageClassification(config), directory, seed=3)
 
+
+@pytest.fixture(scope='module')
+def byte_vocab_t5(tmp_path_factory):
+  """(directory, reference) of a tiny untied HF T5 v1.1 over the offline task's 384 ids, for
+  the infer / eval tests (its architecture as gin flags: tests/helpers.py, BYTE_T5_FLAGS)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(0)
+  config = transformers.T5Config(
+      vocab_size=384, d_model=8, d_kv=4, d_ff=12, num_layers=1, num_decoder_layers=1,
+      num_heads=2, feed_forward_proj='gated-gelu', tie_word_embeddings=False, dropout_rate=0.0)
+  model = transformers.T5ForConditionalGeneration(config)
+  directory = str(tmp_path_factory.mktemp('byte_t5'))
+  return directory, hf_files.save_untied_t5(model, directory)
 
 
 def _free_port() -> int:

@@ -13,10 +13,10 @@ import jax
 import numpy as np
 import pytest
 
+from tests.helpers import REPO
 from upcycle import models, tree
 from upcycle.checkpoints import t5x_writer
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytest.importorskip('libtpu', reason="compiling for TPU needs libtpu (pip install -e '.[test]')")
 
 # Every dimension a multiple of 128, so TPU tiling pads nothing and the compiler's argument

@@ -5,13 +5,13 @@
   train, pretrained and the entry points wire everything.
 
 Function-local imports count: hiding an import in a function does not change what a module
-depends on.
+depends on. The dependency table here and README.md's "Architecture" table name exactly the
+parts (top-level modules and subpackages) that upcycle/ has.
 """
 
 import ast
 import pathlib
-
-import pytest
+import re
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / 'upcycle'
 
@@ -164,9 +164,48 @@ def test_a_hidden_import_against_the_direction_is_named(tmp_path):
       "direction (upcycle.upcycling may import ['checkpoints', 'progress', 'tree'])"]
 
 
-@pytest.mark.parametrize('part', sorted(ALLOWED))
-def test_every_part_exists(part):
-  assert (PACKAGE / part).is_dir() or (PACKAGE / f'{part}.py').is_file()
+def parts(package: pathlib.Path = PACKAGE) -> set:
+  """The top-level parts of `package`: its modules (`__init__` too) and subpackages."""
+  return ({path.stem for path in package.glob('*.py')} |
+          {path.name for path in package.iterdir() if (path / '__init__.py').is_file()})
+
+
+def readme_parts(readme: str) -> set:
+  """The parts the first column of README.md's "Architecture" table names."""
+  section = readme.split('\n## Architecture\n', 1)[1].split('\n## ', 1)[0]
+  rows = [line.split('|')[1] for line in section.splitlines() if line.startswith('| `')]
+  return {name.removeprefix('upcycle/').removesuffix('/').removesuffix('.py')
+          for row in rows for name in re.findall(r'`([^`]+)`', row)}
+
+
+def unnamed(found: set, named: set, where: str) -> list:
+  """What `found` (the parts of upcycle/) and `named` (a table's) do not share, in words."""
+  return ([f'upcycle/ has {sorted(found - named)}, not in {where}'] if found - named else []) + (
+      [f'{where} names {sorted(named - found)}, not in upcycle/'] if named - found else [])
+
+
+def test_the_tables_name_every_part_and_no_other():
+  """The dependency table above and README.md's "Architecture" table: a new part is placed in
+  both, a removed one leaves both."""
+  found = parts()
+  readme = (PACKAGE.parent / 'README.md').read_text()
+  wrong = (unnamed(found, set(ALLOWED) | WIRING, 'the dependency table of this file') +
+           unnamed(found - {'__init__'}, readme_parts(readme), 'README.md\'s "Architecture"'))
+  assert not wrong, '\n  '.join(['Parts of upcycle/ and the tables disagree:'] + wrong)
+
+
+def test_a_part_missing_from_a_table_is_named(tmp_path):
+  (tmp_path / 'moe').mkdir()
+  (tmp_path / 'moe' / '__init__.py').write_text('')
+  (tmp_path / 'tree.py').write_text('')
+  (tmp_path / 'notes').mkdir()   # no package
+  readme = ('# x\n\n## Architecture\n\n| package | owns |\n|---|---|\n'
+            '| `upcycle/tree.py`, `models/` | trees; models (`models/t5.py`) |\n\n## Tests\n'
+            '| `moe/` | not this section\'s |\n')
+  assert parts(tmp_path) == {'moe', 'tree'}
+  assert readme_parts(readme) == {'tree', 'models'}
+  assert unnamed(parts(tmp_path), readme_parts(readme), 'the README') == [
+      "upcycle/ has ['moe'], not in the README", "the README names ['models'], not in upcycle/"]
 
 
 # The model configs and modules of upcycle.families; dispatching on them is the registry's job.

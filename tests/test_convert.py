@@ -13,14 +13,16 @@ import numpy as np
 import pytest
 
 from tests.checkpoints import helpers, t5x_writer
+from tests.helpers import REPO
 from upcycle import checkpoints, convert, tree
 from upcycle.locks.file_lock import FileLock
 from upcycle.families import abstract_params
 from upcycle.models import T5
 from upcycle.moe import MoeConfig
 from upcycle.train import objectives, optimizers, partitioning
+from upcycle.train.built_run import build_run
 from upcycle.train.restore import ContinueFromCheckpoint
-from upcycle.train.trainer import TrainConfig, Trainer
+from upcycle.train.trainer import TrainConfig
 from upcycle.upcycling import experts, stream
 from upcycle.upcycling.surgery import upcycle
 
@@ -48,10 +50,9 @@ decoder/moe.MoeConfig:
   num_experts = 4
   router = 'tokens_choose'
 '''
-CONFIG = dataclasses.replace(helpers.TINY_T5, encoder_moe=MoeConfig(num_experts=4),
+CONFIG = dataclasses.replace(helpers.CHECKPOINT_T5, encoder_moe=MoeConfig(num_experts=4),
                              decoder_moe=MoeConfig(num_experts=4, router='tokens_choose'))
 DROP = 'drop(ratio=0.5, index_sharing="per_matrix")'
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(autouse=True)
@@ -65,7 +66,7 @@ def _fresh_gin():
 def source(tmp_path_factory):
   """A dense T5 in the T5X format at step 6 (one leaf in zarr), and the gin file of its MoE."""
   root = tmp_path_factory.mktemp('convert')
-  params = helpers.random_params(helpers.TINY_T5, seed=2)
+  params = helpers.random_params(helpers.CHECKPOINT_T5, seed=2)
   layout = t5x_writer.Layout(zarr={'target/decoder/layers_1/mlp/wo/kernel': 'gzip'})
   directory = t5x_writer.write(str(root / 'dense'), 6, params, layout=layout)
   gin_file = root / 'moe.gin'
@@ -100,17 +101,17 @@ def test_round_trip_equals_in_memory_surgery_and_trains_on(source, tmp_path, cap
   # The trainer's hook reads it as it is, on the mesh.
   train = TrainConfig(model_dir='unused', train_steps=1, batch_size=4, num_expert_partitions=2,
                       num_model_partitions=2)
-  trainer = Trainer(objectives.Seq2Seq(T5(CONFIG)), optimizers.Adafactor(), train, None)
   batch = {'encoder_input_tokens': np.zeros((4, 6), np.int32),
            'decoder_input_tokens': np.zeros((4, 4), np.int32)}
-  with partitioning.activate(trainer.mesh):
-    abstract = trainer.abstract_state(batch)
-    state = ContinueFromCheckpoint(str(out), reuse_optimizer_state=False)(abstract,
-                                                                          trainer.optimizer)
+  built = build_run(objective=objectives.Seq2Seq(T5(CONFIG)), optimizer=optimizers.Adafactor(),
+                    config=train, host_batch=batch)
+  with partitioning.activate(built.mesh):
+    state = ContinueFromCheckpoint(str(out), reuse_optimizer_state=False)(built.abstract,
+                                                                          built.optimizer)
   assert int(state.step) == 6
   for path, x in tree.flatten(state.params).items():
     np.testing.assert_array_equal(np.asarray(x), np.asarray(got[path]), err_msg=path)
-    assert x.sharding == tree.flatten(abstract.params)[path].sharding
+    assert x.sharding == tree.flatten(built.abstract.params)[path].sharding
 
 
 def test_t5x_output_is_t5x_native_with_flaxformer_moe_names(source, tmp_path, capsys):
@@ -210,7 +211,7 @@ def test_branch_train_mix_converts_from_several_sources(source, tmp_path, capsys
   """upcycling/btx.gin with --source given twice: every expert the MLP of the source its
   assignment names, every other leaf the two sources' mean (against the arrays written);
   several sources with a one-source initializer stop in one line."""
-  other_params = helpers.random_params(helpers.TINY_T5, seed=5)
+  other_params = helpers.random_params(helpers.CHECKPOINT_T5, seed=5)
   other = t5x_writer.write(str(tmp_path / 'branch_b'), 6, other_params)
   out = tmp_path / 'btx'
   assert _main(source, out, '--source', other, '--gin_file=upcycling/btx.gin',
@@ -363,55 +364,12 @@ def test_a_later_conversion_removes_what_killed_ones_left(source, tmp_path, caps
   assert sorted(os.listdir(tmp_path)) == ['.moe.converting-unknown', 'moe']
 
 
-def _convert_on_gcs(source_dir: str, gin_file: str, out: str) -> None:
-  """Run in a subprocess pointed at the GCS emulator (this test process's etils.epath may use
-  TensorFlow's GCS client, which cannot be redirected): conversions into gs://bucket/moe and
-  gs://bucket/moe_t5x, each refusal, and what the project's readers read back, into `out`."""
-  import contextlib  # pylint: disable=g-import-not-at-top
-  import io  # pylint: disable=g-import-not-at-top
-  import time  # pylint: disable=g-import-not-at-top
-  from upcycle.checkpoints import gcs  # pylint: disable=g-import-not-at-top
-  from upcycle.locks.gcs_lock import GcsLock  # pylint: disable=g-import-not-at-top
-  runs = []
-
-  def run(output_dir, *extra):
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
-      code = convert.main(['--source', source_dir, '--gin_file', gin_file, '--output_dir',
-                           output_dir, '--experts', DROP, '--seed', '3', *extra])
-    runs.append([code, printed.getvalue()])
-
-  with GcsLock('gs://bucket/.moe.converting.lock'):
-    run('gs://bucket/moe')                                 # 0: another conversion is running
-  killed = {'host': 'elsewhere', 'pid': 1, 'since': 'then', 'heartbeat': time.time() - 3600}
-  gcs.write_bytes('gs://bucket/.moe.converting.lock', json.dumps(killed).encode())
-  gcs.write_bytes('gs://bucket/.moe.converting-1700000000-4242/6/params/_METADATA', b'{}')
-  gcs.write_bytes('gs://bucket/.moe.converting-x.converting-1-2/6/_METADATA', b'{}')  # not ours
-  gcs.write_bytes('gs://bucket/moe/notes.txt', b'mine')
-  run('gs://bucket/moe')                                 # 1: exists
-  run('gs://bucket/moe', '--overwrite')                  # 2: takes the lock over, cleans, replaces
-  run('gs://bucket/moe_t5x', '--output_format', 't5x')   # 3
-  arrays = {}
-  for name, url in (('orbax', 'gs://bucket/moe'), ('t5x', 'gs://bucket/moe_t5x')):
-    ckpt = checkpoints.load(url)
-    runs.append([ckpt.format, ckpt.step, ckpt.path])
-    arrays.update({f'{name}/{k}': np.asarray(v) for k, v in tree.flatten(ckpt.params).items()})
-  arrays['t5x_msgpack'] = np.frombuffer(
-      gcs.read_bytes('gs://bucket/moe_t5x/checkpoint_6/checkpoint'), np.uint8)
-  np.savez(os.path.join(out, 'gcs.npz'), **arrays)
-  listing = {'moe': gcs.names('gs://bucket/moe'), 'hidden': gcs.names_starting_with(
-      'gs://bucket/.moe')}
-  with open(os.path.join(out, 'gcs.json'), 'w') as f:
-    json.dump({'runs': runs, 'listing': listing, 'pid': os.getpid()}, f)
-
-
 @pytest.mark.slow
 def test_gcs_output_equals_the_local_one_and_is_refused_and_cleaned_alike(
     source, tmp_path, gcs_emulator):
   env = {**os.environ, **gcs_emulator}   # the same XLA_FLAGS: initializers' values are exact
-  code = ('import sys; from tests.test_convert import _convert_on_gcs; '
-          '_convert_on_gcs(*sys.argv[1:])')
-  done = subprocess.run([sys.executable, '-c', code, source['dir'], source['gin'], str(tmp_path)],
+  done = subprocess.run([sys.executable, '-m', 'tests.convert_on_gcs', source['dir'],
+                         source['gin'], str(tmp_path), DROP],
                         cwd=REPO, env=env, capture_output=True, text=True)
   assert done.returncode == 0, done.stderr[-3000:]
   report = json.load(open(tmp_path / 'gcs.json'))

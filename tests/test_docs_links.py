@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import REPO
+
 PAGES = ['README.md'] + sorted(os.path.relpath(p, REPO)
                                for p in glob.glob(os.path.join(REPO, 'docs', '*.md')))
 

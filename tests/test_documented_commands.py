@@ -14,16 +14,15 @@ import os
 import re
 import shlex
 import subprocess
-import types
 
 import gin
 import pytest
 
+from tests.helpers import REPO
 from upcycle import aot, convert, export, gin_utils
 from upcycle import inspect as inspect_main
 from upcycle.study import __main__ as study_main
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join('docs', 'RESULTS.md')   # written by python -m upcycle.study
 DOCUMENTS = ['README.md'] + sorted(os.path.relpath(p, REPO)
                                    for p in glob.glob(os.path.join(REPO, 'docs', '*.md')))
@@ -93,9 +92,8 @@ COMMANDS = documented_commands()
 
 
 @pytest.fixture(autouse=True)
-def parsing(entry_points, monkeypatch):  # pylint: disable=unused-argument,redefined-outer-name
-  """The entry points on `__main__`, and upcycle.aot's flags restored after each command."""
-  monkeypatch.setattr(aot, '_FLAGS', types.SimpleNamespace(**vars(aot._FLAGS)))
+def parsing(entry_points):  # pylint: disable=unused-argument,redefined-outer-name
+  """The entry points on `__main__`."""
 
 
 def parse_training_flags(argv, read=()):
@@ -111,7 +109,7 @@ def check(argv):
     if cli in ('upcycle.train', 'upcycle.eval', 'upcycle.infer'):
       parse_training_flags(flags)
     elif cli == 'upcycle.aot':
-      parse_training_flags(aot._own_flags(flags))   # pylint: disable=protected-access
+      parse_training_flags(aot._own_flags(flags)[1])   # pylint: disable=protected-access
     elif cli == 'upcycle.convert':
       _, rest = convert.build_parser().parse_known_args(flags)
       parse_training_flags(rest, read=(convert.MODEL_MACRO,))

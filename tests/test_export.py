@@ -13,7 +13,8 @@ import optax
 import pytest
 
 from tests.checkpoints import helpers, t5x_reader
-from tests.train.test_training import TINY_T5, text
+from tests.helpers import REPO
+from tests.train.helpers import TRAINING_T5, text
 from upcycle import checkpoints, console, export, fields, tree
 from upcycle.checkpoints import t5x_export, t5x_writer
 from upcycle.checkpoints.orbax import CheckpointManager
@@ -24,9 +25,8 @@ from upcycle.train import optimizers
 from upcycle.train.objectives import Seq2Seq
 from upcycle.train.trainer import TrainConfig, Trainer
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 E = 2
-MOE = dataclasses.replace(TINY_T5, encoder_moe=MoeConfig(num_experts=E),
+MOE = dataclasses.replace(TRAINING_T5, encoder_moe=MoeConfig(num_experts=E),
                           decoder_moe=MoeConfig(num_experts=E, router='tokens_choose'))
 EXPERT = 'encoder/layers_1/mlp/expert/wi_0/kernel'
 
@@ -51,7 +51,7 @@ def run(tmp_path_factory):
   state = jax.device_get(result['state'])
   return dict(model_dir=str(model_dir), params=state.params, opt_state=state.opt_state,
               slots=t5x_writer.adafactor_param_states(state.opt_state),
-              optimizer=trainer.optimizer)
+              optimizer=trainer.built.optimizer)
 
 
 def _assert_t5x(directory, step, params, slots):
@@ -135,7 +135,7 @@ def test_cli_params_only(run, tmp_path):
 def test_other_optimizers_export_params_only(optimizer, tmp_path, capsys):
   """A run's checkpoint as the trainer saves it, with an optax optimizer's state."""
   console.show_progress()
-  params = helpers.random_params(helpers.TINY_T5, seed=3)
+  params = helpers.random_params(helpers.CHECKPOINT_T5, seed=3)
   state = optimizer.init(params)
   with CheckpointManager(str(tmp_path / 'run' / 'checkpoints'), async_save=False) as manager:
     manager.save(5, params, state)

@@ -138,16 +138,16 @@ def test_each_family_loads_as_its_class_from_scanned_layers(architecture, tmp_pa
 def test_t5_loads_with_its_own_lm_head(tmp_path):
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
-  params = helpers.random_params(helpers.TINY_T5, seed=2)
+  params = helpers.random_params(helpers.CHECKPOINT_T5, seed=2)
   run = _save_run(tmp_path / 'run', params, step=7)
-  out = hf_export.export(run, str(tmp_path / 'hf'), model_config=helpers.TINY_T5)
+  out = hf_export.export(run, str(tmp_path / 'hf'), model_config=helpers.CHECKPOINT_T5)
   theirs = transformers.T5ForConditionalGeneration.from_pretrained(out).eval()
   assert not torch.equal(theirs.lm_head.weight, theirs.shared.weight)
   np.testing.assert_array_equal(theirs.lm_head.weight.detach().numpy(),
                                 params['decoder']['logits_dense']['kernel'].T)
   _assert_close(helpers.t5_logits(params),
                 helpers.torch_t5_logits(theirs, helpers.ENCODER_TOKENS, helpers.DECODER_TOKENS))
-  _assert_reads_back(out, params, helpers.TINY_T5)
+  _assert_reads_back(out, params, helpers.CHECKPOINT_T5)
 
 
 def test_an_hf_checkpoint_exports_to_the_same_tensors(hf_t5, tmp_path):

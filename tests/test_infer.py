@@ -7,7 +7,6 @@ line with no partial file left, and decoding reports its progress."""
 import json
 import os
 import socket
-import sys
 import time
 import urllib.parse
 import urllib.request
@@ -15,7 +14,7 @@ import urllib.request
 import gin
 import pytest
 
-from tests import hf_files
+from tests.helpers import byte_t5_argv
 from upcycle import convert, export
 from upcycle import eval as eval_main
 from upcycle import gin_utils
@@ -24,48 +23,12 @@ from upcycle import inspect as inspect_main
 from upcycle import predictions, progress, reachability
 from upcycle.data import iterator
 
-LENGTHS = "{'inputs': 32, 'targets': 8}"
 
-
-@pytest.fixture(scope='module')
-def byte_vocab_t5(tmp_path_factory):
-  """(directory, reference) of a tiny untied HF T5 v1.1 over the offline task's 384 ids."""
-  import torch  # pylint: disable=g-import-not-at-top
-  import transformers  # pylint: disable=g-import-not-at-top
-  torch.manual_seed(0)
-  config = transformers.T5Config(
-      vocab_size=384, d_model=8, d_kv=4, d_ff=12, num_layers=1, num_decoder_layers=1,
-      num_heads=2, feed_forward_proj='gated-gelu', tie_word_embeddings=False, dropout_rate=0.0)
-  model = transformers.T5ForConditionalGeneration(config)
-  directory = str(tmp_path_factory.mktemp('byte_t5'))
-  return directory, hf_files.save_untied_t5(model, directory)
-
-
-@pytest.fixture
-def main_module(monkeypatch):
-  monkeypatch.setattr(sys.modules['__main__'], 'infer', infer_main.infer, raising=False)
-  yield
-  gin.clear_config(clear_constants=True)
-
-
-# byte_vocab_t5's architecture
-TINY = ['--gin.models.T5Config.d_model=8', '--gin.models.T5Config.d_ff=12',
-        '--gin.models.T5Config.num_heads=2', '--gin.models.T5Config.d_kv=4',
-        '--gin.models.T5Config.num_encoder_layers=1', '--gin.models.T5Config.num_decoder_layers=1']
-
-
-def run_argv(run, checkpoint, *flags):
-  """runs/<run>.gin on the offline task with byte_vocab_t5's architecture, and `flags`."""
-  return ['--gin_file=models/t5_1_1/tiny.gin', f'--gin_file=runs/{run}.gin',
-          '--gin_file=data/offline_span_corruption.gin', f"--gin.CHECKPOINT_PATH='{checkpoint}'",
-          f'--gin.TASK_FEATURE_LENGTHS={LENGTHS}', *TINY, *flags]
-
-
-def test_infer_writes_jsonl_with_hf_greedy_predictions(byte_vocab_t5, tmp_path, main_module,
+def test_infer_writes_jsonl_with_hf_greedy_predictions(byte_vocab_t5, tmp_path, entry_points,
                                                        capsys):
   directory, reference = byte_vocab_t5
-  argv = run_argv('infer', directory, f"--gin.MODEL_DIR='{tmp_path}'", '--gin.BATCH_SIZE=3',
-                  '--gin.INFER_BATCHES=2')
+  argv = byte_t5_argv('infer', directory, f"--gin.MODEL_DIR='{tmp_path}'",
+                      '--gin.BATCH_SIZE=3', '--gin.INFER_BATCHES=2')
   path = gin_utils.run(infer_main.infer, argv, 'test')
   assert path == os.path.join(str(tmp_path), 'inference',
                               'offline_span_corruption-0-greedy.jsonl')
@@ -116,12 +79,11 @@ def _gcs_object(gcs_emulator, url: str) -> bytes:
 
 
 @pytest.mark.slow
-def test_gs_outputs_of_infer_and_eval_land_on_gcs(byte_vocab_t5, main_module, on_gcs, tmp_path,
+def test_gs_outputs_of_infer_and_eval_land_on_gcs(byte_vocab_t5, entry_points, on_gcs, tmp_path,
                                                   monkeypatch):
   monkeypatch.chdir(tmp_path)   # where a local ./gs:/ folder would appear
-  monkeypatch.setattr(sys.modules['__main__'], 'evaluate', eval_main.evaluate, raising=False)
   directory, _ = byte_vocab_t5
-  path = gin_utils.run(infer_main.infer, run_argv(
+  path = gin_utils.run(infer_main.infer, byte_t5_argv(
       'infer', directory, "--gin.MODEL_DIR='gs://bucket/infer'", '--gin.BATCH_SIZE=3',
       '--gin.INFER_BATCHES=1'), 'test')
   assert path == 'gs://bucket/infer/inference/offline_span_corruption-0-greedy.jsonl'
@@ -131,7 +93,7 @@ def test_gs_outputs_of_infer_and_eval_land_on_gcs(byte_vocab_t5, main_module, on
       f"{on_gcs['STORAGE_EMULATOR_HOST']}/storage/v1/b/bucket/o?prefix=infer/"))
   assert [o['name'] for o in listing['items']] == [path[len('gs://bucket/'):]]   # no .tmp
   gin.clear_config(clear_constants=True)
-  results = gin_utils.run(eval_main.evaluate, run_argv(
+  results = gin_utils.run(eval_main.evaluate, byte_t5_argv(
       'eval', directory, "--gin.EVAL_OUTPUT_DIR='gs://bucket/eval'",
       '--gin.BATCH_SIZE=8', '--gin.upcycle.eval.evaluate.eval_batches=1',
       '--gin.EVAL_DECODE_BATCHES=1',
@@ -155,12 +117,12 @@ def unreachable_gcs(on_gcs, monkeypatch):  # pylint: disable=redefined-outer-nam
   monkeypatch.setenv(reachability.TIMEOUT_ENV, '2')
 
 
-def test_an_unreachable_gcs_fails_in_bounded_time_with_one_line(main_module, unreachable_gcs,
+def test_an_unreachable_gcs_fails_in_bounded_time_with_one_line(entry_points, unreachable_gcs,
                                                                 capfd):
   began = time.time()
   with pytest.raises(SystemExit) as stopped:
-    gin_utils.run(infer_main.infer, run_argv('infer', '/nonexistent',
-                                             "--gin.MODEL_DIR='gs://bucket/run'"), 'test')
+    gin_utils.run(infer_main.infer, byte_t5_argv('infer', '/nonexistent',
+                                                 "--gin.MODEL_DIR='gs://bucket/run'"), 'test')
   assert time.time() - began < 10
   assert str(stopped.value) == (
       'MODEL_DIR=gs://bucket/run: gs://bucket did not answer within 2 s; check the network and '
@@ -191,9 +153,9 @@ def test_the_checkpoint_tools_stop_in_bounded_time_on_an_unreachable_gcs(
       'that may read and write the bucket (UPCYCLE_GCS_TIMEOUT_SECONDS sets the wait).\n')
 
 
-def test_a_bucket_that_does_not_exist_is_named(main_module, on_gcs):
+def test_a_bucket_that_does_not_exist_is_named(entry_points, on_gcs):
   with pytest.raises(SystemExit) as stopped:
-    gin_utils.run(infer_main.infer, run_argv(
+    gin_utils.run(infer_main.infer, byte_t5_argv(
         'infer', '/nonexistent', "--gin.MODEL_DIR='gs://no-such-bucket/out'"), 'test')
   assert str(stopped.value) == (
       'MODEL_DIR=gs://no-such-bucket/out: the bucket gs://no-such-bucket does '
@@ -201,7 +163,7 @@ def test_a_bucket_that_does_not_exist_is_named(main_module, on_gcs):
       'read and write it.')
 
 
-def test_infer_on_an_empty_split_says_so_and_leaves_no_partial_file(byte_vocab_t5, main_module,
+def test_infer_on_an_empty_split_says_so_and_leaves_no_partial_file(byte_vocab_t5, entry_points,
                                                                     tmp_path):
   import seqio  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -213,7 +175,7 @@ def test_infer_on_an_empty_split_says_so_and_leaves_no_partial_file(byte_vocab_t
       seqio.ByteVocabulary(extra_ids=100))
   try:
     with pytest.raises(SystemExit) as stopped:
-      gin_utils.run(infer_main.infer, run_argv(
+      gin_utils.run(infer_main.infer, byte_t5_argv(
           'infer', byte_vocab_t5[0], f"--gin.MODEL_DIR='{tmp_path}'",
           "--gin.MIXTURE_OR_TASK_NAME='empty_span_corruption'"), 'test',
                     expected=(iterator.EmptySplit,))

@@ -15,7 +15,7 @@ import time
 import gin
 import pytest
 
-from tests.test_infer import byte_vocab_t5, main_module, run_argv  # pylint: disable=unused-import
+from tests.helpers import byte_t5_argv
 from upcycle import infer as infer_main
 from upcycle.decoding import DecodeConfig
 
@@ -23,8 +23,8 @@ BEAM = "--gin.decoding.DecodeConfig.method='beam'"
 
 
 def _argv(checkpoint, model_dir, *flags):
-  return run_argv('infer', checkpoint, f"--gin.MODEL_DIR='{model_dir}'", '--gin.BATCH_SIZE=2',
-                  '--gin.INFER_BATCHES=3', *flags)
+  return byte_t5_argv('infer', checkpoint, f"--gin.MODEL_DIR='{model_dir}'",
+                      '--gin.BATCH_SIZE=2', '--gin.INFER_BATCHES=3', *flags)
 
 
 def _infer_here(argv):
@@ -68,7 +68,7 @@ def _stopped_while_writing(argv, inference):
 
 @pytest.mark.slow
 def test_concurrent_decodes_of_one_output_are_refused_and_of_two_methods_both_written(
-    byte_vocab_t5, main_module, tmp_path):
+    byte_vocab_t5, entry_points, tmp_path):
   checkpoint, _ = byte_vocab_t5
   clean = {name: _infer_here(_argv(checkpoint, tmp_path / name, *flags))
            for name, flags in (('greedy', ()), ('beam', (BEAM,)))}
@@ -97,7 +97,7 @@ def test_concurrent_decodes_of_one_output_are_refused_and_of_two_methods_both_wr
   assert sorted(os.listdir(inference)) == sorted(map(os.path.basename, clean.values()))
 
 
-def test_a_killed_decodes_partial_file_is_removed_by_the_next(byte_vocab_t5, main_module,
+def test_a_killed_decodes_partial_file_is_removed_by_the_next(byte_vocab_t5, entry_points,
                                                               tmp_path):
   checkpoint, _ = byte_vocab_t5
   inference = tmp_path / 'inference'

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
+from tests.helpers import REPO
 from upcycle import gin_utils
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location('local', os.path.join(REPO, 'launch', 'local.py'))
 local = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(local)

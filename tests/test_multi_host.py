@@ -13,9 +13,8 @@ import jax
 from jax._src.clusters import cloud_tpu_cluster
 import pytest
 
+from tests.helpers import REPO
 from upcycle import gin_utils, tpu_slice
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def metadata_server(attributes: dict):

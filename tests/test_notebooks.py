@@ -18,7 +18,8 @@ import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from tests.helpers import REPO
+
 NOTEBOOKS = ('upcycle_a_checkpoint.ipynb', 'routing.ipynb', 'ablations.ipynb',  # in this order
              'upcycle_llama.ipynb')
 KERNEL = 'upcycle-test-python'
@@ -34,7 +35,7 @@ def kernel(tmp_path_factory):
                'display_name': 'upcycle (test)', 'language': 'python'}, f)
   env = dict(os.environ)
   env['XLA_FLAGS'] = '--xla_backend_optimization_level=0'    # one CPU device, as a user has
-  env['PYTHONPATH'] = os.pathsep.join([str(REPO), env.get('PYTHONPATH', '')]).rstrip(os.pathsep)
+  env['PYTHONPATH'] = os.pathsep.join([REPO, env.get('PYTHONPATH', '')]).rstrip(os.pathsep)
   env.update(MPLBACKEND='Agg', TF_CPP_MIN_LOG_LEVEL='3', JAX_PLATFORMS='cpu',
              UPCYCLE_NOTEBOOK_RUNS=str(tmp_path_factory.mktemp('notebook_runs')))
   work = tmp_path_factory.mktemp('notebook_cwd')
@@ -48,7 +49,7 @@ def kernel(tmp_path_factory):
 
 @pytest.mark.parametrize('name', NOTEBOOKS)
 def test_notebook_is_stripped(name):
-  nb = nbformat.read(REPO / 'notebooks' / name, as_version=4)
+  nb = nbformat.read(pathlib.Path(REPO, 'notebooks', name), as_version=4)
   for cell in nb.cells:
     if cell.cell_type == 'code':
       assert not cell.outputs and cell.execution_count is None, f'{name}: strip the outputs'
@@ -58,7 +59,7 @@ def test_notebook_is_stripped(name):
 @pytest.mark.parametrize('name', NOTEBOOKS)
 def test_notebook_runs(name, kernel):
   manager, env, work = kernel
-  nb = nbformat.read(REPO / 'notebooks' / name, as_version=4)
+  nb = nbformat.read(pathlib.Path(REPO, 'notebooks', name), as_version=4)
   client = nbclient.NotebookClient(nb, km=manager(), timeout=300,
                                    resources={'metadata': {'path': work}})
   start = time.time()

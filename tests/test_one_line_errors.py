@@ -52,7 +52,7 @@ def _refusal(main, argv, capsys):
 
 @pytest.fixture(scope='module')
 def moe_checkpoint(tmp_path_factory):
-  config = dataclasses.replace(helpers.TINY_T5, encoder_moe=MoeConfig(num_experts=2))
+  config = dataclasses.replace(helpers.CHECKPOINT_T5, encoder_moe=MoeConfig(num_experts=2))
   return t5x_writer.write(str(tmp_path_factory.mktemp('moe')), 6, helpers.random_params(config))
 
 
@@ -118,7 +118,8 @@ def test_a_config_the_mesh_or_the_data_cannot_take(flags, error, entry_points, t
 
 def test_a_model_dir_inside_the_source_is_refused_before_anything_is_written(
     entry_points, tmp_path, capsys):
-  source = t5x_writer.write(str(tmp_path / 'dense'), 6, helpers.random_params(helpers.TINY_T5))
+  source = t5x_writer.write(str(tmp_path / 'dense'), 6,
+                            helpers.random_params(helpers.CHECKPOINT_T5))
   before = helpers.snapshot(source)
   message = _refusal(train_main.main, UPCYCLE + [f"--gin.INITIAL_CHECKPOINT_PATH='{source}'",
                                                  f"--gin.MODEL_DIR='{source}/moe'"], capsys)

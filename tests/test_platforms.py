@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from tests.checkpoints import helpers
+from tests.helpers import REPO
 from upcycle.checkpoints import orbax
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytest.importorskip('libtpu', reason="libtpu comes with pip install -e '.[test]'")
 
 # Written at exit by every process started with PROBE on PYTHONPATH: whether libtpu was loaded.
@@ -48,7 +48,7 @@ def _env(tmp_path, **extra):
 def step(tmp_path):
   """A training step of a tiny T5, as `python -m upcycle.train` saves it."""
   with orbax.CheckpointManager(str(tmp_path / 'run'), async_save=False) as manager:
-    manager.save(3, helpers.random_params(helpers.TINY_T5, seed=1))
+    manager.save(3, helpers.random_params(helpers.CHECKPOINT_T5, seed=1))
   return str(tmp_path / 'run' / '3')
 
 

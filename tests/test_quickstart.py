@@ -12,8 +12,6 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.mark.slow
 def test_the_main_job_runs_its_three_stages_and_writes_its_table_and_plot(tmp_path):

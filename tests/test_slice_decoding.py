@@ -9,9 +9,8 @@ import sys
 
 import pytest
 
-from tests.test_infer import LENGTHS, TINY, byte_vocab_t5  # pylint: disable=unused-import
+from tests.helpers import REPO, byte_t5_argv
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, 'XLA_FLAGS': '--xla_backend_optimization_level=0', 'JAX_PLATFORMS': 'cpu'}
 
 
@@ -24,12 +23,6 @@ def _launch(module, processes, devices, flags):
   return done.stdout
 
 
-def _flags(run, checkpoint, *flags):
-  return ['--gin_file=models/t5_1_1/tiny.gin', f'--gin_file=runs/{run}.gin',
-          '--gin_file=data/offline_span_corruption.gin', f"--gin.CHECKPOINT_PATH='{checkpoint}'",
-          f'--gin.TASK_FEATURE_LENGTHS={LENGTHS}', *TINY, *flags]
-
-
 @pytest.mark.slow
 def test_two_processes_decode_the_rows_one_process_decodes(byte_vocab_t5, tmp_path):
   """Parameters split over the model axis across the two processes (each holds half of
@@ -37,7 +30,7 @@ def test_two_processes_decode_the_rows_one_process_decodes(byte_vocab_t5, tmp_pa
   outputs = {}
   for processes, devices in ((1, 4), (2, 2)):
     model_dir = tmp_path / f'{processes}x{devices}'
-    _launch('upcycle.infer', processes, devices, _flags(
+    _launch('upcycle.infer', processes, devices, byte_t5_argv(
         'infer', byte_vocab_t5[0], f"--gin.MODEL_DIR='{model_dir}'", '--gin.BATCH_SIZE=4',
         '--gin.INFER_BATCHES=3', '--gin.NUM_MODEL_PARTITIONS=2'))
     inference = model_dir / 'inference'
@@ -55,7 +48,7 @@ def test_two_processes_evaluate_as_one_process(byte_vocab_t5, tmp_path):
   results = {}
   for processes, devices in ((1, 2), (2, 1)):
     out = tmp_path / f'{processes}x{devices}'
-    _launch('upcycle.eval', processes, devices, _flags(
+    _launch('upcycle.eval', processes, devices, byte_t5_argv(
         'eval', byte_vocab_t5[0], f"--gin.EVAL_OUTPUT_DIR='{out}'", '--gin.BATCH_SIZE=64',
         '--gin.EVAL_DECODE_BATCHES=3'))
     results[processes] = json.loads((out / 'eval_results.json').read_text())

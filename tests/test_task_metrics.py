@@ -14,7 +14,7 @@ import gin
 import numpy as np
 import pytest
 
-from tests.test_infer import TINY, byte_vocab_t5  # pylint: disable=unused-import
+from tests.helpers import BYTE_T5_FLAGS
 from upcycle import eval as eval_main
 from upcycle import gin_utils
 
@@ -102,7 +102,7 @@ def test_eval_runs_the_tasks_metric_functions_on_transformers_predictions(
       f"--gin.CHECKPOINT_PATH='{directory}'", f"--gin.MIXTURE_OR_TASK_NAME='{TASK}'",
       f"--gin.MIXTURE_OR_TASK_MODULE='{user_module}'", f'--gin.TASK_FEATURE_LENGTHS={LENGTHS}',
       '--gin.BATCH_SIZE=8', '--gin.EVAL_DECODE_BATCHES=0', f"--gin.EVAL_OUTPUT_DIR='{out}'",
-      *TINY], 'test')
+      *BYTE_T5_FLAGS], 'test')
   expected, predicted = _reference(reference)
   assert 0 < sum(predicted) < len(predicted)    # the predictions fall on both labels
   assert results['decoded_examples'] == 24

@@ -18,7 +18,8 @@ import types
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import REPO
+
 _spec = importlib.util.spec_from_file_location('tpu_vm', os.path.join(REPO, 'launch', 'tpu_vm.py'))
 tpu_vm = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tpu_vm)

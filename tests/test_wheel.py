@@ -11,7 +11,8 @@ import sysconfig
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import REPO
+
 pytestmark = pytest.mark.slow
 
 

@@ -20,48 +20,44 @@ every function fits, 2 one does not, 3 one could not be compiled (its reason pri
 import argparse
 import json
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 from upcycle import gin_utils
 
-_FLAGS = argparse.Namespace(topology='v4:2x2x1', megacore=True, json=None, find_batch=False)
-
 
 def train(*, objective: Any, optimizer: Any, config: Any, train_data: Any,
-          eval_data: Optional[Any] = None, initializer: Optional[Any] = None) -> dict:
-  """What `python -m upcycle.train` would run, compiled for `--topology` instead of run."""
+          eval_data: Optional[Any] = None, initializer: Optional[Any] = None,
+          flags: argparse.Namespace) -> dict:
+  """What `python -m upcycle.train` would run, compiled for `flags.topology` instead of run
+  (the other arguments gin-bound as the training command's; `flags` from `_own_flags`)."""
   from upcycle import reachability  # pylint: disable=g-import-not-at-top
   from upcycle.train import aot  # pylint: disable=g-import-not-at-top
   # What is read must answer first, in bounded time; MODEL_DIR is never written here.
   reachability.check({binding: path for binding, path in reachability.gin_paths().items()
                       if not binding.lower().endswith('model_dir')})
-  devices = aot.topology_devices(_FLAGS.topology, _FLAGS.megacore)
+  devices = aot.topology_devices(flags.topology, flags.megacore)
   run = aot.compile_run(objective=objective, optimizer=optimizer, config=config,
                         train_data=train_data, eval_data=eval_data, initializer=initializer,
-                        devices=devices, megacore=_FLAGS.megacore,
-                        find_batch=_FLAGS.find_batch)
+                        devices=devices, megacore=flags.megacore, find_batch=flags.find_batch)
   print(aot.table(run), flush=True)
-  document = run.describe(_FLAGS.topology)
-  if _FLAGS.json:
+  document = run.describe(flags.topology)
+  if flags.json:
     from etils import epath  # pylint: disable=g-import-not-at-top
-    path = epath.Path(_FLAGS.json)
+    path = epath.Path(flags.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(document, indent=2) + '\n')
   return document
 
 
-def _own_flags(argv: Sequence[str]) -> Sequence[str]:
-  """Takes --topology, --json, --no_megacore and --find_batch out of argv; the rest are the
-  train flags."""
+def _own_flags(argv: Sequence[str]) -> Tuple[argparse.Namespace, Sequence[str]]:
+  """(--topology, --json, --no_megacore and --find_batch; the rest of argv, the train
+  flags)."""
   parser = argparse.ArgumentParser(add_help=False)
-  parser.add_argument('--topology', default=_FLAGS.topology)
+  parser.add_argument('--topology', default='v4:2x2x1')
   parser.add_argument('--json', default=None)
-  parser.add_argument('--no_megacore', action='store_true')
+  parser.add_argument('--no_megacore', action='store_false', dest='megacore')
   parser.add_argument('--find_batch', action='store_true')
-  known, rest = parser.parse_known_args(argv)
-  _FLAGS.topology, _FLAGS.json, _FLAGS.megacore = known.topology, known.json, not known.no_megacore
-  _FLAGS.find_batch = known.find_batch
-  return rest
+  return parser.parse_known_args(argv)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -74,10 +70,11 @@ def main(argv: Sequence[str]) -> int:
           'fits, from up to two more compiles of the train step), then the training flags '
           '(--gin_file, --gin.KEY=VALUE, --gin_bindings, --gin_search_paths).')
     return 0
-  rest = _own_flags(argv)
+  flags, rest = _own_flags(argv)
   try:
     # Nothing is written: MODEL_DIR may name a bucket this machine cannot reach.
-    document = gin_utils.run(train, [*rest, '--multi_host=no'], __doc__, reach_gcs=False)
+    document = gin_utils.run(train, [*rest, '--multi_host=no'], __doc__, reach_gcs=False,
+                             given={'flags': flags})
   except (fields.ConfigError, CheckpointError, TopologyError, ValueError) as e:
     print(f'error: {e}', file=sys.stderr, flush=True)
     return 1

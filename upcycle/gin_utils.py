@@ -23,7 +23,7 @@ import re
 import sys
 import tokenize
 import traceback
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, Tuple, Type
 
 import gin
 
@@ -358,9 +358,11 @@ def one_line(error: BaseException, argv: Sequence[str]) -> str:
 
 
 def run(fn: Callable[..., Any], argv: Sequence[str], description: str,
-        expected: Tuple[Type[BaseException], ...] = (), reach_gcs: bool = True) -> Any:
+        expected: Tuple[Type[BaseException], ...] = (), reach_gcs: bool = True,
+        given: Optional[Mapping[str, Any]] = None) -> Any:
   """An entry point's main: flags, multi-host setup, gin files and bindings, then `fn()` with
-  its arguments bound by gin (gin files refer to it as `__main__.<fn name>`, as in T5X).
+  its arguments bound by gin (gin files refer to it as `__main__.<fn name>`, as in T5X) and
+  the keyword arguments `given` (the entry point's own flags, not gin's to bind).
 
   With `reach_gcs`, every gs:// bucket the configuration names must answer first, in bounded
   time (`reachability.check`).
@@ -377,7 +379,7 @@ def run(fn: Callable[..., Any], argv: Sequence[str], description: str,
     parse_gin(args, bindings)
     if reach_gcs:
       reachability.check(reachability.gin_paths())
-    return configured()
+    return configured(**(given or {}))
   except SystemExit as e:
     if isinstance(e.code, str) and '--verbose' in argv:
       traceback.print_exception(e.__cause__ or e, file=sys.stderr)

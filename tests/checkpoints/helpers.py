@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from upcycle import tree
+from upcycle.checkpoints import factored
 from upcycle.families import abstract_params
 from upcycle.models import T5, T5Config, ViT, ViTConfig
 
@@ -15,11 +16,14 @@ from upcycle.models import T5, T5Config, ViT, ViTConfig
 T5X_FIXTURE = str(pathlib.Path(__file__).parents[1] / 'fixtures' / 't5x' / 'tiny_t5' /
                   'checkpoint_1')
 
-TINY_T5 = T5Config(vocab_size=32, d_model=8, num_heads=2, d_kv=4, d_ff=12, num_encoder_layers=2,
-                   num_decoder_layers=2, relative_attention_num_buckets=8,
-                   relative_attention_max_distance=16)
-TINY_VIT = ViTConfig(num_classes=5, image_size=(8, 8), patch_size=(4, 4), width=8, depth=2,
-                     mlp_dim=12, num_heads=2, head_zeroinit=False)
+# The checkpoint tests' T5 and ViT: the architectures of the `hf_t5` and `hf_vit` fixtures
+# (tests/conftest.py). The model tests' are larger (tests/models/helpers.py), the training
+# tests' larger still (tests/train/helpers.py).
+CHECKPOINT_T5 = T5Config(vocab_size=32, d_model=8, num_heads=2, d_kv=4, d_ff=12,
+                         num_encoder_layers=2, num_decoder_layers=2,
+                         relative_attention_num_buckets=8, relative_attention_max_distance=16)
+CHECKPOINT_VIT = ViTConfig(num_classes=5, image_size=(8, 8), patch_size=(4, 4), width=8, depth=2,
+                           mlp_dim=12, num_heads=2, head_zeroinit=False)
 ENCODER_TOKENS = np.array([[3, 4, 5, 6, 7, 9], [8, 9, 10, 11, 12, 2]], np.int32)
 DECODER_TOKENS = np.array([[0, 5, 6, 7], [0, 7, 8, 9]], np.int32)
 IMAGES = np.random.default_rng(0).normal(size=(2, 8, 8, 3)).astype(np.float32)
@@ -35,19 +39,39 @@ def random_params(config, seed: int = 0, scale: float = 0.5) -> dict:
   return tree.unflatten(flat)
 
 
+def t5x_slots(params, rng=None):
+  """T5X Adafactor slots with T5X's heuristic factoring (v_row drops the largest axis)."""
+  rng = rng or np.random.default_rng(1)
+  out = {}
+  for key, x in params.items():
+    if isinstance(x, dict):
+      out[key] = t5x_slots(x, rng)
+      continue
+    zero = np.zeros((1,), np.float32)
+    slot = {'v_row': zero, 'v_col': zero, 'v': zero, 'm': zero}
+    if x.ndim >= 2 and min(x.shape) >= 4:
+      d1, d0 = factored.factored_dims(x.shape)
+      slot['v_row'] = rng.uniform(0.5, 2, np.delete(x.shape, d0)).astype(np.float32)
+      slot['v_col'] = rng.uniform(0.5, 2, np.delete(x.shape, d1)).astype(np.float32)
+    else:
+      slot['v'] = rng.uniform(0.5, 2, x.shape).astype(np.float32)
+    out[key] = slot
+  return out
+
+
 @functools.lru_cache(maxsize=None)
 def _jitted_apply(config):
   model = T5(config) if isinstance(config, T5Config) else ViT(config)
   return jax.jit(model.apply)
 
 
-def t5_logits(params, config=TINY_T5) -> np.ndarray:
+def t5_logits(params, config=CHECKPOINT_T5) -> np.ndarray:
   """[2, 4, vocab] logits of `params` (lazy or bf16 leaves are read and cast to float32)."""
   params = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
   return np.asarray(_jitted_apply(config)({'params': params}, ENCODER_TOKENS, DECODER_TOKENS))
 
 
-def vit_logits(params, config=TINY_VIT, images=IMAGES) -> np.ndarray:
+def vit_logits(params, config=CHECKPOINT_VIT, images=IMAGES) -> np.ndarray:
   """[2, classes] logits of `params` on `images` [2, 8, 8, 3]."""
   params = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
   return np.asarray(_jitted_apply(config)({'params': params}, images))

@@ -14,12 +14,12 @@ from upcycle.checkpoints import CheckpointError, orbax
 @pytest.fixture(scope='module')
 def t5x_dir(tmp_path_factory):
   model_dir = str(tmp_path_factory.mktemp('t5x_model'))
-  t5x_writer.write(model_dir, 3, helpers.random_params(helpers.TINY_T5))
+  t5x_writer.write(model_dir, 3, helpers.random_params(helpers.CHECKPOINT_T5))
   return model_dir
 
 
 def test_detects_every_format(hf_t5, hf_vit, t5x_dir, tmp_path):
-  params = helpers.random_params(helpers.TINY_VIT)
+  params = helpers.random_params(helpers.CHECKPOINT_VIT)
   np.savez(tmp_path / 'bv.npz', **tree.flatten(params))
   with orbax.CheckpointManager(str(tmp_path / 'run')) as manager:
     manager.save(4, params)
@@ -53,7 +53,7 @@ def test_unknown_format_lists_what_was_looked_for(tmp_path):
 def test_vit_checkpoint_given_for_a_t5_model(hf_vit):
   before = helpers.snapshot(hf_vit[0])
   with pytest.raises(CheckpointError) as e:
-    pretrained.load(hf_vit[0], model_config=helpers.TINY_T5)
+    pretrained.load(hf_vit[0], model_config=helpers.CHECKPOINT_T5)
   message = str(e.value)
   assert message.startswith(hf_vit[0]) and 'holds a VIT, the model is a T5' in message
   assert 'missing: decoder/' in message and 'unexpected: Transformer/' in message
@@ -61,7 +61,7 @@ def test_vit_checkpoint_given_for_a_t5_model(hf_vit):
 
 
 def test_shape_that_does_not_fit_the_model_config(t5x_dir):
-  config = dataclasses.replace(helpers.TINY_T5, d_ff=16)
+  config = dataclasses.replace(helpers.CHECKPOINT_T5, d_ff=16)
   before = helpers.snapshot(t5x_dir)
   with pytest.raises(CheckpointError) as e:
     pretrained.load(t5x_dir, model_config=config)
@@ -70,7 +70,7 @@ def test_shape_that_does_not_fit_the_model_config(t5x_dir):
   assert "parameter 'decoder/layers_0/mlp/wi_0/kernel'" in message
   assert 'Expected (8, 16), found (8, 12)' in message
   assert helpers.snapshot(t5x_dir) == before
-  pretrained.load(t5x_dir, model_config=helpers.TINY_T5)  # The right config passes.
+  pretrained.load(t5x_dir, model_config=helpers.CHECKPOINT_T5)  # The right config passes.
 
 
 def test_bad_format_argument(t5x_dir):

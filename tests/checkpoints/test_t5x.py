@@ -36,7 +36,7 @@ def test_fixture_from_model_dir_and_checkpoint_file():
 @pytest.fixture(scope='module')
 def written(tmp_path_factory):
   """A T5X checkpoint with bf16, gzip, zstd, gfile, chunked and Adafactor leaves."""
-  params = helpers.random_params(helpers.TINY_T5, seed=3)
+  params = helpers.random_params(helpers.CHECKPOINT_T5, seed=3)
   flat = tree.flatten(params)
   bf16 = ('token_embedder/embedding', 'encoder/layers_1/mlp/wo/kernel',
           'decoder/layers_0/self_attention/query/kernel')
@@ -73,7 +73,7 @@ def test_written_checkpoint_loads_to_same_logits(written):
 def test_load_returns_params_the_model_takes_as_they_are(written):
   model_dir, params, _ = written
   loaded = checkpoints.load(model_dir).params
-  np.testing.assert_allclose(helpers.apply_as_documented(loaded, helpers.TINY_T5),
+  np.testing.assert_allclose(helpers.apply_as_documented(loaded, helpers.CHECKPOINT_T5),
                              helpers.t5_logits(params), rtol=1e-5, atol=1e-5)
 
 
@@ -96,7 +96,7 @@ def test_adafactor_state_as_stored(written):
 
 
 def test_missing_zarray_uses_spec_metadata(tmp_path):
-  params = helpers.random_params(helpers.TINY_T5, seed=4)
+  params = helpers.random_params(helpers.CHECKPOINT_T5, seed=4)
   layout = t5x_writer.Layout(zarr={'target/encoder/layers_0/mlp/wi_1/kernel': 'zstd'},
                              drop_zarray=True)
   t5x_writer.write(str(tmp_path), 1, params, layout=layout)
@@ -107,7 +107,7 @@ def test_missing_zarray_uses_spec_metadata(tmp_path):
 
 
 def test_latest_checkpoint_of_model_dir(tmp_path):
-  params = helpers.random_params(helpers.TINY_T5)
+  params = helpers.random_params(helpers.CHECKPOINT_T5)
   for step in (2, 12):
     t5x_writer.write(str(tmp_path), step, params)
   os.makedirs(tmp_path / 'checkpoint_30.tmp-1700000000')  # Unfinished save: ignored.
@@ -115,7 +115,7 @@ def test_latest_checkpoint_of_model_dir(tmp_path):
 
 
 def test_orbax_era_layout(tmp_path):
-  params = helpers.random_params(helpers.TINY_T5, seed=5)
+  params = helpers.random_params(helpers.CHECKPOINT_T5, seed=5)
   state = {'target': params, 'state': {'step': np.int32(7), 'param_states':
                                         t5x_writer.adafactor_states(params)}}
   ocp.PyTreeCheckpointer().save(tmp_path / 'checkpoint_7' / 'state', state)
@@ -143,7 +143,7 @@ def test_truncated_msgpack_is_named(tmp_path):
 
 
 def test_missing_zarr_chunk_is_named(tmp_path):
-  params = helpers.random_params(helpers.TINY_T5)
+  params = helpers.random_params(helpers.CHECKPOINT_T5)
   layout = t5x_writer.Layout(zarr={'target/token_embedder/embedding': 'gzip'})
   directory = t5x_writer.write(str(tmp_path), 1, params, layout=layout)
   os.remove(os.path.join(directory, 'target.token_embedder.embedding', '1.0'))

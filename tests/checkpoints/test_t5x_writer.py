@@ -18,7 +18,7 @@ from upcycle.moe import MoeConfig
 from upcycle.train import optimizers, partitioning
 
 E = 4
-MOE = dataclasses.replace(helpers.TINY_T5, encoder_moe=MoeConfig(num_experts=E),
+MOE = dataclasses.replace(helpers.CHECKPOINT_T5, encoder_moe=MoeConfig(num_experts=E),
                           decoder_moe=MoeConfig(num_experts=E, router='tokens_choose'))
 
 

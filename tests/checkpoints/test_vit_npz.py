@@ -16,7 +16,7 @@ _VIT_JAX_BLOCK = {'MultiHeadDotProductAttention_0': 'MultiHeadDotProductAttentio
 
 def _exact_params(seed=0):
   """Random ViT params on a 1/256 grid, so cls + pos slot sums are exact in float32."""
-  params = helpers.random_params(helpers.TINY_VIT, seed=seed)
+  params = helpers.random_params(helpers.CHECKPOINT_VIT, seed=seed)
   return tree.unflatten({p: np.round(v * 256) / 256 for p, v in tree.flatten(params).items()})
 
 
@@ -41,7 +41,7 @@ def test_vit_jax_npz_same_logits(tmp_path):
   np.savez(path, **_vit_jax_arrays(params, slot.astype(np.float32)))
   ckpt = vit_npz.load(path)
   assert ckpt.format == 'vit_jax' and ckpt.notes == ()
-  np.testing.assert_allclose(helpers.apply_as_documented(ckpt.params, helpers.TINY_VIT),
+  np.testing.assert_allclose(helpers.apply_as_documented(ckpt.params, helpers.CHECKPOINT_VIT),
                              helpers.vit_logits(params), rtol=1e-5, atol=1e-5)
   assert isinstance(vit_npz.load(path, lazy=True).params['cls'], lazy.LazyArray)
   loaded = lazy.materialize(ckpt.params)
@@ -67,18 +67,18 @@ def test_vit_jax_opt_target_prefix_and_bfloat16(tmp_path):
 
 
 def test_big_vision_npz_same_logits(tmp_path):
-  params = helpers.random_params(helpers.TINY_VIT, seed=3)
+  params = helpers.random_params(helpers.CHECKPOINT_VIT, seed=3)
   path = str(tmp_path / 'big_vision.npz')
   np.savez(path, **{'params/' + k: v for k, v in tree.flatten(params).items()})
   ckpt = vit_npz.load(path)
   assert ckpt.format == 'big_vision'
-  np.testing.assert_allclose(helpers.apply_as_documented(ckpt.params, helpers.TINY_VIT),
+  np.testing.assert_allclose(helpers.apply_as_documented(ckpt.params, helpers.CHECKPOINT_VIT),
                              helpers.vit_logits(params), rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(helpers.vit_logits(ckpt.params), helpers.vit_logits(params))
 
 
 def test_big_vision_scanned_encoder_is_unstacked(tmp_path):
-  params = helpers.random_params(helpers.TINY_VIT, seed=4)
+  params = helpers.random_params(helpers.CHECKPOINT_VIT, seed=4)
   flat = tree.flatten(params)
   arrays = {k: v for k, v in flat.items() if not k.startswith('Transformer/encoderblock_')}
   for key in [k for k in flat if k.startswith('Transformer/encoderblock_0/')]:
@@ -92,7 +92,7 @@ def test_big_vision_scanned_encoder_is_unstacked(tmp_path):
 
 
 def test_resize_position_embedding_only_when_asked(tmp_path):
-  params = helpers.random_params(helpers.TINY_VIT, seed=5)
+  params = helpers.random_params(helpers.CHECKPOINT_VIT, seed=5)
   params['pos_embedding'] = np.full((1, 4, 8), 0.25, np.float32)
   path = str(tmp_path / 'bv.npz')
   np.savez(path, **tree.flatten(params))
@@ -103,7 +103,7 @@ def test_resize_position_embedding_only_when_asked(tmp_path):
   assert pos.shape == (1, 16, 8) and np.allclose(pos, 0.25)
   np.testing.assert_array_equal(np.asarray(ckpt.params['cls']), params['cls'])
   assert len(ckpt.notes) == 1 and '2x2 to a 4x4 grid' in ckpt.notes[0]
-  config = dataclasses.replace(helpers.TINY_VIT, image_size=(16, 16))
+  config = dataclasses.replace(helpers.CHECKPOINT_VIT, image_size=(16, 16))
   images = np.zeros((1, 16, 16, 3), np.float32)
   assert helpers.vit_logits(ckpt.params, config, images).shape == (1, 5)
 
@@ -115,7 +115,7 @@ def test_resize_interpolates_bilinearly():
 
 
 def test_head_for_other_classes(tmp_path):
-  params = helpers.random_params(helpers.TINY_VIT, seed=6)
+  params = helpers.random_params(helpers.CHECKPOINT_VIT, seed=6)
   path = str(tmp_path / 'bv.npz')
   np.savez(path, **tree.flatten(params))
   with pytest.raises(CheckpointError, match=r"parameter 'head/kernel'.*Expected 7 classes, found "

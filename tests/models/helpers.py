@@ -10,10 +10,12 @@ import numpy as np
 
 from upcycle.models import Llama, T5Config, ViTConfig
 
-TINY_T5 = T5Config(vocab_size=64, d_model=16, num_heads=2, d_kv=8, d_ff=32,
-                   num_encoder_layers=2, num_decoder_layers=2)
-TINY_VIT = ViTConfig(num_classes=5, image_size=(8, 8), patch_size=(4, 4), width=16, depth=2,
-                     mlp_dim=32, num_heads=2, head_zeroinit=False)
+# The model tests' T5 and ViT: tiny, jitted whole. The checkpoint tests' are smaller
+# (tests/checkpoints/helpers.py), the training tests' larger (tests/train/helpers.py).
+MODEL_T5 = T5Config(vocab_size=64, d_model=16, num_heads=2, d_kv=8, d_ff=32,
+                    num_encoder_layers=2, num_decoder_layers=2)
+MODEL_VIT = ViTConfig(num_classes=5, image_size=(8, 8), patch_size=(4, 4), width=16, depth=2,
+                      mlp_dim=32, num_heads=2, head_zeroinit=False)
 
 
 def tile_experts(dense_params, moe_abstract, seed=0):

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.models.helpers import jitted, TINY_T5, TINY_VIT, tile_experts, tokens
+from tests.models.helpers import jitted, MODEL_T5, MODEL_VIT, tile_experts, tokens
 from upcycle import upcycling
 from upcycle.families import abstract_params
 from upcycle.models import T5, T5Config, ViT
@@ -24,10 +24,10 @@ def init(model, *args):
 def dense_model(name):
   """(model class, config, inputs, params, logits) of a dense 4-layer T5 or ViT."""
   if name == 't5':
-    model, cfg = T5, dataclasses.replace(TINY_T5, num_encoder_layers=4, num_decoder_layers=4)
+    model, cfg = T5, dataclasses.replace(MODEL_T5, num_encoder_layers=4, num_decoder_layers=4)
     inputs = (tokens(0, (2, 12), cfg.vocab_size), tokens(1, (2, 6), cfg.vocab_size))
   else:
-    model, cfg = ViT, dataclasses.replace(TINY_VIT, depth=4)
+    model, cfg = ViT, dataclasses.replace(MODEL_VIT, depth=4)
     inputs = (jax.random.normal(jax.random.PRNGKey(3), (2, 8, 8, 3)),)
   params = init(model(cfg), *inputs)
   return model, cfg, inputs, params, jitted(model(cfg).apply, {'params': params}, *inputs)
@@ -75,7 +75,7 @@ def test_t5_refuses_expert_choice_in_the_decoder():
     ('none', [], []), ('all', [0, 1, 2, 3], [0, 1, 2, 3])])
 def test_placement_decides_which_mlps_are_sparse(placement, encoder, decoder):
   cfg = dataclasses.replace(
-      TINY_T5, num_encoder_layers=4, num_decoder_layers=4,
+      MODEL_T5, num_encoder_layers=4, num_decoder_layers=4,
       encoder_moe=MoeConfig(num_experts=2, placement=placement),
       decoder_moe=MoeConfig(num_experts=2, router='tokens_choose', placement=placement))
   enc, dec = tokens(0, (1, 4), cfg.vocab_size), tokens(1, (1, 4), cfg.vocab_size)
@@ -88,7 +88,7 @@ def test_placement_decides_which_mlps_are_sparse(placement, encoder, decoder):
 @pytest.mark.slow
 def test_bfloat16_activations_keep_float32_params_routers_and_logits():
   moe = MoeConfig(num_experts=4, router='tokens_choose', k=2, eval_capacity_factor=2.0)
-  cfg = dataclasses.replace(TINY_T5, encoder_moe=moe, decoder_moe=moe)
+  cfg = dataclasses.replace(MODEL_T5, encoder_moe=moe, decoder_moe=moe)
   enc, dec = tokens(0, (2, 8), cfg.vocab_size), tokens(1, (2, 4), cfg.vocab_size)
   params = jax.jit(lambda: init(T5(cfg), enc, dec))()
   assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype('float32')}

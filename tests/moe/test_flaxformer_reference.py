@@ -1,9 +1,8 @@
-"""Routers and the layer against Flaxformer's, on arrays Flaxformer computed
-(tests/fixtures/flaxformer/routing.npz, written by make_routing.py beside it)."""
+"""Routers, the load-balancing loss and the layer against Flaxformer's, on arrays Flaxformer
+computed (tests/fixtures/flaxformer/routing.npz, written by make_routing.py beside it)."""
 
 import functools
 import json
-import os
 
 import flax
 import jax
@@ -11,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.moe.helpers import flaxformer_arrays
 from upcycle import layers
-from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, routing
+from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, routing
 
-FIXTURE = np.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                               'fixtures', 'flaxformer', 'routing.npz'))
+FIXTURE = flaxformer_arrays()
 CAPACITY = FIXTURE['top2_bpr/combine'].shape[-1]
 # name -> (router, k, batch priority, padded), as make_routing.py made them
 CASES = json.loads(str(FIXTURE['cases']))
@@ -53,26 +52,44 @@ def test_decisions_and_their_gradients_are_flaxformers(case):
   np.testing.assert_allclose(dprobs, FIXTURE[f'{case}/dprobs'], rtol=0, atol=1e-6)
 
 
+# Unpadded: with padding, Flaxformer's means count the padding tokens (their probabilities
+# zeroed), ours leave them out (`routing.load_balancing_statistics`).
+@pytest.mark.parametrize('case', [c for c, (router, _, _, padded) in CASES.items()
+                                  if router == 'tokens_choose' and not padded])
+def test_default_load_balancing_loss_is_flaxformers(case):
+  """The default scope ('group') is Flaxformer's `_load_balancing_loss` on the same choices."""
+  _, k, _, _ = CASES[case]
+  probs = jnp.asarray(FIXTURE['probs'])
+  loss = routing.load_balancing_loss(
+      *routing.load_balancing_statistics(probs, jax.lax.top_k(probs, k)[1]))
+  np.testing.assert_allclose(loss, FIXTURE[f'{case}/load_balancing_loss'], rtol=1e-6)
+
+
 @pytest.mark.parametrize('dispatch', ['masked', 'indices'])
 def test_layer_outputs_and_gradients_are_flaxformers(dispatch):
-  """Top-2 with Batch Priority Routing, capacity by T5X's convention: the output, and the
-  gradients of sum(y^2) for the input and for the router (through the combine weights)."""
+  """Top-2 with Batch Priority Routing, capacity by T5X's convention: the output, the
+  gradients of sum(y^2) for the input and for the router (through the combine weights), and
+  the auxiliary losses the layer sows."""
   config = MoeConfig(num_experts=4, router='tokens_choose', k=2, batch_priority_routing=True,
                      train_capacity_factor=1.0, eval_capacity_factor=1.0,
                      capacity_convention='t5x', min_expert_capacity=1, max_group_size=8,
                      dispatch=dispatch)
   layer = MoeLayer(config, functools.partial(layers.GatedMlp, d_ff=16, dtype=jnp.float32))
   params = flax.traverse_util.unflatten_dict(
-      {tuple(k.split('/')[2:]): jnp.asarray(FIXTURE[k]) for k in FIXTURE.files
+      {tuple(k.split('/')[2:]): jnp.asarray(v) for k, v in FIXTURE.items()
        if k.startswith('layer/params/')})
   x = jnp.asarray(FIXTURE['layer/x'])
 
   def loss(p, x):
-    y = layer.apply({'params': p}, x, True, mutable=MOE_COLLECTIONS)[0]
-    return jnp.sum(y ** 2), y
+    y, state = layer.apply({'params': p}, x, True, mutable=MOE_COLLECTIONS)
+    return jnp.sum(y ** 2), (y, aux_losses(state))
 
-  (_, y), (dparams, dx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+  (_, (y, losses)), (dparams, dx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+      params, x)
   np.testing.assert_allclose(y, FIXTURE['layer/y'], rtol=0, atol=1e-5)
+  np.testing.assert_allclose(losses['load_balancing_loss'], FIXTURE['layer/load_balancing_loss'],
+                             rtol=1e-6)
+  np.testing.assert_allclose(losses['router_z_loss'], FIXTURE['layer/router_z_loss'], rtol=1e-6)
   np.testing.assert_allclose(dx, FIXTURE['layer/dx'], rtol=0, atol=1e-4)
   np.testing.assert_allclose(dparams['router']['router_weights']['w']['kernel'],
                              FIXTURE['layer/drouter'], rtol=0, atol=1e-4)

@@ -9,12 +9,11 @@ import sys
 import numpy as np
 import pytest
 
+from tests.helpers import REPO
 from upcycle.study import claims, epochs, regime, runs as runs_lib
 from upcycle.study.__main__ import QUICK_ARMS, SUITES, plan, suite_of
 from upcycle.study.curves import Curve, Results
 from upcycle.study.scale import FULL, QUICK
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize('d, expect, verdict', [

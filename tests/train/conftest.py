@@ -5,11 +5,8 @@ import subprocess
 
 import pytest
 
-from tests.train.test_training import REPO, _train_command, run_t5
-
-# One CPU device, XLA unoptimized: the subprocess runs of the resume tests.
-RESUME_XLA_FLAGS = ('--xla_force_host_platform_device_count=1 '
-                    '--xla_backend_optimization_level=0')
+from tests.helpers import REPO
+from tests.train.helpers import ONE_DEVICE_XLA_FLAGS, run_t5, train_command
 
 
 @pytest.fixture(scope='session')
@@ -21,9 +18,9 @@ def dense_t5_run(tmp_path_factory):
 
 @pytest.fixture(scope='session')
 def straight_run(tmp_path_factory):
-  """The model_dir of 12 uninterrupted steps of `_train_command`: the reference that killed
+  """The model_dir of 12 uninterrupted steps of `train_command`: the reference that killed
   and resumed runs (local and on GCS) must reproduce step by step."""
   model_dir = tmp_path_factory.mktemp('straight') / 'run'
-  subprocess.run(_train_command(model_dir, 12), cwd=REPO, check=True, capture_output=True,
-                 env={**os.environ, 'XLA_FLAGS': RESUME_XLA_FLAGS})
+  subprocess.run(train_command(model_dir, 12), cwd=REPO, check=True, capture_output=True,
+                 env={**os.environ, 'XLA_FLAGS': ONE_DEVICE_XLA_FLAGS})
   return model_dir

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.train.test_training import TINY_T5, text
+from tests.train.helpers import TRAINING_T5, text
 from upcycle import console, inspect
 from upcycle.checkpoints import ocdbt_files, orbax_tree
 from upcycle.models import T5
@@ -26,20 +26,6 @@ from upcycle.train.trainer import TrainConfig, Trainer
 EMBEDDING = 'token_embedder/embedding'
 
 
-def _compiled_once(trainer):
-  """`trainer` building its jitted train step once: later runs (other MODEL_DIRs, same
-  shapes) reuse its compilation."""
-  build, built = trainer.jit_train_step, []
-
-  def jit_train_step(shardings):
-    if not built:
-      built.append(build(shardings))
-    return built[0]
-
-  trainer.jit_train_step = jit_train_step
-  return trainer
-
-
 @pytest.fixture(scope='module')
 def run(tmp_path_factory):
   """{'trainer', 'config', 'dir': MODEL_DIR, 'losses': {step: loss}} of 4 steps with
@@ -47,9 +33,9 @@ def run(tmp_path_factory):
   model_dir = tmp_path_factory.mktemp('damaged') / 'run'
   config = TrainConfig(str(model_dir), train_steps=4, batch_size=8, log_every=1,
                        checkpoint_every=2, async_checkpoints=False, tensorboard=False)
-  trainer = _compiled_once(Trainer(
-      Seq2Seq(T5(TINY_T5)), Adafactor(schedule=rsqrt_schedule(1.0, 100)), config,
-      text('train'), devices=jax.devices()[:1]))
+  # Later runs of this trainer (other MODEL_DIRs, same shapes) reuse its compiled step.
+  trainer = Trainer(Seq2Seq(T5(TRAINING_T5)), Adafactor(schedule=rsqrt_schedule(1.0, 100)),
+                    config, text('train'), devices=jax.devices()[:1])
   result = trainer.run()
   assert sorted(os.listdir(model_dir / 'checkpoints')) == ['2', '4']
   return {'trainer': trainer, 'config': config, 'dir': model_dir,

@@ -45,7 +45,7 @@ class CountingPipeline:
 
 @pytest.mark.slow
 def test_cached_validation_batches_give_the_numbers_of_reading_the_split_again(tmp_path):
-  from tests.train.test_training import TINY_T5, text   # pylint: disable=g-import-not-at-top
+  from tests.train.helpers import TRAINING_T5, text   # pylint: disable=g-import-not-at-top
   from upcycle.models import T5   # pylint: disable=g-import-not-at-top
   from upcycle.train.objectives import Seq2Seq   # pylint: disable=g-import-not-at-top
   from upcycle.train.optimizers import Adafactor   # pylint: disable=g-import-not-at-top
@@ -60,8 +60,9 @@ def test_cached_validation_batches_give_the_numbers_of_reading_the_split_again(t
     validation = CountingPipeline(text('validation'))
     config = TrainConfig(str(tmp_path / str(cache)), train_steps=2, batch_size=8,
                          eval_batches=3, cache_eval_batches=cache)
-    trainer = Trainer(Seq2Seq(T5(TINY_T5)), Adafactor(), config, text('train'), validation)
-    return [trainer.evaluate(params, eval_step) for params in (1.0, 2.0, 1.0)], validation.reads
+    trainer = Trainer(Seq2Seq(T5(TRAINING_T5)), Adafactor(), config, text('train'), validation)
+    trainer.built.__dict__['eval_step'] = eval_step   # the run's cached jitted step, replaced
+    return [trainer.evaluate(params) for params in (1.0, 2.0, 1.0)], validation.reads
 
   cached, reads_cached = evaluations(True)
   fresh, reads_fresh = evaluations(False)
@@ -74,13 +75,13 @@ def test_cached_validation_batches_give_the_numbers_of_reading_the_split_again(t
 def test_every_validation_example_counts_whatever_the_batch_size(tmp_path):
   """Batches of 16, 40 and 128 over the same split: the last partial batch is padded and
   masked, so loss and accuracy are the same and padding counts nowhere."""
-  from tests.train.test_training import TINY_T5, text   # pylint: disable=g-import-not-at-top
+  from tests.train.helpers import TRAINING_T5, text   # pylint: disable=g-import-not-at-top
   from upcycle.models import T5   # pylint: disable=g-import-not-at-top
   from upcycle.train import evaluation, partitioning   # pylint: disable=g-import-not-at-top
   from upcycle.train.objectives import Seq2Seq, init_params   # pylint: disable=g-import-not-at-top
   from upcycle.train.step import make_eval_step   # pylint: disable=g-import-not-at-top
   import jax   # pylint: disable=g-import-not-at-top
-  objective = Seq2Seq(T5(TINY_T5))
+  objective = Seq2Seq(T5(TRAINING_T5))
   validation = text('validation')
   examples = sum(int(b[evaluation.EXAMPLE_MASK].sum())
                  for b in evaluation.host_batches(validation, 16, 0, 0))

@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 
-from tests.train.test_reliability import ENV
-from tests.train.test_training import REPO, _train_command
+from tests.helpers import REPO
+from tests.train.helpers import ONE_DEVICE_ENV, train_command
 from upcycle.train import run_lock
 
 
@@ -28,7 +28,7 @@ def _stderr_lines(done):
 def test_a_wrong_model_binding_names_it_in_one_line_and_creates_no_model_dir(
     tmp_path, binding, error):
   model_dir = tmp_path / 'run'
-  done = subprocess.run(_train_command(model_dir, 2) + [binding], cwd=REPO, env=ENV,
+  done = subprocess.run(train_command(model_dir, 2) + [binding], cwd=REPO, env=ONE_DEVICE_ENV,
                         capture_output=True, text=True, timeout=300)
   assert done.returncode == 1
   assert _stderr_lines(done)[0] == error
@@ -40,10 +40,10 @@ def test_a_wrong_model_binding_names_it_in_one_line_and_creates_no_model_dir(
 def test_a_failed_initializer_ends_in_one_line_and_leaves_no_model_dir(tmp_path):
   model_dir = tmp_path / 'run'
   command = [arg.replace('runs/pretrain.gin', 'runs/upcycle.gin')
-             for arg in _train_command(model_dir, 2)] + [
+             for arg in train_command(model_dir, 2)] + [
       '--gin_file=moe/paper_t5.gin', '--gin.NUM_EXPERTS=2',
       f"--gin.INITIAL_CHECKPOINT_PATH='{tmp_path}/missing'"]
-  done = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True,
+  done = subprocess.run(command, cwd=REPO, env=ONE_DEVICE_ENV, capture_output=True, text=True,
                         timeout=300)
   assert done.returncode == 1
   lines = _stderr_lines(done)
@@ -68,10 +68,11 @@ def test_a_failed_start_keeps_a_model_dir_it_did_not_create(tmp_path):
 def test_a_gin_order_that_picks_c4_names_the_task_and_where_it_reads(tmp_path):
   """data/ before runs/: runs/pretrain.gin sets MIXTURE_OR_TASK_NAME back to C4."""
   model_dir = tmp_path / 'run'
-  command = _train_command(model_dir, 2)
+  command = train_command(model_dir, 2)
   data = command.index('--gin_file=data/offline_span_corruption.gin')
   command.insert(data - 1, command.pop(data))   # before --gin_file=runs/pretrain.gin
-  done = subprocess.run(command, cwd=REPO, env={**ENV, 'TFDS_DATA_DIR': str(tmp_path / 'tfds')},
+  done = subprocess.run(command, cwd=REPO,
+                        env={**ONE_DEVICE_ENV, 'TFDS_DATA_DIR': str(tmp_path / 'tfds')},
                         capture_output=True, text=True, timeout=300)
   assert done.returncode == 1
   error = _stderr_lines(done)[-1]   # after TFDS's own Beam warning
@@ -97,13 +98,13 @@ def test_a_train_steps_below_the_saved_step_is_refused_and_the_config_kept(dense
   from upcycle.train.objectives import Seq2Seq
   from upcycle.train.optimizers import Adafactor
   from upcycle.train.trainer import Trainer, TrainConfig
-  from tests.train.test_training import TINY_T5, text
+  from tests.train.helpers import TRAINING_T5, text
   # pylint: enable=g-import-not-at-top
   source, _ = dense_t5_run   # 30 steps
   run = tmp_path / 'run'
   shutil.copytree(source, run)
   config = TrainConfig(str(run), train_steps=10, batch_size=8, async_checkpoints=False)
-  trainer = Trainer(Seq2Seq(T5(TINY_T5)), Adafactor(), config, text('train'))
+  trainer = Trainer(Seq2Seq(T5(TRAINING_T5)), Adafactor(), config, text('train'))
   with pytest.raises(fields.ConfigError, match=r'is at step 30, past TRAIN_STEPS = 10 .*'
                                                r'Fix: --gin.TRAIN_STEPS=30 or more'):
     trainer.run(on_start=lambda: (run / 'config.gin').write_text('rewritten'))

@@ -21,12 +21,12 @@ import urllib.request
 
 import pytest
 
-from tests.train.conftest import RESUME_XLA_FLAGS
-from tests.train.test_training import REPO, _train_command
+from tests.helpers import REPO
+from tests.train.helpers import ONE_DEVICE_XLA_FLAGS, train_command
 
 
 def _env(gcs_emulator):
-  return {**os.environ, **gcs_emulator, 'XLA_FLAGS': RESUME_XLA_FLAGS}
+  return {**os.environ, **gcs_emulator, 'XLA_FLAGS': ONE_DEVICE_XLA_FLAGS}
 
 
 def _object(gcs_emulator, url: str, media: bool = False) -> bytes:
@@ -80,7 +80,7 @@ def test_train_kill_resume_and_inspect_on_gcs(tmp_path, gcs_emulator, straight_r
   remote = 'gs://bucket/run'
   extra = ['--gin.trainer.TrainConfig.tensorboard=False']
   log = open(tmp_path / 'killed.log', 'w')
-  proc = subprocess.Popen(_train_command(remote, 8) + extra, cwd=REPO, env=env,
+  proc = subprocess.Popen(train_command(remote, 8) + extra, cwd=REPO, env=env,
                           stdout=log, stderr=subprocess.STDOUT)
   deadline = time.time() + 300
   while time.time() < deadline and proc.poll() is None:
@@ -91,7 +91,7 @@ def test_train_kill_resume_and_inspect_on_gcs(tmp_path, gcs_emulator, straight_r
   proc.wait()
   assert proc.returncode == -signal.SIGKILL, (
       'the run ended before it could be killed: ' + open(tmp_path / 'killed.log').read()[-3000:])
-  done = subprocess.run(_train_command(remote, 8) + extra, cwd=REPO, env=env, capture_output=True,
+  done = subprocess.run(train_command(remote, 8) + extra, cwd=REPO, env=env, capture_output=True,
                         text=True)
   assert done.returncode == 0, done.stderr[-3000:]
   assert 'Resuming from gs://bucket/run/checkpoints at step 4' in done.stdout + done.stderr

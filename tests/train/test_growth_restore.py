@@ -10,13 +10,13 @@ import optax
 import pytest
 
 from tests.checkpoints import helpers
+from tests.train.helpers import mesh_run
 from upcycle import console, tree
 from upcycle.checkpoints import orbax
 from upcycle.models import T5
 from upcycle.moe import MoeConfig
 from upcycle.train import objectives, optimizers, partitioning
 from upcycle.train.grow import GrowDepth, GrowExperts
-from upcycle.train.trainer import TrainConfig, Trainer
 from upcycle.upcycling import depth_growth, execute, expert_growth, grown_optimizer_state
 
 ADAMW = optimizers.AdamW(optax.linear_schedule(0.0, 1e-3, 10_000))
@@ -24,18 +24,14 @@ BATCH = {'encoder_input_tokens': np.zeros((4, 6), np.int32),
          'decoder_input_tokens': np.zeros((4, 4), np.int32),
          'decoder_target_tokens': np.zeros((4, 4), np.int32)}
 SMALL = dataclasses.replace(
-    helpers.TINY_T5, num_encoder_layers=1, num_decoder_layers=1,
+    helpers.CHECKPOINT_T5, num_encoder_layers=1, num_decoder_layers=1,
     encoder_moe=MoeConfig(num_experts=2, router='experts_choose', placement='all'),
     decoder_moe=MoeConfig(num_experts=2, router='tokens_choose', k=1, placement='all'))
 WO = 'encoder/layers_0/mlp/expert/wo/kernel'
 
 
 def _abstract(config):
-  trainer = Trainer(objectives.Seq2Seq(T5(config)), ADAMW,
-                    TrainConfig(model_dir='unused', train_steps=1, batch_size=4,
-                                num_expert_partitions=2, num_model_partitions=2), train_data=None)
-  with partitioning.activate(trainer.mesh):
-    return trainer, trainer.abstract_state(BATCH)
+  return mesh_run(objectives.Seq2Seq(T5(config)), ADAMW, BATCH)
 
 
 @pytest.fixture(scope='module')
@@ -76,13 +72,13 @@ def test_grow_experts_hook_equals_the_library(moe, capsys, tmp_path):
       SMALL, encoder_moe=dataclasses.replace(SMALL.encoder_moe, num_experts=4))
   usage = tmp_path / 'usage.json'
   usage.write_text(json.dumps({'encoder/layers_0/mlp': [0.25, 0.75]}))
-  trainer, abstract = _abstract(grown)
-  with partitioning.activate(trainer.mesh):
+  built, abstract = _abstract(grown)
+  with partitioning.activate(built.mesh):
     state = GrowExperts(moe['dir'], sources='most_used', usage=str(usage))(
-        abstract, trainer.optimizer)
+        abstract, built.optimizer)
   _assert_placed(state, abstract)
   growth = expert_growth.plan(moe['params'], abstract.params, sources=[1, 0])
-  _assert_grown(moe, state, growth, abstract, trainer.optimizer)
+  _assert_grown(moe, state, growth, abstract, built.optimizer)
   np.testing.assert_array_equal(tree.flatten(state.params)[WO][2],
                                 tree.flatten(moe['params'])[WO][1])
   out = capsys.readouterr().out
@@ -91,14 +87,14 @@ def test_grow_experts_hook_equals_the_library(moe, capsys, tmp_path):
 
 def test_grow_depth_hook_equals_the_library_and_names_the_binding(moe):
   deep = dataclasses.replace(SMALL, num_encoder_layers=2)
-  trainer, abstract = _abstract(deep)
-  with partitioning.activate(trainer.mesh):
+  built, abstract = _abstract(deep)
+  with partitioning.activate(built.mesh):
     with pytest.raises(ValueError, match=r"GrowDepth\('.*', format 'orbax'\): "
                        r'grow.GrowDepth.layer_map=\[0, 1\] for encoder/layers, which grows from '
                        r'1 to 2 layers: expected 2 source layers, each in \[0, 1\)'):
-      GrowDepth(moe['dir'], layer_map=[0, 1])(abstract, trainer.optimizer)
-    state = GrowDepth(moe['dir'])(abstract, trainer.optimizer)
+      GrowDepth(moe['dir'], layer_map=[0, 1])(abstract, built.optimizer)
+    state = GrowDepth(moe['dir'])(abstract, built.optimizer)
   growth = depth_growth.plan(moe['params'], abstract.params)
-  _assert_grown(moe, state, growth, abstract, trainer.optimizer)
+  _assert_grown(moe, state, growth, abstract, built.optimizer)
   mu = tree.flatten(state.opt_state[1][0].mu)
   np.testing.assert_array_equal(mu[WO.replace('layers_0', 'layers_1')], mu[WO])

@@ -17,8 +17,9 @@ from tests import hf_files
 from upcycle import convert, pretrained
 from upcycle.models import Llama, LlamaConfig, llama_hf
 from upcycle.train import objectives, optimizers, partitioning
+from upcycle.train.built_run import build_run
 from upcycle.train.restore import UpcycleFromDense
-from upcycle.train.trainer import TrainConfig, Trainer
+from upcycle.train.trainer import TrainConfig
 from upcycle.upcycling import sources
 
 E = 4
@@ -43,13 +44,12 @@ def branches(tmp_path_factory):
   train_config = TrainConfig(model_dir='unused', train_steps=1, batch_size=8,
                              num_expert_partitions=2)
   optimizer = optimizers.AdamW(optimizers.warmup_decay_schedule(1e-3, 1, 4))
-  trainer = Trainer(objectives.CausalLm(Llama(config)), optimizer, train_config, train_data=None)
   batch = {key: np.zeros((8, 8), np.int32) for key in (
       'decoder_input_tokens', 'decoder_target_tokens', 'decoder_loss_weights',
       'decoder_segment_ids', 'decoder_positions')}
-  with partitioning.activate(trainer.mesh):
-    abstract = trainer.abstract_state(batch)
-  return dirs, config, trainer, abstract
+  built = build_run(objective=objectives.CausalLm(Llama(config)), optimizer=optimizer,
+                    config=train_config, host_batch=batch)
+  return dirs, config, built, built.abstract
 
 
 def _safetensors(directory):
@@ -63,11 +63,11 @@ def _safetensors(directory):
 
 def _upcycled(branches, via, tmp_path, **hook_args):
   """The Mixtral params made from branches a and b by the restore hook or by convert."""
-  dirs, config, trainer, abstract = branches
+  dirs, config, built, abstract = branches
   sources = [dirs['a'], dirs['b']]
   if via == 'hook':
-    with partitioning.activate(trainer.mesh):
-      return UpcycleFromDense(sources, **hook_args)(abstract, trainer.optimizer).params
+    with partitioning.activate(built.mesh):
+      return UpcycleFromDense(sources, **hook_args)(abstract, built.optimizer).params
   convert.convert(sources, config, str(tmp_path / 'moe'), **hook_args)
   return pretrained.load(str(tmp_path / 'moe'), model_config=config).params
 

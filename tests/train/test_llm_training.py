@@ -14,14 +14,14 @@ import jax
 import numpy as np
 import pytest
 
+from tests.helpers import REPO
+from tests.train.helpers import ONE_DEVICE_XLA_FLAGS
 from upcycle.data import tokenizer as tokenizer_lib
 from upcycle.data.lm import LmPipeline
 from upcycle.models import Llama, LlamaConfig
 from upcycle.train.objectives import CausalLm
 from upcycle.train.optimizers import AdamW, warmup_decay_schedule
 from upcycle.train.trainer import Trainer, TrainConfig
-from tests.train.conftest import RESUME_XLA_FLAGS
-from tests.train.test_training import REPO
 
 TINY_LLAMA = LlamaConfig(vocab_size=4096, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8,
                          d_ff=64, num_layers=2)
@@ -60,7 +60,7 @@ def _losses(model_dir):
 
 @pytest.mark.slow
 def test_a_killed_llm_run_resumes_exactly_and_keeps_its_tokenizer(tmp_path):
-  env = {**os.environ, 'XLA_FLAGS': RESUME_XLA_FLAGS}
+  env = {**os.environ, 'XLA_FLAGS': ONE_DEVICE_XLA_FLAGS}
   straight, killed = tmp_path / 'straight', tmp_path / 'killed'
   subprocess.run(_command(straight, 12), cwd=REPO, env=env, check=True, capture_output=True)
   proc = subprocess.Popen(_command(killed, 12), cwd=REPO, env=env, stdout=subprocess.DEVNULL,

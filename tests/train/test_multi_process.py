@@ -10,9 +10,9 @@ import time
 
 import pytest
 
+from tests.helpers import REPO
 from upcycle.checkpoints import digests
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, 'XLA_FLAGS': '--xla_backend_optimization_level=0', 'JAX_PLATFORMS': 'cpu'}
 # Run files first: data/offline_span_corruption.gin overrides their task.
 DATA = '--gin_file=data/offline_span_corruption.gin'

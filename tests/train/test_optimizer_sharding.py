@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from tests.checkpoints import helpers, t5x_writer
-from tests.train.test_restore import _t5x_slots, _trainer
+from tests.train.helpers import mesh_run
 from upcycle import checkpoints, tree
 from upcycle.checkpoints import orbax
 from upcycle.models import T5, ViT
@@ -28,8 +28,9 @@ from upcycle.upcycling import sharded
 
 ENCODER_MOE = MoeConfig(num_experts=4, router='experts_choose', capacity_multiple_of=1)
 DECODER_MOE = MoeConfig(num_experts=4, router='tokens_choose', k=2, capacity_multiple_of=1)
-T5_MOE = dataclasses.replace(helpers.TINY_T5, encoder_moe=ENCODER_MOE, decoder_moe=DECODER_MOE)
-VIT_MOE = dataclasses.replace(helpers.TINY_VIT, moe=ENCODER_MOE)
+T5_MOE = dataclasses.replace(helpers.CHECKPOINT_T5, encoder_moe=ENCODER_MOE,
+                             decoder_moe=DECODER_MOE)
+VIT_MOE = dataclasses.replace(helpers.CHECKPOINT_VIT, moe=ENCODER_MOE)
 T5_BATCH = {'encoder_input_tokens': np.zeros((4, 6), np.int32),
             'decoder_input_tokens': np.zeros((4, 4), np.int32),
             'decoder_target_tokens': np.zeros((4, 4), np.int32)}
@@ -78,7 +79,7 @@ EXPECTED = {
 
 
 def _t5(name):
-  return _trainer(objectives.Seq2Seq(T5(T5_MOE)), OPTIMIZERS[name], T5_BATCH)
+  return mesh_run(objectives.Seq2Seq(T5(T5_MOE)), OPTIMIZERS[name], T5_BATCH)
 
 
 def _specs(state):
@@ -108,8 +109,8 @@ def test_every_slot_is_sharded_like_its_parameter(model, name):
     _, abstract = _t5(name)
     kernels = (T5_WI, T5_WO)
   else:
-    _, abstract = _trainer(objectives.Classification(ViT(VIT_MOE)), OPTIMIZERS[name],
-                           VIT_BATCH)
+    _, abstract = mesh_run(objectives.Classification(ViT(VIT_MOE)), OPTIMIZERS[name],
+                               VIT_BATCH)
     kernels = (VIT_WI, VIT_WO)
   params = tree.flatten(abstract.params)
   assert params[kernels[0]].sharding.spec == FULL_WI
@@ -154,9 +155,9 @@ def _per_device_bytes(leaves):
 @pytest.mark.slow
 @pytest.mark.parametrize('name', ['adamw', 't5x_momentum'])
 def test_fresh_and_resumed_states_are_placed_so_each_device_holds_its_share(name, tmp_path):
-  trainer, abstract = _t5(name)
-  with partitioning.activate(trainer.mesh):
-    state = trainer.fresh_state(abstract, T5_BATCH)
+  built, abstract = _t5(name)
+  with partitioning.activate(built.mesh):
+    state = built.fresh_state(0)
   _assert_placed(state, abstract)
   with orbax.CheckpointManager(str(tmp_path), async_save=False) as manager:
     manager.save(1, state.params, state.opt_state)
@@ -191,20 +192,21 @@ def _recording_reads(monkeypatch):
 
 
 def test_upcycled_t5x_state_is_read_and_placed_like_the_params(tmp_path, monkeypatch):
-  params = helpers.random_params(helpers.TINY_T5)
+  params = helpers.random_params(helpers.CHECKPOINT_T5)
   stored = 'state/param_states/encoder/layers_1/mlp/wi_0/kernel/'
-  directory = t5x_writer.write(str(tmp_path), 6, params, _t5x_slots(params), t5x_writer.Layout(
-      zarr={stored + 'v_row': 'gzip', stored + 'v_col': 'gzip'}))
-  trainer, abstract = _t5('t5x_momentum')
+  directory = t5x_writer.write(
+      str(tmp_path), 6, params, helpers.t5x_slots(params),
+      t5x_writer.Layout(zarr={stored + 'v_row': 'gzip', stored + 'v_col': 'gzip'}))
+  built, abstract = _t5('t5x_momentum')
   reads = _recording_reads(monkeypatch)
-  with partitioning.activate(trainer.mesh):
-    state = UpcycleFromDense(directory, reuse_optimizer_state=True)(abstract, trainer.optimizer)
+  with partitioning.activate(built.mesh):
+    state = UpcycleFromDense(directory, reuse_optimizer_state=True)(abstract, built.optimizer)
   _assert_placed(state, abstract)
   wi = tree.flatten(state.opt_state.param_states)[T5_WI]
   assert (wi.v_row.sharding.spec, wi.v_col.sharding.spec, wi.m.sharding.spec) == (
       ROW, COLUMN, FULL_WI)
   np.testing.assert_array_equal(  # the dense [d_model] v_row, tiled over the experts
-      np.asarray(wi.v_row), np.broadcast_to(tree.flatten(_t5x_slots(params))[
+      np.asarray(wi.v_row), np.broadcast_to(tree.flatten(helpers.t5x_slots(params))[
           'encoder/layers_1/mlp/wi_0/kernel/v_row'], (4, 8)))
   # The dense [d_model, d_ff] kernel is read over (None, 'model'), as each expert needs it; its
   # stored factors along the axes they keep.
@@ -224,10 +226,11 @@ def test_grown_adafactor_state_is_placed_like_the_params(tmp_path, monkeypatch):
     manager.save(5, params, opt_state)
   grown = dataclasses.replace(
       small, encoder_moe=dataclasses.replace(small.encoder_moe, num_experts=4))
-  trainer, abstract = _trainer(objectives.Seq2Seq(T5(grown)), OPTIMIZERS['adafactor'], T5_BATCH)
+  built, abstract = mesh_run(objectives.Seq2Seq(T5(grown)), OPTIMIZERS['adafactor'],
+                                   T5_BATCH)
   reads = _recording_reads(monkeypatch)
-  with partitioning.activate(trainer.mesh):
-    state = GrowExperts(str(tmp_path))(abstract, trainer.optimizer)
+  with partitioning.activate(built.mesh):
+    state = GrowExperts(str(tmp_path))(abstract, built.optimizer)
   _assert_placed(state, abstract)
   wi = T5_WI.replace('layers_1', 'layers_0')
   assert tree.flatten(state.opt_state[0].v_row)[wi].sharding.spec == ROW
@@ -236,10 +239,10 @@ def test_grown_adafactor_state_is_placed_like_the_params(tmp_path, monkeypatch):
   assert reads[f'0/v_row/{wi}'] == ROW and reads[f'0/v_col/{wi}'] == COLUMN
 
 
-def _saved(trainer, abstract, directory):
-  """A checkpoint of `trainer`'s fresh state (step 5), written with orbax."""
-  with partitioning.activate(trainer.mesh):
-    state = trainer.fresh_state(abstract, T5_BATCH)
+def _saved(built, abstract, directory):
+  """A checkpoint of `built`'s fresh state (step 5), written with orbax."""
+  with partitioning.activate(built.mesh):
+    state = built.fresh_state(0)
   with orbax.CheckpointManager(str(directory), async_save=False) as manager:
     manager.save(5, jax.device_get(state.params), jax.device_get(state.opt_state))
   return str(directory)
@@ -250,17 +253,17 @@ def _saved(trainer, abstract, directory):
 def test_every_optimizer_is_placed_like_the_params_by_upcycling_and_growth(name, tmp_path):
   """Each optimizer's reused state, upcycled from a dense run's checkpoint and grown from an
   MoE run's, comes out with the abstract state's shardings (slots like their parameters)."""
-  dense = _saved(*_trainer(objectives.Seq2Seq(T5(helpers.TINY_T5)), OPTIMIZERS[name], T5_BATCH),
-                 tmp_path / 'dense')
-  trainer, abstract = _t5(name)
-  with partitioning.activate(trainer.mesh):
-    upcycled = UpcycleFromDense(dense, reuse_optimizer_state=True)(abstract, trainer.optimizer)
+  dense = _saved(*mesh_run(objectives.Seq2Seq(T5(helpers.CHECKPOINT_T5)), OPTIMIZERS[name],
+                               T5_BATCH), tmp_path / 'dense')
+  built, abstract = _t5(name)
+  with partitioning.activate(built.mesh):
+    upcycled = UpcycleFromDense(dense, reuse_optimizer_state=True)(abstract, built.optimizer)
   _assert_placed(upcycled, abstract)
   _assert_like_params(upcycled.opt_state, abstract.params)
   two = dataclasses.replace(T5_MOE, encoder_moe=dataclasses.replace(ENCODER_MOE, num_experts=2))
-  small = _saved(*_trainer(objectives.Seq2Seq(T5(two)), OPTIMIZERS[name], T5_BATCH),
+  small = _saved(*mesh_run(objectives.Seq2Seq(T5(two)), OPTIMIZERS[name], T5_BATCH),
                  tmp_path / 'small')
-  with partitioning.activate(trainer.mesh):
-    grown = GrowExperts(small)(abstract, trainer.optimizer)
+  with partitioning.activate(built.mesh):
+    grown = GrowExperts(small)(abstract, built.optimizer)
   _assert_placed(grown, abstract)
   _assert_like_params(grown.opt_state, abstract.params)

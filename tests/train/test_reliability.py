@@ -19,7 +19,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 import pytest
 
-from tests.train.test_training import REPO, TINY_T5, _train_command, text
+from tests.helpers import REPO
+from tests.train.helpers import ONE_DEVICE_ENV, TRAINING_T5, text, train_command
 from upcycle import console, fields, inspect
 from upcycle.checkpoints import CheckpointError
 from upcycle.checkpoints.orbax import CheckpointManager
@@ -32,14 +33,12 @@ from upcycle.train.objectives import Seq2Seq
 from upcycle.train.optimizers import Adafactor, rsqrt_schedule
 from upcycle.train.trainer import NonFiniteLossError, TrainConfig, Trainer
 
-ENV = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=1 '
-                                  '--xla_backend_optimization_level=0'}
 EVERY_2 = '--gin.trainer.TrainConfig.checkpoint_every=2'
 
 
 def _train(model_dir, steps, *extra, timeout=300):
-  return subprocess.run(_train_command(model_dir, steps) + [EVERY_2, *extra], cwd=REPO,
-                        env=ENV, capture_output=True, text=True, timeout=timeout)
+  return subprocess.run(train_command(model_dir, steps) + [EVERY_2, *extra], cwd=REPO,
+                        env=ONE_DEVICE_ENV, capture_output=True, text=True, timeout=timeout)
 
 
 def _rows(model_dir, split='train'):
@@ -72,8 +71,9 @@ def _largest_params_file(model_dir, step):
 @pytest.mark.slow
 def test_a_second_trainer_on_a_model_dir_is_refused_naming_the_holder(tmp_path):
   model_dir = tmp_path / 'run'
-  first = subprocess.Popen(_train_command(model_dir, 100000) + [EVERY_2], cwd=REPO, env=ENV,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  first = subprocess.Popen(train_command(model_dir, 100000) + [EVERY_2], cwd=REPO,
+                           env=ONE_DEVICE_ENV, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
   try:
     deadline = time.time() + 240
     while time.time() < deadline and first.poll() is None:
@@ -279,8 +279,8 @@ def test_config_fields_are_checked_at_construction(make, binding):
 def test_a_wrong_gin_binding_fails_before_any_work(tmp_path):
   model_dir = tmp_path / 'run'
   done = subprocess.run(
-      _train_command(model_dir, 4) + ["--gin.trainer.TrainConfig.checkpoint_every='ten'"],
-      cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+      train_command(model_dir, 4) + ["--gin.trainer.TrainConfig.checkpoint_every='ten'"],
+      cwd=REPO, env=ONE_DEVICE_ENV, capture_output=True, text=True, timeout=300)
   assert done.returncode == 1
   assert ("error: trainer.TrainConfig.checkpoint_every = 'ten': expected an integer >= 1"
           in done.stderr)
@@ -316,7 +316,7 @@ def _run_tiny(model_dir, learning_rate, steps, **train_kwargs):
   config = TrainConfig(str(model_dir), train_steps=steps, batch_size=8, log_every=1,
                        checkpoint_every=1000, async_checkpoints=False, **train_kwargs)
   optimizer = Adafactor(schedule=rsqrt_schedule(learning_rate, 100))
-  return Trainer(Seq2Seq(T5(TINY_T5)), optimizer, config, text('train'),
+  return Trainer(Seq2Seq(T5(TRAINING_T5)), optimizer, config, text('train'),
                  devices=jax.devices()[:1]).run()
 
 

@@ -1,7 +1,7 @@
 """The restore hook on a 2x2x2 mesh of simulated devices: sharded state == unsharded surgery.
 
 Sources are written in the formats people start from (T5X, HF, our orbax); targets come
-from the trainer's own `abstract_state`, so the shardings are the ones training uses.
+from the run's own abstract state (`built_run.build_run`), so the shardings are the ones training uses.
 """
 
 import dataclasses
@@ -13,13 +13,13 @@ import optax
 import pytest
 
 from tests.checkpoints import helpers, t5x_writer
+from tests.train.helpers import mesh_run
 from upcycle import checkpoints, console, pretrained, tree
-from upcycle.checkpoints import factored, from_t5x_adafactor, orbax
+from upcycle.checkpoints import from_t5x_adafactor, orbax
 from upcycle.models import T5, ViT, scan_layout
 from upcycle.moe import MoeConfig
 from upcycle.train import objectives, optimizers, partitioning
 from upcycle.train.restore import ContinueFromCheckpoint, UpcycleFromDense
-from upcycle.train.trainer import TrainConfig, Trainer
 from upcycle.upcycling import experts, sharded, step_policy
 from upcycle.upcycling.optimizer import upcycle_optimizer_state
 from upcycle.upcycling.surgery import upcycle
@@ -39,37 +39,9 @@ ADAMW = optimizers.AdamW(optax.linear_schedule(0.0, 1e-3, 10_000))
 E_LEAF = 'encoder/layers_1/mlp/expert/wi_0/kernel'
 
 
-def _t5x_slots(params, rng=None):
-  """T5X Adafactor slots with T5X's heuristic factoring (v_row drops the largest axis)."""
-  rng = rng or np.random.default_rng(1)
-  out = {}
-  for key, x in params.items():
-    if isinstance(x, dict):
-      out[key] = _t5x_slots(x, rng)
-      continue
-    zero = np.zeros((1,), np.float32)
-    slot = {'v_row': zero, 'v_col': zero, 'v': zero, 'm': zero}
-    if x.ndim >= 2 and min(x.shape) >= 4:
-      d1, d0 = factored.factored_dims(x.shape)
-      slot['v_row'] = rng.uniform(0.5, 2, np.delete(x.shape, d0)).astype(np.float32)
-      slot['v_col'] = rng.uniform(0.5, 2, np.delete(x.shape, d1)).astype(np.float32)
-    else:
-      slot['v'] = rng.uniform(0.5, 2, x.shape).astype(np.float32)
-    out[key] = slot
-  return out
-
-
-def _trainer(objective, optimizer, batch):
-  config = TrainConfig(model_dir='unused', train_steps=1, batch_size=4,
-                       num_expert_partitions=2, num_model_partitions=2)
-  trainer = Trainer(objective, optimizer, config, train_data=None)
-  with partitioning.activate(trainer.mesh):
-    return trainer, trainer.abstract_state(batch)
-
-
-def _run(trainer, abstract, hook):
-  with partitioning.activate(trainer.mesh):
-    return hook(abstract, trainer.optimizer)
+def _run(built, abstract, hook):
+  with partitioning.activate(built.mesh):
+    return hook(abstract, built.optimizer)
 
 
 def _assert_placed(state, abstract):
@@ -94,17 +66,18 @@ def _assert_trees_equal(got, want, rtol_for_experts=0.0):
 
 @pytest.fixture(scope='module')
 def t5(tmp_path_factory):
-  """A dense T5 in the T5X format at step 6 (a leaf of each kind in zarr), and an MoE trainer."""
-  params = helpers.random_params(helpers.TINY_T5)
+  """A dense T5 in the T5X format at step 6 (a leaf of each kind in zarr), and an MoE built."""
+  params = helpers.random_params(helpers.CHECKPOINT_T5)
   layout = t5x_writer.Layout(zarr={
       'target/encoder/layers_1/mlp/wi_0/kernel': 'gzip',
       'target/token_embedder/embedding': 'zstd',
       'state/param_states/encoder/layers_1/mlp/wi_0/kernel/v_row': 'gzip'})
   directory = t5x_writer.write(str(tmp_path_factory.mktemp('t5x')), 6, params,
-                               _t5x_slots(params), layout)
-  config = dataclasses.replace(helpers.TINY_T5, encoder_moe=ENCODER_MOE, decoder_moe=DECODER_MOE)
-  trainer, abstract = _trainer(objectives.Seq2Seq(T5(config)), ADAFACTOR, T5_BATCH)
-  return dict(params=params, dir=directory, config=config, trainer=trainer, abstract=abstract)
+                               helpers.t5x_slots(params), layout)
+  config = dataclasses.replace(helpers.CHECKPOINT_T5, encoder_moe=ENCODER_MOE,
+                               decoder_moe=DECODER_MOE)
+  built, abstract = mesh_run(objectives.Seq2Seq(T5(config)), ADAFACTOR, T5_BATCH)
+  return dict(params=params, dir=directory, config=config, built=built, abstract=abstract)
 
 
 def _unsharded(dense, target, **kwargs):
@@ -117,7 +90,7 @@ def _unsharded(dense, target, **kwargs):
 def test_t5x_upcycled_on_the_mesh_equals_unsharded_surgery(t5, capsys):
   console.show_progress()   # as the entry points do
   before = helpers.snapshot(t5['dir'])
-  state = _run(t5['trainer'], t5['abstract'], UpcycleFromDense(t5['dir']))
+  state = _run(t5['built'], t5['abstract'], UpcycleFromDense(t5['dir']))
   assert helpers.snapshot(t5['dir']) == before
   _assert_placed(state, t5['abstract'])
   kernel = tree.flatten(state.params)[E_LEAF]
@@ -140,7 +113,7 @@ def test_t5x_upcycled_on_the_mesh_equals_unsharded_surgery(t5, capsys):
 @pytest.mark.slow
 def test_drop_experts_and_reused_t5x_adafactor_state(t5):
   hook = UpcycleFromDense(t5['dir'], experts=experts.Drop(0.5), reuse_optimizer_state=True, seed=3)
-  state = _run(t5['trainer'], t5['abstract'], hook)
+  state = _run(t5['built'], t5['abstract'], hook)
   _assert_placed(state, t5['abstract'])
   want = _unsharded(t5['params'], t5['abstract'].params, experts=experts.Drop(0.5), seed=3)
   # Drop's mean/std of the replaced weights are reductions over d_ff, which is split over
@@ -152,7 +125,7 @@ def test_drop_experts_and_reused_t5x_adafactor_state(t5):
   wo = 'encoder/layers_1/mlp/expert/wo/kernel'
   np.testing.assert_array_equal(kept(flat[wo]), kept(flat_want[wo]))
   assert kept(flat[wo]).mean() == 0.5
-  optimizer = t5['trainer'].optimizer
+  optimizer = t5['built'].optimizer
   t5x_state = checkpoints.materialize(checkpoints.load(t5['dir']).optimizer_state)
   dense_state = from_t5x_adafactor(t5x_state, t5['params'], optimizer)
   _assert_trees_equal(state.opt_state, upcycle_optimizer_state(dense_state, want, optimizer))
@@ -165,7 +138,7 @@ def test_drop_experts_and_reused_t5x_adafactor_state(t5):
 
 def test_step_reset_zeroes_every_count_but_keeps_moments(t5):
   hook = UpcycleFromDense(t5['dir'], reuse_optimizer_state=True, step='reset')
-  state = _run(t5['trainer'], t5['abstract'], hook)
+  state = _run(t5['built'], t5['abstract'], hook)
   assert int(state.step) == 0
   assert int(state.opt_state[0].count) == 0 and int(state.opt_state[2].count) == 0
   assert np.asarray(tree.flatten(state.opt_state[0].v_row)[E_LEAF]).min() >= 0.5
@@ -177,7 +150,7 @@ def test_from_checkpoints_of_identical_branches_equals_copy(t5, tmp_path):
   second = t5x_writer.write(str(tmp_path), 6, t5['params'])
   hook = UpcycleFromDense([t5['dir'], second], experts=functools.partial(
       experts.FromCheckpoints, assignment=(0, 1, 1, 0)))
-  state = _run(t5['trainer'], t5['abstract'], hook)
+  state = _run(t5['built'], t5['abstract'], hook)
   _assert_placed(state, t5['abstract'])
   want, _ = upcycle(t5['params'], t5['abstract'].params, rng=0)
   _assert_trees_equal(state.params, want)
@@ -188,8 +161,8 @@ def test_hf_t5_upcycled_gives_the_transformers_logits(hf_t5):
   directory, reference = hf_t5
   dense_config = pretrained.load(directory).model_config
   config = dataclasses.replace(dense_config, encoder_moe=ENCODER_MOE, decoder_moe=DECODER_MOE)
-  trainer, abstract = _trainer(objectives.Seq2Seq(T5(config)), ADAFACTOR, T5_BATCH)
-  state = _run(trainer, abstract, UpcycleFromDense(directory))
+  built, abstract = mesh_run(objectives.Seq2Seq(T5(config)), ADAFACTOR, T5_BATCH)
+  state = _run(built, abstract, UpcycleFromDense(directory))
   assert int(state.step) == 0  # HF checkpoints carry no step.
   theirs = helpers.torch_t5_logits(reference, helpers.ENCODER_TOKENS, helpers.DECODER_TOKENS)
   assert np.abs(helpers.t5_logits(state.params, config) - theirs).max() <= 1e-4
@@ -198,7 +171,7 @@ def test_hf_t5_upcycled_gives_the_transformers_logits(hf_t5):
 
 @pytest.fixture(scope='module')
 def vit(hf_vit, tmp_path_factory):
-  """HF ViT; its params with a trained AdamW state in our orbax format at step 7; trainers."""
+  """HF ViT; its params with a trained AdamW state in our orbax format at step 7; built runs."""
   directory, reference = hf_vit
   ckpt = pretrained.load(directory)
   dense = checkpoints.materialize(ckpt.params)
@@ -210,15 +183,15 @@ def vit(hf_vit, tmp_path_factory):
   with orbax.CheckpointManager(orbax_dir, async_save=False) as manager:
     manager.save(7, dense, opt_state)
   moe_config = dataclasses.replace(ckpt.model_config, moe=ENCODER_MOE)
-  moe = _trainer(objectives.Classification(ViT(moe_config)), ADAMW, VIT_BATCH)
+  moe = mesh_run(objectives.Classification(ViT(moe_config)), ADAMW, VIT_BATCH)
   return dict(hf=directory, reference=reference, dense=dense, opt_state=opt_state,
               orbax=orbax_dir, config=moe_config, dense_config=ckpt.model_config, moe=moe)
 
 
 @pytest.mark.slow
 def test_hf_vit_upcycled_gives_the_transformers_logits_at_a_given_step(vit):
-  trainer, abstract = vit['moe']
-  state = _run(trainer, abstract, UpcycleFromDense(vit['hf'], step=1000))
+  built, abstract = vit['moe']
+  state = _run(built, abstract, UpcycleFromDense(vit['hf'], step=1000))
   _assert_placed(state, abstract)
   theirs = helpers.torch_vit_logits(vit['reference'], helpers.IMAGES)
   assert np.abs(helpers.vit_logits(state.params, vit['config']) - theirs).max() <= 1e-4
@@ -228,22 +201,22 @@ def test_hf_vit_upcycled_gives_the_transformers_logits_at_a_given_step(vit):
 
 
 def test_orbax_adamw_state_is_tiled_into_the_moe_state(vit):
-  trainer, abstract = vit['moe']
-  state = _run(trainer, abstract, UpcycleFromDense(vit['orbax'], reuse_optimizer_state=True))
+  built, abstract = vit['moe']
+  state = _run(built, abstract, UpcycleFromDense(vit['orbax'], reuse_optimizer_state=True))
   want = _unsharded(vit['dense'], abstract.params)
   _assert_trees_equal(state.params, want)
   _assert_trees_equal(state.opt_state,
-                      upcycle_optimizer_state(vit['opt_state'], want, trainer.optimizer))
+                      upcycle_optimizer_state(vit['opt_state'], want, built.optimizer))
   assert int(state.step) == 7 and int(state.opt_state[1][0].count) == 7
 
 
 def test_continue_dense_restores_params_and_optimizer_state(vit, capsys):
   console.show_progress()
-  trainer, abstract = _trainer(objectives.Classification(ViT(vit['dense_config'])), ADAMW,
-                               VIT_BATCH)
+  built, abstract = mesh_run(objectives.Classification(ViT(vit['dense_config'])), ADAMW,
+                                   VIT_BATCH)
   with pytest.raises(ValueError, match=r'no MoE blocks .*ContinueFromCheckpoint'):
-    _run(trainer, abstract, UpcycleFromDense(vit['orbax']))
-  state = _run(trainer, abstract, ContinueFromCheckpoint(vit['orbax']))
+    _run(built, abstract, UpcycleFromDense(vit['orbax']))
+  state = _run(built, abstract, ContinueFromCheckpoint(vit['orbax']))
   _assert_placed(state, abstract)
   _assert_trees_equal(state.params, vit['dense'])
   _assert_trees_equal(state.opt_state, vit['opt_state'])
@@ -252,24 +225,24 @@ def test_continue_dense_restores_params_and_optimizer_state(vit, capsys):
 
 
 def test_mistakes_fail_before_anything_is_read(t5, vit):
-  trainer, abstract = vit['moe']
+  built, abstract = vit['moe']
   with pytest.raises(ValueError, match=r'holds no optimizer state.*'
                      r'UpcycleFromDense.reuse_optimizer_state = False'):
-    _run(trainer, abstract, UpcycleFromDense(vit['hf'], reuse_optimizer_state=True))
+    _run(built, abstract, UpcycleFromDense(vit['hf'], reuse_optimizer_state=True))
   with pytest.raises(ValueError, match=r'ContinueFromCheckpoint\(.*there is no checkpoint leaf '
                      r'decoder/layers_1/mlp/expert/wi_0/kernel.*Fix: the model must be the '
                      r'architecture the checkpoint was trained with'):
-    _run(t5['trainer'], t5['abstract'], ContinueFromCheckpoint(t5['dir']))
+    _run(t5['built'], t5['abstract'], ContinueFromCheckpoint(t5['dir']))
   wrong = dataclasses.replace(t5['config'], d_ff=16)
-  trainer, abstract = _trainer(objectives.Seq2Seq(T5(wrong)), ADAFACTOR, T5_BATCH)
+  built, abstract = mesh_run(objectives.Seq2Seq(T5(wrong)), ADAFACTOR, T5_BATCH)
   with pytest.raises(ValueError, match=r"UpcycleFromDense\('.*checkpoint_6', format 't5x'\): "
                      r'Target leaf decoder/layers_0/mlp/wi_0/kernel has shape \(8, 16\) but '
                      r'dense leaf .* \(8, 12\)'):
-    _run(trainer, abstract, UpcycleFromDense(t5['dir']))
+    _run(built, abstract, UpcycleFromDense(t5['dir']))
   with pytest.raises(ValueError, match=r"UpcycleFromDense.step='last'"):
     UpcycleFromDense(t5['dir'], step='last')
   with pytest.raises(ValueError, match=r'A class .* takes several source checkpoints'):
-    _run(trainer, abstract, UpcycleFromDense(t5['dir'], experts=experts.FromCheckpoints))
+    _run(built, abstract, UpcycleFromDense(t5['dir'], experts=experts.FromCheckpoints))
 
 
 def test_restore_dataset_reads_the_position_a_training_step_saved_and_refuses_others(
@@ -295,7 +268,7 @@ def test_restore_dataset_reads_the_position_a_training_step_saved_and_refuses_ot
 
 
 def test_dense_leaves_are_placed_by_the_sharding_they_feed(t5):
-  mesh = t5['trainer'].mesh
+  mesh = t5['built'].mesh
   expert = jax.sharding.NamedSharding(mesh, jax.P('expert', None, 'model'))
   assert sharded.fit(expert, (8, 12), drop_leading=True).spec == jax.P(None, 'model')
   assert sharded.fit(expert, (8, 7), drop_leading=True).spec == jax.P(None, None)  # 7 % 2
@@ -318,16 +291,16 @@ def test_unrolled_checkpoint_upcycled_into_a_scanned_model(tmp_path):
   against its unrolled names and stacked inside the jit: the scanned state is the unrolled
   one stacked (`scan_layout`), placed with the scanned model's shardings, and the two models
   compute the same logits."""
-  dense = dataclasses.replace(helpers.TINY_T5, num_encoder_layers=4, num_decoder_layers=4)
+  dense = dataclasses.replace(helpers.CHECKPOINT_T5, num_encoder_layers=4, num_decoder_layers=4)
   directory = t5x_writer.write(str(tmp_path), 6, helpers.random_params(dense))
   unrolled = dataclasses.replace(dense, encoder_moe=ENCODER_MOE, decoder_moe=DECODER_MOE)
   scanned = dataclasses.replace(unrolled, scan_layers=True)
   hook = UpcycleFromDense(directory, seed=3)
   states = {}
   for config in (unrolled, scanned):
-    trainer, abstract = _trainer(objectives.Seq2Seq(T5(config)), ADAFACTOR, T5_BATCH)
-    with partitioning.activate(trainer.mesh):
-      states[config.scan_layers] = hook(abstract, trainer.optimizer, config)
+    built, abstract = mesh_run(objectives.Seq2Seq(T5(config)), ADAFACTOR, T5_BATCH)
+    with partitioning.activate(built.mesh):
+      states[config.scan_layers] = hook(abstract, built.optimizer, config)
     _assert_placed(states[config.scan_layers], abstract)
   _assert_trees_equal(states[True].params,
                       scan_layout.stack(jax.device_get(states[False].params), scanned))
@@ -336,8 +309,8 @@ def test_unrolled_checkpoint_upcycled_into_a_scanned_model(tmp_path):
       {'params': states[config.scan_layers].params}, tokens, tokens[:, :4])
   np.testing.assert_allclose(logits(scanned), logits(unrolled), rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match='reuse_optimizer_state = False, or --gin.SCAN_LAYERS'):
-    with partitioning.activate(trainer.mesh):
-      UpcycleFromDense(directory, reuse_optimizer_state=True)(abstract, trainer.optimizer,
+    with partitioning.activate(built.mesh):
+      UpcycleFromDense(directory, reuse_optimizer_state=True)(abstract, built.optimizer,
                                                               scanned)
 
 
@@ -346,7 +319,7 @@ def test_a_source_of_the_wrong_kind_says_what_it_holds(t5, tmp_path):
   says what the checkpoint holds and what the config builds, before anything is read."""
   moe_dir = t5x_writer.write(str(tmp_path / 'moe'), 6, helpers.random_params(t5['config']))
   with pytest.raises(ValueError) as raised:
-    _run(t5['trainer'], t5['abstract'], UpcycleFromDense(moe_dir))
+    _run(t5['built'], t5['abstract'], UpcycleFromDense(moe_dir))
   moe = tree.describe(helpers.random_params(t5['config']))
   assert moe.startswith('a T5 model, ') and moe.endswith(
       ' parameters, an MoE with 4 experts in 2 blocks')
@@ -356,8 +329,9 @@ def test_a_source_of_the_wrong_kind_says_what_it_holds(t5, tmp_path):
       f"restore.UpcycleFromDense.checkpoint (INITIAL_CHECKPOINT_PATH) at the dense checkpoint, "
       f"or continue this MoE with restore.ContinueFromCheckpoint (runs/continue_dense.gin with "
       f"the MoE model files).")
-  vit_dir = t5x_writer.write(str(tmp_path / 'vit'), 6, helpers.random_params(helpers.TINY_VIT))
+  vit_dir = t5x_writer.write(str(tmp_path / 'vit'), 6,
+                             helpers.random_params(helpers.CHECKPOINT_VIT))
   with pytest.raises(ValueError, match=r"the checkpoint holds a ViT model, .* dense \(no expert "
                                        r"leaves\); this config builds a T5 model, .*: another "
                                        r"model family\."):
-    _run(t5['trainer'], t5['abstract'], UpcycleFromDense(vit_dir))
+    _run(t5['built'], t5['abstract'], UpcycleFromDense(vit_dir))

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from tests.models.helpers import TINY_T5, tokens
+from tests.models.helpers import MODEL_T5, tokens
 from upcycle.data.images import DIGITS, ImagePipeline
 from upcycle.models import T5, ViT, ViTConfig
 from upcycle.moe import MoeConfig
@@ -23,8 +23,8 @@ from upcycle.train.step import make_train_step
 
 @pytest.mark.slow
 def test_microbatches_give_the_same_update():
-  cfg = dataclasses.replace(TINY_T5, decoder_moe=MoeConfig(num_experts=2, router='tokens_choose',
-                                                           k=1, eval_capacity_factor=2.0))
+  cfg = dataclasses.replace(MODEL_T5, decoder_moe=MoeConfig(num_experts=2, router='tokens_choose',
+                                                            k=1, eval_capacity_factor=2.0))
   objective = Seq2Seq(T5(cfg))
   batch = {'encoder_input_tokens': tokens(0, (4, 8), 64),
            'decoder_input_tokens': tokens(1, (4, 6), 64),

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from tests.train.test_training import TINY_T5, text
+from tests.train.helpers import TRAINING_T5, text
 from upcycle import tree
 from upcycle.models import T5, T5Config
 from upcycle.moe import MoeConfig
@@ -234,21 +234,19 @@ def test_trainer_saves_resumes_and_upcycles_the_t5x_state(tmp_path):
     return Trainer(Seq2Seq(T5(config)), optimizer, cfg, text('train'), None,
                    initializer=initializer)
 
-  trainer('dense', TINY_T5, 2).run()
-  dense = trainer('dense', TINY_T5, 3).run()   # resumes from step 2: the state through orbax
+  trainer('dense', TRAINING_T5, 2).run()
+  dense = trainer('dense', TRAINING_T5, 3).run()   # resumes from step 2: the state through orbax
   assert dense['start_step'] == 2 and int(dense['state'].opt_state.count) == 3
   moe_config = dataclasses.replace(
-      TINY_T5, encoder_moe=MoeConfig(num_experts=4, router='experts_choose'),
+      TRAINING_T5, encoder_moe=MoeConfig(num_experts=4, router='experts_choose'),
       decoder_moe=MoeConfig(num_experts=4, router='tokens_choose', k=2))
   checkpoint = str(tmp_path / 'dense' / 'checkpoints')
-  example = {'encoder_input_tokens': np.zeros((8, 64), np.int32),
-             'decoder_input_tokens': np.zeros((8, 16), np.int32),
-             'decoder_target_tokens': np.zeros((8, 16), np.int32)}
   moe = trainer('moe', moe_config, 4)
-  with partitioning.activate(moe.mesh):
-    abstract = moe.abstract_state(example)
-    fresh = UpcycleFromDense(checkpoint)(abstract, moe.optimizer)
-    reused = UpcycleFromDense(checkpoint, reuse_optimizer_state=True)(abstract, moe.optimizer)
+  with partitioning.activate(moe.built.mesh):
+    abstract = moe.built.abstract
+    fresh = UpcycleFromDense(checkpoint)(abstract, moe.built.optimizer)
+    reused = UpcycleFromDense(checkpoint, reuse_optimizer_state=True)(abstract,
+                                                                      moe.built.optimizer)
   assert int(fresh.opt_state.count) == int(reused.opt_state.count) == 3
   expert = reused.opt_state.param_states['encoder']['layers_1']['mlp']['expert']['wi_0']['kernel']
   source = dense['state'].opt_state.param_states['encoder']['layers_1']['mlp']['wi_0']['kernel']

@@ -5,43 +5,21 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import jax
 import numpy as np
 import pytest
 
+from tests.helpers import REPO
+from tests.train.helpers import (ONE_DEVICE_XLA_FLAGS, TRAINING_T5, TRAINING_VIT, losses, run_t5,
+                                 train_command)
 from upcycle.data.images import DIGITS, ImagePipeline
-from upcycle.data.text import TextPipeline
-from upcycle.models import T5, T5Config, ViT, ViTConfig
+from upcycle.models import ViT
 from upcycle.moe import MoeConfig
-from upcycle.train.objectives import Classification, Seq2Seq
-from upcycle.train.optimizers import Adafactor, AdamW, rsqrt_schedule, warmup_decay_schedule
+from upcycle.train.objectives import Classification
+from upcycle.train.optimizers import AdamW, warmup_decay_schedule
 from upcycle.train.trainer import Trainer, TrainConfig
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LENGTHS = {'inputs': 64, 'targets': 16}
-TINY_T5 = T5Config(vocab_size=384, d_model=32, num_heads=2, d_kv=16, d_ff=64,
-                   num_encoder_layers=2, num_decoder_layers=2)
-TINY_VIT = ViTConfig(num_classes=10, image_size=(16, 16), patch_size=(4, 4), width=32, depth=2,
-                     mlp_dim=64, num_heads=2)
-
-
-def text(split):
-  return TextPipeline('offline_span_corruption', split, LENGTHS)
-
-
-def losses(result):
-  return [h['loss'] for h in result['history']]
-
-
-def run_t5(tmp_path, config=TINY_T5, devices=None, steps=30, **train_kwargs):
-  train_config = TrainConfig(str(tmp_path), train_steps=steps, batch_size=8, log_every=1,
-                             checkpoint_every=1000, eval_batches=2, async_checkpoints=False,
-                             **train_kwargs)
-  return Trainer(Seq2Seq(T5(config)), Adafactor(schedule=rsqrt_schedule(1.0, 100)),
-                 train_config, text('train'), text('validation'), devices=devices).run()
 
 
 @pytest.mark.slow
@@ -64,7 +42,7 @@ def test_tiny_vit_learns_the_digits(tmp_path):
   config = TrainConfig(str(tmp_path), train_steps=100, batch_size=32, log_every=1,
                        checkpoint_every=1000, async_checkpoints=False)
   optimizer = AdamW(schedule=warmup_decay_schedule(3e-3, 10, 100))
-  result = Trainer(Classification(ViT(TINY_VIT)), optimizer, config,
+  result = Trainer(Classification(ViT(TRAINING_VIT)), optimizer, config,
                    images('train', True), images('validation', False)).run()
   first, last = np.mean(losses(result)[:5]), np.mean(losses(result)[-5:])
   assert last < first - 0.5, (first, last)
@@ -74,7 +52,7 @@ def test_tiny_vit_learns_the_digits(tmp_path):
 @pytest.mark.slow
 def test_moe_training_on_8_devices_matches_one_device(tmp_path):
   moe = dataclasses.replace(
-      TINY_T5, encoder_moe=MoeConfig(num_experts=4, train_capacity_factor=1.0),
+      TRAINING_T5, encoder_moe=MoeConfig(num_experts=4, train_capacity_factor=1.0),
       decoder_moe=MoeConfig(num_experts=4, router='tokens_choose', k=2))
   sharded = run_t5(tmp_path / 'sharded', moe, steps=4, num_expert_partitions=2,
                    num_model_partitions=2)
@@ -84,17 +62,6 @@ def test_moe_training_on_8_devices_matches_one_device(tmp_path):
                              single['history'][-1]['moe/total'], rtol=1e-4)
 
 
-def _train_command(model_dir, steps):
-  return [sys.executable, '-m', 'upcycle.train',
-          '--gin_file=models/t5_1_1/tiny.gin', '--gin_file=runs/pretrain.gin',
-          '--gin_file=data/offline_span_corruption.gin',
-          f"--gin.MODEL_DIR='{model_dir}'", f'--gin.TRAIN_STEPS={steps}',
-          '--gin.BATCH_SIZE=8', "--gin.TASK_FEATURE_LENGTHS={'inputs': 64, 'targets': 16}",
-          '--gin.trainer.TrainConfig.log_every=1', '--gin.trainer.TrainConfig.checkpoint_every=4',
-          '--gin.models.T5Config.num_encoder_layers=2',
-          '--gin.models.T5Config.num_decoder_layers=2', '--gin.train.eval_data=None']
-
-
 def _train_losses(model_dir):
   rows = [json.loads(line) for line in open(os.path.join(model_dir, 'metrics.jsonl'))]
   return {r['step']: r['loss'] for r in rows if r['split'] == 'train'}
@@ -102,10 +69,9 @@ def _train_losses(model_dir):
 
 @pytest.mark.slow
 def test_killed_run_resumes_exactly(tmp_path, straight_run):
-  from tests.train.conftest import RESUME_XLA_FLAGS  # pylint: disable=g-import-not-at-top
-  env = {**os.environ, 'XLA_FLAGS': RESUME_XLA_FLAGS}
+  env = {**os.environ, 'XLA_FLAGS': ONE_DEVICE_XLA_FLAGS}
   killed = tmp_path / 'killed'
-  proc = subprocess.Popen(_train_command(killed, 12), cwd=REPO, env=env,
+  proc = subprocess.Popen(train_command(killed, 12), cwd=REPO, env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   deadline = time.time() + 300
   while time.time() < deadline and proc.poll() is None:
@@ -118,7 +84,7 @@ def test_killed_run_resumes_exactly(tmp_path, straight_run):
   proc.wait()
   assert proc.returncode == -signal.SIGKILL, 'the run ended before it could be killed'
   assert max(_train_losses(killed)) < 12
-  done = subprocess.run(_train_command(killed, 12), cwd=REPO, env=env, capture_output=True,
+  done = subprocess.run(train_command(killed, 12), cwd=REPO, env=env, capture_output=True,
                         text=True)
   assert done.returncode == 0, done.stderr[-5000:]
   assert 'Resuming from' in done.stdout
@@ -133,10 +99,9 @@ def test_killed_run_resumes_exactly(tmp_path, straight_run):
 def test_sigterm_saves_the_step_it_arrives_at_and_the_restart_loses_nothing(tmp_path,
                                                                           straight_run):
   """A preempted TPU VM, `launch/tpu_vm.py stop` or `kill`: SIGTERM between checkpoints."""
-  from tests.train.conftest import RESUME_XLA_FLAGS  # pylint: disable=g-import-not-at-top
-  env = {**os.environ, 'XLA_FLAGS': RESUME_XLA_FLAGS}
+  env = {**os.environ, 'XLA_FLAGS': ONE_DEVICE_XLA_FLAGS}
   stopped = tmp_path / 'stopped'
-  proc = subprocess.Popen(_train_command(stopped, 12), cwd=REPO, env=env,
+  proc = subprocess.Popen(train_command(stopped, 12), cwd=REPO, env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 300
   while time.time() < deadline and proc.poll() is None:
@@ -151,7 +116,7 @@ def test_sigterm_saves_the_step_it_arrives_at_and_the_restart_loses_nothing(tmp_
   assert stderr.rstrip().endswith(
       f'Stopped at step {step} on SIGTERM, with step {step} saved in {stopped}/checkpoints; run '
       f'the same command again to resume from it.')
-  done = subprocess.run(_train_command(stopped, 12), cwd=REPO, env=env, capture_output=True,
+  done = subprocess.run(train_command(stopped, 12), cwd=REPO, env=env, capture_output=True,
                         text=True)
   assert done.returncode == 0, done.stderr[-5000:]
   assert f'Resuming from {stopped}/checkpoints at step {step}.' in done.stdout, done.stdout
@@ -167,8 +132,8 @@ def test_trains_from_a_working_directory_with_folders_named_like_config_groups(t
   for folder in ('data', 'models', 'moe', 'runs', 'upcycling'):
     (tmp_path / folder).mkdir()
   model_dir = tmp_path / 'runs' / 'moe'
-  command = _train_command(model_dir, 1) + ['--gin_file=moe/paper_t5.gin',
-                                            '--gin.NUM_EXPERTS=2']
+  command = train_command(model_dir, 1) + ['--gin_file=moe/paper_t5.gin',
+                                           '--gin.NUM_EXPERTS=2']
   env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=1 '
                                     '--xla_backend_optimization_level=0'}
   done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
@@ -205,15 +170,14 @@ def test_a_continuation_that_restores_the_dataset_trains_like_the_uninterrupted_
   """RESTORE_DATASET=True: the dense continuation of step 4 (optimizer state and step kept)
   reads on from step 4's data position, so steps 5-12 equal the uninterrupted run's, loss for
   loss; the position comes from the checkpoint and its batches are not read twice."""
-  from tests.train.conftest import RESUME_XLA_FLAGS  # pylint: disable=g-import-not-at-top
   model_dir = tmp_path / 'continued'
   command = [c.replace('runs/pretrain.gin', 'runs/continue_dense.gin')
-             for c in _train_command(model_dir, 12)]
+             for c in train_command(model_dir, 12)]
   command += [f"--gin.INITIAL_CHECKPOINT_PATH='{straight_run}/checkpoints/4'",
               '--gin.RESTORE_DATASET=True']
   # As a user runs it: TensorFlow's log level unset.
   env = {k: v for k, v in os.environ.items() if k != 'TF_CPP_MIN_LOG_LEVEL'}
-  done = subprocess.run(command, cwd=REPO, env={**env, 'XLA_FLAGS': RESUME_XLA_FLAGS},
+  done = subprocess.run(command, cwd=REPO, env={**env, 'XLA_FLAGS': ONE_DEVICE_XLA_FLAGS},
                         capture_output=True, text=True)
   assert done.returncode == 0, done.stderr[-3000:]
   assert ("Reading the data on from the initial checkpoint's position: epoch 0, batch 4 of 8 "
@@ -226,7 +190,7 @@ def test_a_continuation_that_restores_the_dataset_trains_like_the_uninterrupted_
   # 4 batches of 8 are not a whole number of batches of 12: one line, before any step.
   odd = [c.replace(str(model_dir), str(tmp_path / 'odd')) for c in command]
   refused = subprocess.run(odd + ['--gin.BATCH_SIZE=12'], cwd=REPO, capture_output=True,
-                           text=True, env={**os.environ, 'XLA_FLAGS': RESUME_XLA_FLAGS})
+                           text=True, env={**os.environ, 'XLA_FLAGS': ONE_DEVICE_XLA_FLAGS})
   assert refused.returncode == 1, refused.stderr[-3000:]
   assert refused.stderr.strip().splitlines()[-1] == (
       'error: ContinueFromCheckpoint.restore_dataset=True: The data position 4 batches of 8 '

@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tests.train.test_training import TINY_T5, text
+from tests.train.helpers import TRAINING_T5, text
 from upcycle.models import T5
 from upcycle.moe import MoeConfig
 from upcycle.train.objectives import Seq2Seq
@@ -26,13 +26,13 @@ def continue_run(model_dir, config, initializer, steps):
 def test_function_preserving_upcycling_starts_from_the_dense_loss(tmp_path, dense_t5_run):
   checkpoint = str(dense_t5_run[0] / 'checkpoints')
   preserving = dataclasses.replace(
-      TINY_T5,
+      TRAINING_T5,
       encoder_moe=MoeConfig(num_experts=4, router='experts_choose', train_capacity_factor=4.0,
                             eval_capacity_factor=4.0, normalize_combine_weights=True),
       decoder_moe=MoeConfig(num_experts=4, router='tokens_choose', k=2,
                             train_capacity_factor=2.0, eval_capacity_factor=2.0,
                             normalize_combine_weights=True))
-  dense = continue_run(tmp_path / 'dense_more', TINY_T5,
+  dense = continue_run(tmp_path / 'dense_more', TRAINING_T5,
                        ContinueFromCheckpoint(checkpoint), steps=32)
   moe = continue_run(tmp_path / 'moe', preserving,
                      UpcycleFromDense(checkpoint, experts='copy', reuse_optimizer_state=True),

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from tests.train.test_training import TINY_VIT
+from tests.train.helpers import TRAINING_VIT
 from upcycle import tree
 from upcycle.data.images import DIGITS, ImagePipeline
 from upcycle.models import ViT
@@ -25,7 +25,7 @@ DENSE_STEPS, BUDGET = 6, 12   # the schedule runs over the whole budget, dense +
 OPTIMIZER = BigVisionAdafactor(
     big_vision_schedule(BUDGET, 'rsqrt', warmup_steps=3, cooldown_steps=4, timescale=3),
     learning_rate=3e-3, weight_decay=1e-4, min_dim_size_to_factor=32)
-MOE_VIT = dataclasses.replace(TINY_VIT, moe=MoeConfig(
+MOE_VIT = dataclasses.replace(TRAINING_VIT, moe=MoeConfig(
     num_experts=4, router='experts_choose', train_capacity_factor=2.0,
     normalize_combine_weights=True))
 
@@ -48,14 +48,13 @@ def test_big_vision_schedule_closed_form():
 
 @pytest.mark.slow
 def test_upcycled_vit_reuses_the_state_and_continues_the_learning_rate(tmp_path):
-  dense = _trainer(tmp_path / 'dense', TINY_VIT, DENSE_STEPS).run()
+  dense = _trainer(tmp_path / 'dense', TRAINING_VIT, DENSE_STEPS).run()
   hook = UpcycleFromDense(str(tmp_path / 'dense' / 'checkpoints'), reuse_optimizer_state=True)
   moe = _trainer(tmp_path / 'moe', MOE_VIT, DENSE_STEPS + 2, hook)
 
   # The reused state: the dense second moments and momentum, tiled over the experts.
-  example = {'image': np.zeros((8, 16, 16, 3), np.float32), 'label': np.zeros((8,), np.int32)}
-  with partitioning.activate(moe.mesh):
-    state = hook(moe.abstract_state(example), moe.optimizer)
+  with partitioning.activate(moe.built.mesh):
+    state = hook(moe.built.abstract, moe.built.optimizer)
   dense_rms, dense_ema = dense['state'].opt_state[1], dense['state'].opt_state[3]
   rms, ema = state.opt_state[1], state.opt_state[3]
   assert isinstance(rms, optax.FactoredState) and int(rms.count) == DENSE_STEPS

@@ -27,7 +27,7 @@ def test_tiling_every_expert_with_k_and_capacity_scaled_keeps_the_t5_logits():
   """E 2 -> 4, every expert copied once ('tile'), unnormalized weights, binding capacity:
   Expert Choice (encoder) with the capacity factor doubled, Top-1 -> Top-2 (decoder) at the
   same 'vmoe' capacity factor."""
-  one_layer = dataclasses.replace(helpers.TINY_T5, num_encoder_layers=1, num_decoder_layers=1)
+  one_layer = dataclasses.replace(helpers.CHECKPOINT_T5, num_encoder_layers=1, num_decoder_layers=1)
   moe = lambda e, c, k: dataclasses.replace(
       one_layer, encoder_moe=MoeConfig(num_experts=e, router='experts_choose', placement='all',
                                        eval_capacity_factor=c, capacity_multiple_of=1),
@@ -184,8 +184,8 @@ def test_depth_tiles_repeats_or_maps_layers_and_names_the_binding():
 
 
 def test_a_deepened_vit_runs_and_its_new_layers_are_copies():
-  deep = dataclasses.replace(helpers.TINY_VIT, depth=4)
-  params = helpers.random_params(helpers.TINY_VIT)
+  deep = dataclasses.replace(helpers.CHECKPOINT_VIT, depth=4)
+  params = helpers.random_params(helpers.CHECKPOINT_VIT)
   new, _ = grow_depth(params, abstract_params(deep), layer_map='repeat')
   flat, old = tree.flatten(new), tree.flatten(params)
   for path, value in flat.items():
@@ -194,4 +194,4 @@ def test_a_deepened_vit_runs_and_its_new_layers_are_copies():
     np.testing.assert_array_equal(value, old[source], err_msg=path)
   assert 'Transformer/encoderblock_3/MlpBlock_0/Dense_1/bias' in flat
   logits = helpers.vit_logits(new, deep)
-  assert logits.shape == (2, helpers.TINY_VIT.num_classes) and np.isfinite(logits).all()
+  assert logits.shape == (2, helpers.CHECKPOINT_VIT.num_classes) and np.isfinite(logits).all()

@@ -1,7 +1,7 @@
 """Ahead-of-time compilation of a run for a TPU topology: will it fit, and what dominates.
 
-The run's trainer (mesh, shardings, steps: exactly what `python -m upcycle.train` builds) is
-built over the devices of a TPU topology description, and its compiled functions are lowered
+The run (mesh, shardings, steps: `built_run.build_run`, exactly what the trainer of
+`python -m upcycle.train` builds) is built over the devices of a TPU topology description, and its compiled functions are lowered
 on abstract inputs (`jax.ShapeDtypeStruct`s with the run's shardings) and compiled by the TPU
 compiler (libtpu), on any host: nothing is allocated or executed. The compiler's memory
 analysis gives the bytes per device, held against the HBM the compiler can use (`hbm.py`);
@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from upcycle import loops
 from upcycle.train import batch_fit, levers, partitioning
+from upcycle.train.built_run import build_run, step_flops
 from upcycle.train import roofline as rooflines
 from upcycle.train import hbm as hbm_sizes
 
@@ -329,30 +330,28 @@ def _compile_or_reason(name: str, lower, *, hbm: hbm_sizes.Capacity, devices: in
 def compile_run(*, objective, optimizer, config, train_data, eval_data=None, initializer=None,
                 devices: Sequence[jax.Device], megacore: bool = True,
                 find_batch: bool = False) -> CompiledRun:
-  """Builds the run's trainer over `devices` and compiles its functions (module docstring);
+  """Builds the run over `devices` (`built_run.build_run`, as the trainer does) and compiles its functions (module docstring);
   with `find_batch`, the train step at up to two more batch sizes (`batch_fit.py`).
 
   The arguments are `python -m upcycle.train`'s (gin-built); nothing is read from the data,
   nothing is written to the run's directory, and a restore hook reads only its checkpoint's
   metadata.
   """
-  from upcycle.train.trainer import Trainer  # pylint: disable=g-import-not-at-top
-  trainer = Trainer(objective, optimizer, config, train_data, eval_data, initializer,
-                    devices=list(devices))
-  mesh, n = trainer.mesh, len(devices)
+  built = build_run(objective=objective, optimizer=optimizer, config=config,
+                    host_batch=train_data.batch_spec(config.batch_size // jax.process_count()),
+                    devices=devices)
+  mesh, n = built.mesh, len(devices)
   hbm = hbm_sizes.capacity(devices[0].device_kind, megacore)
   settings = levers.read(config=config, model_config=objective.model.config,
                          optimizer=optimizer, mesh=mesh)
   reports: Dict[str, FunctionReport] = {}
   not_compiled: Dict[str, str] = {}
   search = None
-  with partitioning.activate(mesh, config.logical_axis_rules):
-    abstract = trainer.abstract_state(train_data.batch_spec(trainer.host_batch_size))
+  abstract = built.abstract
+  with partitioning.activate(mesh, built.rules):
     state_parts = {'parameters': per_device_bytes(abstract.params),
                    'optimizer_state': per_device_bytes(abstract.opt_state)}
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, PartitionSpec()))
-    shardings = jax.tree.map(lambda x: x.sharding, abstract)
-    train_step = trainer.jit_train_step(shardings)
     # The compiler counts a loop body once: where there are loops, count an unrolled copy.
     scans = bool(getattr(objective.model.config, 'scan_layers', False))
     counted = functools.partial(with_roofline, device_kind=devices[0].device_kind,
@@ -361,13 +360,12 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
     def compile_train_step(size: int, into: Dict[str, FunctionReport],
                            reasons: Dict[str, str]) -> None:
       batch = _batch(train_data.batch_spec(size), mesh)
-      micro = {k: jax.ShapeDtypeStruct((size // config.num_microbatches,) + x.shape[1:],
-                                       x.dtype) for k, x in batch.items()}
-      _compile_or_reason('train_step', lambda: train_step.lower(abstract, batch, rng), hbm=hbm,
-                         devices=n, parts={**state_parts, 'batch': per_device_bytes(batch)},
+      _compile_or_reason('train_step', lambda: built.train_step.lower(abstract, batch, rng),
+                         hbm=hbm, devices=n,
+                         parts={**state_parts, 'batch': per_device_bytes(batch)},
                          reports=into, not_compiled=reasons,
-                         model_flops_per_step=float(objective.train_flops(micro) *
-                                                    config.num_microbatches))
+                         model_flops_per_step=step_flops(objective, batch,
+                                                         config.num_microbatches))
 
     def total_at(size: int) -> Optional[int]:
       found: Dict[str, FunctionReport] = {}
@@ -377,7 +375,8 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
     compile_train_step(config.batch_size, reports, not_compiled)
     if 'train_step' in reports:
       batch = _batch(train_data.batch_spec(config.batch_size), mesh)
-      unrolled = lambda: trainer.jit_train_step(shardings).lower(abstract, batch, rng)
+      # Traced anew under `loops.unrolled()`: jit's trace cache does not see the context.
+      unrolled = lambda: built.jit_train_step().lower(abstract, batch, rng)
       reports['train_step'] = counted(
           reports['train_step'],
           unrolled=unrolled if scans or config.num_microbatches > 1 else None)
@@ -386,20 +385,21 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
                                 total=reports['train_step'].total, usable=hbm.usable,
                                 multiple=settings.batch_multiple())
     if initializer is not None:
-      _compile_or_reason('restore_hook', lambda: initializer.lower(abstract, trainer.optimizer, objective.model.config),
-                         hbm=hbm, devices=n, parts=state_parts, reports=reports,
-                         not_compiled=not_compiled)
+      _compile_or_reason(
+          'restore_hook',
+          lambda: initializer.lower(abstract, built.optimizer, objective.model.config),
+          hbm=hbm, devices=n, parts=state_parts, reports=reports, not_compiled=not_compiled)
       if 'restore_hook' in reports:
         reports['restore_hook'] = counted(reports['restore_hook'])
     if eval_data is not None:
       eval_batch = _batch(eval_data.batch_spec(config.batch_size), mesh)
       _compile_or_reason(
-          'eval_step', lambda: trainer.jit_eval_step().lower(abstract.params, eval_batch),
+          'eval_step', lambda: built.eval_step.lower(abstract.params, eval_batch),
           hbm=hbm, devices=n,
           parts={'parameters': state_parts['parameters'],
                  'batch': per_device_bytes(eval_batch)},
           reports=reports, not_compiled=not_compiled)
       if 'eval_step' in reports:
-        unrolled = lambda: trainer.jit_eval_step().lower(abstract.params, eval_batch)
+        unrolled = lambda: built.jit_eval_step().lower(abstract.params, eval_batch)
         reports['eval_step'] = counted(reports['eval_step'], unrolled=unrolled if scans else None)
   return CompiledRun(list(devices), mesh, megacore, settings, reports, not_compiled, search)

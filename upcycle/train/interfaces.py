@@ -60,8 +60,8 @@ class Optimizer(Protocol):
 
     `param_axes`: param path -> the logical axis names the model gives it
     (`partitioning.logical_axes` of the boxed abstract params; None for unnamed leaves), for
-    optimizers that treat axes by name (T5XAdafactor factors by them); others ignore it. The
-    Trainer calls `build` once it knows the params, in `abstract_state`.
+    optimizers that treat axes by name (T5XAdafactor factors by them); others ignore it.
+    `built_run.build_run` calls it once it knows the params' shapes.
     """
 
 

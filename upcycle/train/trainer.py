@@ -11,24 +11,20 @@ import logging
 import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from jax.sharding import NamedSharding, PartitionSpec
 
-from upcycle import fields, tree
-from upcycle.checkpoints import paths, slots, t5x_export
+from upcycle import fields
+from upcycle.checkpoints import paths, t5x_export
 from upcycle.checkpoints.orbax import RUN_CHECKPOINTS, CheckpointManager
-from upcycle.train import (evaluation, host_states, partitioning, preemption, resume, run_lock,
-                           stall, startup)
+from upcycle.train import (cadence, evaluation, host_states, partitioning, preemption, resume,
+                           run_lock, stall, startup)
+from upcycle.train.built_run import build_run
 from upcycle.train.host_data import HostData
 from upcycle.train.interfaces import Initializer, Objective, Optimizer
 from upcycle.train.logger import MetricLogger
-from upcycle.train.objectives import init_params
 from upcycle.train.state import TrainState
-from upcycle.train.step import make_eval_step, make_train_step
 from upcycle.upcycling import report_file, step_policy
 
 log = logging.getLogger(__name__)
@@ -141,106 +137,33 @@ class TrainConfig:
           f'into a local directory after the run.')
 
 
-def _check_batch_split(config: TrainConfig, ways: int, over: str) -> None:
-  """Refuses a batch size that cannot be split `ways` ways (over the hosts, the devices)."""
-  if config.batch_size % ways:
-    raise fields.ConfigError(
-        f'{fields.binding(config, "batch_size")} = {config.batch_size}: expected a multiple of '
-        f'{ways}, the {over} the batch is split over. Fix: --gin.BATCH_SIZE='
-        f'{-(-config.batch_size // ways) * ways} (or another multiple of {ways}).')
-
-
-def _host_batch_size(config: TrainConfig) -> int:
-  _check_batch_split(config, jax.process_count(), 'hosts')
-  return config.batch_size // jax.process_count()
-
-
 class Trainer:
-  """Owns the mesh, the compiled steps and the state shardings of one run."""
+  """Trains one run: its `BuiltRun` (mesh, optimizer, shardings, jitted steps, built at
+  construction by `built_run.build_run`), its data, evaluation and checkpoints."""
 
   def __init__(self, objective: Objective, optimizer: Optimizer, config: TrainConfig,
                train_data, eval_data=None, initializer: Optional[Initializer] = None,
                devices: Optional[List[jax.Device]] = None):
-    self.objective, self.config = objective, config
-    self.optimizer_config = optimizer
-    self.optimizer: Optional[optax.GradientTransformation] = None  # Built by abstract_state.
-    self.schedule = optimizer.schedule
-    self.train_data, self.eval_data, self.initializer = train_data, eval_data, initializer
-    self.mesh = partitioning.make_mesh(config.num_expert_partitions, config.num_model_partitions,
-                                       devices)
-    self.host_batch_size = _host_batch_size(config)
+    self.config, self.train_data, self.eval_data = config, train_data, eval_data
+    self.initializer = initializer
+    self.built = build_run(objective=objective, optimizer=optimizer, config=config,
+                           host_batch=self._host_data().example(), devices=devices)
     self._eval_batches: Optional[List[Dict[str, np.ndarray]]] = None   # cache_eval_batches
-    data, expert = self.mesh.shape['data'], self.mesh.shape['expert']
-    _check_batch_split(config, data * expert, f'data x expert mesh axes ({data} x {expert})')
 
-  def _global_batch(self, example_batch: Dict[str, Any]) -> Dict[str, jax.ShapeDtypeStruct]:
-    """The global batch's shapes, from a host batch: arrays, or (shape, dtype) pairs as
-    pipelines' `batch_spec` gives them."""
-    out = {}
-    for k, v in example_batch.items():
-      shape, dtype = v if isinstance(v, tuple) else (v.shape, v.dtype)
-      out[k] = jax.ShapeDtypeStruct((self.config.batch_size,) + tuple(shape[1:]), dtype)
-    return out
-
-  def abstract_state(self, example_batch: Dict[str, Any]) -> TrainState:
-    """The state's shapes, dtypes and shardings, computed without allocating it.
-
-    `example_batch`: a host batch (arrays or `batch_spec` pairs). Parameters are sharded by
-    their logical axes, every optimizer-state slot like its parameter along the axes it keeps
-    (`slots.py`). Builds `self.optimizer` on first use, from the params' logical axis names.
-    """
-    seed = self.config.seed
-    boxed = jax.eval_shape(
-        lambda batch: init_params(self.objective, jax.random.PRNGKey(seed), batch),
-        self._global_batch(example_batch))
-    rules = self.config.logical_axis_rules
-    sizes = {axis: fields.binding(self.config, f'num_{axis}_partitions')
-             for axis in ('expert', 'model')}
-    sizes['data'] = 'the data axis (devices / expert x model partitions)'
-    partitioning.check_divisible(boxed, self.mesh, sizes, rules)
-    if self.optimizer is None:
-      self.optimizer = self.optimizer_config.build(partitioning.logical_axes(boxed))
-    param_shardings = partitioning.logical_sharding(boxed, self.mesh, rules)
-    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                          tree.unbox(boxed), param_shardings)
-    opt_state = jax.eval_shape(self.optimizer.init, params)
-    opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                             opt_state, slots.state_shardings(opt_state, params, param_shardings))
-    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(self.mesh, PartitionSpec()))
-    return TrainState(step, params, opt_state)
-
-  def fresh_state(self, abstract: TrainState, example_batch) -> TrainState:
-    """Randomly initialized state, created sharded."""
-    shardings = jax.tree.map(lambda x: x.sharding, abstract)
-    shapes = self._global_batch(example_batch)
-
-    def init(rng):
-      batch = {k: jnp.zeros(v.shape, v.dtype) for k, v in shapes.items()}
-      params = nn.meta.unbox(init_params(self.objective, rng, batch))
-      return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
-
-    return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(self.config.seed))
-
-  def jit_train_step(self, shardings: TrainState):
-    """The training step `(state, batch, rng) -> (state, metrics)`, jitted with the state's
-    shardings, the state donated (after `abstract_state`, which builds the optimizer)."""
-    step = make_train_step(self.objective, self.optimizer, self.schedule,
-                           self.config.num_microbatches)
-    return jax.jit(step, in_shardings=(shardings, None, None), out_shardings=(shardings, None),
-                   donate_argnums=(0,))
-
-  def jit_eval_step(self):
-    """The evaluation step `(params, batch) -> summed metrics`, jitted."""
-    return jax.jit(make_eval_step(self.objective))
-
-  def evaluate(self, params, eval_step) -> Dict[str, float]:
-    """Loss and accuracy over the validation split (or `eval_batches` of it)."""
+  def _host_data(self) -> HostData:
+    """This host's batches of the training data, from its beginning."""
     cfg = self.config
+    return HostData(self.train_data, global_batch_size=cfg.batch_size, seed=cfg.seed,
+                    num_shards=cfg.data_shards)
+
+  def evaluate(self, params) -> Dict[str, float]:
+    """Loss and accuracy over the validation split (or `eval_batches` of it)."""
+    cfg, built = self.config, self.built
     if cfg.cache_eval_batches and self._eval_batches is None:
       self._eval_batches = list(evaluation.host_batches(
-          self.eval_data, self.host_batch_size, cfg.eval_batches, cfg.seed))
-    return evaluation.evaluate(eval_step, params, self.eval_data,
-                               batch_size=self.host_batch_size, mesh=self.mesh,
+          self.eval_data, built.host_batch_size, cfg.eval_batches, cfg.seed))
+    return evaluation.evaluate(built.eval_step, params, self.eval_data,
+                               batch_size=built.host_batch_size, mesh=built.mesh,
                                max_batches=cfg.eval_batches, seed=cfg.seed,
                                batches=self._eval_batches)
 
@@ -268,22 +191,24 @@ class Trainer:
     cfg = self.config
     getattr(self.initializer, 'check_apart', lambda model_dir: None)(cfg.model_dir)
     with (run_lock.hold(cfg.model_dir),
-          partitioning.activate(self.mesh, cfg.logical_axis_rules)):
+          partitioning.activate(self.built.mesh, self.built.rules)):
       return self._run(cfg, on_start or (lambda: None))
 
-  def _initial_state(self, manager: CheckpointManager, abstract: TrainState, example,
-                     data: HostData) -> Tuple[TrainState, bool]:
+  def _initial_state(self, manager: CheckpointManager, data: HostData
+                     ) -> Tuple[TrainState, bool]:
     """(the state to train from, whether it was resumed): MODEL_DIR's latest good checkpoint
     (the data position set from it), else the initializer's state, else a random one."""
+    built = self.built
     host_states.wait_for_all_hosts('restore')
-    restored = resume.restore(manager, abstract, model_dir=self.config.model_dir,
+    restored = resume.restore(manager, built.abstract, model_dir=self.config.model_dir,
                               on_optimizer_mismatch=self.config.on_optimizer_mismatch,
                               with_dataset=bool(data.get_state()))
     if restored is None:
       if self.initializer is None:
-        return self.fresh_state(abstract, example), False
+        return built.fresh_state(self.config.seed), False
       with report_file.kept_in(self.config.model_dir):   # the hook's report, every leaf
-        state = self.initializer(abstract, self.optimizer, self.objective.model.config)
+        state = self.initializer(built.abstract, built.optimizer,
+                                 built.objective.model.config)
       positions = getattr(self.initializer, 'dataset_state', lambda: None)()
       if positions is not None:    # restore_dataset: read on where the source run stopped
         owner = type(self.initializer).__name__
@@ -296,39 +221,27 @@ class Trainer:
                  data.describe_position())
       host_states.wait_for_all_hosts('initialized')
       return state, False
-    shardings = jax.tree.map(lambda x: x.sharding, abstract)
     opt_state = restored.optimizer_state
     if opt_state is None:
       log.warning('The optimizer state of step %s does not fit this config\'s optimizer; it '
                   'starts fresh at that step (on_optimizer_mismatch=\'fresh\').', restored.step)
-      opt_state = jax.jit(lambda p: step_policy.fresh(self.optimizer.init(p), restored.step),
-                          out_shardings=shardings.opt_state)(restored.params)
+      opt_state = jax.jit(lambda p: step_policy.fresh(built.optimizer.init(p), restored.step),
+                          out_shardings=built.shardings.opt_state)(restored.params)
     if restored.dataset_state is not None:
       data.set_state(host_states.mine(restored.dataset_state, data.shards))
     log.info('Resuming from %s at step %s.', manager.directory, restored.step)
-    step = jax.device_put(jnp.asarray(restored.step, jnp.int32), shardings.step)
+    step = jax.device_put(jnp.asarray(restored.step, jnp.int32), built.shardings.step)
     return TrainState(step, restored.params, opt_state), True
 
   def _run(self, cfg: TrainConfig, on_start: Callable[[], None]) -> Dict[str, Any]:
-    data = HostData(self.train_data, global_batch_size=cfg.batch_size, seed=cfg.seed,
-                    num_shards=cfg.data_shards)
-    example = data.example()
-    abstract = self.abstract_state(example)
-    log.info(startup.summary(abstract.params, self.mesh,
+    built, data = self.built, self._host_data()
+    log.info(startup.summary(built.abstract.params, built.mesh,
                              os.path.join(cfg.model_dir, CHECKPOINT_DIR)))
-    shardings = jax.tree.map(lambda x: x.sharding, abstract)
-    train_step = self.jit_train_step(shardings)
-    eval_step = self.jit_eval_step()
-    tokens = self.objective.tokens_per_batch(example) * jax.process_count()
-    # Each microbatch of the global batch is one forward/backward pass (and routes as one).
-    micro = {k: jax.ShapeDtypeStruct((cfg.batch_size // cfg.num_microbatches,) + v.shape[1:],
-                                     v.dtype) for k, v in example.items()}
-    step_flops = float(self.objective.train_flops(micro) * cfg.num_microbatches)
     watch = stall.Watch(('loss', 'grad_norm'), cfg.stall_warning_steps)
     manager = CheckpointManager(os.path.join(cfg.model_dir, CHECKPOINT_DIR),
                                 keep=cfg.keep_checkpoints, async_save=cfg.async_checkpoints)
     try:
-      state, resumed = self._initial_state(manager, abstract, example, data)
+      state, resumed = self._initial_state(manager, data)
       start = int(jax.device_get(state.step))
       if resumed and start > cfg.train_steps:   # before on_start: config.gin stays the run's
         raise fields.ConfigError(
@@ -338,14 +251,16 @@ class Trainer:
             f'another MODEL_DIR.')
       on_start()
       # Rows past the resumed step are from the stopped run's steps that are now redone.
-      logger = MetricLogger(cfg.model_dir, cfg.train_steps, tokens, tensorboard=cfg.tensorboard,
-                            resume_step=start if resumed else None)
+      logger = MetricLogger(cfg.model_dir, cfg.train_steps, built.tokens_per_step,
+                            tensorboard=cfg.tensorboard, resume_step=start if resumed else None)
     except BaseException:
       manager.close()   # else its background thread outlives the interpreter, with a traceback
       raise
     rng = jax.random.PRNGKey(cfg.seed + 1)
     history: List[Dict[str, float]] = []
     finite = jnp.array(True)
+    eval_results, initial_eval = {}, {}
+    saved = [None]   # the last step saved
 
     def checked(step: int) -> None:
       if not bool(jax.device_get(finite)):
@@ -359,46 +274,54 @@ class Trainer:
             f'The training loss or gradients became NaN or infinite by step {step}. Stopped '
             f'without saving; {where}. Lower the learning rate or check the data first.')
 
-    eval_results, initial_eval = {}, {}
+    def log_metrics(step, state, metrics):
+      checked(step)
+      logged = {**jax.device_get(metrics), 'train_flops_per_step': built.flops_per_step}
+      history.append({'step': step, **logger.write(step, logged)})
+      for message, details in watch.warnings(step):
+        logger.warn(step, message, **details)
+
+    def save(step, state, metrics, force=False):
+      checked(step)
+      logger.flush()
+      manager.save(step, state.params, state.opt_state, host_states.gather(data.get_state()),
+                   force=force)
+      saved[0] = step
+
+    def evaluate(step, state, metrics):
+      eval_results.update(self.evaluate(state.params))
+      logger.write(step, eval_results, split='eval')
+
+    # (when, what) after each step, in this order.
+    actions = [(cadence.every(cfg.log_every, last=cfg.train_steps, also=(start + 1,)),
+                log_metrics),
+               (cadence.every(cfg.checkpoint_every, last=cfg.train_steps), save)]
+    if self.eval_data is not None:
+      actions.append((cadence.every(cfg.eval_every, last=cfg.train_steps), evaluate))
     stopped = None
     try:
       host_states.wait_for_all_hosts('first step')
       if self.eval_data is not None and cfg.eval_at_start and manager.latest_step() is None:
-        initial_eval = self.evaluate(state.params, eval_step)
+        initial_eval = self.evaluate(state.params)
         logger.write(start, initial_eval, split='eval')
       with preemption.Watch() as sigterm:
         for step in range(start, cfg.train_steps):
-          batch = evaluation.global_batch(next(data), self.mesh)
-          state, metrics = train_step(state, batch, rng)
+          batch = evaluation.global_batch(next(data), built.mesh)
+          state, metrics = built.train_step(state, batch, rng)
           manager.check()   # a failed background save stops the run at once
           finite = finite & jnp.isfinite(metrics['loss']) & jnp.isfinite(metrics['grad_norm'])
           watch.update(metrics)
           done = step + 1
-          if done % cfg.log_every == 0 or done == cfg.train_steps or done == start + 1:
-            checked(done)
-            logged = {**jax.device_get(metrics), 'train_flops_per_step': step_flops}
-            history.append({'step': done, **logger.write(done, logged)})
-            for message, details in watch.warnings(done):
-              logger.warn(done, message, **details)
-          if done % cfg.checkpoint_every == 0 or done == cfg.train_steps:
-            checked(done)
-            logger.flush()
-            manager.save(done, state.params, state.opt_state,
-                         host_states.gather(data.get_state()))
-          if self.eval_data is not None and (
-              (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.train_steps):
-            eval_results = self.evaluate(state.params, eval_step)
-            logger.write(done, eval_results, split='eval')
+          for when, action in actions:
+            if when(done):
+              action(done, state, metrics)
           if done < cfg.train_steps and sigterm.reached(done):   # save this step and stop
-            if done % cfg.checkpoint_every:
-              checked(done)
-              logger.flush()
-              manager.save(done, state.params, state.opt_state,
-                           host_states.gather(data.get_state()), force=True)
+            if saved[0] != done:
+              save(done, state, metrics, force=True)
             stopped = done
             break
       if self.eval_data is not None and start >= cfg.train_steps:
-        eval_results = self.evaluate(state.params, eval_step)
+        eval_results = self.evaluate(state.params)
     finally:
       manager.wait()
       latest = manager.latest_step()

@@ -1,0 +1,26 @@
+"""Shared by tests in any folder: the repository root, and the command line of the infer /
+eval tests on the `byte_vocab_t5` fixture (tests/conftest.py).
+
+Where shared things live: constants and functions in a `helpers.py` (this one, or the one of
+the tests' folder: tests/checkpoints, tests/models, tests/moe, tests/train), fixtures in a
+`conftest.py`. A test module imports from those, never from another test module.
+"""
+
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The offline task's feature lengths in the infer / eval tests, as a gin value.
+BYTE_T5_LENGTHS = "{'inputs': 32, 'targets': 8}"
+# byte_vocab_t5's architecture, as gin bindings on models/t5_1_1/tiny.gin.
+BYTE_T5_FLAGS = ['--gin.models.T5Config.d_model=8', '--gin.models.T5Config.d_ff=12',
+                 '--gin.models.T5Config.num_heads=2', '--gin.models.T5Config.d_kv=4',
+                 '--gin.models.T5Config.num_encoder_layers=1',
+                 '--gin.models.T5Config.num_decoder_layers=1']
+
+
+def byte_t5_argv(run, checkpoint, *flags):
+  """runs/<run>.gin on the offline task with byte_vocab_t5's architecture, and `flags`."""
+  return ['--gin_file=models/t5_1_1/tiny.gin', f'--gin_file=runs/{run}.gin',
+          '--gin_file=data/offline_span_corruption.gin', f"--gin.CHECKPOINT_PATH='{checkpoint}'",
+          f'--gin.TASK_FEATURE_LENGTHS={BYTE_T5_LENGTHS}', *BYTE_T5_FLAGS, *flags]
