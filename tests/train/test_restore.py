@@ -1,7 +1,8 @@
 """The restore hook on a 2x2x2 mesh of simulated devices: sharded state == unsharded surgery.
 
 Sources are written in the formats people start from (T5X, HF, our orbax); targets come
-from the run's own abstract state (`built_run.build_run`), so the shardings are the ones training uses.
+from the run's own abstract state (`built_run.build_run`), so the shardings are the ones
+training uses.
 """
 
 import dataclasses

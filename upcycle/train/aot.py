@@ -1,14 +1,14 @@
 """Ahead-of-time compilation of a run for a TPU topology: will it fit, and what dominates.
 
 The run (mesh, shardings, steps: `built_run.build_run`, exactly what the trainer of
-`python -m upcycle.train` builds) is built over the devices of a TPU topology description, and its compiled functions are lowered
-on abstract inputs (`jax.ShapeDtypeStruct`s with the run's shardings) and compiled by the TPU
-compiler (libtpu), on any host: nothing is allocated or executed. The compiler's memory
-analysis gives the bytes per device, held against the HBM the compiler can use (`hbm.py`);
-the parameters', optimizer state's and batch's shares are counted from their shardings. What
-does not fit is told what dominates and which of the levers the run has not set would shrink
-it (`levers.py`); `find_batch` compiles the train step at up to two more batch sizes for the
-largest batch that fits (`batch_fit.py`).
+`python -m upcycle.train` builds) is built over the devices of a TPU topology description, and
+its compiled functions are lowered on abstract inputs (`jax.ShapeDtypeStruct`s with the run's
+shardings) and compiled by the TPU compiler (libtpu), on any host: nothing is allocated or
+executed. The compiler's memory analysis gives the bytes per device, held against the HBM the
+compiler can use (`hbm.py`); the parameters', optimizer state's and batch's shares are counted
+from their shardings. What does not fit is told what dominates and which of the levers the run
+has not set would shrink it (`levers.py`); `find_batch` compiles the train step at up to two
+more batch sizes for the largest batch that fits (`batch_fit.py`).
 
   train_step    the jitted training step (state donated, as the trainer runs it)
   restore_hook  the upcycling / restore initializer's one sharded jit (when the run has one)
@@ -330,8 +330,9 @@ def _compile_or_reason(name: str, lower, *, hbm: hbm_sizes.Capacity, devices: in
 def compile_run(*, objective, optimizer, config, train_data, eval_data=None, initializer=None,
                 devices: Sequence[jax.Device], megacore: bool = True,
                 find_batch: bool = False) -> CompiledRun:
-  """Builds the run over `devices` (`built_run.build_run`, as the trainer does) and compiles its functions (module docstring);
-  with `find_batch`, the train step at up to two more batch sizes (`batch_fit.py`).
+  """Builds the run over `devices` (`built_run.build_run`, as the trainer does) and compiles
+  its functions (module docstring); with `find_batch`, the train step at up to two more batch
+  sizes (`batch_fit.py`).
 
   The arguments are `python -m upcycle.train`'s (gin-built); nothing is read from the data,
   nothing is written to the run's directory, and a restore hook reads only its checkpoint's

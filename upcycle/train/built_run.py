@@ -99,7 +99,7 @@ def step_flops(objective: Any, batch: Mapping[str, Any], num_microbatches: int) 
   return float(objective.train_flops(micro) * num_microbatches)
 
 
-def global_batch(host_batch: Mapping[str, Any], batch_size: int
+def _global_shapes(host_batch: Mapping[str, Any], batch_size: int
                  ) -> Dict[str, jax.ShapeDtypeStruct]:
   """The global batch's shapes from a host batch: arrays, or (shape, dtype) pairs as
   pipelines' `batch_spec` gives them."""
@@ -110,7 +110,7 @@ def global_batch(host_batch: Mapping[str, Any], batch_size: int
   return out
 
 
-def check_batch_split(config: Any, ways: int, over: str) -> None:
+def _check_batch_split(config: Any, ways: int, over: str) -> None:
   """Refuses a batch size that cannot be split `ways` ways (over the hosts, the devices)."""
   if config.batch_size % ways:
     raise fields.ConfigError(
@@ -147,20 +147,18 @@ def build_run(*, objective: Any, optimizer: Any, config: Any, host_batch: Mappin
   Refuses in one line, naming the binding, a batch that the hosts or the data x expert mesh
   axes cannot split and parameters their mesh axes cannot.
   """
-  check_batch_split(config, jax.process_count(), 'hosts')
+  _check_batch_split(config, jax.process_count(), 'hosts')
   mesh = partitioning.make_mesh(config.num_expert_partitions, config.num_model_partitions,
                                 devices)
   data, expert = mesh.shape['data'], mesh.shape['expert']
-  check_batch_split(config, data * expert, f'data x expert mesh axes ({data} x {expert})')
-  batch = global_batch(host_batch, config.batch_size)
+  _check_batch_split(config, data * expert, f'data x expert mesh axes ({data} x {expert})')
+  batch = _global_shapes(host_batch, config.batch_size)
   with partitioning.activate(mesh, config.logical_axis_rules):
     built_optimizer, abstract = _abstract_state(objective, optimizer, config, mesh, batch)
-  host_batch_size = config.batch_size // jax.process_count()
-  one_host = {k: jax.ShapeDtypeStruct((host_batch_size,) + v.shape[1:], v.dtype)
-              for k, v in batch.items()}
   return BuiltRun(
       objective=objective, mesh=mesh, rules=config.logical_axis_rules, optimizer=built_optimizer,
-      schedule=optimizer.schedule, batch=batch, abstract=abstract, num_microbatches=config.num_microbatches,
-      host_batch_size=host_batch_size,
+      schedule=optimizer.schedule, batch=batch, abstract=abstract,
+      num_microbatches=config.num_microbatches,
+      host_batch_size=config.batch_size // jax.process_count(),
       flops_per_step=step_flops(objective, batch, config.num_microbatches),
-      tokens_per_step=objective.tokens_per_batch(one_host) * jax.process_count())
+      tokens_per_step=objective.tokens_per_batch(batch))

@@ -260,7 +260,7 @@ class Trainer:
     history: List[Dict[str, float]] = []
     finite = jnp.array(True)
     eval_results, initial_eval = {}, {}
-    saved = [None]   # the last step saved
+    saved = None   # the last step saved
 
     def checked(step: int) -> None:
       if not bool(jax.device_get(finite)):
@@ -282,11 +282,12 @@ class Trainer:
         logger.warn(step, message, **details)
 
     def save(step, state, metrics, force=False):
+      nonlocal saved
       checked(step)
       logger.flush()
       manager.save(step, state.params, state.opt_state, host_states.gather(data.get_state()),
                    force=force)
-      saved[0] = step
+      saved = step
 
     def evaluate(step, state, metrics):
       eval_results.update(self.evaluate(state.params))
@@ -316,7 +317,7 @@ class Trainer:
             if when(done):
               action(done, state, metrics)
           if done < cfg.train_steps and sigterm.reached(done):   # save this step and stop
-            if saved[0] != done:
+            if saved != done:
               save(done, state, metrics, force=True)
             stopped = done
             break
