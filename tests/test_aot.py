@@ -84,15 +84,15 @@ def test_aot_compiles_every_function_for_the_topology(aot_result):
 @pytest.mark.slow
 def test_the_step_counts_every_microbatch_and_its_roofline_follows(aot_result):
   """The compiler counts a loop body once: the train step's FLOPs come from a copy with the
-  microbatch scan unrolled, so they cover at least the model's matmul FLOPs of the whole
-  batch (`models/flops.py`, counted by hand from the architecture; with full remat the
+  microbatch scan unrolled (`step_count.py`; 2 + 2 layers have one period, so the copy is the
+  whole model), so they cover at least the model's matmul FLOPs of the whole batch (`models/flops.py`, counted by hand from the architecture; with full remat the
   compiler's count is larger: the forward pass runs twice, and it counts the dispatch's
   einsums and every elementwise op). Counted once, they would be about half of it. The
   roofline is max(FLOPs / 275 TFLOP/s, bytes / 1228 GB/s), and the MFU at it the model's
   FLOPs over the chips' peak in that time."""
   result, stdout = aot_result
   train = result['functions']['train_step']
-  assert train['counted_unrolled'] and not result['functions']['restore_hook']['counted_unrolled']
+  assert train['extrapolated'] and not result['functions']['restore_hook']['extrapolated']
   model_flops = train['model_flops_per_step']
   assert model_flops <= train['flops_per_step'] <= 3 * model_flops
   compute, memory = train['flops_per_device'] / 275e12, train['bytes_accessed_per_device'] / 1228e9

@@ -7,7 +7,7 @@ the train step, the upcycling / restore hook's sharded jit (when the run has one
 step for it, allocating nothing. Prints per function the per-device bytes (parameters,
 optimizer state, arguments, outputs, temporaries, total) against the HBM the TPU compiler can
 use of the device's (30.75 of a v4 chip's 32 GiB), FLOPs and HBM bytes per device and call
-(every loop iteration counted: a step with loops is also compiled with its scans unrolled),
+(every layer and microbatch counted: a step with loops is counted from shallow copies),
 the roofline bound on its time and the MFU at it, compile time, the
 memory levers the run has set, and for what does not fit, what dominates and the levers not
 set that would shrink it (`upcycle/train/aot.py`). --find_batch compiles the train step at up

@@ -146,6 +146,12 @@ class LlamaConfig:
     """{MLP path of every MoE block: (stack, layer index)} (`T5Config.moe_positions`)."""
     return stacking.moe_positions(self, 'mlp')
 
+  def with_depths(self, depths) -> 'LlamaConfig':
+    """This config, unscanned, with its stacks cut to their first `depths` layers (in
+    `layer_stacks()` order), their MoE blocks where they were: a shallow copy of the model
+    (`upcycle/train/step_count.py` counts a step from such copies)."""
+    return scan_layout.cut_one_stack(self, 'num_layers', depths)
+
   def layer_stacks(self) -> list:
     """(prefix, unrolled block name, scanned name, num_layers, sparse): the one decoder stack."""
     return [('decoder', 'layers_{}', 'layers', self.num_layers, self.sparse_layers())]

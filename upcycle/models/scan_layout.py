@@ -21,6 +21,7 @@ work on any tree with the model's structure: parameters, abstract `ShapeDtypeStr
 (`unstack`) the collections a scanned model sows (MoE losses and metrics, router logits).
 """
 
+import dataclasses
 import re
 from typing import Any, Dict, List, Sequence, Tuple
 
@@ -54,6 +55,22 @@ def check_scannable(sparse: Sequence[int], num_layers: int, field: str) -> None:
         f'shorter than the stack, so scan_layers=True has nothing to scan over. Fix: a periodic '
         f"placement ('every_other', 'all', or indices that repeat every p layers, p dividing "
         f'{num_layers}), or scan_layers=False.')
+
+
+def cut_moe(moe: Any, sparse: Sequence[int], depth: int) -> Any:
+  """The `MoeConfig` (or None) of a stack cut to its first `depth` layers: placed on the
+  layers of `sparse` below the cut (a stack's shallow copy, `with_depths`)."""
+  if moe is None:
+    return None
+  return dataclasses.replace(moe, placement=tuple(i for i in sparse if i < depth))
+
+
+def cut_one_stack(config: Any, depth_field: str, depths: Sequence[int]) -> Any:
+  """`config.with_depths(depths)` of a config with one stack of `config.<depth_field>` layers
+  and one `moe` (ViT, Llama)."""
+  (depth,) = depths
+  return dataclasses.replace(config, **{depth_field: depth}, scan_layers=False,
+                             moe=cut_moe(config.moe, config.sparse_layers(), depth))
 
 
 def stacks(config) -> List[Tuple[str, str, str, int, Tuple[int, ...]]]:

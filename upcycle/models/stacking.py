@@ -16,7 +16,7 @@ from typing import Any, Dict, Sequence, Tuple, Type
 import flax.linen as nn
 import jax
 
-from upcycle import loops, tree
+from upcycle import tree
 from upcycle.models import scan_layout
 
 REMAT_POLICIES = {
@@ -94,7 +94,6 @@ def apply_stack(layer: Type[nn.Module], config: Any, stack: int, x: jax.Array,
       Period, variable_axes=SCANNED_AXES,
       split_rngs={'params': True, 'dropout': True, 'jitter': True},
       in_axes=(nn.broadcast,) * len(dynamic), length=num_layers // len(pattern),
-      unroll=loops.unroll(num_layers // len(pattern)),
       metadata_params={nn.PARTITION_NAME: 'layers'})
   x, _ = scanned(block, config, pattern, tuple(static), name=scanned_name)(x, *dynamic)
   return x

@@ -99,6 +99,16 @@ class T5Config:
     layer-dependent initializers (Drop's ramp) read each block's place."""
     return stacking.moe_positions(self, 'mlp')
 
+  def with_depths(self, depths) -> 'T5Config':
+    """This config, unscanned, with its stacks cut to their first `depths` layers (in
+    `layer_stacks()` order), their MoE blocks where they were: a shallow copy of the model
+    (`upcycle/train/step_count.py` counts a step from such copies)."""
+    encoder, decoder = depths
+    return dataclasses.replace(
+        self, num_encoder_layers=encoder, num_decoder_layers=decoder, scan_layers=False,
+        encoder_moe=scan_layout.cut_moe(self.encoder_moe, self.sparse_layers('encoder'), encoder),
+        decoder_moe=scan_layout.cut_moe(self.decoder_moe, self.sparse_layers('decoder'), decoder))
+
   def layer_stacks(self) -> list:
     """(prefix, unrolled block name, scanned name, num_layers, sparse): encoder, decoder."""
     return [(stack, 'layers_{}', 'layers', n, self.sparse_layers(stack))

@@ -97,6 +97,12 @@ class ViTConfig:
     """{MLP path of every MoE block: (stack, layer index)} (`T5Config.moe_positions`)."""
     return stacking.moe_positions(self, 'MlpBlock_0')
 
+  def with_depths(self, depths) -> 'ViTConfig':
+    """This config, unscanned, with its stacks cut to their first `depths` layers (in
+    `layer_stacks()` order), their MoE blocks where they were: a shallow copy of the model
+    (`upcycle/train/step_count.py` counts a step from such copies)."""
+    return scan_layout.cut_one_stack(self, 'depth', depths)
+
   def layer_stacks(self) -> list:
     """(prefix, unrolled block name, scanned name, num_layers, sparse) per stack (`scan_layout`)."""
     return [('Transformer', 'encoderblock_{}', 'encoderblock', self.depth, self.sparse_layers())]

@@ -17,8 +17,8 @@ more batch sizes for the largest batch that fits (`batch_fit.py`).
 Each also gets its FLOPs and bytes accessed per device and call, and the roofline bound on
 its time they imply (`roofline.py`), with the model FLOPs utilization at that bound for the
 train step. The compiler counts a loop's body once, so for a step with loops (scanned layers,
-microbatches) those counts come from a second compile of a copy with every scan unrolled
-(`upcycle.loops`), whose memory is not used.
+microbatches) those counts are extrapolated from shallow copies of the run, compiled with their
+loops unrolled (`step_count.py`), whose memory is not used.
 """
 
 import dataclasses
@@ -32,8 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from upcycle import loops
-from upcycle.train import batch_fit, levers, partitioning
+from upcycle.train import batch_fit, levers, partitioning, step_count
 from upcycle.train.built_run import build_run, step_flops
 from upcycle.train import roofline as rooflines
 from upcycle.train import hbm as hbm_sizes
@@ -44,6 +43,13 @@ LIBTPU_ENV = {'TPU_SKIP_MDS_QUERY': '1', 'TPU_ACCELERATOR_TYPE': 'v4-8',
               'TPU_WORKER_HOSTNAMES': 'localhost', 'ALLOW_MULTIPLE_LIBTPU_LOAD': '1'}
 
 GIB = 2 ** 30
+
+# The counting copies' compiler options: the TPU compiler turns a matmul whose operand is
+# all-gathered or whose result is reduce-scattered (fully sharded parameters) into a loop
+# over the shards (a windowed einsum), which its cost analysis counts once; compiled as an
+# all-gather (reduce-scatter) and one matmul instead, the same products are counted whole.
+COUNTING_OPTIONS = {'xla_tpu_enable_windowed_einsum_for_all_gather': False,
+                    'xla_tpu_enable_windowed_einsum_for_reduce_scatter': False}
 
 
 class TopologyError(ValueError):
@@ -94,12 +100,12 @@ class FunctionReport:
   temporaries + code, held against the HBM the compiler can use (`hbm.py`). `parts` splits
   the arguments into parameters, optimizer state and batch, counted from their shardings.
   `flops_per_device` and `bytes_per_device` (HBM bytes accessed) are the compiler's
-  (`cost_analysis()`) per call, from a copy with its loops unrolled where the function has
-  loops (`counted_unrolled`; the compiler counts a loop body once); `model_flops_per_step`
-  (train step) is the model's matmul FLOPs (`models/flops.py`, as logged in training);
-  `roofline` the bound they imply (`roofline.py`); `uncounted` why a function with loops has
-  no roofline (its unrolled copy could not be compiled: the counts are then the compiler's,
-  a loop body once). For a program the compiler refused
+  (`cost_analysis()`) per call, extrapolated from shallow copies where the function has
+  loops (`extrapolated`, `step_count.py`; the compiler counts a loop body once);
+  `model_flops_per_step` (train step) is the model's matmul FLOPs (`models/flops.py`, as
+  logged in training); `roofline` the bound they imply (`roofline.py`); `uncounted` why a
+  function with loops has no roofline (a shallow copy was refused: the counts are then the
+  compiler's, a loop body once). For a program the compiler refused
   (`refused`: its message), `temp` is the temporaries the refusal names and `arguments` the
   sum of `parts`; there are no FLOPs.
   """
@@ -117,7 +123,7 @@ class FunctionReport:
   model_flops_per_step: Optional[float] = None
   refused: Optional[str] = None
   bytes_per_device: float = 0.0
-  counted_unrolled: bool = False
+  extrapolated: bool = False
   roofline: Optional[rooflines.Roofline] = None
   uncounted: Optional[str] = None
 
@@ -138,7 +144,7 @@ class FunctionReport:
             'refused': self.refused, 'flops_per_device': self.flops_per_device,
             'flops_per_step': self.flops_per_device * self.devices,
             'bytes_accessed_per_device': self.bytes_per_device,
-            'counted_unrolled': self.counted_unrolled, 'uncounted': self.uncounted,
+            'extrapolated': self.extrapolated, 'uncounted': self.uncounted,
             'model_flops_per_step': self.model_flops_per_step,
             'roofline_seconds': None if self.roofline is None else self.roofline.seconds,
             'roofline_bound': None if self.roofline is None else self.roofline.bound,
@@ -151,6 +157,16 @@ def _counts(compiled: jax.stages.Compiled) -> Tuple[float, float]:
   cost = compiled.cost_analysis()
   cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
   return float(cost.get('flops', 0.0)), float(cost.get('bytes accessed', 0.0))
+
+
+def _loopless_counts(lowered: jax.stages.Lowered) -> step_count.Counts:
+  """(FLOPs, bytes accessed) of a counting copy, compiled with `COUNTING_OPTIONS`; raises
+  `step_count.Uncountable` if the compiled program still loops over matmuls (counted once)."""
+  compiled = lowered.compile(COUNTING_OPTIONS)
+  loops = step_count.loops_over_matmuls(compiled.as_text())
+  if loops:
+    raise step_count.Uncountable(f'the compiled copy still loops over matmuls, at {loops[0]}')
+  return _counts(compiled)
 
 
 def compile_report(lowered: jax.stages.Lowered, *, hbm: hbm_sizes.Capacity, devices: int,
@@ -182,26 +198,24 @@ def compile_report(lowered: jax.stages.Lowered, *, hbm: hbm_sizes.Capacity, devi
 
 
 def with_roofline(report: FunctionReport, *, device_kind: str, megacore: bool,
-                  unrolled: Optional[Callable[[], jax.stages.Lowered]] = None
-                  ) -> FunctionReport:
-  """`report` with its roofline; with `unrolled` (the function lowered with every scan
-  unrolled), its FLOPs and bytes counted from that copy's compile first."""
+                  count: Optional[Callable[[], step_count.Counts]] = None) -> FunctionReport:
+  """`report` with its roofline; with `count` (the function's FLOPs and bytes extrapolated
+  from shallow copies, `step_count.extrapolate`), its counts replaced by that count first."""
   if report.refused:
     return report
-  if unrolled is not None:
+  if count is not None:
     start = time.perf_counter()
     try:
-      with loops.unrolled():
-        flops, accessed = _counts(unrolled().compile())
-    except jax.errors.JaxRuntimeError as e:
-      if 'RESOURCE_EXHAUSTED' not in str(e):
+      flops, accessed = count()
+    except (jax.errors.JaxRuntimeError, step_count.Uncountable) as e:
+      if isinstance(e, jax.errors.JaxRuntimeError) and 'RESOURCE_EXHAUSTED' not in str(e):
         raise
       return dataclasses.replace(report, uncounted=(
-          'no roofline: the copy with its loops unrolled, which counts every iteration, is '
-          f'refused by the compiler ({str(e).strip().splitlines()[0]}); the FLOPs and bytes '
-          'shown count a loop body once'))
+          'no roofline: a shallow copy of the function, compiled to count every layer and '
+          f'microbatch, could not be counted ({str(e).strip().splitlines()[0]}); the FLOPs '
+          'and bytes shown count a loop body once'))
     report = dataclasses.replace(
-        report, flops_per_device=flops, bytes_per_device=accessed, counted_unrolled=True,
+        report, flops_per_device=flops, bytes_per_device=accessed, extrapolated=True,
         compile_seconds=report.compile_seconds + time.perf_counter() - start)
   return dataclasses.replace(report, roofline=rooflines.roofline(
       flops_per_device=report.flops_per_device, bytes_per_device=report.bytes_per_device,
@@ -338,9 +352,9 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
   nothing is written to the run's directory, and a restore hook reads only its checkpoint's
   metadata.
   """
+  host_batch = train_data.batch_spec(config.batch_size // jax.process_count())
   built = build_run(objective=objective, optimizer=optimizer, config=config,
-                    host_batch=train_data.batch_spec(config.batch_size // jax.process_count()),
-                    devices=devices)
+                    host_batch=host_batch, devices=devices)
   mesh, n = built.mesh, len(devices)
   hbm = hbm_sizes.capacity(devices[0].device_kind, megacore)
   settings = levers.read(config=config, model_config=objective.model.config,
@@ -353,19 +367,37 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
     state_parts = {'parameters': per_device_bytes(abstract.params),
                    'optimizer_state': per_device_bytes(abstract.opt_state)}
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, PartitionSpec()))
-    # The compiler counts a loop body once: where there are loops, count an unrolled copy.
-    scans = bool(getattr(objective.model.config, 'scan_layers', False))
+    batch = _batch(train_data.batch_spec(config.batch_size), mesh)
+    eval_batch = (None if eval_data is None else
+                  _batch(eval_data.batch_spec(config.batch_size), mesh))
+    # The compiler counts a loop body once: where there are loops, count shallow copies.
+    scans = bool(objective.model.config.scan_layers)
+    full_periods = step_count.periods(objective.model.config)
     counted = functools.partial(with_roofline, device_kind=devices[0].device_kind,
                                 megacore=megacore)
 
+    def shallow_run(stack_periods: Tuple[int, ...]):
+      return build_run(objective=step_count.shallow(objective, stack_periods),
+                       optimizer=optimizer, config=config, host_batch=host_batch,
+                       devices=devices)
+
+    def train_step_counts(stack_periods: Tuple[int, ...]) -> step_count.Counts:
+      run = shallow_run(stack_periods)
+      step = run.jit_train_step(unroll_microbatches=True)
+      return _loopless_counts(step.lower(run.abstract, batch, rng))
+
+    def eval_step_counts(stack_periods: Tuple[int, ...]) -> step_count.Counts:
+      run = shallow_run(stack_periods)
+      return _loopless_counts(run.jit_eval_step().lower(run.abstract.params, eval_batch))
+
     def compile_train_step(size: int, into: Dict[str, FunctionReport],
                            reasons: Dict[str, str]) -> None:
-      batch = _batch(train_data.batch_spec(size), mesh)
-      _compile_or_reason('train_step', lambda: built.train_step.lower(abstract, batch, rng),
+      sized = _batch(train_data.batch_spec(size), mesh)
+      _compile_or_reason('train_step', lambda: built.train_step.lower(abstract, sized, rng),
                          hbm=hbm, devices=n,
-                         parts={**state_parts, 'batch': per_device_bytes(batch)},
+                         parts={**state_parts, 'batch': per_device_bytes(sized)},
                          reports=into, not_compiled=reasons,
-                         model_flops_per_step=step_flops(objective, batch,
+                         model_flops_per_step=step_flops(objective, sized,
                                                          config.num_microbatches))
 
     def total_at(size: int) -> Optional[int]:
@@ -375,12 +407,9 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
 
     compile_train_step(config.batch_size, reports, not_compiled)
     if 'train_step' in reports:
-      batch = _batch(train_data.batch_spec(config.batch_size), mesh)
-      # Traced anew under `loops.unrolled()`: jit's trace cache does not see the context.
-      unrolled = lambda: built.jit_train_step().lower(abstract, batch, rng)
-      reports['train_step'] = counted(
-          reports['train_step'],
-          unrolled=unrolled if scans or config.num_microbatches > 1 else None)
+      loops = scans or config.num_microbatches > 1
+      reports['train_step'] = counted(reports['train_step'], count=functools.partial(
+          step_count.extrapolate, train_step_counts, full_periods) if loops else None)
     if find_batch and 'train_step' in reports:
       search = batch_fit.search(total_at, batch=config.batch_size,
                                 total=reports['train_step'].total, usable=hbm.usable,
@@ -393,7 +422,6 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
       if 'restore_hook' in reports:
         reports['restore_hook'] = counted(reports['restore_hook'])
     if eval_data is not None:
-      eval_batch = _batch(eval_data.batch_spec(config.batch_size), mesh)
       _compile_or_reason(
           'eval_step', lambda: built.eval_step.lower(abstract.params, eval_batch),
           hbm=hbm, devices=n,
@@ -401,6 +429,6 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
                  'batch': per_device_bytes(eval_batch)},
           reports=reports, not_compiled=not_compiled)
       if 'eval_step' in reports:
-        unrolled = lambda: built.jit_eval_step().lower(abstract.params, eval_batch)
-        reports['eval_step'] = counted(reports['eval_step'], unrolled=unrolled if scans else None)
+        reports['eval_step'] = counted(reports['eval_step'], count=functools.partial(
+            step_count.extrapolate, eval_step_counts, full_periods) if scans else None)
   return CompiledRun(list(devices), mesh, megacore, settings, reports, not_compiled, search)

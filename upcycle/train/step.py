@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from upcycle import loops
 from upcycle.moe import aux_losses, metrics as moe_metrics
 from upcycle.train.state import TrainState
 
@@ -23,13 +22,15 @@ def _microbatches(batch: Dict[str, Array], n: int) -> Dict[str, Array]:
 
 
 def make_train_step(objective, optimizer: optax.GradientTransformation,
-                    schedule: Callable[[Array], Array], num_microbatches: int = 1):
+                    schedule: Callable[[Array], Array], num_microbatches: int = 1,
+                    unroll_microbatches: bool = False):
   """-> train_step(state, batch, rng) -> (state, metrics).
 
   The loss is the cross-entropy summed over the whole batch divided by its total
   weight (target tokens for T5, images for ViT), plus the MoE auxiliary losses
   averaged over layers and microbatches. Microbatching accumulates gradients of
-  exactly that loss, so it changes memory, not the result.
+  exactly that loss, so it changes memory, not the result. `unroll_microbatches` unrolls
+  the accumulation's scan (for the compiler to count every microbatch, `step_count.py`).
   """
 
   def loss_fn(params, batch, rng, total_weight, num_micro):
@@ -62,7 +63,7 @@ def make_train_step(objective, optimizer: optax.GradientTransformation,
                             total_weight, num_microbatches)
       zero = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), zero)
       (grads, stats), _ = jax.lax.scan(accumulate, zero, (jnp.arange(num_microbatches), micro),
-                                       unroll=loops.unroll(num_microbatches))
+                                       unroll=num_microbatches if unroll_microbatches else 1)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     weight = jnp.maximum(stats.pop('weight_sum'), 1.0)

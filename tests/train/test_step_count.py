@@ -1,0 +1,108 @@
+"""A step's FLOPs and bytes with every layer counted, extrapolated from shallow copies of the
+model (`upcycle/train/step_count.py`), against the compiler's count of the whole model with
+its layers unrolled (XLA's cost analysis on CPU; `tests/test_aot.py` runs it on libtpu's)."""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from upcycle import models
+from upcycle.moe.config import MoeConfig
+from upcycle.train import step_count
+
+EVERY_OTHER = MoeConfig(num_experts=4, router='tokens_choose', k=2)
+# 4 encoder layers (2 periods of 2) and 6 decoder layers (3 periods), so both stacks vary.
+T5_MOE = models.T5Config(vocab_size=128, d_model=32, d_ff=64, num_heads=2, d_kv=16,
+                         num_encoder_layers=4, num_decoder_layers=6, encoder_moe=EVERY_OTHER,
+                         decoder_moe=EVERY_OTHER, scan_layers=True)
+LLAMA_MOE = models.LlamaConfig(vocab_size=128, d_model=32, d_ff=64, num_heads=2, num_kv_heads=1,
+                               num_layers=3, scan_layers=True,
+                               moe=dataclasses.replace(EVERY_OTHER, placement='all'))
+TOKENS = np.arange(2 * 16, dtype=np.int32).reshape(2, 16) % 127 + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Forward:
+  """The smallest objective `step_count.shallow` cuts: a model."""
+  model: Any
+
+
+def gradient_counts(objective: Forward) -> step_count.Counts:
+  """(FLOPs, bytes accessed) the compiler counts for the gradient of the model's summed
+  output, the backward pass included."""
+  model = objective.model
+  inputs = (TOKENS, TOKENS) if isinstance(model, models.T5) else (TOKENS,)
+  params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), *inputs))
+
+  def loss(p):
+    out = model.apply(p, *inputs)
+    return jnp.sum(out[0] if isinstance(out, tuple) else out)
+
+  cost = jax.jit(jax.grad(loss)).lower(params).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return float(cost['flops']), float(cost['bytes accessed'])
+
+
+@pytest.mark.parametrize('config', [T5_MOE, LLAMA_MOE], ids=['t5_every_other', 'llama_all'])
+def test_shallow_copies_extrapolate_to_the_whole_models_count(config):
+  objective = Forward(type_of(config)(config))
+  full_periods = step_count.periods(config)
+  extrapolated = step_count.extrapolate(
+      lambda p: gradient_counts(step_count.shallow(objective, p)), full_periods)
+  unrolled = gradient_counts(Forward(type_of(config)(dataclasses.replace(
+      config, scan_layers=False))))
+  scanned = gradient_counts(objective)
+  np.testing.assert_allclose(extrapolated[0], unrolled[0], rtol=1e-6)
+  np.testing.assert_allclose(extrapolated[1], unrolled[1], rtol=1e-6)
+  # Why: the scanned model is counted with its loop body once.
+  assert scanned[0] < 0.8 * unrolled[0]
+
+
+def type_of(config):
+  return models.T5 if isinstance(config, models.T5Config) else models.Llama
+
+
+def test_periods_and_shallow_copies_keep_the_moe_blocks_in_place():
+  assert step_count.periods(T5_MOE) == (2, 3) and step_count.periods(LLAMA_MOE) == (3,)
+  cut = step_count.shallow(Forward(models.T5(T5_MOE)), (1, 2)).model.config
+  assert (cut.num_encoder_layers, cut.num_decoder_layers, cut.scan_layers) == (2, 4, False)
+  assert cut.sparse_layers('encoder') == (1,) and cut.sparse_layers('decoder') == (1, 3)
+  listed = dataclasses.replace(T5_MOE, encoder_moe=dataclasses.replace(
+      EVERY_OTHER, placement=(0, 2)))      # MoE first in each period
+  cut = step_count.shallow(Forward(models.T5(listed)), (1, 1)).model.config
+  assert cut.sparse_layers('encoder') == (0,) and cut.sparse_layers('decoder') == (1,)
+  cut = step_count.shallow(Forward(models.Llama(LLAMA_MOE)), (1,)).model.config
+  assert (cut.num_layers, cut.sparse_layers()) == (1, (0,))
+
+
+def test_extrapolation_of_an_affine_count_is_exact_and_compiles_one_copy_per_stack():
+  """count(n) = c + Σ_s b_s n_s: one copy at one period everywhere, one per stack of more
+  than one period."""
+  calls = []
+
+  def count_at(periods):
+    calls.append(periods)
+    return 5.0 + 3.0 * periods[0] + 7.0 * periods[1] + 11.0 * periods[2], 2.0 * periods[0]
+
+  assert step_count.extrapolate(count_at, (6, 1, 4)) == (5.0 + 18 + 7 + 44, 12.0)
+  assert calls == [(1, 1, 1), (2, 1, 1), (1, 1, 2)]
+
+
+def test_loops_over_matmuls_are_found_in_compiled_hlo_and_binary_searches_are_not():
+  """A copy whose compiled program still loops over matmuls would be counted once per loop
+  (`upcycle.aot` then gives no roofline); `jnp.searchsorted`'s binary search, which
+  megablox's kernels run, is a loop of integer compares and is left out."""
+  def scanned(w, x):
+    return jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)[0]
+
+  hlo = lambda fn, *shapes: jax.jit(fn).lower(*[jnp.ones(s) for s in shapes]).compile().as_text()
+  assert step_count.loops_over_matmuls(hlo(scanned, (3, 8, 8), (4, 8))) == [
+      'jit(scanned)/while']
+  unrolled = lambda w, x: x @ w[0] @ w[1] @ w[2]
+  assert step_count.loops_over_matmuls(hlo(unrolled, (3, 8, 8), (4, 8))) == []
+  search = hlo(jnp.searchsorted, (100,), (9,))
+  assert 'while(' in search and step_count.loops_over_matmuls(search) == []
