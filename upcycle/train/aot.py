@@ -104,8 +104,8 @@ class FunctionReport:
   loops (`extrapolated`, `step_count.py`; the compiler counts a loop body once);
   `model_flops_per_step` (train step) is the model's matmul FLOPs (`models/flops.py`, as
   logged in training); `roofline` the bound they imply (`roofline.py`); `uncounted` why a
-  function with loops has no roofline (a shallow copy was refused: the counts are then the
-  compiler's, a loop body once). For a program the compiler refused
+  function with loops has no roofline (a shallow copy was refused, or its compiled program
+  still loops over matmuls: the counts are then the compiler's, a loop body once). For a program the compiler refused
   (`refused`: its message), `temp` is the temporaries the refusal names and `arguments` the
   sum of `parts`; there are no FLOPs.
   """
@@ -376,6 +376,7 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
     counted = functools.partial(with_roofline, device_kind=devices[0].device_kind,
                                 megacore=megacore)
 
+    @functools.lru_cache(maxsize=None)   # the train and eval copies share their runs
     def shallow_run(stack_periods: Tuple[int, ...]):
       return build_run(objective=step_count.shallow(objective, stack_periods),
                        optimizer=optimizer, config=config, host_batch=host_batch,
