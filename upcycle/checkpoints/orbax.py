@@ -105,11 +105,22 @@ def _orbax_thread_echo(exception: BaseException) -> bool:
   return bool(_SAVES_FAILED) and any('/orbax/' in f.filename for f in frames)
 
 
+class _OrbaxThreadLogEchoes(logging.Filter):
+  """Drops orbax's own log of a writer thread's exception after a save failed (its
+  `_SignalingThread` catches what its target raises and logs it with the traceback, instead
+  of reaching `threading.excepthook`)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.exc_info else None
+    return error is None or not _orbax_thread_echo(error)
+
+
 def _quiet_failed_save_echoes() -> None:
   """Installs, once, the filters that keep a failed background save's echoes off the console:
   tensorstore reports its callbacks' errors (raised in its own threads) as unraisable,
   asyncio logs the orphaned tasks and futures when they are collected, and orbax's other
-  writer threads fail as the interpreter shuts down."""
+  writer threads fail as the interpreter shuts down (raised, or logged through absl by
+  orbax's signalling threads)."""
   if getattr(sys.unraisablehook, 'upcycle_quiet', False):
     return
   original, original_thread = sys.unraisablehook, threading.excepthook
@@ -126,6 +137,7 @@ def _quiet_failed_save_echoes() -> None:
   sys.unraisablehook = hook
   threading.excepthook = thread_hook
   logging.getLogger('asyncio').addFilter(_OrbaxTaskEchoes())
+  logging.getLogger('absl').addFilter(_OrbaxThreadLogEchoes())
 
 
 class CheckpointManager:
