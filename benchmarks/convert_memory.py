@@ -33,11 +33,11 @@ _CHILD = textwrap.dedent('''
     os.environ.setdefault('JAX_PLATFORMS', 'cpu')
     from upcycle import convert
     from upcycle.models import T5Config
-    from upcycle.moe import MoeConfig
+    from upcycle.moe import MoeConfig, routers
     source, output, dry_run = sys.argv[1], sys.argv[2], sys.argv[3] == '1'
     spec = json.loads(sys.argv[4])
     encoder = MoeConfig(num_experts=spec['experts'])
-    decoder = MoeConfig(num_experts=spec['experts'], router='tokens_choose')
+    decoder = MoeConfig(num_experts=spec['experts'], router=routers.TopK())
     config = T5Config(vocab_size=spec['vocab'], d_model=spec['d_model'], num_heads=spec['heads'],
                       d_kv=spec['d_model'] // spec['heads'], d_ff=spec['d_ff'],
                       num_encoder_layers=spec['layers'], num_decoder_layers=spec['layers'],

@@ -78,7 +78,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from upcycle import layers
-from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses
+from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, routers
 from upcycle.moe.layer import EXPERT_SLOT_AXES
 from upcycle.train import partitioning
 
@@ -202,12 +202,13 @@ def pure_experts(num_experts, slots, d_model, d_ff, mesh=None):
 
 
 def moe_config(case, length, dispatch, grouped_kernel='ragged_dot'):
-  return MoeConfig(num_experts=case.num_experts, router=case.router, k=case.k,
+  router = (routers.ExpertsChoose() if case.router == 'experts_choose' else
+            routers.TopK(k=case.k, batch_priority=case.batch_priority))
+  return MoeConfig(num_experts=case.num_experts, router=router,
                    train_capacity_factor=case.factor, eval_capacity_factor=case.factor,
                    capacity_convention='t5x', min_expert_capacity=1,
                    max_group_size=case.max_group_size or length, dispatch=dispatch,
-                   grouped_kernel=grouped_kernel,
-                   batch_priority_routing=case.router == 'tokens_choose' and case.batch_priority)
+                   grouped_kernel=grouped_kernel)
 
 
 def ours(x, config, d_ff, mesh=None, with_metrics=False):

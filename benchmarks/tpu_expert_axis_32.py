@@ -32,7 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from upcycle import layers, tree  # pylint: disable=g-import-not-at-top,wrong-import-position
-from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer  # pylint: disable=g-import-not-at-top,wrong-import-position
+from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, routers  # pylint: disable=g-import-not-at-top,wrong-import-position
 from upcycle.moe import layer as moe_layer  # pylint: disable=g-import-not-at-top,wrong-import-position
 from upcycle.train import aot, partitioning  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -58,7 +58,7 @@ def main() -> None:
     moe_layer.SLOT_DISPATCH['masked'] = dispatch_direct
   devices = aot.topology_devices('v4:4x4x2', megacore=False)
   mesh = partitioning.make_mesh(EXPERTS, 1, devices)
-  config = MoeConfig(num_experts=EXPERTS, router='experts_choose', train_capacity_factor=2.0,
+  config = MoeConfig(num_experts=EXPERTS, router=routers.ExpertsChoose(), train_capacity_factor=2.0,
                      capacity_convention='t5x', max_group_size=GROUP)
   layer = MoeLayer(config, functools.partial(layers.GatedMlp, d_ff=D_FF, dtype=jnp.bfloat16))
   x = jax.ShapeDtypeStruct((BATCH, LENGTH, D_MODEL), jnp.bfloat16)

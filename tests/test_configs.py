@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from upcycle import families, gin_utils
+from upcycle.moe import routers
 
 CONFIGS = gin_utils.CONFIGS_DIR
 FILES = sorted(os.path.relpath(p, CONFIGS)
@@ -90,10 +91,27 @@ def test_published_sizes():
 def test_paper_default_moe():
   parse(['models/t5_1_1/base.gin', 'moe/paper_t5.gin'], ['probe.model = %MODEL'])
   cfg = probe().config
-  assert cfg.encoder_moe.router == 'experts_choose' and cfg.encoder_moe.num_experts == 32
+  assert cfg.encoder_moe.router == routers.ExpertsChoose() and cfg.encoder_moe.num_experts == 32
   assert cfg.encoder_moe.train_capacity_factor == 2.0
-  assert (cfg.decoder_moe.router, cfg.decoder_moe.k) == ('tokens_choose', 2)
+  assert cfg.decoder_moe.router == routers.TopK(k=2, batch_priority=False)
   assert cfg.sparse_layers('encoder') == (1, 3, 5, 7, 9, 11)
+
+
+def test_router_ablations_bind_each_stack_its_own_router():
+  """A router is bound per stack through gin's scopes: the encoder's Top-2 with BPR of
+  router_top2_encoder.gin leaves the paper's decoder Top-2 without it; switch.gin gives both
+  stacks Top-1."""
+  parse(['models/t5_1_1/base.gin', 'moe/paper_t5.gin', 'experiments/router_top2_encoder.gin'],
+        ['probe.model = %MODEL'])
+  cfg = probe().config
+  assert cfg.encoder_moe.router == routers.TopK(k=2, batch_priority=True)
+  assert cfg.decoder_moe.router == routers.TopK(k=2, batch_priority=False)
+  assert cfg.encoder_moe.capacity(4096, deterministic=False) == 160   # t5x: 1.25 * 4096 / 32
+  gin.clear_config()
+  parse(['models/t5_1_1/base.gin', 'moe/paper_t5.gin', 'experiments/router_switch.gin'],
+        ['probe.model = %MODEL'])
+  cfg = probe().config
+  assert cfg.encoder_moe.router == cfg.decoder_moe.router == routers.TopK(k=1)
 
 
 def test_shared_expert_gin_adds_one_to_every_moe_stack():
@@ -101,7 +119,7 @@ def test_shared_expert_gin_adds_one_to_every_moe_stack():
          'upcycling/zero_output.gin'], MACROS[:1] + ['probe.model = %MODEL'])
   cfg = probe().config
   assert cfg.encoder_moe.shared_d_ff(cfg.d_ff) == cfg.decoder_moe.shared_d_ff(cfg.d_ff) == 2048
-  assert cfg.encoder_moe.router == 'experts_choose'   # the moe/ file's settings kept
+  assert cfg.encoder_moe.router == routers.ExpertsChoose()   # the moe/ file's settings kept
 
 
 def test_a_typo_in_a_binding_is_an_error_that_names_it():

@@ -18,7 +18,7 @@ from upcycle import checkpoints, convert, tree
 from upcycle.locks.file_lock import FileLock
 from upcycle.families import abstract_params
 from upcycle.models import T5
-from upcycle.moe import MoeConfig
+from upcycle.moe import MoeConfig, routers
 from upcycle.train import objectives, optimizers, partitioning
 from upcycle.train.built_run import build_run
 from upcycle.train.restore import ContinueFromCheckpoint
@@ -30,6 +30,7 @@ GIN = '''
 from __gin__ import dynamic_registration
 from upcycle import models
 from upcycle.moe import config as moe
+from upcycle.moe import routers
 
 MODEL = @models.T5()
 models.T5.config = @models.T5Config()
@@ -48,10 +49,10 @@ models.T5Config:
 encoder/moe.MoeConfig.num_experts = 4
 decoder/moe.MoeConfig:
   num_experts = 4
-  router = 'tokens_choose'
+  router = @routers.TopK()
 '''
 CONFIG = dataclasses.replace(helpers.CHECKPOINT_T5, encoder_moe=MoeConfig(num_experts=4),
-                             decoder_moe=MoeConfig(num_experts=4, router='tokens_choose'))
+                             decoder_moe=MoeConfig(num_experts=4, router=routers.TopK()))
 DROP = 'drop(ratio=0.5, index_sharing="per_matrix")'
 
 

@@ -20,14 +20,14 @@ from upcycle.checkpoints import t5x_export, t5x_writer
 from upcycle.checkpoints.orbax import CheckpointManager
 from upcycle.locks.file_lock import FileLock
 from upcycle.models import T5
-from upcycle.moe import MoeConfig
+from upcycle.moe import MoeConfig, routers
 from upcycle.train import optimizers
 from upcycle.train.objectives import Seq2Seq
 from upcycle.train.trainer import TrainConfig, Trainer
 
 E = 2
 MOE = dataclasses.replace(TRAINING_T5, encoder_moe=MoeConfig(num_experts=E),
-                          decoder_moe=MoeConfig(num_experts=E, router='tokens_choose'))
+                          decoder_moe=MoeConfig(num_experts=E, router=routers.TopK()))
 EXPERT = 'encoder/layers_1/mlp/expert/wi_0/kernel'
 
 

@@ -22,7 +22,7 @@ from upcycle import upcycling
 from upcycle.upcycling.experts import Granular
 from upcycle.families import abstract_params
 from upcycle.models import Llama, Llama3RopeScaling, LlamaConfig, llama_hf, scan_layout
-from upcycle.moe import MOE_COLLECTIONS, aux_losses
+from upcycle.moe import MOE_COLLECTIONS, aux_losses, routers
 
 LENGTH = 12
 # configs/models/llama/tiny.gin, with a llama3 RoPE whose original context (64) puts the 8
@@ -197,9 +197,10 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys):
                        f'train it with {re.escape(fix)}'):
       hf_export.export(run, str(out), model_config=config)
   # Expert Choice reads the future in a decoder: no Llama holds it, in either format.
-  assert "models.LlamaConfig.moe.router = 'experts_choose'" in _refusal(
+  assert 'models.LlamaConfig.moe.router = ExpertsChoose()' in _refusal(
       capsys, *flags, llama, '--gin_file=moe/mixtral.gin',
-      "--gin.moe.MoeConfig.router='experts_choose'", "--gin.moe.MoeConfig.dispatch='indices'")
+      '--gin.moe.MoeConfig.router=@routers.ExpertsChoose()',
+      "--gin.moe.MoeConfig.dispatch='indices'")
   out.mkdir()
   (out / 'kept').write_text('')
   assert 'already exists and is not empty' in _refusal(

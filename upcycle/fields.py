@@ -19,7 +19,8 @@ class ConfigError(ValueError):
 
 def binding(obj: Any, field: str) -> str:
   """'trainer.TrainConfig.checkpoint_every' for TrainConfig (upcycle/train/trainer.py),
-  'moe.MoeConfig.k' for MoeConfig (defined in upcycle/moe/config.py, exported by upcycle.moe):
+  'moe.MoeConfig.dispatch' for MoeConfig (defined in upcycle/moe/config.py, exported by
+  upcycle.moe):
   the last name of the outermost module that exports the class."""
   cls = type(obj)
   module = cls.__module__

@@ -61,9 +61,9 @@ def test_logits_and_load_balancing_loss_match_transformers(saved):
   directory, reference = saved
   params, config = pretrained.load_hf(directory)
   moe = config.moe
-  assert (moe.num_experts, moe.k, moe.router, moe.normalize_combine_weights,
+  assert (moe.num_experts, moe.router, moe.normalize_combine_weights,
           moe.load_balancing_loss_weight, moe.router_z_loss_weight) == (
-              4, 2, 'tokens_choose', True, 0.02, 0.0)
+              4, routers.TopK(k=2), True, 0.02, 0.0)
   assert params['decoder']['layers_1']['mlp']['expert']['wi_0']['kernel'].shape == (4, 36, 40)
   tokens, mask = _batch()
   with torch.no_grad():

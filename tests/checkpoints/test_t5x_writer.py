@@ -14,12 +14,12 @@ from tests.checkpoints import helpers, t5x_reader
 from upcycle import checkpoints, tree
 from upcycle.checkpoints import flax_msgpack, t5x_writer
 from upcycle.models import T5
-from upcycle.moe import MoeConfig
+from upcycle.moe import MoeConfig, routers
 from upcycle.train import optimizers, partitioning
 
 E = 4
 MOE = dataclasses.replace(helpers.CHECKPOINT_T5, encoder_moe=MoeConfig(num_experts=E),
-                          decoder_moe=MoeConfig(num_experts=E, router='tokens_choose'))
+                          decoder_moe=MoeConfig(num_experts=E, router=routers.TopK()))
 
 
 @pytest.fixture(scope='module')

@@ -16,7 +16,7 @@ import pytest
 
 from upcycle.decoding import DecodeConfig, make_decode_fn
 from upcycle.models import T5, T5Config
-from upcycle.moe import ROUTER_LOGITS, MoeConfig, router_logits
+from upcycle.moe import MoeConfig, ROUTER_LOGITS, router_logits, routers
 from tests.models.helpers import jitted
 
 MAX_LENGTH = 10
@@ -31,7 +31,7 @@ def skewed_model(k):
   early); each decoder router's expert-0 column gains 6 u / |u|^2, u the mean of its layer's
   MLP inputs, so that expert 0 is the first choice of at least 3/4 of the tokens (asserted).
   """
-  moe = MoeConfig(num_experts=8, router='tokens_choose', k=k, placement='all',
+  moe = MoeConfig(num_experts=8, router=routers.TopK(k=k), placement='all',
                   capacity_convention='t5x', eval_capacity_factor=2.0, max_group_size=4096)
   model = T5(T5Config(vocab_size=32, d_model=16, num_heads=2, d_kv=8, d_ff=32,
                       num_encoder_layers=2, num_decoder_layers=2, decoder_moe=moe))
@@ -99,7 +99,7 @@ def test_a_training_group_size_that_does_not_divide_the_decode_batch_decodes_as_
   30 tokens, which 4 does not divide: decoding still routes each new token on its own (the
   prefill's placeholder too), so the tokens are those of the same model without groups."""
   def decoded(group_size):
-    moe = MoeConfig(num_experts=4, router='tokens_choose', k=2, placement='all',
+    moe = MoeConfig(num_experts=4, router=routers.TopK(k=2), placement='all',
                     group_size=group_size)
     model = T5(T5Config(vocab_size=32, d_model=16, num_heads=2, d_kv=8, d_ff=32,
                         num_encoder_layers=1, num_decoder_layers=2, decoder_moe=moe))

@@ -13,7 +13,7 @@ from upcycle import pretrained, upcycling
 from upcycle.decoding import DecodeConfig, make_decode_fn
 from upcycle.families import abstract_params
 from upcycle.models import T5
-from upcycle.moe import MoeConfig
+from upcycle.moe import MoeConfig, routers
 
 MAX_LENGTH = 10
 
@@ -21,9 +21,9 @@ MAX_LENGTH = 10
 def moe_config(dense, normalize):
   return dataclasses.replace(
       dense,
-      encoder_moe=MoeConfig(num_experts=4, router='experts_choose', eval_capacity_factor=4.0,
+      encoder_moe=MoeConfig(num_experts=4, router=routers.ExpertsChoose(), eval_capacity_factor=4.0,
                             normalize_combine_weights=normalize),
-      decoder_moe=MoeConfig(num_experts=4, router='tokens_choose', k=2, placement='all',
+      decoder_moe=MoeConfig(num_experts=4, router=routers.TopK(k=2), placement='all',
                             eval_capacity_factor=2.0, normalize_combine_weights=normalize))
 
 

@@ -7,7 +7,7 @@ import numpy as np
 from upcycle.models import T5, ViT, flops
 from upcycle.models.t5 import T5Config
 from upcycle.models.vit import ViTConfig
-from upcycle.moe import MoeConfig
+from upcycle.moe import MoeConfig, routers
 from upcycle.train import objectives
 
 # d 8, heads x d_kv = 8, d_ff 12, vocab 32, 2 + 2 layers; batch 2, inputs 6, targets 4.
@@ -34,9 +34,10 @@ def test_moe_blocks_count_capacity_slots_and_the_router():
   # -> 4 x 4 x 2 = 32 slots + router 8 x 8 x 4, instead of 8 dense MLPs.
   moe = dataclasses.replace(
       T5_TINY,
-      encoder_moe=MoeConfig(num_experts=4, router='experts_choose', train_capacity_factor=2.0,
+      encoder_moe=MoeConfig(num_experts=4, router=routers.ExpertsChoose(),
+                            train_capacity_factor=2.0,
                             capacity_multiple_of=1),
-      decoder_moe=MoeConfig(num_experts=4, router='tokens_choose', k=2,
+      decoder_moe=MoeConfig(num_experts=4, router=routers.TopK(k=2),
                             capacity_convention='t5x', train_capacity_factor=1.25,
                             max_group_size=4096))
   encoder_extra = 24 * 288 + 12 * 8 * 4 - 12 * 288
@@ -63,7 +64,7 @@ def test_vit_closed_form_and_objectives():
 def test_shared_expert_counts_on_every_token():
   # Encoder layer 1, shared d_ff 6: 12 tokens x 3*8*6 = 1728 multiply-adds; decoder layer 1, the
   # dense d_ff 12: 8 tokens x 3*8*12 = 2304. ViT block 1 (5 tokens, 3 images): 15 x 2*8*12.
-  moe = MoeConfig(num_experts=4, router='tokens_choose', k=1)
+  moe = MoeConfig(num_experts=4, router=routers.TopK(k=1))
   shared = dataclasses.replace(moe, shared_expert=True)
   t5 = lambda enc, dec: dataclasses.replace(T5_TINY, encoder_moe=enc, decoder_moe=dec)
   extra = (flops.t5_forward_flops(t5(dataclasses.replace(shared, shared_expert_d_ff=6), shared),

@@ -13,17 +13,17 @@ from tests.models.helpers import jitted, MODEL_T5, MODEL_VIT, tokens
 from upcycle import fields, tree, upcycling
 from upcycle.families import abstract_params
 from upcycle.models import T5, ViT, scan_layout
-from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses
+from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses, routers
 from upcycle.train import partitioning
 
 # Four layers, 'every_other': two periods of (dense, MoE) per stack.
 T5_MOE = dataclasses.replace(
     MODEL_T5, num_encoder_layers=4, num_decoder_layers=4,
     encoder_moe=MoeConfig(num_experts=4, train_capacity_factor=1.0, eval_capacity_factor=1.0),
-    decoder_moe=MoeConfig(num_experts=4, router='tokens_choose', k=2, dispatch='indices'))
+    decoder_moe=MoeConfig(num_experts=4, router=routers.TopK(k=2), dispatch='indices'))
 T5_DENSE = dataclasses.replace(T5_MOE, encoder_moe=None, decoder_moe=None)
 VIT_MOE = dataclasses.replace(MODEL_VIT, depth=4, moe=MoeConfig(num_experts=4,
-                                                                router='tokens_choose', k=2))
+                                                                router=routers.TopK(k=2)))
 VIT_DENSE = dataclasses.replace(VIT_MOE, moe=None)
 CONFIGS = {'t5_moe': T5_MOE, 't5_dense': T5_DENSE, 'vit_moe': VIT_MOE, 'vit_dense': VIT_DENSE}
 

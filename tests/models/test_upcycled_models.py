@@ -13,7 +13,7 @@ from tests.models.helpers import jitted, MODEL_T5, MODEL_VIT, tile_experts, toke
 from upcycle import upcycling
 from upcycle.families import abstract_params
 from upcycle.models import T5, T5Config, ViT
-from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses, metrics
+from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses, metrics, routers
 
 
 def init(model, *args):
@@ -39,9 +39,9 @@ def test_upcycled_t5_gives_the_dense_logits(dispatch):
   _, cfg, (enc, dec), dense_params, dense_logits = dense_model('t5')
   moe_cfg = dataclasses.replace(
       cfg,
-      encoder_moe=MoeConfig(num_experts=4, router='experts_choose', eval_capacity_factor=4.0,
+      encoder_moe=MoeConfig(num_experts=4, router=routers.ExpertsChoose(), eval_capacity_factor=4.0,
                             normalize_combine_weights=True, dispatch=dispatch),
-      decoder_moe=MoeConfig(num_experts=4, router='tokens_choose', k=2, eval_capacity_factor=2.0,
+      decoder_moe=MoeConfig(num_experts=4, router=routers.TopK(k=2), eval_capacity_factor=2.0,
                             normalize_combine_weights=True, dispatch=dispatch))
   moe = T5(moe_cfg)
   params = tile_experts(dense_params, init(moe, enc, dec))
@@ -67,7 +67,7 @@ def test_upcycled_vit_gives_the_dense_logits():
 
 def test_t5_refuses_expert_choice_in_the_decoder():
   with pytest.raises(ValueError, match='causal decoder would read the future'):
-    T5Config(decoder_moe=MoeConfig(router='experts_choose'))
+    T5Config(decoder_moe=MoeConfig(router=routers.ExpertsChoose()))
 
 
 @pytest.mark.parametrize('placement,encoder,decoder', [
@@ -77,7 +77,7 @@ def test_placement_decides_which_mlps_are_sparse(placement, encoder, decoder):
   cfg = dataclasses.replace(
       MODEL_T5, num_encoder_layers=4, num_decoder_layers=4,
       encoder_moe=MoeConfig(num_experts=2, placement=placement),
-      decoder_moe=MoeConfig(num_experts=2, router='tokens_choose', placement=placement))
+      decoder_moe=MoeConfig(num_experts=2, router=routers.TopK(), placement=placement))
   enc, dec = tokens(0, (1, 4), cfg.vocab_size), tokens(1, (1, 4), cfg.vocab_size)
   shapes = jax.eval_shape(T5(cfg).init, jax.random.PRNGKey(0), enc, dec)['params']
   sparse = lambda stack: [i for i in range(4)
@@ -87,7 +87,7 @@ def test_placement_decides_which_mlps_are_sparse(placement, encoder, decoder):
 
 @pytest.mark.slow
 def test_bfloat16_activations_keep_float32_params_routers_and_logits():
-  moe = MoeConfig(num_experts=4, router='tokens_choose', k=2, eval_capacity_factor=2.0)
+  moe = MoeConfig(num_experts=4, router=routers.TopK(k=2), eval_capacity_factor=2.0)
   cfg = dataclasses.replace(MODEL_T5, encoder_moe=moe, decoder_moe=moe)
   enc, dec = tokens(0, (2, 8), cfg.vocab_size), tokens(1, (2, 4), cfg.vocab_size)
   params = jax.jit(lambda: init(T5(cfg), enc, dec))()
@@ -106,9 +106,9 @@ def test_bfloat16_activations_keep_float32_params_routers_and_logits():
 def test_shared_expert_with_zero_output_experts_gives_the_dense_logits():
   """Shared expert = the dense MLP, routed experts output zero (`experts.ZeroOutput`): the
   dense model exactly, in T5's encoder and decoder and in ViT (the MoE configs above)."""
-  top2 = MoeConfig(num_experts=4, router='tokens_choose', k=2, eval_capacity_factor=2.0,
+  top2 = MoeConfig(num_experts=4, router=routers.TopK(k=2), eval_capacity_factor=2.0,
                    normalize_combine_weights=True, shared_expert=True)
-  choice = MoeConfig(num_experts=4, router='experts_choose', eval_capacity_factor=4.0,
+  choice = MoeConfig(num_experts=4, router=routers.ExpertsChoose(), eval_capacity_factor=4.0,
                      normalize_combine_weights=True, shared_expert=True)
   for name, fields in [('t5', dict(encoder_moe=choice, decoder_moe=top2)),
                        ('vit', dict(moe=choice))]:
@@ -130,9 +130,10 @@ def test_upcycled_model_preserves_the_dense_function_in_bfloat16(name):
   model, cfg, inputs, dense_params, dense_f32 = dense_model(name)
   if name == 't5':
     fields = dict(
-        encoder_moe=MoeConfig(num_experts=4, router='experts_choose', eval_capacity_factor=4.0,
+        encoder_moe=MoeConfig(num_experts=4, router=routers.ExpertsChoose(),
+                              eval_capacity_factor=4.0,
                               normalize_combine_weights=True),
-        decoder_moe=MoeConfig(num_experts=4, router='tokens_choose', k=2,
+        decoder_moe=MoeConfig(num_experts=4, router=routers.TopK(k=2),
                               eval_capacity_factor=2.0, normalize_combine_weights=True))
   else:
     fields = dict(moe=MoeConfig(num_experts=4, eval_capacity_factor=4.0,

@@ -12,7 +12,7 @@ import pytest
 
 from tests.moe.helpers import flaxformer_arrays
 from upcycle import layers
-from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, routing
+from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, routers, routing
 
 FIXTURE = flaxformer_arrays()
 CAPACITY = FIXTURE['top2_bpr/combine'].shape[-1]
@@ -21,11 +21,11 @@ CASES = json.loads(str(FIXTURE['cases']))
 
 
 def dispatch_and_combine(probs, mask, router, k, bpr):
-  """Our decision in Flaxformer's form: dispatch and combine `[G, S, E, C]`."""
-  if router == 'experts_choose':
-    decision = routing.experts_choose(probs, CAPACITY, mask)
-  else:
-    decision = routing.tokens_choose(probs, jax.lax.top_k(probs, k)[1], CAPACITY, bpr, mask)
+  """Our router's decision in Flaxformer's form: dispatch and combine `[G, S, E, C]`."""
+  ours = (routers.ExpertsChoose() if router == 'experts_choose' else
+          routers.TopK(k=k, batch_priority=bpr))
+  decision = ours.route(probs, capacity=CAPACITY, token_mask=mask,
+                        balance_scope='group').decision
   tokens = probs.shape[1]
   holds = decision.valid[..., None] & (decision.token_index[..., None] == jnp.arange(tokens))
   dispatch = jnp.transpose(holds, (0, 3, 1, 2))                       # [G, S, E, C]
@@ -60,8 +60,9 @@ def test_default_load_balancing_loss_is_flaxformers(case):
   """The default scope ('group') is Flaxformer's `_load_balancing_loss` on the same choices."""
   _, k, _, _ = CASES[case]
   probs = jnp.asarray(FIXTURE['probs'])
-  loss = routing.load_balancing_loss(
-      *routing.load_balancing_statistics(probs, jax.lax.top_k(probs, k)[1]))
+  routed = routers.TopK(k=k).route(probs, capacity=CAPACITY, token_mask=None,
+                                   balance_scope='group')
+  loss = routing.load_balancing_loss(*routed.balance)
   np.testing.assert_allclose(loss, FIXTURE[f'{case}/load_balancing_loss'], rtol=1e-6)
 
 
@@ -70,7 +71,7 @@ def test_layer_outputs_and_gradients_are_flaxformers(dispatch):
   """Top-2 with Batch Priority Routing, capacity by T5X's convention: the output, the
   gradients of sum(y^2) for the input and for the router (through the combine weights), and
   the auxiliary losses the layer sows."""
-  config = MoeConfig(num_experts=4, router='tokens_choose', k=2, batch_priority_routing=True,
+  config = MoeConfig(num_experts=4, router=routers.TopK(k=2, batch_priority=True),
                      train_capacity_factor=1.0, eval_capacity_factor=1.0,
                      capacity_convention='t5x', min_expert_capacity=1, max_group_size=8,
                      dispatch=dispatch)

@@ -8,34 +8,34 @@ n % (E * R) == 0, after padding T to a multiple of E * R.
 
 import pytest
 
-from upcycle.moe import MoeConfig, grouping
+from upcycle.moe import MoeConfig, grouping, routers
 
 
-@pytest.mark.parametrize('router,k,factor,tokens,experts,t5x,vmoe', [
+@pytest.mark.parametrize('router,factor,tokens,experts,t5x,vmoe', [
     # Top-2, C = 1.25, S = 4096, E = 32: 1.25 * 4096 / 32 = 160 (t5x) vs 2 * 160 = 320 (vmoe).
-    ('tokens_choose', 2, 1.25, 4096, 32, 160, 320),
+    (routers.TopK(k=2), 1.25, 4096, 32, 160, 320),
     # 1.25 * 16 / 32 = 0.625 -> 1 -> the minimum 4; vmoe: ceil(1.25) = 2 -> multiple of 4.
-    ('tokens_choose', 2, 1.25, 16, 32, 4, 4),
+    (routers.TopK(k=2), 1.25, 16, 32, 4, 4),
     # 1.25 * 72 / 8 = 11.25 -> 11; vmoe: ceil(22.5) = 23 -> 24.
-    ('tokens_choose', 2, 1.25, 72, 8, 11, 24),
+    (routers.TopK(k=2), 1.25, 72, 8, 11, 24),
     # Top-1, 1.0 * 100 / 8 = 12.5 -> 12 (Python's round, half to even); vmoe: 13 -> 16.
-    ('tokens_choose', 1, 1.0, 100, 8, 12, 16),
+    (routers.TopK(k=1), 1.0, 100, 8, 12, 16),
     # Expert Choice counts K = 1 in both: 2 * 64 / 32 = 4.
-    ('experts_choose', 2, 2.0, 64, 32, 4, 4),
+    (routers.ExpertsChoose(), 2.0, 64, 32, 4, 4),
     # 2 * 200 / 16 = 25; vmoe rounds up to 28.
-    ('experts_choose', 1, 2.0, 200, 16, 25, 28),
+    (routers.ExpertsChoose(), 2.0, 200, 16, 25, 28),
     # Capped at the group size: t5x max(round(2 * 2 / 2), 4) = 4 -> 2; vmoe 4 -> 2.
-    ('tokens_choose', 2, 2.0, 2, 2, 2, 2),
+    (routers.TopK(k=2), 2.0, 2, 2, 2, 2),
 ])
-def test_capacity_conventions(router, k, factor, tokens, experts, t5x, vmoe):
+def test_capacity_conventions(router, factor, tokens, experts, t5x, vmoe):
   for convention, expected in (('t5x', t5x), ('vmoe', vmoe)):
-    config = MoeConfig(num_experts=experts, router=router, k=k, train_capacity_factor=factor,
+    config = MoeConfig(num_experts=experts, router=router, train_capacity_factor=factor,
                        capacity_convention=convention)
     assert config.capacity(tokens, deterministic=False) == expected, convention
 
 
 def test_t5x_min_expert_capacity_and_eval_factor():
-  config = MoeConfig(num_experts=8, router='tokens_choose', k=2, train_capacity_factor=1.0,
+  config = MoeConfig(num_experts=8, router=routers.TopK(k=2), train_capacity_factor=1.0,
                      eval_capacity_factor=2.0, capacity_convention='t5x', min_expert_capacity=6)
   assert config.capacity(32, deterministic=False) == 6    # round(4.0) = 4 < 6
   assert config.capacity(32, deterministic=True) == 8     # round(8.0) = 8

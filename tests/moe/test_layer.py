@@ -10,12 +10,15 @@ import pytest
 
 from upcycle import layers
 from upcycle.moe import (MOE_COLLECTIONS, ROUTER_LOGITS, MoeConfig, MoeLayer, aux_losses,
-                         grouping, metrics, router_logits, routing)
+                         grouping, metrics, router_logits, routers, routing)
 from tests.models.helpers import jitted
 from tests.moe.helpers import flaxformer_arrays, primitive_names
 
 D_MODEL, D_FF, E = 8, 16, 4
 EXPERT = functools.partial(layers.GatedMlp, d_ff=D_FF)
+# The routers by the names routing.npz files Flaxformer's decisions under.
+TOP2, EXPERT_CHOICE = routers.TopK(k=2), routers.ExpertsChoose()
+ROUTERS = {'tokens_choose': TOP2, 'experts_choose': EXPERT_CHOICE}
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,12 +49,11 @@ def run(config, params, x, deterministic=True, rngs=None):
 
 @pytest.mark.slow
 @pytest.mark.parametrize('dispatch', ['masked', 'indices'])
-@pytest.mark.parametrize('router,k', [('tokens_choose', 1), ('tokens_choose', 2),
-                                      ('experts_choose', 1)])
-def test_identical_experts_normalized_equal_the_dense_mlp(dispatch, router, k):
+@pytest.mark.parametrize('router', [routers.TopK(k=1), TOP2, EXPERT_CHOICE])
+def test_identical_experts_normalized_equal_the_dense_mlp(dispatch, router):
   x, dense_params, dense_out = dense_setup()
   # Enough capacity: Top-K capacity ceil(K*C*S/E) >= S; Expert Choice with C >= E.
-  config = MoeConfig(num_experts=E, router=router, k=k, eval_capacity_factor=float(E),
+  config = MoeConfig(num_experts=E, router=router, eval_capacity_factor=float(E),
                      normalize_combine_weights=True, dispatch=dispatch)
   out, state = run(config, moe_params(config, x, dense_params), x)
   np.testing.assert_allclose(out, dense_out, atol=1e-5)
@@ -70,7 +72,7 @@ def test_without_normalization_output_is_dense_scaled_by_summed_weights(router):
   _, dense_params, _ = dense_setup()
   x = jnp.asarray(arrays['scaled/x'])                        # [2, 8, 8]: a group per example
   dense_out = jitted(EXPERT().apply, {'params': dense_params}, x, True)
-  config = MoeConfig(num_experts=E, router=router, k=2, eval_capacity_factor=0.5,
+  config = MoeConfig(num_experts=E, router=ROUTERS[router], eval_capacity_factor=0.5,
                      capacity_multiple_of=1, dispatch='indices')
   combine = arrays[f'scaled/{router}/combine']               # [G, S, E, C]
   assert config.capacity(8, True) == combine.shape[-1]
@@ -85,7 +87,7 @@ def test_top_k_routing_metrics_and_masked_dispatch_have_no_scatter_forward_or_ba
   auxiliary losses in the loss: no scatter of any kind (each is serialized on TPU, and the
   slot-assignment scatters were most of this layer's bytes accessed there)."""
   x, _, _ = dense_setup()
-  config = MoeConfig(num_experts=E, router='tokens_choose', k=2, batch_priority_routing=True,
+  config = MoeConfig(num_experts=E, router=routers.TopK(k=2, batch_priority=True),
                      eval_capacity_factor=0.5, capacity_multiple_of=1,
                      normalize_combine_weights=True, dispatch='masked')
   layer = MoeLayer(config, EXPERT)
@@ -101,11 +103,11 @@ def test_top_k_routing_metrics_and_masked_dispatch_have_no_scatter_forward_or_ba
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('router,bpr', [('tokens_choose', False), ('tokens_choose', True),
-                                        ('experts_choose', False)])
-def test_masked_and_indices_dispatch_agree_on_outputs_and_gradients(router, bpr):
+@pytest.mark.parametrize('router', [TOP2, routers.TopK(k=2, batch_priority=True),
+                                    EXPERT_CHOICE])
+def test_masked_and_indices_dispatch_agree_on_outputs_and_gradients(router):
   x, _, _ = dense_setup()
-  base = MoeConfig(num_experts=E, router=router, k=2, batch_priority_routing=bpr,
+  base = MoeConfig(num_experts=E, router=router,
                    eval_capacity_factor=0.5, capacity_multiple_of=1,
                    normalize_combine_weights=True)
   params = moe_params(base, x)   # distinct random experts, with overflow
@@ -124,7 +126,7 @@ def test_masked_and_indices_dispatch_agree_on_outputs_and_gradients(router, bpr)
 @pytest.mark.slow
 def test_grouping_routes_within_groups_and_rejects_sizes_that_do_not_divide():
   x, dense_params, dense_out = dense_setup()
-  config = MoeConfig(num_experts=E, router='experts_choose', group_size=4,
+  config = MoeConfig(num_experts=E, router=routers.ExpertsChoose(), group_size=4,
                      eval_capacity_factor=float(E), normalize_combine_weights=True)
   out, _ = run(config, moe_params(config, x, dense_params), x)
   np.testing.assert_allclose(out, dense_out, atol=1e-5)
@@ -135,14 +137,14 @@ def test_grouping_routes_within_groups_and_rejects_sizes_that_do_not_divide():
 
 def test_expert_choice_in_a_causal_stack_is_refused():
   x, _, _ = dense_setup()
-  with pytest.raises(ValueError, match='reads the future'):
+  with pytest.raises(ValueError, match='Expert Choice .* a causal decoder would read the future'):
     MoeLayer(MoeConfig(num_experts=E), EXPERT, causal=True).init(jax.random.PRNGKey(0), x, True)
 
 
 @pytest.mark.slow
 def test_metrics_and_aux_losses_are_reported():
   x, _, _ = dense_setup()
-  config = MoeConfig(num_experts=E, router='tokens_choose', k=1, eval_capacity_factor=0.5,
+  config = MoeConfig(num_experts=E, router=routers.TopK(k=1), eval_capacity_factor=0.5,
                      capacity_multiple_of=1, load_balancing_loss_weight=0.5,
                      router_z_loss_weight=0.25)
   params = moe_params(config, x)
@@ -164,7 +166,7 @@ def test_metrics_and_aux_losses_are_reported():
 
 def test_jitter_applies_only_in_training_and_uses_its_own_rng():
   x, dense_params, _ = dense_setup()
-  config = MoeConfig(num_experts=E, router='tokens_choose', k=1, jitter_noise=0.5,
+  config = MoeConfig(num_experts=E, router=routers.TopK(k=1), jitter_noise=0.5,
                      eval_capacity_factor=0.5, train_capacity_factor=0.5,
                      capacity_multiple_of=1)
   params = moe_params(config, x)
@@ -180,18 +182,18 @@ def test_jitter_applies_only_in_training_and_uses_its_own_rng():
 
 def test_batch_priority_routing_in_a_causal_stack_is_refused():
   x, _, _ = dense_setup()
-  config = MoeConfig(num_experts=E, router='tokens_choose', k=2, batch_priority_routing=True)
-  with pytest.raises(ValueError, match='batch_priority_routing=True cannot be used in a causal'):
+  config = MoeConfig(num_experts=E, router=routers.TopK(k=2, batch_priority=True))
+  with pytest.raises(ValueError, match='batch_priority = True cannot be used in a causal'):
     MoeLayer(config, EXPERT, causal=True).init(jax.random.PRNGKey(0), x, True)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('router', ['tokens_choose', 'experts_choose'])
+@pytest.mark.parametrize('router', [TOP2, EXPERT_CHOICE])
 def test_flaxformer_groups_span_examples_like_fixed_groups(router):
   # [2, 8] = 16 tokens, E = 4, N = 4: 16 // 4 = 4 groups of 4 consecutive tokens of the flattened
   # batch, exactly what group_size=4 routes; with little capacity so that grouping matters.
   x, _, _ = dense_setup()
-  fixed = MoeConfig(num_experts=E, router=router, k=2, group_size=4, eval_capacity_factor=1.0,
+  fixed = MoeConfig(num_experts=E, router=router, group_size=4, eval_capacity_factor=1.0,
                     capacity_convention='t5x', min_expert_capacity=1)
   flax_rule = MoeConfig(**{**fixed.__dict__, 'group_size': None, 'max_group_size': 4})
   params = moe_params(fixed, x)
@@ -204,7 +206,7 @@ def test_flaxformer_padding_is_masked_and_sliced_off():
   # one position per example: 8 tokens, max(8 // 4, 4) = 4 groups of 2. The padding claims no
   # slot, so the output is that of the same layer on the explicitly padded, masked input.
   x = dense_setup()[0][:, :3]
-  config = MoeConfig(num_experts=E, router='tokens_choose', k=2, eval_capacity_factor=1.0,
+  config = MoeConfig(num_experts=E, router=routers.TopK(k=2), eval_capacity_factor=1.0,
                      capacity_convention='t5x', max_group_size=4, normalize_combine_weights=True)
   assert config.group_plan(2, 3) == grouping.GroupPlan(4, 2, 0, 1)
   params = moe_params(config, x)
@@ -261,14 +263,14 @@ def test_pooled_load_balancing_closed_form(scope, own_loss_0, stack_loss):
 
 
 # The shapes of test_without_normalization_output_is_dense_scaled_by_summed_weights.
-LAYER_CONFIG = dict(num_experts=E, k=2, eval_capacity_factor=0.5, capacity_multiple_of=1,
+LAYER_CONFIG = dict(num_experts=E, eval_capacity_factor=0.5, capacity_multiple_of=1,
                     dispatch='indices')
 
 
 @pytest.mark.parametrize('scope', ['group', 'batch'])
 def test_layer_losses_in_each_scope_and_pooled_over_one_layer(scope):
   x, _, _ = dense_setup()
-  separate = MoeConfig(router='tokens_choose', load_balancing_scope=scope, **LAYER_CONFIG)
+  separate = MoeConfig(router=routers.TopK(), load_balancing_scope=scope, **LAYER_CONFIG)
   params = moe_params(separate, x)
   _, state = jitted(MoeLayer(separate, EXPERT).apply, {'params': params}, x, True,
                     mutable=MOE_COLLECTIONS + (ROUTER_LOGITS,))
@@ -289,7 +291,7 @@ def test_layer_losses_in_each_scope_and_pooled_over_one_layer(scope):
 
 def test_expert_choice_has_no_load_balancing_loss_in_any_scope():
   x, _, _ = dense_setup()
-  config = MoeConfig(router='experts_choose', load_balancing_scope='batch',
+  config = MoeConfig(router=routers.ExpertsChoose(), load_balancing_scope='batch',
                      load_balancing_layers='pooled', **LAYER_CONFIG)
   _, state = run(config, moe_params(config, x), x)
   assert 'balance_fraction' not in state['aux_loss']
@@ -298,7 +300,7 @@ def test_expert_choice_has_no_load_balancing_loss_in_any_scope():
 
 def test_shared_expert_adds_its_mlp_to_the_routed_output():
   x, _, _ = dense_setup()
-  config = MoeConfig(num_experts=E, router='tokens_choose', k=2, eval_capacity_factor=0.5,
+  config = MoeConfig(num_experts=E, router=routers.TopK(k=2), eval_capacity_factor=0.5,
                      capacity_multiple_of=1, dispatch='indices', shared_expert=True)
   shared = functools.partial(layers.GatedMlp, d_ff=4)
   layer = MoeLayer(config, EXPERT, shared_expert=shared)
@@ -320,7 +322,7 @@ def test_copied_shared_expert_is_dense_only_with_zero_routed_output():
   """Why upcycling a shared expert zeroes the routed experts' output (`experts.ZeroOutput`):
   copied experts, even with normalized combine weights, add a second dense output."""
   x, dense_params, dense_out = dense_setup()
-  config = MoeConfig(num_experts=E, router='tokens_choose', k=2, eval_capacity_factor=float(E),
+  config = MoeConfig(num_experts=E, router=routers.TopK(k=2), eval_capacity_factor=float(E),
                      normalize_combine_weights=True, shared_expert=True)
   routed = MoeConfig(**{**config.__dict__, 'shared_expert': False})
   params = {**moe_params(routed, x, dense_params), 'shared_expert': dense_params}

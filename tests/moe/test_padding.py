@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from upcycle import layers
-from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, metrics, routing
+from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, metrics, routers, routing
 from tests.models.helpers import jitted
 
 D_MODEL, E = 8, 2
@@ -28,7 +28,7 @@ X = jnp.eye(D_MODEL).reshape(2, 4, D_MODEL)
 
 def run(ignore_padding_tokens, mask=MASK, **overrides):
   """(output, sown state) of a Top-1 layer with the fixed router on X."""
-  config = MoeConfig(**{**dict(num_experts=E, router='tokens_choose', k=1,
+  config = MoeConfig(**{**dict(num_experts=E, router=routers.TopK(k=1),
                                capacity_convention='t5x', eval_capacity_factor=1.0,
                                min_expert_capacity=1, load_balancing_loss_weight=1.0,
                                router_z_loss_weight=1.0,

@@ -13,7 +13,7 @@ import pytest
 
 from upcycle import fields, layers
 from upcycle.models import LlamaConfig, flops
-from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, metrics, ragged
+from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, metrics, ragged, routers
 from tests.moe.helpers import primitive_names
 
 E = 4
@@ -25,7 +25,7 @@ PADDING = jnp.arange(8)[None, :] < jnp.array([[8], [5]])   # the second sequence
 
 def config(dispatch, **overrides):
   # Capacity factor E with vmoe's K * C * S / E: each expert has a slot for every token.
-  return MoeConfig(**{**dict(num_experts=E, router='tokens_choose', k=2,
+  return MoeConfig(**{**dict(num_experts=E, router=routers.TopK(k=2),
                              train_capacity_factor=float(E), eval_capacity_factor=float(E),
                              capacity_multiple_of=1, placement='all', dispatch=dispatch),
                       **overrides})
@@ -101,10 +101,10 @@ def test_sort_and_unsort_have_no_scatter_add_forward_or_backward():
 
 def test_ragged_is_top_k_only_and_grouped_kernels_are_named():
   with pytest.raises(fields.ConfigError, match=r"dispatch = 'ragged' is dropless Top-K.*"
-                                               r"router = 'tokens_choose'"):
-    MoeConfig(num_experts=E, router='experts_choose', dispatch='ragged')
+                                               r"router = @routers\.TopK\(\)"):
+    MoeConfig(num_experts=E, router=routers.ExpertsChoose(), dispatch='ragged')
   with pytest.raises(fields.ConfigError, match=r"grouped_kernel.*'gmm'.*'megablox'"):
-    MoeConfig(num_experts=E, router='tokens_choose', dispatch='ragged', grouped_kernel='gmm')
+    MoeConfig(num_experts=E, router=routers.TopK(), dispatch='ragged', grouped_kernel='gmm')
 
 
 def test_capacity_is_the_whole_group_and_flops_count_k_rows_per_token():

@@ -14,7 +14,7 @@ from tests.train.helpers import mesh_run
 from upcycle import console, tree
 from upcycle.checkpoints import orbax
 from upcycle.models import T5
-from upcycle.moe import MoeConfig
+from upcycle.moe import MoeConfig, routers
 from upcycle.train import objectives, optimizers, partitioning
 from upcycle.train.grow import GrowDepth, GrowExperts
 from upcycle.upcycling import depth_growth, execute, expert_growth, grown_optimizer_state
@@ -25,8 +25,8 @@ BATCH = {'encoder_input_tokens': np.zeros((4, 6), np.int32),
          'decoder_target_tokens': np.zeros((4, 4), np.int32)}
 SMALL = dataclasses.replace(
     helpers.CHECKPOINT_T5, num_encoder_layers=1, num_decoder_layers=1,
-    encoder_moe=MoeConfig(num_experts=2, router='experts_choose', placement='all'),
-    decoder_moe=MoeConfig(num_experts=2, router='tokens_choose', k=1, placement='all'))
+    encoder_moe=MoeConfig(num_experts=2, router=routers.ExpertsChoose(), placement='all'),
+    decoder_moe=MoeConfig(num_experts=2, router=routers.TopK(k=1), placement='all'))
 WO = 'encoder/layers_0/mlp/expert/wo/kernel'
 
 

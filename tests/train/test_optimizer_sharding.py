@@ -18,7 +18,7 @@ from tests.train.helpers import mesh_run
 from upcycle import checkpoints, tree
 from upcycle.checkpoints import orbax
 from upcycle.models import T5, ViT
-from upcycle.moe import MoeConfig
+from upcycle.moe import MoeConfig, routers
 from upcycle.checkpoints import slots
 from upcycle.train import objectives, optimizers, partitioning, resume
 from upcycle.train.grow import GrowExperts
@@ -26,8 +26,8 @@ from upcycle.train.restore import UpcycleFromDense
 from upcycle.train.state import TrainState
 from upcycle.upcycling import sharded
 
-ENCODER_MOE = MoeConfig(num_experts=4, router='experts_choose', capacity_multiple_of=1)
-DECODER_MOE = MoeConfig(num_experts=4, router='tokens_choose', k=2, capacity_multiple_of=1)
+ENCODER_MOE = MoeConfig(num_experts=4, router=routers.ExpertsChoose(), capacity_multiple_of=1)
+DECODER_MOE = MoeConfig(num_experts=4, router=routers.TopK(k=2), capacity_multiple_of=1)
 T5_MOE = dataclasses.replace(helpers.CHECKPOINT_T5, encoder_moe=ENCODER_MOE,
                              decoder_moe=DECODER_MOE)
 VIT_MOE = dataclasses.replace(helpers.CHECKPOINT_VIT, moe=ENCODER_MOE)
@@ -217,7 +217,8 @@ def test_grown_adafactor_state_is_placed_like_the_params(tmp_path, monkeypatch):
   small = dataclasses.replace(
       T5_MOE, num_encoder_layers=1, num_decoder_layers=1,
       encoder_moe=dataclasses.replace(ENCODER_MOE, num_experts=2, placement='all'),
-      decoder_moe=dataclasses.replace(DECODER_MOE, num_experts=2, k=1, placement='all'))
+      decoder_moe=dataclasses.replace(DECODER_MOE, num_experts=2, router=routers.TopK(k=1),
+                                      placement='all'))
   params = helpers.random_params(small)
   optimizer = OPTIMIZERS['adafactor'].build()
   grads = jax.tree.map(lambda x: np.full(x.shape, 0.1, x.dtype), params)

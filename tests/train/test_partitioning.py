@@ -15,18 +15,18 @@ from tests.models.helpers import MODEL_T5, MODEL_VIT, tokens
 from upcycle import fields, tree
 from upcycle.checkpoints import slots
 from upcycle.models import Llama, LlamaConfig, T5, ViT
-from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses
+from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses, routers
 from upcycle.train import optimizers, partitioning
 
 T5_MOE = dataclasses.replace(
     MODEL_T5, num_encoder_layers=2, num_decoder_layers=2,
     encoder_moe=MoeConfig(num_experts=8, train_capacity_factor=1.0, eval_capacity_factor=1.0),
-    decoder_moe=MoeConfig(num_experts=8, router='tokens_choose', k=2, dispatch='indices'))
-VIT_MOE = dataclasses.replace(MODEL_VIT, moe=MoeConfig(num_experts=8, router='tokens_choose',
-                                                       k=2, group_size=10))
+    decoder_moe=MoeConfig(num_experts=8, router=routers.TopK(k=2), dispatch='indices'))
+VIT_MOE = dataclasses.replace(MODEL_VIT, moe=MoeConfig(num_experts=8, router=routers.TopK(k=2),
+                                                       group_size=10))
 LLAMA_MOE = LlamaConfig(vocab_size=64, d_model=16, num_heads=4, num_kv_heads=2, head_dim=8,
                         d_ff=32, num_layers=2,
-                        moe=MoeConfig(num_experts=8, router='tokens_choose', k=2,
+                        moe=MoeConfig(num_experts=8, router=routers.TopK(k=2),
                                       dispatch='indices', train_capacity_factor=2.0))
 
 

@@ -26,7 +26,7 @@ from upcycle.checkpoints import CheckpointError
 from upcycle.checkpoints.orbax import CheckpointManager
 from upcycle.locks.file_lock import FileLock
 from upcycle.models import T5, T5Config, ViTConfig
-from upcycle.moe import MoeConfig
+from upcycle.moe import MoeConfig, routers
 from upcycle.train import logger as logger_lib
 from upcycle.train import resume, stall
 from upcycle.train.objectives import Seq2Seq
@@ -246,8 +246,11 @@ def test_inspect_verify_reads_every_array(run_4_steps, tmp_path, capsys):
      'moe.MoeConfig.eval_capacity_factor = 0: expected a number > 0.0'),
     (lambda: MoeConfig(num_experts=2.5),
      'moe.MoeConfig.num_experts = 2.5: expected an integer >= 1'),
-    (lambda: MoeConfig(router='tokens_choose', k=5, num_experts=4),
-     'moe.MoeConfig.k = 5: Top-K needs k <= num_experts (4)'),
+    (lambda: MoeConfig(router=routers.TopK(k=5), num_experts=4),
+     'routers.TopK.k = 5: Top-K needs k <= the number of experts (4)'),
+    (lambda: MoeConfig(router='tokens_choose'),
+     "moe.MoeConfig.router = 'tokens_choose': expected a router object, "
+     '@routers.ExpertsChoose() or @routers.TopK() in gin'),
     (lambda: MoeConfig(placement='every_third'),
      "moe.MoeConfig.placement: MoE placement 'every_third' is not understood"),
     (lambda: MoeConfig(jitter_noise=1.5),
@@ -258,8 +261,11 @@ def test_inspect_verify_reads_every_array(run_4_steps, tmp_path, capsys):
     (lambda: T5Config(encoder_moe=MoeConfig),
      "models.T5Config.encoder_moe = <class 'upcycle.moe.config.MoeConfig'>: expected None or a "
      'MoeConfig such as @moe.MoeConfig()'),
-    (lambda: T5Config(decoder_moe=MoeConfig(router='experts_choose')),
-     "models.T5Config.decoder_moe.router = 'experts_choose': Expert Choice lets each expert"),
+    (lambda: T5Config(decoder_moe=MoeConfig(router=routers.ExpertsChoose())),
+     'models.T5Config.decoder_moe.router = ExpertsChoose(): Expert Choice lets each expert'),
+    (lambda: T5Config(decoder_moe=MoeConfig(router=routers.TopK(batch_priority=True))),
+     'models.T5Config.decoder_moe.router = TopK(k=2, batch_priority=True): batch_priority = '
+     'True cannot be used in a causal decoder'),
     (lambda: ViTConfig(patch_size=16),
      'models.ViTConfig.patch_size = 16: expected 2 integers >= 1'),
     (lambda: ViTConfig(pool_type='cls'),

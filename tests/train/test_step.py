@@ -13,7 +13,7 @@ import pytest
 from tests.models.helpers import MODEL_T5, tokens
 from upcycle.data.images import DIGITS, ImagePipeline
 from upcycle.models import T5, ViT, ViTConfig
-from upcycle.moe import MoeConfig
+from upcycle.moe import MoeConfig, routers
 from upcycle.train import trainer
 from upcycle.train.objectives import Classification, Seq2Seq
 from upcycle.train.optimizers import AdamW
@@ -23,8 +23,8 @@ from upcycle.train.step import make_train_step
 
 @pytest.mark.slow
 def test_microbatches_give_the_same_update():
-  cfg = dataclasses.replace(MODEL_T5, decoder_moe=MoeConfig(num_experts=2, router='tokens_choose',
-                                                            k=1, eval_capacity_factor=2.0))
+  cfg = dataclasses.replace(MODEL_T5, decoder_moe=MoeConfig(
+      num_experts=2, router=routers.TopK(k=1), eval_capacity_factor=2.0))
   objective = Seq2Seq(T5(cfg))
   batch = {'encoder_input_tokens': tokens(0, (4, 8), 64),
            'decoder_input_tokens': tokens(1, (4, 6), 64),

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from upcycle import models
+from upcycle.moe import routers
 from upcycle.moe.config import MoeConfig
 from upcycle.train import step_count
 
-EVERY_OTHER = MoeConfig(num_experts=4, router='tokens_choose', k=2)
+EVERY_OTHER = MoeConfig(num_experts=4, router=routers.TopK(k=2))
 # 4 encoder layers (2 periods of 2) and 6 decoder layers (3 periods), so both stacks vary.
 T5_MOE = models.T5Config(vocab_size=128, d_model=32, d_ff=64, num_heads=2, d_kv=16,
                          num_encoder_layers=4, num_decoder_layers=6, encoder_moe=EVERY_OTHER,

@@ -13,7 +13,7 @@ import pytest
 from tests.train.helpers import TRAINING_T5, text
 from upcycle import tree
 from upcycle.models import T5, T5Config
-from upcycle.moe import MoeConfig
+from upcycle.moe import MoeConfig, routers
 from upcycle.train import optimizers, partitioning
 from upcycle.train.objectives import Seq2Seq
 from upcycle.train.restore import UpcycleFromDense
@@ -202,8 +202,8 @@ def test_decay_and_learning_rate_run_on_the_global_step():
 def test_factor_rules_of_an_moe_t5_follow_t5x_moe_rules():
   config = T5Config(vocab_size=32, d_model=8, num_heads=2, d_kv=4, d_ff=12, num_encoder_layers=2,
                     num_decoder_layers=2,
-                    encoder_moe=MoeConfig(num_experts=2, router='experts_choose'),
-                    decoder_moe=MoeConfig(num_experts=2, router='tokens_choose', k=2))
+                    encoder_moe=MoeConfig(num_experts=2, router=routers.ExpertsChoose()),
+                    decoder_moe=MoeConfig(num_experts=2, router=routers.TopK(k=2)))
   boxed = jax.eval_shape(T5(config).init, jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32),
                          jnp.ones((1, 4), jnp.int32))['params']
   axes = partitioning.logical_axes(boxed)
@@ -238,8 +238,8 @@ def test_trainer_saves_resumes_and_upcycles_the_t5x_state(tmp_path):
   dense = trainer('dense', TRAINING_T5, 3).run()   # resumes from step 2: the state through orbax
   assert dense['start_step'] == 2 and int(dense['state'].opt_state.count) == 3
   moe_config = dataclasses.replace(
-      TRAINING_T5, encoder_moe=MoeConfig(num_experts=4, router='experts_choose'),
-      decoder_moe=MoeConfig(num_experts=4, router='tokens_choose', k=2))
+      TRAINING_T5, encoder_moe=MoeConfig(num_experts=4, router=routers.ExpertsChoose()),
+      decoder_moe=MoeConfig(num_experts=4, router=routers.TopK(k=2)))
   checkpoint = str(tmp_path / 'dense' / 'checkpoints')
   moe = trainer('moe', moe_config, 4)
   with partitioning.activate(moe.built.mesh):

@@ -16,7 +16,7 @@ from tests.train.helpers import (ONE_DEVICE_XLA_FLAGS, TRAINING_T5, TRAINING_VIT
                                  train_command)
 from upcycle.data.images import DIGITS, ImagePipeline
 from upcycle.models import ViT
-from upcycle.moe import MoeConfig
+from upcycle.moe import MoeConfig, routers
 from upcycle.train.objectives import Classification
 from upcycle.train.optimizers import AdamW, warmup_decay_schedule
 from upcycle.train.trainer import Trainer, TrainConfig
@@ -53,7 +53,7 @@ def test_tiny_vit_learns_the_digits(tmp_path):
 def test_moe_training_on_8_devices_matches_one_device(tmp_path):
   moe = dataclasses.replace(
       TRAINING_T5, encoder_moe=MoeConfig(num_experts=4, train_capacity_factor=1.0),
-      decoder_moe=MoeConfig(num_experts=4, router='tokens_choose', k=2))
+      decoder_moe=MoeConfig(num_experts=4, router=routers.TopK(k=2)))
   sharded = run_t5(tmp_path / 'sharded', moe, steps=4, num_expert_partitions=2,
                    num_model_partitions=2)
   single = run_t5(tmp_path / 'single', moe, devices=jax.devices()[:1], steps=4)

@@ -7,7 +7,7 @@ import pytest
 
 from tests.train.helpers import TRAINING_T5, text
 from upcycle.models import T5
-from upcycle.moe import MoeConfig
+from upcycle.moe import MoeConfig, routers
 from upcycle.train.objectives import Seq2Seq
 from upcycle.train.optimizers import Adafactor, rsqrt_schedule
 from upcycle.train.restore import ContinueFromCheckpoint, UpcycleFromDense
@@ -27,9 +27,10 @@ def test_function_preserving_upcycling_starts_from_the_dense_loss(tmp_path, dens
   checkpoint = str(dense_t5_run[0] / 'checkpoints')
   preserving = dataclasses.replace(
       TRAINING_T5,
-      encoder_moe=MoeConfig(num_experts=4, router='experts_choose', train_capacity_factor=4.0,
+      encoder_moe=MoeConfig(num_experts=4, router=routers.ExpertsChoose(),
+                            train_capacity_factor=4.0,
                             eval_capacity_factor=4.0, normalize_combine_weights=True),
-      decoder_moe=MoeConfig(num_experts=4, router='tokens_choose', k=2,
+      decoder_moe=MoeConfig(num_experts=4, router=routers.TopK(k=2),
                             train_capacity_factor=2.0, eval_capacity_factor=2.0,
                             normalize_combine_weights=True))
   dense = continue_run(tmp_path / 'dense_more', TRAINING_T5,

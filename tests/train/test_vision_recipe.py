@@ -13,7 +13,7 @@ from tests.train.helpers import TRAINING_VIT
 from upcycle import tree
 from upcycle.data.images import DIGITS, ImagePipeline
 from upcycle.models import ViT
-from upcycle.moe import MoeConfig
+from upcycle.moe import MoeConfig, routers
 from upcycle.train import partitioning
 from upcycle.train.objectives import Classification
 from upcycle.train.optimizers import BigVisionAdafactor, big_vision_schedule
@@ -26,7 +26,7 @@ OPTIMIZER = BigVisionAdafactor(
     big_vision_schedule(BUDGET, 'rsqrt', warmup_steps=3, cooldown_steps=4, timescale=3),
     learning_rate=3e-3, weight_decay=1e-4, min_dim_size_to_factor=32)
 MOE_VIT = dataclasses.replace(TRAINING_VIT, moe=MoeConfig(
-    num_experts=4, router='experts_choose', train_capacity_factor=2.0,
+    num_experts=4, router=routers.ExpertsChoose(), train_capacity_factor=2.0,
     normalize_combine_weights=True))
 
 

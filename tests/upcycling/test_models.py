@@ -10,7 +10,7 @@ import pytest
 
 from upcycle import tree
 from upcycle.models import T5, T5Config, ViT, ViTConfig
-from upcycle.moe import MoeConfig
+from upcycle.moe import MoeConfig, routers
 from upcycle.upcycling import capture, experts, routers
 from upcycle.upcycling.surgery import upcycle
 from tests.models.helpers import jitted
@@ -21,9 +21,9 @@ VIT_DENSE = ViTConfig(num_classes=5, image_size=(8, 8), patch_size=(4, 4), width
                       mlp_dim=16, num_heads=2, head_zeroinit=False)
 # Capacity = group size: every token reaches an expert, so normalized combine
 # weights make identical experts compute exactly the dense MLP.
-ENCODER_MOE = MoeConfig(num_experts=4, router='experts_choose', eval_capacity_factor=4.0,
+ENCODER_MOE = MoeConfig(num_experts=4, router=routers.ExpertsChoose(), eval_capacity_factor=4.0,
                         capacity_multiple_of=1, normalize_combine_weights=True)
-DECODER_MOE = MoeConfig(num_experts=4, router='tokens_choose', k=2, eval_capacity_factor=2.0,
+DECODER_MOE = MoeConfig(num_experts=4, router=routers.TopK(k=2), eval_capacity_factor=2.0,
                         capacity_multiple_of=1, normalize_combine_weights=True)
 
 

@@ -119,11 +119,9 @@ class LlamaConfig:
     if self.scan_layers:
       scan_layout.check_scannable(self.sparse_layers(), self.num_layers,
                                   f'{fields.binding(self, "moe")}.placement')
-    if self.moe is not None and self.moe.router == 'experts_choose':
-      raise fields.ConfigError(
-          f"{fields.binding(self, 'moe')}.router = 'experts_choose': Expert Choice lets each "
-          'expert pick tokens from the whole group, future positions included, so a causal '
-          "decoder would read the future. Use router='tokens_choose' (Top-K, e.g. k=2).")
+    if self.moe is not None:
+      self.moe.router.check_causal(
+          f"{fields.binding(self, 'moe')}.router = {self.moe.router!r}")
 
   @classmethod
   def from_hf_config(cls, hf_config: Mapping[str, Any], max_length: Optional[int] = None,

@@ -28,6 +28,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from upcycle import fields
 from upcycle.models import rope
+from upcycle.moe import routers
 from upcycle.moe.config import MoeConfig
 
 MODEL_TYPES = ('llama', 'mistral', 'qwen2', 'mixtral', 'qwen2_moe')
@@ -109,7 +110,7 @@ def mixtral_moe(num_experts: int, k: int, aux_loss_coef: float) -> MoeConfig:
   `load_balancing_loss_func`'s loss (E x sum_e f_e p_e over all layers' and all real tokens'
   choices together) weighted by `router_aux_loss_coef`; no z-loss."""
   return MoeConfig(
-      num_experts=num_experts, router='tokens_choose', k=k,
+      num_experts=num_experts, router=routers.TopK(k=k),
       train_capacity_factor=float(num_experts), eval_capacity_factor=float(num_experts),
       capacity_convention='vmoe', capacity_multiple_of=1, normalize_combine_weights=True,
       placement='all', dispatch='ragged', grouped_kernel='megablox',
@@ -201,7 +202,7 @@ def config_fields(hf: Mapping[str, Any], max_length: Optional[int] = None,
 def _slots_per_token(moe: MoeConfig) -> int:
   """K for 'vmoe' capacity, 1 for 't5x': an expert has a slot for every token of its group
   once C * this >= E (`MoeConfig.capacity`)."""
-  return moe.k if moe.capacity_convention == 'vmoe' else 1
+  return moe.router.experts_per_token if moe.capacity_convention == 'vmoe' else 1
 
 
 def _drops_tokens(moe: MoeConfig) -> bool:
@@ -222,9 +223,9 @@ def _moe_misfit(config) -> Optional[Tuple[str, str]]:
   if config.out_bias:
     return (f'{fields.binding(config, "out_bias")} = True: neither Mixtral nor Qwen2-MoE has '
             'an attention output bias', 'out_bias = False (Qwen2-MoE takes qkv_bias alone)')
-  if moe.router != 'tokens_choose':
+  if not isinstance(moe.router, routers.TopK):
     return (f"{binding('router')} = {moe.router!r}: Mixtral and Qwen2-MoE route each token "
-            'to its top k', "router = 'tokens_choose'")
+            'to its top k', 'router = @routers.TopK()')
   if _drops_tokens(moe):
     return (f'{binding("eval_capacity_factor")} / train_capacity_factor: an expert\'s capacity '
             'can drop tokens, and Mixtral and Qwen2-MoE process every token with its k experts',
@@ -314,7 +315,7 @@ def qwen2_moe_fields(config) -> Dict[str, Any]:
   moe, windowed = config.moe, config.sliding_window is not None
   sparse = set(config.sparse_layers())
   return {
-      'num_experts': moe.num_experts, 'num_experts_per_tok': moe.k,
+      'num_experts': moe.num_experts, 'num_experts_per_tok': moe.router.k,
       'moe_intermediate_size': config.d_ff, 'norm_topk_prob': moe.normalize_combine_weights,
       'shared_expert_intermediate_size': moe.shared_d_ff(config.d_ff) or 0,
       'decoder_sparse_step': 1,
@@ -358,7 +359,7 @@ def hf_config(config, bos_id: Optional[int], eos_id: Optional[int],
     hf['sliding_window'] = config.sliding_window
   elif model_type == 'mixtral':
     hf.update(sliding_window=config.sliding_window, num_local_experts=config.moe.num_experts,
-              num_experts_per_tok=config.moe.k,
+              num_experts_per_tok=config.moe.router.k,
               router_aux_loss_coef=config.moe.load_balancing_loss_weight,
               output_router_logits=False, router_jitter_noise=0.0)
   elif model_type == 'qwen2_moe':

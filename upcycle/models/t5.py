@@ -81,12 +81,9 @@ class T5Config:
       for stack, _, _, num_layers, sparse in self.layer_stacks():
         scan_layout.check_scannable(sparse, num_layers,
                                     f'{fields.binding(self, stack + "_moe")}.placement')
-    if self.decoder_moe is not None and self.decoder_moe.router == 'experts_choose':
-      raise fields.ConfigError(
-          f"{fields.binding(self, 'decoder_moe')}.router = 'experts_choose': Expert Choice "
-          'lets each expert pick tokens from the whole group, future positions included, so a '
-          "causal decoder would read the future. Use router='tokens_choose' (Top-K, e.g. k=2) "
-          'in the decoder.')
+    if self.decoder_moe is not None:
+      self.decoder_moe.router.check_causal(
+          f"{fields.binding(self, 'decoder_moe')}.router = {self.decoder_moe.router!r}")
 
   def sparse_layers(self, stack: str) -> tuple:
     """Indices of the MoE blocks of 'encoder' or 'decoder'."""

@@ -5,10 +5,9 @@ from typing import Optional, Sequence, Union
 
 from upcycle import fields
 from upcycle.layers import GROUPED_KERNELS
-from upcycle.moe import grouping
+from upcycle.moe import grouping, routers
 from upcycle.moe.placement import sparse_layer_indices
 
-ROUTERS = ('experts_choose', 'tokens_choose')
 DISPATCHES = ('masked', 'indices', 'ragged')
 CAPACITY_CONVENTIONS = ('vmoe', 't5x')
 LOAD_BALANCING_SCOPES = ('group', 'batch')
@@ -23,9 +22,9 @@ class MoeConfig:
 
   Attributes:
     num_experts: E, experts per MoE block.
-    router: 'experts_choose' (each expert takes its top-capacity tokens of a
-      group; never in a causal decoder) or 'tokens_choose' (Top-K).
-    k: experts per token for 'tokens_choose'. Expert Choice counts K = 1.
+    router: a router object (`upcycle.moe.routers`): `ExpertsChoose()` (each expert takes
+      its top-capacity tokens of a group; never in a causal decoder) or `TopK(k,
+      batch_priority)`; in gin `@routers.ExpertsChoose()` / `@routers.TopK()`.
     train_capacity_factor: C during training (see `capacity_convention`).
     eval_capacity_factor: C at evaluation (`deterministic=True`).
     capacity_convention: how C becomes slots per expert and group (S tokens):
@@ -41,10 +40,6 @@ class MoeConfig:
     normalize_combine_weights: rescale each token's combine weights over the
       experts that took it to sum to 1; with identical experts the block then
       computes exactly the dense MLP for every routed token.
-    batch_priority_routing: Top-K only; tokens claim expert slots in order of
-      their top-1 router probability instead of their position in the group.
-      Refused in a causal decoder (an earlier token's slot would depend on
-      later tokens).
     placement: which blocks of the stack are MoE: 'every_other' (1, 3, 5, ...),
       'all', 'none', 'last_N' (e.g. 'last_2'), 'first_N', or explicit indices.
     group_size: tokens per routing group. None: each example's tokens form one
@@ -107,15 +102,13 @@ class MoeConfig:
   """
 
   num_experts: int = 32
-  router: str = 'experts_choose'
-  k: int = 2
+  router: routers.Router = routers.ExpertsChoose()
   train_capacity_factor: float = 2.0
   eval_capacity_factor: float = 2.0
   capacity_convention: str = 'vmoe'
   capacity_multiple_of: int = 4
   min_expert_capacity: int = 4
   normalize_combine_weights: bool = False
-  batch_priority_routing: bool = False
   placement: Placement = 'every_other'
   group_size: Optional[int] = None
   max_group_size: Optional[int] = None
@@ -133,19 +126,18 @@ class MoeConfig:
 
   def __post_init__(self):
     fields.integer(self, 'num_experts', 1)
-    fields.choice(self, 'router', ROUTERS)
-    fields.integer(self, 'k', 1)
-    if self.router == 'tokens_choose' and self.k > self.num_experts:
+    if not isinstance(self.router, routers.Router):
       raise fields.ConfigError(
-          f'{fields.binding(self, "k")} = {self.k}: Top-K needs k <= num_experts '
-          f'({self.num_experts}).')
+          f'{fields.binding(self, "router")} = {self.router!r}: expected a router object, '
+          f'@routers.ExpertsChoose() or @routers.TopK() in gin (from upcycle.moe import '
+          f'routers), with its fields bound on it (routers.TopK.k = 2).')
+    self.router.validate(self.num_experts)
     fields.number(self, 'train_capacity_factor', 0.0, strictly=True)
     fields.number(self, 'eval_capacity_factor', 0.0, strictly=True)
     fields.choice(self, 'capacity_convention', CAPACITY_CONVENTIONS)
     fields.integer(self, 'capacity_multiple_of', 1)
     fields.integer(self, 'min_expert_capacity', 1)
     fields.boolean(self, 'normalize_combine_weights')
-    fields.boolean(self, 'batch_priority_routing')
     if isinstance(self.placement, str):
       try:   # Checks the spelling; the layer count is checked when a stack is built.
         sparse_layer_indices(self.placement, num_layers=10**6)
@@ -171,11 +163,11 @@ class MoeConfig:
           f'{fields.binding(self, "max_group_size")} = {self.max_group_size}: set one of them '
           f'(group_size: fixed groups; max_group_size: Flaxformer\'s rule).')
     fields.choice(self, 'dispatch', DISPATCHES)
-    if self.dispatch == 'ragged' and self.router != 'tokens_choose':
+    if self.dispatch == 'ragged' and not self.router.tokens_choose:
       raise fields.ConfigError(
           f"{fields.binding(self, 'dispatch')} = 'ragged' is dropless Top-K: each token's k "
-          f"choices, with no capacity. Set {fields.binding(self, 'router')} = 'tokens_choose', "
-          f"or keep Expert Choice with dispatch 'masked' or 'indices'.")
+          f"choices, with no capacity. Bind {fields.binding(self, 'router')} = "
+          f"@routers.TopK(), or keep {self.router!r} with dispatch 'masked' or 'indices'.")
     fields.choice(self, 'grouped_kernel', tuple(GROUPED_KERNELS))
     fields.number(self, 'load_balancing_loss_weight', 0.0)
     fields.choice(self, 'load_balancing_scope', LOAD_BALANCING_SCOPES)
@@ -192,10 +184,6 @@ class MoeConfig:
       raise fields.ConfigError(
           f'{fields.binding(self, "shared_expert_d_ff")} = {self.shared_expert_d_ff} without a '
           f'shared expert: set {fields.binding(self, "shared_expert")} = True too.')
-
-  @property
-  def experts_per_token(self) -> int:
-    return 1 if self.router == 'experts_choose' else self.k
 
   def shared_d_ff(self, dense_d_ff: int) -> Optional[int]:
     """The shared expert's d_ff in a model whose dense MLP has `dense_d_ff`; None: none."""
@@ -221,7 +209,7 @@ class MoeConfig:
                      self.min_expert_capacity)
     else:
       # Round before ceil so that e.g. 2 * 2.0 * 8 / 4 does not become 9.
-      raw = self.experts_per_token * factor * group_size / self.num_experts
+      raw = self.router.experts_per_token * factor * group_size / self.num_experts
       capacity = max(1, -(-round(raw, 6) // 1))
       multiple = self.capacity_multiple_of
       capacity = int(-(-capacity // multiple) * multiple)

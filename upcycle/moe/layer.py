@@ -67,7 +67,7 @@ class RouterWeights(nn.Module):
         kernel_init=nn.initializers.normal(stddev=0.02), name='w')(x)
 
 
-class Router(nn.Module):
+class RouterLogits(nn.Module):
   """Router logits in float32: `[groups, tokens, d_model] -> [groups, tokens, experts]`."""
 
   num_experts: int
@@ -131,8 +131,8 @@ class MoeLayer(nn.Module):
     config: routing, capacity, dispatch and loss settings.
     expert: factory of the dense MLP module; called with
       `intermediate_axes=None`, its `__call__(x, deterministic)` must be rank agnostic.
-    causal: True in a decoder; Expert Choice and Batch Priority Routing are
-      then refused.
+    causal: True in a decoder; a router that reads later positions (Expert Choice, Batch
+      Priority Routing) is then refused (`Router.check_causal`).
     shared_expert: factory of the shared expert's dense MLP module (the experts' type,
       `config.shared_d_ff(...)` units), given iff `config.shared_expert`; called with
       `name='shared_expert'` only, so it keeps the dense MLP's logical axes.
@@ -148,20 +148,8 @@ class MoeLayer(nn.Module):
                token_mask: Optional[Array] = None) -> Array:
     """x `[batch, length, d_model]`, token_mask `[batch, length]` (False = padding)."""
     cfg = self.config
-    if self.causal and cfg.router == 'experts_choose':
-      raise ValueError(
-          f'{self.name}: Expert Choice routing cannot be used in a causal decoder: each expert '
-          'picks its top tokens among all positions of a group, so the output at position t '
-          'depends on tokens after t (it reads the future, and training/decoding disagree). '
-          "Use router='tokens_choose' (Top-K) for decoder MoE blocks.")
-    if self.causal and cfg.batch_priority_routing:
-      raise ValueError(
-          f'{self.name}: batch_priority_routing=True cannot be used in a causal decoder: tokens '
-          'claim expert slots in order of their router probability over the whole group, so '
-          'a later token can take the slot of an earlier one and the output at position t '
-          'depends on tokens after t (training/decoding disagree). Set '
-          'decoder/moe.MoeConfig.batch_priority_routing = False (T5X uses BPR in the encoder '
-          'only).')
+    if self.causal:
+      cfg.router.check_causal(self.name)
     if cfg.shared_expert != (self.shared_expert is not None):
       raise ValueError(
           f'{self.name}: MoeConfig.shared_expert={cfg.shared_expert} but the model passed '
@@ -176,32 +164,27 @@ class MoeLayer(nn.Module):
     groups, tokens, _ = grouped.shape
     capacity = cfg.capacity(tokens, deterministic)
 
-    logits = Router(cfg.num_experts, cfg.jitter_noise, name=tree.ROUTER)(grouped, deterministic)
+    logits = RouterLogits(cfg.num_experts, cfg.jitter_noise, name=tree.ROUTER)(
+        grouped, deterministic)
     probs = jax.nn.softmax(logits, axis=-1)                           # [G, S, E]
-    if cfg.router == 'experts_choose':
-      statistics = None
+    dropless = cfg.dispatch == 'ragged'
+    routed = cfg.router.route(probs, capacity=None if dropless else capacity, token_mask=mask,
+                              balance_scope=cfg.load_balancing_scope)
+    if dropless:
+      kept = jnp.ones(routed.gates.shape, bool) if mask is None else jnp.broadcast_to(
+          mask[..., None], routed.gates.shape)
+      self._sow_metrics(probs, routing.dropless_use(
+          routed.gates, routed.expert_index, kept, cfg.num_experts), mask)
+      out = self._dropless(grouped, routed.gates, routed.expert_index, kept, deterministic)
     else:
-      gates, expert_index = jax.lax.top_k(probs, cfg.k)               # [G, S, K]
-      statistics = routing.load_balancing_statistics(
-          probs, expert_index, cfg.load_balancing_scope, mask)
-    if cfg.dispatch == 'ragged':
-      routed = jnp.ones(gates.shape, bool) if mask is None else jnp.broadcast_to(
-          mask[..., None], gates.shape)
-      self._sow_metrics(probs, routing.dropless_use(gates, expert_index, routed, cfg.num_experts),
-                        mask)
-      out = self._dropless(grouped, gates, expert_index, routed, deterministic)
-    else:
-      decision = (routing.experts_choose(probs, capacity, mask)
-                  if cfg.router == 'experts_choose' else
-                  routing.tokens_choose(probs, expert_index, capacity,
-                                        cfg.batch_priority_routing, mask))
+      decision = routed.decision
       self._sow_metrics(probs, routing.slot_use(decision, tokens), mask)
       if cfg.normalize_combine_weights:
         decision = routing.normalize_combine_weights(decision, tokens)
       out = SLOT_DISPATCH[cfg.dispatch](grouped, decision, self._vmapped_experts(deterministic))
 
     self.sow('router_logits', 'logits', grouping.ungroup_tokens(logits, batch, length, plan))
-    self._sow_aux_losses(statistics, routing.router_z_loss(logits, mask))
+    self._sow_aux_losses(routed.balance, routing.router_z_loss(logits, mask))
     out = grouping.ungroup_tokens(out, batch, length, plan)
     if self.shared_expert is None:
       return out
@@ -247,7 +230,8 @@ class MoeLayer(nn.Module):
     return out.reshape(groups, tokens, d)
 
   def _sow_aux_losses(self, statistics: Optional[Tuple[Array, Array]], z_loss: Array) -> None:
-    """statistics: the load-balancing (f, p) `[groups, experts]`, None for Expert Choice."""
+    """statistics: the load-balancing (f, p) `[groups, experts]`; None: the router is
+    balanced by construction (Expert Choice)."""
     cfg = self.config
     weighted_z_loss = cfg.router_z_loss_weight * z_loss
     self.sow('aux_loss', 'router_z_loss', z_loss)

@@ -381,8 +381,8 @@ class Granular(ExpertInit):
   dense(x) from it, and the MoE block is *exactly* the dense MLP at step 0 for
   every token taken by at least one group when (MoeConfig):
     - normalize_combine_weights=True (the groups' weights then sum to one), and
-    - router='experts_choose' (experts of a group pick the same tokens), or
-      router='tokens_choose' with k a multiple of G (top-k then takes whole
+    - router ExpertsChoose() (experts of a group pick the same tokens), or
+      TopK(k) with k a multiple of G (top-k then takes whole
       groups: tied logits are broken by index and a group's indices are
       contiguous);
     - num_experts = n * G for n virtual experts, expert d_ff = dense d_ff / G.
