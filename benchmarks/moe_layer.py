@@ -11,8 +11,9 @@ float32, tokens [8, 512, 768], gated-GELU experts with d_ff 2048; three cases:
   EC C=2, E=32   32 groups x 128 tokens, 8 slots
   Top-2 BPR, E=8 8 groups x 512 tokens, 160 slots (T5X capacity factor 2.5)
 
-Groups and capacity follow T5X/Flaxformer (`capacity_convention='t5x'`,
-`max_group_size=length`). Rows per case, all measured in one process, interleaved:
+Groups and capacity follow T5X/Flaxformer (`capacity.T5X()`,
+`grouping.Flaxformer(max_group_size=length)`). Rows per case, all measured in one process,
+interleaved:
   dense MLP       the MLP the MoE layer replaces, on all tokens
   pure experts    the vmapped expert MLPs on already-dispatched [E, groups*capacity, d]
                   inputs: the floor any dispatch can reach
@@ -78,13 +79,14 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from upcycle import layers
-from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, routers
+from upcycle.moe import (MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, capacity, grouping,
+                         routers)
 from upcycle.moe.layer import EXPERT_SLOT_AXES
 from upcycle.train import partitioning
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-  """One MoE layer setting: groups and capacity by T5X's rules (`capacity_convention='t5x'`,
+  """One MoE layer setting: groups and capacity by T5X's rules (`capacity.T5X()`,
   `max_group_size`: groups span examples up to that many tokens; None: --length)."""
 
   name: str
@@ -206,9 +208,9 @@ def moe_config(case, length, dispatch, grouped_kernel='ragged_dot'):
             routers.TopK(k=case.k, batch_priority=case.batch_priority))
   return MoeConfig(num_experts=case.num_experts, router=router,
                    train_capacity_factor=case.factor, eval_capacity_factor=case.factor,
-                   capacity_convention='t5x', min_expert_capacity=1,
-                   max_group_size=case.max_group_size or length, dispatch=dispatch,
-                   grouped_kernel=grouped_kernel)
+                   capacity_convention=capacity.T5X(minimum=1),
+                   grouping=grouping.Flaxformer(max_group_size=case.max_group_size or length),
+                   dispatch=dispatch, grouped_kernel=grouped_kernel)
 
 
 def ours(x, config, d_ff, mesh=None, with_metrics=False):

@@ -32,7 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from upcycle import layers, tree  # pylint: disable=g-import-not-at-top,wrong-import-position
-from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, routers  # pylint: disable=g-import-not-at-top,wrong-import-position
+from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, capacity, grouping, routers  # pylint: disable=g-import-not-at-top,wrong-import-position
 from upcycle.moe import layer as moe_layer  # pylint: disable=g-import-not-at-top,wrong-import-position
 from upcycle.train import aot, partitioning  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -59,7 +59,8 @@ def main() -> None:
   devices = aot.topology_devices('v4:4x4x2', megacore=False)
   mesh = partitioning.make_mesh(EXPERTS, 1, devices)
   config = MoeConfig(num_experts=EXPERTS, router=routers.ExpertsChoose(), train_capacity_factor=2.0,
-                     capacity_convention='t5x', max_group_size=GROUP)
+                     capacity_convention=capacity.T5X(),
+                     grouping=grouping.Flaxformer(max_group_size=GROUP))
   layer = MoeLayer(config, functools.partial(layers.GatedMlp, d_ff=D_FF, dtype=jnp.bfloat16))
   x = jax.ShapeDtypeStruct((BATCH, LENGTH, D_MODEL), jnp.bfloat16)
   boxed = jax.eval_shape(lambda x: layer.init(jax.random.PRNGKey(0), x, False), x)['params']

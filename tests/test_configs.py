@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from upcycle import families, gin_utils
-from upcycle.moe import routers
+from upcycle.moe import capacity, grouping, routers
 
 CONFIGS = gin_utils.CONFIGS_DIR
 FILES = sorted(os.path.relpath(p, CONFIGS)
@@ -94,6 +94,9 @@ def test_paper_default_moe():
   assert cfg.encoder_moe.router == routers.ExpertsChoose() and cfg.encoder_moe.num_experts == 32
   assert cfg.encoder_moe.train_capacity_factor == 2.0
   assert cfg.decoder_moe.router == routers.TopK(k=2, batch_priority=False)
+  for moe in (cfg.encoder_moe, cfg.decoder_moe):   # T5X's conventions in both stacks
+    assert moe.capacity_convention == capacity.T5X(minimum=4)
+    assert moe.grouping == grouping.Flaxformer(max_group_size=4096, num_expert_replicas=1)
   assert cfg.sparse_layers('encoder') == (1, 3, 5, 7, 9, 11)
 
 

@@ -22,7 +22,7 @@ from upcycle import upcycling
 from upcycle.upcycling.experts import Granular
 from upcycle.families import abstract_params
 from upcycle.models import Llama, Llama3RopeScaling, LlamaConfig, llama_hf, scan_layout
-from upcycle.moe import MOE_COLLECTIONS, aux_losses, routers
+from upcycle.moe import MOE_COLLECTIONS, aux_losses, capacity, routers
 
 LENGTH = 12
 # configs/models/llama/tiny.gin, with a llama3 RoPE whose original context (64) puts the 8
@@ -191,7 +191,7 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys):
           moe, eval_capacity_factor=1.0, dispatch='indices')),
        'moe.MoeConfig.eval_capacity_factor', "dispatch = 'ragged'"),
       (dataclasses.replace(FAMILIES['Qwen2ForCausalLM'], moe=dataclasses.replace(
-          moe, capacity_convention='t5x', train_capacity_factor=1.5, dispatch='masked',
+          moe, capacity_convention=capacity.T5X(), train_capacity_factor=1.5, dispatch='masked',
           shared_expert=True)), 'moe.MoeConfig.eval_capacity_factor', "dispatch = 'ragged'")):
     with pytest.raises(fields.ConfigError, match=f'^{re.escape(binding)}.*{neither}. Fix: '
                        f'train it with {re.escape(fix)}'):

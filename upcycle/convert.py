@@ -19,7 +19,7 @@ are MoE, how many experts, shapes and dtypes. --gin_file / --gin.KEY=VALUE /
 'drop(ratio=0.5, index_sharing="per_matrix")', 'drop(ratio="linear:0.2:0.8")',
 'partial(copied=4)', 'granular(granularity=2)', 'zero_output(inner="drop")' (with a shared
 expert: the dense model at step 0).
---router: normal | uniform | zeros (routers.ROUTER_INITS), e.g. 'normal(std=0.02)'.
+--router: normal | uniform | zeros (router_init.ROUTER_INITS), e.g. 'normal(std=0.02)'.
 Without them, the restore hook's gin bindings decide as they do for training
 (`--gin_file=upcycling/drop.gin` gives Drop here too); a flag that disagrees with them is
 refused.
@@ -95,7 +95,7 @@ from upcycle.checkpoints import gcs, paths, t5x_writer, zarr_leaf
 from upcycle.locks import file_lock
 from upcycle.locks.gcs_lock import STALE_SECONDS, GcsLock
 from upcycle.upcycling import experts as experts_lib
-from upcycle.upcycling import routers as routers_lib
+from upcycle.upcycling import router_init
 from upcycle.upcycling import depth_growth, expert_growth, report_file, step_policy, stream
 from upcycle.upcycling.base import ExpertInit
 from upcycle.upcycling.report import UpcycleReport
@@ -535,7 +535,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         format=args.format, seed=args.seed, step=args.step, cast=args.cast,
         overwrite=args.overwrite, dry_run=args.dry_run, output_format=args.output_format,
         experts=_initializer(args.experts, 'experts', experts_lib.EXPERT_INITS, 'copy'),
-        router=_initializer(args.router, 'router', routers_lib.ROUTER_INITS, 'normal'),
+        router=_initializer(args.router, 'router', router_init.ROUTER_INITS, 'normal'),
         grow_experts=_literal(args.grow_experts), grow_depth=_literal(args.grow_depth))
     growing = '--grow_experts' if args.grow_experts else '--grow_depth' if args.grow_depth else ''
     if growing and (args.experts, args.router, args.cast) != (None, None, False):

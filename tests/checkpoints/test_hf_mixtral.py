@@ -15,7 +15,7 @@ from upcycle.checkpoints import CheckpointError
 from upcycle.decoding import DecodeConfig
 from upcycle.decoding import llama as llama_decoding
 from upcycle.models import Llama
-from upcycle.moe import MOE_COLLECTIONS, aux_losses
+from upcycle.moe import MOE_COLLECTIONS, aux_losses, routers
 
 LENGTH = 12
 

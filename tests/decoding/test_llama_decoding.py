@@ -21,7 +21,7 @@ from upcycle.decoding import DecodeConfig, sampling_logits
 from upcycle.decoding import llama as llama_decoding
 from upcycle.families import abstract_params
 from upcycle.models import Llama, scan_layout
-from upcycle.moe import MoeConfig, routers
+from upcycle.moe import MoeConfig, grouping, routers
 from upcycle.predictions import through_eos
 
 MAX_NEW = 8
@@ -202,10 +202,10 @@ def test_a_training_group_size_that_does_not_divide_the_prompts_decodes_per_sequ
     converted, prompts, eos):
   """An MoE trained with groups of 8 tokens decodes 4 prompts of 7 (28 tokens): the prefill
   routes each sequence as a group of its own, as every decode step does, so it decodes as the
-  model routed per sequence (group_size=None) does."""
+  model routed per sequence (`grouping.PerExample()`) does."""
   model, params = _moe_scanned(*converted)
   grouped = Llama(dataclasses.replace(model.config, moe=dataclasses.replace(
-      model.config.moe, group_size=8)))
+      model.config.moe, grouping=grouping.Fixed(8))))
   greedy = DecodeConfig(method='greedy', eos_id=eos)
   ours = [_decode((m, params), prompts, greedy) for m in (grouped, model)]
   np.testing.assert_array_equal(ours[0][0], ours[1][0])

@@ -16,7 +16,7 @@ import pytest
 
 from upcycle.decoding import DecodeConfig, make_decode_fn
 from upcycle.models import T5, T5Config
-from upcycle.moe import MoeConfig, ROUTER_LOGITS, router_logits, routers
+from upcycle.moe import MoeConfig, ROUTER_LOGITS, capacity, grouping, router_logits, routers
 from tests.models.helpers import jitted
 
 MAX_LENGTH = 10
@@ -32,7 +32,8 @@ def skewed_model(k):
   MLP inputs, so that expert 0 is the first choice of at least 3/4 of the tokens (asserted).
   """
   moe = MoeConfig(num_experts=8, router=routers.TopK(k=k), placement='all',
-                  capacity_convention='t5x', eval_capacity_factor=2.0, max_group_size=4096)
+                  capacity_convention=capacity.T5X(), eval_capacity_factor=2.0,
+                  grouping=grouping.Flaxformer(max_group_size=4096))
   model = T5(T5Config(vocab_size=32, d_model=16, num_heads=2, d_kv=8, d_ff=32,
                       num_encoder_layers=2, num_decoder_layers=2, decoder_moe=moe))
   targets = OTHER_INPUTS[:, :6]
@@ -98,9 +99,8 @@ def test_a_training_group_size_that_does_not_divide_the_decode_batch_decodes_as_
   """The decoder groups 4 tokens at a time in training; 3 prompts x 10 decode positions are
   30 tokens, which 4 does not divide: decoding still routes each new token on its own (the
   prefill's placeholder too), so the tokens are those of the same model without groups."""
-  def decoded(group_size):
-    moe = MoeConfig(num_experts=4, router=routers.TopK(k=2), placement='all',
-                    group_size=group_size)
+  def decoded(groups):
+    moe = MoeConfig(num_experts=4, router=routers.TopK(k=2), placement='all', grouping=groups)
     model = T5(T5Config(vocab_size=32, d_model=16, num_heads=2, d_kv=8, d_ff=32,
                         num_encoder_layers=1, num_decoder_layers=2, decoder_moe=moe))
     params = flax.linen.meta.unbox(
@@ -109,7 +109,7 @@ def test_a_training_group_size_that_does_not_divide_the_decode_batch_decodes_as_
     return make_decode_fn(model, DecodeConfig(method='greedy'), MAX_LENGTH)(
         params, INPUTS[:3], None)
 
-  tokens, scores = decoded(group_size=4)
-  reference_tokens, reference_scores = decoded(group_size=None)
+  tokens, scores = decoded(grouping.Fixed(4))
+  reference_tokens, reference_scores = decoded(grouping.PerExample())
   np.testing.assert_array_equal(tokens, reference_tokens)
   np.testing.assert_allclose(scores, reference_scores, rtol=1e-6)

@@ -7,7 +7,7 @@ import numpy as np
 from upcycle.models import T5, ViT, flops
 from upcycle.models.t5 import T5Config
 from upcycle.models.vit import ViTConfig
-from upcycle.moe import MoeConfig, routers
+from upcycle.moe import MoeConfig, capacity, grouping, routers
 from upcycle.train import objectives
 
 # d 8, heads x d_kv = 8, d_ff 12, vocab 32, 2 + 2 layers; batch 2, inputs 6, targets 4.
@@ -36,10 +36,10 @@ def test_moe_blocks_count_capacity_slots_and_the_router():
       T5_TINY,
       encoder_moe=MoeConfig(num_experts=4, router=routers.ExpertsChoose(),
                             train_capacity_factor=2.0,
-                            capacity_multiple_of=1),
+                            capacity_convention=capacity.Vmoe(multiple_of=1)),
       decoder_moe=MoeConfig(num_experts=4, router=routers.TopK(k=2),
-                            capacity_convention='t5x', train_capacity_factor=1.25,
-                            max_group_size=4096))
+                            capacity_convention=capacity.T5X(), train_capacity_factor=1.25,
+                            grouping=grouping.Flaxformer(max_group_size=4096)))
   encoder_extra = 24 * 288 + 12 * 8 * 4 - 12 * 288
   decoder_extra = 32 * 288 + 8 * 8 * 4 - 8 * 288
   assert (flops.t5_forward_flops(moe, 2, 6, 4) - flops.t5_forward_flops(T5_TINY, 2, 6, 4)

@@ -12,7 +12,8 @@ import pytest
 
 from tests.moe.helpers import flaxformer_arrays
 from upcycle import layers
-from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, routers, routing
+from upcycle.moe import (MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, capacity, grouping,
+                         routers, routing)
 
 FIXTURE = flaxformer_arrays()
 CAPACITY = FIXTURE['top2_bpr/combine'].shape[-1]
@@ -73,7 +74,8 @@ def test_layer_outputs_and_gradients_are_flaxformers(dispatch):
   the auxiliary losses the layer sows."""
   config = MoeConfig(num_experts=4, router=routers.TopK(k=2, batch_priority=True),
                      train_capacity_factor=1.0, eval_capacity_factor=1.0,
-                     capacity_convention='t5x', min_expert_capacity=1, max_group_size=8,
+                     capacity_convention=capacity.T5X(minimum=1),
+                     grouping=grouping.Flaxformer(max_group_size=8),
                      dispatch=dispatch)
   layer = MoeLayer(config, functools.partial(layers.GatedMlp, d_ff=16, dtype=jnp.float32))
   params = flax.traverse_util.unflatten_dict(

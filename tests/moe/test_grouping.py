@@ -8,7 +8,7 @@ n % (E * R) == 0, after padding T to a multiple of E * R.
 
 import pytest
 
-from upcycle.moe import MoeConfig, grouping, routers
+from upcycle.moe import MoeConfig, capacity, grouping, routers
 
 
 @pytest.mark.parametrize('router,factor,tokens,experts,t5x,vmoe', [
@@ -28,7 +28,7 @@ from upcycle.moe import MoeConfig, grouping, routers
     (routers.TopK(k=2), 2.0, 2, 2, 2, 2),
 ])
 def test_capacity_conventions(router, factor, tokens, experts, t5x, vmoe):
-  for convention, expected in (('t5x', t5x), ('vmoe', vmoe)):
+  for convention, expected in ((capacity.T5X(), t5x), (capacity.Vmoe(), vmoe)):
     config = MoeConfig(num_experts=experts, router=router, train_capacity_factor=factor,
                        capacity_convention=convention)
     assert config.capacity(tokens, deterministic=False) == expected, convention
@@ -36,7 +36,7 @@ def test_capacity_conventions(router, factor, tokens, experts, t5x, vmoe):
 
 def test_t5x_min_expert_capacity_and_eval_factor():
   config = MoeConfig(num_experts=8, router=routers.TopK(k=2), train_capacity_factor=1.0,
-                     eval_capacity_factor=2.0, capacity_convention='t5x', min_expert_capacity=6)
+                     eval_capacity_factor=2.0, capacity_convention=capacity.T5X(minimum=6))
   assert config.capacity(32, deterministic=False) == 6    # round(4.0) = 4 < 6
   assert config.capacity(32, deterministic=True) == 8     # round(8.0) = 8
 
@@ -51,7 +51,7 @@ def test_t5x_min_expert_capacity_and_eval_factor():
     (3, 5, 4096, 4, 1, 4, 5, (1, 0)),            # 15 tokens: +1 row (5) < +3 positions (9)
 ])
 def test_flaxformer_groups(batch, length, max_group, experts, replicas, groups, size, pad):
-  plan = MoeConfig(num_experts=experts, max_group_size=max_group,
-                   num_expert_replicas=replicas).group_plan(batch, length)
+  flaxformer = grouping.Flaxformer(max_group_size=max_group, num_expert_replicas=replicas)
+  plan = MoeConfig(num_experts=experts, grouping=flaxformer).group_plan(batch, length)
   assert (plan.num_groups, plan.group_size, (plan.pad_batch, plan.pad_length)) == (
       groups, size, pad)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from upcycle import layers
-from upcycle.moe import (MOE_COLLECTIONS, ROUTER_LOGITS, MoeConfig, MoeLayer, aux_losses,
+from upcycle.moe import (MOE_COLLECTIONS, MoeConfig, MoeLayer, ROUTER_LOGITS, aux_losses, capacity,
                          grouping, metrics, router_logits, routers, routing)
 from tests.models.helpers import jitted
 from tests.moe.helpers import flaxformer_arrays, primitive_names
@@ -73,7 +73,7 @@ def test_without_normalization_output_is_dense_scaled_by_summed_weights(router):
   x = jnp.asarray(arrays['scaled/x'])                        # [2, 8, 8]: a group per example
   dense_out = jitted(EXPERT().apply, {'params': dense_params}, x, True)
   config = MoeConfig(num_experts=E, router=ROUTERS[router], eval_capacity_factor=0.5,
-                     capacity_multiple_of=1, dispatch='indices')
+                     capacity_convention=capacity.Vmoe(multiple_of=1), dispatch='indices')
   combine = arrays[f'scaled/{router}/combine']               # [G, S, E, C]
   assert config.capacity(8, True) == combine.shape[-1]
   params = moe_params(config, x, dense_params)
@@ -88,7 +88,7 @@ def test_top_k_routing_metrics_and_masked_dispatch_have_no_scatter_forward_or_ba
   slot-assignment scatters were most of this layer's bytes accessed there)."""
   x, _, _ = dense_setup()
   config = MoeConfig(num_experts=E, router=routers.TopK(k=2, batch_priority=True),
-                     eval_capacity_factor=0.5, capacity_multiple_of=1,
+                     eval_capacity_factor=0.5, capacity_convention=capacity.Vmoe(multiple_of=1),
                      normalize_combine_weights=True, dispatch='masked')
   layer = MoeLayer(config, EXPERT)
   padding = jnp.arange(x.shape[1])[None, :] < jnp.array([[x.shape[1]], [3]])
@@ -108,7 +108,7 @@ def test_top_k_routing_metrics_and_masked_dispatch_have_no_scatter_forward_or_ba
 def test_masked_and_indices_dispatch_agree_on_outputs_and_gradients(router):
   x, _, _ = dense_setup()
   base = MoeConfig(num_experts=E, router=router,
-                   eval_capacity_factor=0.5, capacity_multiple_of=1,
+                   eval_capacity_factor=0.5, capacity_convention=capacity.Vmoe(multiple_of=1),
                    normalize_combine_weights=True)
   params = moe_params(base, x)   # distinct random experts, with overflow
   results = []
@@ -126,12 +126,12 @@ def test_masked_and_indices_dispatch_agree_on_outputs_and_gradients(router):
 @pytest.mark.slow
 def test_grouping_routes_within_groups_and_rejects_sizes_that_do_not_divide():
   x, dense_params, dense_out = dense_setup()
-  config = MoeConfig(num_experts=E, router=routers.ExpertsChoose(), group_size=4,
+  config = MoeConfig(num_experts=E, router=routers.ExpertsChoose(), grouping=grouping.Fixed(4),
                      eval_capacity_factor=float(E), normalize_combine_weights=True)
   out, _ = run(config, moe_params(config, x, dense_params), x)
   np.testing.assert_allclose(out, dense_out, atol=1e-5)
-  bad = MoeConfig(num_experts=E, group_size=5)
-  with pytest.raises(ValueError, match='group_size=5 does not divide the 16 tokens'):
+  bad = MoeConfig(num_experts=E, grouping=grouping.Fixed(5))
+  with pytest.raises(ValueError, match=r'grouping\.Fixed\.size = 5 does not divide the 16 tokens'):
     run(bad, moe_params(config, x), x)
 
 
@@ -145,13 +145,12 @@ def test_expert_choice_in_a_causal_stack_is_refused():
 def test_metrics_and_aux_losses_are_reported():
   x, _, _ = dense_setup()
   config = MoeConfig(num_experts=E, router=routers.TopK(k=1), eval_capacity_factor=0.5,
-                     capacity_multiple_of=1, load_balancing_loss_weight=0.5,
-                     router_z_loss_weight=0.25)
+                     capacity_convention=capacity.Vmoe(multiple_of=1),
+                     load_balancing_loss_weight=0.5, router_z_loss_weight=0.25)
   params = moe_params(config, x)
   _, state = run(config, params, x)
   m = metrics(state)
-  capacity = config.capacity(8, True)   # 1 slot per expert: at most 4 of 8 tokens routed
-  assert capacity == 1
+  assert config.capacity(8, True) == 1   # 1 slot per expert: at most 4 of 8 tokens routed
   assert float(m['fraction_dropped_tokens']) >= 0.5
   np.testing.assert_allclose(m['expert_load'], m['tokens_per_expert'] / 8)
   assert m['tokens_per_expert'].shape == (E,) and np.all(m['tokens_per_expert'] <= 1)
@@ -168,7 +167,7 @@ def test_jitter_applies_only_in_training_and_uses_its_own_rng():
   x, dense_params, _ = dense_setup()
   config = MoeConfig(num_experts=E, router=routers.TopK(k=1), jitter_noise=0.5,
                      eval_capacity_factor=0.5, train_capacity_factor=0.5,
-                     capacity_multiple_of=1)
+                     capacity_convention=capacity.Vmoe(multiple_of=1))
   params = moe_params(config, x)
   quiet = MoeConfig(**{**config.__dict__, 'jitter_noise': 0.0})
   eval_out, _ = run(config, params, x)
@@ -191,11 +190,11 @@ def test_batch_priority_routing_in_a_causal_stack_is_refused():
 @pytest.mark.parametrize('router', [TOP2, EXPERT_CHOICE])
 def test_flaxformer_groups_span_examples_like_fixed_groups(router):
   # [2, 8] = 16 tokens, E = 4, N = 4: 16 // 4 = 4 groups of 4 consecutive tokens of the flattened
-  # batch, exactly what group_size=4 routes; with little capacity so that grouping matters.
+  # batch, exactly what Fixed(4) routes; with little capacity so that grouping matters.
   x, _, _ = dense_setup()
-  fixed = MoeConfig(num_experts=E, router=router, group_size=4, eval_capacity_factor=1.0,
-                    capacity_convention='t5x', min_expert_capacity=1)
-  flax_rule = MoeConfig(**{**fixed.__dict__, 'group_size': None, 'max_group_size': 4})
+  fixed = MoeConfig(num_experts=E, router=router, grouping=grouping.Fixed(4),
+                    eval_capacity_factor=1.0, capacity_convention=capacity.T5X(minimum=1))
+  flax_rule = MoeConfig(**{**fixed.__dict__, 'grouping': grouping.Flaxformer(max_group_size=4)})
   params = moe_params(fixed, x)
   np.testing.assert_array_equal(run(flax_rule, params, x)[0], run(fixed, params, x)[0])
 
@@ -207,7 +206,8 @@ def test_flaxformer_padding_is_masked_and_sliced_off():
   # slot, so the output is that of the same layer on the explicitly padded, masked input.
   x = dense_setup()[0][:, :3]
   config = MoeConfig(num_experts=E, router=routers.TopK(k=2), eval_capacity_factor=1.0,
-                     capacity_convention='t5x', max_group_size=4, normalize_combine_weights=True)
+                     capacity_convention=capacity.T5X(),
+                     grouping=grouping.Flaxformer(max_group_size=4), normalize_combine_weights=True)
   assert config.group_plan(2, 3) == grouping.GroupPlan(4, 2, 0, 1)
   params = moe_params(config, x)
   out, state = jitted(MoeLayer(config, EXPERT).apply, {'params': params}, x, True,
@@ -215,7 +215,7 @@ def test_flaxformer_padding_is_masked_and_sliced_off():
   assert out.shape == x.shape
   padded = jnp.pad(x, ((0, 0), (0, 1), (0, 0)))
   mask = jnp.array([[True, True, True, False]] * 2)
-  fixed = MoeConfig(**{**config.__dict__, 'max_group_size': None, 'group_size': 2})
+  fixed = MoeConfig(**{**config.__dict__, 'grouping': grouping.Fixed(2)})
   reference = jitted(MoeLayer(fixed, EXPERT).apply, {'params': params}, padded, True, mask)
   np.testing.assert_allclose(out, reference[:, :3], atol=1e-6)
   logits = router_logits(state)['']
@@ -263,7 +263,8 @@ def test_pooled_load_balancing_closed_form(scope, own_loss_0, stack_loss):
 
 
 # The shapes of test_without_normalization_output_is_dense_scaled_by_summed_weights.
-LAYER_CONFIG = dict(num_experts=E, eval_capacity_factor=0.5, capacity_multiple_of=1,
+LAYER_CONFIG = dict(num_experts=E, eval_capacity_factor=0.5,
+                    capacity_convention=capacity.Vmoe(multiple_of=1),
                     dispatch='indices')
 
 
@@ -301,7 +302,8 @@ def test_expert_choice_has_no_load_balancing_loss_in_any_scope():
 def test_shared_expert_adds_its_mlp_to_the_routed_output():
   x, _, _ = dense_setup()
   config = MoeConfig(num_experts=E, router=routers.TopK(k=2), eval_capacity_factor=0.5,
-                     capacity_multiple_of=1, dispatch='indices', shared_expert=True)
+                     capacity_convention=capacity.Vmoe(multiple_of=1), dispatch='indices',
+                     shared_expert=True)
   shared = functools.partial(layers.GatedMlp, d_ff=4)
   layer = MoeLayer(config, EXPERT, shared_expert=shared)
   params = nn.meta.unbox(jitted(layer.init, jax.random.PRNGKey(2), x, True))['params']

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from upcycle import layers
-from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, metrics, routers, routing
+from upcycle.moe import (MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, capacity, metrics,
+                         routers, routing)
 from tests.models.helpers import jitted
 
 D_MODEL, E = 8, 2
@@ -29,8 +30,8 @@ X = jnp.eye(D_MODEL).reshape(2, 4, D_MODEL)
 def run(ignore_padding_tokens, mask=MASK, **overrides):
   """(output, sown state) of a Top-1 layer with the fixed router on X."""
   config = MoeConfig(**{**dict(num_experts=E, router=routers.TopK(k=1),
-                               capacity_convention='t5x', eval_capacity_factor=1.0,
-                               min_expert_capacity=1, load_balancing_loss_weight=1.0,
+                               capacity_convention=capacity.T5X(minimum=1),
+                               eval_capacity_factor=1.0, load_balancing_loss_weight=1.0,
                                router_z_loss_weight=1.0,
                                ignore_padding_tokens=ignore_padding_tokens), **overrides})
   layer = MoeLayer(config, EXPERT)

@@ -13,7 +13,8 @@ import pytest
 
 from upcycle import fields, layers
 from upcycle.models import LlamaConfig, flops
-from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, metrics, ragged, routers
+from upcycle.moe import (MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, capacity, grouping,
+                         metrics, ragged, routers)
 from tests.moe.helpers import primitive_names
 
 E = 4
@@ -27,7 +28,8 @@ def config(dispatch, **overrides):
   # Capacity factor E with vmoe's K * C * S / E: each expert has a slot for every token.
   return MoeConfig(**{**dict(num_experts=E, router=routers.TopK(k=2),
                              train_capacity_factor=float(E), eval_capacity_factor=float(E),
-                             capacity_multiple_of=1, placement='all', dispatch=dispatch),
+                             capacity_convention=capacity.Vmoe(multiple_of=1), placement='all',
+                             dispatch=dispatch),
                       **overrides})
 
 
@@ -45,12 +47,13 @@ def loss_and_grads(layer_config, expert, params, x, mask):
 
 @pytest.mark.parametrize('expert, overrides, kernel', [
     (SWIGLU, dict(normalize_combine_weights=True), 'ragged_dot'),        # the Mixtral block
-    (SWIGLU, dict(group_size=4, load_balancing_scope='batch'), 'ragged_dot'),
+    (SWIGLU, dict(grouping=grouping.Fixed(4), load_balancing_scope='batch'), 'ragged_dot'),
     (VIT_MLP, dict(normalize_combine_weights=True), 'ragged_dot'),
     (SWIGLU, dict(normalize_combine_weights=True), 'megablox'),   # ragged_dot off TPU
     pytest.param(SWIGLU, dict(normalize_combine_weights=True), 'megablox_interpret',
                  marks=pytest.mark.slow),
-    pytest.param(VIT_MLP, dict(group_size=4), 'megablox_interpret', marks=pytest.mark.slow)],
+    pytest.param(VIT_MLP, dict(grouping=grouping.Fixed(4)), 'megablox_interpret',
+                 marks=pytest.mark.slow)],
     ids=['mixtral', 'groups-unnormalized', 'biased-experts', 'mixtral-megablox-off-tpu',
          'mixtral-megablox', 'biased-experts-megablox'])
 def test_ragged_equals_indices_with_a_slot_for_every_token(expert, overrides, kernel):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from upcycle import fields
-from upcycle.moe import MoeConfig, routers, routing
+from upcycle.moe import MoeConfig, capacity, routers, routing
 
 # One group, 4 tokens, 2 experts. Top-1 choices: t0->e0, t1->e0, t2->e1, t3->e0.
 PROBS = np.array([[[0.6, 0.4], [0.7, 0.3], [0.2, 0.8], [0.9, 0.1]]], np.float32)
@@ -83,13 +83,13 @@ def test_normalized_weights_sum_to_one_per_routed_token_and_zero_for_dropped():
 def test_capacity(k, factor, tokens, experts, multiple, expected):
   config = MoeConfig(num_experts=experts, router=routers.TopK(k=k),
                      train_capacity_factor=factor, eval_capacity_factor=factor * 2,
-                     capacity_multiple_of=multiple)
+                     capacity_convention=capacity.Vmoe(multiple_of=multiple))
   assert config.capacity(tokens, deterministic=False) == expected
 
 
 def test_expert_choice_counts_one_expert_per_token_and_eval_factor_is_separate():
   config = MoeConfig(num_experts=4, router=routers.ExpertsChoose(), train_capacity_factor=1.0,
-                     eval_capacity_factor=2.0, capacity_multiple_of=1)
+                     eval_capacity_factor=2.0, capacity_convention=capacity.Vmoe(multiple_of=1))
   assert config.capacity(16, deterministic=False) == 4
   assert config.capacity(16, deterministic=True) == 8
 

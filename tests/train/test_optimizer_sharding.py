@@ -18,7 +18,7 @@ from tests.train.helpers import mesh_run
 from upcycle import checkpoints, tree
 from upcycle.checkpoints import orbax
 from upcycle.models import T5, ViT
-from upcycle.moe import MoeConfig, routers
+from upcycle.moe import MoeConfig, capacity, routers
 from upcycle.checkpoints import slots
 from upcycle.train import objectives, optimizers, partitioning, resume
 from upcycle.train.grow import GrowExperts
@@ -26,8 +26,10 @@ from upcycle.train.restore import UpcycleFromDense
 from upcycle.train.state import TrainState
 from upcycle.upcycling import sharded
 
-ENCODER_MOE = MoeConfig(num_experts=4, router=routers.ExpertsChoose(), capacity_multiple_of=1)
-DECODER_MOE = MoeConfig(num_experts=4, router=routers.TopK(k=2), capacity_multiple_of=1)
+ENCODER_MOE = MoeConfig(num_experts=4, router=routers.ExpertsChoose(),
+                        capacity_convention=capacity.Vmoe(multiple_of=1))
+DECODER_MOE = MoeConfig(num_experts=4, router=routers.TopK(k=2),
+                        capacity_convention=capacity.Vmoe(multiple_of=1))
 T5_MOE = dataclasses.replace(helpers.CHECKPOINT_T5, encoder_moe=ENCODER_MOE,
                              decoder_moe=DECODER_MOE)
 VIT_MOE = dataclasses.replace(helpers.CHECKPOINT_VIT, moe=ENCODER_MOE)

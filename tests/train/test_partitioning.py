@@ -15,7 +15,7 @@ from tests.models.helpers import MODEL_T5, MODEL_VIT, tokens
 from upcycle import fields, tree
 from upcycle.checkpoints import slots
 from upcycle.models import Llama, LlamaConfig, T5, ViT
-from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses, routers
+from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses, grouping, routers
 from upcycle.train import optimizers, partitioning
 
 T5_MOE = dataclasses.replace(
@@ -23,7 +23,7 @@ T5_MOE = dataclasses.replace(
     encoder_moe=MoeConfig(num_experts=8, train_capacity_factor=1.0, eval_capacity_factor=1.0),
     decoder_moe=MoeConfig(num_experts=8, router=routers.TopK(k=2), dispatch='indices'))
 VIT_MOE = dataclasses.replace(MODEL_VIT, moe=MoeConfig(num_experts=8, router=routers.TopK(k=2),
-                                                       group_size=10))
+                                                       grouping=grouping.Fixed(10)))
 LLAMA_MOE = LlamaConfig(vocab_size=64, d_model=16, num_heads=4, num_kv_heads=2, head_dim=8,
                         d_ff=32, num_layers=2,
                         moe=MoeConfig(num_experts=8, router=routers.TopK(k=2),
@@ -47,16 +47,16 @@ def llama_case():
   return model, (tokens(2, (8, 8), 64),), lambda logits: jnp.mean(logits ** 2)
 
 
-def llama_dropless_case(group_size=None):
+def llama_dropless_case(groups=grouping.PerExample()):
   """The Mixtral block's dropless dispatch: rows sorted and multiplied per batch shard."""
   model = Llama(dataclasses.replace(LLAMA_MOE, moe=dataclasses.replace(
-      LLAMA_MOE.moe, dispatch='ragged', normalize_combine_weights=True, group_size=group_size)))
+      LLAMA_MOE.moe, dispatch='ragged', normalize_combine_weights=True, grouping=groups)))
   return model, (tokens(2, (8, 8), 64),), lambda logits: jnp.mean(logits ** 2)
 
 
 def llama_dropless_few_groups_case():
   """4 routing groups of 16 tokens over 8 batch shards: each group is cut in two."""
-  return llama_dropless_case(group_size=16)
+  return llama_dropless_case(grouping.Fixed(16))
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,7 +81,8 @@ def loss_and_grads(model, inputs, objective):
     (vit_case, (2, 2, 2), 'default'), (vit_case, (1, 8, 1), 'default'),
     (t5_case, (4, 2, 1), 'fsdp'), (vit_case, (2, 2, 2), 'fsdp'),
     (llama_case, (2, 2, 2), 'default'), (llama_case, (4, 2, 1), 'fsdp'),
-    (llama_dropless_case, (2, 2, 2), 'fsdp'), (llama_dropless_few_groups_case, (4, 2, 1), 'default')],
+    (llama_dropless_case, (2, 2, 2), 'fsdp'), (llama_dropless_few_groups_case, (4, 2, 1),
+                                               'default')],
     ids=['t5-2x2x2', 't5-1x8x1', 'vit-2x2x2', 'vit-1x8x1', 't5-fsdp-4x2x1', 'vit-fsdp-2x2x2',
          'llama-2x2x2', 'llama-fsdp-4x2x1', 'llama-ragged-fsdp-2x2x2',
          'llama-ragged-few-groups-4x2x1'])
@@ -102,7 +103,8 @@ def test_sharded_equals_unsharded(case, mesh_shape, rules):
     loss, grads = jax.jit(fn, out_shardings=(None, shardings))(sharded_params, *sharded_inputs)
 
   np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grads, expected_grads)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grads,
+               expected_grads)
   block = (grads['encoder']['layers_1']['mlp'] if 'encoder' in grads
            else grads['decoder']['layers_1']['mlp'] if 'decoder' in grads
            else grads['Transformer']['encoderblock_1']['MlpBlock_0'])
@@ -117,8 +119,10 @@ def test_rules_put_experts_on_the_expert_axis_and_mlp_on_model():
   mesh = partitioning.make_mesh(2, 2)
   shardings = partitioning.logical_sharding(boxed, mesh)
   spec = lambda *path: functools.reduce(lambda tree, key: tree[key], path, shardings).spec
-  assert spec('encoder', 'layers_1', 'mlp', 'expert', 'wi_0', 'kernel') == P('expert', None, 'model')
-  assert spec('encoder', 'layers_1', 'mlp', 'router', 'router_weights', 'w', 'kernel') == P(None, None)
+  assert spec('encoder', 'layers_1', 'mlp', 'expert', 'wi_0', 'kernel') == P(
+      'expert', None, 'model')
+  assert spec('encoder', 'layers_1', 'mlp', 'router', 'router_weights', 'w', 'kernel') == P(
+      None, None)
   assert spec('encoder', 'layers_0', 'mlp', 'wo', 'kernel') == P('model', None)
   assert spec('token_embedder', 'embedding') == P('model', None)
   assert spec('decoder', 'layers_0', 'self_attention', 'query', 'kernel') == P(None, 'model')

@@ -26,7 +26,7 @@ from upcycle.checkpoints import CheckpointError
 from upcycle.checkpoints.orbax import CheckpointManager
 from upcycle.locks.file_lock import FileLock
 from upcycle.models import T5, T5Config, ViTConfig
-from upcycle.moe import MoeConfig, routers
+from upcycle.moe import MoeConfig, grouping, routers
 from upcycle.train import logger as logger_lib
 from upcycle.train import resume, stall
 from upcycle.train.objectives import Seq2Seq
@@ -249,8 +249,13 @@ def test_inspect_verify_reads_every_array(run_4_steps, tmp_path, capsys):
     (lambda: MoeConfig(router=routers.TopK(k=5), num_experts=4),
      'routers.TopK.k = 5: Top-K needs k <= the number of experts (4)'),
     (lambda: MoeConfig(router='tokens_choose'),
-     "moe.MoeConfig.router = 'tokens_choose': expected a router object, "
+     "moe.MoeConfig.router = 'tokens_choose': expected a routers.Router object, "
      '@routers.ExpertsChoose() or @routers.TopK() in gin'),
+    (lambda: MoeConfig(capacity_convention='t5x'),
+     "moe.MoeConfig.capacity_convention = 't5x': expected a capacity.Convention object, "
+     '@capacity.Vmoe() or @capacity.T5X() in gin'),
+    (lambda: MoeConfig(grouping=grouping.Flaxformer(max_group_size=0)),
+     'grouping.Flaxformer.max_group_size = 0: expected an integer >= 1'),
     (lambda: MoeConfig(placement='every_third'),
      "moe.MoeConfig.placement: MoE placement 'every_third' is not understood"),
     (lambda: MoeConfig(jitter_noise=1.5),

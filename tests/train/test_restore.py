@@ -18,7 +18,7 @@ from tests.train.helpers import mesh_run
 from upcycle import checkpoints, console, pretrained, tree
 from upcycle.checkpoints import from_t5x_adafactor, orbax
 from upcycle.models import T5, ViT, scan_layout
-from upcycle.moe import MoeConfig, routers
+from upcycle.moe import MoeConfig, capacity, routers
 from upcycle.train import objectives, optimizers, partitioning
 from upcycle.train.restore import ContinueFromCheckpoint, UpcycleFromDense
 from upcycle.upcycling import experts, sharded, step_policy
@@ -28,9 +28,11 @@ from upcycle.upcycling.surgery import upcycle
 # Capacity = group size: every token reaches an expert, and with normalized combine
 # weights identical experts compute exactly the dense MLP (docs/upcycling.md, "Function preservation").
 ENCODER_MOE = MoeConfig(num_experts=4, router=routers.ExpertsChoose(), eval_capacity_factor=4.0,
-                        capacity_multiple_of=1, normalize_combine_weights=True)
+                        capacity_convention=capacity.Vmoe(multiple_of=1),
+                        normalize_combine_weights=True)
 DECODER_MOE = MoeConfig(num_experts=4, router=routers.TopK(k=2), eval_capacity_factor=2.0,
-                        capacity_multiple_of=1, normalize_combine_weights=True)
+                        capacity_convention=capacity.Vmoe(multiple_of=1),
+                        normalize_combine_weights=True)
 T5_BATCH = {'encoder_input_tokens': np.zeros((4, 6), np.int32),
             'decoder_input_tokens': np.zeros((4, 4), np.int32),
             'decoder_target_tokens': np.zeros((4, 4), np.int32)}

@@ -13,7 +13,7 @@ import pytest
 from tests.checkpoints import helpers
 from upcycle import layers, tree
 from upcycle.families import abstract_params
-from upcycle.moe import MoeConfig, MoeLayer, ROUTER_LOGITS, router_logits, routers
+from upcycle.moe import MoeConfig, MoeLayer, ROUTER_LOGITS, capacity, router_logits, routers
 from upcycle.train import optimizers
 from upcycle.upcycling import depth_growth, expert_growth, grow_depth, grow_experts
 from upcycle.upcycling import grown_optimizer_state, router_usage
@@ -31,9 +31,11 @@ def test_tiling_every_expert_with_k_and_capacity_scaled_keeps_the_t5_logits():
   moe = lambda e, c, k: dataclasses.replace(
       one_layer, encoder_moe=MoeConfig(num_experts=e, router=routers.ExpertsChoose(),
                                        placement='all',
-                                       eval_capacity_factor=c, capacity_multiple_of=1),
+                                       eval_capacity_factor=c,
+                                       capacity_convention=capacity.Vmoe(multiple_of=1)),
       decoder_moe=MoeConfig(num_experts=e, router=routers.TopK(k=k), placement='all',
-                            eval_capacity_factor=1.0, capacity_multiple_of=1))
+                            eval_capacity_factor=1.0,
+                            capacity_convention=capacity.Vmoe(multiple_of=1)))
   small, grown = moe(2, 1.0, 1), moe(4, 2.0, 2)
   params = helpers.random_params(small, scale=1.0)
   new, growth = grow_experts(params, abstract_params(grown), sources='tile')
@@ -45,7 +47,8 @@ def test_tiling_every_expert_with_k_and_capacity_scaled_keeps_the_t5_logits():
 def test_top1_normalized_keeps_its_output_with_the_most_used_expert_copied():
   """E 2 -> 3, Top-1 with normalized combine weights, capacity not binding; usage measured."""
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 8, 8))
-  config = lambda e: MoeConfig(num_experts=e, router=routers.TopK(k=1), capacity_multiple_of=1,
+  config = lambda e: MoeConfig(num_experts=e, router=routers.TopK(k=1),
+                               capacity_convention=capacity.Vmoe(multiple_of=1),
                                normalize_combine_weights=True, eval_capacity_factor=4.0)
   layer = lambda e: MoeLayer(config(e), functools.partial(layers.GatedMlp, d_ff=16))
   apply = lambda e, p: jax.jit(lambda p: layer(e).apply(

@@ -10,8 +10,8 @@ import pytest
 
 from upcycle import tree
 from upcycle.models import T5, T5Config, ViT, ViTConfig
-from upcycle.moe import MoeConfig, routers
-from upcycle.upcycling import capture, experts, routers
+from upcycle.moe import MoeConfig, capacity, routers
+from upcycle.upcycling import capture, experts, router_init
 from upcycle.upcycling.surgery import upcycle
 from tests.models.helpers import jitted
 
@@ -22,9 +22,11 @@ VIT_DENSE = ViTConfig(num_classes=5, image_size=(8, 8), patch_size=(4, 4), width
 # Capacity = group size: every token reaches an expert, so normalized combine
 # weights make identical experts compute exactly the dense MLP.
 ENCODER_MOE = MoeConfig(num_experts=4, router=routers.ExpertsChoose(), eval_capacity_factor=4.0,
-                        capacity_multiple_of=1, normalize_combine_weights=True)
+                        capacity_convention=capacity.Vmoe(multiple_of=1),
+                        normalize_combine_weights=True)
 DECODER_MOE = MoeConfig(num_experts=4, router=routers.TopK(k=2), eval_capacity_factor=2.0,
-                        capacity_multiple_of=1, normalize_combine_weights=True)
+                        capacity_convention=capacity.Vmoe(multiple_of=1),
+                        normalize_combine_weights=True)
 
 
 def _tokens(seed, low=1, high=32, shape=(2, 6)):
@@ -62,7 +64,7 @@ def test_t5_granular_upcycling_is_function_preserving(t5_dense):
       T5_DENSE, d_ff=8, encoder_moe=dataclasses.replace(ENCODER_MOE, placement='all'),
       decoder_moe=dataclasses.replace(DECODER_MOE, placement='all'))
   moe_params, _ = upcycle(params, _t5_target(config, enc, dec), experts=experts.Granular(2),
-                          router=routers.Normal(1.0), rng=0)
+                          router=router_init.Normal(1.0), rng=0)
   logits = jitted(T5(config).apply, {'params': moe_params}, enc, dec)
   np.testing.assert_allclose(logits, dense_logits, rtol=1e-5, atol=1e-5)
 
@@ -85,14 +87,16 @@ def test_vit_copy_upcycling_is_function_preserving():
 @pytest.mark.slow
 def test_from_data_router_sends_each_experts_data_to_it(t5_dense):
   params, _, _, _ = t5_dense
-  config = dataclasses.replace(T5_DENSE, encoder_moe=dataclasses.replace(ENCODER_MOE, num_experts=3))
+  config = dataclasses.replace(T5_DENSE, encoder_moe=dataclasses.replace(ENCODER_MOE,
+                                                                         num_experts=3))
   batches = [{'encoder_input_tokens': _tokens(e, 1 + 10 * e, 11 + 10 * e),
               'decoder_input_tokens': _tokens(e, 1, 32, (2, 5))} for e in range(3)]
-  target = _t5_target(config, batches[0]['encoder_input_tokens'], batches[0]['decoder_input_tokens'])
+  target = _t5_target(config, batches[0]['encoder_input_tokens'],
+                      batches[0]['decoder_input_tokens'])
   layers = capture.moe_layers(target)
   assert layers == ['encoder/layers_1/mlp']
   hidden = capture.hidden_states_per_expert(T5(T5_DENSE), {'params': params}, layers, batches)
-  moe_params, _ = upcycle(params, target, router=routers.FromData(hidden), rng=0)
+  moe_params, _ = upcycle(params, target, router=router_init.FromData(hidden), rng=0)
   kernel = tree.flatten(moe_params)['encoder/layers_1/mlp/router/router_weights/w/kernel']
   for e, batch in enumerate(batches):
     # What the MoE model's router sees at step 0.

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from upcycle import tree
-from upcycle.upcycling import experts, routers, stream
+from upcycle.upcycling import experts, router_init, stream
 from upcycle.upcycling.surgery import make_plan, upcycle, upcycle_from_checkpoints
 
 MLP = 'encoder/layers_1/mlp'
@@ -159,7 +159,7 @@ def test_unknown_initializer_names():
   with pytest.raises(ValueError, match=r"experts='dropp'.*'copy', 'drop', 'noise', 'random'"):
     experts.get('dropp')
   with pytest.raises(ValueError, match=r"router='gauss'.*'normal', 'uniform', 'zeros'"):
-    routers.get('gauss')
+    router_init.get('gauss')
 
 
 def test_from_checkpoints_goes_through_its_own_entry_point(t5, target):

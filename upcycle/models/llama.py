@@ -42,6 +42,7 @@ import jax.numpy as jnp
 
 from upcycle import fields, layers
 from upcycle.models import llama_hf, rope, scan_layout, stacking
+from upcycle.moe import grouping
 from upcycle.moe.config import MoeConfig
 from upcycle.moe.layer import MoeLayer
 from upcycle.moe.placement import sparse_layer_indices
@@ -259,9 +260,9 @@ class DecoderLayer(nn.Module):
     else:
       # Decoding (the prefill's prompts, then each step's new token) routes each sequence as
       # a group of its own, as T5's decoder does: a sequence's routing does not depend on the
-      # rest of the batch, and a training group_size that does not divide the prompts'
+      # rest of the batch, and a training group size that does not divide the prompts'
       # tokens is no obstacle (docs/inference.md).
-      step_moe = dataclasses.replace(cfg.moe, group_size=None, max_group_size=None)
+      step_moe = dataclasses.replace(cfg.moe, grouping=grouping.PerExample())
       y = _mlp(cfg, step_moe)(y, deterministic, token_mask)
     x = x + dropout(y, deterministic=deterministic)
     return layers.constrain(x, ('batch', 'length', 'embed'))

@@ -28,7 +28,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from upcycle import fields
 from upcycle.models import rope
-from upcycle.moe import routers
+from upcycle.moe import capacity, routers
 from upcycle.moe.config import MoeConfig
 
 MODEL_TYPES = ('llama', 'mistral', 'qwen2', 'mixtral', 'qwen2_moe')
@@ -112,7 +112,7 @@ def mixtral_moe(num_experts: int, k: int, aux_loss_coef: float) -> MoeConfig:
   return MoeConfig(
       num_experts=num_experts, router=routers.TopK(k=k),
       train_capacity_factor=float(num_experts), eval_capacity_factor=float(num_experts),
-      capacity_convention='vmoe', capacity_multiple_of=1, normalize_combine_weights=True,
+      capacity_convention=capacity.Vmoe(multiple_of=1), normalize_combine_weights=True,
       placement='all', dispatch='ragged', grouped_kernel='megablox',
       load_balancing_loss_weight=aux_loss_coef,
       load_balancing_scope='batch', load_balancing_layers='pooled', router_z_loss_weight=0.0,
@@ -200,9 +200,8 @@ def config_fields(hf: Mapping[str, Any], max_length: Optional[int] = None,
 
 
 def _slots_per_token(moe: MoeConfig) -> int:
-  """K for 'vmoe' capacity, 1 for 't5x': an expert has a slot for every token of its group
-  once C * this >= E (`MoeConfig.capacity`)."""
-  return moe.router.experts_per_token if moe.capacity_convention == 'vmoe' else 1
+  """An expert has a slot for every token of its group once C * this >= E."""
+  return moe.capacity_convention.slots_per_token(moe.router.experts_per_token)
 
 
 def _drops_tokens(moe: MoeConfig) -> bool:

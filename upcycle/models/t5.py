@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from upcycle import fields, layers
 from upcycle.models import scan_layout, stacking
+from upcycle.moe import grouping
 from upcycle.moe.config import MoeConfig
 from upcycle.moe.layer import MoeLayer
 from upcycle.moe.placement import sparse_layer_indices
@@ -180,8 +181,8 @@ class DecoderLayer(nn.Module):
       # are distinct experts, so no token is dropped and a sequence's routing does not depend
       # on the other sequences of the batch, nor on whether they have finished (docs/inference.md).
       # The prefill's placeholder run (its outputs unused) is grouped the same way, so a
-      # training `group_size` that does not divide batch x max_length is no obstacle.
-      step_moe = dataclasses.replace(cfg.decoder_moe, group_size=None, max_group_size=None)
+      # training group size that does not divide batch x max_length is no obstacle.
+      step_moe = dataclasses.replace(cfg.decoder_moe, grouping=grouping.PerExample())
       y = _mlp(cfg, step_moe, True, causal=True)(y, deterministic)
     x = x + dropout(y, deterministic=deterministic)
     return layers.constrain(x, ('batch', 'length', 'embed'))

@@ -5,11 +5,12 @@ from typing import Optional, Sequence, Union
 
 from upcycle import fields
 from upcycle.layers import GROUPED_KERNELS
-from upcycle.moe import grouping, routers
+from upcycle.moe import capacity as capacities
+from upcycle.moe import grouping as groupings
+from upcycle.moe import routers
 from upcycle.moe.placement import sparse_layer_indices
 
 DISPATCHES = ('masked', 'indices', 'ragged')
-CAPACITY_CONVENTIONS = ('vmoe', 't5x')
 LOAD_BALANCING_SCOPES = ('group', 'batch')
 LOAD_BALANCING_LAYERS = ('separate', 'pooled')
 
@@ -27,35 +28,20 @@ class MoeConfig:
       batch_priority)`; in gin `@routers.ExpertsChoose()` / `@routers.TopK()`.
     train_capacity_factor: C during training (see `capacity_convention`).
     eval_capacity_factor: C at evaluation (`deterministic=True`).
-    capacity_convention: how C becomes slots per expert and group (S tokens):
-      'vmoe' (V-MoE, the vision runs): ceil(K * C * S / E) rounded up to a
-      multiple of `capacity_multiple_of`; C counts slots per token choice.
-      't5x' (T5X / Flaxformer, the language runs): max(round(C * S / E),
-      `min_expert_capacity`), not multiplied by K. Both are capped at S (a
-      token fills at most one slot per expert, so the cap changes no output).
-    capacity_multiple_of: 'vmoe' rounds capacity up to a multiple of this
-      (1 = none); unused by 't5x'.
-    min_expert_capacity: 't5x' capacity is at least this (Flaxformer's
-      default 4); unused by 'vmoe'.
+    capacity_convention: how C becomes slots per expert and group of S tokens, an object
+      (`upcycle.moe.capacity`): `Vmoe(multiple_of)` (V-MoE, the vision runs: ceil(K * C * S /
+      E) rounded up to a multiple) or `T5X(minimum)` (T5X / Flaxformer, the language runs:
+      max(round(C * S / E), minimum), not multiplied by K); in gin `@capacity.Vmoe()` /
+      `@capacity.T5X()`. Both are capped at S.
     normalize_combine_weights: rescale each token's combine weights over the
       experts that took it to sum to 1; with identical experts the block then
       computes exactly the dense MLP for every routed token.
     placement: which blocks of the stack are MoE: 'every_other' (1, 3, 5, ...),
       'all', 'none', 'last_N' (e.g. 'last_2'), 'first_N', or explicit indices.
-    group_size: tokens per routing group. None: each example's tokens form one
-      group. Otherwise batch * length must be a multiple of it.
-    max_group_size: Flaxformer's grouping instead of `group_size` (T5X's
-      GROUP_SIZE = 4096): groups span the examples of the batch; their number
-      is the smallest n >= max(tokens // max_group_size, E * R) dividing the
-      token count with n a multiple of E * R (`grouping.flaxformer_num_groups`);
-      a token count that is not a multiple of E * R is first padded (masked
-      padding, as Flaxformer's `_maybe_pad` places it).
-    num_expert_replicas: R for `max_group_size`. Flaxformer infers it from the
-      mesh as device_count // (num_expert_partitions * num_model_partitions),
-      assuming a ['data', 'expert', 'model'] mesh with experts replicated over
-      'data'; here it is explicit so that the groups (and so the routing) do
-      not change with the number of devices. 1 = one copy of each expert
-      (Flaxformer on a mesh with data * expert * model = E devices, or fewer).
+    grouping: how the tokens of a batch are cut into routing groups, an object
+      (`upcycle.moe.grouping`): `PerExample()` (each example one group), `Fixed(size)` or
+      `Flaxformer(max_group_size, num_expert_replicas)` (T5X's GROUP_SIZE rule); in gin
+      `@grouping.Flaxformer()`.
     dispatch: 'masked' (one-hot einsum, TPU friendly) or 'indices'
       (gather/scatter, CPU/GPU friendly), the same function of the capacity slots; or
       'ragged' (Top-K only): dropless, each token's K choices sorted by expert and the
@@ -75,8 +61,8 @@ class MoeConfig:
       (`routing.load_balancing_loss`; Top-K only: Expert Choice is balanced by
       construction, and the two fields below then change nothing).
     load_balancing_scope: the tokens f and p are counted over in a layer: 'group'
-      (each routing group, the loss averaged over groups; with `group_size=None` one
-      group per sequence, Megatron-LM's 'seq_aux_loss' up to its factor 1/K) or
+      (each routing group, the loss averaged over groups; with `grouping.PerExample()`
+      one group per sequence, Megatron-LM's 'seq_aux_loss' up to its factor 1/K) or
       'batch' (all tokens of the batch as one group: over all devices, i.e. Megatron-LM's
       'global_aux_loss' statistics with one microbatch; with microbatches, over each one).
     load_balancing_layers: 'separate' (each layer's loss on its own statistics) or
@@ -85,7 +71,7 @@ class MoeConfig:
       HF transformers' Switch Transformers (per group) and Mixtral (per batch) compute it.
     router_z_loss_weight: weight of the router z-loss.
     ignore_padding_tokens: True: padding (a False `token_mask`, e.g. T5 token 0, and the
-      padding `max_group_size` adds) is not routed by Top-K, is taken last by Expert Choice,
+      padding `grouping.Flaxformer` adds) is not routed by Top-K, is taken last by Expert Choice,
       and is left out of the auxiliary losses and metrics: f, p and the z-loss are means over
       the tokens routing considers. False: Flaxformer's router with
       `ignore_padding_tokens=False`, as T5X's MoE gin files set it: padding is routed and
@@ -105,14 +91,10 @@ class MoeConfig:
   router: routers.Router = routers.ExpertsChoose()
   train_capacity_factor: float = 2.0
   eval_capacity_factor: float = 2.0
-  capacity_convention: str = 'vmoe'
-  capacity_multiple_of: int = 4
-  min_expert_capacity: int = 4
+  capacity_convention: capacities.Convention = capacities.Vmoe()
   normalize_combine_weights: bool = False
   placement: Placement = 'every_other'
-  group_size: Optional[int] = None
-  max_group_size: Optional[int] = None
-  num_expert_replicas: int = 1
+  grouping: groupings.Grouping = groupings.PerExample()
   dispatch: str = 'masked'
   grouped_kernel: str = 'ragged_dot'
   load_balancing_loss_weight: float = 0.01
@@ -126,17 +108,14 @@ class MoeConfig:
 
   def __post_init__(self):
     fields.integer(self, 'num_experts', 1)
-    if not isinstance(self.router, routers.Router):
-      raise fields.ConfigError(
-          f'{fields.binding(self, "router")} = {self.router!r}: expected a router object, '
-          f'@routers.ExpertsChoose() or @routers.TopK() in gin (from upcycle.moe import '
-          f'routers), with its fields bound on it (routers.TopK.k = 2).')
+    _check_object(self, 'router', routers.Router,
+                  '@routers.ExpertsChoose() or @routers.TopK() in gin (from upcycle.moe import '
+                  'routers), with its fields bound on it (routers.TopK.k = 2)')
     self.router.validate(self.num_experts)
     fields.number(self, 'train_capacity_factor', 0.0, strictly=True)
     fields.number(self, 'eval_capacity_factor', 0.0, strictly=True)
-    fields.choice(self, 'capacity_convention', CAPACITY_CONVENTIONS)
-    fields.integer(self, 'capacity_multiple_of', 1)
-    fields.integer(self, 'min_expert_capacity', 1)
+    _check_object(self, 'capacity_convention', capacities.Convention,
+                  '@capacity.Vmoe() or @capacity.T5X() in gin (from upcycle.moe import capacity)')
     fields.boolean(self, 'normalize_combine_weights')
     if isinstance(self.placement, str):
       try:   # Checks the spelling; the layer count is checked when a stack is built.
@@ -154,14 +133,9 @@ class MoeConfig:
         raise fields.ConfigError(
             f'{fields.binding(self, "placement")} = {self.placement!r}: layer indices are >= 0.')
       object.__setattr__(self, 'placement', indices)
-    fields.optional_integer(self, 'group_size', 1)
-    fields.optional_integer(self, 'max_group_size', 1)
-    fields.integer(self, 'num_expert_replicas', 1)
-    if self.group_size is not None and self.max_group_size is not None:
-      raise fields.ConfigError(
-          f'{fields.binding(self, "group_size")} = {self.group_size} and '
-          f'{fields.binding(self, "max_group_size")} = {self.max_group_size}: set one of them '
-          f'(group_size: fixed groups; max_group_size: Flaxformer\'s rule).')
+    _check_object(self, 'grouping', groupings.Grouping,
+                  '@grouping.PerExample(), @grouping.Fixed() or @grouping.Flaxformer() in gin '
+                  '(from upcycle.moe import grouping)')
     fields.choice(self, 'dispatch', DISPATCHES)
     if self.dispatch == 'ragged' and not self.router.tokens_choose:
       raise fields.ConfigError(
@@ -191,11 +165,9 @@ class MoeConfig:
       return None
     return dense_d_ff if self.shared_expert_d_ff is None else self.shared_expert_d_ff
 
-  def group_plan(self, batch: int, length: int) -> grouping.GroupPlan:
+  def group_plan(self, batch: int, length: int) -> groupings.GroupPlan:
     """How a `[batch, length, d_model]` input is cut into routing groups."""
-    return grouping.plan_groups(
-        batch, length, group_size=self.group_size, max_group_size=self.max_group_size,
-        num_experts=self.num_experts, num_expert_replicas=self.num_expert_replicas)
+    return self.grouping.plan(batch, length, self.num_experts)
 
   def capacity(self, group_size: int, deterministic: bool) -> int:
     """Slots per expert and group of `group_size` tokens (see `capacity_convention`); the
@@ -203,14 +175,14 @@ class MoeConfig:
     if self.dispatch == 'ragged':
       return group_size
     factor = self.eval_capacity_factor if deterministic else self.train_capacity_factor
-    if self.capacity_convention == 't5x':
-      # Flaxformer's MoeLayer.__call__: int(round(C * S / E)), then the minimum.
-      capacity = max(int(round(factor * group_size / self.num_experts)),
-                     self.min_expert_capacity)
-    else:
-      # Round before ceil so that e.g. 2 * 2.0 * 8 / 4 does not become 9.
-      raw = self.router.experts_per_token * factor * group_size / self.num_experts
-      capacity = max(1, -(-round(raw, 6) // 1))
-      multiple = self.capacity_multiple_of
-      capacity = int(-(-capacity // multiple) * multiple)
+    capacity = self.capacity_convention.slots(factor, group_size, self.num_experts,
+                                              self.router.experts_per_token)
     return min(capacity, group_size)
+
+
+def _check_object(config: MoeConfig, field: str, cls: type, how: str) -> None:
+  """The field holds a `cls` (a small config bound with `@...()`), else a one-line error."""
+  value = getattr(config, field)
+  if not isinstance(value, cls):
+    raise fields.ConfigError(f'{fields.binding(config, field)} = {value!r}: expected a '
+                             f'{cls.__module__.rsplit(".", 1)[-1]}.{cls.__name__} object, {how}.')

@@ -1,19 +1,24 @@
 """Routing groups: how the tokens of a batch are cut into the groups a router sees.
 
-Three conventions (`MoeConfig`):
-  group_size=None, max_group_size=None  each example (sequence / image) is one group;
-  group_size=S                          consecutive runs of S tokens of the flattened batch;
-  max_group_size=N                      Flaxformer's rule (`flaxformer/architectures/moe/
-                                        moe_layers.py`, `_maybe_pad` and `_num_groups`).
+Three groupings, bound in gin as small configs (`from upcycle.moe import grouping`;
+`encoder/moe.MoeConfig.grouping = @grouping.Flaxformer()`):
+  PerExample()               each example (sequence / image) is one group;
+  Fixed(size=S)              consecutive runs of S tokens of the flattened batch;
+  Flaxformer(max_group_size=N, num_expert_replicas=R)
+                             Flaxformer's rule (`flaxformer/architectures/moe/moe_layers.py`,
+                             `_maybe_pad` and `_num_groups`).
 
 A grouping is decided from static shapes only, before tracing, as a `GroupPlan`.
 """
 
+import abc
 import dataclasses
 from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+
+from upcycle import fields
 
 Array = jax.Array
 
@@ -77,24 +82,74 @@ def flaxformer_num_groups(num_tokens: int, max_group_size: int, num_experts: int
   return n
 
 
-def plan_groups(batch: int, length: int, *, group_size: Optional[int],
-                max_group_size: Optional[int], num_experts: int,
-                num_expert_replicas: int = 1) -> GroupPlan:
-  """The `GroupPlan` of a `[batch, length, d]` input under one grouping convention."""
-  if max_group_size is not None:
-    pad_batch, pad_length = flaxformer_padding(batch, length, num_experts * num_expert_replicas)
-    tokens = (batch + pad_batch) * (length + pad_length)
-    groups = flaxformer_num_groups(tokens, max_group_size, num_experts, num_expert_replicas)
-    return GroupPlan(groups, tokens // groups, pad_batch, pad_length)
-  if group_size is None:
+class Grouping(abc.ABC):
+  """How a `[batch, length, d]` input is cut into routing groups."""
+
+  @abc.abstractmethod
+  def plan(self, batch: int, length: int, num_experts: int) -> GroupPlan:
+    """The `GroupPlan` of a `[batch, length, d]` input routed over `num_experts`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PerExample(Grouping):
+  """Each example's tokens form one group (the ViT runs: one group per image)."""
+
+  def plan(self, batch: int, length: int, num_experts: int) -> GroupPlan:
+    del num_experts
     return GroupPlan(batch, length)
-  if (batch * length) % group_size:
-    raise ValueError(
-        f'MoeConfig.group_size={group_size} does not divide the {batch * length} tokens of '
-        f'this batch ([batch={batch}, length={length}]). Choose a group size that divides '
-        f'batch * length, max_group_size=N for Flaxformer\'s rule (which pads), or '
-        f'group_size=None to route each example as one group.')
-  return GroupPlan(batch * length // group_size, group_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fixed(Grouping):
+  """Consecutive runs of `size` tokens of the flattened batch; batch * length must be a
+  multiple of it."""
+
+  size: int
+
+  def __post_init__(self):
+    fields.integer(self, 'size', 1)
+
+  def plan(self, batch: int, length: int, num_experts: int) -> GroupPlan:
+    del num_experts
+    if (batch * length) % self.size:
+      raise ValueError(
+          f'{fields.binding(self, "size")} = {self.size} does not divide the {batch * length} '
+          f'tokens of this batch ([batch={batch}, length={length}]). Choose a group size that '
+          f'divides batch * length, @grouping.Flaxformer() for Flaxformer\'s rule (which '
+          f'pads), or @grouping.PerExample() to route each example as one group.')
+    return GroupPlan(batch * length // self.size, self.size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Flaxformer(Grouping):
+  """Flaxformer's grouping (T5X's GROUP_SIZE = 4096): groups span the examples of the batch;
+  their number is the smallest n >= max(tokens // max_group_size, E * R) dividing the token
+  count with n a multiple of E * R (`flaxformer_num_groups`); a token count that is not a
+  multiple of E * R is first padded (masked padding, as Flaxformer's `_maybe_pad` places it).
+
+  Attributes:
+    max_group_size: N, Flaxformer's `max_group_size`.
+    num_expert_replicas: R. Flaxformer infers it from the mesh as device_count //
+      (num_expert_partitions * num_model_partitions), assuming a ['data', 'expert', 'model']
+      mesh with experts replicated over 'data'; here it is explicit so that the groups (and so
+      the routing) do not change with the number of devices. 1 = one copy of each expert
+      (Flaxformer on a mesh with data * expert * model = E devices, or fewer).
+  """
+
+  max_group_size: int = 4096
+  num_expert_replicas: int = 1
+
+  def __post_init__(self):
+    fields.integer(self, 'max_group_size', 1)
+    fields.integer(self, 'num_expert_replicas', 1)
+
+  def plan(self, batch: int, length: int, num_experts: int) -> GroupPlan:
+    multiple = num_experts * self.num_expert_replicas
+    pad_batch, pad_length = flaxformer_padding(batch, length, multiple)
+    tokens = (batch + pad_batch) * (length + pad_length)
+    groups = flaxformer_num_groups(tokens, self.max_group_size, num_experts,
+                                   self.num_expert_replicas)
+    return GroupPlan(groups, tokens // groups, pad_batch, pad_length)
 
 
 def group_tokens(x: Array, token_mask: Optional[Array],

@@ -57,7 +57,7 @@ from upcycle.upcycling.base import ExpertInit
 from upcycle.upcycling.experts import Copy
 from upcycle.upcycling.optimizer import upcycle_optimizer_state
 from upcycle.upcycling.plan import Plan
-from upcycle.upcycling.routers import Normal, RouterInit
+from upcycle.upcycling.router_init import Normal, RouterInit
 from upcycle.upcycling.sources import MultiSource, combine
 from upcycle.upcycling.surgery import make_plan
 

@@ -126,7 +126,7 @@ class ExpertInit(abc.ABC):
 def from_registry(init: Any, kind: type, registry: Mapping[str, Callable[[], Any]], flag: str,
                   hint: str) -> Any:
   """`init` if it is a `kind`, else `registry[init]()`: the one lookup of `experts.get`,
-  `routers.get` and convert's --experts / --router (so they accept the same names)."""
+  `router_init.get` and convert's --experts / --router (so they accept the same names)."""
   if isinstance(init, kind):
     return init
   if isinstance(init, str) and init in registry:

@@ -1,4 +1,4 @@
-"""Capturing the inputs of a dense model's MLPs, for `routers.FromData`.
+"""Capturing the inputs of a dense model's MLPs, for `router_init.FromData`.
 
 The router of an MoE block sees exactly what the dense MLP it replaces saw
 (the pre-MLP normalized hidden state), so the inputs of the dense MLP modules
@@ -58,7 +58,7 @@ def mlp_inputs(model: nn.Module, variables: Mapping[str, Any], layers: Sequence[
 def hidden_states_per_expert(model: nn.Module, variables: Mapping[str, Any],
                              layers: Sequence[str],
                              batches: Sequence[Mapping[str, Any]]) -> Dict[str, List[jax.Array]]:
-  """MLP inputs at `layers` for batch e of each expert e: the input of `routers.FromData`.
+  """MLP inputs at `layers` for batch e of each expert e: the input of `router_init.FromData`.
 
   `batches[e]` holds the keyword inputs of the model for the data expert e
   should handle (e.g. UpIT: the data its source checkpoint does best on).

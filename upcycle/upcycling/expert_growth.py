@@ -36,10 +36,10 @@ probability of the copied sources (counted once per copy):
     with uneven copies) every weight shrinks by 1 / (1 + r(x)), or a copy joins its source's
     tokens: the function changes at the growth step.
 
-Slots per expert shrink as E grows ('vmoe': K C S / E, 't5x': C S / E, not times K): scale the
-capacity factor by m for Expert Choice and for 't5x' Top-K ('vmoe' Top-K keeps its slots when
-k and E both grow m times). Flaxformer's grouping (`max_group_size`) depends on E: exactness
-also needs the same groups.
+Slots per expert shrink as E grows (`capacity.Vmoe`: K C S / E, `capacity.T5X`: C S / E, not
+times K): scale the capacity factor by m for Expert Choice and for T5X-convention Top-K (V-MoE
+convention Top-K keeps its slots when k and E both grow m times). Flaxformer's grouping
+(`grouping.Flaxformer`) depends on E: exactness also needs the same groups.
 """
 
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union

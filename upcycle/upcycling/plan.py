@@ -43,7 +43,7 @@ from upcycle.upcycling import ffn
 from upcycle.upcycling.base import ExpertInit
 from upcycle.upcycling.report import (COPIED, EXPERTS, ROUTER, SHARED, TAKEN, Entry,
                                       UpcycleReport)
-from upcycle.upcycling.routers import RouterInit
+from upcycle.upcycling.router_init import RouterInit
 
 UPCYCLE_FIX = ('the MoE model must be the dense architecture with MoE blocks (same config and '
                'parameter names as the checkpoint)')

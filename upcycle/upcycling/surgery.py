@@ -10,7 +10,7 @@ import jax
 
 from upcycle.upcycling import execute, plan as plan_lib
 from upcycle.upcycling import experts as experts_lib
-from upcycle.upcycling import routers as routers_lib
+from upcycle.upcycling import router_init
 from upcycle.upcycling.base import ExpertInit
 from upcycle.upcycling.report import UpcycleReport
 from upcycle.upcycling.sources import MultiSource
@@ -25,7 +25,7 @@ def _key(rng: Union[jax.Array, int]) -> jax.Array:
 
 def make_plan(dense_params: Mapping[str, Any], target: Mapping[str, Any], *,
               experts: Union[str, ExpertInit] = 'copy',
-              router: Union[str, routers_lib.RouterInit] = 'normal', cast: bool = False,
+              router: Union[str, router_init.RouterInit] = 'normal', cast: bool = False,
               step: int = 0, layers: Optional[Layers] = None) -> plan_lib.Plan:
   """The plan of `upcycle`, initializers given by name or instance.
 
@@ -33,13 +33,13 @@ def make_plan(dense_params: Mapping[str, Any], target: Mapping[str, Any], *,
   `shared_params()`: the sources are the plan's, the executors do not know them.
   """
   shared = experts.describe_shared() if isinstance(experts, MultiSource) else 'copy'
-  return plan_lib.make(dense_params, target, experts_lib.get(experts), routers_lib.get(router),
+  return plan_lib.make(dense_params, target, experts_lib.get(experts), router_init.get(router),
                        cast=cast, shared=shared, step=step, layers=layers)
 
 
 def upcycle(dense_params: Mapping[str, Any], target: Mapping[str, Any], *,
             experts: Union[str, ExpertInit] = 'copy',
-            router: Union[str, routers_lib.RouterInit] = 'normal',
+            router: Union[str, router_init.RouterInit] = 'normal',
             rng: Union[jax.Array, int], cast: bool = False,
             layers: Optional[Layers] = None) -> Tuple[Params, UpcycleReport]:
   """Builds MoE params from dense params, shaped like `target`.
@@ -51,7 +51,7 @@ def upcycle(dense_params: Mapping[str, Any], target: Mapping[str, Any], *,
       `jax.eval_shape(moe_model.init, ...)['params']`; flax partitioning
       boxes are unboxed.
     experts: expert initializer, or one of `experts.EXPERT_INITS`.
-    router: router initializer, or one of `routers.ROUTER_INITS`.
+    router: router initializer, or one of `router_init.ROUTER_INITS`.
     rng: key (or int seed). Each layer's draws depend only on the key and the
       layer's path.
     cast: cast dense values to the target dtypes instead of failing on a
@@ -77,7 +77,7 @@ def upcycle(dense_params: Mapping[str, Any], target: Mapping[str, Any], *,
 
 
 def upcycle_from_checkpoints(experts: MultiSource, target: Mapping[str, Any], *,
-                             router: Union[str, routers_lib.RouterInit] = 'normal',
+                             router: Union[str, router_init.RouterInit] = 'normal',
                              rng: Union[jax.Array, int],
                              cast: bool = False, layers: Optional[Layers] = None
                              ) -> Tuple[Params, UpcycleReport]:
@@ -108,6 +108,6 @@ def copy_params(params: Mapping[str, Any], target: Mapping[str, Any], *,
     (params, report): a nested dict like `target`, and the report (every
     entry 'copied'; `unused` lists source leaves the target does not have).
   """
-  plan = plan_lib.make(params, target, experts_lib.Copy(), routers_lib.Normal(), cast=cast,
+  plan = plan_lib.make(params, target, experts_lib.Copy(), router_init.Normal(), cast=cast,
                        upcycling=False)
   return execute.run(plan, params, jax.random.PRNGKey(0)), plan.report()

@@ -5,15 +5,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from upcycle.upcycling import routers
+from upcycle.upcycling import router_init
 
 KEY = jax.random.PRNGKey(0)
 ROUTER = {'router_weights/w/kernel': jax.ShapeDtypeStruct((64, 32), jnp.float32),
           'router_weights/w/bias': jax.ShapeDtypeStruct((32,), jnp.float32)}
 
 
-@pytest.mark.parametrize('init,std', [(routers.Normal(), 0.02), (routers.Normal(0.1), 0.1),
-                                      (routers.Uniform(0.05), 0.05)])
+@pytest.mark.parametrize('init,std', [(router_init.Normal(), 0.02), (router_init.Normal(0.1), 0.1),
+                                      (router_init.Uniform(0.05), 0.05)])
 def test_distributions_have_zero_mean_and_the_given_std(init, std):
   out = init(ROUTER, KEY, layer='l')
   kernel = np.asarray(out['router_weights/w/kernel'])
@@ -21,19 +21,19 @@ def test_distributions_have_zero_mean_and_the_given_std(init, std):
   assert abs(kernel.mean()) < 4 * std / np.sqrt(kernel.size)
   assert abs(kernel.std() / std - 1) < 0.05
   assert not np.asarray(out['router_weights/w/bias']).any()
-  if isinstance(init, routers.Uniform):
+  if isinstance(init, router_init.Uniform):
     assert np.abs(kernel).max() <= std * np.sqrt(3)
 
 
 def test_zeros():
-  out = routers.get('zeros')(ROUTER, KEY)
+  out = router_init.get('zeros')(ROUTER, KEY)
   assert not np.asarray(out['router_weights/w/kernel']).any()
 
 
 def test_from_data_columns_are_normalized_means():
   rng = np.random.default_rng(0)
   hidden = [rng.normal(e, 1.0, (3, 5, 4)).astype(np.float32) for e in range(3)]
-  init = routers.FromData({'enc/mlp': hidden}, scale=2.0)
+  init = router_init.FromData({'enc/mlp': hidden}, scale=2.0)
   router = {'w/kernel': jax.ShapeDtypeStruct((4, 3), jnp.float32)}
   kernel = np.asarray(init(router, KEY, layer='enc/mlp')['w/kernel'])
   for e in range(3):
@@ -47,14 +47,14 @@ def test_from_data_columns_are_normalized_means():
 def test_from_data_errors_name_the_layer():
   router = {'w/kernel': jax.ShapeDtypeStruct((4, 3), jnp.float32)}
   with pytest.raises(ValueError, match=r"no hidden states for the MoE block at dec/mlp; have \['enc/mlp'\]"):
-    routers.FromData({'enc/mlp': [np.ones((2, 4))] * 3})(router, KEY, layer='dec/mlp')
+    router_init.FromData({'enc/mlp': [np.ones((2, 4))] * 3})(router, KEY, layer='dec/mlp')
   with pytest.raises(ValueError, match=r'2 batches of hidden states for enc/mlp but its router kernel '
                      r'\(4, 3\) has 3 experts'):
-    routers.FromData({'enc/mlp': [np.ones((2, 4))] * 2})(router, KEY, layer='enc/mlp')
+    router_init.FromData({'enc/mlp': [np.ones((2, 4))] * 2})(router, KEY, layer='enc/mlp')
 
 
-@pytest.mark.parametrize('name', sorted(routers.ROUTER_INITS))
+@pytest.mark.parametrize('name', sorted(router_init.ROUTER_INITS))
 def test_every_router_name_convert_accepts_is_one_get_accepts(name):
   from upcycle import convert  # pylint: disable=g-import-not-at-top
-  parsed = convert.parse_init(name, routers.ROUTER_INITS, '--router')
-  assert parsed == routers.get(name) == routers.ROUTER_INITS[name]()
+  parsed = convert.parse_init(name, router_init.ROUTER_INITS, '--router')
+  assert parsed == router_init.get(name) == router_init.ROUTER_INITS[name]()
