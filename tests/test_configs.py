@@ -117,6 +117,25 @@ def test_router_ablations_bind_each_stack_its_own_router():
   assert cfg.encoder_moe.router == cfg.decoder_moe.router == routers.TopK(k=1)
 
 
+def test_placement_ablations_place_the_moe_blocks_of_every_stack():
+  """experiments/moe_last_2_layers.gin over the paper's T5 and ViT files puts MoE in the last
+  two blocks of each stack (T5 Base: 12 + 12 layers, ViT-B/16: 12) and keeps the routing;
+  moe/mixtral.gin over a Llama puts it in every layer."""
+  parse(['models/t5_1_1/base.gin', 'moe/paper_t5.gin', 'experiments/moe_last_2_layers.gin'],
+        ['probe.model = %MODEL'])
+  cfg = probe().config
+  assert cfg.sparse_layers('encoder') == cfg.sparse_layers('decoder') == (10, 11)
+  assert cfg.encoder_moe.router == routers.ExpertsChoose()
+  gin.clear_config()
+  parse(['models/vit/b16.gin', 'moe/paper_vit.gin', 'experiments/moe_last_2_layers.gin'],
+        ['probe.model = %MODEL'])
+  assert probe().config.sparse_layers() == (10, 11)
+  gin.clear_config()
+  parse(['models/llama/drop_upcycling_152m.gin', 'moe/mixtral.gin'], ['probe.model = %MODEL'])
+  cfg = probe().config
+  assert cfg.sparse_layers() == tuple(range(cfg.num_layers)) and len(cfg.sparse_layers()) > 1
+
+
 def test_shared_expert_gin_adds_one_to_every_moe_stack():
   parse(['models/t5_1_1/base.gin', 'moe/paper_t5.gin', 'moe/shared_expert.gin',
          'upcycling/zero_output.gin'], MACROS[:1] + ['probe.model = %MODEL'])

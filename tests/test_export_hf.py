@@ -247,8 +247,8 @@ def _moe(**change):
 QWEN2_MOE = {
     # MoE in layers 0 and 2 only, q/k/v biases, a shared expert of its own d_ff.
     'some_layers_shared_expert_qkv_bias': LlamaConfig(
-        **{**SMALL, 'num_layers': 3}, qkv_bias=True, rope_theta=1e6,
-        moe=_moe(placement=(0, 2), shared_expert=True, shared_expert_d_ff=24)),
+        **{**SMALL, 'num_layers': 3}, qkv_bias=True, rope_theta=1e6, moe_layers=(0, 2),
+        moe=_moe(shared_expert=True, shared_expert_d_ff=24)),
     # Raw top-2 weights, no shared expert (written as one of 0 units), full capacity, tied head.
     'raw_weights_no_shared_expert': LlamaConfig(
         **SMALL, logits_via_embedding=True,

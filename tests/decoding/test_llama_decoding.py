@@ -161,7 +161,7 @@ def _moe_scanned(model, params):
   """The model with every block an MoE of copied experts (no token dropped: capacity factor
   4 for k = 2 of 4), scanned, and its stacked params."""
   config = dataclasses.replace(model.config, scan_layers=True, moe=MoeConfig(
-      num_experts=4, router=routers.TopK(k=2), placement='all', eval_capacity_factor=4.0,
+      num_experts=4, router=routers.TopK(k=2), eval_capacity_factor=4.0,
       normalize_combine_weights=True))
   unrolled = dataclasses.replace(config, scan_layers=False)
   moe_params, _ = upcycling.upcycle(params, abstract_params(unrolled), experts='copy',

@@ -31,11 +31,12 @@ def skewed_model(k):
   early); each decoder router's expert-0 column gains 6 u / |u|^2, u the mean of its layer's
   MLP inputs, so that expert 0 is the first choice of at least 3/4 of the tokens (asserted).
   """
-  moe = MoeConfig(num_experts=8, router=routers.TopK(k=k), placement='all',
+  moe = MoeConfig(num_experts=8, router=routers.TopK(k=k),
                   capacity_convention=capacity.T5X(), eval_capacity_factor=2.0,
                   grouping=grouping.Flaxformer(max_group_size=4096))
   model = T5(T5Config(vocab_size=32, d_model=16, num_heads=2, d_kv=8, d_ff=32,
-                      num_encoder_layers=2, num_decoder_layers=2, decoder_moe=moe))
+                      num_encoder_layers=2, num_decoder_layers=2, decoder_moe=moe,
+                      decoder_moe_layers='all'))
   targets = OTHER_INPUTS[:, :6]
   params = flax.linen.meta.unbox(
       jitted(model.init, jax.random.PRNGKey(0), INPUTS, targets)['params'])
@@ -100,9 +101,10 @@ def test_a_training_group_size_that_does_not_divide_the_decode_batch_decodes_as_
   30 tokens, which 4 does not divide: decoding still routes each new token on its own (the
   prefill's placeholder too), so the tokens are those of the same model without groups."""
   def decoded(groups):
-    moe = MoeConfig(num_experts=4, router=routers.TopK(k=2), placement='all', grouping=groups)
+    moe = MoeConfig(num_experts=4, router=routers.TopK(k=2), grouping=groups)
     model = T5(T5Config(vocab_size=32, d_model=16, num_heads=2, d_kv=8, d_ff=32,
-                        num_encoder_layers=1, num_decoder_layers=2, decoder_moe=moe))
+                        num_encoder_layers=1, num_decoder_layers=2, decoder_moe=moe,
+                        decoder_moe_layers='all'))
     params = flax.linen.meta.unbox(
         jitted(model.init, jax.random.PRNGKey(0), INPUTS[:3], OTHER_INPUTS[:3, :4])['params'])
     params = jax.tree.map(lambda w: 3.0 * w, params)

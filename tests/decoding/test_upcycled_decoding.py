@@ -23,8 +23,9 @@ def moe_config(dense, normalize):
       dense,
       encoder_moe=MoeConfig(num_experts=4, router=routers.ExpertsChoose(), eval_capacity_factor=4.0,
                             normalize_combine_weights=normalize),
-      decoder_moe=MoeConfig(num_experts=4, router=routers.TopK(k=2), placement='all',
-                            eval_capacity_factor=2.0, normalize_combine_weights=normalize))
+      decoder_moe=MoeConfig(num_experts=4, router=routers.TopK(k=2),
+                            eval_capacity_factor=2.0, normalize_combine_weights=normalize),
+      decoder_moe_layers='all')
 
 
 @pytest.fixture(scope='module')

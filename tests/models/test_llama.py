@@ -24,7 +24,7 @@ DENSE = LlamaConfig(vocab_size=97, d_model=32, num_heads=6, num_kv_heads=2, head
 # capacity factor 2 no token is dropped, and normalized combine weights make copied experts
 # compute the dense MLP.
 MOE = dataclasses.replace(DENSE, moe=MoeConfig(
-    num_experts=4, router=routers.TopK(k=2), placement='all', train_capacity_factor=2.0,
+    num_experts=4, router=routers.TopK(k=2), train_capacity_factor=2.0,
     eval_capacity_factor=2.0, normalize_combine_weights=True, dispatch='indices'))
 TOKENS = np.random.default_rng(0).integers(0, DENSE.vocab_size, (2, 12)).astype(np.int32)
 
@@ -212,8 +212,8 @@ def test_from_hf_config_refuses_in_one_line(changes, field):
     ({'num_kv_heads': 4}, 'models.LlamaConfig.num_kv_heads = 4'),
     ({'head_dim': 9}, 'models.LlamaConfig.head_dim = 9'),
     ({'moe': MoeConfig(num_experts=4)}, 'models.LlamaConfig.moe.router = ExpertsChoose'),
-    ({'moe': MoeConfig(num_experts=4, router=routers.TopK(), placement='last_1'),
-      'scan_layers': True}, 'models.LlamaConfig.moe.placement'),
+    ({'moe': MoeConfig(num_experts=4, router=routers.TopK()), 'moe_layers': 'last_1',
+      'scan_layers': True}, 'models.LlamaConfig.moe_layers'),
 ])
 def test_config_refuses_what_it_cannot_build(changes, binding):
   with pytest.raises(fields.ConfigError, match=binding.replace('.', r'\.')):

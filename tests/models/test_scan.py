@@ -152,9 +152,8 @@ def test_periods_and_non_periodic_placements():
   assert scan_layout.pattern(tuple(range(8)), 8) == (True,)
   assert scan_layout.pattern((3, 7), 8) == (False, False, False, True)
   with pytest.raises(fields.ConfigError,
-                     match=r'^models.T5Config.encoder_moe.placement: .*scan_layers=False'):
-    dataclasses.replace(T5_MOE, scan_layers=True,
-                        encoder_moe=dataclasses.replace(T5_MOE.encoder_moe, placement='last_2'))
+                     match=r'^models.T5Config.encoder_moe_layers: .*scan_layers=False'):
+    dataclasses.replace(T5_MOE, scan_layers=True, encoder_moe_layers='last_2')
   with pytest.raises(fields.ConfigError,
                      match=r"^models.ViTConfig.remat_policy = 'some': expected one of"):
     dataclasses.replace(VIT_MOE, remat_policy='some')

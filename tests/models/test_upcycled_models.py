@@ -76,8 +76,9 @@ def test_t5_refuses_expert_choice_in_the_decoder():
 def test_placement_decides_which_mlps_are_sparse(placement, encoder, decoder):
   cfg = dataclasses.replace(
       MODEL_T5, num_encoder_layers=4, num_decoder_layers=4,
-      encoder_moe=MoeConfig(num_experts=2, placement=placement),
-      decoder_moe=MoeConfig(num_experts=2, router=routers.TopK(), placement=placement))
+      encoder_moe=MoeConfig(num_experts=2),
+      decoder_moe=MoeConfig(num_experts=2, router=routers.TopK()),
+      encoder_moe_layers=placement, decoder_moe_layers=placement)
   enc, dec = tokens(0, (1, 4), cfg.vocab_size), tokens(1, (1, 4), cfg.vocab_size)
   shapes = jax.eval_shape(T5(cfg).init, jax.random.PRNGKey(0), enc, dec)['params']
   sparse = lambda stack: [i for i in range(4)

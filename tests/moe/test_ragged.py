@@ -28,8 +28,7 @@ def config(dispatch, **overrides):
   # Capacity factor E with vmoe's K * C * S / E: each expert has a slot for every token.
   return MoeConfig(**{**dict(num_experts=E, router=routers.TopK(k=2),
                              train_capacity_factor=float(E), eval_capacity_factor=float(E),
-                             capacity_convention=capacity.Vmoe(multiple_of=1), placement='all',
-                             dispatch=dispatch),
+                             capacity_convention=capacity.Vmoe(multiple_of=1), dispatch=dispatch),
                       **overrides})
 
 

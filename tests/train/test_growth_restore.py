@@ -25,8 +25,9 @@ BATCH = {'encoder_input_tokens': np.zeros((4, 6), np.int32),
          'decoder_target_tokens': np.zeros((4, 4), np.int32)}
 SMALL = dataclasses.replace(
     helpers.CHECKPOINT_T5, num_encoder_layers=1, num_decoder_layers=1,
-    encoder_moe=MoeConfig(num_experts=2, router=routers.ExpertsChoose(), placement='all'),
-    decoder_moe=MoeConfig(num_experts=2, router=routers.TopK(k=1), placement='all'))
+    encoder_moe=MoeConfig(num_experts=2, router=routers.ExpertsChoose()),
+    decoder_moe=MoeConfig(num_experts=2, router=routers.TopK(k=1)),
+    encoder_moe_layers='all', decoder_moe_layers='all')
 WO = 'encoder/layers_0/mlp/expert/wo/kernel'
 
 

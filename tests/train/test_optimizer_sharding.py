@@ -218,9 +218,9 @@ def test_upcycled_t5x_state_is_read_and_placed_like_the_params(tmp_path, monkeyp
 def test_grown_adafactor_state_is_placed_like_the_params(tmp_path, monkeypatch):
   small = dataclasses.replace(
       T5_MOE, num_encoder_layers=1, num_decoder_layers=1,
-      encoder_moe=dataclasses.replace(ENCODER_MOE, num_experts=2, placement='all'),
-      decoder_moe=dataclasses.replace(DECODER_MOE, num_experts=2, router=routers.TopK(k=1),
-                                      placement='all'))
+      encoder_moe=dataclasses.replace(ENCODER_MOE, num_experts=2),
+      decoder_moe=dataclasses.replace(DECODER_MOE, num_experts=2, router=routers.TopK(k=1)),
+      encoder_moe_layers='all', decoder_moe_layers='all')
   params = helpers.random_params(small)
   optimizer = OPTIMIZERS['adafactor'].build()
   grads = jax.tree.map(lambda x: np.full(x.shape, 0.1, x.dtype), params)

@@ -27,7 +27,8 @@ VIT_MOE = dataclasses.replace(MODEL_VIT, moe=MoeConfig(num_experts=8, router=rou
 LLAMA_MOE = LlamaConfig(vocab_size=64, d_model=16, num_heads=4, num_kv_heads=2, head_dim=8,
                         d_ff=32, num_layers=2,
                         moe=MoeConfig(num_experts=8, router=routers.TopK(k=2),
-                                      dispatch='indices', train_capacity_factor=2.0))
+                                      dispatch='indices', train_capacity_factor=2.0),
+                        moe_layers='every_other')
 
 
 def t5_case():

@@ -22,7 +22,7 @@ T5_MOE = models.T5Config(vocab_size=128, d_model=32, d_ff=64, num_heads=2, d_kv=
                          decoder_moe=EVERY_OTHER, scan_layers=True)
 LLAMA_MOE = models.LlamaConfig(vocab_size=128, d_model=32, d_ff=64, num_heads=2, num_kv_heads=1,
                                num_layers=3, scan_layers=True,
-                               moe=dataclasses.replace(EVERY_OTHER, placement='all'))
+                               moe=EVERY_OTHER, moe_layers='all')
 TOKENS = np.arange(2 * 16, dtype=np.int32).reshape(2, 16) % 127 + 1
 
 
@@ -72,8 +72,7 @@ def test_periods_and_shallow_copies_keep_the_moe_blocks_in_place():
   cut = step_count.shallow(Forward(models.T5(T5_MOE)), (1, 2)).model.config
   assert (cut.num_encoder_layers, cut.num_decoder_layers, cut.scan_layers) == (2, 4, False)
   assert cut.sparse_layers('encoder') == (1,) and cut.sparse_layers('decoder') == (1, 3)
-  listed = dataclasses.replace(T5_MOE, encoder_moe=dataclasses.replace(
-      EVERY_OTHER, placement=(0, 2)))      # MoE first in each period
+  listed = dataclasses.replace(T5_MOE, encoder_moe_layers=(0, 2))   # MoE first in each period
   cut = step_count.shallow(Forward(models.T5(listed)), (1, 1)).model.config
   assert cut.sparse_layers('encoder') == (0,) and cut.sparse_layers('decoder') == (1,)
   cut = step_count.shallow(Forward(models.Llama(LLAMA_MOE)), (1,)).model.config

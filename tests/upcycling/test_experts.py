@@ -114,9 +114,10 @@ def test_layer_positions_from_the_names_and_from_the_model_configs_agree():
       'enc/mlp': None}
   t5 = T5Config(vocab_size=8, d_model=4, num_heads=1, d_kv=4, d_ff=8, num_encoder_layers=4,
                 num_decoder_layers=4, encoder_moe=MoeConfig(num_experts=2),
-                decoder_moe=MoeConfig(num_experts=2, placement='all', router=routers.TopK()))
+                decoder_moe=MoeConfig(num_experts=2, router=routers.TopK()),
+                decoder_moe_layers='all')
   vit = ViTConfig(num_classes=2, image_size=(4, 4), patch_size=(2, 2), width=4, depth=4,
-                  mlp_dim=8, num_heads=1, moe=MoeConfig(num_experts=2, placement=(0, 3)))
+                  mlp_dim=8, num_heads=1, moe=MoeConfig(num_experts=2), moe_layers=(0, 3))
   for config in (t5, vit):
     moe = tree.moe_layers(tree.flatten(abstract_params(config)))
     assert config.moe_positions() == tree.layer_positions(moe)

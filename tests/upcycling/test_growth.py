@@ -30,12 +30,12 @@ def test_tiling_every_expert_with_k_and_capacity_scaled_keeps_the_t5_logits():
   one_layer = dataclasses.replace(helpers.CHECKPOINT_T5, num_encoder_layers=1, num_decoder_layers=1)
   moe = lambda e, c, k: dataclasses.replace(
       one_layer, encoder_moe=MoeConfig(num_experts=e, router=routers.ExpertsChoose(),
-                                       placement='all',
                                        eval_capacity_factor=c,
                                        capacity_convention=capacity.Vmoe(multiple_of=1)),
-      decoder_moe=MoeConfig(num_experts=e, router=routers.TopK(k=k), placement='all',
+      decoder_moe=MoeConfig(num_experts=e, router=routers.TopK(k=k),
                             eval_capacity_factor=1.0,
-                            capacity_convention=capacity.Vmoe(multiple_of=1)))
+                            capacity_convention=capacity.Vmoe(multiple_of=1)),
+      encoder_moe_layers='all', decoder_moe_layers='all')
   small, grown = moe(2, 1.0, 1), moe(4, 2.0, 2)
   params = helpers.random_params(small, scale=1.0)
   new, growth = grow_experts(params, abstract_params(grown), sources='tile')

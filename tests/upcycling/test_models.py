@@ -61,8 +61,8 @@ def test_t5_granular_upcycling_is_function_preserving(t5_dense):
   """G = 2, E = 4, expert d_ff = 16 / 2; Expert Choice encoder, Top-2 decoder, normalized."""
   params, enc, dec, dense_logits = t5_dense
   config = dataclasses.replace(
-      T5_DENSE, d_ff=8, encoder_moe=dataclasses.replace(ENCODER_MOE, placement='all'),
-      decoder_moe=dataclasses.replace(DECODER_MOE, placement='all'))
+      T5_DENSE, d_ff=8, encoder_moe=ENCODER_MOE, decoder_moe=DECODER_MOE,
+      encoder_moe_layers='all', decoder_moe_layers='all')
   moe_params, _ = upcycle(params, _t5_target(config, enc, dec), experts=experts.Granular(2),
                           router=router_init.Normal(1.0), rng=0)
   logits = jitted(T5(config).apply, {'params': moe_params}, enc, dec)

@@ -42,10 +42,9 @@ import jax.numpy as jnp
 
 from upcycle import fields, layers
 from upcycle.models import llama_hf, rope, scan_layout, stacking
-from upcycle.moe import grouping
+from upcycle.moe import grouping, placement
 from upcycle.moe.config import MoeConfig
 from upcycle.moe.layer import MoeLayer
-from upcycle.moe.placement import sparse_layer_indices
 
 Array = jax.Array
 
@@ -57,7 +56,8 @@ EMBEDDING_INIT = nn.initializers.normal(stddev=0.02)
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
   """Llama hyperparameters (defaults: transformers' `LlamaConfig`, Llama 2 7B). MoE: a MoeConfig
-  or None. `LlamaConfig.from_hf_config(config_json)` reads a Llama / Mistral / Qwen2 / Mixtral
+  or None, at the blocks `moe_layers` names (`upcycle.moe.placement`; default 'all', as Mixtral).
+  `LlamaConfig.from_hf_config(config_json)` reads a Llama / Mistral / Qwen2 / Mixtral
   config.json, and a Qwen2-MoE one as `upcycle.export` writes it.
 
   Attributes beyond T5Config's names:
@@ -91,6 +91,7 @@ class LlamaConfig:
   dropout_rate: float = 0.0
   dtype: str = 'float32'
   moe: Optional[MoeConfig] = None
+  moe_layers: placement.Placement = 'all'
   scan_layers: bool = False
   remat_policy: str = 'none'
 
@@ -108,6 +109,7 @@ class LlamaConfig:
     fields.fraction(self, 'dropout_rate')
     fields.choice(self, 'dtype', layers.DTYPES)
     fields.optional_instance(self, 'moe', MoeConfig, '@moe.MoeConfig()')
+    placement.check(self, 'moe_layers', self.num_layers)
     fields.choice(self, 'remat_policy', tuple(stacking.REMAT_POLICIES))
     if self.num_heads % self.num_kv_heads:
       raise fields.ConfigError(
@@ -119,7 +121,7 @@ class LlamaConfig:
           f'rotary embedding rotates the two halves of each head).')
     if self.scan_layers:
       scan_layout.check_scannable(self.sparse_layers(), self.num_layers,
-                                  f'{fields.binding(self, "moe")}.placement')
+                                  fields.binding(self, 'moe_layers'))
     if self.moe is not None:
       self.moe.router.check_causal(
           f"{fields.binding(self, 'moe')}.router = {self.moe.router!r}")
@@ -139,7 +141,9 @@ class LlamaConfig:
     return cls(**llama_hf.config_fields(hf_config, max_length=max_length, source=source))
 
   def sparse_layers(self) -> tuple:
-    return () if self.moe is None else sparse_layer_indices(self.moe.placement, self.num_layers)
+    if self.moe is None:
+      return ()
+    return placement.sparse_layer_indices(self.moe_layers, self.num_layers)
 
   def moe_positions(self) -> dict:
     """{MLP path of every MoE block: (stack, layer index)} (`T5Config.moe_positions`)."""

@@ -28,7 +28,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from upcycle import fields
 from upcycle.models import rope
-from upcycle.moe import capacity, routers
+from upcycle.moe import capacity, placement, routers
 from upcycle.moe.config import MoeConfig
 
 MODEL_TYPES = ('llama', 'mistral', 'qwen2', 'mixtral', 'qwen2_moe')
@@ -105,15 +105,14 @@ def mixtral_moe(num_experts: int, k: int, aux_loss_coef: float) -> MoeConfig:
   """The MoE block transformers' MixtralSparseMoeBlock computes: router logits in float32,
   softmax over the E experts, the top k renormalized to sum to 1, every token processed by
   its k experts (the dropless 'ragged' dispatch, megablox's kernels on TPU; the capacity
-  factors E, unused by it, give 'indices' or 'masked' a slot for every token too), every
-  layer MoE;
+  factors E, unused by it, give 'indices' or 'masked' a slot for every token too);
   `load_balancing_loss_func`'s loss (E x sum_e f_e p_e over all layers' and all real tokens'
   choices together) weighted by `router_aux_loss_coef`; no z-loss."""
   return MoeConfig(
       num_experts=num_experts, router=routers.TopK(k=k),
       train_capacity_factor=float(num_experts), eval_capacity_factor=float(num_experts),
       capacity_convention=capacity.Vmoe(multiple_of=1), normalize_combine_weights=True,
-      placement='all', dispatch='ragged', grouped_kernel='megablox',
+      dispatch='ragged', grouped_kernel='megablox',
       load_balancing_loss_weight=aux_loss_coef,
       load_balancing_scope='batch', load_balancing_layers='pooled', router_z_loss_weight=0.0,
       ignore_padding_tokens=True)
@@ -124,10 +123,7 @@ def _qwen2_moe(hf: Mapping[str, Any], source: str) -> Optional[MoeConfig]:
   Mixtral's routing in the layers `mlp_only_layers` and `decoder_sparse_step` make MoE, the
   top k renormalized iff `norm_topk_prob`, a shared expert iff it has units (its gate, which
   must be zeros, is `hf_qwen2_moe`'s to check), experts of the dense MLPs' d_ff."""
-  layers = _required(hf, 'num_hidden_layers', source)
-  step, dense = hf.get('decoder_sparse_step', 1), set(hf.get('mlp_only_layers') or ())
-  sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
-  if not sparse or not hf.get('num_experts', 60):   # transformers' default: 60
+  if not _qwen2_sparse_layers(hf, source) or not hf.get('num_experts', 60):   # HF default: 60
     return None
   d_ff = _required(hf, 'intermediate_size', source)
   if _required(hf, 'moe_intermediate_size', source) != d_ff:
@@ -138,9 +134,23 @@ def _qwen2_moe(hf: Mapping[str, Any], source: str) -> Optional[MoeConfig]:
   return dataclasses.replace(
       mixtral_moe(hf.get('num_experts', 60), _required(hf, 'num_experts_per_tok', source),
                   hf.get('router_aux_loss_coef', 0.001)),
-      placement='all' if len(sparse) == layers else sparse,
       normalize_combine_weights=bool(hf.get('norm_topk_prob', False)),
       shared_expert=shared > 0, shared_expert_d_ff=None if shared in (0, d_ff) else shared)
+
+
+def _qwen2_sparse_layers(hf: Mapping[str, Any], source: str) -> Tuple[int, ...]:
+  """The layers a Qwen2-MoE makes MoE: not in `mlp_only_layers`, every `decoder_sparse_step`."""
+  step, dense = hf.get('decoder_sparse_step', 1), set(hf.get('mlp_only_layers') or ())
+  return tuple(i for i in range(_required(hf, 'num_hidden_layers', source))
+               if i not in dense and (i + 1) % step == 0)
+
+
+def _moe_layers(hf: Mapping[str, Any], source: str) -> placement.Placement:
+  """`LlamaConfig.moe_layers`: every layer ('all'), or the ones a Qwen2-MoE makes MoE."""
+  if hf.get('model_type') != 'qwen2_moe':
+    return 'all'
+  sparse = _qwen2_sparse_layers(hf, source)
+  return 'all' if len(sparse) == _required(hf, 'num_hidden_layers', source) else sparse
 
 
 def _moe(hf: Mapping[str, Any], source: str) -> Optional[MoeConfig]:
@@ -196,7 +206,7 @@ def config_fields(hf: Mapping[str, Any], max_length: Optional[int] = None,
       layer_norm_epsilon=hf.get('rms_norm_eps', DEFAULT_RMS_NORM_EPS),
       logits_via_embedding=bool(hf.get('tie_word_embeddings', False)),
       sliding_window=_sliding_window(hf, model_type, max_length, source),
-      moe=_moe(hf, source))
+      moe=_moe(hf, source), moe_layers=_moe_layers(hf, source))
 
 
 def _slots_per_token(moe: MoeConfig) -> int:

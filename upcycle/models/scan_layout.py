@@ -57,20 +57,13 @@ def check_scannable(sparse: Sequence[int], num_layers: int, field: str) -> None:
         f'{num_layers}), or scan_layers=False.')
 
 
-def cut_moe(moe: Any, sparse: Sequence[int], depth: int) -> Any:
-  """The `MoeConfig` (or None) of a stack cut to its first `depth` layers: placed on the
-  layers of `sparse` below the cut (a stack's shallow copy, `with_depths`)."""
-  if moe is None:
-    return None
-  return dataclasses.replace(moe, placement=tuple(i for i in sparse if i < depth))
-
-
 def cut_one_stack(config: Any, depth_field: str, depths: Sequence[int]) -> Any:
   """`config.with_depths(depths)` of a config with one stack of `config.<depth_field>` layers
-  and one `moe` (ViT, Llama)."""
+  and its MoE blocks at `config.moe_layers` (ViT, Llama): those below the cut stay where
+  they were."""
   (depth,) = depths
   return dataclasses.replace(config, **{depth_field: depth}, scan_layers=False,
-                             moe=cut_moe(config.moe, config.sparse_layers(), depth))
+                             moe_layers=tuple(i for i in config.sparse_layers() if i < depth))
 
 
 def stacks(config) -> List[Tuple[str, str, str, int, Tuple[int, ...]]]:

@@ -31,17 +31,17 @@ import jax.numpy as jnp
 
 from upcycle import fields, layers
 from upcycle.models import scan_layout, stacking
-from upcycle.moe import grouping
+from upcycle.moe import grouping, placement
 from upcycle.moe.config import MoeConfig
 from upcycle.moe.layer import MoeLayer
-from upcycle.moe.placement import sparse_layer_indices
 
 Array = jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
 class T5Config:
-  """T5 v1.1 hyperparameters (defaults: T5 v1.1 Base). MoE per stack: a MoeConfig or None.
+  """T5 v1.1 hyperparameters (defaults: T5 v1.1 Base). MoE per stack: a MoeConfig or None,
+  at the blocks `encoder_moe_layers` / `decoder_moe_layers` name (`upcycle.moe.placement`).
 
   Every field is checked at construction, so a wrong gin binding fails before any work,
   naming the binding (`models.T5Config.d_model`).
@@ -62,6 +62,8 @@ class T5Config:
   dtype: str = 'float32'
   encoder_moe: Optional[MoeConfig] = None
   decoder_moe: Optional[MoeConfig] = None
+  encoder_moe_layers: placement.Placement = 'every_other'
+  decoder_moe_layers: placement.Placement = 'every_other'
   scan_layers: bool = False
   remat_policy: str = 'none'
 
@@ -76,21 +78,24 @@ class T5Config:
     fields.choice(self, 'dtype', layers.DTYPES)
     for name in ('encoder_moe', 'decoder_moe'):
       fields.optional_instance(self, name, MoeConfig, '@moe.MoeConfig()')
+    placement.check(self, 'encoder_moe_layers', self.num_encoder_layers)
+    placement.check(self, 'decoder_moe_layers', self.num_decoder_layers)
     fields.boolean(self, 'scan_layers')
     fields.choice(self, 'remat_policy', tuple(stacking.REMAT_POLICIES))
     if self.scan_layers:
       for stack, _, _, num_layers, sparse in self.layer_stacks():
         scan_layout.check_scannable(sparse, num_layers,
-                                    f'{fields.binding(self, stack + "_moe")}.placement')
+                                    fields.binding(self, f'{stack}_moe_layers'))
     if self.decoder_moe is not None:
       self.decoder_moe.router.check_causal(
           f"{fields.binding(self, 'decoder_moe')}.router = {self.decoder_moe.router!r}")
 
   def sparse_layers(self, stack: str) -> tuple:
     """Indices of the MoE blocks of 'encoder' or 'decoder'."""
-    moe = self.encoder_moe if stack == 'encoder' else self.decoder_moe
-    num_layers = self.num_encoder_layers if stack == 'encoder' else self.num_decoder_layers
-    return () if moe is None else sparse_layer_indices(moe.placement, num_layers)
+    if getattr(self, f'{stack}_moe') is None:
+      return ()
+    num_layers = getattr(self, f'num_{stack}_layers')
+    return placement.sparse_layer_indices(getattr(self, f'{stack}_moe_layers'), num_layers)
 
   def moe_positions(self) -> dict:
     """{MLP path of every MoE block: (stack, layer index)}: where the upcycling plan's
@@ -104,8 +109,8 @@ class T5Config:
     encoder, decoder = depths
     return dataclasses.replace(
         self, num_encoder_layers=encoder, num_decoder_layers=decoder, scan_layers=False,
-        encoder_moe=scan_layout.cut_moe(self.encoder_moe, self.sparse_layers('encoder'), encoder),
-        decoder_moe=scan_layout.cut_moe(self.decoder_moe, self.sparse_layers('decoder'), decoder))
+        encoder_moe_layers=tuple(i for i in self.sparse_layers('encoder') if i < encoder),
+        decoder_moe_layers=tuple(i for i in self.sparse_layers('decoder') if i < decoder))
 
   def layer_stacks(self) -> list:
     """(prefix, unrolled block name, scanned name, num_layers, sparse): encoder, decoder."""

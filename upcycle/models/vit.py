@@ -21,9 +21,9 @@ import jax.numpy as jnp
 
 from upcycle import fields, layers
 from upcycle.models import scan_layout, stacking
+from upcycle.moe import placement
 from upcycle.moe.config import MoeConfig
 from upcycle.moe.layer import MoeLayer
-from upcycle.moe.placement import sparse_layer_indices
 
 Array = jax.Array
 
@@ -32,7 +32,8 @@ POOL_TYPES = ('token', 'gap', 'map')
 
 @dataclasses.dataclass(frozen=True)
 class ViTConfig:
-  """ViT hyperparameters (defaults: ViT-B/16 at 224px). `moe`: a MoeConfig or None (dense).
+  """ViT hyperparameters (defaults: ViT-B/16 at 224px). `moe`: a MoeConfig or None (dense), at
+  the blocks `moe_layers` names (`upcycle.moe.placement`: 'every_other', 'last_2', indices...).
 
   Every field is checked at construction, so a wrong gin binding fails before any work,
   naming the binding (`models.ViTConfig.width`).
@@ -54,6 +55,7 @@ class ViTConfig:
   head_zeroinit: bool = True
   dtype: str = 'float32'
   moe: Optional[MoeConfig] = None
+  moe_layers: placement.Placement = 'every_other'
   scan_layers: bool = False
   remat_policy: str = 'none'
 
@@ -72,11 +74,12 @@ class ViTConfig:
     fields.boolean(self, 'head_zeroinit')
     fields.choice(self, 'dtype', layers.DTYPES)
     fields.optional_instance(self, 'moe', MoeConfig, '@moe.MoeConfig()')
+    placement.check(self, 'moe_layers', self.depth)
     fields.boolean(self, 'scan_layers')
     fields.choice(self, 'remat_policy', tuple(stacking.REMAT_POLICIES))
     if self.scan_layers:
       scan_layout.check_scannable(self.sparse_layers(), self.depth,
-                                  f'{fields.binding(self, "moe")}.placement')
+                                  fields.binding(self, 'moe_layers'))
     if self.width % self.num_heads:
       raise fields.ConfigError(
           f'{fields.binding(self, "width")} = {self.width}: not divisible by '
@@ -91,7 +94,9 @@ class ViTConfig:
     return tuple(i // p for i, p in zip(self.image_size, self.patch_size))
 
   def sparse_layers(self) -> tuple:
-    return () if self.moe is None else sparse_layer_indices(self.moe.placement, self.depth)
+    if self.moe is None:
+      return ()
+    return placement.sparse_layer_indices(self.moe_layers, self.depth)
 
   def moe_positions(self) -> dict:
     """{MLP path of every MoE block: (stack, layer index)} (`T5Config.moe_positions`)."""

@@ -1,25 +1,23 @@
 """`MoeConfig`: everything that decides how an MoE block routes and computes."""
 
 import dataclasses
-from typing import Optional, Sequence, Union
+from typing import Optional
 
 from upcycle import fields
 from upcycle.layers import GROUPED_KERNELS
 from upcycle.moe import capacity as capacities
 from upcycle.moe import grouping as groupings
 from upcycle.moe import routers
-from upcycle.moe.placement import sparse_layer_indices
 
 DISPATCHES = ('masked', 'indices', 'ragged')
 LOAD_BALANCING_SCOPES = ('group', 'batch')
 LOAD_BALANCING_LAYERS = ('separate', 'pooled')
 
-Placement = Union[str, Sequence[int]]
-
 
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
-  """Configuration of the MoE blocks of one stack (T5 encoder, T5 decoder or ViT).
+  """How the MoE blocks of one stack (T5 encoder or decoder, ViT, Llama) route and compute;
+  which blocks are MoE is the model config's (`T5Config.encoder_moe_layers`, `moe.placement`).
 
   Attributes:
     num_experts: E, experts per MoE block.
@@ -36,8 +34,6 @@ class MoeConfig:
     normalize_combine_weights: rescale each token's combine weights over the
       experts that took it to sum to 1; with identical experts the block then
       computes exactly the dense MLP for every routed token.
-    placement: which blocks of the stack are MoE: 'every_other' (1, 3, 5, ...),
-      'all', 'none', 'last_N' (e.g. 'last_2'), 'first_N', or explicit indices.
     grouping: how the tokens of a batch are cut into routing groups, an object
       (`upcycle.moe.grouping`): `PerExample()` (each example one group), `Fixed(size)` or
       `Flaxformer(max_group_size, num_expert_replicas)` (T5X's GROUP_SIZE rule); in gin
@@ -93,7 +89,6 @@ class MoeConfig:
   eval_capacity_factor: float = 2.0
   capacity_convention: capacities.Convention = capacities.Vmoe()
   normalize_combine_weights: bool = False
-  placement: Placement = 'every_other'
   grouping: groupings.Grouping = groupings.PerExample()
   dispatch: str = 'masked'
   grouped_kernel: str = 'ragged_dot'
@@ -117,22 +112,6 @@ class MoeConfig:
     _check_object(self, 'capacity_convention', capacities.Convention,
                   '@capacity.Vmoe() or @capacity.T5X() in gin (from upcycle.moe import capacity)')
     fields.boolean(self, 'normalize_combine_weights')
-    if isinstance(self.placement, str):
-      try:   # Checks the spelling; the layer count is checked when a stack is built.
-        sparse_layer_indices(self.placement, num_layers=10**6)
-      except ValueError as e:
-        raise fields.ConfigError(f'{fields.binding(self, "placement")}: {e}') from None
-    else:
-      try:
-        indices = tuple(int(i) for i in self.placement)
-      except (TypeError, ValueError):
-        raise fields.ConfigError(
-            f'{fields.binding(self, "placement")} = {self.placement!r}: expected a string such '
-            f"as 'every_other' or a sequence of layer indices.") from None
-      if any(i < 0 for i in indices):
-        raise fields.ConfigError(
-            f'{fields.binding(self, "placement")} = {self.placement!r}: layer indices are >= 0.')
-      object.__setattr__(self, 'placement', indices)
     _check_object(self, 'grouping', groupings.Grouping,
                   '@grouping.PerExample(), @grouping.Fixed() or @grouping.Flaxformer() in gin '
                   '(from upcycle.moe import grouping)')
