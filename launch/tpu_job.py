@@ -62,10 +62,16 @@ def start(run: str, workdir: str, argv: Sequence[str], env: Mapping[str, str],
       f'mkdir -p {LOG_DIR} && cd {workdir} || exit 1',
       f'if {_alive(pid)}; then echo "{run} is already running on $(hostname)" >&2; exit 3; fi',
       f'rm -f {exit_file}',
-      f'upcycle_job() {{ {job}; echo exit=$code > {exit_file}; }}',
+      f'upcycle_job() {{ {job}; {_write(exit_file, "exit=$code")}; }}',
       'export -f upcycle_job',
       'setsid nohup bash -c upcycle_job > /dev/null 2>&1 < /dev/null & echo $! > ' + pid,
       f'echo "started {run} on $(hostname); log: {log}"'])
+
+
+def _write(path: str, text: str) -> str:
+  """Shell that writes `text` to `path` whole: to a temporary file, then renamed, so a reader
+  (`status`, a test polling for the file) never sees it created but not yet written."""
+  return f'echo {text} > {path}.tmp && mv -f {path}.tmp {path}'
 
 
 def status(run: str, lines: int) -> str:
@@ -82,7 +88,7 @@ def stop(run: str) -> str:
   _, pid, exit_file = _files(run)
   return (f'if {_alive(pid)}; then p=$(cat {pid}); kill -TERM -- -$p; '
           f'for i in $(seq {STOP_GRACE_SECONDS}); do {_group_running("$p")} || break; sleep 1; '
-          f'done; kill -KILL -- -$p 2>/dev/null; echo stopped > {exit_file}; '
+          f'done; kill -KILL -- -$p 2>/dev/null; {_write(exit_file, "stopped")}; '
           f'echo "stopped {run} on $(hostname)"; else echo "{run} is not running on $(hostname)"; '
           'fi')
 
