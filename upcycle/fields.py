@@ -81,6 +81,12 @@ def integers(obj: Any, field: str, length: int, minimum: int) -> None:
     raise _fail(obj, field, f'{length} integers >= {minimum}')
 
 
+def instance(obj: Any, field: str, cls: type, how: str) -> None:
+  """An instance of `cls` (a small config bound in gin as `@...()`); `how` says how to make one."""
+  if not isinstance(getattr(obj, field), cls):
+    raise _fail(obj, field, f'a {cls.__module__.rsplit(".", 1)[-1]}.{cls.__name__} object, {how}')
+
+
 def optional_instance(obj: Any, field: str, cls: type, example: str) -> None:
   """None or an instance of `cls`; `example` shows how to make one (a gin reference)."""
   value = getattr(obj, field)

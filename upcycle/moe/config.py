@@ -103,18 +103,18 @@ class MoeConfig:
 
   def __post_init__(self):
     fields.integer(self, 'num_experts', 1)
-    _check_object(self, 'router', routers.Router,
-                  '@routers.ExpertsChoose() or @routers.TopK() in gin (from upcycle.moe import '
-                  'routers), with its fields bound on it (routers.TopK.k = 2)')
+    fields.instance(self, 'router', routers.Router,
+                    '@routers.ExpertsChoose() or @routers.TopK() in gin (from upcycle.moe import '
+                    'routers), with its fields bound on it (routers.TopK.k = 2)')
     self.router.validate(self.num_experts)
     fields.number(self, 'train_capacity_factor', 0.0, strictly=True)
     fields.number(self, 'eval_capacity_factor', 0.0, strictly=True)
-    _check_object(self, 'capacity_convention', capacities.Convention,
-                  '@capacity.Vmoe() or @capacity.T5X() in gin (from upcycle.moe import capacity)')
+    fields.instance(self, 'capacity_convention', capacities.Convention,
+                    '@capacity.Vmoe() or @capacity.T5X() in gin (from upcycle.moe import capacity)')
     fields.boolean(self, 'normalize_combine_weights')
-    _check_object(self, 'grouping', groupings.Grouping,
-                  '@grouping.PerExample(), @grouping.Fixed() or @grouping.Flaxformer() in gin '
-                  '(from upcycle.moe import grouping)')
+    fields.instance(self, 'grouping', groupings.Grouping,
+                    '@grouping.PerExample(), @grouping.Fixed() or @grouping.Flaxformer() in gin '
+                    '(from upcycle.moe import grouping)')
     fields.choice(self, 'dispatch', DISPATCHES)
     if self.dispatch == 'ragged' and not self.router.tokens_choose:
       raise fields.ConfigError(
@@ -146,7 +146,7 @@ class MoeConfig:
 
   def group_plan(self, batch: int, length: int) -> groupings.GroupPlan:
     """How a `[batch, length, d_model]` input is cut into routing groups."""
-    return self.grouping.plan(batch, length, self.num_experts)
+    return self.grouping.plan(batch, length, num_experts=self.num_experts)
 
   def capacity(self, group_size: int, deterministic: bool) -> int:
     """Slots per expert and group of `group_size` tokens (see `capacity_convention`); the
@@ -154,14 +154,8 @@ class MoeConfig:
     if self.dispatch == 'ragged':
       return group_size
     factor = self.eval_capacity_factor if deterministic else self.train_capacity_factor
-    capacity = self.capacity_convention.slots(factor, group_size, self.num_experts,
-                                              self.router.experts_per_token)
+    capacity = self.capacity_convention.slots(
+        factor, group_size=group_size, num_experts=self.num_experts,
+        experts_per_token=self.router.experts_per_token)
     return min(capacity, group_size)
 
-
-def _check_object(config: MoeConfig, field: str, cls: type, how: str) -> None:
-  """The field holds a `cls` (a small config bound with `@...()`), else a one-line error."""
-  value = getattr(config, field)
-  if not isinstance(value, cls):
-    raise fields.ConfigError(f'{fields.binding(config, field)} = {value!r}: expected a '
-                             f'{cls.__module__.rsplit(".", 1)[-1]}.{cls.__name__} object, {how}.')
