@@ -26,6 +26,8 @@ def context(name):
            else 'models/t5_1_1/tiny.gin')
   run = ('runs/vit_pretrain.gin' if vit else 'runs/llm_pretrain.gin' if llm
          else 'runs/pretrain.gin')
+  if name.endswith('/pod.gin'):      # pod defaults, included by the published sizes
+    return [model, name]
   if name.startswith('models/'):
     return [name]
   if name == run:
@@ -98,6 +100,13 @@ def test_paper_default_moe():
     assert moe.capacity_convention == capacity.T5X(minimum=4)
     assert moe.grouping == grouping.Flaxformer(max_group_size=4096, num_expert_replicas=1)
   assert cfg.sparse_layers('encoder') == (1, 3, 5, 7, 9, 11)
+  # The dispatch of the lowest roofline time at the paper's groups of 4096 (pod.gin); the CPU
+  # recipe keeps the masked one.
+  assert (cfg.encoder_moe.dispatch, cfg.decoder_moe.dispatch) == ('indices', 'masked')
+  gin.clear_config()
+  parse(['models/t5_1_1/tiny.gin', 'moe/paper_t5.gin'], ['probe.model = %MODEL'])
+  tiny = probe().config
+  assert (tiny.encoder_moe.dispatch, tiny.decoder_moe.dispatch) == ('masked', 'masked')
 
 
 def test_router_ablations_bind_each_stack_its_own_router():
