@@ -157,3 +157,13 @@ def test_router_z_loss_against_numpy():
   mask = np.array([[True] * 5, [True, False, False, False, False]])
   expected = np.mean(np.log(np.exp(logits).sum(-1))[mask] ** 2)
   np.testing.assert_allclose(routing.router_z_loss(logits, mask), expected, rtol=1e-5)
+
+
+def test_effective_experts_is_the_exp_entropy_of_the_load():
+  """Closed form: two experts with every token -> 2; eight equal -> 8; one -> 1; shares
+  (1/2, 1/4, 1/4) -> exp(1.5 log 2) = 2^1.5."""
+  cases = [([5., 5., 0., 0., 0., 0., 0., 0.], 2.0), ([3.] * 8, 8.0), ([0., 7., 0.], 1.0),
+           ([2., 1., 1.], 2 ** 1.5), ([0., 0.], 1.0)]
+  for counts, expected in cases:
+    np.testing.assert_allclose(routing.effective_experts(np.array(counts, np.float32)), expected,
+                               rtol=1e-6)

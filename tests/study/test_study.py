@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from tests.helpers import REPO
-from upcycle.study import claims, epochs, regime, runs as runs_lib
-from upcycle.study.__main__ import QUICK_ARMS, SUITES, plan, suite_of
+from upcycle.study import claims, drop_runs, drop_section, epochs, regime, runs as runs_lib
+from upcycle.study.__main__ import DESCRIPTIONS, QUICK_ARMS, SUITES, plan, suite_of
 from upcycle.study.curves import Curve, Results
 from upcycle.study.scale import FULL, QUICK
 
@@ -64,14 +64,13 @@ def test_the_dense_continuation_gets_the_extra_flops_of_the_upcycled_run(tmp_pat
 
 
 def test_every_claim_compares_arms_the_full_study_runs():
-  arms = {(r.family, r.arm) for r in plan(FULL, quick=False)}
-  for claim_list in claims.CLAIMS.values():
-    for c in claim_list:
-      assert {(c.family, c.a), (c.family, c.b)} <= arms, c.claim
+  arms = {(r.family, r.arm) for r in plan(FULL, quick=False, suites=SUITES)}
+  for c in [*[c for cs in claims.CLAIMS.values() for c in cs], *drop_section.CLAIMS]:
+    assert {(c.family, c.a), (c.family, c.b)} <= arms, c.claim
   assert {(r.family, r.arm) for r in plan(QUICK, quick=True, suites=SUITES)} == {
       (f, a) for f, arms_of in QUICK_ARMS.items() for a in arms_of}
   for r in plan(FULL, quick=False, suites=SUITES):
-    assert r.arm in runs_lib.DESCRIPTIONS[r.family], r.arm
+    assert r.arm in DESCRIPTIONS[r.family], r.arm
     for f in r.gin_files:
       assert os.path.exists(os.path.join(REPO, 'configs', f)), f
 
@@ -115,14 +114,22 @@ def test_quick_study_writes_results_and_resumes(tmp_path):
   assert ends['regime_dense']['epochs'] == pytest.approx(
       2 * p * QUICK.t5_batch / epochs.examples_per_epoch(position['pipeline'], str(runs_dir)))
   assert (out / 'results' / 't5_regime.png').stat().st_size > 10_000
+  # The drop suite: a Llama upcycled into a Mixtral, each arm reading on from the dense
+  # Llama's data position (P + X batches at its end), its section and plots.
+  position = epochs.data_position(str(runs_dir / 'llama' / 'drop_0.5' / 'seed0'))
+  assert position['batch_in_epoch'] == QUICK.llama_pretrain_steps + QUICK.llama_extra_steps
+  assert '## Drop-Upcycling in its own setting' in text
+  assert data['drop']['usage']['moe'].keys() == {f'decoder/layers_{i}/mlp' for i in range(4)}
+  for png in ('llama_drop.png', 'llama_expert_usage.png'):
+    assert (out / 'results' / png).stat().st_size > 10_000
   again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
   assert again.returncode == 0, again.stderr[-3000:]
   assert 'already finished, 0 to run' in again.stdout
 
 
-def _write_run(runs_dir, arm, seed, source, rate, evals):
+def _write_run(runs_dir, arm, seed, source, rate, evals, family='t5'):
   """A finished run: `evals` {step: loss}, `rate` training FLOPs per step."""
-  run_dir = os.path.join(runs_dir, 't5', arm, f'seed{seed}')
+  run_dir = os.path.join(runs_dir, family, arm, f'seed{seed}')
   os.makedirs(run_dir)
   with open(os.path.join(run_dir, 'study.json'), 'w') as f:
     json.dump({'command': [], 'source': source}, f)
@@ -191,6 +198,28 @@ def test_suites_split_the_arms_and_plan_each_run_after_the_runs_it_starts_from()
   assert set.union(*own.values()) == everything
   assert {n.split('/')[1] for n in own['beyond']} == set(runs_lib.BEYOND_ARMS)
   assert {n.split('/')[1] for n in own['trails']} == set(runs_lib.TRAIL_ARMS)
+  assert {n.split('/')[1] for n in own['drop']} == set(drop_runs.DESCRIPTIONS)
+
+
+def test_drop_overtakes_naive_upcycling_where_the_paired_difference_stays_over_2_se(tmp_path):
+  """Closed form: naive (moe) starts 0.1 lower on every seed; Drop is level at step 20 and
+  ahead from step 40 by 0.1 +- 0.01 -> ahead from 40; d at the start = -0.1 with s.e. 0."""
+  runs_dir = str(tmp_path)
+  for seed, jitter in enumerate((-0.01, 0.0, 0.01)):
+    _write_run(runs_dir, 'moe', seed, None, 1.0, {0: 5.0, 20: 4.8, 40: 4.7, 60: 4.6},
+               family='llama')
+    _write_run(runs_dir, 'drop_0.5', seed, None, 1.0,
+               {0: 5.1, 20: 4.8 + jitter, 40: 4.6 + jitter, 60: 4.5 + jitter}, family='llama')
+  cross = drop_section.crossover(Results(runs_dir, (0, 1, 2)))
+  np.testing.assert_allclose(cross['mean'], [-0.1, 0.0, 0.1, 0.1], atol=1e-12)
+  assert cross['se'][0] == pytest.approx(0.0, abs=1e-12)
+  assert cross['ahead_from'] == 40
+  # A Drop that falls behind again at the end has not overtaken.
+  _write_run(runs_dir, 'drop_0.5', 3, None, 1.0, {0: 5.1, 20: 4.8, 40: 4.6, 60: 4.9},
+             family='llama')
+  _write_run(runs_dir, 'moe', 3, None, 1.0, {0: 5.0, 20: 4.8, 40: 4.7, 60: 4.6},
+             family='llama')
+  assert drop_section.crossover(Results(runs_dir, (0, 1, 2, 3)))['ahead_from'] is None
 
 
 def test_regime_reads_each_arm_at_fractions_of_the_sunk_cost_and_checks_the_plateau(tmp_path):

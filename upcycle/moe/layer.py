@@ -23,8 +23,10 @@ Auxiliary losses and metrics are sown (see `upcycle.moe.summary`):
                  of these names (its Expert Choice reports expert_usage 1.0 whatever fills
                  the slots, and its capacity is not capped at the group size);
                  router_top1_probability (mean top-1 router probability), tokens_per_expert
-                 [E] (filled slots per group) and expert_load [E] (tokens_per_expert / group
-                 size). Padding counts only with ignore_padding_tokens=False.
+                 [E] (filled slots per group), expert_load [E] (tokens_per_expert / group
+                 size) and effective_experts (`routing.effective_experts`: 2.0 when two
+                 experts take every token, E when all take as many). Padding counts only
+                 with ignore_padding_tokens=False.
   'router_logits': logits [batch, length, E] (float32; only when the collection is
                  mutable, e.g. for UpIT's router stage, `train/router_stage.py`)
 """
@@ -265,3 +267,4 @@ class MoeLayer(nn.Module):
              jnp.sum(jnp.max(probs, axis=-1) * real) / num_real)
     self.sow('moe_metrics', 'tokens_per_expert', tokens_per_expert)
     self.sow('moe_metrics', 'expert_load', tokens_per_expert / tokens)
+    self.sow('moe_metrics', 'effective_experts', routing.effective_experts(tokens_per_expert))

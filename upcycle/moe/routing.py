@@ -187,6 +187,16 @@ def load_balancing_loss(fraction: Array, mean_prob: Array) -> Array:
   return total / (jnp.maximum(jnp.sum(present), 1) * experts) * experts ** 2
 
 
+def effective_experts(tokens_per_expert: Array) -> Array:
+  """exp(entropy) of the experts' shares of the routed tokens, `[E]` -> scalar: the number of
+  equally loaded experts that would spread tokens as evenly (1 to E; 2.0 when two experts take
+  them all, as a collapsed router does). 1.0 when nothing is routed."""
+  share = tokens_per_expert / jnp.maximum(jnp.sum(tokens_per_expert), 1e-9)
+  entropy = -jnp.sum(jnp.where(share > 0, share * jnp.log(jnp.where(share > 0, share, 1.0)),
+                               0.0))
+  return jnp.exp(entropy)
+
+
 def router_z_loss(logits: Array, token_mask: Optional[Array] = None) -> Array:
   """ST-MoE z-loss: mean of logsumexp(logits)^2 over the tokens of `token_mask`.
 

@@ -16,22 +16,27 @@ import sys
 import time
 
 from upcycle import console
-from upcycle.study import drop_units, epochs, execute, render, runs as runs_lib
+from upcycle.study import drop_render, drop_runs, drop_units, epochs, execute, render
+from upcycle.study import runs as runs_lib
 from upcycle.study.curves import Results
 from upcycle.study.scale import FULL, QUICK
 
 QUICK_ARMS = {'t5': ('pretrain', 'moe', 'dense', 'scratch', *runs_lib.REGIME_ARMS),
-              'vit': ('pretrain', 'moe')}
+              'vit': ('pretrain', 'moe'), 'llama': drop_runs.QUICK_ARMS}
+DESCRIPTIONS = {**runs_lib.DESCRIPTIONS, 'llama': drop_runs.DESCRIPTIONS}
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-SUITES = ('regime', 'claims', 'beyond', 'trails')
+SUITES = ('regime', 'claims', 'beyond', 'trails', 'drop')
 
 
 def suite_of(run) -> str:
   """'regime': the paper's headline experiment in its regime (`runs.regime_runs`); 'claims':
   the papers' claims; 'beyond': the switches beyond the papers' anchors; 'trails': why the
-  upcycled T5 trails the dense one (`runs.trail_runs`)."""
+  upcycled T5 trails the dense one (`runs.trail_runs`); 'drop': Drop-Upcycling in its own
+  setting, a Llama upcycled into a Mixtral (`drop_runs`)."""
+  if run.family == 'llama':
+    return 'drop'
   if run.arm in runs_lib.REGIME_ARMS:
     return 'regime'
   if run.arm in runs_lib.TRAIL_ARMS:
@@ -46,7 +51,8 @@ def plan(scale, quick: bool, suites=('claims',)):
   every = {}
   for seed in scale.seeds:
     for r in (runs_lib.t5_runs(scale, seed) + runs_lib.vit_runs(scale, seed) +
-              runs_lib.trail_runs(scale, seed) + runs_lib.regime_runs(scale, seed)):
+              runs_lib.trail_runs(scale, seed) + runs_lib.regime_runs(scale, seed) +
+              drop_runs.llama_runs(scale, seed)):
       every.setdefault(r.name, r)
   wanted = [r for r in every.values() if suite_of(r) in suites]
   if quick:
@@ -70,7 +76,7 @@ def plan(scale, quick: bool, suites=('claims',)):
   def rank(r):
     key = (r.family, r.arm)
     group = (0 if key in first else 1 if r.family == 'vit' else
-             2 + SUITES.index(suite_of(r)))
+             2 + SUITES.index(suite_of(r)))   # the drop suite's own pretraining leads its runs
     return group, first.index(key) if key in first else order[key], r.seed
 
   return sorted(out, key=rank)
@@ -152,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="which runs to train: the headline claim in the paper's regime "
                            "(~100 min), the papers' claims (~90 min), the switches beyond the "
                            "papers' anchors (~26 min), why the upcycled T5 trails the dense one "
-                           '(~90 min), or all; RESULTS.md always shows every finished run')
+                           '(~90 min), Drop-Upcycling on a Llama upcycled into a Mixtral '
+                           '(~120 min), or all; RESULTS.md always shows every finished run')
   parser.add_argument('--quick', action='store_true',
                       help='a few claims arms, one seed, a few steps')
   parser.add_argument('--jobs', type=int, default=2, help='training runs at a time')
@@ -174,17 +181,19 @@ def main(argv=None) -> None:
   failed = [] if args.render_only else execute.run_all(runs, args.runs_dir, scale,
                                                        jobs=args.jobs, repository=REPOSITORY)
   results = Results(args.runs_dir, scale.seeds, scale.final_window)
-  units = drop_units.statistics(
-      os.path.join(args.runs_dir, 't5', 'pretrain', f'seed{scale.seeds[0]}', 'checkpoints',
-                   str(scale.t5_pretrain_steps)),
-      'encoder/layers_1/mlp', scale.num_experts, (0.5, 1.0), seed=scale.seeds[0])
-  arms = {family: {arm: runs_lib.DESCRIPTIONS[family][arm] for arm in
+  dense_t5 = os.path.join(args.runs_dir, 't5', 'pretrain', f'seed{scale.seeds[0]}',
+                          'checkpoints', str(scale.t5_pretrain_steps))
+  units = (drop_units.statistics(dense_t5, 'encoder/layers_1/mlp', scale.num_experts,
+                                 (0.5, 1.0), seed=scale.seeds[0])
+           if os.path.isdir(dense_t5) else [])   # the claims suite's dense T5 ran
+  arms = {family: {arm: DESCRIPTIONS[family][arm] for arm in
                    dict.fromkeys(r.arm for r in shown if r.family == family)}
-          for family in ('t5', 'vit')}
+          for family in ('t5', 'vit', 'llama')}
   corpus = epochs.describe('stdlib', os.path.join(args.runs_dir, 't5', 'pretrain',
                                                   f'seed{scale.seeds[0]}'), args.runs_dir)
+  drop_suite = drop_render.parts(results, scale, args.out)
   path = render.write(args.out, results, header(args, scale, time.time() - start, corpus), arms,
-                      units, scale, corpus)
+                      units, scale, corpus, drop_suite)
   print(f'study: wrote {path}', flush=True)
   if failed:
     sys.exit(f'study: {len(failed)} runs failed or could not start: {", ".join(failed)} '

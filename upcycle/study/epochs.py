@@ -29,9 +29,14 @@ def examples_per_epoch(pipeline: Dict, cache_dir: str) -> int:
 @functools.lru_cache(maxsize=None)
 def _count(pipeline_json: str) -> int:
   from upcycle.data.images import ImagePipeline  # pylint: disable=g-import-not-at-top
+  from upcycle.data.lm import LmPipeline  # pylint: disable=g-import-not-at-top
   from upcycle.data.text import TextPipeline  # pylint: disable=g-import-not-at-top
   fields = json.loads(pipeline_json)
-  pipeline = {'text': TextPipeline, 'image': ImagePipeline}[fields.pop('kind')](**fields)
+  kind = fields.pop('kind')
+  if kind == 'lm':   # described by its length and tokenizer digest: the offline tokenizer
+    fields = {'task': fields['task'], 'split': fields['split'], 'pack': fields['pack'],
+              'shuffle': fields['shuffle'], 'feature_lengths': {'targets': fields['length']}}
+  pipeline = {'text': TextPipeline, 'image': ImagePipeline, 'lm': LmPipeline}[kind](**fields)
   batches = pipeline.batches(seed=0, batch_size=1024, shard_index=0, num_shards=1,
                              drop_remainder=False, skip_batches=0)
   return sum(len(next(iter(b.values()))) for b in batches.as_numpy_iterator())

@@ -28,15 +28,19 @@ def _window(scale, end: float, spacing: float) -> np.ndarray:
   return end - spacing * np.arange(scale.final_window)
 
 
-def plateau(results: Results, scale) -> List[Dict[str, float]]:
-  """Per seed: the dense pretraining's validation loss at (1 - window) P and at P (each the
+def plateau(results: Results, scale, *, family: str = 't5', arm: str = PRETRAIN,
+            steps: Optional[int] = None, eval_every: Optional[int] = None
+            ) -> List[Dict[str, float]]:
+  """Per seed: a dense pretraining's validation loss at (1 - window) P and at P (each the
   mean of the `final_window` evaluations ending there), the relative drop between them and
-  whether it is under the tolerance."""
-  p = scale.regime_pretrain_steps
+  whether it is under the tolerance. Default: the `regime` suite's (P = its steps); the `drop`
+  suite passes its Llama's."""
+  p = scale.regime_pretrain_steps if steps is None else steps
+  every = scale.eval_every if eval_every is None else eval_every
   start = p * (1 - scale.plateau_window)
   out = []
-  for seed, c in zip(results.seeds, results.curves('t5', PRETRAIN)):
-    before, after = (float(np.interp(_window(scale, s, scale.eval_every), c.steps, c.loss).mean())
+  for seed, c in zip(results.seeds, results.curves(family, arm)):
+    before, after = (float(np.interp(_window(scale, s, every), c.steps, c.loss).mean())
                      for s in (start, p))
     drop = (before - after) / before
     out.append({'seed': seed, 'step_before': start, 'loss_before': before, 'loss_at_p': after,

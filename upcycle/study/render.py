@@ -3,7 +3,7 @@
 import dataclasses
 import json
 import os
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -17,6 +17,25 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
   lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
   lines += ['| ' + ' | '.join(str(c) for c in row) + ' |' for row in rows]
   return '\n'.join(lines)
+
+
+def figure(width: float = 6.5):
+  """A matplotlib (figure, axes) of the study's plots, drawn off screen."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  return plt.subplots(figsize=(width, 4))
+
+
+def save(fig, ax, title: str, path: str) -> bool:
+  """Titles the axes, adds their legend, writes the figure to `path` and closes it."""
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  ax.set_title(title, fontsize=10)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
 
 
 def _mean_curve(results: Results, family: str, arm: str, metric: str, axis: str):
@@ -33,10 +52,7 @@ def plot(results: Results, family: str, arms: Dict[str, str], metric: str, axis:
   arms = {arm: label for arm, label in arms.items() if results.has(family, arm)}
   if not arms:
     return False
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, ax = plt.subplots(figsize=(6.5, 4))
+  fig, ax = figure()
   shown = []     # every point but a from-scratch run's first: it would flatten the rest
   for arm, label in arms.items():
     x, mean, std = _mean_curve(results, family, arm, metric, axis)
@@ -50,12 +66,7 @@ def plot(results: Results, family: str, arms: Dict[str, str], metric: str, axis:
                  'extra_flops': 'training FLOPs after the upcycling point',
                  'steps': 'step'}[axis])
   ax.set_ylabel(f'validation {metric}')
-  ax.set_title(title, fontsize=10)
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return True
+  return save(fig, ax, title, path)
 
 
 def ablations(results: Results, family: str, arms: Sequence[str], metric: str) -> List[tuple]:
@@ -227,15 +238,17 @@ def _jsonable(x):
     return {k: _jsonable(v) for k, v in x.items()}
   if isinstance(x, (list, tuple)):
     return [_jsonable(v) for v in x]
-  if isinstance(x, regime.Comparison):
+  if isinstance(x, (regime.Comparison, claims.Row)):
     return _jsonable(dataclasses.asdict(x))
   return x.tolist() if isinstance(x, (np.ndarray, np.generic)) else x
 
 
 def write(out: str, results: Results, header: str, arms: Dict[str, Dict[str, str]],
-          drop_units: List[dict], scale, corpus: str) -> str:
+          drop_units: List[dict], scale, corpus: str,
+          drop_suite: Tuple[List[str], Optional[dict]] = ([], None)) -> str:
   """Writes out/RESULTS.md, out/results/*.png and out/results/study.json; returns the path.
-  `corpus`: the T5 training data in words (the `regime` section says what P steps read)."""
+  `corpus`: the T5 training data in words (the `regime` section says what P steps read);
+  `drop_suite`: the `drop` suite's section and summary (`drop_render.parts`)."""
   os.makedirs(os.path.join(out, PLOTS), exist_ok=True)
   parts = [header]
   summary = regime.summary(results, scale)
@@ -243,6 +256,7 @@ def write(out: str, results: Results, header: str, arms: Dict[str, Dict[str, str
     parts += regime_parts(summary, scale, corpus)
     if regime_plot(results, scale, os.path.join(out, PLOTS, 't5_regime.png')):
       parts.append(f'![t5_regime.png]({PLOTS}/t5_regime.png)')
+  parts += drop_suite[0]
   parts.append('## Claims')
   sections = claims.rows(results)
   for title, rows in sections:
@@ -271,7 +285,7 @@ def write(out: str, results: Results, header: str, arms: Dict[str, Dict[str, str
                      'epochs (at the runs\' ends)'),
                     trail_rows)]
   for family, metric in (('t5', 'loss'), ('vit', 'accuracy')):
-    shown = [a for a in arms[family]
+    shown = [a for a in arms.get(family, ())
              if a not in runs_lib.TRAIL_ARMS and a not in runs_lib.REGIME_ARMS]
     rows = ablations(results, family, shown, metric)
     if rows:
@@ -321,6 +335,7 @@ def write(out: str, results: Results, header: str, arms: Dict[str, Dict[str, str
   data['claims'] = {title: [r.__dict__ for r in rows] for title, rows in sections}
   data['drop_units'] = drop_units
   data['regime'] = _jsonable(summary)
+  data['drop'] = _jsonable(drop_suite[1])
   with open(os.path.join(out, PLOTS, 'study.json'), 'w') as f:
     json.dump(data, f, indent=1)
   return path

@@ -17,6 +17,9 @@ T5_MODEL = 'models/t5_1_1/tiny.gin'
 T5_DATA = 'data/offline_stdlib_span_corruption.gin'
 VIT_MODEL = 'models/vit/tiny.gin'
 VIT_DATA = 'data/offline_digits.gin'
+# {family: (model gin file, data gin file)}: the model first, the data after the run's files.
+FAMILY_FILES = {'t5': (T5_MODEL, T5_DATA), 'vit': (VIT_MODEL, VIT_DATA),
+                'llama': ('models/llama/tiny.gin', 'data/offline_stdlib_lm.gin')}
 T5_MOE = ('moe/paper_t5.gin',)
 VIT_MOE = ('moe/paper_vit.gin',)
 
@@ -26,7 +29,7 @@ class Run:
   """One `python -m upcycle.train` run.
 
   Attributes:
-    family: 't5' or 'vit'.
+    family: 't5', 'vit' or 'llama' (FAMILY_FILES).
     arm: the arm's name, e.g. 'moe' or 'drop_0.5'.
     seed: SEED (parameter init, data order, upcycling draws).
     gin_files: under configs/, after the model file and before the data file.
@@ -60,7 +63,7 @@ class Run:
     return self.steps(self, runs_dir) if callable(self.steps) else self.steps
 
   def command(self, runs_dir: str, scale: Scale, python: str) -> List[str]:
-    model, data = (T5_MODEL, T5_DATA) if self.family == 't5' else (VIT_MODEL, VIT_DATA)
+    model, data = FAMILY_FILES[self.family]
     steps = self.train_steps(runs_dir)
     bindings = [f"MODEL_DIR='{self.directory(runs_dir)}'", f'TRAIN_STEPS={steps}',
                 f'SEED={self.seed}', f'trainer.TrainConfig.eval_every={scale.eval_every}',

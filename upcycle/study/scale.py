@@ -35,6 +35,15 @@ class Scale:
     plateau_window, plateau_tolerance: the dense pretraining has plateaued when its last
       `plateau_window` of steps lowered the validation loss by less than `plateau_tolerance`
       (relative).
+    llama_pretrain_steps, llama_extra_steps: the `drop` suite's dense Llama pretraining (P)
+      and the steps of every arm after it (X).
+    llama_eval_every: its evaluation cadence (the curves' resolution).
+    llama_eval_batches: batches of each of its evaluations, drawn from the validation split
+      shuffled by the seed.
+    llama_learning_rate: its peak learning rate (cosine to a tenth of it).
+    llama_warmup_steps: the warmup of every run's schedule (the pretraining's and each arm's
+      own).
+    llama_batch_size, llama_feature_lengths: 0 / '' keep the offline default's (16; 128).
   """
 
   t5_pretrain_steps: int
@@ -57,12 +66,29 @@ class Scale:
   regime_fractions: Tuple[float, ...] = (0.1, 0.25, 0.5, 1.0)
   plateau_window: float = 0.2
   plateau_tolerance: float = 0.01
+  llama_pretrain_steps: int = 400
+  llama_extra_steps: int = 200
+  llama_eval_every: int = 20
+  llama_eval_batches: int = 16
+  llama_learning_rate: float = 1e-3
+  llama_warmup_steps: int = 20
+  llama_batch_size: int = 0
+  llama_feature_lengths: str = ''
 
   @property
   def t5_batch(self) -> int:
     return self.t5_batch_size or OFFLINE_BATCH_SIZE
 
   def family_bindings(self, family: str) -> Tuple[str, ...]:
+    if family == 'llama':
+      return ((f'BATCH_SIZE={self.llama_batch_size}',) if self.llama_batch_size else ()) + (
+          (f'TASK_FEATURE_LENGTHS={self.llama_feature_lengths}',)
+          if self.llama_feature_lengths else ()
+      ) + (f'trainer.TrainConfig.eval_every={self.llama_eval_every}',
+           f'EVAL_STEPS={self.llama_eval_batches}', 'validation/lm.LmPipeline.shuffle=True',
+           f'LEARNING_RATE={self.llama_learning_rate}',
+           f'WARMUP_STEPS={self.llama_warmup_steps}',
+           f'MIN_LEARNING_RATE={self.llama_learning_rate / 10}')
     if family != 't5':
       return ('trainer.TrainConfig.eval_batches=0',)   # the whole digits validation split
     return ((f'BATCH_SIZE={self.t5_batch_size}',) if self.t5_batch_size else ()) + (
@@ -80,4 +106,6 @@ QUICK = Scale(t5_pretrain_steps=4, t5_extra_steps=4, vit_pretrain_steps=4, vit_e
               seeds=(0,), expert_counts=(4, 8), eval_every=4, log_every=2, checkpoint_every=2,
               t5_batch_size=4, t5_feature_lengths="{'inputs': 32, 'targets': 8}",
               trail_long_steps=8, trail_late_upcycling_step=8, t5_eval_batches=2,
-              regime_pretrain_steps=4)
+              regime_pretrain_steps=4, llama_pretrain_steps=4, llama_extra_steps=4,
+              llama_eval_every=4, llama_eval_batches=2, llama_batch_size=4, llama_warmup_steps=2,
+              llama_feature_lengths="{'targets': 32}")
