@@ -77,6 +77,9 @@ def test_logits_and_load_balancing_loss_match_transformers(saved):
   # transformers' load_balancing_loss_func over both layers' router logits, padding masked.
   np.testing.assert_allclose(aux_losses(state)['load_balancing_loss'], out.aux_loss.item(),
                              rtol=1e-5)
+  # What the training loss adds: router_aux_loss_coef x that loss, as MixtralForCausalLM's
+  # loss with labels (no z-loss).
+  np.testing.assert_allclose(aux_losses(state)['total'], 0.02 * out.aux_loss.item(), rtol=1e-5)
 
 
 def test_greedy_decoding_matches_generate(saved):

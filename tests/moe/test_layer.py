@@ -236,7 +236,7 @@ def pooled_sow(probs, scope, z_loss):
   fraction, mean_prob = routing.load_balancing_statistics(
       probs, jax.lax.top_k(probs, 1)[1], scope)
   return {'balance_fraction': (fraction,), 'balance_probability': (mean_prob,),
-          'load_balancing_weight': (jnp.float32(0.5),), 'router_z_loss': (z_loss,),
+          'weighted_balance_fraction': (0.5 * fraction,), 'router_z_loss': (z_loss,),
           'weighted': (0.25 * z_loss,)}
 
 

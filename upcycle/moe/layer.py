@@ -15,7 +15,8 @@ Auxiliary losses and metrics are sown (see `upcycle.moe.summary`):
   'aux_loss':    load_balancing_loss, router_z_loss, weighted (their weighted sum); with
                  load_balancing_layers='pooled' instead of load_balancing_loss:
                  balance_fraction and balance_probability [groups, experts] and
-                 load_balancing_weight, weighted then being the weighted z-loss only
+                 weighted_balance_fraction (the fraction times the loss weight: the stack's
+                 loss is linear in it), weighted then being the weighted z-loss only
   'moe_metrics': fraction_dropped_tokens (tokens no expert took; Flaxformer's
                  fraction_tokens_left_behind); router_confidence (the router probability
                  of the filled slots, summed over them / their number) and expert_usage
@@ -241,8 +242,8 @@ class MoeLayer(nn.Module):
       # `summary.aux_losses` computes the stack's loss and adds it, weighted, to 'weighted'.
       self.sow('aux_loss', 'balance_fraction', statistics[0])
       self.sow('aux_loss', 'balance_probability', statistics[1])
-      self.sow('aux_loss', 'load_balancing_weight',
-               jnp.asarray(cfg.load_balancing_loss_weight, jnp.float32))
+      self.sow('aux_loss', 'weighted_balance_fraction',
+               cfg.load_balancing_loss_weight * statistics[0])
       self.sow('aux_loss', 'weighted', weighted_z_loss)
       return
     balance = (jnp.zeros((), jnp.float32) if statistics is None

@@ -27,24 +27,28 @@ def _pooled_balance(losses: Mapping) -> Tuple[Dict[str, jnp.ndarray], Dict[str, 
   the stack's layers and give one loss, E * mean_g sum_e f_ge * p_ge over the groups with a
   routed token (`routing.load_balancing_loss`). The layers of a stack see the same tokens and
   padding, so this is the loss of f and p counted over every (layer, token) of the stack.
-  Returns ({path: that loss}, {path: weighted, the layer's weighted z-loss plus its weight
-  times that loss}), per layer as sown (`[layers]` in a scanned stack).
+  The weighted loss is the same loss of the layers' weighted fractions (the weight times f,
+  `weighted_balance_fraction`): the loss is linear in f and a stack's layers share one
+  weight. Returns ({path: that loss}, {path: weighted, the layer's weighted z-loss plus the
+  weighted loss}), per layer as sown (`[layers]` in a scanned stack).
   """
   fractions = _per_layer(losses, 'balance_fraction')
   probabilities = _per_layer(losses, 'balance_probability')
-  weights = _per_layer(losses, 'load_balancing_weight')
+  weighted_fractions = _per_layer(losses, 'weighted_balance_fraction')
   weighted = _per_layer(losses, 'weighted')
   stacks = {}
   for path in fractions:
     stacks.setdefault(path.split('/')[0], []).append(path)
   balance, total = {}, {}
   for paths in stacks.values():
-    pooled = [jnp.mean(jnp.concatenate([v[p].reshape((-1,) + v[p].shape[-2:]) for p in paths]),
-                       axis=0) for v in (fractions, probabilities)]     # [G, E] each
-    loss = routing.load_balancing_loss(*pooled)
-    for p in paths:
-      balance[p] = jnp.full(weights[p].shape, loss)
-      total[p] = weighted[p] + weights[p] * loss
+    f, p, weighted_f = [
+        jnp.mean(jnp.concatenate([v[path].reshape((-1,) + v[path].shape[-2:]) for path in paths]),
+                 axis=0) for v in (fractions, probabilities, weighted_fractions)]   # [G, E] each
+    loss = routing.load_balancing_loss(f, p)
+    weighted_loss = routing.load_balancing_loss(weighted_f, p)
+    for path in paths:
+      balance[path] = jnp.full(fractions[path].shape[:-2], loss)
+      total[path] = weighted[path] + weighted_loss
   return balance, total
 
 
