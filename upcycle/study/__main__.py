@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "(~100 min), the papers' claims (~90 min), the switches beyond the "
                            "papers' anchors (~26 min), why the upcycled T5 trails the dense one "
                            '(~90 min), Drop-Upcycling on a Llama upcycled into a Mixtral '
-                           '(~120 min), or all; RESULTS.md always shows every finished run')
+                           '(~150 min), or all; RESULTS.md always shows every finished run')
   parser.add_argument('--quick', action='store_true',
                       help='a few claims arms, one seed, a few steps')
   parser.add_argument('--jobs', type=int, default=2, help='training runs at a time')
