@@ -256,3 +256,18 @@ def test_regime_reads_each_arm_at_fractions_of_the_sunk_cost_and_checks_the_plat
   after = (9.0 + (3.10 - 9.0) * 50 / 80 + 3.08) / 2
   assert regime.plateau(results, wide)[0]['relative_drop'] == pytest.approx(
       (before - after) / before)
+
+
+def test_the_routing_verdicts_read_the_experts_each_layer_uses():
+  """Closed form: naive at 2.1 / 2.3 experts in its two layers (collapsed, <= 2.5), Drop at
+  5 +- 0.1 -> Drop uses 2.8 more, s.e. small: yes; one naive layer at 3.0 -> not collapsed."""
+  seeds = lambda *v: np.array(v)
+  usage = {'moe': {'decoder/layers_0/mlp': seeds(2.1, 2.1, 2.1),
+                   'decoder/layers_1/mlp': seeds(2.3, 2.3, 2.3)},
+           'drop_0.5': {'decoder/layers_0/mlp': seeds(4.9, 5.0, 5.1),
+                        'decoder/layers_1/mlp': seeds(4.9, 5.0, 5.1)}}
+  collapse, more = drop_section.routing_rows(usage)
+  assert collapse.agrees == 'yes' and collapse.ours == 'per layer 2.10, 2.30'
+  assert more.agrees == 'yes' and 'd = +2.8000' in more.ours
+  usage['moe']['decoder/layers_1/mlp'] = seeds(3.0, 3.0, 3.0)
+  assert drop_section.routing_rows(usage)[0].agrees == 'no'

@@ -127,16 +127,46 @@ def tokens_per_expert(results: Results) -> Optional[Dict[str, float]]:
   return {'tokens_per_step': tokens, 'mean': tokens * 2 / 8, 'fewest': low, 'most': high}
 
 
+COLLAPSED = 2.5   # effective experts at or under which a layer counts as collapsed onto two
+
+
+def routing_rows(usage_by_arm: Dict[str, Dict[str, np.ndarray]]) -> List[claims.Row]:
+  """The paper's routing claim as two verdicts from the experts each layer uses (`usage`):
+  naive upcycling with pooled balancing collapses onto two experts in every layer (yes when
+  every layer's mean over seeds is at most COLLAPSED), and Drop r=0.5 uses more experts than
+  naive (the layers' mean, paired by seed, by the 2 s.e. rule)."""
+  paper = ('naive upcycling with global balancing collapses onto two experts in all layers; '
+           "Drop-Upcycling's routing specializes")
+  if 'moe' not in usage_by_arm:
+    return [claims.Row('naive upcycling collapses onto two experts in every layer', paper,
+                       'not finished', '—')]
+  naive = np.array(list(usage_by_arm['moe'].values()))          # [layers, seeds]
+  layer_means = naive.mean(1)
+  rows = [claims.Row(
+      'naive upcycling collapses onto two experts in every layer (effective experts <= '
+      f'{COLLAPSED})', paper, 'per layer ' + ', '.join(f'{m:.2f}' for m in layer_means),
+      'yes' if (layer_means <= COLLAPSED).all() else 'no')]
+  if 'drop_0.5' in usage_by_arm:
+    drop = np.array(list(usage_by_arm['drop_0.5'].values())).mean(0)   # [seeds]
+    d = drop - naive.mean(0)
+    rows.append(claims.Row(
+        'Drop r=0.5 routes over more experts than naive upcycling (mean over layers)', paper,
+        claims.describe('drop_0.5', drop, 'moe', naive.mean(0), d),
+        claims.verdict(d, 'better')))
+  return rows
+
+
 def summary(results: Results, scale) -> Optional[Dict[str, object]]:
   """Everything the section shows; None before the dense Llama finished."""
   if not results.has(FAMILY, 'pretrain'):
     return None
+  used = usage(results)
   return {
       'plateau': regime.plateau(results, scale, family=FAMILY, arm='pretrain',
                                 steps=scale.llama_pretrain_steps,
                                 eval_every=scale.llama_eval_every),
-      'claims': [c.row(results) for c in CLAIMS],
+      'claims': [c.row(results) for c in CLAIMS] + routing_rows(used),
       'crossover': crossover(results),
-      'usage': usage(results),
+      'usage': used,
       'tokens_per_expert': tokens_per_expert(results),
   }
