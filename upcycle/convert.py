@@ -91,7 +91,7 @@ import time
 from typing import Any, Callable, List, Mapping, Optional, Union
 
 from upcycle import checkpoints, console, families, gin_utils, pretrained, reachability
-from upcycle.checkpoints import gcs, paths, t5x_writer, zarr_leaf
+from upcycle.checkpoints import gcs, paths, t5x_writer
 from upcycle.locks import file_lock
 from upcycle.locks.gcs_lock import STALE_SECONDS, GcsLock
 from upcycle.upcycling import experts as experts_lib
@@ -179,7 +179,7 @@ def check_paths(source: str, resolved: str, output_dir: str, overwrite: bool) ->
 
 def _check_url_paths(source: str, resolved: str, output_dir: str, overwrite: bool) -> None:
   """check_paths for a gs:// output: prefixes instead of real paths; placeholders are empty."""
-  where = zarr_leaf.split_gcs(output_dir)
+  where = paths.split_gcs(output_dir)
   if not where or not where[1]:
     raise ConvertError(f'--output_dir={output_dir}: an output URL must be gs://BUCKET/PATH (a '
                        f'path inside a bucket). Fix: e.g. --output_dir=gs://BUCKET/moe.')

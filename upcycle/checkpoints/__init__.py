@@ -9,7 +9,7 @@ import dataclasses
 import os
 from typing import Optional
 
-from upcycle.checkpoints import hf, orbax, orbax_tree, t5x, validate, vit_npz, zarr_leaf
+from upcycle.checkpoints import hf, orbax, orbax_tree, paths, t5x, validate, vit_npz
 from upcycle.checkpoints.checkpoint import Checkpoint, ExpectedFn
 from upcycle.checkpoints.errors import CheckpointError, checkpoint_error
 from upcycle.checkpoints.lazy import LazyArray, materialize
@@ -27,7 +27,7 @@ _LOOKED_FOR = (
 def detect_format(path: str) -> str:
   """The format of `path`, from the files present (nothing is parsed but .npz keys)."""
   path = os.fspath(path)
-  if zarr_leaf.split_gcs(path):
+  if paths.split_gcs(path):
     if hf.is_hf_dir(path):
       return 'hf'
     if orbax.is_step_dir(path) or orbax.finished_steps(path):

@@ -16,7 +16,7 @@ from typing import List, Tuple
 
 import tensorstore as ts
 
-from upcycle.checkpoints.zarr_leaf import split_gcs
+from upcycle.checkpoints.paths import split_gcs
 
 MARKERS = ('commit_success.txt', 'checkpoint')
 

@@ -6,13 +6,23 @@ passed. Arrays on gs:// are read by tensorstore's own GCS driver (zarr_leaf.py).
 """
 
 import os
+import re
+from typing import Optional, Tuple
 
 from etils import epath
+
+_GCS = re.compile(r'gs://([^/]+)/?(.*)', re.DOTALL)
 
 
 def is_url(path) -> bool:
   """True for gs:// (and other scheme://) paths."""
   return '://' in os.fspath(path)
+
+
+def split_gcs(path) -> Optional[Tuple[str, str]]:
+  """'gs://bucket/a/b' -> ('bucket', 'a/b'); None for local paths (and other schemes)."""
+  m = _GCS.fullmatch(os.fspath(path))
+  return (m.group(1), m.group(2)) if m else None
 
 
 def absolute(path) -> str:

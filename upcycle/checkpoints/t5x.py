@@ -20,7 +20,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 import tensorstore as ts
 
-from upcycle.checkpoints import flax_msgpack, orbax_tree, zarr_leaf
+from upcycle.checkpoints import flax_msgpack, orbax_tree, paths, zarr_leaf
 from upcycle.checkpoints.checkpoint import Checkpoint
 from upcycle.checkpoints.errors import checkpoint_error
 
@@ -30,12 +30,12 @@ _STEP_DIR = re.compile(r'checkpoint_(\d+)')
 
 
 def _gcs_store(path: str) -> Tuple[Any, str]:
-  bucket, key = zarr_leaf.split_gcs(path)
+  bucket, key = paths.split_gcs(path)
   return ts.KvStore.open({'driver': 'gcs', 'bucket': bucket}).result(), key.rstrip('/')
 
 
 def _read_bytes(path: str) -> bytes:
-  if zarr_leaf.split_gcs(path):
+  if paths.split_gcs(path):
     store, key = _gcs_store(path)
     result = store.read(key).result()
     if result.state != 'value':
@@ -46,7 +46,7 @@ def _read_bytes(path: str) -> bytes:
 
 
 def _exists(directory: str, name: str) -> bool:
-  if zarr_leaf.split_gcs(directory):
+  if paths.split_gcs(directory):
     store, key = _gcs_store(f'{directory.rstrip("/")}/{name}')
     return store.read(key).result().state == 'value'
   return os.path.exists(os.path.join(directory, name))
@@ -54,7 +54,7 @@ def _exists(directory: str, name: str) -> bool:
 
 def _step_dirs(model_dir: str) -> dict:
   """step -> checkpoint directory, for finished `checkpoint_N` directories only."""
-  if zarr_leaf.split_gcs(model_dir):
+  if paths.split_gcs(model_dir):
     store, base = _gcs_store(model_dir)
     prefix = f'{base}/' if base else ''
     keys = store.list(ts.KvStore.KeyRange(prefix + 'checkpoint_', prefix + 'checkpoint`')).result()
@@ -77,7 +77,7 @@ def _step_dirs(model_dir: str) -> dict:
 def find_checkpoint(path: str) -> Tuple[str, str]:
   """Any accepted path -> (checkpoint directory, 't5x' or 't5x_orbax')."""
   path = os.fspath(path)
-  local = not zarr_leaf.split_gcs(path)
+  local = not paths.split_gcs(path)
   if not local:
     path = path.rstrip('/')
   if local and os.path.isfile(path):

@@ -10,25 +10,17 @@ directory's bucket) for a `gs://` one.
 """
 
 import os
-import re
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import tensorstore as ts
 
-from upcycle.checkpoints import ocdbt_files
+from upcycle.checkpoints import ocdbt_files, paths
 from upcycle.checkpoints.errors import CheckpointError, checkpoint_error
 from upcycle.checkpoints.flax_msgpack import dtype_from_name
 from upcycle.checkpoints.lazy import LazyArray
 
-_GCS = re.compile(r'gs://([^/]+)/?(.*)', re.DOTALL)
 _DRIVERS = ('file', 'gfile', 'gcs')
-
-
-def split_gcs(path: str) -> Optional[Tuple[str, str]]:
-  """'gs://bucket/a/b' -> ('bucket', 'a/b'); None for local paths."""
-  m = _GCS.fullmatch(str(path))
-  return (m.group(1), m.group(2)) if m else None
 
 
 def is_spec(x: Any) -> bool:
@@ -39,7 +31,7 @@ def is_spec(x: Any) -> bool:
 def kvstore_for(checkpoint_dir: str, relative: str) -> Dict[str, Any]:
   """The kvstore of a leaf stored at `relative` under `checkpoint_dir` (local or gs://)."""
   relative = relative.rstrip('/') + '/'
-  gcs = split_gcs(checkpoint_dir)
+  gcs = paths.split_gcs(checkpoint_dir)
   if gcs:
     bucket, base = gcs
     return {'driver': 'gcs', 'bucket': bucket, 'path': f'{base.rstrip("/")}/{relative}'.lstrip('/')}
