@@ -11,7 +11,7 @@ Every process runs `python -m upcycle.train <the flags after -->`, exactly what 
 a TPU VM slice runs (`launch/tpu_vm.py train`), with its own simulated CPU devices
 (`XLA_FLAGS=--xla_force_host_platform_device_count`), joined by `jax.distributed` through a
 coordinator on 127.0.0.1 (UPCYCLE_COORDINATOR_ADDRESS, UPCYCLE_NUM_PROCESSES,
-UPCYCLE_PROCESS_ID; see `upcycle.gin_utils.maybe_initialize_distributed`). Each process's
+UPCYCLE_PROCESS_ID; see `upcycle.distributed.join`). Each process's
 output goes to the console prefixed with `[process i]` and, with --log_dir, to
 `<log_dir>/process_<i>.log`.
 

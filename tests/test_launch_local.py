@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tests.helpers import REPO
-from upcycle import gin_utils
+from upcycle import distributed
 
 _spec = importlib.util.spec_from_file_location('local', os.path.join(REPO, 'launch', 'local.py'))
 local = importlib.util.module_from_spec(_spec)
@@ -30,13 +30,13 @@ def test_dry_run_prints_one_command_per_process(capsys):
 
 
 def test_distributed_settings_from_the_environment():
-  assert gin_utils.distributed_settings({}) is None
-  assert gin_utils.distributed_settings({
+  assert distributed.settings({}) is None
+  assert distributed.settings({
       'UPCYCLE_COORDINATOR_ADDRESS': '127.0.0.1:5', 'UPCYCLE_NUM_PROCESSES': '2',
       'UPCYCLE_PROCESS_ID': '1'}) == {'coordinator_address': '127.0.0.1:5', 'num_processes': 2,
                                       'process_id': 1}
   with pytest.raises(SystemExit, match='only UPCYCLE_PROCESS_ID are set'):
-    gin_utils.distributed_settings({'UPCYCLE_PROCESS_ID': '1'})
+    distributed.settings({'UPCYCLE_PROCESS_ID': '1'})
 
 
 # A stand-in for `python -m upcycle.train` (launch/local.py --module). 'killed': process 1 is

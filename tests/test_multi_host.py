@@ -14,7 +14,7 @@ from jax._src.clusters import cloud_tpu_cluster
 import pytest
 
 from tests.helpers import REPO
-from upcycle import gin_utils, tpu_slice
+from upcycle import distributed, tpu_slice
 
 
 def metadata_server(attributes: dict):
@@ -109,13 +109,13 @@ def test_off_a_tpu_vm_nothing_is_asked_and_one_process_runs(tpu_vm, monkeypatch)
 
 def test_auto_initializes_on_a_multi_worker_slice_only(tpu_vm, initialize_calls):
   tpu_vm(worker_metadata(1))
-  gin_utils.maybe_initialize_distributed('auto')   # v4-8: one host, nothing to join
+  distributed.join('auto')   # v4-8: one host, nothing to join
   assert initialize_calls == []
   asked = tpu_vm(worker_metadata(8))
-  gin_utils.maybe_initialize_distributed('no')
+  distributed.join('no')
   assert initialize_calls == [] and asked == []
   with pytest.raises(SystemExit):
-    gin_utils.maybe_initialize_distributed('auto')
+    distributed.join('auto')
   assert initialize_calls == [{}]   # JAX detects the coordinator and process id itself
 
 
@@ -123,7 +123,7 @@ def test_a_slice_whose_processes_did_not_join_stops_with_one_line(tpu_vm, initia
   """initialize() mocked to join nothing: the worker sees 1 process of 8 and stops at once."""
   tpu_vm(worker_metadata(8))
   with pytest.raises(SystemExit) as stopped:
-    gin_utils.maybe_initialize_distributed('yes')
+    distributed.join('yes')
   assert str(stopped.value) == (
       'This TPU slice has 8 workers but JAX runs 1 process(es) (jax.distributed initialized: '
       'False): run the same command on every worker at once with --multi_host=auto or yes '
@@ -133,8 +133,8 @@ def test_a_slice_whose_processes_did_not_join_stops_with_one_line(tpu_vm, initia
 def test_yes_with_no_cluster_to_join_is_one_line():
   """A fresh process (initialize() must come before JAX's backend starts): no TPU slice."""
   done = subprocess.run(
-      [sys.executable, '-c', 'from upcycle import gin_utils\n'
-                             "gin_utils.maybe_initialize_distributed('yes')"],
+      [sys.executable, '-c', 'from upcycle import distributed\n'
+                             "distributed.join('yes')"],
       env={**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': REPO}, capture_output=True,
       text=True, check=False, timeout=120)
   assert done.returncode == 1 and done.stderr == (
@@ -146,8 +146,8 @@ def test_yes_with_no_cluster_to_join_is_one_line():
 _WORKER = """
 import os, jax
 os.environ.pop('TPU_SKIP_MDS_QUERY')   # jax sets it on a machine without TPU chips
-from upcycle import gin_utils
-gin_utils.maybe_initialize_distributed('auto')
+from upcycle import distributed
+distributed.join('auto')
 print(jax.process_index(), jax.process_count())
 """
 

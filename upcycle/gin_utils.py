@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, T
 
 import gin
 
-from upcycle import console, reachability, tpu_slice
+from upcycle import console, distributed, reachability
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 # The gin files: inside the package in a wheel (setup.py ships configs/ as upcycle/configs/),
@@ -261,71 +261,6 @@ def syntax_error(error: SyntaxError) -> str:
   return f'the binding {text!r}: {error.msg}{hint}'
 
 
-# Set by `launch/local.py` for each of the N processes it starts on one machine.
-COORDINATOR_ENV = 'UPCYCLE_COORDINATOR_ADDRESS'   # host:port of process 0's coordinator
-NUM_PROCESSES_ENV = 'UPCYCLE_NUM_PROCESSES'
-PROCESS_ID_ENV = 'UPCYCLE_PROCESS_ID'
-
-
-def distributed_settings(environ=os.environ) -> Optional[dict]:
-  """`jax.distributed.initialize` arguments from the launcher's variables (None if unset)."""
-  names = (COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV)
-  given = [name for name in names if environ.get(name)]
-  if not given:
-    return None
-  if len(given) < len(names):
-    raise SystemExit(f'Set all of {", ".join(names)} or none (only {", ".join(given)} are '
-                     'set); launch/local.py sets them for every process it starts.')
-  try:
-    return {'coordinator_address': environ[COORDINATOR_ENV],
-            'num_processes': int(environ[NUM_PROCESSES_ENV]),
-            'process_id': int(environ[PROCESS_ID_ENV])}
-  except ValueError as e:
-    raise SystemExit(f'{NUM_PROCESSES_ENV} and {PROCESS_ID_ENV} must be integers: {e}') from e
-
-
-def maybe_initialize_distributed(mode: str) -> None:
-  """Joins the processes of one job before JAX is used (every process runs the same command).
-
-  'auto' initializes on a TPU slice of several workers, found as `jax.distributed.initialize()`
-  finds its peers (`tpu_slice.processes()`: a Cloud TPU VM's metadata server, GKE's
-  TPU_WORKER_HOSTNAMES), and under `launch/local.py` (UPCYCLE_COORDINATOR_ADDRESS /
-  UPCYCLE_NUM_PROCESSES / UPCYCLE_PROCESS_ID; CPU devices run collectives across processes with
-  gloo); 'yes' always initializes, 'no' never. On a slice of N workers where JAX does not end up
-  with N processes, stops with one line instead of hanging at the first collective.
-  """
-  import jax  # pylint: disable=g-import-not-at-top
-  if mode == 'no':
-    return
-  settings = distributed_settings()
-  if settings is not None:
-    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-    _initialize(settings)
-    return
-  workers = tpu_slice.processes()
-  if mode == 'yes' or workers > 1:
-    _initialize({})
-  if workers > 1 and jax.process_count() != workers:
-    raise SystemExit(
-        f'This TPU slice has {workers} workers but JAX runs {jax.process_count()} process(es) '
-        f'(jax.distributed initialized: {jax.distributed.is_initialized()}): run the same '
-        'command on every worker at once with --multi_host=auto or yes (launch/tpu_vm.py '
-        'train does).')
-
-
-def _initialize(settings: dict) -> None:
-  """jax.distributed.initialize(**settings); a failure (a worker that never joined, no
-  cluster to join) is one line."""
-  import jax  # pylint: disable=g-import-not-at-top
-  try:
-    jax.distributed.initialize(**settings)
-  except (RuntimeError, ValueError) as e:
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    raise SystemExit(f'--multi_host: jax.distributed.initialize() failed: {first} (every worker '
-                     'must run the same command at once; --multi_host=no runs this process '
-                     'alone).') from e
-
-
 def write_config(model_dir: str, operative: bool = False) -> None:
   """Writes MODEL_DIR/config.gin (everything parsed, at start) or operative_config.gin (what
   was actually used, at the end), as T5X does; MODEL_DIR may be gs://. Process 0 only."""
@@ -374,7 +309,7 @@ def run(fn: Callable[..., Any], argv: Sequence[str], description: str,
   try:
     console.show_progress()
     args, bindings = parse_flags(argv, description)
-    maybe_initialize_distributed(args.multi_host)
+    distributed.join(args.multi_host)
     configured = gin.configurable(fn)
     parse_gin(args, bindings)
     if reach_gcs:
