@@ -19,7 +19,9 @@ interleaved:
                   inputs: the floor any dispatch can reach
   ours <dispatch> `MoeLayer` with dispatch='masked' and 'indices'; for Top-K also 'ragged'
                   (dropless: every token's k choices, sorted rows through ragged_dot; on
-                  CPU a masked dense product over all experts, E times the work)
+                  CPU a masked dense product over all experts, E times the work) and
+                  'ragged blocked' (the rows in blocks, each by its expert's kernel: what
+                  grouped_kernel 'megablox' runs off TPU)
   ... +metrics    the same with the auxiliary losses in the loss and every logged metric
                   returned (what a training step computes)
   flaxformer ...  with --flaxformer DIR (a directory holding flaxformer/, e.g. from
@@ -336,6 +338,9 @@ def case_runs(case, x, args, dense_run, flax_modules, mesh=None):
     if mesh is not None:   # the Pallas TPU kernel (interpreted on CPU: not timed)
       runs['ours ragged megablox'] = ours(x, moe_config(case, length, 'ragged', 'megablox'),
                                           args.d_ff, mesh)[0]
+    else:   # blocks of rows in a scan, what 'megablox' runs off TPU
+      runs['ours ragged blocked'] = ours(x, moe_config(case, length, 'ragged', 'blocked'),
+                                         args.d_ff)[0]
   if mesh is None:
     runs['ours indices +metrics'] = ours(x, config, args.d_ff, with_metrics=True)[0]
   scatters = ((False, True) if case.router == 'tokens_choose' else (False,)) if flax_modules else ()

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from upcycle.grouped_kernels import GROUPED_KERNELS
+
 Array = jax.Array
 Axes = Tuple[Optional[str], ...]
 Initializer = Callable[..., Array]
@@ -65,53 +67,6 @@ def batch_shards() -> int:
   """How many shards the logical 'batch' axis has in the current mesh (1 outside one)."""
   mesh = jax.sharding.get_abstract_mesh()
   return math.prod(mesh.shape[a] for a in _batch_axes())
-
-
-@jax.custom_vjp
-def _gradient_where(x: Array, keep: Array) -> Array:
-  """x, with its gradient zeroed where `keep` `[rows]` is False."""
-  return x
-
-
-def _gradient_where_fwd(x, keep):
-  return x, keep
-
-
-def _gradient_where_bwd(keep, grad):
-  return jnp.where(keep[:, None], grad, 0).astype(grad.dtype), None
-
-
-_gradient_where.defvjp(_gradient_where_fwd, _gradient_where_bwd)
-
-
-def _megablox_gmm(rows: Array, kernel: Array, sizes: Array, interpret: bool) -> Array:
-  """megablox's `gmm` (Pallas; its backward is its own `gmm` and `tgmm`, each over the rows'
-  groups only). rows `[R, d_in]`, kernel `[E, d_in, d_out]`, sizes `[E]` -> `[R, d_out]`, rows
-  past the groups 0 (the kernel leaves them unwritten, so they and their gradients are
-  masked). `interpret`: Pallas' interpreter, on any platform (slow; for tests)."""
-  from jax.experimental.pallas.ops.tpu.megablox import ops  # pylint: disable=g-import-not-at-top
-  count, d_in = rows.shape
-  # Tiles of 512 rows x 1024 x 1024 (the kernel's default: 128 x 128 x 128): each row tile
-  # reads its experts' kernels once per output tile, so small tiles multiply the bytes read.
-  tile = 512 if count >= 512 else -(-count // 8) * 8
-  padded = -(-count // tile) * tile
-  counted = jnp.arange(padded) < jnp.sum(sizes)
-  rows = _gradient_where(jnp.pad(rows, ((0, padded - count), (0, 0))), counted)
-  tiling = (tile, min(1024, d_in), min(1024, kernel.shape[-1]))
-  out = ops.gmm(rows, kernel, sizes, rows.dtype, tiling, None, None, False, interpret)
-  return jnp.where(counted[:, None], out, 0).astype(out.dtype)[:count]
-
-
-def _megablox_on_tpu(rows: Array, kernel: Array, sizes: Array) -> Array:
-  """megablox's TPU kernel where the program is lowered for TPU, `jax.lax.ragged_dot` (the
-  same function) elsewhere."""
-  tpu = functools.partial(_megablox_gmm, interpret=False)
-  return jax.lax.platform_dependent(rows, kernel, sizes, tpu=tpu, default=jax.lax.ragged_dot)
-
-
-# How `grouped_matmul` multiplies each expert's rows (`MoeConfig.grouped_kernel`).
-GROUPED_KERNELS = {'ragged_dot': jax.lax.ragged_dot, 'megablox': _megablox_on_tpu,
-                   'megablox_interpret': functools.partial(_megablox_gmm, interpret=True)}
 
 
 def grouped_matmul(rows: Array, kernel: Array, group_sizes: Array,

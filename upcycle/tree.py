@@ -219,35 +219,6 @@ def layer_positions(layers: Iterable[str]) -> Dict[str, Optional[Tuple[str, int]
   return positions
 
 
-def family(paths: Iterable[str]) -> str:
-  """The model family a param tree's names say: 'T5' (encoder and decoder stacks), 'Llama'
-  (a decoder stack alone), 'ViT' (a Transformer/ encoder with an image embedding), or
-  'unknown'."""
-  roots = {p.split('/')[0] for p in paths}
-  if {'encoder', 'decoder'} <= roots:
-    return 'T5'
-  if 'decoder' in roots:
-    return 'Llama'
-  if 'Transformer' in roots:
-    return 'ViT'
-  return 'unknown'
-
-
-def describe(params: Any) -> str:
-  """One phrase for a param tree: family, size, dense or MoE (how many experts, blocks)."""
-  flat = flatten(params)
-  size = sum(int(np.prod(shape_of(x))) for x in flat.values())
-  blocks = moe_layers(flat)
-  if blocks:
-    expert = next(p for p in flat if classify([p])[p].kind == EXPERT)
-    moe = f'an MoE with {shape_of(flat[expert])[0]} experts in {len(blocks)} blocks'
-  else:
-    moe = 'dense (no expert leaves)'
-  count = (f'{size / 1e9:.1f}B' if size >= 1e9 else f'{size / 1e6:.1f}M' if size >= 1e6
-           else f'{size:,}')
-  return f'a {family(flat)} model, {count} parameters, {moe}'
-
-
 def is_scanned(params: Any) -> bool:
   """Whether a parameter tree is in a scanned layout (has `.../subblock_{j}/...` paths)."""
   return any(_SCANNED.fullmatch(path) for path in flatten(params))

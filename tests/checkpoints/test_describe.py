@@ -3,6 +3,8 @@
 
 import dataclasses
 
+import numpy as np
+
 from tests.checkpoints import helpers
 from upcycle.checkpoints import describe
 from upcycle.families import abstract_params
@@ -22,3 +24,16 @@ def test_describes_moe_layers():
   assert describe.describe(abstract_params(vit)) == (
       'ViT: depth 4, width 8, 2 heads, mlp 12, patch 4x4, 4 tokens (2x2), pool token, '
       '5 classes, MoE at 1,3, E=8')
+
+
+def test_summary_counts_parameters_and_expert_blocks():
+  """The phrase restore errors quote: a decoder stack alone is a Llama; 4 experts of 3 x 5
+  kernels in two blocks plus a 7 x 3 embedding: 2 x 4 x 15 + 21 = 141 parameters."""
+  expert = {'expert': {'wi_0': {'kernel': np.zeros((4, 3, 5))}}}
+  moe = {'token_embedder': {'embedding': np.zeros((7, 3))},
+         'decoder': {'layers_0': {'mlp': expert}, 'layers_1': {'mlp': expert}}}
+  assert describe.model_kind(moe) == 'llama'
+  assert describe.summary(moe) == (
+      'a Llama model, 141 parameters, an MoE with 4 experts in 2 blocks')
+  assert describe.summary({'encoder': {'layers_0': {'x': np.zeros((1000, 1000))}}}) == (
+      'a T5 model, 1.0M parameters, dense (no expert leaves)')

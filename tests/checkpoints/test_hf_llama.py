@@ -257,4 +257,4 @@ def test_inspect_names_a_llama_from_its_parameters_alone(saved):
   assert describe.describe(params) == (
       'Llama: 2 layers, d_model 48, query width 72, key/value width 24, d_ff 72, vocab 263, '
       'dense')
-  assert tree.family(tree.flatten(params)) == 'Llama'
+  assert describe.model_kind(params) == 'llama'

@@ -48,12 +48,14 @@ def loss_and_grads(layer_config, expert, params, x, mask):
     (SWIGLU, dict(normalize_combine_weights=True), 'ragged_dot'),        # the Mixtral block
     (SWIGLU, dict(grouping=grouping.Fixed(4), load_balancing_scope='batch'), 'ragged_dot'),
     (VIT_MLP, dict(normalize_combine_weights=True), 'ragged_dot'),
-    (SWIGLU, dict(normalize_combine_weights=True), 'megablox'),   # ragged_dot off TPU
+    (SWIGLU, dict(normalize_combine_weights=True), 'megablox'),   # blocked off TPU
+    (VIT_MLP, dict(grouping=grouping.Fixed(4)), 'blocked'),
     pytest.param(SWIGLU, dict(normalize_combine_weights=True), 'megablox_interpret',
                  marks=pytest.mark.slow),
     pytest.param(VIT_MLP, dict(grouping=grouping.Fixed(4)), 'megablox_interpret',
                  marks=pytest.mark.slow)],
     ids=['mixtral', 'groups-unnormalized', 'biased-experts', 'mixtral-megablox-off-tpu',
+         'biased-experts-blocked',
          'mixtral-megablox', 'biased-experts-megablox'])
 def test_ragged_equals_indices_with_a_slot_for_every_token(expert, overrides, kernel):
   """'megablox_interpret': megablox's Pallas kernels interpreted (their TPU build is compiled

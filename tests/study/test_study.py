@@ -12,7 +12,7 @@ import pytest
 from tests.helpers import REPO
 from upcycle.study import claims, drop_runs, drop_section, epochs, regime, runs as runs_lib
 from upcycle.study.__main__ import DESCRIPTIONS, QUICK_ARMS, SUITES, plan, suite_of
-from upcycle.study.curves import Curve, Results
+from upcycle.study.curves import Curve, Results, train_rows_at_end
 from upcycle.study.scale import FULL, QUICK
 
 
@@ -160,6 +160,17 @@ def test_final_values_average_the_last_evaluations_and_flops_follow_the_chain(tm
   assert np.isnan(b).all() and a == pytest.approx((2.9 + 2.8 + 2.7) / 3)
   with pytest.raises(ValueError, match='final_window'):
     Results(runs_dir, (0,), final_window=0)
+
+
+def test_the_end_of_a_run_is_its_last_tenth_of_steps_however_often_it_logged(tmp_path):
+  # Logged at steps 210, 220, ..., 400 (a run from step 200): 191 steps, the last 10% are
+  # those after step 380.9; an evaluation row in between is not a training row.
+  rows = [{'split': 'train', 'step': s, 'loss': s / 100} for s in range(210, 401, 10)]
+  rows.insert(5, {'split': 'eval', 'step': 260, 'loss': 0.0})
+  (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
+  assert [r['step'] for r in train_rows_at_end(str(tmp_path))] == [390, 400]
+  assert regime.train_loss_at_end(str(tmp_path)) == pytest.approx(3.95)
+  assert [r['step'] for r in train_rows_at_end(str(tmp_path), 0.5)] == list(range(310, 401, 10))
 
 
 @pytest.mark.parametrize('scale', [FULL, QUICK], ids=['full', 'quick'])

@@ -16,7 +16,7 @@ import pytest
 from tests.checkpoints import helpers, t5x_writer
 from tests.train.helpers import mesh_run
 from upcycle import checkpoints, console, pretrained, tree
-from upcycle.checkpoints import from_t5x_adafactor, orbax
+from upcycle.checkpoints import describe, from_t5x_adafactor, orbax
 from upcycle.models import T5, ViT, scan_layout
 from upcycle.moe import MoeConfig, capacity, routers
 from upcycle.train import objectives, optimizers, partitioning
@@ -323,7 +323,7 @@ def test_a_source_of_the_wrong_kind_says_what_it_holds(t5, tmp_path):
   moe_dir = t5x_writer.write(str(tmp_path / 'moe'), 6, helpers.random_params(t5['config']))
   with pytest.raises(ValueError) as raised:
     _run(t5['built'], t5['abstract'], UpcycleFromDense(moe_dir))
-  moe = tree.describe(helpers.random_params(t5['config']))
+  moe = describe.summary(helpers.random_params(t5['config']))
   assert moe.startswith('a T5 model, ') and moe.endswith(
       ' parameters, an MoE with 4 experts in 2 blocks')
   assert str(raised.value) == (

@@ -1,9 +1,11 @@
 """What model a parameter tree is, inferred from names and shapes alone (no config needed).
 
+  model_kind(params) -> 't5', 'llama', 'vit' or None
   describe(params) -> 'T5 v1.1: 12+12 layers, d_model 768, 12 heads (d_kv 64), d_ff 2048,
                       vocab 32128, dense'
                    -> 'ViT: depth 12, width 768, 12 heads, mlp 3072, patch 16x16, 196 tokens
                       (14x14), pool token, 1000 classes, MoE at 1,3,5,7,9,11, E=8'
+  summary(params) -> 'a T5 model, 1.2M parameters, an MoE with 8 experts in 4 blocks'
 """
 
 import math
@@ -11,6 +13,9 @@ import re
 from typing import Any, Dict, List, Optional
 
 from upcycle import tree
+
+
+FAMILY_NAMES = {'t5': 'T5', 'llama': 'Llama', 'vit': 'ViT', None: 'unknown'}
 
 
 def model_kind(params: Any) -> Optional[str]:
@@ -23,6 +28,22 @@ def model_kind(params: Any) -> Optional[str]:
   if any(p.startswith(('Transformer/encoderblock_', 'embedding/kernel')) for p in flat):
     return 'vit'
   return None
+
+
+def summary(params: Any) -> str:
+  """One phrase for a param tree, as errors quote it: family, size, dense or MoE (how many
+  experts, in how many blocks)."""
+  flat = params if _is_flat(params) else tree.flatten(params)
+  size = sum(math.prod(tree.shape_of(x)) for x in flat.values())
+  blocks = tree.moe_layers(flat)
+  if blocks:
+    expert = next(p for p in flat if tree.classify([p])[p].kind == tree.EXPERT)
+    moe = f'an MoE with {tree.shape_of(flat[expert])[0]} experts in {len(blocks)} blocks'
+  else:
+    moe = 'dense (no expert leaves)'
+  count = (f'{size / 1e9:.1f}B' if size >= 1e9 else f'{size / 1e6:.1f}M' if size >= 1e6
+           else f'{size:,}')
+  return f'a {FAMILY_NAMES[model_kind(flat)]} model, {count} parameters, {moe}'
 
 
 def _is_flat(params: Any) -> bool:

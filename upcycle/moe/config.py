@@ -4,7 +4,7 @@ import dataclasses
 from typing import Optional
 
 from upcycle import fields
-from upcycle.layers import GROUPED_KERNELS
+from upcycle.grouped_kernels import GROUPED_KERNELS
 from upcycle.moe import capacity as capacities
 from upcycle.moe import grouping as groupings
 from upcycle.moe import routers
@@ -41,16 +41,18 @@ class MoeConfig:
     dispatch: 'masked' (one-hot einsum, TPU friendly) or 'indices'
       (gather/scatter, CPU/GPU friendly), the same function of the capacity slots; or
       'ragged' (Top-K only): dropless, each token's K choices sorted by expert and the
-      experts run as grouped matmuls (`jax.lax.ragged_dot`) on exactly the rows that chose
+      experts run as grouped matmuls (`grouped_kernel`) on exactly the rows that chose
       them; the capacity factors are then not used (it equals the other two with a capacity
       of the whole group, `capacity` returns the group size).
-    grouped_kernel: with dispatch 'ragged', what multiplies each expert's rows:
-      'ragged_dot' (`jax.lax.ragged_dot`; XLA's TPU compiler counts its kernels' gradient
-      over all experts), 'megablox' (on TPU megablox's Pallas `gmm`, whose backward is its
-      own `gmm` and `tgmm` over each expert's rows only; `ragged_dot` on other platforms) or
-      'megablox_interpret' (the Pallas kernels interpreted, on any platform: slow, for
-      tests). Unused by 'masked' and 'indices' (so a Mixtral file's 'megablox' stays when a
-      run binds dispatch = 'indices').
+    grouped_kernel: with dispatch 'ragged', what multiplies each expert's rows
+      (`upcycle.grouped_kernels`): 'ragged_dot' (`jax.lax.ragged_dot`; XLA's TPU compiler
+      counts its kernels' gradient over all experts, and on CPU it is a masked product over
+      all of them), 'blocked' (blocks of rows, each by its expert's kernel, in a scan: about
+      the rows' own work on any platform), 'megablox' (on TPU megablox's Pallas `gmm`, whose
+      backward is its own `gmm` and `tgmm` over each expert's rows only; 'blocked' on other
+      platforms) or 'megablox_interpret' (the Pallas kernels interpreted, on any platform:
+      slow, for tests). Unused by 'masked' and 'indices' (so a Mixtral file's 'megablox'
+      stays when a run binds dispatch = 'indices').
     load_balancing_loss_weight: weight of the Switch load-balancing loss
       E * mean_g sum_e f_ge * p_ge, f_ge the fraction of group g's tokens that chose
       expert e among their K (summing to K), p_ge their mean router probability of e

@@ -52,6 +52,14 @@ def read_rows(run_dir: str) -> List[dict]:
     return [json.loads(line) for line in f]
 
 
+def train_rows_at_end(run_dir: str, window: float = 0.1) -> List[dict]:
+  """The training rows logged over the last `window` of the run's steps (of those from its
+  first logged step to its last)."""
+  rows = [r for r in read_rows(run_dir) if r.get('split') == 'train']
+  first, last = rows[0]['step'], rows[-1]['step']
+  return [r for r in rows if r['step'] > last - window * (last - first + 1)]
+
+
 def read_curve(run_dir: str, start_flops: float = 0.0) -> Curve:
   """The curve of the run in `run_dir`; `start_flops` is what its starting point cost."""
   rows = read_rows(run_dir)

@@ -78,7 +78,7 @@ def parts(results: Results, scale, out: str) -> Tuple[List[str], Optional[Dict]]
         f"experts: {tokens['mean']:,.0f} token slots per expert per step on average; over "
         f"naive upcycling's last 10% of steps, per sequence (its routing group, averaged over "
         f"the batch), the fewest any expert of any layer took was {tokens['fewest']:.1f} and "
-        f"the most {tokens['most']:.1f} (of {tokens_per_step // (scale.llama_batch_size or 16)}"
+        f"the most {tokens['most']:.1f} (of {tokens['sequence_length']}"
         f' tokens). Drop-Upcycling\'s batch (`runs/llm_pretrain.gin`): 512 x 4,096 tokens, '
         f'{PAPER_SLOTS:,} slots per expert per step, {PAPER_SLOTS / tokens["mean"]:,.0f}x more.')
   text.append(

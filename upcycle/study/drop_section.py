@@ -17,7 +17,7 @@ import numpy as np
 
 from upcycle.study import claims, epochs as epochs_lib, regime
 from upcycle.study.claims import Claim
-from upcycle.study.curves import Results, read_rows
+from upcycle.study.curves import Results, train_rows_at_end
 
 FAMILY = 'llama'
 LONG_RUN = ("the paper's gap opens over 100B+ tokens; these arms read 0.4M tokens after the "
@@ -91,9 +91,7 @@ def crossover(results: Results, a: str = 'drop_0.5', b: str = 'moe') -> Optional
 
 def layer_usage(run_dir: str, window: float = 0.1) -> Dict[str, float]:
   """{layer path: mean effective experts over the last `window` of the run's logged steps}."""
-  rows = [r for r in read_rows(run_dir) if r.get('split') == 'train']
-  first, last = rows[0]['step'], rows[-1]['step']
-  kept = [r for r in rows if r['step'] > last - window * (last - first + 1)]
+  kept = train_rows_at_end(run_dir, window)
   keys = sorted({k for r in kept for k in r if k.endswith('/effective_experts')},
                 key=lambda k: int(k.split('layers_')[1].split('/')[0]) if 'layers_' in k else 0)
   return {k[len('moe/'):-len('/effective_experts')]: float(np.mean([r[k] for r in kept]))
@@ -118,13 +116,14 @@ def tokens_per_expert(results: Results) -> Optional[Dict[str, float]]:
   if not results.has(FAMILY, 'moe'):
     return None
   run_dir = os.path.join(results.runs_dir, FAMILY, 'moe', f'seed{results.seeds[0]}')
-  rows = [r for r in read_rows(run_dir) if r.get('split') == 'train']
-  kept = rows[-max(1, len(rows) // 10):]
+  kept = train_rows_at_end(run_dir)
   low = min(v for r in kept for k, v in r.items() if k.endswith('tokens_per_expert_min'))
   high = max(v for r in kept for k, v in r.items() if k.endswith('tokens_per_expert_max'))
   position = epochs_lib.data_position(run_dir)
-  tokens = position['batch_size'] * position['pipeline']['length']
-  return {'tokens_per_step': tokens, 'mean': tokens * 2 / 8, 'fewest': low, 'most': high}
+  length = position['pipeline']['length']
+  tokens = position['batch_size'] * length
+  return {'tokens_per_step': tokens, 'sequence_length': length, 'mean': tokens * 2 / 8,
+          'fewest': low, 'most': high}
 
 
 COLLAPSED = 2.5   # effective experts at or under which a layer counts as collapsed onto two

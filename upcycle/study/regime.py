@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from upcycle.study import claims, epochs as epochs_lib
-from upcycle.study.curves import Results, read_rows
+from upcycle.study.curves import Results, train_rows_at_end
 
 PRETRAIN, DENSE, PAPER, BEST, SCRATCH = ('regime_pretrain', 'regime_dense', 'regime_moe_paper',
                                          'regime_moe_best', 'regime_scratch')
@@ -94,10 +94,7 @@ def compare(results: Results, scale, a: str, b: str, fraction: float) -> Compari
 def train_loss_at_end(run_dir: str, window: float = 0.1) -> float:
   """Mean logged training loss over the last `window` of the run's steps (each batch is
   unseen when its loss is logged: no run here reads an example twice)."""
-  rows = [r for r in read_rows(run_dir) if r.get('split') == 'train']
-  first, last = rows[0]['step'], rows[-1]['step']
-  cut = last - window * (last - first + 1)
-  return float(np.mean([r['loss'] for r in rows if r['step'] > cut]))
+  return float(np.mean([r['loss'] for r in train_rows_at_end(run_dir, window)]))
 
 
 def ends(results: Results, arms: Sequence[str]) -> List[Dict[str, object]]:

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from upcycle import checkpoints, fields, pretrained, tree
-from upcycle.checkpoints import optimizer_state, orbax, paths
+from upcycle.checkpoints import describe, optimizer_state, orbax, paths
 from upcycle.models import scan_layout
 from upcycle.checkpoints import slots
 from upcycle.train.state import TrainState
@@ -80,10 +80,10 @@ def _plan(owner: str, where: str, make: Callable[[], Plan], *, source: Any, targ
   """`make()`, its errors saying what the checkpoint holds against what the config builds; a
   source of another family, or an MoE handed to upcycling, is refused first. `binding`: the
   hook's checkpoint field, named in the errors (ConfigError: one line at the command line)."""
-  held, built = tree.describe(source), tree.describe(target)
+  held, built = describe.summary(source), describe.summary(target)
   source_binding = f'{binding} (INITIAL_CHECKPOINT_PATH)'
   mismatch = None
-  if tree.family(tree.flatten(source)) != tree.family(tree.flatten(target)):
+  if describe.model_kind(source) != describe.model_kind(target):
     mismatch = (f'another model family. Fix: point {source_binding} at a checkpoint of the '
                 f'model the gin files build, or build its model (its model gin file)')
   elif upcycling and tree.moe_layers(tree.flatten(source)):
