@@ -40,10 +40,10 @@ ALLOWED = {
 }
 # Wiring: may import any part.
 WIRING = {'train', 'pretrained', 'predictions', 'aot', 'convert', 'export', 'hf_export', 'eval',
-          'families', 'infer', 'inspect', 'quickstart', 'study', '__init__'}
+          'families', 'infer', 'describe', 'quickstart', 'study', '__init__'}
 # The command-line modules (`python -m ...`): flags and one call; no module imports them.
 COMMANDS = {'upcycle.aot', 'upcycle.convert', 'upcycle.eval', 'upcycle.export', 'upcycle.infer',
-            'upcycle.inspect', 'upcycle.quickstart', 'upcycle.study.__main__',
+            'upcycle.describe', 'upcycle.quickstart', 'upcycle.study.__main__',
             'upcycle.train.__main__'}
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from tests.helpers import REPO
 from upcycle import aot, convert, export, gin_utils
-from upcycle import inspect as inspect_main
+from upcycle import describe as describe_main
 from upcycle.study import __main__ as study_main
 
 RESULTS = os.path.join('docs', 'RESULTS.md')   # written by python -m upcycle.study
@@ -118,7 +118,7 @@ def check(argv):
       if rest:
         parse_training_flags(rest, read=(export.MODEL_MACRO,))
     else:
-      parsers = {'upcycle.export': export, 'upcycle.inspect': inspect_main,
+      parsers = {'upcycle.export': export, 'upcycle.describe': describe_main,
                  'upcycle.study': study_main}
       parsers[cli].build_parser().parse_args(flags)
     return
@@ -134,7 +134,7 @@ def check(argv):
 def test_the_documentation_shows_commands_of_every_kind():
   clis = {p.values[0][1] if p.values[0][0] == '-m' else p.values[0][0] for p in COMMANDS}
   assert {'upcycle.train', 'upcycle.eval', 'upcycle.infer', 'upcycle.aot', 'upcycle.convert',
-          'upcycle.export', 'upcycle.inspect', 'upcycle.study', 'launch/tpu_vm.py',
+          'upcycle.export', 'upcycle.describe', 'upcycle.study', 'launch/tpu_vm.py',
           'launch/local.py'} <= clis
 
 

@@ -224,7 +224,7 @@ def test_a_scanned_run_exports_unrolled_as_t5x_models_read_it(tmp_path):
   """SCAN_LAYERS=True stores `layers/subblock_{j}` with the layer axis first; T5X's models are
   unrolled: the export writes `layers_{i}` (params and T5X Adafactor slots), which the
   unrolled model reads with the scanned run's logits; inspect describes both alike."""
-  from upcycle import inspect  # pylint: disable=g-import-not-at-top
+  from upcycle import describe as describe_command  # pylint: disable=g-import-not-at-top
   unrolled = dataclasses.replace(MOE, num_encoder_layers=4, num_decoder_layers=4)
   scanned = dataclasses.replace(unrolled, scan_layers=True)   # every other layer MoE: period 2
   config = TrainConfig(str(tmp_path / 'run'), train_steps=2, batch_size=8, log_every=1,
@@ -247,7 +247,7 @@ def test_a_scanned_run_exports_unrolled_as_t5x_models_read_it(tmp_path):
         slots[f'encoder/layers/subblock_1/mlp/expert/wi_0/kernel/{slot}'][1])
   raw, _ = t5x_reader.read(out)   # the independent reader
   assert 'layers_1' in raw['optimizer']['target']['encoder']
-  run_model = inspect.summary(checkpoints.load(str(tmp_path / 'run' / 'checkpoints'),
+  run_model = describe_command.summary(checkpoints.load(str(tmp_path / 'run' / 'checkpoints'),
                                                lazy=True))['model']
-  assert run_model == inspect.summary(checkpoints.load(out, lazy=True))['model'] + (
+  assert run_model == describe_command.summary(checkpoints.load(out, lazy=True))['model'] + (
       '; layers stored scanned')

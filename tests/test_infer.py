@@ -19,7 +19,7 @@ from upcycle import convert, export
 from upcycle import eval as eval_main
 from upcycle import gin_utils
 from upcycle import infer as infer_main
-from upcycle import inspect as inspect_main
+from upcycle import describe as describe_main
 from upcycle import predictions, progress, reachability
 from upcycle.data import iterator
 
@@ -139,7 +139,7 @@ def test_an_unreachable_gcs_fails_in_bounded_time_with_one_line(entry_points, un
                     '--gin_file=models/t5_1_1/tiny.gin'], '--source=gs://bucket/dense'),
     (export.main, ['--model_dir=gs://bucket/run', '--output_dir=/nonexistent/t5x'],
      '--model_dir=gs://bucket/run'),
-    (inspect_main.main, ['gs://bucket/run/checkpoints/4', '--verify'],
+    (describe_main.main, ['gs://bucket/run/checkpoints/4', '--verify'],
      'path=gs://bucket/run/checkpoints/4'),
 ])
 def test_the_checkpoint_tools_stop_in_bounded_time_on_an_unreachable_gcs(

@@ -53,9 +53,9 @@ def step(tmp_path):
 
 
 @pytest.mark.skipif(not _no_tpu_chips(), reason='this machine has TPU chips')
-def test_two_inspects_at_once_leave_libtpu_alone_off_a_tpu_vm(tmp_path, step):
+def test_two_describes_at_once_leave_libtpu_alone_off_a_tpu_vm(tmp_path, step):
   env = _env(tmp_path)
-  procs = [subprocess.Popen([sys.executable, '-m', 'upcycle.inspect', step], cwd=REPO, env=env,
+  procs = [subprocess.Popen([sys.executable, '-m', 'upcycle.describe', step], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
            for _ in range(2)]
   for proc in procs:

@@ -1,5 +1,5 @@
 """The one-line model description of a parameter tree (`upcycle.checkpoints.describe`), as
-`python -m upcycle.inspect` prints it."""
+`python -m upcycle.describe` prints it."""
 
 import dataclasses
 

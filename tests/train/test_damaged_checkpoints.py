@@ -1,4 +1,4 @@
-"""A damaged step of a real training run: `inspect --verify` names it, resume sets it aside.
+"""A damaged step of a real training run: `describe --verify` names it, resume sets it aside.
 
 One tiny T5 run saves steps 2 and 4; each test damages a copy of step 4 the way a bad copy
 or a bad disk does (an item gone, a manifest that fails its CRC, flipped bytes inside array
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests.train.helpers import TRAINING_T5, text
-from upcycle import console, inspect
+from upcycle import console, describe
 from upcycle.checkpoints import ocdbt_files, orbax_tree
 from upcycle.models import T5
 from upcycle.train.objectives import Seq2Seq
@@ -67,8 +67,8 @@ def _arrays(step_dir):
 
 
 def _verify(step_dir, capsys):
-  """(exit status, last stderr line) of `inspect --verify`."""
-  status = inspect.main([str(step_dir), '--verify'])
+  """(exit status, last stderr line) of `describe --verify`."""
+  status = describe.main([str(step_dir), '--verify'])
   return status, capsys.readouterr().err.strip().splitlines()[-1]
 
 
@@ -115,7 +115,7 @@ def _assert_falls_back_to_step_2(run, model_dir, capsys, reason, **config):
 def test_a_step_missing_an_item_is_set_aside(run, tmp_path, capsys, item, config):
   model_dir = _copy(run, tmp_path)
   shutil.rmtree(model_dir / 'checkpoints' / '4' / item)
-  if item != 'params':   # without params/ it is no step: inspect says so
+  if item != 'params':   # without params/ it is no step: describe says so
     assert _verify(model_dir / 'checkpoints' / '4', capsys) == (1, (
         f'error: {model_dir}/checkpoints/4: damaged: {item}/ is missing, saved with the step. '
         f'The checkpoint copy is incomplete; copy the step again from its source.'))

@@ -103,7 +103,7 @@ def test_train_kill_resume_and_inspect_on_gcs(tmp_path, gcs_emulator, straight_r
   assert _exists(gcs_emulator, f'{remote}/config.gin')
   assert _exists(gcs_emulator, f'{remote}/operative_config.gin')
   assert not _exists(gcs_emulator, f'{remote}/run.lock')
-  info = subprocess.run([sys.executable, '-m', 'upcycle.inspect', f'{remote}/checkpoints',
+  info = subprocess.run([sys.executable, '-m', 'upcycle.describe', f'{remote}/checkpoints',
                          '--json', '--verify'], cwd=REPO, env=env, capture_output=True, text=True)
   assert info.returncode == 0, info.stderr[-3000:]
   summary = json.loads(info.stdout)

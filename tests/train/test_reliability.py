@@ -21,7 +21,7 @@ import pytest
 
 from tests.helpers import REPO
 from tests.train.helpers import ONE_DEVICE_ENV, TRAINING_T5, text, train_command
-from upcycle import console, fields, inspect
+from upcycle import console, describe, fields
 from upcycle.checkpoints import CheckpointError
 from upcycle.checkpoints.orbax import CheckpointManager
 from upcycle.locks.file_lock import FileLock
@@ -214,7 +214,7 @@ def _stored_arrays(step_dir) -> int:
 
 def test_inspect_verify_reads_every_array(run_4_steps, tmp_path, capsys):
   step_dir = run_4_steps / 'checkpoints' / '4'
-  assert inspect.main([str(step_dir), '--verify']) == 0
+  assert describe.main([str(step_dir), '--verify']) == 0
   expected = _stored_arrays(step_dir)
   assert expected > 100
   assert (f'verified: all {expected} arrays read back complete and match the digests recorded '
@@ -223,9 +223,9 @@ def test_inspect_verify_reads_every_array(run_4_steps, tmp_path, capsys):
   broken = _largest_params_file(model_dir, 4)
   os.remove(broken)
   step_dir = model_dir / 'checkpoints' / '4'
-  assert inspect.main([str(step_dir)]) == 0   # Metadata alone looks fine.
+  assert describe.main([str(step_dir)]) == 0   # Metadata alone looks fine.
   capsys.readouterr()
-  assert inspect.main([str(step_dir), '--verify']) == 1
+  assert describe.main([str(step_dir), '--verify']) == 1
   err = capsys.readouterr().err
   assert err.startswith(f"error: {step_dir}/params: parameter '")
   assert f'data file {broken} is missing' in err
@@ -393,7 +393,7 @@ def test_a_full_disk_stops_the_run_at_the_save_in_one_line(run_4_steps, small_di
 
 def test_a_live_runs_latest_step_deleted_while_read_is_read_again_at_the_new_latest(
     run_4_steps, tmp_path, monkeypatch, caplog):
-  """What eval, infer and inspect meet on a run whose trainer saves and prunes while they read:
+  """What eval, infer and describe meet on a run whose trainer saves and prunes while they read:
   the step being read is removed by retention (here: step 6 lands, step 4 goes, as orbax does
   it) and the reader moves on to the new latest step instead of calling the step damaged.
   Evaluation opens no optimizer state."""

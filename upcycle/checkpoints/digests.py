@@ -11,7 +11,7 @@ the other items, before it renames the step into place:
     "items": {"params": {"decoder/layers_0/mlp/wi_0/kernel":
                             {"dtype": "float32", "shards": {"0:32,0:64": 3735928559}}}, ...}}
 
-A shard is named by its index, `start:stop` per axis. `inspect --verify` and resume recompute
+A shard is named by its index, `start:stop` per axis. `describe --verify` and resume recompute
 the CRC of what they read back and compare.
 """
 

@@ -49,4 +49,4 @@ def check_params(params: Dict[str, Any], expected: Dict[str, Any], source: str,
           source, 'shape does not match the model config' + (
               f' (stored as {stored!r})' if stored else ''), param=path,
           expected=need, found=got, fix=fix or 'Use the model config the checkpoint was '
-          'trained with (upcycle.inspect PATH shows the shapes it implies)')
+          'trained with (upcycle.describe PATH shows the shapes it implies)')

@@ -1,6 +1,6 @@
 """Reads every array of a checkpoint, one at a time, to prove that its data is all there.
 
-Metadata (what `inspect` prints) can be intact while a data file is missing or truncated;
+Metadata (what `describe` prints) can be intact while a data file is missing or truncated;
 only reading finds that, and only the digests a training step recorded at save
 (`digests.py`) find bytes that changed but still decode. The first unreadable or changed
 leaf raises a CheckpointError naming the parameter and the file.

@@ -1,4 +1,4 @@
-"""`python -m upcycle.inspect`: what it prints of a checkpoint, and its --verify."""
+"""`python -m upcycle.describe`: what it prints of a checkpoint, and its --verify."""
 
 import json
 import os
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tests.checkpoints import helpers, t5x_writer
-from upcycle import inspect, tree
+from upcycle import describe, tree
 from upcycle.checkpoints import verify
 from upcycle.checkpoints.orbax import CheckpointManager
 
@@ -17,7 +17,7 @@ from upcycle.checkpoints.orbax import CheckpointManager
 def test_json_summary_of_a_t5x_checkpoint(tmp_path, capsys):
   params = helpers.random_params(helpers.CHECKPOINT_T5)
   t5x_writer.write(str(tmp_path), 6, params, t5x_writer.adafactor_states(params))
-  assert inspect.main([str(tmp_path), '--json']) == 0
+  assert describe.main([str(tmp_path), '--json']) == 0
   info = json.loads(capsys.readouterr().out)
   assert info['format'] == 't5x' and info['step'] == 6 and info['optimizer_state']
   assert info['num_parameters'] == sum(p.size for p in tree.flatten(params).values())
@@ -29,11 +29,11 @@ def test_json_summary_of_a_t5x_checkpoint(tmp_path, capsys):
 
 
 def test_text_output_and_errors(tmp_path, capsys):
-  assert inspect.main([helpers.T5X_FIXTURE]) == 0
+  assert describe.main([helpers.T5X_FIXTURE]) == 0
   out = capsys.readouterr().out
   assert 'format:          t5x' in out and 'step:            1' in out
   assert 'optimizer state: yes' in out
-  assert inspect.main([str(tmp_path)]) == 1
+  assert describe.main([str(tmp_path)]) == 1
   assert 'unknown checkpoint format' in capsys.readouterr().err
 
 
@@ -51,7 +51,7 @@ def test_a_step_set_aside_by_resume_is_inspected_as_any_step(tmp_path, capsys):
   set_aside = tmp_path / 'corrupt_checkpoints' / '4-20261201-120000'
   os.makedirs(set_aside.parent)
   os.rename(_orbax_step(tmp_path / 'checkpoints', 4), set_aside)
-  assert inspect.main([str(set_aside), '--verify']) == 0
+  assert describe.main([str(set_aside), '--verify']) == 0
   captured = capsys.readouterr()
   assert f'path:            {set_aside}\nformat:          orbax\nstep:            4\n' in (
       captured.out)
@@ -77,8 +77,8 @@ def test_a_step_deleted_by_retention_while_verified_is_not_damage(tmp_path, caps
     return read(ckpt, recorded)
 
   monkeypatch.setattr(verify, 'verify', retention_deletes_the_step)
-  capsys.readouterr()   # the save's own line ('Saved step 2 ...') is not inspect's
-  assert inspect.main([str(step_dir), '--verify']) == 0
+  capsys.readouterr()   # the save's own line ('Saved step 2 ...') is not describe's
+  assert describe.main([str(step_dir), '--verify']) == 0
   assert capsys.readouterr().err == (
       f'note: {step_dir} was deleted by retention while being read (a running trainer keeps '
       f'its last TrainConfig.keep_checkpoints steps); that is not damage. Inspect a newer '

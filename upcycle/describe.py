@@ -1,6 +1,6 @@
 """Describe a checkpoint without loading its data: format, step, sizes, tree, model.
 
-  python -m upcycle.inspect PATH [--format F] [--json] [--verify]
+  python -m upcycle.describe PATH [--format F] [--json] [--verify]
 
 Only metadata is read (shapes and dtypes), so this is cheap on any checkpoint size.
 --verify then reads every array (parameters and optimizer state, one at a time) and exits
@@ -28,7 +28,7 @@ from upcycle.checkpoints import describe, digests, orbax, paths, verify
 
 
 def summary(ckpt: checkpoints.Checkpoint) -> Dict[str, Any]:
-  """The facts `inspect` prints, as a JSON-ready dict."""
+  """The facts `describe` prints, as a JSON-ready dict."""
   params = tree.leaves_by_path(ckpt.params)
   optimizer = tree.leaves_by_path(ckpt.optimizer_state)
   return {
@@ -84,7 +84,7 @@ def format_text(info: Dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog='python -m upcycle.inspect', description=__doc__,
+  parser = argparse.ArgumentParser(prog='python -m upcycle.describe', description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('path', help='checkpoint file or directory (T5X, orbax, HF, .npz)')
   parser.add_argument('--format', choices=checkpoints.FORMATS, default=None,
