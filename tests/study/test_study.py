@@ -122,6 +122,12 @@ def test_quick_study_writes_results_and_resumes(tmp_path):
   assert data['drop']['usage']['moe'].keys() == {f'decoder/layers_{i}/mlp' for i in range(4)}
   for png in ('llama_drop.png', 'llama_expert_usage.png'):
     assert (out / 'results' / png).stat().st_size > 10_000
+  # The header's suite lines: the regime suite starts from the claims suite's dense T5, the
+  # drop suite pretrains its own Llama.
+  lines = {line.split('--suite ')[1].split()[0]: line for line in text.splitlines()
+           if line.startswith('- `python -m upcycle.study') and '--suite ' in line}
+  assert 'runs of the claims suite' in lines['regime']
+  assert 'runs of the claims suite' not in lines['drop']
   again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
   assert again.returncode == 0, again.stderr[-3000:]
   assert 'already finished, 0 to run' in again.stdout

@@ -85,13 +85,14 @@ def plan(scale, quick: bool, suites=('claims',)):
 def _suite_line(args, scale, suite: str) -> str:
   """The suite's command and how its own runs went: how many finished and their run time (each
   run's own seconds, measured while `args.jobs` ran at once; a study may span sessions)."""
-  own = [r for r in plan(scale, args.quick, (suite,)) if suite_of(r) == suite]
+  planned = plan(scale, args.quick, (suite,))
+  own = [r for r in planned if suite_of(r) == suite]
   done = [os.path.join(r.directory(args.runs_dir), execute.DONE) for r in own]
   done = [p for p in done if os.path.exists(p)]
   command = ('python -m upcycle.study' + (' --quick' if args.quick else '') +
              ('' if suite == 'claims' else f' --suite {suite}') + f' --out {args.out}' +
              (f' --runs_dir {args.runs_dir_given}' if args.runs_dir_given else ''))
-  starts = ('' if suite == 'claims' else
+  starts = ('' if len(own) == len(planned) else
             ' (it starts from runs of the claims suite, which it runs first when they are missing)')
   if not done:
     return f'- `{command}`: {len(own)} training runs{starts}, none finished yet.'
@@ -159,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "(~100 min), the papers' claims (~90 min), the switches beyond the "
                            "papers' anchors (~26 min), why the upcycled T5 trails the dense one "
                            '(~90 min), Drop-Upcycling on a Llama upcycled into a Mixtral '
-                           '(~150 min), or all; RESULTS.md always shows every finished run')
+                           '(~75 min), or all; RESULTS.md always shows every finished run')
   parser.add_argument('--quick', action='store_true',
                       help='a few claims arms, one seed, a few steps')
   parser.add_argument('--jobs', type=int, default=2, help='training runs at a time')
