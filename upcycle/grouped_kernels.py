@@ -81,17 +81,18 @@ def blocked(rows: Array, kernel: Array, sizes: Array) -> Array:
   padded_sizes = -(-sizes // block) * block
   padded_ends = jnp.cumsum(padded_sizes)
   padded_starts = padded_ends - padded_sizes
-  starts = jnp.cumsum(sizes) - sizes
+  ends = jnp.cumsum(sizes)
+  starts = ends - sizes
 
   slots = jnp.arange(blocks * block)
   slot_group = jnp.searchsorted(padded_ends, slots, side='right', method='compare_all')
-  clipped = jnp.minimum(slot_group, groups - 1)
-  offset = slots - padded_starts[clipped]
-  filled = (slot_group < groups) & (offset < sizes[clipped])
-  source = jnp.where(filled, starts[clipped] + offset, count)          # row `count`: zeros
+  slot_expert = jnp.minimum(slot_group, groups - 1)
+  offset = slots - padded_starts[slot_expert]
+  filled = (slot_group < groups) & (offset < sizes[slot_expert])
+  source = jnp.where(filled, starts[slot_expert] + offset, count)      # row `count`: zeros
   with_zero = jnp.concatenate([rows, jnp.zeros((1, d_in), rows.dtype)])
   x = with_zero[source].reshape(blocks, block, d_in)
-  block_group = clipped.reshape(blocks, block)[:, 0]
+  block_group = slot_expert.reshape(blocks, block)[:, 0]
 
   # Rematerialized: the backward slices each block's kernel again instead of keeping
   # `[blocks, d_in, d_out]` of slices as residuals.
@@ -103,10 +104,10 @@ def blocked(rows: Array, kernel: Array, sizes: Array) -> Array:
   _, y = jax.lax.scan(one_block, None, (x, block_group))
   y = y.reshape(blocks * block, -1)
   row = jnp.arange(count)
-  row_group = jnp.searchsorted(jnp.cumsum(sizes), row, side='right', method='compare_all')
+  row_group = jnp.searchsorted(ends, row, side='right', method='compare_all')
   counted = row_group < groups
-  clipped = jnp.minimum(row_group, groups - 1)
-  slot = jnp.where(counted, padded_starts[clipped] + row - starts[clipped], 0)
+  row_expert = jnp.minimum(row_group, groups - 1)
+  slot = jnp.where(counted, padded_starts[row_expert] + row - starts[row_expert], 0)
   return jnp.where(counted[:, None], y[slot], 0).astype(y.dtype)
 
 
