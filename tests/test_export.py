@@ -15,7 +15,7 @@ import pytest
 from tests.checkpoints import helpers, t5x_reader
 from tests.helpers import REPO
 from tests.train.helpers import TRAINING_T5, text
-from upcycle import checkpoints, console, export, fields, tree
+from upcycle import checkpoints, console, export, fields, optimizer_state, tree
 from upcycle.checkpoints import t5x_export, t5x_writer
 from upcycle.checkpoints.orbax import CheckpointManager
 from upcycle.locks.file_lock import FileLock
@@ -93,7 +93,7 @@ def test_export_writes_params_and_t5x_adafactor_slots(run, tmp_path, capsys):
   assert np.abs(slots[f'{EXPERT}/m']).max() > 0
   # T5X's Adafactor state read back is the run's optimizer state, count included.
   ckpt = checkpoints.load(out)
-  restored = checkpoints.from_t5x_adafactor(ckpt.optimizer_state, run['params'],
+  restored = optimizer_state.from_t5x_adafactor(ckpt.optimizer_state, run['params'],
                                             run['optimizer'])
   assert int(restored.count) == int(run['opt_state'].count) == 2
   for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(run['opt_state'])):

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from upcycle import tree
-from upcycle.checkpoints import factored
+from upcycle.optimizer_state import adafactor
 from upcycle.families import abstract_params
 from upcycle.models import T5, T5Config, ViT, ViTConfig
 
@@ -50,7 +50,7 @@ def t5x_slots(params, rng=None):
     zero = np.zeros((1,), np.float32)
     slot = {'v_row': zero, 'v_col': zero, 'v': zero, 'm': zero}
     if x.ndim >= 2 and min(x.shape) >= 4:
-      d1, d0 = factored.factored_dims(x.shape)
+      d1, d0 = adafactor.factored_dims(x.shape)
       slot['v_row'] = rng.uniform(0.5, 2, np.delete(x.shape, d0)).astype(np.float32)
       slot['v_col'] = rng.uniform(0.5, 2, np.delete(x.shape, d1)).astype(np.float32)
     else:

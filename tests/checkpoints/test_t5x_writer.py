@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.checkpoints import helpers, t5x_reader
-from upcycle import checkpoints, tree
+from upcycle import checkpoints, optimizer_state, tree
 from upcycle.checkpoints import flax_msgpack, t5x_writer
 from upcycle.models import T5
 from upcycle.moe import MoeConfig, routers
@@ -113,7 +113,7 @@ def test_round_trip_through_our_reader(written):
     got = tree.flatten(ckpt.params)[path]
     assert got.dtype == value.dtype, path
     np.testing.assert_array_equal(got, value, err_msg=path)
-  restored = checkpoints.from_t5x_adafactor(ckpt.optimizer_state, written['f32'],
+  restored = optimizer_state.from_t5x_adafactor(ckpt.optimizer_state, written['f32'],
                                             written['optimizer'])
   assert int(restored.count) == int(written['state'].count) == 3
   for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(written['state'])):

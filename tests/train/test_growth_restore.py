@@ -17,7 +17,7 @@ from upcycle.models import T5
 from upcycle.moe import MoeConfig, routers
 from upcycle.train import objectives, optimizers, partitioning
 from upcycle.train.grow import GrowDepth, GrowExperts
-from upcycle.upcycling import depth_growth, execute, expert_growth, grown_optimizer_state
+from upcycle.upcycling import carry_optimizer_state, depth_growth, execute, expert_growth
 
 ADAMW = optimizers.AdamW(optax.linear_schedule(0.0, 1e-3, 10_000))
 BATCH = {'encoder_input_tokens': np.zeros((4, 6), np.int32),
@@ -63,7 +63,7 @@ def _assert_placed(state, abstract):
 def _assert_grown(moe, state, growth, abstract, optimizer):
   _assert_equal(state.params, execute.run(growth, moe['params'], jax.random.PRNGKey(0)))
   _assert_equal(state.opt_state,
-                grown_optimizer_state(moe['opt_state'], growth, abstract.params, optimizer))
+                carry_optimizer_state(moe['opt_state'], growth, abstract.params, optimizer))
   assert int(state.step) == 5 and int(state.opt_state[1][0].count) == 1
 
 

@@ -1,7 +1,7 @@
 """Optimizer-state shardings on a 2x2x2 mesh (data x expert x model) of simulated devices.
 
-Every slot is sharded like its parameter along the axes it keeps (`upcycle/checkpoints/slots.py`):
-in the trainer's abstract state, in the arrays it creates, and in the states the restore and
+Every slot is sharded like its parameter along the axes it keeps
+(`upcycle/optimizer_state/shardings.py`): in the trainer's abstract state, in the arrays it creates, and in the states the restore and
 growth hooks build from checkpoints.
 """
 
@@ -19,7 +19,7 @@ from upcycle import checkpoints, tree
 from upcycle.checkpoints import orbax
 from upcycle.models import T5, ViT
 from upcycle.moe import MoeConfig, capacity, routers
-from upcycle.checkpoints import slots
+from upcycle.optimizer_state import shardings as slots
 from upcycle.train import objectives, optimizers, partitioning, resume
 from upcycle.train.grow import GrowExperts
 from upcycle.train.restore import UpcycleFromDense

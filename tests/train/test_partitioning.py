@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from tests.models.helpers import MODEL_T5, MODEL_VIT, tokens
 from upcycle import fields, tree
-from upcycle.checkpoints import slots
+from upcycle.optimizer_state import shardings as slots
 from upcycle.models import Llama, LlamaConfig, T5, ViT
 from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses, grouping, routers
 from upcycle.train import optimizers, partitioning

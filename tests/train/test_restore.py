@@ -16,14 +16,15 @@ import pytest
 from tests.checkpoints import helpers, t5x_writer
 from tests.train.helpers import mesh_run
 from upcycle import checkpoints, console, pretrained, tree
-from upcycle.checkpoints import describe, from_t5x_adafactor, orbax
+from upcycle.checkpoints import describe, orbax
 from upcycle.models import T5, ViT, scan_layout
 from upcycle.moe import MoeConfig, capacity, routers
 from upcycle.train import objectives, optimizers, partitioning
 from upcycle.train.restore import ContinueFromCheckpoint, UpcycleFromDense
 from upcycle.upcycling import experts, sharded, step_policy
-from upcycle.upcycling.optimizer import upcycle_optimizer_state
-from upcycle.upcycling.surgery import upcycle
+from upcycle.optimizer_state import from_t5x_adafactor
+from upcycle.upcycling.optimizer import carry_optimizer_state
+from upcycle.upcycling.surgery import make_plan, upcycle
 
 # Capacity = group size: every token reaches an expert, and with normalized combine
 # weights identical experts compute exactly the dense MLP (docs/upcycling.md, "Function preservation").
@@ -131,7 +132,8 @@ def test_drop_experts_and_reused_t5x_adafactor_state(t5):
   optimizer = t5['built'].optimizer
   t5x_state = checkpoints.materialize(checkpoints.load(t5['dir']).optimizer_state)
   dense_state = from_t5x_adafactor(t5x_state, t5['params'], optimizer)
-  _assert_trees_equal(state.opt_state, upcycle_optimizer_state(dense_state, want, optimizer))
+  _assert_trees_equal(state.opt_state, carry_optimizer_state(
+      dense_state, make_plan(t5['params'], want), want, optimizer))
   assert int(state.step) == 6 and int(state.opt_state[0].count) == 6
   v_row = tree.flatten(state.opt_state[0].v_row)[E_LEAF]
   np.testing.assert_array_equal(
@@ -209,7 +211,8 @@ def test_orbax_adamw_state_is_tiled_into_the_moe_state(vit):
   want = _unsharded(vit['dense'], abstract.params)
   _assert_trees_equal(state.params, want)
   _assert_trees_equal(state.opt_state,
-                      upcycle_optimizer_state(vit['opt_state'], want, built.optimizer))
+                      carry_optimizer_state(vit['opt_state'], make_plan(vit['dense'], want), want,
+                                            built.optimizer))
   assert int(state.step) == 7 and int(state.opt_state[1][0].count) == 7
 
 

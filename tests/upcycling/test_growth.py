@@ -16,7 +16,7 @@ from upcycle.families import abstract_params
 from upcycle.moe import MoeConfig, MoeLayer, ROUTER_LOGITS, capacity, router_logits, routers
 from upcycle.train import optimizers
 from upcycle.upcycling import depth_growth, expert_growth, grow_depth, grow_experts
-from upcycle.upcycling import grown_optimizer_state, router_usage
+from upcycle.upcycling import carry_optimizer_state, router_usage
 
 S = jax.ShapeDtypeStruct
 WI, ROUTER = 'mlp/expert/wi/kernel', 'mlp/router/w/kernel'
@@ -106,7 +106,7 @@ def test_new_experts_get_their_sources_weights_and_moments(name):
                                 params['mlp']['expert']['wi']['kernel'][1])
   np.testing.assert_array_equal(new['mlp']['router']['w']['kernel'][:, 2],
                                 params['mlp']['router']['w']['kernel'][:, 1])
-  grown = jax.jit(lambda s, p: grown_optimizer_state(s, growth, p, optimizer))(state, new)
+  grown = jax.jit(lambda s, p: carry_optimizer_state(s, growth, p, optimizer))(state, new)
   assert jax.tree.structure(grown) == jax.tree.structure(optimizer.init(new))
   counts = [x for p, x in jax.tree_util.tree_leaves_with_path(grown) if 'count' in str(p)]
   assert counts and all(int(c) == 2 for c in counts)
@@ -156,7 +156,7 @@ def test_growing_experts_refuses_what_it_cannot_do():
     grow_experts(params, tree.unflatten(half))
   router_norm = expert_growth.plan(params, target(4), sources='router_norm')
   norms = np.linalg.norm(params['mlp']['router']['w']['kernel'], axis=0)
-  assert {l.path: l for l in router_norm.copies}[WI].index == (0, 1) + tuple(np.argsort(-norms))
+  assert {l.path: l for l in router_norm.copies}[WI].op.index == (0, 1) + tuple(np.argsort(-norms))
 
 
 def _dense(num_layers):

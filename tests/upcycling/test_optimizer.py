@@ -7,10 +7,10 @@ import optax
 import pytest
 
 from upcycle import tree
-from upcycle.checkpoints import factored, from_t5x_adafactor
+from upcycle.optimizer_state import adafactor, from_t5x_adafactor
 from upcycle.upcycling import experts
-from upcycle.upcycling.optimizer import upcycle_optimizer_state
-from upcycle.upcycling.surgery import upcycle
+from upcycle.upcycling.optimizer import carry_optimizer_state
+from upcycle.upcycling.surgery import make_plan, upcycle
 
 MLP = 'encoder/layers_1/mlp'
 ROUTER = f'{MLP}/router/router_weights/w/kernel'
@@ -45,6 +45,12 @@ def _grads(params, seed):
                                       for k, x in zip(keys, leaves)])
 
 
+def upcycle_optimizer_state(dense, dense_state, moe, optimizer, experts='copy', **kwargs):
+  """The dense state carried through the upcycling plan from `dense` to `moe`."""
+  plan = make_plan(dense, moe, experts=experts)
+  return carry_optimizer_state(dense_state, plan, moe, optimizer, **kwargs)
+
+
 def _train_dense(t5, optimizer, steps=3):
   params = jax.tree.map(jnp.asarray, t5(d_model=8, d_ff=16))
   state = optimizer.init(params)
@@ -77,7 +83,7 @@ def test_first_moe_update_equals_the_dense_update(name, t5, target):
   optimizer = OPTIMIZERS[name]()
   dense, dense_state = _train_dense(t5, optimizer)
   moe, _ = upcycle(dense, target(dense, [MLP], 2, shared_d_ff=16), rng=0)
-  moe_state = upcycle_optimizer_state(dense_state, moe, optimizer)
+  moe_state = upcycle_optimizer_state(dense, dense_state, moe, optimizer)
   assert jax.tree.structure(moe_state) == jax.tree.structure(optimizer.init(moe))
   grads = _grads(dense, 10)
   dense_updates = tree.flatten(optimizer.update(grads, dense_state, dense)[0])
@@ -96,7 +102,7 @@ def test_adam_moments_tiled_router_fresh_step_kept(t5, target):
   optimizer = OPTIMIZERS['adam']()
   dense, dense_state = _train_dense(t5, optimizer)
   moe, _ = upcycle(dense, target(dense, [MLP], 3), experts=experts.Drop(0.5), rng=0)
-  state = upcycle_optimizer_state(dense_state, moe, optimizer)
+  state = upcycle_optimizer_state(dense, dense_state, moe, optimizer)
   adam, dense_adam = state[0], dense_state[0]
   assert int(adam.count) == 3
   for slot in ('mu', 'nu'):
@@ -113,7 +119,7 @@ def test_adafactor_factored_moments_tiled(t5, target):
   optimizer = OPTIMIZERS['adafactor']()
   dense, dense_state = _train_dense(t5, optimizer)
   moe, _ = upcycle(dense, target(dense, [MLP], 2), rng=0)
-  state = upcycle_optimizer_state(dense_state, moe, optimizer)
+  state = upcycle_optimizer_state(dense, dense_state, moe, optimizer)
   fs, dense_fs = state[0], dense_state[0]
   assert int(fs.count) == 3
   v_row, dense_v_row = tree.flatten(fs.v_row), tree.flatten(dense_fs.v_row)
@@ -135,14 +141,15 @@ def test_adafactor_layout_change_rebuilds_the_estimate(t5, target):
   optimizer = OPTIMIZERS['adafactor']()
   dense, dense_state = _train_dense(t5, optimizer)
   moe, _ = upcycle(dense, target(dense, [MLP], 32), rng=0)
-  fs = upcycle_optimizer_state(dense_state, moe, optimizer)[0]
+  fs = upcycle_optimizer_state(dense, dense_state, moe, optimizer)[0]
   dense_fs = dense_state[0]
   name = 'wi_0/kernel'
   dense_slots = tuple(tree.flatten(getattr(dense_fs, k))[f'{MLP}/{name}'] for k in ('v_row', 'v_col', 'v'))
   moe_slots = tuple(tree.flatten(getattr(fs, k))[f'{MLP}/expert/{name}'] for k in ('v_row', 'v_col', 'v'))
-  assert factored.layout(moe_slots, (32, 8, 16)) == (2, 0)
-  want = factored.full_moment(dense_slots, (8, 16))
-  got = factored.full_moment(moe_slots, (32, 8, 16))
+  moe_slots = adafactor.heuristic(*moe_slots, adafactor.placeholder(), (32, 8, 16))
+  assert (moe_slots.rows, moe_slots.cols) == ((2,), (0,))
+  want = adafactor.estimate(adafactor.heuristic(*dense_slots, adafactor.placeholder(), (8, 16)))
+  got = adafactor.estimate(moe_slots)
   for e in (0, 17, 31):
     np.testing.assert_allclose(got[e], want, rtol=1e-5)
 
@@ -153,7 +160,7 @@ def test_lr_at_first_moe_step_is_the_dense_schedule_at_that_step(t5, target):
   moe, _ = upcycle(dense, target(dense, [MLP], 2), rng=0)
   ones = jax.tree.map(jnp.ones_like, moe)
   for keep_step, step in ((True, 5), (False, 0)):
-    state = upcycle_optimizer_state(dense_state, moe, optimizer, keep_step=keep_step)
+    state = upcycle_optimizer_state(dense, dense_state, moe, optimizer, keep_step=keep_step)
     updates = tree.flatten(optimizer.update(ones, state, moe)[0])
     np.testing.assert_allclose(updates['token_embedder/embedding'], -schedule(step), rtol=1e-6)
     np.testing.assert_allclose(updates[f'{MLP}/expert/wo/kernel'], -schedule(step), rtol=1e-6)
@@ -163,7 +170,7 @@ def test_fresh_moments_keep_the_step(t5, target):
   optimizer = OPTIMIZERS['adam']()
   dense, dense_state = _train_dense(t5, optimizer)
   moe, _ = upcycle(dense, target(dense, [MLP], 2), rng=0)
-  state = upcycle_optimizer_state(dense_state, moe, optimizer, tile_moments=False)
+  state = upcycle_optimizer_state(dense, dense_state, moe, optimizer, tile_moments=False)
   assert int(state[0].count) == 3
   assert not any(np.asarray(x).any() for x in jax.tree.leaves(state[0].mu))
 
@@ -174,25 +181,36 @@ def test_shape_changing_experts_need_fresh_moments(t5, target):
   moe, _ = upcycle(dense, target(dense, [MLP], 4, expert_d_ff=8), experts=experts.Granular(2), rng=0)
   with pytest.raises(ValueError, match=r'slot .*expert/wi_0/kernel \(4, 8, 8\) cannot be made from '
                      r'the dense slot of encoder/layers_1/mlp/wi_0/kernel \(8, 16\).*tile_moments=False'):
-    upcycle_optimizer_state(dense_state, moe, optimizer)
-  upcycle_optimizer_state(dense_state, moe, optimizer, tile_moments=False)
+    upcycle_optimizer_state(dense, dense_state, moe, optimizer, experts=experts.Granular(2))
+  upcycle_optimizer_state(dense, dense_state, moe, optimizer, experts=experts.Granular(2),
+                          tile_moments=False)
 
 
 @pytest.mark.parametrize('name', sorted(OPTIMIZERS))
-def test_narrower_shared_expert_needs_fresh_moments(name, t5, target):
+def test_narrower_shared_expert_takes_the_moments_of_its_units(name, t5, target):
+  """A shared expert of the first 4 of 16 d_ff units gets those units' moments: Adam's are
+  per entry, so they are the dense ones sliced; Adafactor's are rebuilt for its shape."""
   optimizer = OPTIMIZERS[name]()
   dense, dense_state = _train_dense(t5, optimizer)
   moe, _ = upcycle(dense, target(dense, [MLP], 2, shared_d_ff=4), rng=0)
-  with pytest.raises(ValueError, match=r'shared_expert/w.*tile_moments=False'):
-    upcycle_optimizer_state(dense_state, moe, optimizer)
-  upcycle_optimizer_state(dense_state, moe, optimizer, tile_moments=False)
+  state = upcycle_optimizer_state(dense, dense_state, moe, optimizer)
+  assert jax.tree.structure(state) == jax.tree.structure(optimizer.init(moe))
+  if name != 'adam':
+    return
+  for slot in ('mu', 'nu'):
+    flat = tree.flatten(getattr(state[0], slot))
+    flat_dense = tree.flatten(getattr(dense_state[0], slot))
+    np.testing.assert_array_equal(flat[f'{MLP}/shared_expert/wi_0/kernel'],
+                                  flat_dense[f'{MLP}/wi_0/kernel'][:, :4])
+    np.testing.assert_array_equal(flat[f'{MLP}/shared_expert/wo/kernel'],
+                                  flat_dense[f'{MLP}/wo/kernel'][:4])
 
 
 def test_dense_state_of_another_optimizer_is_an_error(t5, target):
   dense, dense_state = _train_dense(t5, OPTIMIZERS['adam']())
   moe, _ = upcycle(dense, target(dense, [MLP], 2), rng=0)
   with pytest.raises(ValueError, match='Adafactor state .* needs the dense slot'):
-    upcycle_optimizer_state(dense_state, moe, OPTIMIZERS['adafactor']())
+    upcycle_optimizer_state(dense, dense_state, moe, OPTIMIZERS['adafactor']())
 
 
 def _t5x_reference_step(param, grad, slots, step, lr, beta1=0.9, min_dim=4):
@@ -226,7 +244,7 @@ def _t5x_state(params, step, factored_kernels=True):
     shape = x.shape
     slot = {k: np.zeros((1,), np.float32) for k in ('v_row', 'v_col', 'v')}
     if factored_kernels and len(shape) >= 2:
-      d1, d0 = factored.factored_dims(shape)
+      d1, d0 = adafactor.factored_dims(shape)
       slot['v_row'] = rng.uniform(0.5, 2, np.delete(shape, d0)).astype(np.float32)
       slot['v_col'] = rng.uniform(0.5, 2, np.delete(shape, d1)).astype(np.float32)
     else:
@@ -274,7 +292,7 @@ def test_t5x_state_then_upcycled(t5, target):
   optimizer = optax.adafactor(0.01, min_dim_size_to_factor=4, momentum=0.9)
   dense_state = from_t5x_adafactor(_t5x_state(params, step=4), params, optimizer)
   moe, _ = upcycle(params, target(params, [MLP], 2), rng=0)
-  state = upcycle_optimizer_state(dense_state, moe, optimizer)
+  state = upcycle_optimizer_state(params, dense_state, moe, optimizer)
   assert int(state[0].count) == 4
   np.testing.assert_array_equal(tree.flatten(state[4].ema)[f'{MLP}/expert/wo/kernel'][1],
                                 tree.flatten(dense_state[4].ema)[f'{MLP}/wo/kernel'])

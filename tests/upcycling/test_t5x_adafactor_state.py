@@ -4,10 +4,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from upcycle.checkpoints import from_t5x_adafactor
+from upcycle.optimizer_state import from_t5x_adafactor
 from upcycle.train import optimizers
 from upcycle.upcycling import step_policy
-from upcycle.upcycling.optimizer import upcycle_optimizer_state
+from upcycle.upcycling.optimizer import carry_optimizer_state
+from upcycle.upcycling.surgery import make_plan
 
 E = 3
 DENSE_AXES = {'mlp/wi/kernel': ('embed', 'mlp'), 'mlp/wo/kernel': ('mlp', 'embed'),
@@ -33,6 +34,12 @@ def _trained_dense(min_dim_size_to_factor):
     grads = _params({'wi': (4, 6), 'wo': (6, 4)}, seed + 1)
     _, state = opt.update(grads, state, params)
   return state
+
+
+def upcycle_optimizer_state(dense_state, moe, optimizer):
+  """The dense state carried through the upcycling plan from the dense params to `moe`."""
+  dense = _params({'wi': (4, 6), 'wo': (6, 4)}, 0)
+  return carry_optimizer_state(dense_state, make_plan(dense, moe), moe, optimizer)
 
 
 def _moe_params():

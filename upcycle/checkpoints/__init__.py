@@ -13,7 +13,6 @@ from upcycle.checkpoints import hf, orbax, orbax_tree, paths, t5x, validate, vit
 from upcycle.checkpoints.checkpoint import Checkpoint, ExpectedFn
 from upcycle.checkpoints.errors import CheckpointError, checkpoint_error
 from upcycle.checkpoints.lazy import LazyArray, materialize
-from upcycle.checkpoints.optimizer_state import from_t5x_adafactor
 
 FORMATS = ('t5x', 't5x_orbax', 'orbax', 'hf', 'vit_jax', 'big_vision')
 _LOOKED_FOR = (
@@ -102,4 +101,4 @@ def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-b
 
 
 __all__ = ['Checkpoint', 'CheckpointError', 'FORMATS', 'LazyArray', 'detect_format',
-           'from_t5x_adafactor', 'load', 'materialize']
+           'load', 'materialize']

@@ -15,7 +15,8 @@ from typing import Callable, Dict, Mapping, Optional, Tuple
 import numpy as np
 
 from upcycle import checkpoints, tree
-from upcycle.checkpoints import adafactor_state, orbax, paths, t5x_writer
+from upcycle.checkpoints import orbax, paths, t5x_writer
+from upcycle.optimizer_state import adafactor
 from upcycle.checkpoints.errors import FULL_DISK
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ def t5x_param_states(optimizer_state, params: Mapping) -> Optional[dict]:
           set(optimizer_state) == {'count', 'param_states'}):
     return None
   stored = tree.flatten(optimizer_state['param_states'])
-  wanted = [f'{path}/{slot}' for path in tree.flatten(params) for slot in adafactor_state.SLOTS]
+  wanted = [f'{path}/{slot}' for path in tree.flatten(params) for slot in adafactor.SLOTS]
   if set(stored) != set(wanted):
     return None
   return tree.unflatten({key: stored[key] for key in wanted})

@@ -35,7 +35,8 @@ import numpy as np
 import tensorstore as ts
 
 from upcycle import progress, tree
-from upcycle.checkpoints import adafactor_state, atomic_dir, gcs, paths, zarr_leaf
+from upcycle.checkpoints import atomic_dir, gcs, paths, zarr_leaf
+from upcycle.optimizer_state import adafactor
 
 VERSION = 3
 CHUNK_BYTES = 64 * 2**20   # T5X's _DESIRED_CHUNK_SIZE_BYTES
@@ -158,12 +159,12 @@ def _write_gcs(model_dir: str, step: int, params: Mapping[str, Any],
   return final
 
 
-def adafactor_param_states(state: adafactor_state.T5XAdafactorState) -> dict:
+def adafactor_param_states(state: adafactor.T5XAdafactorState) -> dict:
   """`T5XAdafactorState` -> T5X's `param_states` tree of `{v_row, v_col, v, m}` dicts."""
   flat = {}
   for path, slots in tree.flatten(state.param_states).items():  # ParamSlots are not mappings
-    if not adafactor_state.is_slots(slots):
+    if not adafactor.is_slots(slots):
       raise TypeError(f'param_states/{path}: expected ParamSlots, found {type(slots).__name__}; '
                       f'pass the state of optimizers.T5XAdafactor.')
-    flat[path] = {k: np.asarray(getattr(slots, k)) for k in adafactor_state.SLOTS}
+    flat[path] = {k: np.asarray(getattr(slots, k)) for k in adafactor.SLOTS}
   return tree.unflatten(flat)

@@ -16,7 +16,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from upcycle import fields, tree
-from upcycle.checkpoints import slots
+from upcycle.optimizer_state import shardings
 from upcycle.train import partitioning
 from upcycle.train.objectives import init_params
 from upcycle.train.state import TrainState
@@ -35,7 +35,8 @@ class BuiltRun:
     schedule: the learning rate schedule it follows (logged).
     batch: the global batch's shapes, `{feature: jax.ShapeDtypeStruct}`.
     abstract: the `TrainState` of `jax.ShapeDtypeStruct`s with their shardings: parameters by
-      their logical axes, every optimizer slot like its parameter (`slots.state_shardings`).
+      their logical axes, every optimizer slot like its parameter
+      (`optimizer_state.shardings.state_shardings`).
     num_microbatches: gradient accumulation steps per batch.
     host_batch_size: this host's share of the batch.
     flops_per_step: the model's matmul FLOPs of one training step (every microbatch).
@@ -135,7 +136,7 @@ def _abstract_state(objective: Any, optimizer_config: Any, config: Any, mesh: Me
                         tree.unbox(boxed), param_shardings)
   opt_state = jax.eval_shape(optimizer.init, params)
   opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                           opt_state, slots.state_shardings(opt_state, params, param_shardings))
+                           opt_state, shardings.state_shardings(opt_state, params, param_shardings))
   step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
   return optimizer, TrainState(step, params, opt_state)
 

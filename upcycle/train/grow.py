@@ -9,7 +9,7 @@ Like `restore.UpcycleFromDense` they read any format `checkpoints.load` knows, c
 name and shape before reading (sources='router_norm' reads the router kernels), print the
 report, and build the state in one `jax.jit` placed with the run's shardings
 (`restore.plan_jit`). A reused optimizer state is taken like the parameters (new experts
-and layers get their sources' moments, `upcycling/growth_optimizer.py`) and keeps its counts
+and layers get their sources' moments, `upcycling/optimizer.py`) and keeps its counts
 under step='keep', so the schedule continues. In gin (upcycling/grow.gin, upcycling/depth.gin):
 
   from upcycle.train import grow
@@ -29,7 +29,6 @@ from upcycle import fields, pretrained
 from upcycle.train import restore
 from upcycle.train.state import TrainState
 from upcycle.upcycling import depth_growth, expert_growth, step_policy
-from upcycle.upcycling.growth_optimizer import grown_optimizer_state
 from upcycle.upcycling.plan import Plan
 
 Usage = Union[str, Mapping[str, Sequence[float]]]
@@ -48,7 +47,6 @@ def _jit(owner: str, hook, abstract_state: TrainState, optimizer, model_config,
     raise fields.ConfigError(f'{owner}({ckpt.path!r}, format {ckpt.format!r}): {e}') from e
   return restore.plan_jit(
       ckpt, abstract_state, optimizer, growth, target=target,
-      carry_state=lambda state, params: grown_optimizer_state(state, growth, params, optimizer),
       reuse_optimizer_state=hook.reuse_optimizer_state, step=hook.step, seed=0, owner=owner)
 
 

@@ -47,15 +47,15 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from upcycle import checkpoints, fields, pretrained, tree
-from upcycle.checkpoints import describe, optimizer_state, orbax, paths
+from upcycle.checkpoints import describe, orbax, paths
 from upcycle.models import scan_layout
-from upcycle.checkpoints import slots
+from upcycle.optimizer_state import shardings, stored
 from upcycle.train.state import TrainState
 from upcycle.upcycling import execute, report_file, sharded, step_policy
 from upcycle.upcycling import plan as plan_lib
 from upcycle.upcycling.base import ExpertInit
 from upcycle.upcycling.experts import Copy
-from upcycle.upcycling.optimizer import upcycle_optimizer_state
+from upcycle.upcycling.optimizer import carry_optimizer_state
 from upcycle.upcycling.plan import Plan
 from upcycle.upcycling.router_init import Normal, RouterInit
 from upcycle.upcycling.sources import MultiSource, combine
@@ -214,7 +214,7 @@ class OneJit(ReadsOn):
 
 
 def plan_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer, plan: Plan, *,
-             target: Layout, carry_state: Optional[Callable[[Any, Any], Any]],
+             target: Layout,
              reuse_optimizer_state: bool, step: step_policy.Step, seed: int,
              owner: str) -> StateJit:
   """The sharded executor of a plan: params and optimizer state made from a checkpoint in one
@@ -228,9 +228,6 @@ def plan_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer
     plan: from `ckpt.params` to `target.target` (upcycling, growth or a copy): its `step`
       starts the run, its `str` is the report.
     target: the layout the plan targets (`layout`).
-    carry_state: (the stored state as the optax state of the source params, new params)
-      -> the new params' state (upcycling tiles it, growth takes it like the params); None:
-      the stored state is the new params' own.
     reuse_optimizer_state: fill the optimizer state from the checkpoint's.
     step: the step policy.
     seed: the rng seed of the initializers.
@@ -246,7 +243,7 @@ def plan_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer
         f'{owner}.reuse_optimizer_state = False, or --gin.SCAN_LAYERS=False.')
   dense = tree.flatten(ckpt.params)
   dense_abstract = {p: tree.abstract(x) for p, x in dense.items()}
-  saved = (optimizer_state.stored(ckpt, f'{owner}.reuse_optimizer_state')
+  saved = (stored.reusable(ckpt, f'{owner}.reuse_optimizer_state')
            if reuse_optimizer_state else None)
 
   def build(inputs, saved_state, rng):
@@ -255,11 +252,8 @@ def plan_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer
     if saved_state is None:
       opt_state = step_policy.fresh(optimizer.init(params), plan.step)
     else:
-      opt_state = optimizer_state.as_optax(saved_state, ckpt.format,
-                                           params if carry_state is None else source, optimizer,
-                                           ckpt.path)
-      if carry_state is not None:
-        opt_state = carry_state(opt_state, params)
+      opt_state = stored.as_optax(saved_state, ckpt.format, source, optimizer, ckpt.path)
+      opt_state = carry_optimizer_state(opt_state, plan, params, optimizer)
       opt_state = step_policy.reused(opt_state, step, plan.step)
     return TrainState(jnp.asarray(plan.step, abstract_state.step.dtype), params, opt_state)
 
@@ -278,19 +272,15 @@ def plan_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer
                   placement, saved, saved_shardings, seed)
 
 
-def _upcycled_state(optimizer) -> Callable[[Any, Any], Any]:
-  """The dense state tiled into the MoE params' (`upcycle_optimizer_state`)."""
-  return lambda state, params: upcycle_optimizer_state(state, params, optimizer)
-
-
 def _saved_shardings(saved: Any, source: Mapping[str, jax.ShapeDtypeStruct],
                      placement: Mapping[str, NamedSharding], optimizer, mesh) -> Any:
   """Where each stored optimizer-state leaf is read, a tree like `saved`.
 
   A leaf at the key path and of the shape of a leaf of the optimizer's state of the source
   params (every leaf of our orbax checkpoints; T5X slots of T5X Adafactor in the run's layout)
-  is read like that slot (`slots.py`: along its parameter's placement); others (T5X slots
-  read into optax Adafactor, or in another layout) by `sharded.slot_sharding`.
+  is read like that slot (`optimizer_state/shardings.py`: along its parameter's placement);
+  others (T5X slots read into optax Adafactor, or in another layout) by
+  `sharded.slot_sharding`.
 
   Args:
     saved: the stored optimizer state (lazy leaves).
@@ -302,7 +292,7 @@ def _saved_shardings(saved: Any, source: Mapping[str, jax.ShapeDtypeStruct],
   replicated = NamedSharding(mesh, PartitionSpec())
   params = tree.unflatten(source)
   like = jax.eval_shape(optimizer.init, params)
-  derived = slots.state_shardings(
+  derived = shardings.state_shardings(
       like, params, tree.unflatten({p: placement.get(p, replicated) for p in source}))
   by_key = {tree.key_path(kp): (tree.shape_of(x), s) for (kp, x), s in zip(
       jax.tree_util.tree_leaves_with_path(like), jax.tree.leaves(derived))}
@@ -374,7 +364,6 @@ class UpcycleFromDense(ReadsOn):
     ckpt, dense, target, plan = self._plan(abstract_state, owner, model_config)
     if plan.experts.traceable:
       return plan_jit(ckpt, abstract_state, optimizer, plan, target=target,
-                      carry_state=_upcycled_state(optimizer),
                       reuse_optimizer_state=self.reuse_optimizer_state,
                       step=self.step, seed=self.seed, owner=owner)()
     # The eager executor: the initializer reads its own sources on the host.
@@ -394,7 +383,6 @@ class UpcycleFromDense(ReadsOn):
       raise fields.ConfigError(f'{owner}: experts from several checkpoints are made on the '
                                f'host, not in one sharded jit; there is nothing to compile.')
     return plan_jit(ckpt, abstract_state, optimizer, plan, target=target,
-                    carry_state=_upcycled_state(optimizer),
                     reuse_optimizer_state=self.reuse_optimizer_state,
                     step=self.step, seed=self.seed, owner=owner).lower()
 
@@ -481,6 +469,6 @@ class ContinueFromCheckpoint(OneJit):
         step=step_policy.start(self.step, ckpt.step), upcycling=False),
                  source=ckpt.params, target=target.target, upcycling=False,
                  binding=fields.binding(self, 'checkpoint'))
-    return plan_jit(ckpt, abstract_state, optimizer, plan, target=target, carry_state=None,
+    return plan_jit(ckpt, abstract_state, optimizer, plan, target=target,
                     reuse_optimizer_state=self.reuse_optimizer_state,
                     step=self.step, seed=0, owner=owner)

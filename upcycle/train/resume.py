@@ -41,8 +41,9 @@ import numpy as np
 
 from etils import epath
 
-from upcycle.checkpoints import (CheckpointError, digests, ocdbt_files, optimizer_state,
-                                 orbax_tree, paths, validate, verify)
+from upcycle.checkpoints import (CheckpointError, digests, ocdbt_files, orbax_tree, paths,
+                                 validate, verify)
+from upcycle.optimizer_state import stored
 from upcycle.checkpoints.orbax import (DATASET, OPTIMIZER, PARAMS, RUN_CHECKPOINTS as
                                       CHECKPOINT_DIR, CheckpointManager, TrainingCheckpoint,
                                       missing_items)
@@ -69,7 +70,7 @@ def optimizer_mismatch(step_dir: str, abstract_opt_state: Any) -> Optional[str]:
   if abstract_opt_state is None or not paths.isdir(opt_dir):
     return None
   try:
-    optimizer_state.restructure(orbax_tree.read(opt_dir), abstract_opt_state, opt_dir)
+    stored.restructure(orbax_tree.read(opt_dir), abstract_opt_state, opt_dir)
   except ValueError as e:
     return str(e).split(' Fix:')[0]
   return None

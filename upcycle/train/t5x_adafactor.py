@@ -18,9 +18,9 @@ The update of a parameter p with gradient g at step t (the state's `count`, the 
   m <- beta1 * m + (1 - beta1) * u;  u = m              (with momentum)
   p <- (1 - weight_decay_rate) * p - u
 
-The state is `adafactor_state.T5XAdafactorState` (T5X's slot names and `[1]` placeholders),
-so a T5X checkpoint's state and this one are the same thing. Not implemented from T5X:
-`max_parameter_scale`, `global_norm_clip_threshold`, `weight_decay_rate_lr_exponent`,
+The state is `optimizer_state.adafactor.T5XAdafactorState` (T5X's slot names and `[1]`
+placeholders), so a T5X checkpoint's state and this one are the same thing. Not implemented
+from T5X: `max_parameter_scale`, `global_norm_clip_threshold`, `weight_decay_rate_lr_exponent`,
 `skip_nan_updates`, per-parameter `multiply_by_parameter_scale` maps.
 """
 
@@ -33,8 +33,8 @@ import numpy as np
 import optax
 
 from upcycle import tree
-from upcycle.checkpoints import adafactor_state
-from upcycle.checkpoints.adafactor_state import ParamSlots, T5XAdafactorState
+from upcycle.optimizer_state import adafactor
+from upcycle.optimizer_state.adafactor import ParamSlots, T5XAdafactorState
 
 Axes = Tuple[int, ...]
 
@@ -176,7 +176,7 @@ def t5x_adafactor(learning_rate: Callable[[jax.Array], jax.Array],
   def init(params):
     def slots(path, p):
       _, rows, cols = param_layout(path, np.shape(p))
-      return adafactor_state.init_slots(np.shape(p), rows, cols,
+      return adafactor.init_slots(np.shape(p), rows, cols,
                                         None if beta1 is None else momentum_dtype)
     flat = tree.flatten(params)
     return T5XAdafactorState(jnp.zeros((), jnp.int32),
@@ -193,7 +193,7 @@ def t5x_adafactor(learning_rate: Callable[[jax.Array], jax.Array],
       # T5X's order: g * row_factor * col_factor. The estimate itself (their product) can
       # underflow to 0 in float32 where both are tiny (units with no gradient), and then
       # rsqrt(0) * 0 = NaN; the factors apart stay finite.
-      row, col = adafactor_state.factors(s)
+      row, col = adafactor.factors(s)
       y = (g * jax.lax.rsqrt(row)) * jax.lax.rsqrt(col)
     else:
       s = s.replace(v=decay * s.v + mixing * grad_sqr)

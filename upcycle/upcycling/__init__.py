@@ -4,13 +4,11 @@ a trained checkpoint with more experts or more layers."""
 from upcycle.upcycling import capture, experts, router_init
 from upcycle.upcycling.depth_growth import grow_depth
 from upcycle.upcycling.expert_growth import grow_experts, router_usage
-from upcycle.upcycling.optimizer import upcycle_optimizer_state
+from upcycle.upcycling.optimizer import carry_optimizer_state
 from upcycle.upcycling.plan import Plan
-from upcycle.upcycling.growth_optimizer import grown_optimizer_state
 from upcycle.upcycling.report import UpcycleReport
 from upcycle.upcycling.surgery import copy_params, make_plan, upcycle, upcycle_from_checkpoints
 
 __all__ = ['capture', 'experts', 'router_init', 'Plan',
-           'UpcycleReport', 'copy_params', 'grow_depth', 'grow_experts', 'make_plan',
-           'grown_optimizer_state', 'router_usage', 'upcycle', 'upcycle_from_checkpoints',
-           'upcycle_optimizer_state']
+           'UpcycleReport', 'carry_optimizer_state', 'copy_params', 'grow_depth', 'grow_experts',
+           'make_plan', 'router_usage', 'upcycle', 'upcycle_from_checkpoints']

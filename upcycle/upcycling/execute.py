@@ -17,13 +17,10 @@ from upcycle.upcycling.plan import Block, Leaf, Plan
 
 
 def copy(leaf: Leaf, value: Any) -> jax.Array:
-  """The copied leaf: the dense value in the target dtype, taken along `leaf.axis` when the
-  plan grows it; a narrower shared-expert leaf takes the leading entries (its first d_ff
-  units: the plan allows only the d_ff axis to shrink)."""
-  x = leaf.take(as_array(value))
-  if tree.shape_of(x) != leaf.shape:
-    x = x[tuple(slice(0, n) for n in leaf.shape)]
-  return x.astype(leaf.dtype)
+  """The copied leaf: the dense value by the leaf's op (`leaf_ops`: copied, or taken along
+  an axis when the plan grows it or keeps a narrower shared expert's first d_ff units), in
+  the target dtype."""
+  return leaf.op.apply(as_array(value)).astype(leaf.dtype)
 
 
 def block(plan: Plan, moe_block: Block, dense: Mapping[str, Any], rng: jax.Array

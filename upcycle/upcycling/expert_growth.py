@@ -231,7 +231,7 @@ def grow_experts(params: Mapping[str, Any], target: Mapping[str, Any], *,
 
   Returns:
     (params, plan): a nested dict like `target`, and the growth `Plan` (print it for the
-    report). `growth_optimizer.grown_optimizer_state` grows the optimizer state alike.
+    report). `optimizer.carry_optimizer_state` grows the optimizer state alike.
   """
   growth = plan(params, target, sources=sources, usage=usage)
   return execute.run(growth, params, jax.random.PRNGKey(0)), growth

@@ -7,15 +7,15 @@ target leaf is taken from one checkpoint leaf:
                (0, ..., E-1, the sources of the new experts), router `[d, E] -> [d, E']`
 
 so it runs through the plan's executors (eagerly, inside the restore hook's sharded jit, to
-disk) and prints as the plan's report; the optimizer state follows the same takes
-(`growth_optimizer.py`).
+disk) and prints as the plan's report; the optimizer state follows the same ops
+(`upcycling/optimizer.py`).
 """
 
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
 import jax.numpy as jnp
 
-from upcycle import tree
+from upcycle import leaf_ops, tree
 from upcycle.upcycling.plan import Leaf, Plan
 
 
@@ -33,8 +33,9 @@ def taken(path: str, leaf: Any, source: str, source_leaf: Any, fix: str,
     if want != got:
       raise ValueError(f'Target leaf {path} has {what} {want} but checkpoint leaf {source} has '
                        f'{got}. Fix: {fix}.')
+  op = leaf_ops.COPY if axis is None else leaf_ops.Take(axis, tuple(index))
   return Leaf(path, tree.shape_of(leaf), jnp.dtype(leaf.dtype).name, source,
-              tree.shape_of(source_leaf), axis=axis, index=tuple(index))
+              tree.shape_of(source_leaf), op=op)
 
 
 def grown(leaves: Sequence[Leaf], source: Mapping[str, Any], notes: Sequence[str],

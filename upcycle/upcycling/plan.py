@@ -22,7 +22,7 @@ have is harmless.
 
 Growing a trained checkpoint is a plan too (`expert_growth.py`, `depth_growth.py`): it has no
 MoE blocks to initialize, and each leaf is taken from one checkpoint leaf, whole or along one
-axis (`Leaf.axis` / `Leaf.index`: new experts copy old ones, new layers copy old layers).
+axis (`Leaf.op`, a `leaf_ops.Take`: new experts copy old ones, new layers copy old layers).
 
 A plan is built from shapes and dtypes only, so every check runs before anything is read.
 It prints as the report. Three executors run it (`execute.py`): eagerly on the host,
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from upcycle import tree
+from upcycle import leaf_ops, tree
 from upcycle.upcycling import ffn
 from upcycle.upcycling.base import ExpertInit
 from upcycle.upcycling.report import (COPIED, EXPERTS, ROUTER, SHARED, TAKEN, Entry,
@@ -62,8 +62,10 @@ class Leaf:
     source: the dense path it is made from ('' for routers).
     source_shape: the dense leaf's shape (() for routers).
     note: e.g. 'cast bfloat16 -> float32'.
-    axis: for a leaf taken along one axis of its source (growth), that axis; None: whole.
-    index: the source position of every target position along `axis`.
+    op: how the leaf is made from its source (`leaf_ops`): `Copy`, or `Take` along one axis
+      (grown experts and layers, a narrower shared expert's first d_ff units). Experts
+      (`Block.experts`) are made by the plan's expert initializer, routers by its router
+      initializer.
   """
 
   path: str
@@ -72,17 +74,7 @@ class Leaf:
   source: str = ''
   source_shape: Tuple[int, ...] = ()
   note: str = ''
-  axis: Optional[int] = None
-  index: Tuple[int, ...] = ()
-
-  def take(self, value: Any) -> Any:
-    """`value` (the source's, or any array of its shape) taken along `axis` at `index`:
-    jax arrays and tracers give jax arrays, numpy and lazy arrays numpy arrays."""
-    if self.axis is None:
-      return value
-    if isinstance(value, jax.Array):
-      return jnp.take(value, jnp.asarray(self.index), self.axis)
-    return np.take(np.asarray(value), self.index, self.axis)
+  op: leaf_ops.Op = leaf_ops.COPY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +128,8 @@ class Plan:
   notes: Tuple[str, ...] = ()
 
   def report(self) -> UpcycleReport:
-    entries = [Entry(c.path, COPIED if c.axis is None and c.source == c.path else TAKEN, c.shape,
+    entries = [Entry(c.path, COPIED if c.op == leaf_ops.COPY and c.source == c.path else TAKEN,
+                     c.shape,
                      c.dtype, c.source, self.shared, _take_note(c)) for c in self.copies]
     for block in self.blocks:
       entries += [Entry(e.path, EXPERTS, e.shape, e.dtype, e.source, repr(self.experts), e.note)
@@ -153,10 +146,21 @@ class Plan:
   def __str__(self) -> str:
     return str(self.report())
 
+  def ops(self) -> Dict[str, Tuple[str, leaf_ops.Op]]:
+    """{target path: (source path, op)} for every target leaf, the leaf ops its optimizer
+    slots are carried by: experts `Tile` the dense MLP's (whatever the expert initializer:
+    Drop and Noise experts get the dense moments too), routers are `Fresh`."""
+    ops = {leaf.path: (leaf.source, leaf.op) for leaf in self.copies}
+    for block in self.blocks:
+      ops.update({e.path: (e.source, leaf_ops.Tile(block.num_experts))
+                  for e in block.experts.values()})
+      ops.update({r.path: ('', leaf_ops.FRESH) for r in block.router.values()})
+      ops.update({s.path: (s.source, s.op) for s in block.shared.values()})
+    return ops
+
 
 def _take_note(leaf: Leaf) -> str:
-  taken = '' if leaf.axis is None else f'axis {leaf.axis} <- {list(leaf.index)}'
-  return ', '.join(n for n in (taken, leaf.note) if n)
+  return ', '.join(n for n in (leaf.op.note(), leaf.note) if n)
 
 
 def _missing_leaf_error(path: str, leaf, dense: Mapping[str, Any], why: str,
@@ -236,7 +240,8 @@ def _shared(layer: str, name: str, tgt, dense, cast: bool) -> Leaf:
         f'only its d_ff axis may differ, and be smaller. Fix: MoeConfig.shared_expert_d_ff <= '
         f'the dense d_ff (None: the dense d_ff, the function-preserving choice).')
   units = f'first {leaf.shape[axis]} of {leaf.source_shape[axis]} d_ff units'
-  return dataclasses.replace(leaf, note=', '.join(n for n in (units, leaf.note) if n))
+  return dataclasses.replace(leaf, note=', '.join(n for n in (units, leaf.note) if n),
+                             op=leaf_ops.Take(axis, tuple(range(leaf.shape[axis]))))
 
 
 def _block(layer: str, names: List[str], router_names: List[str], shared_names: List[str],

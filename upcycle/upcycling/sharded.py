@@ -116,7 +116,7 @@ def slot_sharding(key: str, shape: Tuple[int, ...],
   parameter; everything else is replicated. The restore hook reads a stored leaf so only
   where the run's optimizer has no leaf of its key path and shape (a T5X-written state
   read into optax Adafactor, or in another layout); the others are read as
-  `upcycle.checkpoints.slots` derives them, factored rows and columns included.
+  `upcycle.optimizer_state.shardings` derives them, factored rows and columns included.
 
   Args:
     key: the leaf's '/'-joined key path.

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from upcycle.checkpoints.adafactor_state import T5XAdafactorState
+from upcycle.optimizer_state.adafactor import T5XAdafactorState
 
 SCHEDULE_COUNTS = (optax.ScaleByScheduleState, T5XAdafactorState)
 Step = Union[str, int]

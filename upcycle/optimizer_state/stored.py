@@ -6,7 +6,8 @@ Checkpoints keep the optimizer state in their own structure:
                    name, tuples become lists, empty states None
 `as_optax` turns either into the state `optimizer.init(params)` builds. It only
 indexes and reshapes, so it traces under `jax.jit` with the stored leaves as
-inputs (the restore hook converts on device).
+inputs (the restore hook converts on device). A T5X state is an input adapter: its slots
+become the units (`units.py`) of the run's state, carried in by `Copy` (`carry.py`).
 """
 
 from typing import Any, Dict, Mapping
@@ -16,15 +17,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from upcycle import tree
-from upcycle.checkpoints import adafactor_state, factored, slots
-from upcycle.checkpoints.checkpoint import Checkpoint
+from upcycle import leaf_ops, tree
+from upcycle.optimizer_state import adafactor, carry, units
 
 T5X_FORMATS = ('t5x', 't5x_orbax')
+_TRACES = ('.ema', '.trace')   # optax's momentum: T5X's m
 
 
-def stored(ckpt: Checkpoint, binding: str) -> Any:
-  """The checkpoint's optimizer state (lazy leaves), or an error naming `binding` to switch off."""
+def reusable(ckpt: Any, binding: str) -> Any:
+  """The optimizer state of `ckpt` (a `checkpoints.Checkpoint`, lazy leaves), or an error
+  naming `binding` to switch off."""
   if ckpt.optimizer_state is None or (ckpt.format in T5X_FORMATS and
                                       'param_states' not in ckpt.optimizer_state):
     raise ValueError(
@@ -78,7 +80,7 @@ def as_optax(state: Any, format: str,  # pylint: disable=redefined-builtin
   """The stored state of `params`' optimizer as `optimizer.init(params)`'s structure.
 
   Args:
-    state: `stored(ckpt, ...)`, with lazy, numpy or traced leaves.
+    state: `reusable(ckpt, ...)`, with lazy, numpy or traced leaves.
     format: the checkpoint format.
     params: the params the state belongs to (shapes suffice).
     optimizer: the optax optimizer, the same chain as the run that wrote it.
@@ -89,87 +91,69 @@ def as_optax(state: Any, format: str,  # pylint: disable=redefined-builtin
   return restructure(state, jax.eval_shape(optimizer.init, params), where)
 
 
-class _FromT5X(slots.Filler):
-  """Each node of the optax state from T5X's slots of its parameter."""
-
-  def __init__(self, stored: Mapping[str, Dict[str, Any]], params: Mapping[str, Any], step):
-    self.stored, self.params, self.step = stored, params, step
-
-  def t5x(self, prefix, path, node):
-    return adafactor_state.from_stored(self.stored[path], node,
-                                       tree.shape_of(self.params[path]), path)
-
-  def factored(self, names, node):
-    new = {'v_row': {}, 'v_col': {}, 'v': {}}
-    fresh_slots = {k: tree.flatten(getattr(node, k)) for k in new}
-    for path, x in self.params.items():
-      source = tuple(self.stored[path].get(k, np.zeros((1,), np.float32)) for k in new)
-      target = tuple(fresh_slots[k][path] for k in new)
-      made = factored.upcycle_slots(source, target, tree.shape_of(x), None, where=path)
-      for k, value in zip(new, made):
-        new[k][path] = value
-    return optax.FactoredState(count=jnp.asarray(self.step, node.count.dtype),
-                               **{k: tree.unflatten(v) for k, v in new.items()})
-
-  def other(self, names, leaf):
-    return jnp.asarray(self.step, leaf.dtype) if names[-1] == '.count' else leaf
-
-  def slot(self, prefix, path, leaf):
-    if prefix and prefix[-1] in ('.ema', '.trace'):
-      m = self.stored[path].get('m')
-      shape = tree.shape_of(self.params[path])
-      return leaf if m is None or tuple(np.shape(m)) != shape else jnp.asarray(m, leaf.dtype)
-    raise ValueError(
-        f'T5X Adafactor has no slot for the optax state leaf '
-        f'{tree.render(prefix + tuple(path.split("/")))}: T5X keeps v_row, v_col, v and m '
-        f'only. Fix: train with optimizers.T5XAdafactor (or optax.adafactor), or do not reuse '
-        f'the T5X optimizer state.')
+def _t5x_unit(key: units.Key, fresh: Any, slots: Mapping[str, Any], shape, step) -> Any:
+  """The unit at `key` of the run's state, read from T5X's slots of its parameter."""
+  names, path = key
+  if path is None:
+    return step if names[-1] == '.count' else fresh
+  if isinstance(fresh, optax.MaskedNode):
+    return fresh
+  if adafactor.is_slots(fresh):
+    values = {k: slots.get(k, np.zeros((1,), np.float32)) for k in adafactor.SLOTS}
+    if all(tree.shape_of(values[k]) == tree.shape_of(getattr(fresh, k))
+           for k in ('v_row', 'v_col', 'v')):   # written with the same factor rules
+      return fresh.replace(**values)
+    return adafactor.heuristic(**values, shape=shape, where=path)
+  if names and names[-1] in _TRACES:
+    m = slots.get('m')
+    return fresh if m is None or tree.shape_of(m) != tuple(shape) else m
+  raise ValueError(
+      f'T5X Adafactor has no slot for the optax state leaf '
+      f'{tree.render(names + tuple(path.split("/")))}: T5X keeps v_row, v_col, v and m '
+      f'only. Fix: train with optimizers.T5XAdafactor (or optax.adafactor), or do not reuse '
+      f'the T5X optimizer state.')
 
 
 def from_t5x_adafactor(t5x_state: Mapping[str, Any], params: Mapping[str, Any],
                        optimizer: optax.GradientTransformation) -> Any:
   """A T5X Adafactor state as the optax state of `optimizer` for the same params.
 
-  For the run's own T5X Adafactor (`upcycle.train.t5x_adafactor`, state
-  `adafactor_state.T5XAdafactorState`) the layout is T5X's: each parameter's slots are taken
-  as stored where their shapes are the optimizer's, else rebuilt from T5X's heuristic layout
-  and refactored (`adafactor_state.from_stored`); the step is the count. For `optax.adafactor`:
-
-  T5X stores `{'step': [], 'param_states': {<param path>: {'v_row', 'v_col',
-  'v', 'm'}}}` with `[1]` placeholders in unused slots. Its default
-  (heuristic) factoring is optax's: for a parameter whose two largest axes
-  are d1 (second) and d0 (largest), v_row drops d0 and v_col drops d1, so the
-  factors are taken as they are. Where the layouts differ (other
-  `min_dim_size_to_factor`, `factored`), the second moment is rebuilt as
-  v_row x v_col / mean(v_row), the estimate both implementations precondition
-  with, and refactored (see `factored.py`). T5X's momentum `m` (an EMA of the
-  scaled update) is optax.adafactor's `ema`; the step fills every `count`.
+  Each parameter's slots are taken as stored where their shapes are the optimizer's (T5X
+  wrote them with the same factor rules: the run's own T5X Adafactor,
+  `upcycle.train.t5x_adafactor`); otherwise they are read in T5X's heuristic layout, which is
+  `optax.adafactor`'s (v_row without the largest axis, v_col without the second largest), and
+  where the layouts still differ (other `min_dim_size_to_factor`, `factored`) the second
+  moment is rebuilt as v_row x v_col / mean(v_row), the estimate both precondition with, and
+  refactored (`adafactor.carry`). T5X's momentum `m` (an EMA of the scaled update) is
+  optax.adafactor's `ema`; the step fills every `count`.
 
   Args:
-    t5x_state: the T5X optimizer `state` dict, as the T5X checkpoint reader
-      returns it.
-    params: the dense params (or their shapes), in contract names.
+    t5x_state: the T5X optimizer `state` dict, as the T5X checkpoint reader returns it.
+    params: the params (or their shapes), in contract names.
     optimizer: T5X's Adafactor (`optimizers.T5XAdafactor`), or `optax.adafactor(...)`, with
       the T5X run's hyperparameters.
 
   Returns:
-    `optimizer.init(params)`'s structure filled from T5X; upcycle it with
-    `upcycle.upcycling.upcycle_optimizer_state`.
+    `optimizer.init(params)`'s structure filled from T5X.
   """
   if 'param_states' not in t5x_state:
     raise ValueError(f'T5X Adafactor state has keys {sorted(t5x_state)}; expected '
                      f"'param_states' and 'step' (the checkpoint's optimizer/state).")
-  step = t5x_state.get('step', 0)
-  flat = tree.flatten(t5x_state['param_states'])
   slots_of: Dict[str, Dict[str, Any]] = {}
-  for path, leaf in flat.items():
+  for path, leaf in tree.flatten(t5x_state['param_states']).items():
     param, _, slot = path.rpartition('/')
     slots_of.setdefault(param, {})[slot] = leaf
   params = tree.zeros_for(params)
-  flat_params = tree.flatten(params)
-  missing = sorted(set(flat_params) - set(slots_of))
+  shapes = {p: tree.shape_of(x) for p, x in tree.flatten(params).items()}
+  missing = sorted(set(shapes) - set(slots_of))
   if missing:
     raise ValueError(f'T5X Adafactor state has no param_states for {missing[0]} '
-                     f'({len(missing)} params missing). Fix: pass the params of the same checkpoint.')
-  return slots.fill(optimizer.init(params), flat_params, _FromT5X(slots_of, flat_params, step))
-
+                     f'({len(missing)} params missing). Fix: pass the params of the same '
+                     f'checkpoint.')
+  fresh = optimizer.init(params)
+  step = t5x_state.get('step', 0)
+  source = {key: _t5x_unit(key, unit, slots_of.get(key[1], {}), shapes.get(key[1]), step)
+            for key, unit in units.flatten(fresh, shapes).items()}
+  return carry.carry_state(source, fresh, ops={p: (p, leaf_ops.COPY) for p in shapes},
+                           source_shapes=shapes, shapes=shapes, source_name='the T5X',
+                           fix='read the T5X state with the optimizer that wrote it.')
