@@ -96,11 +96,10 @@ from upcycle.locks import file_lock
 from upcycle.locks.gcs_lock import STALE_SECONDS, GcsLock
 from upcycle.upcycling import experts as experts_lib
 from upcycle.upcycling import router_init
-from upcycle.upcycling import depth_growth, expert_growth, report_file, step_policy, stream
+from upcycle.upcycling import modes, report_file, step_policy, stream
 from upcycle.upcycling.base import ExpertInit
 from upcycle.upcycling.report import UpcycleReport
 from upcycle.upcycling.sources import combine
-from upcycle.upcycling.surgery import make_plan
 
 # Named, not __name__: under `python -m upcycle.convert` this module is __main__, whose records
 # console.show_progress (the `upcycle` loggers) would not show.
@@ -402,14 +401,12 @@ def convert(source: Union[str, List[str]], model_config: Any, output_dir: str, *
                                   growing=grow_experts is not None or grow_depth is not None)
   target, first = families.abstract_params(model_config), step_policy.start(step, ckpt.step)
   if grow_experts is not None:
-    plan = expert_growth.plan(dense, target, sources=grow_experts, step=first,
-                              binding='--grow_experts')
+    mode = modes.GrowExperts(grow_experts, binding='--grow_experts')
   elif grow_depth is not None:
-    plan = depth_growth.plan(dense, target, layer_map=grow_depth, step=first,
-                             binding='--grow_depth')
+    mode = modes.GrowDepth(grow_depth, binding='--grow_depth')
   else:
-    plan = make_plan(dense, target, experts=experts, router=router, cast=cast,
-                     step=first, layers=model_config.moe_positions())
+    mode = modes.Upcycle(experts, router, cast)
+  plan = mode.plan(dense, target, step=first, layers=model_config.moe_positions())
   written = str(plan.step) if output_format == 'orbax' else f'checkpoint_{plan.step}'
   log.info('%s (%s, step %s) -> %s/%s', ckpt.path, ckpt.format, ckpt.step, output_dir, written)
   for note in ckpt.notes:

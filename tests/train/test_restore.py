@@ -160,6 +160,12 @@ def test_from_checkpoints_of_identical_branches_equals_copy(t5, tmp_path):
   want, _ = upcycle(t5['params'], t5['abstract'].params, rng=0)
   _assert_trees_equal(state.params, want)
   assert int(state.step) == 6
+  # upcycle.aot sizes it too: the jit that places the host-made params and makes the fresh
+  # optimizer state compiles with the run's shardings, nothing read.
+  with partitioning.activate(t5['built'].mesh):
+    compiled = hook.lower(t5['abstract'], t5['built'].optimizer).compile()
+  for got, leaf in zip(jax.tree.leaves(compiled.output_shardings), jax.tree.leaves(state)):
+    assert got.is_equivalent_to(leaf.sharding, leaf.ndim)
 
 
 def test_hf_t5_upcycled_gives_the_transformers_logits(hf_t5):

@@ -7,21 +7,24 @@ upcycling happens once. `abstract_state` is a TrainState of `jax.ShapeDtypeStruc
 `model_config` the model's (a scanned model restores unrolled checkpoints: `Layout`); the
 state returned is placed with exactly those shardings.
 
-  UpcycleFromDense        a dense checkpoint -> the MoE model (Sparse Upcycling and its
-                          variants: any expert / router initializer)
-  ContinueFromCheckpoint  a checkpoint of the model's own architecture -> the same model
-                          (continue dense training, or load an MoE checkpoint as it is)
+There is one hook, `Restore`: a checkpoint (or several), a mode (`upcycling/modes.py`: what
+plan to build, as data) and how the rest of the state follows (optimizer state, step, data
+position). Its gin-facing names each give one mode:
 
-Both read any format `upcycle.checkpoints.load` knows (T5X, T5X-orbax, ours, HF, ViT .npz),
-build the upcycling plan from shapes alone (`upcycle.upcycling.plan`: every mismatch fails
-before anything is read), log its report (its summary, and every leaf in
-MODEL_DIR/upcycling_report.txt: `upcycling/report_file.py`), and run it in one `jax.jit` whose
-out_shardings are the abstract state's: every expert tensor is created already split over
-the 'expert' mesh axis and no host holds E copies. The dense leaves are its inputs, each host
-reading only the blocks its devices need (`upcycling/sharded.py`). Initializers that read
-their own sources (Branch-Train-MiX, UpIT: `traceable = False`) run the plan eagerly on the
-host instead, and the result is placed on the mesh. The hooks that grow a trained checkpoint,
-with more experts or more layers (`grow.py`), share the executor (`plan_jit`).
+  UpcycleFromDense        a dense checkpoint -> the MoE model (`modes.Upcycle`: Sparse
+                          Upcycling and its variants, any expert / router initializer, several
+                          checkpoints for Branch-Train-MiX / UpIT)
+  ContinueFromCheckpoint  a checkpoint of the model's own architecture -> the same model
+                          (`modes.Continue`: continue dense training, or an MoE as it is)
+  grow.GrowExperts        a trained MoE with more experts (`modes.GrowExperts`)
+  grow.GrowDepth          a checkpoint with more layers (`modes.GrowDepth`)
+
+Every one reads any format `upcycle.checkpoints.load` knows (T5X, T5X-orbax, ours, HF, ViT
+.npz), builds its plan from shapes alone (every mismatch fails before anything is read), logs
+its report (its summary, and every leaf in MODEL_DIR/upcycling_report.txt:
+`upcycling/report_file.py`), carries a reused optimizer state through the plan
+(`upcycling/optimizer.py`), and runs as one `jax.jit` placed with the run's shardings
+(`state_jit.py`), which `upcycle.aot` lowers for every mode.
 
 `step` is the step policy of `upcycle.upcycling.step_policy`: 'keep', 'reset' or N.
 
@@ -37,42 +40,21 @@ bound in gin with the model, not here. In gin (the training entry point passes
     reuse_optimizer_state = True
 """
 
+
+import abc
 import dataclasses
-import logging
 import os
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
-import jax
-import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
-
-from upcycle import checkpoints, fields, pretrained, tree
+from upcycle import fields, pretrained, tree
 from upcycle.checkpoints import describe, orbax, paths
-from upcycle.models import scan_layout
-from upcycle.optimizer_state import shardings, stored
 from upcycle.train.state import TrainState
-from upcycle.upcycling import execute, report_file, sharded, step_policy
-from upcycle.upcycling import plan as plan_lib
+from upcycle.train.state_jit import StateJit, host_jit, layout, plan_jit
+from upcycle.upcycling import modes, step_policy
 from upcycle.upcycling.base import ExpertInit
-from upcycle.upcycling.experts import Copy
-from upcycle.upcycling.optimizer import carry_optimizer_state
 from upcycle.upcycling.plan import Plan
-from upcycle.upcycling.router_init import Normal, RouterInit
+from upcycle.upcycling.router_init import RouterInit
 from upcycle.upcycling.sources import MultiSource, combine
-from upcycle.upcycling.surgery import make_plan
-
-log = logging.getLogger(__name__)
-
-
-def _announce(owner: str, ckpt, plan: Plan, reuse: bool) -> None:
-  if jax.process_index() != 0:
-    return
-  state = 'reused' if reuse else 'fresh'
-  log.info('%s: %s (%s, step %s) -> start at step %s, %s optimizer state.', owner, ckpt.path,
-           ckpt.format, ckpt.step, plan.step, state)
-  for note in ckpt.notes:
-    log.info('  reader: %s', note)
-  report_file.show(plan.report(), log)
 
 
 def _plan(owner: str, where: str, make: Callable[[], Plan], *, source: Any, target: Any,
@@ -102,60 +84,102 @@ def _plan(owner: str, where: str, make: Callable[[], Plan], *, source: Any, targ
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
-  """The params a plan targets, in the checkpoint's layer layout, and how the planned params
-  become the model's. T5X, HF and vit_jax checkpoints hold unrolled layers (`layers_{i}`); a
-  scanned model (`scan_layers=True`) is planned against its unrolled names and the result is
-  stacked inside the jit (`models/scan_layout.py`)."""
+class Restore(abc.ABC):
+  """The restore hook: the first state of a run from `checkpoint`, by the plan of `mode()`.
 
-  target: Any                        # abstract params (with shardings)
-  to_model: Callable[[Any], Any]
-  stacked: bool                      # whether to_model stacks layers
+  Attributes:
+    checkpoint: file or directory, any supported format (a model directory means its latest
+      step); several for experts made from several checkpoints (`UpcycleFromDense`).
+    format: one of `upcycle.checkpoints.FORMATS`; None detects it.
+    reuse_optimizer_state: carry the checkpoint's optimizer state (T5X Adafactor, our orbax
+      checkpoints' optax state) through the plan; the checkpoint's optimizer must be the one
+      configured for this run. False: fresh state.
+    step: 'keep', 'reset' or a step number (`upcycling/step_policy.py`).
+    seed: seed of the initializers.
+    restore_dataset: read on from the data position saved with the checkpoint (a step of a
+      `python -m upcycle.train` run; T5X's `restore_dataset`), so the new run sees none of
+      its examples again; the batch size may differ if the position is a whole number of new
+      batches. False: the data starts from its beginning.
+  """
 
+  checkpoint: Union[str, Sequence[str]]
+  format: Optional[str] = None
+  reuse_optimizer_state: bool = False
+  step: step_policy.Step = 'keep'
+  seed: int = 0
+  restore_dataset: bool = False
 
-def layout(source_params: Any, abstract_params: Any, model_config: Optional[Any]) -> Layout:
-  """The `Layout` of restoring `source_params` into a model of `model_config` (None: as is)."""
-  if (model_config is None or not getattr(model_config, 'scan_layers', False)
-      or tree.is_scanned(source_params)):
-    return Layout(abstract_params, lambda params: params, stacked=False)
-  return Layout(scan_layout.unstack(abstract_params, model_config),
-                lambda params: scan_layout.stack(params, model_config), stacked=True)
+  def __post_init__(self):
+    object.__setattr__(self, 'step', step_policy.check(self.step, fields.binding(self, 'step')))
 
+  @abc.abstractmethod
+  def mode(self) -> modes.Mode:
+    """What plan to build (`upcycling/modes.py`)."""
 
-@dataclasses.dataclass(frozen=True)
-class StateJit:
-  """A restore hook's one jit, its output placed with the run's shardings, and its inputs:
-  `()` reads the inputs, each placed where the jit needs it, and runs it; `lower()` lowers it
-  on abstract inputs without reading anything (`upcycle.aot`)."""
+  def __call__(self, abstract_state: TrainState, optimizer,
+               model_config: Optional[Any] = None) -> TrainState:
+    return self.state_jit(abstract_state, optimizer, model_config)()
 
-  jitted: Any
-  sources: Mapping[str, Any]               # {path: lazy source leaf}
-  placement: Mapping[str, NamedSharding]   # {path: its sharding}
-  saved: Any                               # the stored optimizer state (lazy leaves) or None
-  saved_shardings: Any                     # a tree like `saved`
-  seed: int
+  def lower(self, abstract_state: TrainState, optimizer,
+            model_config: Optional[Any] = None) -> Any:
+    """The hook's jit lowered on abstract inputs: only the checkpoints' metadata is read
+    (`upcycle.aot`)."""
+    return self.state_jit(abstract_state, optimizer, model_config).lower()
 
-  def __call__(self) -> TrainState:
-    inputs = {p: sharded.read(self.sources[p], s) for p, s in self.placement.items()}
-    saved = (None if self.saved is None else
-             jax.tree.map(sharded.read, self.saved, self.saved_shardings))
-    return self.jitted(inputs, saved, jax.random.PRNGKey(self.seed))
+  def state_jit(self, abstract_state: TrainState, optimizer,
+                model_config: Optional[Any] = None) -> StateJit:
+    """The hook's one jit, checked from shapes before anything is read."""
+    owner = type(self).__name__
+    ckpt, source, mode, where = self._sources(owner)
+    target = layout(source, abstract_state.params, model_config)
+    layers = (model_config.moe_positions() if hasattr(model_config, 'moe_positions')
+              else None)   # the MoE blocks' places, for Drop's ramp (None: from the names)
+    plan = _plan(owner, where, lambda: mode.plan(
+        source, target.target, step=step_policy.start(self.step, ckpt.step), layers=layers),
+                 source=source, target=target.target, upcycling=mode.upcycles,
+                 binding=fields.binding(self, 'checkpoint'))
+    if plan.experts is None or plan.experts.traceable:
+      return plan_jit(ckpt, abstract_state, optimizer, plan, target=target,
+                      reuse_optimizer_state=self.reuse_optimizer_state,
+                      step=self.step, seed=self.seed, owner=owner)
+    return host_jit(ckpt, abstract_state, optimizer, plan, source=source, target=target,
+                    seed=self.seed, owner=owner)
 
-  def lower(self) -> jax.stages.Lowered:
-    def placed(leaf, sharding):
-      abstract = tree.abstract(leaf)
-      return jax.ShapeDtypeStruct(abstract.shape, abstract.dtype, sharding=sharding)
+  def _sources(self, owner: str) -> Tuple[Any, Any, modes.Mode, str]:
+    """(the checkpoint, the params the plan copies from, the mode, the checkpoint in errors);
+    several checkpoints are combined by the mode's experts (Branch-Train-MiX, UpIT)."""
+    mode = self.mode()
+    if isinstance(self.checkpoint, str):
+      if isinstance(mode, modes.Upcycle) and not isinstance(mode.experts, (str, ExpertInit)):
+        raise fields.ConfigError(
+            f'{owner}.experts={mode.experts!r} is neither an initializer name nor an '
+            f'ExpertInit instance. A class (gin: @sources.FromCheckpoints, no parentheses) '
+            f'takes several source checkpoints: {owner}.checkpoint = [path, path, ...]; any '
+            f'other initializer needs parentheses (gin: @experts.Drop()).')
+      ckpt = pretrained.load(self.checkpoint, self.format, lazy=True)
+      return ckpt, ckpt.params, mode, f'{ckpt.path!r}, format {ckpt.format!r}'
+    ckpt, init = self._several(owner, mode)
+    return (ckpt, init.shared_params(), dataclasses.replace(mode, experts=init),
+            repr(list(self.checkpoint)))
 
-    inputs = {p: placed(self.sources[p], s) for p, s in self.placement.items()}
-    saved = (None if self.saved is None else
-             jax.tree.map(placed, self.saved, self.saved_shardings))
-    return self.jitted.lower(inputs, saved, jax.ShapeDtypeStruct((2,), jnp.uint32))
-
-
-class ReadsOn:
-  """A hook with `checkpoint` and `restore_dataset`: `dataset_state()` gives the trainer the
-  data positions to read on from (None: the data starts from its beginning);
-  `check_apart(model_dir)` refuses a run directory that would write into a source."""
+  def _several(self, owner: str, mode: modes.Mode):
+    """(first checkpoint, initializer) for Branch-Train-MiX / UpIT sources."""
+    experts = getattr(mode, 'experts', None)
+    if isinstance(experts, (str, ExpertInit)) or not callable(experts):
+      raise fields.ConfigError(
+          f'{owner}.checkpoint lists {len(self.checkpoint)} checkpoints, so {owner}.experts must '
+          f'make experts from several sources: @FromCheckpoints or @Merge (gin), not '
+          f'{experts!r}.')
+    if self.reuse_optimizer_state:
+      raise fields.ConfigError(f'{owner}: several source checkpoints have no one optimizer '
+                               f'state to reuse. Fix: {owner}.reuse_optimizer_state = False.')
+    ckpts = [pretrained.load(path, self.format, lazy=True) for path in self.checkpoint]
+    try:
+      ckpt, init = combine(ckpts, experts, step=self.step, names={
+          'step': f'{owner}.step', 'experts': f'{owner}.experts'})
+    except ValueError as e:
+      raise fields.ConfigError(f'{owner}: {e}') from None
+    return ckpt, init
 
   def check_apart(self, model_dir: str) -> None:
     """Refuses a MODEL_DIR inside a source checkpoint (the run would write into the source
@@ -196,279 +220,58 @@ class ReadsOn:
     return state
 
 
-class OneJit(ReadsOn):
-  """An initializer that is one `StateJit` (its `_jit`): calling it reads and runs the jit,
-  `lower` lowers it on abstract inputs (`upcycle.aot`)."""
-
-  def _jit(self, abstract_state: TrainState, optimizer, model_config) -> StateJit:
-    raise NotImplementedError
-
-  def __call__(self, abstract_state: TrainState, optimizer,
-               model_config: Optional[Any] = None) -> TrainState:
-    return self._jit(abstract_state, optimizer, model_config)()
-
-  def lower(self, abstract_state: TrainState, optimizer,
-            model_config: Optional[Any] = None) -> jax.stages.Lowered:
-    """The hook's sharded jit lowered on abstract inputs (`upcycle.aot`)."""
-    return self._jit(abstract_state, optimizer, model_config).lower()
-
-
-def plan_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer, plan: Plan, *,
-             target: Layout,
-             reuse_optimizer_state: bool, step: step_policy.Step, seed: int,
-             owner: str) -> StateJit:
-  """The sharded executor of a plan: params and optimizer state made from a checkpoint in one
-  jit, placed on the mesh, each source leaf read where the leaves made from it need it
-  (`sharded.source_shardings`).
-
-  Args:
-    ckpt: the source checkpoint (lazy leaves).
-    abstract_state: the trainer's abstract TrainState (leaves with `.sharding`).
-    optimizer: the run's optax transformation.
-    plan: from `ckpt.params` to `target.target` (upcycling, growth or a copy): its `step`
-      starts the run, its `str` is the report.
-    target: the layout the plan targets (`layout`).
-    reuse_optimizer_state: fill the optimizer state from the checkpoint's.
-    step: the step policy.
-    seed: the rng seed of the initializers.
-    owner: the hook's class name, for messages and gin bindings.
-  """
-  stacked = target.stacked
-  placement = sharded.source_shardings(plan, tree.flatten(target.target))
-  make_params = lambda source, rng: target.to_model(execute.run(plan, source, rng))
-  if stacked and reuse_optimizer_state:
-    raise fields.ConfigError(
-        f'{owner}({ckpt.path!r}): the model is scanned (SCAN_LAYERS = True) and the checkpoint '
-        f'holds unrolled layers, so its optimizer state does not fit the scanned slots. Fix: '
-        f'{owner}.reuse_optimizer_state = False, or --gin.SCAN_LAYERS=False.')
-  dense = tree.flatten(ckpt.params)
-  dense_abstract = {p: tree.abstract(x) for p, x in dense.items()}
-  saved = (stored.reusable(ckpt, f'{owner}.reuse_optimizer_state')
-           if reuse_optimizer_state else None)
-
-  def build(inputs, saved_state, rng):
-    source = tree.unflatten({**dense_abstract, **inputs})
-    params = make_params(source, rng)
-    if saved_state is None:
-      opt_state = step_policy.fresh(optimizer.init(params), plan.step)
-    else:
-      opt_state = stored.as_optax(saved_state, ckpt.format, source, optimizer, ckpt.path)
-      opt_state = carry_optimizer_state(opt_state, plan, params, optimizer)
-      opt_state = step_policy.reused(opt_state, step, plan.step)
-    return TrainState(jnp.asarray(plan.step, abstract_state.step.dtype), params, opt_state)
-
-  saved_abstract = None if saved is None else jax.tree.map(tree.abstract, saved)
-  try:  # The optimizer-state conversion checks, before anything is read.
-    jax.eval_shape(build, dense_abstract, saved_abstract, jax.ShapeDtypeStruct((2,), jnp.uint32))
-  except ValueError as e:
-    raise fields.ConfigError(f'{owner}({ckpt.path!r}, format {ckpt.format!r}): {e}') from e
-  _announce(owner, ckpt, plan, reuse_optimizer_state)
-
-  saved_shardings = None if saved is None else _saved_shardings(
-      saved, dense_abstract, placement, optimizer, abstract_state.step.sharding.mesh)
-  out_shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
-  donate = () if abstract_state.step.sharding.mesh.devices.flat[0].platform == 'cpu' else (0,)
-  return StateJit(jax.jit(build, out_shardings=out_shardings, donate_argnums=donate), dense,
-                  placement, saved, saved_shardings, seed)
-
-
-def _saved_shardings(saved: Any, source: Mapping[str, jax.ShapeDtypeStruct],
-                     placement: Mapping[str, NamedSharding], optimizer, mesh) -> Any:
-  """Where each stored optimizer-state leaf is read, a tree like `saved`.
-
-  A leaf at the key path and of the shape of a leaf of the optimizer's state of the source
-  params (every leaf of our orbax checkpoints; T5X slots of T5X Adafactor in the run's layout)
-  is read like that slot (`optimizer_state/shardings.py`: along its parameter's placement);
-  others (T5X slots read into optax Adafactor, or in another layout) by
-  `sharded.slot_sharding`.
-
-  Args:
-    saved: the stored optimizer state (lazy leaves).
-    source: {path: abstract leaf} of the source params.
-    placement: {source path: sharding} of the source leaves that are read.
-    optimizer: the run's optax transformation.
-    mesh: the run's mesh.
-  """
-  replicated = NamedSharding(mesh, PartitionSpec())
-  params = tree.unflatten(source)
-  like = jax.eval_shape(optimizer.init, params)
-  derived = shardings.state_shardings(
-      like, params, tree.unflatten({p: placement.get(p, replicated) for p in source}))
-  by_key = {tree.key_path(kp): (tree.shape_of(x), s) for (kp, x), s in zip(
-      jax.tree_util.tree_leaves_with_path(like), jax.tree.leaves(derived))}
-  placed = {p: (tree.shape_of(source[p]), s) for p, s in placement.items()}
-
-  def where(keypath, leaf) -> NamedSharding:
-    key, shape = tree.key_path(keypath), tree.shape_of(leaf)
-    if key in by_key and by_key[key][0] == shape:
-      return by_key[key][1]
-    return sharded.slot_sharding(key, shape, placed, replicated)
-
-  return jax.tree_util.tree_map_with_path(where, saved)
-
-
-def _place(abstract_state: TrainState, state: TrainState) -> TrainState:
-  return jax.device_put(state, jax.tree.map(lambda x: x.sharding, abstract_state))
-
 @dataclasses.dataclass(frozen=True)
-class UpcycleFromDense(ReadsOn):
-  """Initializer: the MoE model's first state, upcycled from a dense checkpoint.
+class UpcycleFromDense(Restore):
+  """Initializer: the MoE model's first state, upcycled from a dense checkpoint
+  (`modes.Upcycle`).
 
-  Attributes:
-    checkpoint: the dense checkpoint (file or directory, any supported format;
-      a model directory means its latest step). Branch-Train-MiX / UpIT: a list
-      of checkpoints, with `experts` the FromCheckpoints or Merge class (gin:
-      `@FromCheckpoints`, its other arguments bound in gin); the hook calls it
-      with `sources=` (`sources.combine`, as `python -m upcycle.convert` does).
-      These run the surgery on the host (they are not traceable), reading the
-      sources lazily, and then place the result on the mesh, so the host holds
-      the MoE params at once; the optimizer state is then fresh.
-    format: one of `upcycle.checkpoints.FORMATS`; None detects it.
+  Attributes (besides `Restore`'s):
+    checkpoint: the dense checkpoint. Branch-Train-MiX / UpIT: a list of checkpoints, with
+      `experts` the FromCheckpoints or Merge class (gin: `@FromCheckpoints`, its other
+      arguments bound in gin); the hook calls it with `sources=` (`sources.combine`, as
+      `python -m upcycle.convert` does). These run the surgery on the host (they are not
+      traceable), reading the sources lazily, and then place the result on the mesh, so the
+      host holds the MoE params at once; the optimizer state is then fresh.
     experts: an ExpertInit, or 'copy', 'drop', 'noise', 'random'.
     router: a RouterInit, or 'normal', 'uniform', 'zeros'.
-    reuse_optimizer_state: tile the dense optimizer state (T5X Adafactor, or
-      our orbax checkpoints' optax state) into the MoE one; the dense run's
-      optimizer must be the one configured for this run. False: fresh state.
-    step: 'keep', 'reset' or a step number (module docstring).
-    seed: seed of the expert and router initializers.
-    cast: cast dense values to the model's parameter dtypes (e.g. a bfloat16
-      checkpoint into a float32 model) instead of failing; casts are listed in
-      the report (MODEL_DIR/upcycling_report.txt).
-    restore_dataset: read on from the data position saved with the checkpoint (a step of
-      a `python -m upcycle.train` run; T5X's `restore_dataset`), so the new run sees none
-      of the dense run's examples again; the batch size may differ if the position is a
-      whole number of new batches. False: the data starts from its beginning.
+    cast: cast dense values to the model's parameter dtypes (e.g. a bfloat16 checkpoint into
+      a float32 model) instead of failing; casts are listed in the report
+      (MODEL_DIR/upcycling_report.txt).
   """
 
-  checkpoint: Union[str, Sequence[str]]
-  format: Optional[str] = None
   experts: Union[str, ExpertInit, Callable[..., MultiSource]] = 'copy'
   router: Union[str, RouterInit] = 'normal'
-  reuse_optimizer_state: bool = False
-  step: step_policy.Step = 'keep'
-  seed: int = 0
   cast: bool = False
-  restore_dataset: bool = False
 
   def __post_init__(self):
-    object.__setattr__(self, 'step', step_policy.check(self.step, 'UpcycleFromDense.step'))
+    super().__post_init__()
     if isinstance(self.experts, MultiSource):
       raise fields.ConfigError(
           f'UpcycleFromDense.experts={self.experts!r}: pass the class instead of an instance '
           f'(gin: experts = @FromCheckpoints, without parentheses) and the source paths as '
           f'UpcycleFromDense.checkpoint = [...]; the hook reads them and calls it with sources=.')
 
-  def __call__(self, abstract_state: TrainState, optimizer,
-               model_config: Optional[Any] = None) -> TrainState:
-    owner = 'UpcycleFromDense'
-    ckpt, dense, target, plan = self._plan(abstract_state, owner, model_config)
-    if plan.experts.traceable:
-      return plan_jit(ckpt, abstract_state, optimizer, plan, target=target,
-                      reuse_optimizer_state=self.reuse_optimizer_state,
-                      step=self.step, seed=self.seed, owner=owner)()
-    # The eager executor: the initializer reads its own sources on the host.
-    _announce(owner, ckpt, plan, False)
-    params = target.to_model(execute.run(plan, dense, jax.random.PRNGKey(self.seed)))
-    opt_state = step_policy.fresh(optimizer.init(params), plan.step)
-    return _place(abstract_state, TrainState(
-        jnp.asarray(plan.step, abstract_state.step.dtype), params, opt_state))
-
-  def lower(self, abstract_state: TrainState, optimizer,
-            model_config: Optional[Any] = None) -> jax.stages.Lowered:
-    """The hook's sharded jit lowered on abstract inputs: only the checkpoint's metadata is
-    read (`upcycle.aot`)."""
-    owner = 'UpcycleFromDense'
-    ckpt, _, target, plan = self._plan(abstract_state, owner, model_config)
-    if not plan.experts.traceable:
-      raise fields.ConfigError(f'{owner}: experts from several checkpoints are made on the '
-                               f'host, not in one sharded jit; there is nothing to compile.')
-    return plan_jit(ckpt, abstract_state, optimizer, plan, target=target,
-                    reuse_optimizer_state=self.reuse_optimizer_state,
-                    step=self.step, seed=self.seed, owner=owner).lower()
-
-  def _plan(self, abstract_state: TrainState, owner: str, model_config: Optional[Any]):
-    """(checkpoint, dense params, target layout, plan to the MoE params)."""
-    several = not isinstance(self.checkpoint, str)
-    ckpt, dense, experts = (self._several(owner) if several else self._one(owner))
-    where = repr(list(self.checkpoint)) if several else f'{ckpt.path!r}, format {ckpt.format!r}'
-    target = layout(dense, abstract_state.params, model_config)
-    layers = (model_config.moe_positions() if hasattr(model_config, 'moe_positions')
-              else None)   # the MoE blocks' places, for Drop's ramp (None: from the names)
-    plan = _plan(owner, where, lambda: make_plan(
-        dense, target.target, experts=experts, router=self.router, cast=self.cast,
-        step=step_policy.start(self.step, ckpt.step), layers=layers),
-                 source=dense, target=target.target, upcycling=True,
-                 binding=fields.binding(self, 'checkpoint'))
-    return ckpt, dense, target, plan
-
-  def _one(self, owner: str):
-    """(checkpoint, dense params, initializer) for one dense checkpoint."""
-    if not isinstance(self.experts, (str, ExpertInit)):
-      raise fields.ConfigError(
-          f'{owner}.experts={self.experts!r} is neither an initializer name nor an '
-          f'ExpertInit instance. A class (gin: @sources.FromCheckpoints, no parentheses) takes '
-          f'several source checkpoints: {owner}.checkpoint = [path, path, ...]; any '
-          f'other initializer needs parentheses (gin: @experts.Drop()).')
-    ckpt = pretrained.load(self.checkpoint, self.format, lazy=True)
-    return ckpt, ckpt.params, self.experts
-
-  def _several(self, owner: str):
-    """(first checkpoint, shared params, initializer) for Branch-Train-MiX / UpIT sources."""
-    if isinstance(self.experts, (str, ExpertInit)) or not callable(self.experts):
-      raise fields.ConfigError(
-          f'{owner}.checkpoint lists {len(self.checkpoint)} checkpoints, so {owner}.experts must '
-          f'make experts from several sources: @FromCheckpoints or @Merge (gin), not '
-          f'{self.experts!r}.')
-    if self.reuse_optimizer_state:
-      raise fields.ConfigError(f'{owner}: several source checkpoints have no one optimizer '
-                               f'state to reuse. Fix: {owner}.reuse_optimizer_state = False.')
-    ckpts = [pretrained.load(path, self.format, lazy=True) for path in self.checkpoint]
-    try:
-      ckpt, init = combine(ckpts, self.experts, step=self.step, names={
-          'step': f'{owner}.step', 'experts': f'{owner}.experts'})
-    except ValueError as e:
-      raise fields.ConfigError(f'{owner}: {e}') from None
-    return ckpt, init.shared_params(), init
+  def mode(self) -> modes.Upcycle:
+    return modes.Upcycle(self.experts, self.router, self.cast)
 
 
 @dataclasses.dataclass(frozen=True)
-class ContinueFromCheckpoint(OneJit):
-  """Initializer: the first state of a run continuing a checkpoint of the same architecture.
+class ContinueFromCheckpoint(Restore):
+  """Initializer: the first state of a run continuing a checkpoint of the same architecture
+  (`modes.Continue`).
 
-  Every parameter is copied from the same path (a plan with `upcycling=False`, as `copy_params`): a dense
-  model from a dense checkpoint (continue dense training: the baseline of the
-  upcycling experiments), or an MoE model from an MoE checkpoint (one written
-  by `python -m upcycle.convert`, or another run's).
+  Every parameter is copied from the same path (as `copy_params`): a dense model from a dense
+  checkpoint (continue dense training: the baseline of the upcycling experiments), or an MoE
+  model from an MoE checkpoint (one written by `python -m upcycle.convert`, or another run's).
 
-  Attributes:
-    checkpoint: file or directory, any supported format.
-    format: one of `upcycle.checkpoints.FORMATS`; None detects it.
-    reuse_optimizer_state: restore the checkpoint's optimizer state (T5X
-      Adafactor, our orbax optax state) as it is; False: fresh state.
-    step: 'keep', 'reset' or a step number (module docstring).
+  Attributes (besides `Restore`'s):
+    reuse_optimizer_state: restore the checkpoint's optimizer state as it is (default True).
     cast: cast checkpoint values to the model's parameter dtypes.
-    restore_dataset: read on from the checkpoint's data position (`UpcycleFromDense`).
   """
 
   checkpoint: str
-  format: Optional[str] = None
   reuse_optimizer_state: bool = True
-  step: step_policy.Step = 'keep'
   cast: bool = False
-  restore_dataset: bool = False
 
-  def __post_init__(self):
-    object.__setattr__(self, 'step', step_policy.check(self.step, 'ContinueFromCheckpoint.step'))
-
-  def _jit(self, abstract_state: TrainState, optimizer, model_config) -> StateJit:
-    owner = 'ContinueFromCheckpoint'
-    ckpt = pretrained.load(self.checkpoint, self.format, lazy=True)
-    target = layout(ckpt.params, abstract_state.params, model_config)
-    plan = _plan(owner, f'{ckpt.path!r}, format {ckpt.format!r}', lambda: plan_lib.make(
-        ckpt.params, target.target, Copy(), Normal(), cast=self.cast,
-        step=step_policy.start(self.step, ckpt.step), upcycling=False),
-                 source=ckpt.params, target=target.target, upcycling=False,
-                 binding=fields.binding(self, 'checkpoint'))
-    return plan_jit(ckpt, abstract_state, optimizer, plan, target=target,
-                    reuse_optimizer_state=self.reuse_optimizer_state,
-                    step=self.step, seed=0, owner=owner)
+  def mode(self) -> modes.Continue:
+    return modes.Continue(self.cast)

@@ -292,7 +292,6 @@ def _positions(blocks: Tuple[Block, ...], layers: Optional[Mapping[str, Tuple[st
 
 def make(dense: Mapping[str, Any], target: Mapping[str, Any], experts: ExpertInit,
          router: RouterInit, *, cast: bool = False, shared: str = 'copy', step: int = 0,
-         upcycling: bool = True,
          layers: Optional[Mapping[str, Tuple[str, int]]] = None) -> Plan:
   """The plan for `target` from `dense`; nothing is read (leaves need `.shape`, `.dtype`).
 
@@ -303,8 +302,6 @@ def make(dense: Mapping[str, Any], target: Mapping[str, Any], experts: ExpertIni
     cast: allow dtype casts (listed in the report) instead of failing.
     shared: where copies come from, for the report.
     step: the start step.
-    upcycling: False copies every target leaf from the same path (continuing a
-      checkpoint of the target's own architecture, MoE blocks included).
     layers: {MLP path: (stack, layer index)} of the model's MoE blocks, from its config
       (`T5Config.moe_positions()`); None reads them from the names (`tree.layer_positions`).
       Initializers that depend on a layer's place (Drop's ramp) get them (`for_layers`).
@@ -315,9 +312,8 @@ def make(dense: Mapping[str, Any], target: Mapping[str, Any], experts: ExpertIni
       cannot make the block.
   """
   flat_dense, tgt = tree.flatten(dense), tree.flatten(target)
-  roles = (tree.classify(tgt) if upcycling else
-           {p: tree.Role('copy', '', p, p) for p in tgt})
-  if upcycling and not any(role.kind == tree.EXPERT for role in roles.values()):
+  roles = tree.classify(tgt)
+  if not any(role.kind == tree.EXPERT for role in roles.values()):
     raise ValueError(
         f'The target has no MoE blocks (no X/{tree.EXPERT}/... leaves), so the expert rule '
         f'matches nothing. Fix: build the target from the MoE model (T5Config.encoder_moe / '
@@ -329,7 +325,7 @@ def make(dense: Mapping[str, Any], target: Mapping[str, Any], experts: ExpertIni
     if role.kind != 'copy':
       members.setdefault(role.layer, {tree.EXPERT: [], tree.ROUTER: [], tree.SHARED_EXPERT: []}
                          )[role.kind].append(role.name)
-  copies = tuple(_copy(p, tgt[p], flat_dense, cast, upcycling)
+  copies = tuple(_copy(p, tgt[p], flat_dense, cast, upcycling=True)
                  for p, role in roles.items() if role.kind == 'copy')
   blocks = tuple(_block(layer, names[tree.EXPERT], names[tree.ROUTER],
                         names[tree.SHARED_EXPERT], tgt, flat_dense, experts, cast)
@@ -339,3 +335,15 @@ def make(dense: Mapping[str, Any], target: Mapping[str, Any], experts: ExpertIni
   return Plan(copies, blocks, tuple(p for p in flat_dense if p not in used),
               experts.for_layers(_positions(blocks, layers)), router, shared, tuple(tgt),
               int(step))
+
+
+def identity(source: Mapping[str, Any], target: Mapping[str, Any], *, cast: bool = False,
+             step: int = 0) -> Plan:
+  """Every target leaf copied from the same path of `source`: continuing a checkpoint of the
+  target's own architecture (MoE blocks included), with `make`'s checks and report and no
+  initializers. Raises ValueError as `make` does."""
+  flat, tgt = tree.flatten(source), tree.flatten(target)
+  copies = tuple(_copy(p, leaf, flat, cast, upcycling=False) for p, leaf in tgt.items())
+  used = {leaf.source for leaf in copies}
+  return Plan(copies, (), tuple(p for p in flat if p not in used), None, None, 'copy',
+              tuple(tgt), int(step))

@@ -108,6 +108,5 @@ def copy_params(params: Mapping[str, Any], target: Mapping[str, Any], *,
     (params, report): a nested dict like `target`, and the report (every
     entry 'copied'; `unused` lists source leaves the target does not have).
   """
-  plan = plan_lib.make(params, target, experts_lib.Copy(), router_init.Normal(), cast=cast,
-                       upcycling=False)
+  plan = plan_lib.identity(params, target, cast=cast)
   return execute.run(plan, params, jax.random.PRNGKey(0)), plan.report()

@@ -1,0 +1,227 @@
+"""The restore hook's one jit: a plan run on the mesh, its output placed with the run's shardings.
+
+`plan_jit` makes params and optimizer state from a checkpoint's lazy leaves inside one
+`jax.jit` whose out_shardings are the abstract state's: every expert tensor is created already
+split over the 'expert' mesh axis and no host holds E copies; each dense leaf is an input, read
+by each host only in the blocks its devices need (`upcycling/sharded.py`). Initializers that
+read their own sources (Branch-Train-MiX, UpIT: `traceable = False`) run the plan eagerly on the
+host instead (`host_jit`): their params are the jit's inputs, and the jit places them and makes
+the fresh optimizer state. Either way the hook's work is one `StateJit`, which `upcycle.aot`
+lowers on abstract inputs without reading anything.
+"""
+
+import dataclasses
+import logging
+from typing import Any, Callable, Mapping, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from upcycle import checkpoints, fields, tree
+from upcycle.models import scan_layout
+from upcycle.optimizer_state import shardings, stored
+from upcycle.train.state import TrainState
+from upcycle.upcycling import execute, report_file, sharded, step_policy
+from upcycle.upcycling.optimizer import carry_optimizer_state
+from upcycle.upcycling.plan import Plan
+
+log = logging.getLogger(__name__)
+
+
+def _announce(owner: str, ckpt, plan: Plan, reuse: bool) -> None:
+  if jax.process_index() != 0:
+    return
+  state = 'reused' if reuse else 'fresh'
+  log.info('%s: %s (%s, step %s) -> start at step %s, %s optimizer state.', owner, ckpt.path,
+           ckpt.format, ckpt.step, plan.step, state)
+  for note in ckpt.notes:
+    log.info('  reader: %s', note)
+  report_file.show(plan.report(), log)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """The params a plan targets, in the checkpoint's layer layout, and how the planned params
+  become the model's. T5X, HF and vit_jax checkpoints hold unrolled layers (`layers_{i}`); a
+  scanned model (`scan_layers=True`) is planned against its unrolled names and the result is
+  stacked inside the jit (`models/scan_layout.py`)."""
+
+  target: Any                        # abstract params (with shardings)
+  to_model: Callable[[Any], Any]
+  stacked: bool                      # whether to_model stacks layers
+
+
+def layout(source_params: Any, abstract_params: Any, model_config: Optional[Any]) -> Layout:
+  """The `Layout` of restoring `source_params` into a model of `model_config` (None: as is)."""
+  if (model_config is None or not getattr(model_config, 'scan_layers', False)
+      or tree.is_scanned(source_params)):
+    return Layout(abstract_params, lambda params: params, stacked=False)
+  return Layout(scan_layout.unstack(abstract_params, model_config),
+                lambda params: scan_layout.stack(params, model_config), stacked=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateJit:
+  """A restore hook's one jit and how to feed it: `()` reads the inputs, each placed where the
+  jit needs it, and runs it; `lower()` lowers it on the inputs' abstract values (with their
+  shardings) without reading anything (`upcycle.aot`)."""
+
+  jitted: Any                              # (inputs, saved optimizer state, rng) -> TrainState
+  read: Callable[[], Tuple[Any, Any]]      # () -> (inputs, saved), placed
+  abstract: Tuple[Any, Any]                # (inputs, saved) as jax.ShapeDtypeStruct
+  seed: int
+
+  def __call__(self) -> TrainState:
+    inputs, saved = self.read()
+    return self.jitted(inputs, saved, jax.random.PRNGKey(self.seed))
+
+  def lower(self) -> jax.stages.Lowered:
+    return self.jitted.lower(*self.abstract, jax.ShapeDtypeStruct((2,), jnp.uint32))
+
+
+def _placed(leaf: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+  abstract = tree.abstract(leaf)
+  return jax.ShapeDtypeStruct(abstract.shape, abstract.dtype, sharding=sharding)
+
+
+def _out_shardings(abstract_state: TrainState) -> Tuple[Any, Tuple[int, ...]]:
+  """The jit's out_shardings, and what it donates (its inputs, except on CPU)."""
+  donate = () if abstract_state.step.sharding.mesh.devices.flat[0].platform == 'cpu' else (0,)
+  return jax.tree.map(lambda x: x.sharding, abstract_state), donate
+
+
+def plan_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer, plan: Plan, *,
+             target: Layout,
+             reuse_optimizer_state: bool, step: step_policy.Step, seed: int,
+             owner: str) -> StateJit:
+  """The sharded executor of a plan: params and optimizer state made from a checkpoint in one
+  jit, placed on the mesh, each source leaf read where the leaves made from it need it
+  (`sharded.source_shardings`).
+
+  Args:
+    ckpt: the source checkpoint (lazy leaves).
+    abstract_state: the trainer's abstract TrainState (leaves with `.sharding`).
+    optimizer: the run's optax transformation.
+    plan: from `ckpt.params` to `target.target` (upcycling, growth or a copy): its `step`
+      starts the run, its `str` is the report.
+    target: the layout the plan targets (`layout`).
+    reuse_optimizer_state: fill the optimizer state from the checkpoint's.
+    step: the step policy.
+    seed: the rng seed of the initializers.
+    owner: the hook's class name, for messages and gin bindings.
+  """
+  stacked = target.stacked
+  placement = sharded.source_shardings(plan, tree.flatten(target.target))
+  make_params = lambda source, rng: target.to_model(execute.run(plan, source, rng))
+  if stacked and reuse_optimizer_state:
+    raise fields.ConfigError(
+        f'{owner}({ckpt.path!r}): the model is scanned (SCAN_LAYERS = True) and the checkpoint '
+        f'holds unrolled layers, so its optimizer state does not fit the scanned slots. Fix: '
+        f'{owner}.reuse_optimizer_state = False, or --gin.SCAN_LAYERS=False.')
+  dense = tree.flatten(ckpt.params)
+  dense_abstract = {p: tree.abstract(x) for p, x in dense.items()}
+  saved = (stored.reusable(ckpt, f'{owner}.reuse_optimizer_state')
+           if reuse_optimizer_state else None)
+
+  def build(inputs, saved_state, rng):
+    source = tree.unflatten({**dense_abstract, **inputs})
+    params = make_params(source, rng)
+    if saved_state is None:
+      opt_state = step_policy.fresh(optimizer.init(params), plan.step)
+    else:
+      opt_state = stored.as_optax(saved_state, ckpt.format, source, optimizer, ckpt.path)
+      opt_state = carry_optimizer_state(opt_state, plan, params, optimizer)
+      opt_state = step_policy.reused(opt_state, step, plan.step)
+    return TrainState(jnp.asarray(plan.step, abstract_state.step.dtype), params, opt_state)
+
+  saved_abstract = None if saved is None else jax.tree.map(tree.abstract, saved)
+  try:  # The optimizer-state conversion checks, before anything is read.
+    jax.eval_shape(build, dense_abstract, saved_abstract, jax.ShapeDtypeStruct((2,), jnp.uint32))
+  except ValueError as e:
+    raise fields.ConfigError(f'{owner}({ckpt.path!r}, format {ckpt.format!r}): {e}') from e
+  _announce(owner, ckpt, plan, reuse_optimizer_state)
+
+  saved_shardings = None if saved is None else _saved_shardings(
+      saved, dense_abstract, placement, optimizer, abstract_state.step.sharding.mesh)
+  out_shardings, donate = _out_shardings(abstract_state)
+
+  def read():
+    inputs = {p: sharded.read(dense[p], s) for p, s in placement.items()}
+    return inputs, (None if saved is None else
+                    jax.tree.map(sharded.read, saved, saved_shardings))
+
+  abstract = ({p: _placed(dense[p], s) for p, s in placement.items()},
+              None if saved is None else jax.tree.map(_placed, saved, saved_shardings))
+  return StateJit(jax.jit(build, out_shardings=out_shardings, donate_argnums=donate), read,
+                  abstract, seed)
+
+
+def host_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer, plan: Plan, *,
+             source: Any, target: Layout, seed: int, owner: str) -> StateJit:
+  """The executor of a plan whose initializer reads its own sources (not traceable): the
+  params are made on the host when the jit is called, and its inputs; the jit places them and
+  makes a fresh optimizer state at the plan's step.
+
+  Args:
+    ckpt: the checkpoint standing for the sources (for the log).
+    abstract_state: the trainer's abstract TrainState (leaves with `.sharding`).
+    optimizer: the run's optax transformation.
+    plan: the plan; its initializer reads the sources.
+    source: the params the plan copies from (lazy leaves).
+    target: the layout the plan targets (`layout`).
+    seed: the rng seed of the initializers.
+    owner: the hook's class name, for messages.
+  """
+  def build(params, saved, rng):
+    del saved, rng
+    opt_state = step_policy.fresh(optimizer.init(params), plan.step)
+    return TrainState(jnp.asarray(plan.step, abstract_state.step.dtype), params, opt_state)
+
+  param_shardings = jax.tree.map(lambda x: x.sharding, abstract_state.params)
+
+  def read():
+    _announce(owner, ckpt, plan, False)
+    params = target.to_model(execute.run(plan, source, jax.random.PRNGKey(seed)))
+    return jax.device_put(params, param_shardings), None
+
+  out_shardings, donate = _out_shardings(abstract_state)
+  return StateJit(jax.jit(build, out_shardings=out_shardings, donate_argnums=donate), read,
+                  (abstract_state.params, None), seed)
+
+
+
+
+def _saved_shardings(saved: Any, source: Mapping[str, jax.ShapeDtypeStruct],
+                     placement: Mapping[str, NamedSharding], optimizer, mesh) -> Any:
+  """Where each stored optimizer-state leaf is read, a tree like `saved`.
+
+  A leaf at the key path and of the shape of a leaf of the optimizer's state of the source
+  params (every leaf of our orbax checkpoints; T5X slots of T5X Adafactor in the run's layout)
+  is read like that slot (`optimizer_state/shardings.py`: along its parameter's placement);
+  others (T5X slots read into optax Adafactor, or in another layout) by
+  `sharded.slot_sharding`.
+
+  Args:
+    saved: the stored optimizer state (lazy leaves).
+    source: {path: abstract leaf} of the source params.
+    placement: {source path: sharding} of the source leaves that are read.
+    optimizer: the run's optax transformation.
+    mesh: the run's mesh.
+  """
+  replicated = NamedSharding(mesh, PartitionSpec())
+  params = tree.unflatten(source)
+  like = jax.eval_shape(optimizer.init, params)
+  derived = shardings.state_shardings(
+      like, params, tree.unflatten({p: placement.get(p, replicated) for p in source}))
+  by_key = {tree.key_path(kp): (tree.shape_of(x), s) for (kp, x), s in zip(
+      jax.tree_util.tree_leaves_with_path(like), jax.tree.leaves(derived))}
+  placed = {p: (tree.shape_of(source[p]), s) for p, s in placement.items()}
+
+  def where(keypath, leaf) -> NamedSharding:
+    key, shape = tree.key_path(keypath), tree.shape_of(leaf)
+    if key in by_key and by_key[key][0] == shape:
+      return by_key[key][1]
+    return sharded.slot_sharding(key, shape, placed, replicated)
+
+  return jax.tree_util.tree_map_with_path(where, saved)
