@@ -2,7 +2,8 @@
 
 `objectives.Seq2Seq` / `CausalLm` / `Classification` (and `router_stage.RouterStage` around
 one), `optimizers.T5XAdafactor` / `BigVisionAdafactor` / `Adafactor` / `AdamW` / `RoutersOnly` and
-`restore.UpcycleFromDense` / `ContinueFromCheckpoint` are the implementations here; a new one
+`restore.Restore` (its gin names `UpcycleFromDense`, `ContinueFromCheckpoint`, `grow.GrowExperts`,
+`grow.GrowDepth`) are the implementations here; a new one
 needs only these members (structural typing, nothing to inherit).
 """
 
