@@ -56,9 +56,14 @@ def is_slots(x: Any) -> bool:
   return isinstance(x, ParamSlots)
 
 
+# T5X's unused-slot value, in numpy: a state is also described on the host for a TPU topology
+# that has no devices here (`upcycle.aot`), where a device array cannot be made.
+UNUSED = np.zeros((1,), np.float32)
+
+
 def placeholder() -> jax.Array:
-  """T5X's unused-slot value."""
-  return jnp.zeros((1,), jnp.float32)
+  """T5X's unused-slot value as an array of the state."""
+  return jnp.asarray(UNUSED)
 
 
 def unused(x: Any) -> bool:

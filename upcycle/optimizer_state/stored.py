@@ -99,7 +99,7 @@ def _t5x_unit(key: units.Key, fresh: Any, slots: Mapping[str, Any], shape, step)
   if isinstance(fresh, optax.MaskedNode):
     return fresh
   if adafactor.is_slots(fresh):
-    values = {k: slots.get(k, np.zeros((1,), np.float32)) for k in adafactor.SLOTS}
+    values = {k: slots.get(k, adafactor.UNUSED) for k in adafactor.SLOTS}
     if all(tree.shape_of(values[k]) == tree.shape_of(getattr(fresh, k))
            for k in ('v_row', 'v_col', 'v')):   # written with the same factor rules
       return fresh.replace(**values)

@@ -21,7 +21,6 @@ units are `optax.MaskedNode` and stay so.
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import jax
-import numpy as np
 import optax
 
 from upcycle import tree
@@ -29,9 +28,6 @@ from upcycle.optimizer_state import adafactor
 
 Key = Tuple[Tuple[str, ...], Optional[str]]
 _MOMENTS = ('v_row', 'v_col', 'v')
-# optax's Adafactor keeps no momentum in its FactoredState: T5X's unused-slot value, as numpy
-# (no device array: a state is described for a TPU topology without devices, `upcycle.aot`).
-_NO_MOMENTUM = np.zeros((1,), np.float32)
 
 
 def _is_node(x: Any) -> bool:
@@ -73,7 +69,7 @@ def flatten(state: Any, shapes: Mapping[str, Tuple[int, ...]]) -> Dict[Key, Any]
         units[(names, path)] = v
         continue
       units[(names, path)] = adafactor.heuristic(
-          moments['v_row'][path], moments['v_col'][path], v, _NO_MOMENTUM, shapes[path], path)
+          moments['v_row'][path], moments['v_col'][path], v, adafactor.UNUSED, shapes[path], path)
   return units
 
 

@@ -190,8 +190,6 @@ def host_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer
                   (abstract_state.params, None), seed)
 
 
-
-
 def _saved_shardings(saved: Any, source: Mapping[str, jax.ShapeDtypeStruct],
                      placement: Mapping[str, NamedSharding], optimizer, mesh) -> Any:
   """Where each stored optimizer-state leaf is read, a tree like `saved`.
