@@ -10,22 +10,23 @@ restore hook reads a dense T5X checkpoint of the model's size written here with 
 shapes only (`t5x_writer` with abstract leaves: no array data). Prints a markdown table and
 writes benchmarks/results/tpu_fit.json (every row's upcycle.aot JSON and command).
 
-T5 v1.1 + `moe/paper_t5.gin` (E = 32 in every other layer), batch 256 x 512/114 (T5X's
-t5_1_1 pretraining examples); ViT + `moe/paper_vit.gin` (E = 32 in every other block),
-batch 4096 at 224 x 224 (the paper's vision batch, big_vision's). bfloat16 activations and
-full remat (the model gins' pod defaults), layers scanned (`--gin.SCAN_LAYERS=True`: a pod
-compiles unrolled layers too, only slower). The ViT rows restore without the dense optimizer
-state (`runs/vit_upcycle.gin` reuses it; a scanned model cannot take unrolled slots, and the
-checkpoint written here has none). Llama-3.2-1B and Llama-3.1-8B: dense pretraining
-(runs/llm_pretrain.gin, AdamW) at batch 128 x 4096 tokens, bfloat16 activations, full remat,
-scanned layers, `LOGICAL_AXIS_RULES='fsdp'` (parameters and AdamW moments split over 'data'),
-gradient accumulation where the step needs it; no restore hook. Llama -> Mixtral
-(`drop-8x1.5b`, `drop-8x3.7b`, `llama3.1-8x8b`): the same with `moe/mixtral.gin` (8 experts in
-every layer, top 2, dropless 'ragged' with megablox's kernels), 8 expert partitions; the
-`-ragged-dot` rows multiply with `jax.lax.ragged_dot` instead, the `-indices` rows hold every
-token in capacity slots. A row that does not fit is still a row (`upcycle.aot` exits 2 with
-its JSON written). `--merge FILE` keeps the rows of an earlier JSON that this run does not
-redo.
+T5 v1.1 + `moe/paper_t5.gin` (E = 32 in every other layer), batch 256 x 512/114 (T5X's t5_1_1
+pretraining examples), on a mesh with data 2 with two copies of each expert
+(`grouping.Flaxformer.num_expert_replicas = 2`, Flaxformer's rule there); ViT +
+`moe/paper_vit.gin` (E = 32 in every other block), batch 4096 at 224 x 224 (the paper's vision
+batch, big_vision's). bfloat16 activations and full remat (the model gins' pod defaults),
+layers scanned (`--gin.SCAN_LAYERS=True`: a pod compiles unrolled layers too, only slower). The
+ViT rows restore without the dense optimizer state (`runs/vit_upcycle.gin` reuses it; a scanned
+model cannot take unrolled slots, and the checkpoint written here has none). Llama-3.2-1B and
+Llama-3.1-8B: dense pretraining (runs/llm_pretrain.gin, AdamW) at batch 128 x 4096 tokens,
+bfloat16 activations, full remat, scanned layers, `LOGICAL_AXIS_RULES='fsdp'` (parameters and
+AdamW moments split over 'data'), gradient accumulation where the step needs it; no restore
+hook. Llama -> Mixtral (`drop-8x1.5b`, `drop-8x3.7b`, `llama3.1-8x8b`): the same with
+`moe/mixtral.gin` (8 experts in every layer, top 2, dropless 'ragged' with megablox's kernels),
+8 expert partitions; the `-ragged-dot` rows multiply with `jax.lax.ragged_dot` instead, the
+`-indices` rows hold every token in capacity slots. A row that does not fit is still a row
+(`upcycle.aot` exits 2 with its JSON written). `--merge FILE` keeps the rows of an earlier JSON
+that this run does not redo.
 """
 
 import argparse
@@ -82,9 +83,15 @@ def _microbatches(n: int) -> Tuple[str, ...]:
 
 
 EVEN = {'v4-32': (16, 1, ()), 'v4-64': (32, 1, ()), 'v4-128': (32, 1, ())}
+# On data 2 x expert 32 the T5 stacks route as Flaxformer does there: R = 2 copies of each
+# expert, so 64 groups split over the 64 batch shards (with R = 1, 32 groups span 2 devices
+# each: T5 Base's train step accessed 163 GB per chip instead of 52).
+FLAXFORMER_R2 = tuple(f'--gin.{stack}/grouping.Flaxformer.num_expert_replicas=2'
+                      for stack in ('encoder', 'decoder'))
+T5_EVEN = {**EVEN, 'v4-128': (32, 1, FLAXFORMER_R2)}
 ROWS = {
-    **_rows('t5-base', 'models/t5_1_1/base.gin', T5, EVEN),
-    **_rows('t5-large', 'models/t5_1_1/large.gin', T5, EVEN),
+    **_rows('t5-base', 'models/t5_1_1/base.gin', T5, T5_EVEN),
+    **_rows('t5-large', 'models/t5_1_1/large.gin', T5, T5_EVEN),
     **_rows('t5-xl', 'models/t5_1_1/xl.gin', T5, {
         'v4-32': (8, 2, ('--gin.trainer.TrainConfig.num_microbatches=2',)),
         'v4-64': (32, 1, ()), 'v4-128': (32, 2, ())}),

@@ -1,6 +1,7 @@
 """MoeLayer: the function-preserving invariant, both dispatches, metrics and errors."""
 
 import functools
+import logging
 
 import flax.linen as nn
 import jax
@@ -11,6 +12,7 @@ import pytest
 from upcycle import layers
 from upcycle.moe import (MOE_COLLECTIONS, MoeConfig, MoeLayer, ROUTER_LOGITS, aux_losses, capacity,
                          grouping, metrics, router_logits, routers, routing)
+from upcycle.train import partitioning
 from tests.models.helpers import jitted
 from tests.moe.helpers import flaxformer_arrays, primitive_names
 
@@ -334,3 +336,24 @@ def test_copied_shared_expert_is_dense_only_with_zero_routed_output():
   params['expert']['wo']['kernel'] = jnp.zeros_like(params['expert']['wo']['kernel'])
   out, _ = jitted(layer.apply, {'params': params}, x, True, mutable=MOE_COLLECTIONS)
   np.testing.assert_array_equal(out, dense_out)
+
+
+@pytest.mark.parametrize('replicas, warned', [(1, 'grouping.Flaxformer.num_expert_replicas = 2'),
+                                              (2, None)])
+def test_groups_that_span_devices_are_named_with_the_replicas_that_split_them(
+    replicas, warned, caplog):
+  # data 2 x expert 4: 8 batch shards. Flaxformer's rule with E = 4, R = 1: 4 groups of the
+  # 128 tokens, so each group spans 2 devices; with R = 2, 8 groups of 16, one per shard.
+  mesh = partitioning.make_mesh(num_expert_partitions=E)
+  config = MoeConfig(num_experts=E, grouping=grouping.Flaxformer(num_expert_replicas=replicas))
+  x = jax.ShapeDtypeStruct((8, 16, D_MODEL), jnp.float32)
+  with partitioning.activate(mesh), caplog.at_level(logging.WARNING, logger='upcycle.moe.layer'):
+    jax.eval_shape(functools.partial(MoeLayer(config, EXPERT, name='mlp').init,
+                                     deterministic=True), jax.random.PRNGKey(0), x)
+  assert config.group_plan(8, 16).num_groups == {1: 4, 2: 8}[replicas]
+  messages = [r.getMessage() for r in caplog.records]
+  if warned is None:
+    assert messages == []
+  else:
+    assert len(messages) == 1 and warned in messages[0], messages
+    assert '4 routing groups of 32 tokens' in messages[0] and '8 batch shards' in messages[0]

@@ -13,6 +13,7 @@ A grouping is decided from static shapes only, before tracing, as a `GroupPlan`.
 
 import abc
 import dataclasses
+import math
 from typing import Optional, Tuple
 
 import jax
@@ -89,6 +90,11 @@ class Grouping(abc.ABC):
   def plan(self, batch: int, length: int, num_experts: int) -> GroupPlan:
     """The `GroupPlan` of a `[batch, length, d]` input routed over `num_experts`."""
 
+  def even_over(self, plan: GroupPlan, shards: int, num_experts: int) -> str:
+    """What to bind so that `plan`'s groups split evenly over `shards` batch shards."""
+    del plan, num_experts
+    return f'a grouping whose number of groups is a multiple of {shards}'
+
 
 @dataclasses.dataclass(frozen=True)
 class PerExample(Grouping):
@@ -97,6 +103,12 @@ class PerExample(Grouping):
   def plan(self, batch: int, length: int, num_experts: int) -> GroupPlan:
     del num_experts
     return GroupPlan(batch, length)
+
+  def even_over(self, plan: GroupPlan, shards: int, num_experts: int) -> str:
+    del num_experts
+    return (f'fewer microbatches (each of the {plan.num_groups} examples is a group), or '
+            f'@grouping.Fixed(size=S) with S dividing the '
+            f'{plan.num_groups * plan.group_size // shards} tokens of one batch shard')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +130,12 @@ class Fixed(Grouping):
           f'divides batch * length, @grouping.Flaxformer() for Flaxformer\'s rule (which '
           f'pads), or @grouping.PerExample() to route each example as one group.')
     return GroupPlan(batch * length // self.size, self.size)
+
+  def even_over(self, plan: GroupPlan, shards: int, num_experts: int) -> str:
+    del num_experts
+    tokens = plan.num_groups * plan.group_size
+    return (f'{fields.binding(self, "size")} dividing the {tokens // shards} tokens of one '
+            f'batch shard')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +168,12 @@ class Flaxformer(Grouping):
     groups = flaxformer_num_groups(tokens, self.max_group_size, num_experts,
                                    self.num_expert_replicas)
     return GroupPlan(groups, tokens // groups, pad_batch, pad_length)
+
+  def even_over(self, plan: GroupPlan, shards: int, num_experts: int) -> str:
+    """R such that E * R, which the number of groups is a multiple of, is one of `shards`."""
+    del plan
+    replicas = math.lcm(num_experts * self.num_expert_replicas, shards) // num_experts
+    return f'{fields.binding(self, "num_expert_replicas")} = {replicas}'
 
 
 def group_tokens(x: Array, token_mask: Optional[Array],
