@@ -14,10 +14,11 @@ import pytest
 
 from tests.checkpoints import helpers, t5x_writer
 from tests.helpers import REPO
-from upcycle import checkpoints, convert, tree
+from upcycle import checkpoints, console, convert, tree
 from upcycle.locks.file_lock import FileLock
 from upcycle.families import abstract_params
-from upcycle.models import T5
+from upcycle.checkpoints import orbax
+from upcycle.models import T5, scan_layout
 from upcycle.moe import MoeConfig, routers
 from upcycle.train import objectives, optimizers, partitioning
 from upcycle.train.built_run import build_run
@@ -113,6 +114,27 @@ def test_round_trip_equals_in_memory_surgery_and_trains_on(source, tmp_path, cap
   for path, x in tree.flatten(state.params).items():
     np.testing.assert_array_equal(np.asarray(x), np.asarray(got[path]), err_msg=path)
     assert x.sharding == tree.flatten(built.abstract.params)[path].sharding
+
+
+def test_a_scanned_dense_run_converts_into_unrolled_moe_layers(tmp_path, capsys):
+  """A dense run trained with SCAN_LAYERS = True (`layers/subblock_0 [layers, ...]`), converted
+  for a scanned MoE model: the output holds T5X's unrolled layers (which a scanned run
+  restores), each the copy-upcycle of the dense run's layer."""
+  depths = dict(num_encoder_layers=4, num_decoder_layers=4)
+  dense = dataclasses.replace(helpers.CHECKPOINT_T5, scan_layers=True, **depths)
+  params = helpers.random_params(dense, seed=4)
+  with orbax.CheckpointManager(str(tmp_path / 'dense'), async_save=False) as manager:
+    manager.save(6, params)
+  moe = dataclasses.replace(CONFIG, **depths)
+  console.show_progress()   # as the entry point does
+  convert.convert(str(tmp_path / 'dense'), dataclasses.replace(moe, scan_layers=True),
+                  str(tmp_path / 'moe'))
+  assert 'holds scanned layers: reading them unrolled' in capsys.readouterr().out
+  want, _ = upcycle(scan_layout.unstack(params, dense), abstract_params(moe), rng=0)
+  got = tree.flatten(checkpoints.load(str(tmp_path / 'moe')).params)
+  assert got.keys() == tree.flatten(want).keys()
+  for path, x in tree.flatten(want).items():
+    np.testing.assert_array_equal(np.asarray(got[path]), np.asarray(x), err_msg=path)
 
 
 def test_t5x_output_is_t5x_native_with_flaxformer_moe_names(source, tmp_path, capsys):

@@ -245,8 +245,22 @@ def test_a_scanned_run_exports_unrolled_as_t5x_models_read_it(tmp_path):
     np.testing.assert_array_equal(
         got[f'encoder/layers_3/mlp/expert/wi_0/kernel/{slot}'],
         slots[f'encoder/layers/subblock_1/mlp/expert/wi_0/kernel/{slot}'][1])
-  raw, _ = t5x_reader.read(out)   # the independent reader
+  # Every unrolled parameter has T5X's four slots (T5X's restore needs them all); an unused
+  # one is T5X's placeholder [1] in every layer, as in the scanned run.
+  raw, state_read = t5x_reader.read(out)   # the independent reader
   assert 'layers_1' in raw['optimizer']['target']['encoder']
+  read = t5x_reader.by_path(state_read['state']['param_states'])
+  params = tree.flatten(exported.params)
+  assert set(read) == {f'{p}/{slot}' for p in params for slot in ('v_row', 'v_col', 'v', 'm')}
+  for slot in ('v_row', 'v_col', 'v', 'm'):
+    for i, (k, j) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
+      scanned_slot = slots[f'decoder/layers/subblock_{j}/pre_mlp_layer_norm/scale/{slot}']
+      layer_slot = read[f'decoder/layers_{i}/pre_mlp_layer_norm/scale/{slot}']
+      if scanned_slot.shape == (1,):
+        np.testing.assert_array_equal(layer_slot, np.zeros((1,), np.float32))
+      else:
+        np.testing.assert_array_equal(layer_slot, scanned_slot[k])
+  assert read['encoder/layers_2/attention/query/kernel/v'].shape == (1,)   # factored
   run_model = describe_command.summary(checkpoints.load(str(tmp_path / 'run' / 'checkpoints'),
                                                lazy=True))['model']
   assert run_model == describe_command.summary(checkpoints.load(out, lazy=True))['model'] + (

@@ -79,6 +79,7 @@ leaves an OUTPUT_DIR without markers (refused as non-empty: rerun with --overwri
 
 import argparse
 import ast
+import dataclasses
 import glob
 import hashlib
 import logging
@@ -90,7 +91,7 @@ import tempfile
 import time
 from typing import Any, Callable, List, Mapping, Optional, Union
 
-from upcycle import checkpoints, console, families, gin_utils, pretrained, reachability
+from upcycle import checkpoints, console, families, gin_utils, pretrained, reachability, tree
 from upcycle.checkpoints import gcs, paths, t5x_writer
 from upcycle.locks import file_lock
 from upcycle.locks.gcs_lock import STALE_SECONDS, GcsLock
@@ -368,6 +369,14 @@ def _sources(ckpts: List[checkpoints.Checkpoint], experts: Any, step: Union[str,
   return ckpt, init.shared_params(), init
 
 
+def _unrolled(model_config: Any) -> Any:
+  """The model with its layers unrolled: what convert writes (T5X's layout, `layers_{i}`),
+  which a scanned run (SCAN_LAYERS = True) restores by stacking it."""
+  if getattr(model_config, 'scan_layers', False):
+    return dataclasses.replace(model_config, scan_layers=False)
+  return model_config
+
+
 def convert(source: Union[str, List[str]], model_config: Any, output_dir: str, *,
             format: Optional[str] = None,  # pylint: disable=redefined-builtin
             experts: Any = 'copy', router: Any = 'normal', seed: int = 0,
@@ -399,7 +408,12 @@ def convert(source: Union[str, List[str]], model_config: Any, output_dir: str, *
     check_paths(path, read.path, output_dir, overwrite)
   ckpt, dense, experts = _sources(ckpts, experts, step,
                                   growing=grow_experts is not None or grow_depth is not None)
-  target, first = families.abstract_params(model_config), step_policy.start(step, ckpt.step)
+  if tree.is_scanned(dense):   # a run trained with SCAN_LAYERS = True: planned per layer
+    log.info('%s holds scanned layers: reading them unrolled (layers_0, layers_1, ...).',
+             ckpt.path)
+    dense = tree.unroll_scanned(dense)
+  target = families.abstract_params(_unrolled(model_config))
+  first = step_policy.start(step, ckpt.step)
   if grow_experts is not None:
     mode = modes.GrowExperts(grow_experts, binding='--grow_experts')
   elif grow_depth is not None:

@@ -326,6 +326,46 @@ def test_unrolled_checkpoint_upcycled_into_a_scanned_model(tmp_path):
                                                               scanned)
 
 
+@pytest.mark.slow
+def test_a_scanned_dense_run_upcycles_into_scanned_and_unrolled_moes(tmp_path):
+  """The first step of a pod user: a dense run trained with SCAN_LAYERS = True (one sub-block
+  per period) upcycled into an MoE every other layer (two sub-blocks), scanned or not. Both
+  MoEs (copied experts, capacity = group, normalized combine weights) compute the scanned
+  dense model's logits, and their experts are the dense run's MLPs layer for layer."""
+  dense = dataclasses.replace(helpers.CHECKPOINT_T5, num_encoder_layers=4, num_decoder_layers=4,
+                              scan_layers=True)
+  params = helpers.random_params(dense)   # as a scanned dense run holds them
+  assert 'layers' in params['encoder'] and 'subblock_1' not in params['encoder']['layers']
+  with orbax.CheckpointManager(str(tmp_path), async_save=False) as manager:
+    manager.save(6, params, ADAFACTOR.build().init(params))
+  tokens = np.arange(24, dtype=np.int32).reshape(4, 6) % 7 + 1
+  logits = lambda config, p: jax.jit(T5(config).apply)({'params': p}, tokens, tokens[:, :4])
+  want = logits(dense, params)
+  unrolled_dense = scan_layout.unstack(params, dense)
+  moe = dataclasses.replace(dense, encoder_moe=ENCODER_MOE, decoder_moe=DECODER_MOE)
+  for scanned in (True, False):
+    config = dataclasses.replace(moe, scan_layers=scanned)
+    built, abstract = mesh_run(objectives.Seq2Seq(T5(config)), ADAFACTOR, T5_BATCH)
+    with partitioning.activate(built.mesh):
+      state = UpcycleFromDense(str(tmp_path))(abstract, built.optimizer, config)
+      with pytest.raises(ValueError, match=(
+          r"UpcycleFromDense\('.*6'\): the checkpoint holds scanned layers of another "
+          r"structure than this model's \(a run trained with SCAN_LAYERS = True\) and the "
+          r'model is (scanned|unrolled) .* Fix: UpcycleFromDense.reuse_optimizer_state = False\.$')):
+        UpcycleFromDense(str(tmp_path), reuse_optimizer_state=True)(abstract, built.optimizer,
+                                                                    config)
+    _assert_placed(state, abstract)
+    assert int(state.step) == 6
+    np.testing.assert_allclose(logits(config, state.params), want, rtol=1e-5, atol=1e-5)
+    flat = tree.flatten(scan_layout.unstack(jax.device_get(state.params), config)
+                        if scanned else jax.device_get(state.params))
+    for i in (1, 3):
+      np.testing.assert_array_equal(
+          flat[f'decoder/layers_{i}/mlp/expert/wo/kernel'],
+          np.broadcast_to(unrolled_dense['decoder'][f'layers_{i}']['mlp']['wo']['kernel'],
+                          (4, 12, 8)))
+
+
 def test_a_source_of_the_wrong_kind_says_what_it_holds(t5, tmp_path):
   """An already-upcycled MoE or a ViT handed to `runs/upcycle.gin` for a T5 MoE: the error
   says what the checkpoint holds and what the config builds, before anything is read."""

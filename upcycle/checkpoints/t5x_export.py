@@ -69,6 +69,23 @@ def t5x_param_states(optimizer_state, params: Mapping) -> Optional[dict]:
   return tree.unflatten({key: stored[key] for key in wanted})
 
 
+def unrolled_param_states(slots: Mapping, params: Mapping) -> dict:
+  """A scanned run's T5X `param_states` unrolled like its parameters (`tree.unroll_scanned`).
+
+  A used slot of a scanned parameter has the layer axis first (`v_row [layers, d_model]`);
+  an unused one is T5X's placeholder `[1]` whatever the layers (`adafactor.UNUSED`), so each
+  unrolled layer gets a placeholder of its own (T5X's restore wants `[1]` in every slot that
+  is not used).
+  """
+  flat_params = tree.flatten(params)
+  layered = {}
+  for path, leaf in tree.flatten(slots).items():
+    layers = tree.shape_of(flat_params[path.rsplit('/', 1)[0]])[0]
+    unused = tree.is_scanned({path: leaf}) and tree.shape_of(leaf) == adafactor.UNUSED.shape
+    layered[path] = np.tile(adafactor.UNUSED, (layers, 1)) if unused else leaf
+  return tree.unroll_scanned(tree.unflatten(layered))
+
+
 def check_output(output_dir: str, source: str, *, writer: str, source_name: str) -> None:
   """Refuses, before anything is read or written, an output on gs:// (`writer` writes local
   directories) or inside the checkpoint `source` (`source_name`, which is only ever read)."""
@@ -117,8 +134,8 @@ def export(model_dir: str, output_dir: str, step: Optional[int] = None,
   if tree.is_scanned(ckpt.params):   # T5X's models are unrolled: layers_{i}
     log.info('%s holds scanned layers: exporting them unrolled (layers_0, layers_1, ...).',
              ckpt.path)
+    slots = None if slots is None else unrolled_param_states(slots, ckpt.params)
     ckpt = dataclasses.replace(ckpt, params=tree.unroll_scanned(ckpt.params))
-    slots = None if slots is None else tree.unroll_scanned(slots)
   out_step = step
   if not optimizer_state:
     log.info('Exporting the parameters only (no optimizer state asked for).')

@@ -135,15 +135,15 @@ class Restore(abc.ABC):
     layers = (model_config.moe_positions() if hasattr(model_config, 'moe_positions')
               else None)   # the MoE blocks' places, for Drop's ramp (None: from the names)
     plan = _plan(owner, where, lambda: mode.plan(
-        source, target.target, step=step_policy.start(self.step, ckpt.step), layers=layers),
-                 source=source, target=target.target, upcycling=mode.upcycles,
+        target.source, target.target, step=step_policy.start(self.step, ckpt.step),
+        layers=layers), source=target.source, target=target.target, upcycling=mode.upcycles,
                  binding=fields.binding(self, 'checkpoint'))
     if plan.experts is None or plan.experts.traceable:
       return plan_jit(ckpt, abstract_state, optimizer, plan, target=target,
                       reuse_optimizer_state=self.reuse_optimizer_state,
                       step=self.step, seed=self.seed, owner=owner)
-    return host_jit(ckpt, abstract_state, optimizer, plan, source=source, target=target,
-                    seed=self.seed, owner=owner)
+    return host_jit(ckpt, abstract_state, optimizer, plan, target=target, seed=self.seed,
+                    owner=owner)
 
   def _sources(self, owner: str) -> Tuple[Any, Any, modes.Mode, str]:
     """(the checkpoint, the params the plan copies from, the mode, the checkpoint in errors);

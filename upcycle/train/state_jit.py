@@ -42,23 +42,43 @@ def _announce(owner: str, ckpt, plan: Plan, reuse: bool) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """The params a plan targets, in the checkpoint's layer layout, and how the planned params
-  become the model's. T5X, HF and vit_jax checkpoints hold unrolled layers (`layers_{i}`); a
-  scanned model (`scan_layers=True`) is planned against its unrolled names and the result is
-  stacked inside the jit (`models/scan_layout.py`)."""
+  """The params a plan reads and targets, both in unrolled layers unless the checkpoint is
+  stored exactly as the model holds it, and how the planned params become the model's.
 
+  T5X, HF and vit_jax checkpoints hold unrolled layers (`layers_{i}`); a run trained with
+  `scan_layers=True` holds `layers/subblock_{j}`, one sub-block per layer of its own placement's
+  period (a dense stack: period 1; an MoE every other layer: period 2). A scanned source of
+  another structure than the model's (a scanned dense run upcycled, or grown) is read unrolled
+  (`tree.unroll_scanned`, each layer a lazy slice); a scanned model is planned against its
+  unrolled names and the result is stacked inside the jit (`models/scan_layout.py`). A scanned
+  source whose leaves are the model's, path for path and shape for shape (a scanned run
+  continued), is planned as stored, so its optimizer state fits as it is."""
+
+  source: Any                        # the checkpoint's params as the plan reads them
   target: Any                        # abstract params (with shardings)
   to_model: Callable[[Any], Any]
   stacked: bool                      # whether to_model stacks layers
+  unrolled_source: bool              # whether `source` is a scanned checkpoint unrolled
+
+
+def _same_leaves(source_params: Any, abstract_params: Any) -> bool:
+  source, target = tree.flatten(source_params), tree.flatten(abstract_params)
+  return source.keys() == target.keys() and all(
+      tree.shape_of(source[p]) == tree.shape_of(target[p]) for p in source)
 
 
 def layout(source_params: Any, abstract_params: Any, model_config: Optional[Any]) -> Layout:
   """The `Layout` of restoring `source_params` into a model of `model_config` (None: as is)."""
+  unrolled_source = (tree.is_scanned(source_params)
+                     and not _same_leaves(source_params, abstract_params))
+  source = tree.unroll_scanned(source_params) if unrolled_source else source_params
   if (model_config is None or not getattr(model_config, 'scan_layers', False)
-      or tree.is_scanned(source_params)):
-    return Layout(abstract_params, lambda params: params, stacked=False)
-  return Layout(scan_layout.unstack(abstract_params, model_config),
-                lambda params: scan_layout.stack(params, model_config), stacked=True)
+      or (tree.is_scanned(source_params) and not unrolled_source)):
+    return Layout(source, abstract_params, lambda params: params, stacked=False,
+                  unrolled_source=unrolled_source)
+  return Layout(source, scan_layout.unstack(abstract_params, model_config),
+                lambda params: scan_layout.stack(params, model_config), stacked=True,
+                unrolled_source=unrolled_source)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,9 +123,9 @@ def plan_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer
     ckpt: the source checkpoint (lazy leaves).
     abstract_state: the trainer's abstract TrainState (leaves with `.sharding`).
     optimizer: the run's optax transformation.
-    plan: from `ckpt.params` to `target.target` (upcycling, growth or a copy): its `step`
+    plan: from `target.source` to `target.target` (upcycling, growth or a copy): its `step`
       starts the run, its `str` is the report.
-    target: the layout the plan targets (`layout`).
+    target: the layout: the params the plan reads and those it targets (`layout`).
     reuse_optimizer_state: fill the optimizer state from the checkpoint's.
     step: the step policy.
     seed: the rng seed of the initializers.
@@ -114,12 +134,16 @@ def plan_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer
   stacked = target.stacked
   placement = sharded.source_shardings(plan, tree.flatten(target.target))
   make_params = lambda source, rng: target.to_model(execute.run(plan, source, rng))
-  if stacked and reuse_optimizer_state:
+  if reuse_optimizer_state and (stacked or target.unrolled_source):
+    held = ('scanned layers of another structure than this model\'s (a run trained with '
+            'SCAN_LAYERS = True)' if target.unrolled_source else 'unrolled layers')
+    unroll = '' if target.unrolled_source else ', or --gin.SCAN_LAYERS=False'
     raise fields.ConfigError(
-        f'{owner}({ckpt.path!r}): the model is scanned (SCAN_LAYERS = True) and the checkpoint '
-        f'holds unrolled layers, so its optimizer state does not fit the scanned slots. Fix: '
-        f'{owner}.reuse_optimizer_state = False, or --gin.SCAN_LAYERS=False.')
-  dense = tree.flatten(ckpt.params)
+        f'{owner}({ckpt.path!r}): the checkpoint holds {held} and the model is '
+        f'{"scanned" if stacked else "unrolled"} (SCAN_LAYERS = {stacked}), so its optimizer '
+        f'state does not fit this model\'s slots. Fix: {owner}.reuse_optimizer_state = '
+        f'False{unroll}.')
+  dense = tree.flatten(target.source)
   dense_abstract = {p: tree.abstract(x) for p, x in dense.items()}
   saved = (stored.reusable(ckpt, f'{owner}.reuse_optimizer_state')
            if reuse_optimizer_state else None)
@@ -158,7 +182,7 @@ def plan_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer
 
 
 def host_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer, plan: Plan, *,
-             source: Any, target: Layout, seed: int, owner: str) -> StateJit:
+             target: Layout, seed: int, owner: str) -> StateJit:
   """The executor of a plan whose initializer reads its own sources (not traceable): the
   params are made on the host when the jit is called, and its inputs; the jit places them and
   makes a fresh optimizer state at the plan's step.
@@ -168,8 +192,7 @@ def host_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer
     abstract_state: the trainer's abstract TrainState (leaves with `.sharding`).
     optimizer: the run's optax transformation.
     plan: the plan; its initializer reads the sources.
-    source: the params the plan copies from (lazy leaves).
-    target: the layout the plan targets (`layout`).
+    target: the layout: the params the plan copies from (lazy leaves) and those it targets.
     seed: the rng seed of the initializers.
     owner: the hook's class name, for messages.
   """
@@ -182,7 +205,7 @@ def host_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer
 
   def read():
     _announce(owner, ckpt, plan, False)
-    params = target.to_model(execute.run(plan, source, jax.random.PRNGKey(seed)))
+    params = target.to_model(execute.run(plan, target.source, jax.random.PRNGKey(seed)))
     return jax.device_put(params, param_shardings), None
 
   out_shardings, donate = _out_shardings(abstract_state)
