@@ -161,3 +161,55 @@ def test_a_missing_gin_file_is_one_line_and_exit_1(tmp_path):
   assert done.stderr == (f"gin configuration error: gin file 'runs/pretrian.gin' not found in "
                          f"the search paths ['{gin_utils.CONFIGS_DIR}', '{tmp_path}']; pass a "
                          'path that exists or add its directory with --gin_search_paths\n')
+
+
+# A module of tasks as t5.data.tasks is (t5 0.9.4): it declares gin configurables and
+# registers T5's own name, c4_v220_span_corruption, which this project registers too.
+T5_LIKE_TASKS = '''
+import gin, seqio
+
+@gin.configurable
+def span_length(mean=3.0):
+  return mean
+
+def dataset_fn(split, shuffle_files, seed=None):
+  raise NotImplementedError
+
+seqio.TaskRegistry.add(
+    'c4_v220_span_corruption', source=seqio.FunctionDataSource(dataset_fn, splits=('train',)),
+    output_features={})
+'''
+
+
+def test_a_task_module_with_gin_configurables_replaces_t5s_names(tmp_path, monkeypatch):
+  import seqio  # pylint: disable=g-import-not-at-top
+  from upcycle.data import tasks  # pylint: disable=g-import-not-at-top,unused-import
+  (tmp_path / 't5_like_tasks.py').write_text(T5_LIKE_TASKS)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  ours = seqio.TaskRegistry.get('c4_v220_span_corruption')
+  parse(T5 + ["--gin.MIXTURE_OR_TASK_MODULE='t5_like_tasks'"])
+  try:
+    theirs = seqio.TaskRegistry.get('c4_v220_span_corruption')
+    assert theirs is not ours and theirs.source.splits == ('train',)
+    assert gin.query_parameter('%MIXTURE_OR_TASK_MODULE') == 't5_like_tasks'
+  finally:
+    seqio.TaskRegistry.remove('c4_v220_span_corruption')
+    seqio.TaskRegistry.add_provider('c4_v220_span_corruption', ours)
+    sys.modules.pop('t5_like_tasks')
+
+
+def test_t5s_task_module_imported_by_a_gin_file_is_refused_with_the_binding(
+    tmp_path, monkeypatch):
+  from upcycle.data import tasks  # pylint: disable=g-import-not-at-top,unused-import
+  (tmp_path / 't5_tasks_in_gin.py').write_text(T5_LIKE_TASKS)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  (tmp_path / 'mine.gin').write_text("include 'runs/pretrain.gin'\nimport t5_tasks_in_gin\n")
+  message = refusal(['--gin_file=models/t5_1_1/tiny.gin', f'--gin_file={tmp_path}/mine.gin',
+                     "--gin.MODEL_DIR='/tmp/unused'", '--gin.TRAIN_STEPS=10'])
+  sys.modules.pop('t5_tasks_in_gin', None)
+  assert message == (
+      f'gin configuration error: "{tmp_path}/mine.gin", line 2: `import t5_tasks_in_gin` '
+      f'attempting to register duplicate provider: c4_v220_span_corruption, which this '
+      f'configuration registers already. Fix: name the module as '
+      f'--gin.MIXTURE_OR_TASK_MODULE="\'t5_tasks_in_gin\'" instead of importing it in a gin '
+      f'file; its tasks then replace this project\'s registrations of the same names.')

@@ -47,12 +47,19 @@ def sklearn_metrics(targets, predictions):
 def mean_log_likelihood(targets, scores):
   return {{'mean_log_likelihood': float(np.mean(scores))}}
 
+def mean_decode_score(targets, predictions, aux_values):
+  return {{'mean_decode_score': float(np.mean(aux_values['scores']))}}
+
+def labels_text(targets, predictions):
+  return {{'labels': seqio.metrics.Text(textdata=''.join(str(p) for p in predictions))}}
+
 vocabulary = seqio.ByteVocabulary(extra_ids=100)
 seqio.TaskRegistry.add(
     '{TASK}', source=seqio.FunctionDataSource(dataset_fn, splits=('validation',)),
     preprocessors=[seqio.preprocessors.tokenize, seqio.preprocessors.append_eos],
     output_features={{'inputs': seqio.Feature(vocabulary), 'targets': seqio.Feature(vocabulary)}},
-    postprocess_fn=label, metric_fns=[sklearn_metrics, mean_log_likelihood])
+    postprocess_fn=label,
+    metric_fns=[sklearn_metrics, mean_log_likelihood, mean_decode_score, labels_text])
 '''
 
 
@@ -72,7 +79,7 @@ def _reference(reference):
   import torch  # pylint: disable=g-import-not-at-top
   encode = lambda text: [b + 3 for b in text.encode()] + [1]    # ByteVocabulary, then EOS
   decode = lambda ids: bytes(i - 3 for i in ids if 3 <= i < 259).decode(errors='ignore')
-  labels, predicted, scores = [], [], []
+  labels, predicted, scores, decode_scores = [], [], [], []
   for word in WORDS:
     target = 'keyword' if keyword.iskeyword(word) else 'name'
     with torch.no_grad():
@@ -81,6 +88,11 @@ def _reference(reference):
                                eos_token_id=1, pad_token_id=0, num_beams=1,
                                do_sample=False)[0, 1:].tolist()
       ids = out[:out.index(1)] if 1 in out else out
+      decoded = out[:out.index(1) + 1] if 1 in out else out    # EOS scored with the decode
+      logits = reference(input_ids=torch.tensor([encode('word: ' + word)]),
+                         decoder_input_ids=torch.tensor([[0] + decoded[:-1]])).logits
+      decode_scores.append(float(torch.log_softmax(logits.double(), -1)[0].gather(
+          -1, torch.tensor(decoded)[:, None]).sum()))
       labels_ids = torch.tensor([encode(target)])
       logits = reference(input_ids=torch.tensor([encode('word: ' + word)]),
                          decoder_input_ids=torch.tensor([[0] + encode(target)[:-1]])).logits
@@ -90,7 +102,8 @@ def _reference(reference):
     predicted.append(len(decode(ids)) % 2)
   return {f'{TASK}/accuracy': sklearn.metrics.accuracy_score(labels, predicted),
           f'{TASK}/f1': sklearn.metrics.f1_score(labels, predicted),
-          f'{TASK}/mean_log_likelihood': float(np.mean(scores))}, predicted
+          f'{TASK}/mean_log_likelihood': float(np.mean(scores)),
+          f'{TASK}/mean_decode_score': float(np.mean(decode_scores))}, predicted
 
 
 def test_eval_runs_the_tasks_metric_functions_on_transformers_predictions(
@@ -108,9 +121,11 @@ def test_eval_runs_the_tasks_metric_functions_on_transformers_predictions(
   assert results['decoded_examples'] == 24
   for name, value in expected.items():
     assert results[name] == pytest.approx(value, rel=1e-4), name
+  assert results[f'{TASK}/labels'] == ''.join(str(p) for p in predicted)   # a seqio Text
   rows = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines()]
   assert len(rows) == 1 and rows[0]['split'] == 'eval' and rows[0]['step'] == 0
   assert rows[0][f'{TASK}/f1'] == pytest.approx(expected[f'{TASK}/f1'])
+  assert rows[0][f'{TASK}/labels'] == results[f'{TASK}/labels']
   assert json.loads((out / 'eval_results.json').read_text())[f'{TASK}/accuracy'] == (
       results[f'{TASK}/accuracy'])
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -118,6 +133,8 @@ def test_eval_runs_the_tasks_metric_functions_on_transformers_predictions(
   for path in glob.glob(os.path.join(out, 'tensorboard', 'eval', 'events.*')):
     for event in tf.compat.v1.train.summary_iterator(path):
       for value in event.summary.value:
-        logged[value.tag] = float(tf.make_ndarray(value.tensor))
+        array = tf.make_ndarray(value.tensor)
+        logged[value.tag] = array.item().decode() if array.dtype == object else float(array)
+  assert logged[f'{TASK}/labels'] == results[f'{TASK}/labels']
   assert logged[f'{TASK}/mean_log_likelihood'] == pytest.approx(
       expected[f'{TASK}/mean_log_likelihood'], rel=1e-4)

@@ -78,6 +78,7 @@ def _decoded_metrics(objective: Any, params: Any, pipeline: Any, decoding: Any, 
   """Sequence accuracy and the task's own metrics (`upcycle.task_metrics`) of `pipeline`'s
   decoded examples; its score metrics, if it has any, from the targets' log-likelihoods."""
   task = pipeline.seqio_task()
+  task_metrics.warn_metric_objects(task)
   records, results, scores = predictions.decoded_split(
       objective.model, params, pipeline, decoding, batch_size=batch_size, mesh=mesh,
       max_batches=max_batches, seed=seed,
@@ -91,16 +92,18 @@ def _decoded_metrics(objective: Any, params: Any, pipeline: Any, decoding: Any, 
 def _write(directory: epath.Path, results: dict, *, tensorboard: bool) -> None:
   """eval_results.json (this evaluation), a row of metrics.jsonl ({'step', 'split': 'eval',
   metrics...}, one per evaluation, appended) and, with `tensorboard`, TensorBoard scalars
-  (tensorboard/eval) in `directory`, local or gs://: the training log's writer."""
+  and the task metrics' texts (tensorboard/eval) in `directory`, local or gs://: the training
+  log's writer."""
   from upcycle.train.logger import MetricLogger  # pylint: disable=g-import-not-at-top
   directory.mkdir(parents=True, exist_ok=True)
   (directory / 'eval_results.json').write_text(json.dumps(results, indent=2))
   step = int(results['step'] or 0)
   scalars = {k: v for k, v in results.items()
              if isinstance(v, (int, float)) and not isinstance(v, bool) and k != 'step'}
+  texts = {k: v for k, v in results.items() if '/' in k and isinstance(v, str)}  # task metrics
   logger = MetricLogger(os.fspath(directory), total_steps=step, tokens_per_step=0,
                         tensorboard=tensorboard, append=True)
-  logger.write(step, scalars, split='eval')
+  logger.write(step, scalars, split='eval', texts=texts)
   logger.close()
 
 

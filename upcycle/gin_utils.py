@@ -214,6 +214,19 @@ def check_macros(bindings: Sequence[str], read: Sequence[str] = ()) -> None:
                      f'nothing; {hint}')
 
 
+def _import_task_module() -> None:
+  """Imports the module MIXTURE_OR_TASK_MODULE names, if the configuration has one, while the
+  config is still unlocked: a module of tasks may declare gin configurables
+  (`t5.data.tasks` does)."""
+  try:
+    module = gin.query_parameter('%MIXTURE_OR_TASK_MODULE')
+  except ValueError:
+    return
+  if module:
+    from upcycle.data import tasks  # pylint: disable=g-import-not-at-top  (TF: only when asked)
+    tasks.import_task_module(module, binding='MIXTURE_OR_TASK_MODULE')
+
+
 def parse_gin(args: argparse.Namespace, bindings: Sequence[str], read: Sequence[str] = ()) -> None:
   """The entry points' flags take effect: --tfds_data_dir, then the gin files in order and the
   bindings last, whose macros must all be used (`check_macros`; `read`: the macros the entry
@@ -225,8 +238,11 @@ def parse_gin(args: argparse.Namespace, bindings: Sequence[str], read: Sequence[
   if not args.gin_file:
     raise SystemExit('Give at least one --gin_file (see configs/ and docs/training.md).')
   try:
-    parse_files_and_bindings(args.gin_file, bindings, args.gin_search_paths.split(','))
+    parse_files_and_bindings(args.gin_file, bindings, args.gin_search_paths.split(','),
+                             finalize=False)
     check_macros(bindings, read)
+    _import_task_module()
+    gin.finalize()
   except SyntaxError as e:
     raise SystemExit(f'gin configuration error: {syntax_error(e)}') from e
   except tokenize.TokenError as e:
@@ -235,7 +251,23 @@ def parse_gin(args: argparse.Namespace, bindings: Sequence[str], read: Sequence[
     raise SystemExit(f'gin configuration error: {where} does not close its brackets or '
                      f'quotes ({e.args[0]}).') from e
   except (ValueError, IOError) as e:
-    raise SystemExit(f'gin configuration error: {e}') from e
+    raise SystemExit(f'gin configuration error: {_duplicate_task(e) or e}') from e
+
+
+def _duplicate_task(error: Exception) -> Optional[str]:
+  """One line for a gin file's `import` of a module that registers a seqio task this
+  configuration already has (T5's `t5.data.tasks` after this project's files), with the fix;
+  None for other errors."""
+  lines = str(error).strip().splitlines()
+  if not lines or not lines[0].startswith('Attempting to register duplicate provider'):
+    return None
+  where = lines[1].strip().replace('In file ', '') if len(lines) > 1 else 'a gin file'
+  statement = lines[2].strip() if len(lines) > 2 else 'an import'
+  module = statement.split()[-1] if statement.startswith('import ') else 'your_tasks'
+  return (f'{where}: `{statement}` {lines[0][0].lower()}{lines[0][1:]}, which this '
+          f'configuration registers already. Fix: name the module as '
+          f'--gin.MIXTURE_OR_TASK_MODULE="\'{module}\'" instead of importing it in a gin '
+          f'file; its tasks then replace this project\'s registrations of the same names.')
 
 
 def _unclosed(binding: str) -> bool:

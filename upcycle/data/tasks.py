@@ -21,7 +21,10 @@ documents under `text`, untokenized. Registration is lazy: nothing is read until
 requested.
 
 Tasks of your own: a module that registers them, named by T5X's `MIXTURE_OR_TASK_MODULE`, is
-imported before the task is looked up (`get_task`).
+imported before the task is looked up (`get_task`); the entry points import it before the gin
+config is locked (`gin_utils.parse_gin`), so a module that declares gin configurables imports
+too. A module that registers T5's own names (`t5.data.tasks`: `c4_v220_span_corruption`)
+replaces this project's registration of them.
 """
 
 import functools
@@ -40,6 +43,7 @@ C4_TASKS = {
     'c4_span_corruption': 'c4/en:3.1.0',
 }
 C4_TASK = 'c4_span_corruption'
+T5_NAMES = ('c4_v220_span_corruption',)   # registered by t5.data.tasks as well
 OFFLINE_TASK = 'offline_span_corruption'
 OFFLINE_STDLIB_TASK = 'offline_stdlib_span_corruption'
 OFFLINE_TEXT_TASKS = {'offline_stdlib_text': 'stdlib', 'offline_pydoc_text': 'pydoc'}
@@ -133,6 +137,12 @@ def import_task_module(module: Optional[str], *, binding: str) -> None:
   """
   if not module:
     return
+  # T5's own names (`t5.data.tasks` registers c4_v220_span_corruption too): the module's
+  # registration replaces this project's copy, which comes back if the module has none.
+  ours = {name: seqio.TaskRegistry.get(name) for name in T5_NAMES
+          if name in seqio.TaskRegistry.names()}
+  for name in ours:
+    seqio.TaskRegistry.remove(name)
   try:
     importlib.import_module(module)
   except Exception as e:  # pylint: disable=broad-except  (a user's module fails many ways)
@@ -141,6 +151,10 @@ def import_task_module(module: Optional[str], *, binding: str) -> None:
     raise fields.ConfigError(
         f'{binding} = {module!r} (MIXTURE_OR_TASK_MODULE): importing it failed ({cause}). Fix: '
         'name a module on the Python path that registers your seqio tasks, or None.') from e
+  finally:
+    for name, task in ours.items():
+      if name not in seqio.TaskRegistry.names():
+        seqio.TaskRegistry.add_provider(name, task)
 
 
 def get_task(name: str, *, module: Optional[str], task_binding: str,

@@ -143,8 +143,12 @@ class MetricLogger:
           str(self._model_dir / TENSORBOARD_DIR / split))
     return self._tb[split]
 
-  def write(self, step: int, metrics: Mapping[str, np.ndarray], split: str = 'train') -> Dict:
-    """Logs one step's metrics; for 'train' adds steps/s, tokens/s and the ETA."""
+  def write(self, step: int, metrics: Mapping[str, np.ndarray], split: str = 'train',
+            texts: Optional[Mapping[str, str]] = None) -> Dict:
+    """Logs one step's metrics; for 'train' adds steps/s, tokens/s and the ETA. `texts`
+    (e.g. a task metric's `seqio.metrics.Text`) go into the row and TensorBoard's text
+    summaries."""
+    texts = dict(texts or {})
     values = _scalars(metrics)
     now = time.time()
     if split == 'train' and self._last is not None and step > self._last[1]:
@@ -154,12 +158,15 @@ class MetricLogger:
     if split == 'train':
       self._last = (now, step)
     if self._writes:
-      self._jsonl.write(json.dumps({'step': int(step), 'split': split, **values}) + '\n')
+      self._jsonl.write(json.dumps({'step': int(step), 'split': split, **values, **texts})
+                        + '\n')
       if self._tensorboard:
         import tensorflow as tf  # pylint: disable=g-import-not-at-top
         with self._tb_writer(split).as_default(step=int(step)):
           for name, value in values.items():
             tf.summary.scalar(name, value)
+          for name, text in texts.items():
+            tf.summary.text(name, text)
       log.info('%s', self._line(step, values, split))
     return values
 
