@@ -13,8 +13,9 @@ from tests.models.helpers import jitted, MODEL_T5, MODEL_VIT, tokens
 from upcycle import fields, tree, upcycling
 from upcycle.families import abstract_params
 from upcycle.models import T5, ViT, scan_layout
-from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses, routers
+from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses, metrics, routers
 from upcycle.train import partitioning
+from upcycle.train.step import per_layer_metrics
 
 # Four layers, 'every_other': two periods of (dense, MoE) per stack.
 T5_MOE = dataclasses.replace(
@@ -217,4 +218,8 @@ def test_scanned_model_sows_one_value_per_layer():
                   mutable=MOE_COLLECTIONS)
   per_layer = scan_layout.unstack(got['moe_metrics'], config)
   _assert_trees_close(per_layer, nn.meta.unbox(expected['moe_metrics']))
+  # What the train step logs: the same per-layer names and values, scanned or not.
+  logged, want = per_layer_metrics(config)(got), per_layer_metrics(VIT_MOE)(expected)
+  assert logged.keys() == want.keys() == metrics(expected).keys()
+  _assert_trees_close(logged, nn.meta.unbox(want))
   np.testing.assert_allclose(aux_losses(got)['total'], aux_losses(expected)['total'], atol=1e-7)

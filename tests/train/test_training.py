@@ -58,6 +58,22 @@ def test_moe_training_on_8_devices_matches_one_device(tmp_path):
                    num_model_partitions=2)
   single = run_t5(tmp_path / 'single', moe, devices=jax.devices()[:1], steps=4)
   np.testing.assert_allclose(losses(sharded), losses(single), rtol=2e-5)
+  # TensorBoard's tags are T5X's where T5X logs the quantity (t5x/contrib/moe/models.py's
+  # experts/* are means over the MoE layers); metrics.jsonl keeps this project's names.
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  tags = {}
+  for path in (tmp_path / 'sharded' / 'tensorboard' / 'train').glob('events.*'):
+    for event in tf.compat.v1.train.summary_iterator(str(path)):
+      for value in event.summary.value:
+        tags[(event.step, value.tag)] = float(tf.make_ndarray(value.tensor))
+  row = [json.loads(line) for line in open(tmp_path / 'sharded' / 'metrics.jsonl')][3]
+  assert row['step'] == 4 and (4, 'cross_entropy') not in tags
+  assert tags[(4, 'cross_ent_loss')] == pytest.approx(row['cross_entropy'], rel=1e-6)
+  for ours, t5x in (('expert_usage', 'experts/expert_usage'),
+                    ('fraction_dropped_tokens', 'experts/fraction_tokens_left_behind')):
+    layers = [v for k, v in row.items() if k.startswith('moe/') and k.endswith('/' + ours)]
+    assert len(layers) == 2   # encoder and decoder layer 1
+    assert tags[(4, t5x)] == pytest.approx(np.mean(layers), rel=1e-6)
   np.testing.assert_allclose(sharded['history'][-1]['moe/total'],
                              single['history'][-1]['moe/total'], rtol=1e-4)
 

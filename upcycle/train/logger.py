@@ -97,6 +97,27 @@ class _Jsonl:
       self._file.close()
 
 
+# TensorBoard tags: T5X's names for the quantities T5X logs too (t5x/models.py and
+# t5x/contrib/moe/models.py), so a T5X user's dashboards and comparisons carry over; the
+# other metrics keep this project's names (metrics.jsonl keeps them all).
+T5X_TAGS = {'cross_entropy': 'cross_ent_loss', 'steps_per_sec': 'timing/steps_per_second'}
+# T5X MoE's means over the MoE layers of the per-layer metrics of the same definitions.
+T5X_EXPERT_MEANS = {'fraction_dropped_tokens': 'experts/fraction_tokens_left_behind',
+                    'expert_usage': 'experts/expert_usage',
+                    'router_confidence': 'experts/router_confidence'}
+
+
+def tensorboard_tags(values: Mapping[str, float]) -> Dict[str, float]:
+  """One logged row's TensorBoard scalars: `T5X_TAGS` renamed, and T5X MoE's `experts/*`
+  means over the per-layer `moe/<layer>/<name>` values (`T5X_EXPERT_MEANS`)."""
+  out = {T5X_TAGS.get(name, name): value for name, value in values.items()}
+  for name, tag in T5X_EXPERT_MEANS.items():
+    layers = [v for k, v in values.items() if k.startswith('moe/') and k.endswith(f'/{name}')]
+    if layers:
+      out[tag] = float(np.mean(layers))
+  return out
+
+
 def _scalars(metrics: Mapping[str, np.ndarray]) -> Dict[str, float]:
   """Scalars as they are; vectors (e.g. per-expert usage) summarized by min and max."""
   out = {}
@@ -163,7 +184,7 @@ class MetricLogger:
       if self._tensorboard:
         import tensorflow as tf  # pylint: disable=g-import-not-at-top
         with self._tb_writer(split).as_default(step=int(step)):
-          for name, value in values.items():
+          for name, value in tensorboard_tags(values).items():
             tf.summary.scalar(name, value)
           for name, text in texts.items():
             tf.summary.text(name, text)

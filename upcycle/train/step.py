@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from upcycle import tree
+from upcycle.models import scan_layout
 from upcycle.moe import aux_losses, metrics as moe_metrics
 from upcycle.train.state import TrainState
 
@@ -21,6 +23,17 @@ def _microbatches(batch: Dict[str, Array], n: int) -> Dict[str, Array]:
   return jax.tree.map(split, batch)
 
 
+def per_layer_metrics(model_config: Any) -> Callable[[Any], Dict[str, Array]]:
+  """`state -> {'encoder/layers_1/mlp/expert_usage': ..., ...}`: the MoE layers' routing
+  metrics (`moe.metrics`) under per-layer names whether or not the model scans its layers (a
+  scanned one sows `[layers]` per sub-block, unrolled by `scan_layout.unstack`), so a run's
+  metrics and TensorBoard tags do not depend on SCAN_LAYERS."""
+  if not getattr(model_config, 'scan_layers', False):
+    return moe_metrics
+  return lambda state: tree.flatten(scan_layout.unstack(tree.unflatten(moe_metrics(state)),
+                                                        model_config))
+
+
 def make_train_step(objective, optimizer: optax.GradientTransformation,
                     schedule: Callable[[Array], Array], num_microbatches: int = 1,
                     unroll_microbatches: bool = False):
@@ -33,6 +46,8 @@ def make_train_step(objective, optimizer: optax.GradientTransformation,
   the accumulation's scan (for the compiler to count every microbatch, `step_count.py`).
   """
 
+  layer_metrics = per_layer_metrics(objective.model.config)
+
   def loss_fn(params, batch, rng, total_weight, num_micro):
     rngs = dict(zip(('dropout', 'jitter'), jax.random.split(rng)))
     logits, state = objective.apply(params, batch, train=True, rngs=rngs)
@@ -40,7 +55,7 @@ def make_train_step(objective, optimizer: optax.GradientTransformation,
     aux = aux_losses(state)
     loss = ce['loss'] / total_weight + aux['total'] / num_micro
     return loss, {**ce, **{f'moe/{k}': v / num_micro for k, v in aux.items()},
-                  **{f'moe/{k}': v / num_micro for k, v in moe_metrics(state).items()}}
+                  **{f'moe/{k}': v / num_micro for k, v in layer_metrics(state).items()}}
 
   grad_fn = jax.grad(loss_fn, has_aux=True)
 
