@@ -48,8 +48,9 @@ def test_a_misspelt_macro_is_refused_naming_the_macro_meant():
 def test_a_macro_nothing_is_close_to_lists_the_macros_in_use():
   message = refusal(T5 + ['--gin.NUM_EXPERTS=8'])   # a dense model: no MoE file given
   assert message.endswith('the macros this configuration uses are ACTIVATION_DTYPE, '
-                          'BATCH_SIZE, DROPOUT_RATE, EVAL_PERIOD, EVAL_STEPS, '
-                          'LOGICAL_AXIS_RULES, MIXTURE_OR_TASK_MODULE, MIXTURE_OR_TASK_NAME, '
+                          'BATCH_SIZE, DROPOUT_RATE, EVAL_PERIOD, EVAL_STEPS, INFER_EVAL, '
+                          'INFER_EVAL_BATCHES, LOGICAL_AXIS_RULES, MIXTURE_OR_TASK_MODULE, '
+                          'MIXTURE_OR_TASK_NAME, '
                           'MODEL, MODEL_DIR, '
                           'OBJECTIVE, REMAT_POLICY, SCAN_LAYERS, SEED, TASK_FEATURE_LENGTHS, '
                           'TRAIN_STEPS, WARMUP_STEPS.')

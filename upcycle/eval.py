@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 from etils import epath
 import jax
 
-from upcycle import fields, gin_utils, predictions, task_metrics
+from upcycle import fields, gin_utils, predictions
 
 
 def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size: int,
@@ -62,7 +62,7 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
           objective, params, fewshot_train_data, eval_data, batch_size=host_batch, mesh=mesh,
           shots=fewshot_shots, l2_reg=fewshot_l2_reg, max_batches=eval_batches, seed=seed))
   if decode_data is not None:
-    results.update(_decoded_metrics(
+    results.update(predictions.decoded_metrics(
         objective, params, decode_data, decoding or decoding_lib.DecodeConfig(),
         batch_size=batch_size, mesh=mesh, max_batches=decode_batches, seed=seed))
   results = {'checkpoint': os.fspath(checkpoint_path), 'format': checkpoint.format,
@@ -70,22 +70,6 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
   print(json.dumps(results, indent=2), flush=True)
   if output_dir and jax.process_index() == 0:
     _write(epath.Path(output_dir), results, tensorboard=tensorboard)
-  return results
-
-
-def _decoded_metrics(objective: Any, params: Any, pipeline: Any, decoding: Any, *,
-                     batch_size: int, mesh: Any, max_batches: int, seed: int) -> dict:
-  """Sequence accuracy and the task's own metrics (`upcycle.task_metrics`) of `pipeline`'s
-  decoded examples; its score metrics, if it has any, from the targets' log-likelihoods."""
-  task = pipeline.seqio_task()
-  task_metrics.warn_metric_objects(task)
-  records, results, scores = predictions.decoded_split(
-      objective.model, params, pipeline, decoding, batch_size=batch_size, mesh=mesh,
-      max_batches=max_batches, seed=seed,
-      scored_by=objective if task.score_metric_fns else None)
-  results.update(task_metrics.predict_metrics(task, records))
-  if scores is not None:
-    results.update(task_metrics.score_metrics(task, records, scores))
   return results
 
 

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 import numpy as np
 
 from upcycle import decoding as decoding_lib
+from upcycle import task_metrics
 from upcycle.data.prompts import Prompts
 from upcycle.train import partitioning
 
@@ -214,6 +215,24 @@ def decoded_split(model: Any, params: Any, pipeline: Any, decoding: Any, *, batc
   return records, {'sequence_accuracy': float(matches.mean()),
                    'decoded_examples': int(matches.size)}, (
                        np.concatenate(scores) if score_fn is not None else None)
+
+
+def decoded_metrics(objective: Any, params: Any, pipeline: Any, decoding: Any, *,
+                    batch_size: int, mesh: Mesh, max_batches: int, seed: int) -> dict:
+  """Sequence accuracy and the task's own metrics (`upcycle.task_metrics`) of `pipeline`'s
+  decoded examples (at most `max_batches` batches of `batch_size`, the global batch); its
+  score metrics, if it has any, from the targets' log-likelihoods: what `python -m
+  upcycle.eval` and a training run's inference evaluation (T5X's infer_eval) report."""
+  task = pipeline.seqio_task()
+  task_metrics.warn_metric_objects(task)
+  records, results, scores = decoded_split(
+      objective.model, params, pipeline, decoding, batch_size=batch_size, mesh=mesh,
+      max_batches=max_batches, seed=seed,
+      scored_by=objective if task.score_metric_fns else None)
+  results.update(task_metrics.predict_metrics(task, records))
+  if scores is not None:
+    results.update(task_metrics.score_metrics(task, records, scores))
+  return results
 
 
 def _target_score_fn(objective: Any):

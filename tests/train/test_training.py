@@ -12,13 +12,15 @@ import numpy as np
 import pytest
 
 from tests.helpers import REPO
-from tests.train.helpers import (ONE_DEVICE_XLA_FLAGS, TRAINING_T5, TRAINING_VIT, losses, run_t5,
-                                 train_command)
+from tests.train.helpers import (ONE_DEVICE_XLA_FLAGS, TEXT_LENGTHS, TRAINING_T5, TRAINING_VIT,
+                                 losses, run_t5, text, train_command)
+from upcycle import eval as eval_main
 from upcycle.data.images import DIGITS, ImagePipeline
-from upcycle.models import ViT
+from upcycle.data.text import TextPipeline
+from upcycle.models import T5, ViT
 from upcycle.moe import MoeConfig, routers
-from upcycle.train.objectives import Classification
-from upcycle.train.optimizers import AdamW, warmup_decay_schedule
+from upcycle.train.objectives import Classification, Seq2Seq
+from upcycle.train.optimizers import Adafactor, AdamW, rsqrt_schedule, warmup_decay_schedule
 from upcycle.train.trainer import Trainer, TrainConfig
 
 
@@ -33,6 +35,34 @@ def test_tiny_t5_learns_the_offline_span_corruption(dense_t5_run):
   assert [r['step'] for r in logged if r['split'] == 'train'] == list(range(1, 31))
   assert {'loss', 'accuracy', 'learning_rate', 'z_loss', 'grad_norm'} <= set(logged[-2])
   assert os.listdir(tmp_path / 'tensorboard' / 'train')
+
+
+@pytest.mark.slow
+def test_inference_evaluation_during_training_reports_what_eval_reports(tmp_path):
+  """TrainConfig.infer_eval (T5X's infer_eval): every evaluation also decodes the unpacked
+  validation split and logs sequence accuracy as split 'infer_eval'; `python -m upcycle.eval`
+  of the step's checkpoint, decoding the same batches, reports the same."""
+  decode = TextPipeline('offline_span_corruption', 'validation', TEXT_LENGTHS, pack=False,
+                        shuffle=False)
+  config = TrainConfig(str(tmp_path), train_steps=4, batch_size=8, log_every=2,
+                       checkpoint_every=4, eval_every=4, eval_batches=1, infer_eval=True,
+                       infer_eval_batches=2, async_checkpoints=False, tensorboard=False)
+  Trainer(Seq2Seq(T5(TRAINING_T5)), Adafactor(schedule=rsqrt_schedule(1.0, 100)), config,
+          text('train'), text('validation'), decode_data=decode,
+          devices=jax.devices()[:1]).run()
+  rows = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
+  (decoded,) = [r for r in rows if r['split'] == 'infer_eval']
+  assert decoded['step'] == 4 and decoded['decoded_examples'] == 16
+  evaluated = eval_main.evaluate(
+      objective=Seq2Seq(T5(TRAINING_T5)), eval_data=text('validation'), eval_batches=1,
+      checkpoint_path=str(tmp_path / 'checkpoints' / '4'), batch_size=8, decode_data=decode,
+      decode_batches=2)
+  assert decoded['sequence_accuracy'] == evaluated['sequence_accuracy']
+  assert decoded['decoded_examples'] == evaluated['decoded_examples']
+  with pytest.raises(ValueError, match=r'trainer.TrainConfig.infer_eval = True, and the run '
+                                       r'has no decode data \(train_script.train.decode_data\)'):
+    Trainer(Seq2Seq(T5(TRAINING_T5)), Adafactor(schedule=rsqrt_schedule(1.0, 100)), config,
+            text('train'), text('validation'))
 
 
 @pytest.mark.slow

@@ -16,15 +16,17 @@ from upcycle import gin_utils
 
 
 def train(*, objective: Any, optimizer: Any, config: Any, train_data: Any,
-          eval_data: Optional[Any] = None, initializer: Optional[Any] = None) -> dict:
+          eval_data: Optional[Any] = None, initializer: Optional[Any] = None,
+          decode_data: Optional[Any] = None, decoding: Optional[Any] = None) -> dict:
   """Runs `upcycle.train.trainer.Trainer` with gin-built pieces; returns its result. Process 0
   ends with where the run's checkpoints, metrics and TensorBoard files are
-  (`run_summary`)."""
+  (`run_summary`). `decode_data` / `decoding`: what `TrainConfig.infer_eval` decodes."""
   from upcycle.train.trainer import Trainer  # pylint: disable=g-import-not-at-top
   started = time.monotonic()
   # config.gin is written once the run holds MODEL_DIR and its state is restored or built,
   # so a refused or failed start leaves the config of the run in MODEL_DIR as it was.
-  trainer = Trainer(objective, optimizer, config, train_data, eval_data, initializer)
+  trainer = Trainer(objective, optimizer, config, train_data, eval_data, initializer,
+                    decode_data=decode_data, decoding=decoding)
 
   def on_start():
     gin_utils.write_config(config.model_dir)

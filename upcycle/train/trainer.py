@@ -80,6 +80,12 @@ class TrainConfig:
       first differing slot; nothing is changed) or 'fresh' (restore parameters, step and data
       position and start the optimizer state fresh at that step, said loudly). A state that
       fits is always restored.
+    infer_eval: at every evaluation, also decode the run's decode data (`Trainer`'s
+      `decode_data`: a T5 task split, unpacked) and report sequence accuracy and the task's
+      own metrics (`predictions.decoded_metrics`, as `python -m upcycle.eval` does) as
+      split 'infer_eval' (T5X's `infer_eval_dataset_cfg`).
+    infer_eval_batches: batches (of `batch_size`) decoded at each inference evaluation
+      (0: the whole split).
     export_t5x: at the end of the run, also write its final step in T5X's native layout to
       MODEL_DIR/t5x/checkpoint_<step>/ (`upcycle.export`: with the optimizer slots for
       `optimizers.T5XAdafactor`, else parameters only); a local MODEL_DIR only. A restarted
@@ -109,6 +115,8 @@ class TrainConfig:
   data_shards: int = 0
   tensorboard: bool = True
   on_optimizer_mismatch: str = 'stop'
+  infer_eval: bool = False
+  infer_eval_batches: int = 16
   export_t5x: bool = False
 
   def __post_init__(self):
@@ -120,13 +128,15 @@ class TrainConfig:
     for name in ('log_every', 'checkpoint_every', 'keep_checkpoints', 'num_microbatches',
                  'num_expert_partitions', 'num_model_partitions'):
       fields.integer(self, name, 1)
-    for name in ('eval_every', 'eval_batches', 'stall_warning_steps', 'data_shards'):
+    for name in ('eval_every', 'eval_batches', 'stall_warning_steps', 'data_shards',
+                 'infer_eval_batches'):
       fields.integer(self, name, 0)
     fields.boolean(self, 'async_checkpoints')
     fields.boolean(self, 'eval_at_start')
     fields.boolean(self, 'cache_eval_batches')
     fields.boolean(self, 'tensorboard')
     fields.boolean(self, 'export_t5x')
+    fields.boolean(self, 'infer_eval')
     fields.choice(self, 'on_optimizer_mismatch', ('stop', 'fresh'))
     object.__setattr__(self, 'logical_axis_rules', partitioning.rules(
         self.logical_axis_rules, fields.binding(self, 'logical_axis_rules')))
@@ -143,9 +153,19 @@ class Trainer:
 
   def __init__(self, objective: Objective, optimizer: Optimizer, config: TrainConfig,
                train_data, eval_data=None, initializer: Optional[Initializer] = None,
-               devices: Optional[List[jax.Device]] = None):
+               devices: Optional[List[jax.Device]] = None, decode_data=None,
+               decoding: Optional[Any] = None):
+    """`decode_data` and `decoding` (a `decoding.DecodeConfig`; None: greedy): what
+    `config.infer_eval` decodes at every evaluation."""
     self.config, self.train_data, self.eval_data = config, train_data, eval_data
     self.initializer = initializer
+    if config.infer_eval and (decode_data is None or eval_data is None):
+      raise fields.ConfigError(
+          f'{fields.binding(config, "infer_eval")} = True, and the run has no '
+          f'{"evaluation data" if eval_data is None else "decode data"} '
+          f'(train_script.train.{"eval_data" if eval_data is None else "decode_data"}). Fix: '
+          f'bind it (runs/pretrain.gin binds both for T5 tasks), or INFER_EVAL = False.')
+    self.decode_data, self.decoding = decode_data, decoding
     self.built = build_run(objective=objective, optimizer=optimizer, config=config,
                            host_batch=self._host_data().example(), devices=devices)
     self._eval_batches: Optional[List[Dict[str, np.ndarray]]] = None   # cache_eval_batches
@@ -155,6 +175,16 @@ class Trainer:
     cfg = self.config
     return HostData(self.train_data, global_batch_size=cfg.batch_size, seed=cfg.seed,
                     num_shards=cfg.data_shards)
+
+  def infer_evaluate(self, params) -> Dict[str, Any]:
+    """Sequence accuracy and the task's metrics of `decode_data`'s decodes
+    (`config.infer_eval`)."""
+    from upcycle import decoding, predictions  # pylint: disable=g-import-not-at-top
+    cfg, built = self.config, self.built
+    return predictions.decoded_metrics(
+        built.objective, params, self.decode_data, self.decoding or decoding.DecodeConfig(),
+        batch_size=cfg.batch_size, mesh=built.mesh, max_batches=cfg.infer_eval_batches,
+        seed=cfg.seed)
 
   def evaluate(self, params) -> Dict[str, float]:
     """Loss and accuracy over the validation split (or `eval_batches` of it)."""
@@ -292,6 +322,11 @@ class Trainer:
     def evaluate(step, state, metrics):
       eval_results.update(self.evaluate(state.params))
       logger.write(step, eval_results, split='eval')
+      if cfg.infer_eval:
+        decoded = self.infer_evaluate(state.params)
+        logger.write(step, {k: v for k, v in decoded.items() if not isinstance(v, str)},
+                     split='infer_eval',
+                     texts={k: v for k, v in decoded.items() if isinstance(v, str)})
 
     # (when, what) after each step, in this order.
     actions = [(cadence.every(cfg.log_every, last=cfg.train_steps, also=(start + 1,)),
