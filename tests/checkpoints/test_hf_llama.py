@@ -4,6 +4,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 import shutil
 
 import ml_dtypes
@@ -258,3 +259,38 @@ def test_inspect_names_a_llama_from_its_parameters_alone(saved):
       'Llama: 2 layers, d_model 48, query width 72, key/value width 24, d_ff 72, vocab 263, '
       'dense')
   assert describe.model_kind(params) == 'llama'
+
+
+@pytest.mark.parametrize('name, ours, index, value', [
+    ('model.layers.1.mlp.gate_proj.weight', 'decoder/layers_1/mlp/wi_0/kernel', (3, 5), np.nan),
+    ('model.embed_tokens.weight', 'token_embedder/embedding', (7, 0), np.inf),
+])
+def test_non_finite_weights_are_refused_where_read_naming_tensor_and_file(
+    saved, tmp_path, capsys, name, ours, index, value):
+  """A NaN or Inf written into a tensor (by the safetensors library): the metadata still
+  reads; reading the tensor whole (convert, train, describe --verify) or the block holding
+  the value (a device's block, as infer places it) is refused in one line; other blocks and
+  tensors read."""
+  from safetensors.numpy import load_file, save_file  # pylint: disable=g-import-not-at-top
+  from upcycle import describe as describe_main  # pylint: disable=g-import-not-at-top
+  directory = _copy_with_config(saved('llama_gqa')[0], tmp_path)
+  weights = os.path.join(directory, 'model.safetensors')
+  tensors = load_file(weights)
+  tensors[name][index] = value
+  save_file(tensors, weights, metadata={'format': 'pt'})
+  refusal = (re.escape(f"{weights}: parameter '{name}': the tensor holds values that are not "
+                       'finite. Expected finite values, found ') +
+             ('1 NaN and 0 Inf' if np.isnan(value) else '0 NaN and 1 Inf') +
+             re.escape(' among those read. The file is damaged: re-download or re-export it.'))
+  with pytest.raises(CheckpointError, match='^' + refusal + '$'):
+    pretrained.load_hf(directory)
+  leaf = tree.flatten(pretrained.load(directory, lazy=True).params)[ours]
+  block = (slice(index[0] // 4 * 4, index[0] // 4 * 4 + 4), slice(None))
+  held = block[::-1] if ours.endswith('kernel') else block   # kernels are transposed
+  with pytest.raises(CheckpointError, match='^' + refusal + '$'):
+    leaf.read(held)
+  if not ours.endswith('kernel'):
+    other = (slice(index[0] // 4 * 4 + 4, None), slice(None))
+    np.testing.assert_array_equal(leaf.read(other), tensors[name][other])
+  assert describe_main.main([directory, '--verify']) == 1
+  assert re.fullmatch('error: ' + refusal, capsys.readouterr().err.strip().splitlines()[-1])

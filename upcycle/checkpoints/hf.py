@@ -88,7 +88,14 @@ def load_checkpoint(path: str, expected: Optional[ExpectedFn] = None,
 
 
 def read_tensors(path: str) -> Tuple[Dict[str, LazyArray], str]:
-  """-> (HuggingFace name -> LazyArray, the weights file or index read)."""
+  """-> (HuggingFace name -> LazyArray, the weights file or index read); reading a tensor
+  that holds NaN or Inf raises a CheckpointError naming it and its file (`LazyArray.finite`):
+  a model trained on them learns nothing, and a decode of them scores NaN."""
+  tensors, weights_path = _read_weights(path)
+  return {name: leaf.finite() for name, leaf in tensors.items()}, weights_path
+
+
+def _read_weights(path: str) -> Tuple[Dict[str, LazyArray], str]:
   single = os.path.join(path, SAFETENSORS)
   index = os.path.join(path, SAFETENSORS_INDEX)
   torch_bin = os.path.join(path, TORCH_BIN)
