@@ -146,6 +146,33 @@ def test_sharded_safetensors_read_the_same(saved, tmp_path):
     np.testing.assert_array_equal(got[path], want[path], err_msg=path)
 
 
+def test_a_tensor_in_two_shards_is_refused_naming_both(saved, tmp_path):
+  """A stray copy of a tensor written (by the safetensors library) into a shard other than
+  the one "weight_map" names, before and after it in the shards' order."""
+  from safetensors.numpy import load_file, save_file  # pylint: disable=g-import-not-at-top
+  _, reference = saved('llama_gqa')
+  sharded = str(tmp_path / 'sharded')
+  reference.save_pretrained(sharded, max_shard_size='20KB')
+  index = os.path.join(sharded, 'model.safetensors.index.json')
+  with open(index) as f:
+    weight_map = json.load(f)['weight_map']
+  name = 'model.layers.0.input_layernorm.weight'
+  listed, shards = weight_map[name], sorted(set(weight_map.values()))
+  assert listed not in (shards[0], shards[-1])
+  for stray in (shards[0], shards[-1]):
+    tensors = load_file(os.path.join(sharded, stray))
+    tensors[name] = np.full((48,), 7.0, np.float32)
+    save_file(tensors, os.path.join(sharded, stray), metadata={'format': 'pt'})
+    both = ' and '.join(sorted([listed, stray]))
+    with pytest.raises(CheckpointError, match='^' + re.escape(
+        f"{index}: tensor '{name}' is in 2 shards, {both} (\"weight_map\" names {listed}): "
+        'readers disagree on which copy is the weight. Remove the stray copy, or re-save the '
+        'model with save_pretrained.') + '$'):
+      pretrained.load(sharded, lazy=True)
+    del tensors[name]
+    save_file(tensors, os.path.join(sharded, stray), metadata={'format': 'pt'})
+
+
 def _upload(gcs_emulator, directory: str, prefix: str) -> str:
   """Every file of `directory` put into the emulator's bucket under `prefix` by its JSON
   upload API (not through the code under test); -> the gs:// URL of the copy."""
