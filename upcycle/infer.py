@@ -16,14 +16,16 @@ continues prompts instead (`upcycle.data.prompts`: a JSONL file's, or the first 
 document of a task split), named after the file or the task, one object per prompt:
 
   {"prompt": "...", "prediction": "...", "score": -9.1, "prompt_tokens": [...],
-   "prediction_tokens": [...], "checkpoint": {"path": "/abs/hf_dir", "format": "hf", "step": null}}
+   "prediction_tokens": [...],
+   "checkpoint": {"path": "/abs/hf_dir", "format": "hf", "step": null}}
 
 its texts and tokens the checkpoint's tokenizer's, the continuation up to its first EOS. The
 file is written as `<name>.tmp-<pid>-<random>` and renamed when complete; one decode of an
 output runs at a time (a second is refused in one line, `locks/output_lock.py`), and a killed
 one's partial file is removed by the next. A file of the same name is the same decode (same
-data, checkpoint, method and limits): running it again decodes again and replaces it. Gin files bind `infer_script.infer`
-(`import __main__ as infer_script`); see configs/runs/infer.gin and llm_infer.gin.
+data, checkpoint, method and limits): running it again decodes again and replaces it. Gin
+files bind `infer_script.infer` (`import __main__ as infer_script`); see configs/runs/infer.gin
+and llm_infer.gin.
 """
 
 import contextlib
