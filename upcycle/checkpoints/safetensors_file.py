@@ -103,7 +103,8 @@ def _entries(path: str, header: Mapping[str, Any], data_bytes: int
   """The header's tensors checked as the safetensors library checks them: name -> (dtype,
   shape, (begin, end)), each range `prod(shape) * itemsize` bytes within the `data_bytes`
   data bytes, no two sharing a byte (one tensor given another's offsets would read its
-  values). A violation raises one line naming the file and the tensor."""
+  values); unused bytes, which the library also refuses, are accepted. A violation raises one
+  line naming the file and the tensor."""
   entries = {}
   for name, info in header.items():
     if not isinstance(info, dict) or info.get('dtype') not in DTYPES:
