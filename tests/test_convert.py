@@ -524,3 +524,30 @@ def test_every_single_source_initializer_converts_a_sharded_hf_llama(
   if initializer in ('noise', 'random'):
     assert not np.array_equal(gate[0], dense['decoder/layers_1/mlp/wi_0/kernel'])
 
+
+
+def test_a_non_finite_source_weight_is_refused_in_one_line(tmp_path, capsys, caplog):
+  """An Inf written (by the safetensors library) into an HF Llama's embedding: the streamed
+  write stops on it with one line naming the tensor and file, no traceback logged by orbax's
+  writer thread, and no output left."""
+  import transformers  # pylint: disable=g-import-not-at-top
+  from safetensors.numpy import load_file, save_file  # pylint: disable=g-import-not-at-top
+  source = str(tmp_path / 'llama')
+  transformers.LlamaForCausalLM(transformers.LlamaConfig(
+      vocab_size=4096, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+      tie_word_embeddings=False)).save_pretrained(source)
+  weights = os.path.join(source, 'model.safetensors')
+  tensors = load_file(weights)
+  tensors['model.embed_tokens.weight'][5, 3] = np.inf
+  save_file(tensors, weights, metadata={'format': 'pt'})
+  out = tmp_path / 'moe'
+  assert convert.main(['--source', source, '--gin_file=models/llama/tiny.gin',
+                       '--gin_file=moe/mixtral.gin', '--gin.models.LlamaConfig.num_layers=2',
+                       '--output_dir', str(out)]) == 1
+  assert capsys.readouterr().err.splitlines()[-1] == (
+      f"error: {weights}: parameter 'model.embed_tokens.weight': the tensor holds values that "
+      'are not finite. Expected finite values, found 0 NaN and 1 Inf among those read. The '
+      'file is damaged: re-download or re-export it.')
+  assert not [r for r in caplog.records if r.exc_info]
+  assert not out.exists()

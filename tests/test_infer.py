@@ -6,6 +6,7 @@ line with no partial file left, and decoding reports its progress."""
 
 import json
 import os
+import re
 import socket
 import time
 import urllib.parse
@@ -30,8 +31,8 @@ def test_infer_writes_jsonl_with_hf_greedy_predictions(byte_vocab_t5, tmp_path, 
   argv = byte_t5_argv('infer', directory, f"--gin.MODEL_DIR='{tmp_path}'",
                       '--gin.BATCH_SIZE=3', '--gin.INFER_BATCHES=2')
   path = gin_utils.run(infer_main.infer, argv, 'test')
-  assert path == os.path.join(str(tmp_path), 'inference',
-                              'offline_span_corruption-0-greedy.jsonl')
+  assert re.fullmatch(re.escape(os.path.join(str(tmp_path), 'inference', '')) +
+                      r'offline_span_corruption-0-greedy-[0-9a-f]{8}\.jsonl', path)
   assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]
   assert 'infer: 6/6 examples (100%), ' in capsys.readouterr().out   # the progress line
   with open(path) as f:
@@ -43,7 +44,8 @@ def test_infer_writes_jsonl_with_hf_greedy_predictions(byte_vocab_t5, tmp_path, 
       'targets'].vocabulary
   for record in records:
     assert set(record) == {'inputs', 'targets', 'prediction', 'score', 'input_tokens',
-                           'target_tokens', 'prediction_tokens'}
+                           'target_tokens', 'prediction_tokens', 'checkpoint'}
+    assert record['checkpoint'] == {'path': directory, 'format': 'hf', 'step': None}
     assert record['inputs'] == vocabulary.decode(record['input_tokens']) and record['inputs']
     with torch.no_grad():
       hf = reference.generate(input_ids=torch.tensor([record['input_tokens']]),
@@ -86,7 +88,8 @@ def test_gs_outputs_of_infer_and_eval_land_on_gcs(byte_vocab_t5, entry_points, o
   path = gin_utils.run(infer_main.infer, byte_t5_argv(
       'infer', directory, "--gin.MODEL_DIR='gs://bucket/infer'", '--gin.BATCH_SIZE=3',
       '--gin.INFER_BATCHES=1'), 'test')
-  assert path == 'gs://bucket/infer/inference/offline_span_corruption-0-greedy.jsonl'
+  assert re.fullmatch(r'gs://bucket/infer/inference/offline_span_corruption-0-greedy-'
+                      r'[0-9a-f]{8}\.jsonl', path)
   records = [json.loads(line) for line in _gcs_object(on_gcs, path).decode().splitlines()]
   assert len(records) == 3 and records[0]['prediction_tokens']
   listing = json.load(urllib.request.urlopen(

@@ -8,6 +8,7 @@ saved with the offline BPE's tokenizer files beside it (BOS 1, EOS 2, in config.
 
 import json
 import os
+import re
 
 import gin
 import jax
@@ -78,7 +79,8 @@ def test_prompts_file_is_continued_as_our_decode_does(hf_llama_with_tokenizer, i
   prompts_file = tmp_path / 'prompts.jsonl'
   prompts_file.write_text(''.join(json.dumps({'prompt': p}) + '\n' for p in PROMPTS))
   path, records = infer(directory, f"--gin.PROMPTS_FILE='{prompts_file}'")
-  assert path == os.path.join(str(tmp_path), 'inference', 'prompts-0-greedy.jsonl')
+  assert re.fullmatch(re.escape(os.path.join(str(tmp_path), 'inference', '')) +
+                      r'prompts-0-greedy-[0-9a-f]{8}\.jsonl', path)
   tokenizer = tokenizer_lib.load(directory)
   prompts = Prompts('offline_stdlib_text', 'validation', {'targets': LENGTH}, directory,
                     prompts_file=str(prompts_file))
@@ -86,12 +88,22 @@ def test_prompts_file_is_continued_as_our_decode_does(hf_llama_with_tokenizer, i
   expected = _ours(directory, prompts, DecodeConfig(eos_id=tokenizer.eos_id), 3, None)
   assert [r['prompt'] for r in records] == PROMPTS
   for record, text, tokens in zip(records, PROMPTS, expected):
-    assert set(record) == {'prompt', 'prediction', 'score', 'prompt_tokens', 'prediction_tokens'}
+    assert set(record) == {'prompt', 'prediction', 'score', 'prompt_tokens', 'prediction_tokens',
+                           'checkpoint'}
+    assert record['checkpoint'] == {'path': directory, 'format': 'hf', 'step': None}
     assert record['prompt_tokens'] == [tokenizer.bos_id, *tokenizer.encode(text)]
     assert record['prediction_tokens'] == tokens and tokens
     assert record['prediction'] == tokenizer.decode(tokens)
     assert record['score'] < 0
   assert len({tuple(r['prediction_tokens']) for r in records}) > 1
+  # Another file of the same name, other prompts: another output, the first one kept.
+  other = tmp_path / 'other' / 'prompts.jsonl'
+  other.parent.mkdir()
+  other.write_text(json.dumps({'prompt': PROMPTS[0][::-1]}) + '\n')
+  other_path, other_records = infer(directory, f"--gin.PROMPTS_FILE='{other}'")
+  assert other_path != path and sorted(os.listdir(os.path.dirname(path))) == sorted(
+      map(os.path.basename, (path, other_path)))
+  assert [r['prompt'] for r in other_records] == [PROMPTS[0][::-1]]
 
 
 def test_a_task_splits_first_windows_are_sampled_as_our_decode_does(hf_llama_with_tokenizer,
@@ -104,7 +116,8 @@ def test_a_task_splits_first_windows_are_sampled_as_our_decode_does(hf_llama_wit
                         "--gin.decoding.DecodeConfig.method='sample'",
                         '--gin.decoding.DecodeConfig.topk=20',
                         '--gin.decoding.DecodeConfig.topp=0.9')
-  assert os.path.basename(path) == 'offline_stdlib_text-0-sample-t1-top20-topp0.9-seed0.jsonl'
+  assert re.fullmatch(r'offline_stdlib_text-0-sample-t1-top20-topp0\.9-seed0-[0-9a-f]{8}\.jsonl',
+                      os.path.basename(path))
   tokenizer = tokenizer_lib.load(directory)
   documents = seqio.get_mixture_or_task('offline_stdlib_text').source.get_dataset(
       split='validation', shuffle=False).take(2).as_numpy_iterator()

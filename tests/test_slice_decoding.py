@@ -4,6 +4,7 @@ the same JSONL rows in the same order, the same metrics."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -34,8 +35,9 @@ def test_two_processes_decode_the_rows_one_process_decodes(byte_vocab_t5, tmp_pa
         'infer', byte_vocab_t5[0], f"--gin.MODEL_DIR='{model_dir}'", '--gin.BATCH_SIZE=4',
         '--gin.INFER_BATCHES=3', '--gin.NUM_MODEL_PARTITIONS=2'))
     inference = model_dir / 'inference'
-    assert os.listdir(inference) == ['offline_span_corruption-0-greedy.jsonl']
-    outputs[processes] = (inference / 'offline_span_corruption-0-greedy.jsonl').read_text()
+    (name,) = os.listdir(inference)
+    assert re.fullmatch(r'offline_span_corruption-0-greedy-[0-9a-f]{8}\.jsonl', name)
+    outputs[processes] = (inference / name).read_text()
   rows = [json.loads(line) for line in outputs[1].splitlines()]
   assert len(rows) == 12 and len({r['inputs'] for r in rows}) == 12
   assert outputs[2] == outputs[1]

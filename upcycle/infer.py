@@ -3,10 +3,12 @@
 Like T5X's `infer.py`: restores any checkpoint `upcycle.pretrained.load` reads (this project's
 orbax runs, T5X, HF), decodes every example of an unpacked task split (greedy, temperature
 sampling or beam search; `upcycle.decoding.DecodeConfig`) and writes
-`OUTPUT_DIR/inference/<task>-<step>-<method>.jsonl` (`output_name`), one object per example:
+`OUTPUT_DIR/inference/<task>-<step>-<method>-<digest>.jsonl` (`output_name`; the digest tells
+apart decodes of other prompts or checkpoints that share the rest), one object per example:
 
   {"inputs": "...", "targets": "...", "prediction": "...", "score": -3.2,
-   "input_tokens": [...], "target_tokens": [...], "prediction_tokens": [...]}
+   "input_tokens": [...], "target_tokens": [...], "prediction_tokens": [...],
+   "checkpoint": {"path": "/abs/run/checkpoints/20", "format": "orbax", "step": 20}}
 
 Texts are the task's `targets` vocabulary decoding the tokens (absent when the task has none);
 token lists stop at the first padding (0). A decoder-only Llama (configs/runs/llm_infer.gin)
@@ -14,22 +16,26 @@ continues prompts instead (`upcycle.data.prompts`: a JSONL file's, or the first 
 document of a task split), named after the file or the task, one object per prompt:
 
   {"prompt": "...", "prediction": "...", "score": -9.1, "prompt_tokens": [...],
-   "prediction_tokens": [...]}
+   "prediction_tokens": [...],
+   "checkpoint": {"path": "/abs/hf_dir", "format": "hf", "step": null}}
 
 its texts and tokens the checkpoint's tokenizer's, the continuation up to its first EOS. The
 file is written as `<name>.tmp-<pid>-<random>` and renamed when complete; one decode of an
 output runs at a time (a second is refused in one line, `locks/output_lock.py`), and a killed
-one's partial file is removed by the next. Gin files bind `infer_script.infer`
-(`import __main__ as infer_script`); see configs/runs/infer.gin and llm_infer.gin.
+one's partial file is removed by the next. A file of the same name is the same decode (same
+data, checkpoint, method and limits): running it again decodes again and replaces it. Gin
+files bind `infer_script.infer` (`import __main__ as infer_script`); see configs/runs/infer.gin
+and llm_infer.gin.
 """
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
 import secrets
 import sys
-from typing import IO, Any, Iterator, Optional
+from typing import IO, Any, Dict, Iterator, Mapping, Optional
 
 from etils import epath
 import jax
@@ -40,11 +46,14 @@ from upcycle.locks import output_lock
 log = logging.getLogger(__name__)
 
 
-def output_name(task: str, step: int, decoding: Any, seed: int) -> str:
-  """'<task>-<step>-<method>.jsonl', the method with what changes its predictions or scores
-  ('greedy', 'beam4-alpha0.6', 'sample-t0.7-top40-topp0.9-seed0'; '-rescaled' for T5X's
-  scores):
-  decodes that differ write different files, so a later one never replaces another's."""
+def output_name(source: str, step: int, decoding: Any, seed: int,
+                identity: Mapping[str, Any]) -> str:
+  """'<source>-<step>-<method>-<digest>.jsonl', the method with what changes its predictions
+  or scores ('greedy', 'beam4-alpha0.6', 'sample-t0.7-top40-topp0.9-seed0'; '-rescaled' for
+  T5X's scores), the digest the first 8 hex digits of the sha256 of `identity`
+  (`decode_identity`: the prompts' content, the checkpoint, the limits). Decodes that differ
+  write different files, so a later one never replaces another's; one of the same name is
+  the same decode run again."""
   if decoding.method == 'beam':
     method = f'beam{decoding.num_beams}-alpha{decoding.alpha:g}'
   elif decoding.method == 'sample':
@@ -55,7 +64,30 @@ def output_name(task: str, step: int, decoding: Any, seed: int) -> str:
     method = decoding.method
   if decoding.rescale_log_probs and decoding.method != 'beam':
     method += '-rescaled'
-  return f'{task}-{step}-{method}.jsonl'
+  digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
+  return f'{source}-{step}-{method}-{digest}.jsonl'
+
+
+def checkpoint_record(checkpoint: Any) -> Dict[str, Any]:
+  """What every row says of the checkpoint decoded: {'path': absolute, 'format', 'step'
+  (None for a checkpoint without one, such as an HF directory)}."""
+  from upcycle.checkpoints import paths  # pylint: disable=g-import-not-at-top
+  return {'path': paths.absolute(checkpoint.path), 'format': checkpoint.format,
+          'step': checkpoint.step}
+
+
+def decode_identity(infer_data: Any, checkpoint: Any, *, max_decode_length: int,
+                    max_batches: int, seed: int) -> Dict[str, Any]:
+  """What tells one decode's rows from another's, JSON-ready: the data (`describe()`: a
+  prompts file by its bytes' sha256), the checkpoint (`checkpoint_record`, and a training
+  step's digests recorded at save: a step rewritten in place is another checkpoint; other
+  formats are known by their path), the decoded length, the batches and the seed (the data
+  order)."""
+  from upcycle.checkpoints import digests  # pylint: disable=g-import-not-at-top
+  recorded = digests.read(checkpoint.path) if checkpoint.format == 'orbax' else None
+  return {'data': infer_data.describe(), 'checkpoint': checkpoint_record(checkpoint),
+          'digests': recorded, 'max_decode_length': max_decode_length,
+          'max_batches': max_batches, 'seed': seed}
 
 
 def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
@@ -111,8 +143,12 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
   fields.directory('MODEL_DIR (infer_script.infer.output_dir)', output_dir)
   checkpoint = pretrained.load(checkpoint_path, format, model_config=model.config, lazy=True,
                                with_optimizer_state=False)
+  max_decode_length = max_decode_length or infer_data.feature_lengths['targets']
   path = epath.Path(output_dir) / 'inference' / output_name(
-      predictions.source_name(infer_data), checkpoint.step or 0, decoding, seed)
+      predictions.source_name(infer_data), checkpoint.step or 0, decoding, seed,
+      decode_identity(infer_data, checkpoint, max_decode_length=max_decode_length,
+                      max_batches=max_batches, seed=seed))
+  source = {'checkpoint': checkpoint_record(checkpoint)}
   mesh = partitioning.make_mesh(num_expert_partitions, num_model_partitions)
   writer = jax.process_index() == 0
   with _output(path, writer) as f:
@@ -121,10 +157,10 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
         infer_data, batch_size=batch_size, max_batches=max_batches))
     for records in predictions.batch_records(
         model, params, infer_data, decoding,
-        max_decode_length=max_decode_length or infer_data.feature_lengths['targets'],
-        batch_size=batch_size, mesh=mesh, max_batches=max_batches, seed=seed):
+        max_decode_length=max_decode_length, batch_size=batch_size, mesh=mesh,
+        max_batches=max_batches, seed=seed):
       if writer:
-        f.writelines(json.dumps(record) + '\n' for record in records)
+        f.writelines(json.dumps({**record, **source}) + '\n' for record in records)
       done.update(len(records))
   done.finish()
   if writer:

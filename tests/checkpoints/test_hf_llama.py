@@ -4,6 +4,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 import shutil
 
 import ml_dtypes
@@ -145,6 +146,33 @@ def test_sharded_safetensors_read_the_same(saved, tmp_path):
     np.testing.assert_array_equal(got[path], want[path], err_msg=path)
 
 
+def test_a_tensor_in_two_shards_is_refused_naming_both(saved, tmp_path):
+  """A stray copy of a tensor written (by the safetensors library) into a shard other than
+  the one "weight_map" names, before and after it in the shards' order."""
+  from safetensors.numpy import load_file, save_file  # pylint: disable=g-import-not-at-top
+  _, reference = saved('llama_gqa')
+  sharded = str(tmp_path / 'sharded')
+  reference.save_pretrained(sharded, max_shard_size='20KB')
+  index = os.path.join(sharded, 'model.safetensors.index.json')
+  with open(index) as f:
+    weight_map = json.load(f)['weight_map']
+  name = 'model.layers.0.input_layernorm.weight'
+  listed, shards = weight_map[name], sorted(set(weight_map.values()))
+  assert listed not in (shards[0], shards[-1])
+  for stray in (shards[0], shards[-1]):
+    tensors = load_file(os.path.join(sharded, stray))
+    tensors[name] = np.full((48,), 7.0, np.float32)
+    save_file(tensors, os.path.join(sharded, stray), metadata={'format': 'pt'})
+    both = ' and '.join(sorted([listed, stray]))
+    with pytest.raises(CheckpointError, match='^' + re.escape(
+        f"{index}: tensor '{name}' is in 2 shards, {both} (\"weight_map\" names {listed}): "
+        'readers disagree on which copy is the weight. Remove the stray copy, or re-save the '
+        'model with save_pretrained.') + '$'):
+      pretrained.load(sharded, lazy=True)
+    del tensors[name]
+    save_file(tensors, os.path.join(sharded, stray), metadata={'format': 'pt'})
+
+
 def _upload(gcs_emulator, directory: str, prefix: str) -> str:
   """Every file of `directory` put into the emulator's bucket under `prefix` by its JSON
   upload API (not through the code under test); -> the gs:// URL of the copy."""
@@ -258,3 +286,38 @@ def test_inspect_names_a_llama_from_its_parameters_alone(saved):
       'Llama: 2 layers, d_model 48, query width 72, key/value width 24, d_ff 72, vocab 263, '
       'dense')
   assert describe.model_kind(params) == 'llama'
+
+
+@pytest.mark.parametrize('name, ours, index, value', [
+    ('model.layers.1.mlp.gate_proj.weight', 'decoder/layers_1/mlp/wi_0/kernel', (3, 5), np.nan),
+    ('model.embed_tokens.weight', 'token_embedder/embedding', (7, 0), np.inf),
+])
+def test_non_finite_weights_are_refused_where_read_naming_tensor_and_file(
+    saved, tmp_path, capsys, name, ours, index, value):
+  """A NaN or Inf written into a tensor (by the safetensors library): the metadata still
+  reads; reading the tensor whole (convert, train, describe --verify) or the block holding
+  the value (a device's block, as infer places it) is refused in one line; other blocks and
+  tensors read."""
+  from safetensors.numpy import load_file, save_file  # pylint: disable=g-import-not-at-top
+  from upcycle import describe as describe_main  # pylint: disable=g-import-not-at-top
+  directory = _copy_with_config(saved('llama_gqa')[0], tmp_path)
+  weights = os.path.join(directory, 'model.safetensors')
+  tensors = load_file(weights)
+  tensors[name][index] = value
+  save_file(tensors, weights, metadata={'format': 'pt'})
+  refusal = (re.escape(f"{weights}: parameter '{name}': the tensor holds values that are not "
+                       'finite. Expected finite values, found ') +
+             ('1 NaN and 0 Inf' if np.isnan(value) else '0 NaN and 1 Inf') +
+             re.escape(' among those read. The file is damaged: re-download or re-export it.'))
+  with pytest.raises(CheckpointError, match='^' + refusal + '$'):
+    pretrained.load_hf(directory)
+  leaf = tree.flatten(pretrained.load(directory, lazy=True).params)[ours]
+  block = (slice(index[0] // 4 * 4, index[0] // 4 * 4 + 4), slice(None))
+  held = block[::-1] if ours.endswith('kernel') else block   # kernels are transposed
+  with pytest.raises(CheckpointError, match='^' + refusal + '$'):
+    leaf.read(held)
+  if not ours.endswith('kernel'):
+    other = (slice(index[0] // 4 * 4 + 4, None), slice(None))
+    np.testing.assert_array_equal(leaf.read(other), tensors[name][other])
+  assert describe_main.main([directory, '--verify']) == 1
+  assert re.fullmatch('error: ' + refusal, capsys.readouterr().err.strip().splitlines()[-1])

@@ -88,7 +88,14 @@ def load_checkpoint(path: str, expected: Optional[ExpectedFn] = None,
 
 
 def read_tensors(path: str) -> Tuple[Dict[str, LazyArray], str]:
-  """-> (HuggingFace name -> LazyArray, the weights file or index read)."""
+  """-> (HuggingFace name -> LazyArray, the weights file or index read); reading a tensor
+  that holds NaN or Inf raises a CheckpointError naming it and its file (`LazyArray.finite`):
+  a model trained on them learns nothing, and a decode of them scores NaN."""
+  tensors, weights_path = _read_weights(path)
+  return {name: leaf.finite() for name, leaf in tensors.items()}, weights_path
+
+
+def _read_weights(path: str) -> Tuple[Dict[str, LazyArray], str]:
   single = os.path.join(path, SAFETENSORS)
   index = os.path.join(path, SAFETENSORS_INDEX)
   torch_bin = os.path.join(path, TORCH_BIN)
@@ -108,17 +115,28 @@ def read_tensors(path: str) -> Tuple[Dict[str, LazyArray], str]:
 
 
 def _read_sharded(path: str, index: str) -> Dict[str, LazyArray]:
+  """The tensors of the shards `index` names. A tensor in more than one shard is refused:
+  readers disagree on which copy is the weight ("weight_map" names one; transformers 5.24
+  takes the copy of the shard it reads last), so neither is taken on trust."""
   weight_map = _json(index).get('weight_map')
   if not isinstance(weight_map, dict):
     raise checkpoint_error(index, 'no "weight_map" object', fix='Re-save the model')
-  tensors = {}
+  tensors, holders = {}, {}
   for shard in sorted(set(weight_map.values())):
     shard_path = os.path.join(path, shard)
     if not paths.isfile(shard_path):
       raise checkpoint_error(index, 'a shard listed in "weight_map" is missing',
                              expected=shard_path, found='no such file',
                              fix='Download every shard next to the index')
-    tensors.update(safetensors_file.load(shard_path))
+    for name, leaf in safetensors_file.load(shard_path).items():
+      tensors[name] = leaf
+      holders.setdefault(name, []).append(shard)
+  for name, shards in holders.items():
+    if len(shards) > 1:
+      raise checkpoint_error(
+          index, f'tensor {name!r} is in {len(shards)} shards, {" and ".join(shards)} '
+          f'("weight_map" names {weight_map.get(name)}): readers disagree on which copy is the '
+          'weight', fix='Remove the stray copy, or re-save the model with save_pretrained')
   missing = sorted(set(weight_map) - set(tensors))
   if missing:
     raise checkpoint_error(index, 'tensors listed in "weight_map" are absent from their shards',

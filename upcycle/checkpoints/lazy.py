@@ -27,14 +27,23 @@ class LazyArray:
 
   def __init__(self, shape: Sequence[int], dtype: Any, read: Callable[[], np.ndarray],
                source: str, param: str = '',
-               read_block: Optional[Callable[[Tuple[slice, ...]], np.ndarray]] = None):
-    """`read()` returns the whole array; `read_block(index)`, if given, only `array[index]`."""
+               read_block: Optional[Callable[[Tuple[slice, ...]], np.ndarray]] = None,
+               finite: bool = False):
+    """`read()` returns the whole array; `read_block(index)`, if given, only `array[index]`.
+    With `finite`, a read of floating-point values refuses any NaN or Inf among them (a
+    source's damage, refused where its values are read, not passed on to a model)."""
     self.shape = tuple(int(d) for d in shape)
     self.dtype = np.dtype(dtype)
     self.source = str(source)
     self.param = param
     self._read = read
     self._read_block = read_block
+    self._finite = finite and jax.numpy.issubdtype(self.dtype, jax.numpy.floating)
+
+  def finite(self) -> 'LazyArray':
+    """This array, its reads refusing NaN and Inf values (`finite` above)."""
+    return LazyArray(self.shape, self.dtype, self._read, self.source, self.param,
+                     read_block=self._read_block, finite=True)
 
   @property
   def ndim(self) -> int:
@@ -60,14 +69,25 @@ class LazyArray:
       if array.dtype != self.dtype:
         raise checkpoint_error(self.source, 'stored data disagrees with its own metadata',
                                param=self.param, expected=self.dtype, found=array.dtype)
-      return array
+      return self._checked(array)
     array = np.asarray(self._read())
     if array.shape != self.shape or array.dtype != self.dtype:
       raise checkpoint_error(
           self.source, 'stored data disagrees with its own metadata', param=self.param,
           expected=f'{self.shape} {self.dtype}', found=f'{array.shape} {array.dtype}',
           fix='The checkpoint is inconsistent; re-export it from its source')
-    return array
+    return self._checked(array)
+
+  def _checked(self, array: np.ndarray) -> np.ndarray:
+    """`array` (values just read), refused if `finite` and any is NaN or Inf: one pass over
+    memory, no second read of the file."""
+    if not self._finite or np.isfinite(array).all():
+      return array
+    nan, inf = int(np.isnan(array).sum()), int(np.isinf(array).sum())
+    raise checkpoint_error(
+        self.source, 'the tensor holds values that are not finite', param=self.param,
+        expected='finite values', found=f'{nan} NaN and {inf} Inf among those read',
+        fix='The file is damaged: re-download or re-export it')
 
   def __array__(self, dtype=None, copy=None):
     del copy  # Every read makes a fresh array.

@@ -92,23 +92,59 @@ def load(path: str) -> Dict[str, LazyArray]:
     mapped = (np.memmap(path, dtype=np.uint8, mode='r', offset=start, shape=(data_bytes,))
               if data_bytes else np.zeros((0,), np.uint8))
   tensors = {}
-  for name, info in header.items():
-    if info.get('dtype') not in DTYPES:
-      raise checkpoint_error(path, 'unsupported safetensors dtype', param=name,
-                             expected=f'one of {sorted(DTYPES)}', found=info.get('dtype'),
-                             fix='Convert the tensor to a supported dtype')
-    dtype = np.dtype(DTYPES[info['dtype']])
-    shape = tuple(info['shape'])
-    begin, end = info['data_offsets']
-    want = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if end - begin != want or begin < 0 or end > data_bytes:
-      raise checkpoint_error(
-          path, 'tensor data does not fit the file (truncated or corrupt)', param=name,
-          expected=f'{want} bytes for {shape} {dtype} within {data_bytes} data bytes',
-          found=f'data_offsets [{begin}, {end}]', fix='Re-download or re-save the file')
+  for name, (dtype, shape, (begin, end)) in _entries(path, header, data_bytes).items():
     read = (lambda b=begin, e=end, d=dtype, s=shape: mapped[b:e].view(d).reshape(s))
     tensors[name] = LazyArray(shape, dtype, read, path, name)
   return tensors
+
+
+def _entries(path: str, header: Mapping[str, Any], data_bytes: int
+             ) -> Dict[str, Tuple[np.dtype, Tuple[int, ...], Tuple[int, int]]]:
+  """The header's tensors checked as the safetensors library checks them: name -> (dtype,
+  shape, (begin, end)), each range `prod(shape) * itemsize` bytes within the `data_bytes`
+  data bytes, no two sharing a byte (one tensor given another's offsets would read its
+  values); unused bytes, which the library also refuses, are accepted. A violation raises one
+  line naming the file and the tensor."""
+  entries = {}
+  for name, info in header.items():
+    if not isinstance(info, dict) or info.get('dtype') not in DTYPES:
+      raise checkpoint_error(path, 'unsupported safetensors dtype', param=name,
+                             expected=f'one of {sorted(DTYPES)}',
+                             found=info.get('dtype') if isinstance(info, dict) else info,
+                             fix='Convert the tensor to a supported dtype')
+    dtype = np.dtype(DTYPES[info['dtype']])
+    shape, offsets = info.get('shape'), info.get('data_offsets')
+    well_formed = all(isinstance(x, list) and all(isinstance(i, int) and i >= 0 for i in x)
+                      for x in (shape, offsets)) and len(offsets) == 2
+    shape = tuple(shape) if well_formed else ()
+    begin, end = offsets if well_formed else (0, -1)
+    want = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if end - begin != want or end > data_bytes:
+      raise checkpoint_error(
+          path, 'tensor data does not fit the file (truncated or corrupt)', param=name,
+          expected=f'{want} bytes for shape {info.get("shape")} {dtype} within {data_bytes} data '
+                   'bytes',
+          found=f'data_offsets {info.get("data_offsets")}', fix='Re-download or re-save the file')
+    entries[name] = (dtype, shape, (begin, end))
+  _check_disjoint(path, {name: entry[2] for name, entry in entries.items()})
+  return entries
+
+
+def _check_disjoint(path: str, ranges: Mapping[str, Tuple[int, int]]) -> None:
+  """Raises naming the first tensor whose [begin, end) bytes overlap another's (empty ranges
+  overlap nothing)."""
+  previous = None   # (name, end) of the range reaching furthest so far
+  for name, (begin, end) in sorted(ranges.items(), key=lambda item: item[1]):
+    if begin == end:
+      continue
+    if previous is not None and begin < previous[1]:
+      raise checkpoint_error(
+          path, f"tensor data overlaps the bytes of tensor {previous[0]!r} (two tensors "
+          'cannot share bytes)', param=name,
+          expected=f'data_offsets starting at or after {previous[1]}',
+          found=f'data_offsets {list(ranges[name])}', fix='Re-download or re-save the file')
+    if previous is None or end > previous[1]:
+      previous = (name, end)
 
 
 def nbytes(leaf: Any) -> int:

@@ -10,6 +10,7 @@ next token is at the same column.
 """
 
 import dataclasses
+import hashlib
 import json
 import os
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
@@ -113,13 +114,27 @@ class Prompts:
       mask[i, self.length - len(ids):] = 1
     return {'prompt': [text for text, _ in rows], 'prompt_tokens': tokens, 'prompt_mask': mask}
 
-  def _file_lines(self) -> Iterator[Tuple[int, str]]:
-    """(line number, line) of the file's non-blank lines."""
+  def describe(self) -> Dict[str, Any]:
+    """JSON-serializable identity of what is decoded: a prompts file by the sha256 of its
+    bytes (two files of one name differ by it, copies of one file do not), else the task's
+    split; the tokenizer by its files' digest."""
+    source = ({'file_sha256': hashlib.sha256(self._file().read_bytes()).hexdigest()}
+              if self.prompts_file is not None else
+              {'task': self.task, 'split': self.split, 'text_key': self.text_key})
+    return {'kind': 'prompts', **source, 'length': self.length,
+            'tokenizer': self.load_tokenizer().digest[:16]}
+
+  def _file(self) -> epath.Path:
+    """The prompts file, refused in one line if there is none."""
     path = epath.Path(self.prompts_file)
     if not path.is_file():
       raise PromptsError(f'PROMPTS_FILE = {self.prompts_file!r} (prompts.Prompts.prompts_file): '
                          'no such file. Fix: give a JSONL file of {"prompt": "..."} lines.')
-    with path.open() as f:
+    return path
+
+  def _file_lines(self) -> Iterator[Tuple[int, str]]:
+    """(line number, line) of the file's non-blank lines."""
+    with self._file().open() as f:
       for number, line in enumerate(f, 1):
         if line.strip():
           yield number, line

@@ -19,6 +19,7 @@ The layout is what `upcycle.checkpoints.orbax.CheckpointManager` writes, `params
 every leaf is on disk.
 """
 
+import logging
 from typing import Any, Dict, Mapping, Optional
 
 import jax
@@ -26,12 +27,25 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from upcycle import progress, tree
+from upcycle.checkpoints.errors import CheckpointError
 from upcycle.checkpoints.lazy import LazyArray
 from upcycle.checkpoints.orbax import PARAMS
 from upcycle.upcycling import execute
 from upcycle.upcycling.plan import Block, Plan
 
 SOURCE = 'upcycle.convert'
+
+
+class _QuietSourceErrors(logging.Filter):
+  """Drops orbax's log, traceback included, of a source leaf refused while it is streamed (a
+  NaN in the dense checkpoint): orbax's writer thread catches the CheckpointError and logs it,
+  then the save fails with it and the caller reports it in one line."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.exc_info and isinstance(record.exc_info[1], CheckpointError))
+
+
+logging.getLogger('absl').addFilter(_QuietSourceErrors())
 
 
 class _StreamingHandler(ocp.type_handlers.NumpyHandler):
