@@ -34,7 +34,7 @@ ALLOWED = {
     'checkpoints': {'tree', 'locks', 'progress', 'optimizer_state'},
     'upcycling': {'tree', 'leaf_ops', 'checkpoints', 'optimizer_state', 'progress'},
     'data': {'fields'},
-    'gin_utils': {'console', 'distributed', 'reachability'},
+    'gin_utils': {'console', 'data', 'distributed', 'reachability'},
     'distributed': {'tpu_slice'},
     'progress': set(),
     'reachability': set(),

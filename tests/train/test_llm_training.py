@@ -44,6 +44,31 @@ def test_tiny_llama_learns_the_offline_stdlib_text(tmp_path):
   assert np.isfinite(result['eval']['loss']) and result['eval']['loss'] < first - 1.0
 
 
+@pytest.mark.parametrize('tied', [False, True])
+def test_loss_chunks_give_the_whole_logits_loss_and_gradients(tied):
+  """CausalLm.loss_chunks: the loss and its gradients of every parameter, on packed rows
+  with padding, are those of the whole float32 logits (the tied output layer too)."""
+  config = dataclasses.replace(TINY_LLAMA, vocab_size=96, logits_via_embedding=tied)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 96, (2, 16)).astype(np.int32)
+  batch = {'decoder_input_tokens': tokens, 'decoder_target_tokens': np.roll(tokens, -1, 1),
+           'decoder_segment_ids': np.array([[1] * 10 + [2] * 6, [1] * 12 + [0] * 4], np.int32)}
+  params = Llama(config).init(jax.random.PRNGKey(0), tokens)['params']
+
+  def loss_and_grads(chunks):
+    objective = CausalLm(Llama(config), z_loss=1e-4, loss_chunks=chunks)
+    fn = lambda p: objective.forward(p, batch, train=False)[0]['loss']
+    return jax.jit(jax.value_and_grad(fn))(params)
+
+  (whole, whole_grads), (chunked, chunked_grads) = loss_and_grads(1), loss_and_grads(4)
+  np.testing.assert_allclose(chunked, whole, rtol=1e-6)
+  for got, want in zip(jax.tree.leaves(chunked_grads), jax.tree.leaves(whole_grads)):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
+  with pytest.raises(ValueError, match=r'CausalLm.loss_chunks = 3 does not divide the '
+                                       r'sequence length 16'):
+    CausalLm(Llama(config), loss_chunks=3).forward(params, batch, train=False)
+
+
 def _command(model_dir, steps, run='runs/llm_pretrain.gin'):
   return [sys.executable, '-m', 'upcycle.train', '--gin_file=models/llama/tiny.gin',
           f'--gin_file={run}', '--gin_file=data/offline_stdlib_lm.gin',

@@ -1,5 +1,6 @@
 """Loss, schedules and the few-shot probe against closed-form / numpy / scikit-learn references."""
 
+import jax
 import numpy as np
 import pytest
 from sklearn.linear_model import Ridge
@@ -30,6 +31,31 @@ def test_cross_entropy_against_numpy(z_loss, smoothing):
   np.testing.assert_allclose(out['weight_sum'], weights.sum())
   np.testing.assert_allclose(out['correct'],
                              ((logits.argmax(-1) == targets) * weights).sum())
+
+
+@pytest.mark.parametrize('z_loss,smoothing', [(0.0, 0.0), (1e-4, 0.1)])
+def test_chunked_cross_entropy_equals_numpy_and_the_whole_loss_gradients(z_loss, smoothing):
+  """Four slices of the sequence at a time: the numpy loss of the whole logits, and the
+  gradients of the whole loss with respect to the features and the output kernel."""
+  rng = np.random.default_rng(1)
+  features = rng.normal(size=(2, 8, 6)).astype(np.float32)
+  kernel = rng.normal(size=(6, 11)).astype(np.float32)
+  targets = rng.integers(0, 11, (2, 8))
+  weights = (rng.random((2, 8)) > 0.3).astype(np.float32)
+  chunked = lambda f, k: losses.chunked_cross_entropy(
+      f, lambda x: x @ k, targets, weights, num_chunks=4, z_loss=z_loss,
+      label_smoothing=smoothing)
+  whole = lambda f, k: losses.cross_entropy(f @ k, targets, weights, z_loss, smoothing)
+  out = chunked(features, kernel)
+  np.testing.assert_allclose(out['loss'], numpy_cross_entropy(
+      features @ kernel, targets, weights, z_loss, smoothing), rtol=1e-5)
+  for name in ('z_loss', 'correct', 'weight_sum'):
+    np.testing.assert_allclose(out[name], whole(features, kernel)[name], rtol=1e-5)
+  grad = lambda fn: jax.grad(lambda f, k: fn(f, k)['loss'], argnums=(0, 1))(features, kernel)
+  for got, want in zip(grad(chunked), grad(whole)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match='num_chunks=3 does not divide the sequence length 8'):
+    losses.chunked_cross_entropy(features, lambda x: x @ kernel, targets, num_chunks=3)
 
 
 def test_label_smoothed_loss_is_zero_at_the_smoothed_target():

@@ -276,11 +276,26 @@ class Decoder(nn.Module):
   config: LlamaConfig
   embedder: nn.Module
 
+  def setup(self):
+    cfg = self.config
+    if not cfg.logits_via_embedding:
+      self.logits_dense = layers.DenseGeneral(cfg.vocab_size, ('embed', 'vocab'),
+                                              dtype=cfg.dtype, name='logits_dense')
+
+  def project(self, x: Array) -> Array:
+    """The final activations `[batch, length, d_model]` -> logits `[batch, length, vocab]`
+    (float32): the output layer, or the embedding when tied."""
+    logits = (self.embedder.attend(x) if self.config.logits_via_embedding
+              else self.logits_dense(x))
+    return layers.constrain(jnp.asarray(logits, jnp.float32), ('batch', 'length', 'vocab'))
+
   @nn.compact
   def __call__(self, tokens: Array, segment_ids: Optional[Array], positions: Optional[Array],
                deterministic: bool, decode: bool = False,
-               cache_length: Optional[int] = None) -> Array:
-    """tokens `[batch, length]` -> logits `[batch, length, vocab]` (float32).
+               cache_length: Optional[int] = None, project: bool = True) -> Array:
+    """tokens `[batch, length]` -> logits `[batch, length, vocab]` (float32); with
+    `project=False` the final activations `[batch, length, d_model]` that `project` turns
+    into them.
 
     `decode=True`: the first call (no cache yet; the prompt, `cache_length` set) runs as
     usual and creates the cache (module docstring); every later call is one step: `tokens`
@@ -312,12 +327,7 @@ class Decoder(nn.Module):
     x = layers.RMSNorm(cfg.layer_norm_epsilon, cfg.dtype, scale_in_dtype=True,
                        name='decoder_norm')(x)
     x = dropout(x, deterministic=deterministic)
-    if cfg.logits_via_embedding:
-      logits = self.embedder.attend(x)
-    else:
-      logits = layers.DenseGeneral(cfg.vocab_size, ('embed', 'vocab'), dtype=cfg.dtype,
-                                   name='logits_dense')(x)
-    return layers.constrain(jnp.asarray(logits, jnp.float32), ('batch', 'length', 'vocab'))
+    return self.project(x) if project else x
 
   def _check_window(self, length: int) -> None:
     cfg = self.config
@@ -380,6 +390,19 @@ class Llama(nn.Module):
     """
     return self.decoder(decoder_input_tokens, decoder_segment_ids, decoder_positions,
                         deterministic=not enable_dropout)
+
+  def features(self, decoder_input_tokens: Array, decoder_segment_ids: Optional[Array] = None,
+               decoder_positions: Optional[Array] = None,
+               enable_dropout: bool = False) -> Array:
+    """`__call__` up to its output layer: `[batch, length, d_model]`, which `project` turns
+    into its logits (a loss that computes them a slice at a time:
+    `losses.chunked_cross_entropy`)."""
+    return self.decoder(decoder_input_tokens, decoder_segment_ids, decoder_positions,
+                        deterministic=not enable_dropout, project=False)
+
+  def project(self, features: Array) -> Array:
+    """`[..., d_model]` final activations -> float32 logits `[..., vocab]`."""
+    return self.decoder.project(features)
 
   def prefill(self, prompt_tokens: Array, prompt_mask: Array, max_length: int) -> Array:
     """Runs left-padded prompts and creates the decoding cache; -> their logits.

@@ -38,6 +38,12 @@ class Objective(Protocol):
   def loss(self, logits: Array, batch: Batch) -> Dict[str, Array]:
     """-> summed 'loss' (and other summed metrics) over the batch's real examples/tokens."""
 
+  def forward(self, params: Any, batch: Batch, *, train: bool,
+              rngs: Optional[Mapping[str, Array]] = None) -> Tuple[Dict[str, Array], Any]:
+    """-> (`loss` of the batch's outputs, the MoE collections): what the train and eval steps
+    run (`objectives.LossOfOutputs`: `apply` then `loss`; a family may compute the loss
+    without its whole outputs, `CausalLm.loss_chunks`)."""
+
   def loss_weight_sum(self, batch: Batch) -> Array:
     """What the summed loss is divided by (real target tokens, or images)."""
 

@@ -1,6 +1,6 @@
 """Training losses: cross-entropy with T5's z-loss and label smoothing, normalized by weights."""
 
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import jax
 import jax.numpy as jnp
@@ -43,3 +43,42 @@ def cross_entropy(logits: Array, targets: Array, weights: Optional[Array] = None
       'correct': jnp.sum(correct * weights),
       'weight_sum': jnp.sum(weights),
   }
+
+
+def chunked_cross_entropy(features: Array, project: Callable[[Array], Array], targets: Array,
+                          weights: Optional[Array] = None, *, num_chunks: int,
+                          z_loss: float = 0.0, label_smoothing: float = 0.0
+                          ) -> Dict[str, Array]:
+  """`cross_entropy(project(features), targets, ...)` without the whole `[batch, length,
+  vocab]` float32 logits in memory: the sequence is cut into `num_chunks` slices, each
+  slice's logits computed, reduced to the sums and dropped (`lax.scan`), and computed again in
+  the backward pass (`jax.checkpoint`), so one slice's logits are live at a time (MaxText's
+  vocabulary tiling). Slices keep the batch axis whole, so a batch split over devices stays
+  split. Equal to `cross_entropy` up to the order of the sums.
+
+  Args:
+    features: `[batch, length, d]`, what `project` turns into logits.
+    project: `[batch, n, d]` -> float32 logits `[batch, n, vocab]`.
+    targets, weights, z_loss, label_smoothing: as `cross_entropy`'s (`[batch, length]`).
+    num_chunks: slices of the sequence; must divide `length`.
+  """
+  batch, length = targets.shape
+  if length % num_chunks:
+    raise ValueError(f'chunked_cross_entropy: num_chunks={num_chunks} does not divide the '
+                     f'sequence length {length}.')
+  weights = jnp.ones(targets.shape, jnp.float32) if weights is None else weights
+
+  def slices(x: Array) -> Array:   # [batch, length, ...] -> [chunks, batch, length / chunks, ...]
+    return jnp.moveaxis(x.reshape((batch, num_chunks, length // num_chunks) + x.shape[2:]), 1, 0)
+
+  @jax.checkpoint
+  def one(x, t, w):
+    return cross_entropy(project(x), t, w, z_loss, label_smoothing)
+
+  def add(total, chunk):
+    return jax.tree.map(jnp.add, total, one(*chunk)), None
+
+  zeros = {name: jnp.zeros((), jnp.float32) for name in ('loss', 'z_loss', 'correct',
+                                                           'weight_sum')}
+  total, _ = jax.lax.scan(add, zeros, (slices(features), slices(targets), slices(weights)))
+  return total

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from upcycle import fields
 from upcycle.models import T5, ViT, flops
 from upcycle.models.llama import Llama
 from upcycle.moe import MOE_COLLECTIONS
@@ -21,7 +22,17 @@ T5_INPUTS = ('encoder_input_tokens', 'decoder_input_tokens', 'decoder_target_tok
              'encoder_segment_ids', 'decoder_segment_ids')
 
 
-class TargetTokenLoss:
+class LossOfOutputs:
+  """`forward` as the model's outputs (`apply`) and their loss (`loss`)."""
+
+  def forward(self, params: Any, batch: Batch, *, train: bool,
+              rngs: Mapping[str, Array] = None) -> Tuple[Dict[str, Array], Any]:
+    """-> (`loss`'s summed statistics of the batch, the MoE collections)."""
+    outputs, state = self.apply(params, batch, train=train, rngs=rngs)
+    return self.loss(outputs, batch), state
+
+
+class TargetTokenLoss(LossOfOutputs):
   """Cross-entropy over `decoder_target_tokens`, summed over the target tokens that count and
   normalized by their number (T5X's seq2seq and decoder-only losses); a subclass says which
   count when the batch has no `decoder_loss_weights` (`_unweighted_tokens`)."""
@@ -87,6 +98,31 @@ class CausalLm(TargetTokenLoss):
   model: Llama
   z_loss: float = 0.0
   label_smoothing: float = 0.0
+  loss_chunks: int = 1
+
+  def __post_init__(self):
+    fields.integer(self, 'loss_chunks', 1)
+
+  def forward(self, params: Any, batch: Batch, *, train: bool,
+              rngs: Mapping[str, Array] = None) -> Tuple[Dict[str, Array], Any]:
+    """-> (the summed loss statistics, the MoE collections); with `loss_chunks` > 1 the
+    logits are made a slice of the sequence at a time (`losses.chunked_cross_entropy`), never
+    the whole `[batch, length, vocab]` in float32."""
+    if self.loss_chunks == 1:
+      return super().forward(params, batch, train=train, rngs=rngs)
+    kwargs = {k: batch[k] for k in LM_INPUTS[1:] if k in batch}
+    features, state = self.model.apply(
+        {'params': params}, batch['decoder_input_tokens'], enable_dropout=train, rngs=rngs,
+        mutable=MOE_COLLECTIONS, method=Llama.features, **kwargs)
+    project = lambda x: self.model.apply({'params': params}, x, method=Llama.project)
+    targets = batch['decoder_target_tokens']
+    if targets.shape[1] % self.loss_chunks:
+      raise fields.ConfigError(
+          f'{fields.binding(self, "loss_chunks")} = {self.loss_chunks} does not divide the '
+          f'sequence length {targets.shape[1]}. Fix: a divisor of it.')
+    return losses.chunked_cross_entropy(
+        features, project, targets, self.target_weights(batch), num_chunks=self.loss_chunks,
+        z_loss=self.z_loss, label_smoothing=self.label_smoothing), state
 
   def apply(self, params: Any, batch: Batch, *, train: bool,
             rngs: Mapping[str, Array] = None,
@@ -116,7 +152,7 @@ class CausalLm(TargetTokenLoss):
 
 
 @dataclasses.dataclass(frozen=True)
-class Classification:
+class Classification(LossOfOutputs):
   """ViT image classification; loss averaged over images."""
 
   model: ViT

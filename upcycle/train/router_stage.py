@@ -36,7 +36,7 @@ import optax
 
 from upcycle import fields, tree
 from upcycle.moe import MOE_COLLECTIONS, ROUTER_LOGITS, MoeConfig, router_logits
-from upcycle.train.objectives import EXAMPLE_MASK
+from upcycle.train.objectives import EXAMPLE_MASK, LossOfOutputs
 
 Array = jax.Array
 Batch = Mapping[str, Array]
@@ -97,7 +97,7 @@ def _num_experts(params: Mapping[str, Any], binding: str) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class RouterStage:
+class RouterStage(LossOfOutputs):
   """The router stage of UpIT (module docstring) around the run's own objective.
 
   Attributes:

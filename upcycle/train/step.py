@@ -50,8 +50,7 @@ def make_train_step(objective, optimizer: optax.GradientTransformation,
 
   def loss_fn(params, batch, rng, total_weight, num_micro):
     rngs = dict(zip(('dropout', 'jitter'), jax.random.split(rng)))
-    logits, state = objective.apply(params, batch, train=True, rngs=rngs)
-    ce = objective.loss(logits, batch)
+    ce, state = objective.forward(params, batch, train=True, rngs=rngs)
     aux = aux_losses(state)
     loss = ce['loss'] / total_weight + aux['total'] / num_micro
     return loss, {**ce, **{f'moe/{k}': v / num_micro for k, v in aux.items()},
@@ -101,7 +100,6 @@ def make_eval_step(objective):
   """-> eval_step(params, batch) -> sums {'loss', 'correct', 'weight_sum'} (no dropout)."""
 
   def eval_step(params: Any, batch: Dict[str, Array]) -> Dict[str, Array]:
-    logits, _ = objective.apply(params, batch, train=False)
-    return objective.loss(logits, batch)
+    return objective.forward(params, batch, train=False)[0]
 
   return eval_step
