@@ -166,3 +166,17 @@ def test_another_tokenizer_or_a_prompts_file_that_is_no_text_is_refused_in_one_l
     with pytest.raises(SystemExit) as stopped:
       infer(hf_llama_with_tokenizer, *flags)
     assert str(stopped.value) == f'error: {error}'
+  # upcycle.eval of the same checkpoint on text tokenized by the swapped tokenizer
+  # pylint: disable=g-import-not-at-top
+  from upcycle import eval as eval_lib
+  from upcycle.data.lm import LmPipeline
+  from upcycle.train.objectives import CausalLm
+  # pylint: enable=g-import-not-at-top
+  _, config = pretrained.load_hf(hf_llama_with_tokenizer, lazy=True)
+  with pytest.raises(tokenizer_lib.TokenizerError, match='^TOKENIZER \\(lm.LmPipeline.tokenizer\\) '
+                     f'reads {swapped} .* were trained with tokenizer '
+                     f'{digest(hf_llama_with_tokenizer)} '):
+    eval_lib.evaluate(objective=CausalLm(Llama(config)), batch_size=2,
+                      eval_data=LmPipeline('offline_stdlib_text', 'validation', {'targets': 16},
+                                           tokenizer=swapped),
+                      checkpoint_path=hf_llama_with_tokenizer)

@@ -39,6 +39,10 @@ from upcycle.locks import output_lock
 
 log = logging.getLogger(__name__)
 
+TOKENIZER_FIX = ("TOKENIZER = %CHECKPOINT_PATH (runs/llm_infer.gin's default: the checkpoint's "
+                 "own); a run whose tokenizer/ was replaced needs the one it was trained with "
+                 'put back.')
+
 
 def output_name(task: str, step: int, decoding: Any, seed: int) -> str:
   """'<task>-<step>-<method>.jsonl', the method with what changes its predictions or scores
@@ -111,8 +115,8 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
   fields.directory('MODEL_DIR (infer_script.infer.output_dir)', output_dir)
   checkpoint = pretrained.load(checkpoint_path, format, model_config=model.config, lazy=True,
                                with_optimizer_state=False)
-  if isinstance(infer_data, Prompts):
-    _check_tokenizer(infer_data, checkpoint, model.config)
+  pretrained.check_tokenizer(infer_data, model.config, checkpoint.path, checkpoint.format,
+                             fix=TOKENIZER_FIX)
   path = epath.Path(output_dir) / 'inference' / output_name(
       predictions.source_name(infer_data), checkpoint.step or 0, decoding, seed)
   mesh = partitioning.make_mesh(num_expert_partitions, num_model_partitions)
@@ -133,21 +137,6 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
     print(f'Wrote {done.done} predictions ({decoding.method}) of checkpoint {checkpoint_path} '
           f'(step {checkpoint.step}) to {path}', flush=True)
   return os.fspath(path)
-
-
-def _check_tokenizer(prompts: Any, checkpoint: Any, model_config: Any) -> None:
-  """Refuses (`tokenizer.TokenizerError`, one line) prompts tokenized with a tokenizer that is
-  not the one the checkpoint's weights were trained with, or whose ids exceed the model's
-  embedding."""
-  from upcycle.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
-  tok = prompts.load_tokenizer()
-  binding = f'TOKENIZER ({fields.binding(prompts, "tokenizer")})'
-  tokenizer_lib.check_fits(tok, model_config.vocab_size, binding=binding,
-                           rows_binding=fields.binding(model_config, 'vocab_size'))
-  tokenizer_lib.check_trained(
-      tok, checkpoint.path, binding=binding, format=checkpoint.format,
-      fix='TOKENIZER = %CHECKPOINT_PATH (runs/llm_infer.gin\'s default: the checkpoint\'s own); '
-      'a run whose tokenizer/ was replaced needs the one it was trained with put back.')
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from upcycle import fields
+from upcycle import fields, pretrained
 from upcycle.checkpoints import paths, t5x_export
 from upcycle.checkpoints.orbax import RUN_CHECKPOINTS, CheckpointManager
 from upcycle.data import tokenizer as tokenizer_lib
@@ -242,14 +242,10 @@ class Trainer:
     """Refuses (`tokenizer.TokenizerError`, one line) a tokenizer whose ids exceed the model's
     embedding, or that is not the one of the weights the run starts from: its own latest step
     when it resumes, else the initializer's checkpoints. Data without a tokenizer passes."""
-    load = getattr(self.train_data, 'load_tokenizer', None)
-    if load is None:
+    found = pretrained.data_tokenizer(self.train_data, self.built.objective.model.config)
+    if found is None:
       return
-    tok = load()
-    binding = f'TOKENIZER ({fields.binding(self.train_data, "tokenizer")})'
-    model_config = self.built.objective.model.config
-    tokenizer_lib.check_fits(tok, model_config.vocab_size, binding=binding,
-                             rows_binding=fields.binding(model_config, 'vocab_size'))
+    tok, binding = found
     latest = manager.latest_step()
     if latest is not None:
       tokenizer_lib.check_trained(
