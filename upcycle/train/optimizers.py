@@ -213,6 +213,10 @@ class BigVisionAdafactor:
   momentum_dtype: str = 'bfloat16'
   epsilon: float = 1e-30
 
+  def __post_init__(self):   # LEARNING_RATE and WEIGHT_DECAY in runs/vit_pretrain.gin
+    fields.number(self, 'learning_rate')
+    fields.number(self, 'weight_decay')
+
   @property
   def schedule(self) -> Schedule:
     return lambda step: self.learning_rate * self.decay_schedule(step)
