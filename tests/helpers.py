@@ -6,6 +6,7 @@ the tests' folder: tests/checkpoints, tests/models, tests/moe, tests/train), fix
 `conftest.py`. A test module imports from those, never from another test module.
 """
 
+import json
 import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,3 +25,18 @@ def byte_t5_argv(run, checkpoint, *flags):
   return ['--gin_file=models/t5_1_1/tiny.gin', f'--gin_file=runs/{run}.gin',
           '--gin_file=data/offline_span_corruption.gin', f"--gin.CHECKPOINT_PATH='{checkpoint}'",
           f'--gin.TASK_FEATURE_LENGTHS={BYTE_T5_LENGTHS}', *BYTE_T5_FLAGS, *flags]
+
+
+def save_swapped_tokenizer(tokenizer, directory: str, ids=(2000, 2001)) -> str:
+  """Another tokenizer of the same size: `tokenizer`'s files (`upcycle.data.tokenizer`'s, with a
+  tokenizer.json) with the pieces of two `ids` swapped in its vocabulary, written to
+  `directory`; returns it."""
+  data = json.loads(tokenizer.files['tokenizer.json'])
+  vocab = data['model']['vocab']
+  first, second = (next(piece for piece, i in vocab.items() if i == want) for want in ids)
+  vocab[first], vocab[second] = ids[1], ids[0]
+  os.makedirs(directory, exist_ok=True)
+  for name, content in tokenizer.files.items():
+    with open(os.path.join(directory, name), 'wb') as f:
+      f.write(json.dumps(data).encode() if name == 'tokenizer.json' else content)
+  return directory

@@ -219,3 +219,15 @@ def test_published_llama_sizes_have_their_parameter_counts(name, count):
   parse([f'models/llama/{name}.gin'], ['probe.model = %MODEL'])
   shapes = jax.tree.leaves(abstract_params(probe().config))
   assert sum(int(np.prod(s.shape)) for s in shapes) == count
+
+
+@pytest.mark.parametrize('run, tokenizer', [
+    ('runs/llm_pretrain.gin', 'offline_stdlib_bpe'),
+    ('runs/llm_continue.gin', '/ckpt/llama'),   # the checkpoint's own
+    ('runs/llm_upcycle.gin', '/ckpt/llama'),
+])
+def test_a_decoder_only_run_reads_the_tokenizer_of_its_initial_checkpoint(run, tokenizer):
+  parse(['models/llama/tiny.gin', run, 'data/offline_stdlib_lm.gin'],
+        MACROS[:2] + ["INITIAL_CHECKPOINT_PATH = '/ckpt/llama'",
+                      'probe.model = @train/lm.LmPipeline()'])
+  assert probe().tokenizer == tokenizer

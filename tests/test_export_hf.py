@@ -117,6 +117,43 @@ def test_llama_run_loads_in_transformers_sharded_with_its_tokenizer(tmp_path, ca
   _assert_reads_back(str(out), params, TINY_LLAMA)
 
 
+def test_a_run_whose_tokenizer_was_replaced_is_refused_and_one_without_says_so(tmp_path,
+                                                                                capsys):
+  """The step's data position records the digest of the tokenizer it was trained with (the
+  offline BPE): the run's tokenizer/ replaced by another (two ids swapped) is refused in one
+  line, nothing written; without tokenizer/ the export says it has none; the right one
+  passes."""
+  from tests.helpers import save_swapped_tokenizer  # pylint: disable=g-import-not-at-top
+  from upcycle.data.lm import LmPipeline  # pylint: disable=g-import-not-at-top
+  from upcycle.train import host_data, host_states  # pylint: disable=g-import-not-at-top
+  offline = tokenizer_lib.load(tokenizer_lib.OFFLINE_BPE)
+  run = tmp_path / 'run'
+  position = host_states.gather(host_data.HostData(
+      LmPipeline('offline_stdlib_text', 'train', {'targets': 16}), global_batch_size=2,
+      seed=0).get_state())
+  with CheckpointManager(str(run / 'checkpoints'), async_save=False) as manager:
+    manager.save(2, _random(TINY_LLAMA, seed=0), dataset_state=position)
+  kept = save_swapped_tokenizer(offline, str(run / tokenizer_lib.RUN_SUBDIR))
+  (tmp_path / 'llama3.gin').write_text(LLAMA3_GIN)
+  out, step = tmp_path / 'hf', run / 'checkpoints' / '2'
+  flags = [f'--model_dir={run}', f'--gin_file={tmp_path / "llama3.gin"}']
+  assert _refusal(capsys, *flags, f'--output_dir={out}') == (
+      f'error: The HF export reads {kept} (tokenizer digest '
+      f'{tokenizer_lib.load(kept).short_digest}), but the weights of {step} were trained with '
+      f'tokenizer {offline.short_digest} (the data position saved in {step}/dataset): they '
+      f"would read another tokenizer's ids. Fix: put the tokenizer {step} was trained with in "
+      f'{kept}.\n')
+  assert not out.exists()
+  for name in os.listdir(kept):
+    os.remove(os.path.join(kept, name))
+  assert export.main(['--format=hf', *flags, f'--output_dir={out}']) == 0
+  assert (f'Wrote {out} (LlamaForCausalLM, 39 tensors, without a tokenizer: copy the one its '
+          f'weights were trained with into it).') in capsys.readouterr().out
+  offline.save(kept)
+  assert export.main(['--format=hf', *flags, f'--output_dir={tmp_path / "hf2"}']) == 0
+  assert 'with its tokenizer' in capsys.readouterr().out
+
+
 @pytest.mark.parametrize('architecture', sorted(FAMILIES))
 def test_each_family_loads_as_its_class_from_scanned_layers(architecture, tmp_path):
   """A scanned run is unrolled; q/k/v biases alone are Qwen2's, all four Llama's

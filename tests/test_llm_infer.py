@@ -147,3 +147,49 @@ def test_a_prompt_too_long_or_no_prompts_file_is_refused_in_one_line(hf_llama_wi
   assert str(stopped.value) == (
       f"error: PROMPTS_FILE = '{tmp_path / 'missing.jsonl'}' (prompts.Prompts.prompts_file): no "
       'such file. Fix: give a JSONL file of {"prompt": "..."} lines.')
+
+
+def test_another_tokenizer_or_a_prompts_file_that_is_no_text_is_refused_in_one_line(
+    hf_llama_with_tokenizer, infer, tmp_path):
+  from tests import helpers  # pylint: disable=g-import-not-at-top
+  swapped = helpers.save_swapped_tokenizer(tokenizer_lib.load(hf_llama_with_tokenizer),
+                                           str(tmp_path / 'swapped'))
+  digest = lambda spec: tokenizer_lib.load(spec).short_digest
+  latin1, surrogate = tmp_path / 'latin1.jsonl', tmp_path / 'surrogate.jsonl'
+  latin1.write_bytes(b'{"prompt": "caf\xe9"}\n')
+  surrogate.write_text('{"prompt": "ab\\ud800"}\n')
+  for flags, error in (
+      ([f"--gin.TOKENIZER='{swapped}'"],
+       f'TOKENIZER (prompts.Prompts.tokenizer) reads {swapped} (tokenizer digest '
+       f'{digest(swapped)}), but the weights of {hf_llama_with_tokenizer} were trained with '
+       f'tokenizer {digest(hf_llama_with_tokenizer)} (the tokenizer files in '
+       f"{hf_llama_with_tokenizer}): they would read another tokenizer's ids. Fix: TOKENIZER = "
+       "%CHECKPOINT_PATH (runs/llm_infer.gin's default: the checkpoint's own); a run whose "
+       'tokenizer/ was replaced needs the one it was trained with put back.'),
+      (['--gin.PROMPTS_FILE=3'],
+       'PROMPTS_FILE (prompts.Prompts.prompts_file) = 3: expected the path of a JSONL file (a '
+       "string), or None for the task's documents."),
+      ([f"--gin.PROMPTS_FILE='{latin1}'"],
+       f"{latin1}:1: not UTF-8 (invalid continuation byte at byte 16 of the line). Fix: write "
+       'the file as UTF-8.'),
+      ([f"--gin.PROMPTS_FILE='{surrogate}'"],
+       f"{surrogate}:1: the prompt holds '\\ud800' at character 3, half of a UTF-16 surrogate "
+       'pair, which is no text. Fix: escape whole characters (\\ud83d\\ude00), or write them '
+       'as UTF-8.')):
+    with pytest.raises(SystemExit) as stopped:
+      infer(hf_llama_with_tokenizer, *flags)
+    assert str(stopped.value) == f'error: {error}'
+  # upcycle.eval of the same checkpoint on text tokenized by the swapped tokenizer
+  # pylint: disable=g-import-not-at-top
+  from upcycle import eval as eval_lib
+  from upcycle.data.lm import LmPipeline
+  from upcycle.train.objectives import CausalLm
+  # pylint: enable=g-import-not-at-top
+  _, config = pretrained.load_hf(hf_llama_with_tokenizer, lazy=True)
+  with pytest.raises(tokenizer_lib.TokenizerError, match='^TOKENIZER \\(lm.LmPipeline.tokenizer\\) '
+                     f'reads {swapped} .* were trained with tokenizer '
+                     f'{digest(hf_llama_with_tokenizer)} '):
+    eval_lib.evaluate(objective=CausalLm(Llama(config)), batch_size=2,
+                      eval_data=LmPipeline('offline_stdlib_text', 'validation', {'targets': 16},
+                                           tokenizer=swapped),
+                      checkpoint_path=hf_llama_with_tokenizer)

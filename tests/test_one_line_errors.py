@@ -4,7 +4,9 @@ MoE, of another family or another size; feature lengths that are no mapping, or 
 span corruption corrupts nothing or cuts the targets; a binding gin cannot parse (an unquoted
 string, an unclosed bracket); experts the expert axis does not divide; a batch the devices do
 not divide; a MODEL_DIR that is a file, a dangling link, too long a name, under a file or
-inside the source checkpoint; a batch size of 0. The entry points' mains
+inside the source checkpoint; a batch size of 0; a decoder-only run's tokenizer that is no
+path, missing from the checkpoint it defaults to, or not shared by merged checkpoints, and a
+learning rate that is a string. The entry points' mains
 run in this process (8 CPU devices), two of them as real processes to show the whole
 output."""
 
@@ -158,6 +160,50 @@ def test_a_model_dir_that_cannot_be_a_directory(kind, error, paths, entry_points
   assert message == 'error: ' + _fill(error, path=path, tmp=tmp_path)
   assert sorted(os.listdir(tmp_path)) == ['link', 'notes']
   assert (tmp_path / 'notes').read_text() == 'notes\n'
+
+
+LLM = ['--gin_file=models/llama/tiny.gin', '--gin_file=runs/llm_pretrain.gin',
+       '--gin_file=data/offline_stdlib_lm.gin', '--gin.TRAIN_STEPS=2', '--gin.BATCH_SIZE=8',
+       "--gin.TASK_FEATURE_LENGTHS={'targets': 16}"]
+LLM_UPCYCLE = ['--gin_file=models/llama/tiny.gin', '--gin_file=moe/mixtral.gin',
+               '--gin_file=runs/llm_upcycle.gin', '--gin_file=data/offline_stdlib_lm.gin',
+               '--gin.TRAIN_STEPS=2', '--gin.BATCH_SIZE=8',
+               "--gin.TASK_FEATURE_LENGTHS={'targets': 16}"]
+
+
+@pytest.mark.parametrize('flags, error', [
+    (LLM + ['--gin.TOKENIZER=5'],
+     "TOKENIZER (lm.LmPipeline.tokenizer) = 5: expected a tokenizer: 'offline_stdlib_bpe', an "
+     'HF checkpoint directory or a run directory (a string), or a list of checkpoints that '
+     'share one.'),
+    (LLM + ["--gin.LEARNING_RATE='1e-3'"],
+     "optimizers.warmup_decay_schedule.peak_learning_rate (LEARNING_RATE) = '1e-3': expected a "
+     'number >= 0.0.'),
+    # The default TOKENIZER of runs/llm_upcycle.gin is the checkpoint's own.
+    (LLM_UPCYCLE + ["--gin.INITIAL_CHECKPOINT_PATH='{tmp}/bare'"],
+     "TOKENIZER='{tmp}/bare': no tokenizer.json or tokenizer.model there, nor in a run's "
+     'tokenizer/ above it. Give the HF checkpoint directory or run its weights were trained '
+     "with, or 'offline_stdlib_bpe'."),
+    (LLM_UPCYCLE + ['--gin_file=upcycling/btx.gin', '--gin.NUM_EXPERTS=2',
+                    "--gin.INITIAL_CHECKPOINT_PATH=['{tmp}/a', '{tmp}/b']"],
+     "TOKENIZER=['{tmp}/a', '{tmp}/b']: {tmp}/b carries another tokenizer ({tmp}/b, digest "
+     '{b}) than {tmp}/a ({tmp}/a, digest {a}): their embeddings index different pieces and '
+     'cannot be merged. Fix: give checkpoints trained with one tokenizer.'),
+])
+def test_a_decoder_only_run_refuses_a_tokenizer_or_learning_rate_that_cannot_be(
+    flags, error, entry_points, tmp_path, capsys):
+  from tests.helpers import save_swapped_tokenizer  # pylint: disable=g-import-not-at-top
+  from upcycle.data import tokenizer  # pylint: disable=g-import-not-at-top
+  offline = tokenizer.load(tokenizer.OFFLINE_BPE)
+  offline.save(str(tmp_path / 'a'))
+  save_swapped_tokenizer(offline, str(tmp_path / 'b'))
+  (tmp_path / 'bare').mkdir()
+  names = {'tmp': tmp_path, 'a': offline.short_digest,
+           'b': tokenizer.load(str(tmp_path / 'b')).short_digest}
+  message = _refusal(train_main.main, [_fill(flag, **names) for flag in flags] + [
+      f"--gin.MODEL_DIR='{tmp_path}/run'"], capsys)
+  assert message == 'error: ' + _fill(error, **names)
+  assert not os.path.exists(tmp_path / 'run')
 
 
 def _eval_argv(checkpoint, *flags):

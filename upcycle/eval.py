@@ -50,6 +50,10 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
     fields.directory('EVAL_OUTPUT_DIR (eval_script.evaluate.output_dir)', output_dir)
   checkpoint = pretrained.load(checkpoint_path, format, model_config=objective.model.config,
                                lazy=True, with_optimizer_state=False)
+  pretrained.check_tokenizer(
+      eval_data, objective.model.config, checkpoint.path, checkpoint.format,
+      fix="TOKENIZER = %CHECKPOINT_PATH (the checkpoint's own); a run whose tokenizer/ was "
+      'replaced needs the one it was trained with put back.')
   mesh = partitioning.make_mesh(num_expert_partitions, num_model_partitions)
   host_batch = batch_size // jax.process_count()
   params = pretrained.on_mesh(checkpoint.params, objective.model.config, mesh)
@@ -93,12 +97,15 @@ def _write(directory: epath.Path, results: dict, *, tensorboard: bool) -> None:
 
 def main(argv) -> dict:
   """Runs `evaluate`; errors a user can cause (a bad binding, a checkpoint that does not fit,
-  an empty split) end in one line and exit status 1 (gin_utils.run; --verbose shows the
-  traceback)."""
-  from upcycle.checkpoints import CheckpointError  # pylint: disable=g-import-not-at-top
-  from upcycle.data.iterator import EmptySplit  # pylint: disable=g-import-not-at-top
+  an empty split, a tokenizer that is not the checkpoint's) end in one line and exit status 1
+  (gin_utils.run; --verbose shows the traceback)."""
+  # pylint: disable=g-import-not-at-top
+  from upcycle.checkpoints import CheckpointError
+  from upcycle.data.iterator import EmptySplit
+  from upcycle.data.tokenizer import TokenizerError
+  # pylint: enable=g-import-not-at-top
   return gin_utils.run(evaluate, argv, __doc__,
-                       expected=(fields.ConfigError, CheckpointError, EmptySplit))
+                       expected=(fields.ConfigError, CheckpointError, EmptySplit, TokenizerError))
 
 
 if __name__ == '__main__':

@@ -32,7 +32,9 @@ exports its final step the same way with `TrainConfig.export_t5x` (MODEL_DIR/t5x
 --format=hf writes OUTPUT_DIR itself as `save_pretrained` does (`upcycle/hf_export.py`):
 config.json, the weights as safetensors (shards of at most --max_shard_size, default 5GB,
 with model.safetensors.index.json), and for a Llama-family model the tokenizer the run keeps
-in MODEL_DIR/tokenizer/. A dense Llama is written as LlamaForCausalLM, one with q/k/v biases
+in MODEL_DIR/tokenizer/ (refused in one line when it is not the one the step was trained with,
+whose digest the step's data position records; a source without one is exported without, said
+in the last line). A dense Llama is written as LlamaForCausalLM, one with q/k/v biases
 alone as Qwen2ForCausalLM, one with a sliding window as MistralForCausalLM; a dense T5 v1.1 as
 T5ForConditionalGeneration with its own lm_head, an MoE Llama as MixtralForCausalLM, or where
 Mixtral cannot express it (MoE in some layers only, a shared expert, raw top-k weights, q/k/v
@@ -51,6 +53,7 @@ from typing import Any, List, Optional
 
 from upcycle import checkpoints, console, fields, gin_utils, hf_export, reachability
 from upcycle.checkpoints import t5x_export
+from upcycle.data.tokenizer import TokenizerError
 
 MODEL_MACRO = 'MODEL'
 
@@ -113,7 +116,8 @@ def main(argv: Optional[List[str]] = None) -> int:
       model_config = _model_from_gin()
     hf_export.export(args.model_dir, args.output_dir, model_config=model_config,
                      step=args.step, max_shard_size=args.max_shard_size)
-  except (t5x_export.ExportError, checkpoints.CheckpointError, fields.ConfigError) as e:
+  except (t5x_export.ExportError, checkpoints.CheckpointError, fields.ConfigError,
+          TokenizerError) as e:
     print(gin_utils.one_line(e, argv), file=sys.stderr)
     return 1
   return 0

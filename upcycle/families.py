@@ -90,13 +90,18 @@ def _t5_hf_files(params: Mapping[str, Any], config: T5Config, source: str) -> Hf
 
 def _llama_hf_files(params: Mapping[str, Any], config: LlamaConfig, source: str) -> HfFiles:
   """config.json with the run's tokenizer's BOS / EOS ids and its files (none, with a
-  warning, where the source keeps no tokenizer)."""
+  warning, where the source keeps no tokenizer); `tokenizer.TokenizerError` where the
+  tokenizer it keeps is not the one its weights were trained with (a replaced tokenizer/)."""
   try:
     tokenizer = tokenizer_lib.load(source)
   except tokenizer_lib.TokenizerError as e:
-    log.warning(
-        'Exporting without a tokenizer (config.json gets no BOS / EOS ids): %s', e)
+    log.warning('Exporting %s without a tokenizer (config.json gets no BOS / EOS ids): %s',
+                source, e)
     tokenizer = None
+  else:
+    tokenizer_lib.check_trained(
+        tokenizer, source, binding='The HF export',
+        fix=f'put the tokenizer {source} was trained with in {tokenizer.source}.')
   ids = ({'bos_id': None, 'eos_id': None} if tokenizer is None
          else {'bos_id': tokenizer.bos_id, 'eos_id': tokenizer.eos_id})
   hf_config = llama_hf.hf_config(config, dtype=_dtype(params), **ids)

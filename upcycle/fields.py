@@ -56,10 +56,16 @@ def optional_integer(obj: Any, field: str, minimum: int) -> None:
 
 def number(obj: Any, field: str, minimum: float = 0.0, strictly: bool = False) -> None:
   """A real number >= minimum (> minimum when `strictly`)."""
-  value = getattr(obj, field)
+  number_value(binding(obj, field), getattr(obj, field), minimum, strictly)
+
+
+def number_value(name: str, value: Any, minimum: float = 0.0, strictly: bool = False) -> None:
+  """`number` for a value that is no dataclass field (a function's argument bound in gin),
+  named `name` (its binding)."""
   ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
   if not ok or value < minimum or (strictly and value == minimum):
-    raise _fail(obj, field, f"a number {'>' if strictly else '>='} {minimum}")
+    raise ConfigError(f"{name} = {value!r}: expected a number {'>' if strictly else '>='} "
+                      f'{minimum}.')
 
 
 def fraction(obj: Any, field: str) -> None:

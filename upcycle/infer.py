@@ -45,6 +45,10 @@ from upcycle.locks import output_lock
 
 log = logging.getLogger(__name__)
 
+TOKENIZER_FIX = ("TOKENIZER = %CHECKPOINT_PATH (runs/llm_infer.gin's default: the checkpoint's "
+                 "own); a run whose tokenizer/ was replaced needs the one it was trained with "
+                 'put back.')
+
 
 def output_name(source: str, step: int, decoding: Any, seed: int,
                 identity: Mapping[str, Any]) -> str:
@@ -143,6 +147,8 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
   fields.directory('MODEL_DIR (infer_script.infer.output_dir)', output_dir)
   checkpoint = pretrained.load(checkpoint_path, format, model_config=model.config, lazy=True,
                                with_optimizer_state=False)
+  pretrained.check_tokenizer(infer_data, model.config, checkpoint.path, checkpoint.format,
+                             fix=TOKENIZER_FIX)
   max_decode_length = max_decode_length or infer_data.feature_lengths['targets']
   path = epath.Path(output_dir) / 'inference' / output_name(
       predictions.source_name(infer_data), checkpoint.step or 0, decoding, seed,

@@ -6,6 +6,7 @@ the model); `upcycle.families` knows shapes. This module wires the two:
   ckpt = pretrained.load(path, model_config=cfg)   # checked against cfg's shapes
   params, config = pretrained.load_hf(path)        # the config HF's config.json implies
   params = pretrained.on_mesh(ckpt.params, cfg, mesh)   # placed by the model's logical axes
+  pretrained.check_tokenizer(data, cfg, ckpt.path, ckpt.format, fix=...)   # the weights' ids
 """
 
 import os
@@ -13,7 +14,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import jax
 
-from upcycle import checkpoints, families
+from upcycle import checkpoints, families, fields
+from upcycle.data import tokenizer as tokenizer_lib
 
 
 def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-builtin
@@ -64,3 +66,26 @@ def on_mesh(params: Any, model_config: Any, mesh: jax.sharding.Mesh) -> Any:
   # pylint: enable=g-import-not-at-top
   shardings = partitioning.logical_sharding(families.logical_params(model_config), mesh)
   return jax.tree.map(sharded.read, params, shardings)
+
+
+def data_tokenizer(data: Any, model_config: Any
+                   ) -> Optional[Tuple[tokenizer_lib.Tokenizer, str]]:
+  """(the tokenizer `data` reads, 'TOKENIZER (<its binding>)') for data that tokenizes text
+  itself (`load_tokenizer`: `lm.LmPipeline`, `prompts.Prompts`), else None; TokenizerError
+  (one line) where its ids exceed the rows of the model's embedding (`vocab_size`)."""
+  if not hasattr(data, 'load_tokenizer'):
+    return None
+  tok, binding = data.load_tokenizer(), f'TOKENIZER ({fields.binding(data, "tokenizer")})'
+  tokenizer_lib.check_fits(tok, model_config.vocab_size, binding=binding,
+                           rows_binding=fields.binding(model_config, 'vocab_size'))
+  return tok, binding
+
+
+def check_tokenizer(data: Any, model_config: Any, path: str,
+                    format: Optional[str],  # pylint: disable=redefined-builtin
+                    fix: str) -> None:
+  """`data_tokenizer`'s checks, and TokenizerError (one line ending in `fix`) where the
+  tokenizer is not the one the weights of checkpoint `path` were trained with."""
+  found = data_tokenizer(data, model_config)
+  if found is not None:
+    tokenizer_lib.check_trained(found[0], path, binding=found[1], format=format, fix=fix)

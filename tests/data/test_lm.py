@@ -185,3 +185,106 @@ def test_mixture_or_task_module_registers_the_text_task_of_training_and_of_promp
   with pytest.raises(fields.ConfigError, match=r"^prompts.Prompts.module = 'no_such_tasks' "):
     list(prompts.Prompts('x', 'validation', {'targets': 8}, tokenizer_lib.OFFLINE_BPE,
                          module='no_such_tasks')._task_prompts(offline))  # pylint: disable=protected-access
+
+
+@pytest.fixture(scope='module')
+def swapped(offline, tmp_path_factory):
+  """Another tokenizer: the offline BPE with the pieces of ids 2000 and 2001 swapped."""
+  from tests import helpers  # pylint: disable=g-import-not-at-top
+  return helpers.save_swapped_tokenizer(offline, str(tmp_path_factory.mktemp('swapped')))
+
+
+def test_a_swapped_tokenizer_is_another_tokenizer(offline, swapped):
+  """The reference: HF `tokenizers` reading the swapped file gives ids 2001 and 2000 where the
+  offline BPE gives 2000 and 2001 (' float', ' change')."""
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  other = tokenizers.Tokenizer.from_file(f'{swapped}/tokenizer.json')
+  text = 'x = float(y) + change'
+  assert {2000, 2001} <= set(offline.encode(text))
+  swap = {2000: 2001, 2001: 2000}
+  assert other.encode(text, add_special_tokens=False).ids == [
+      swap.get(i, i) for i in offline.encode(text)]
+  assert tokenizer_lib.load(swapped).digest != offline.digest
+
+
+def _run_step(run, pipeline, offline):
+  """MODEL_DIR `run` as the trainer leaves it: checkpoints/3 with the data position of
+  `pipeline` (what `train.host_data` saves), and the run's tokenizer/."""
+  from upcycle.checkpoints.orbax import CheckpointManager  # pylint: disable=g-import-not-at-top
+  from upcycle.train import host_data, host_states  # pylint: disable=g-import-not-at-top
+  position = host_states.gather(host_data.HostData(pipeline, global_batch_size=2, seed=0)
+                                .get_state())
+  with CheckpointManager(str(run / 'checkpoints'), async_save=False) as manager:
+    manager.save(3, {'w': np.zeros(2, np.float32)}, dataset_state=position)
+  offline.save(str(run / tokenizer_lib.RUN_SUBDIR))
+  return str(run / 'checkpoints' / '3')
+
+
+def test_a_tokenizer_that_is_not_the_weights_is_refused(docs_task, offline, swapped, tmp_path):
+  """A run's step is known by the digest its data position records (even where its tokenizer/
+  was replaced), an HF directory by its own files; the matching tokenizer passes."""
+  step = _run_step(tmp_path / 'run', lm.LmPipeline(docs_task, 'train', {'targets': 16}), offline)
+  other = tokenizer_lib.load(swapped)
+  assert tokenizer_lib.trained_with(step) == (
+      offline.short_digest, f'the data position saved in {step}/dataset')
+  tokenizer_lib.check_trained(offline, step, binding='TOKENIZER', fix='unused')
+  with pytest.raises(tokenizer_lib.TokenizerError) as refused:
+    tokenizer_lib.check_trained(other, str(tmp_path / 'run' / 'checkpoints'), binding='TOKENIZER',
+                                fix='give it back.')
+  assert str(refused.value) == (
+      f'TOKENIZER reads {swapped} (tokenizer digest {other.short_digest}), but the weights of '
+      f'{tmp_path}/run/checkpoints were trained with tokenizer {offline.short_digest} (the data '
+      f"position saved in {step}/dataset): they would read another tokenizer's ids. Fix: give "
+      'it back.')
+  other.save(str(tmp_path / 'run' / tokenizer_lib.RUN_SUBDIR))   # the run's tokenizer/ replaced
+  assert tokenizer_lib.load(step).digest == other.digest
+  with pytest.raises(tokenizer_lib.TokenizerError, match='were trained with tokenizer '):
+    tokenizer_lib.check_trained(tokenizer_lib.load(step), step, binding='TOKENIZER', fix='')
+
+  hf = tmp_path / 'hf'
+  offline.save(str(hf))
+  (hf / 'config.json').write_text(json.dumps({'bos_token_id': 1, 'eos_token_id': 2}))
+  assert tokenizer_lib.trained_with(str(hf), 'hf') == (
+      offline.short_digest, f'the tokenizer files in {hf}')
+  tokenizer_lib.check_trained(tokenizer_lib.load(str(hf)), str(hf), binding='TOKENIZER', fix='',
+                              format='hf')
+  with pytest.raises(tokenizer_lib.TokenizerError, match=f'the tokenizer files in {hf}'):
+    tokenizer_lib.check_trained(other, str(hf), binding='TOKENIZER', fix='', format='hf')
+  bare = tmp_path / 'bare'   # weights without tokenizer files: nothing to compare with
+  bare.mkdir()
+  assert tokenizer_lib.trained_with(str(bare), 'hf') is None
+
+
+def test_merged_sources_must_share_their_tokenizer(offline, swapped, tmp_path):
+  for name in ('a', 'b'):
+    offline.save(str(tmp_path / name))
+  shared = tokenizer_lib.load([str(tmp_path / 'a'), str(tmp_path / 'b')])
+  assert shared.digest == offline.digest
+  with pytest.raises(tokenizer_lib.TokenizerError) as refused:
+    tokenizer_lib.load((str(tmp_path / 'a'), swapped))
+  other = tokenizer_lib.load(swapped)
+  assert str(refused.value) == (
+      f"TOKENIZER={[str(tmp_path / 'a'), swapped]!r}: {swapped} carries another tokenizer "
+      f'({swapped}, digest {other.short_digest}) than {tmp_path}/a ({tmp_path}/a, digest '
+      f'{offline.short_digest}): their embeddings index different pieces and cannot be merged. '
+      'Fix: give checkpoints trained with one tokenizer.')
+
+
+def test_ids_past_the_embedding_and_a_spec_that_is_no_path_are_refused(docs_task, offline):
+  tokenizer_lib.check_fits(offline, 4096, binding='TOKENIZER', rows_binding='unused')
+  with pytest.raises(tokenizer_lib.TokenizerError) as refused:
+    tokenizer_lib.check_fits(offline, 4000, binding='TOKENIZER (lm.LmPipeline.tokenizer)',
+                             rows_binding='models.LlamaConfig.vocab_size')
+  assert str(refused.value) == (
+      "TOKENIZER (lm.LmPipeline.tokenizer) reads offline_stdlib_bpe, whose 4096 pieces have ids "
+      "up to 4095, but the model's embedding has 4000 rows (models.LlamaConfig.vocab_size = "
+      '4000). Fix: the tokenizer the model was made for, or models.LlamaConfig.vocab_size = '
+      '4096 or more.')
+  with pytest.raises(fields.ConfigError) as refused:
+    lm.LmPipeline(docs_task, 'train', {'targets': 8}, tokenizer=5)
+  assert str(refused.value) == (
+      "TOKENIZER (lm.LmPipeline.tokenizer) = 5: expected a tokenizer: 'offline_stdlib_bpe', an "
+      'HF checkpoint directory or a run directory (a string), or a list of checkpoints that '
+      'share one.')
+  assert lm.LmPipeline(docs_task, 'train', {'targets': 8}, tokenizer=['a', 'b']).tokenizer == (
+      'a', 'b')

@@ -116,3 +116,24 @@ def test_upit_expansion_from_hf_llamas_merges_around_the_base(branches, via, tmp
   assert np.all(np.min(np.abs(merged[None] - candidates), axis=0) <= 1e-5)
   kept_a = np.isclose(merged, da, atol=1e-5) | np.isclose(merged, da + db, atol=1e-5)
   assert 0.35 < kept_a.mean() < 0.65            # about half of a's delta kept
+
+
+def test_each_merged_source_is_checked_against_the_runs_tokenizer(tmp_path):
+  """Branch-Train-MiX with TOKENIZER given: a source whose own tokenizer files are another
+  tokenizer (two ids swapped) is refused in one line; the one that carries it passes."""
+  from tests.helpers import save_swapped_tokenizer  # pylint: disable=g-import-not-at-top
+  from upcycle.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  offline = tokenizer_lib.load(tokenizer_lib.OFFLINE_BPE)
+  a, b = str(tmp_path / 'a'), save_swapped_tokenizer(offline, str(tmp_path / 'b'))
+  offline.save(a)
+  UpcycleFromDense([a], format='hf', experts=sources.FromCheckpoints).check_tokenizer(
+      offline, 'TOKENIZER')
+  with pytest.raises(tokenizer_lib.TokenizerError) as refused:
+    UpcycleFromDense([a, b], format='hf', experts=sources.FromCheckpoints).check_tokenizer(
+        offline, 'TOKENIZER')
+  assert str(refused.value) == (
+      f'TOKENIZER reads offline_stdlib_bpe (tokenizer digest {offline.short_digest}), but the '
+      f'weights of {b} were trained with tokenizer {tokenizer_lib.load(b).short_digest} (the '
+      f"tokenizer files in {b}): they would read another tokenizer's ids. Fix: TOKENIZER = "
+      f"'{b}', the checkpoint's own (runs/llm_continue.gin's and runs/llm_upcycle.gin's "
+      'default); merged checkpoints must share one.')

@@ -5,6 +5,7 @@ continuing another's step (runs/llm_continue.gin, RESTORE_DATASET) trains its ne
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -165,3 +166,47 @@ def test_an_hf_llama_upcycled_in_the_restore_hook_starts_at_the_dense_loss(tmp_p
       source = np.asarray(dense_moments['decoder']['layers_1']['mlp'][name]['kernel'])
       assert np.abs(source).max() > 0
       np.testing.assert_array_equal(tiled, np.broadcast_to(source, tiled.shape))
+
+
+@pytest.mark.slow
+def test_a_tokenizer_that_is_not_the_weights_is_refused_before_any_step(tmp_path):
+  """Resuming a run, or continuing its step, with another tokenizer (the offline BPE with two
+  ids swapped), and an embedding with fewer rows than the tokenizer has ids: each refused in
+  one line naming TOKENIZER before a step is trained or a file written; the run's own
+  tokenizer resumes it."""
+  from tests import helpers  # pylint: disable=g-import-not-at-top
+  from upcycle.train.restore import ContinueFromCheckpoint  # pylint: disable=g-import-not-at-top
+  offline = tokenizer_lib.load(tokenizer_lib.OFFLINE_BPE)
+  swapped = helpers.save_swapped_tokenizer(offline, str(tmp_path / 'swapped'))
+  other = tokenizer_lib.load(swapped)
+
+  def run(name, steps=2, tokenizer=tokenizer_lib.OFFLINE_BPE, initializer=None, **model):
+    config = TrainConfig(str(tmp_path / name), train_steps=steps, batch_size=8,
+                         checkpoint_every=2, async_checkpoints=False, tensorboard=False)
+    return Trainer(CausalLm(Llama(dataclasses.replace(TINY_LLAMA, **model))),
+                   AdamW(schedule=warmup_decay_schedule(1e-3, 1, 4)), config,
+                   LmPipeline('offline_stdlib_text', 'train', {'targets': 16},
+                              tokenizer=tokenizer), initializer=initializer).run()
+
+  run('run')
+  step = str(tmp_path / 'run' / 'checkpoints' / '2')
+  with pytest.raises(tokenizer_lib.TokenizerError) as refused:
+    run('run', steps=4, tokenizer=swapped)
+  assert str(refused.value) == (
+      f'TOKENIZER (lm.LmPipeline.tokenizer) reads {swapped} (tokenizer digest '
+      f'{other.short_digest}), but the weights of {step} were trained with tokenizer '
+      f'{offline.short_digest} (the data position saved in {step}/dataset): they would read '
+      f"another tokenizer's ids. Fix: resume with the tokenizer the run was trained with "
+      f'(TOKENIZER in {tmp_path}/run/config.gin), or train in a new MODEL_DIR.')
+  assert os.listdir(tmp_path / 'run' / 'checkpoints') == ['2']
+  with pytest.raises(tokenizer_lib.TokenizerError, match=re.escape(
+      f"Fix: TOKENIZER = '{step}', the checkpoint's own (runs/llm_continue.gin's and "
+      "runs/llm_upcycle.gin's default).")):
+    run('continued', steps=4, tokenizer=swapped, initializer=ContinueFromCheckpoint(step))
+  with pytest.raises(tokenizer_lib.TokenizerError, match=re.escape(
+      "reads offline_stdlib_bpe, whose 4096 pieces have ids up to 4095, but the model's "
+      'embedding has 4000 rows (models.LlamaConfig.vocab_size = 4000).')):
+    run('small', vocab_size=4000)
+  assert not os.path.exists(tmp_path / 'continued' / 'checkpoints' / '4')
+  assert not os.path.exists(tmp_path / 'small' / 'checkpoints')
+  assert run('run', steps=4)['start_step'] == 2   # its own tokenizer resumes it

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from sklearn.linear_model import Ridge
 
+from upcycle import fields
 from upcycle.train import fewshot, losses, optimizers
 
 
@@ -106,3 +107,23 @@ def test_fewshot_probe_separates_separable_classes_and_counts_shots():
   assert np.bincount(labels[index]).tolist() == [5, 5, 5, 5]
   with pytest.raises(ValueError, match='only 20'):
     fewshot.select_shots(labels, 25, 4)
+
+
+@pytest.mark.parametrize('build, error', [
+    (lambda: optimizers.warmup_decay_schedule('1e-3', 10, 100),
+     "optimizers.warmup_decay_schedule.peak_learning_rate (LEARNING_RATE) = '1e-3': expected a "
+     'number >= 0.0.'),
+    (lambda: optimizers.warmup_decay_schedule(1e-3, 10.5, 100),
+     'optimizers.warmup_decay_schedule.warmup_steps (WARMUP_STEPS) = 10.5: expected an integer '
+     '>= 0.'),
+    (lambda: optimizers.constant_schedule(None),
+     'optimizers.constant_schedule.learning_rate = None: expected a number >= 0.0.'),
+    (lambda: optimizers.rsqrt_schedule(-1.0),
+     'optimizers.rsqrt_schedule.base_learning_rate = -1.0: expected a number >= 0.0.'),
+    (lambda: optimizers.BigVisionAdafactor(optimizers.constant_schedule(), learning_rate='1'),
+     "optimizers.BigVisionAdafactor.learning_rate = '1': expected a number >= 0.0."),
+])
+def test_a_learning_rate_or_steps_of_the_wrong_type_are_refused_naming_the_binding(build, error):
+  with pytest.raises(fields.ConfigError) as refused:
+    build()
+  assert str(refused.value) == error

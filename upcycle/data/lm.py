@@ -17,6 +17,7 @@ segment ids, not from `token != 0` (Llama 3's id 0 is a real piece).
 
 import dataclasses
 import functools
+import logging
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
@@ -32,10 +33,15 @@ FEATURES = ('decoder_input_tokens', 'decoder_target_tokens', 'decoder_loss_weigh
             'decoder_segment_ids', 'decoder_positions')
 SHUFFLE_BUFFER = 1000   # windows, as seqio's default task buffer
 
+log = logging.getLogger(__name__)
+
 
 @functools.lru_cache(maxsize=4)
-def _tokenizer(spec: str) -> tokenizer_lib.Tokenizer:
-  return tokenizer_lib.load(spec)
+def _tokenizer(spec: tokenizer_lib.Spec) -> tokenizer_lib.Tokenizer:
+  tok = tokenizer_lib.load(spec)
+  log.info('Tokenizer: %s (%d pieces, digest %s), from TOKENIZER = %r.', tok.source,
+           tok.vocab_size, tok.short_digest, spec)
+  return tok
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +54,8 @@ class LmPipeline:
     feature_lengths: {'targets': tokens per row}, as T5X's decoder-only runs give
       TASK_FEATURE_LENGTHS.
     tokenizer: `upcycle.data.tokenizer.load`'s spec: 'offline_stdlib_bpe', an HF
-      checkpoint directory, or a run directory.
+      checkpoint directory, or a run directory (a list of checkpoints: the one tokenizer
+      they share).
     pack: several windows per row (segment ids apart); else one window per row, padded.
     shuffle: shuffle documents (the source's order) and windows (a seeded buffer).
     text_key: the source's text feature.
@@ -58,7 +65,7 @@ class LmPipeline:
   task: str
   split: str
   feature_lengths: Mapping[str, int]
-  tokenizer: str = tokenizer_lib.OFFLINE_BPE
+  tokenizer: tokenizer_lib.Spec = tokenizer_lib.OFFLINE_BPE
   pack: bool = True
   shuffle: bool = True
   text_key: str = 'text'
@@ -67,6 +74,8 @@ class LmPipeline:
   def __post_init__(self):   # a decoder-only run has no 'inputs': refused, not ignored
     fields.lengths(self, 'feature_lengths', ('targets',), "TASK_FEATURE_LENGTHS = "
                    "{'targets': 128}", only=True)
+    object.__setattr__(self, 'tokenizer', tokenizer_lib.checked_spec(
+        f'TOKENIZER ({fields.binding(self, "tokenizer")})', self.tokenizer))
 
   @property
   def length(self) -> int:
@@ -79,7 +88,7 @@ class LmPipeline:
     """JSON-serializable identity; the tokenizer by its files' digest, so a resumed run
     reads the same ids."""
     return {'kind': 'lm', 'task': self.task, 'split': self.split, 'length': self.length,
-            'tokenizer': self.load_tokenizer().digest[:16], 'pack': self.pack,
+            'tokenizer': self.load_tokenizer().short_digest, 'pack': self.pack,
             'shuffle': self.shuffle}
 
   def batch_spec(self, batch_size: int) -> Dict[str, Tuple[Tuple[int, ...], np.dtype]]:

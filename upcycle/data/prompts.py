@@ -49,13 +49,20 @@ class Prompts:
   task: str
   split: str
   feature_lengths: Mapping[str, int]
-  tokenizer: str
+  tokenizer: tokenizer_lib.Spec
   prompts_file: Optional[str] = None
   text_key: str = 'text'
   module: Optional[str] = None
 
   def __post_init__(self):
     fields.lengths(self, 'feature_lengths', ('targets',), "TASK_FEATURE_LENGTHS = {'targets': 128}")
+    object.__setattr__(self, 'tokenizer', tokenizer_lib.checked_spec(
+        f'TOKENIZER ({fields.binding(self, "tokenizer")})', self.tokenizer))
+    if self.prompts_file is not None and (not isinstance(self.prompts_file, str)
+                                          or not self.prompts_file):
+      raise fields.ConfigError(
+          f'PROMPTS_FILE ({fields.binding(self, "prompts_file")}) = {self.prompts_file!r}: '
+          'expected the path of a JSONL file (a string), or None for the task\'s documents.')
 
   @property
   def length(self) -> int:
@@ -133,9 +140,15 @@ class Prompts:
     return path
 
   def _file_lines(self) -> Iterator[Tuple[int, str]]:
-    """(line number, line) of the file's non-blank lines."""
-    with self._file().open() as f:
-      for number, line in enumerate(f, 1):
+    """(line number, line) of the file's non-blank lines, refusing bytes that are not UTF-8."""
+    with self._file().open('rb') as f:
+      for number, raw in enumerate(f, 1):
+        try:
+          line = raw.decode('utf-8')
+        except UnicodeDecodeError as e:
+          raise PromptsError(
+              f'{self.prompts_file}:{number}: not UTF-8 ({e.reason} at byte {e.start + 1} of '
+              'the line). Fix: write the file as UTF-8.') from None
         if line.strip():
           yield number, line
 
@@ -149,6 +162,13 @@ class Prompts:
                            'line.') from e
       if not isinstance(record, dict) or not isinstance(record.get('prompt'), str):
         raise PromptsError(f'{where}: expected {{"prompt": "<text>"}}, got {line.strip()[:80]}.')
+      try:
+        record['prompt'].encode('utf-8')
+      except UnicodeEncodeError as e:   # a lone surrogate escape (\ud800): no character
+        raise PromptsError(
+            f'{where}: the prompt holds {record["prompt"][e.start]!r} at character '
+            f'{e.start + 1}, half of a UTF-16 surrogate pair, which is no text. Fix: escape '
+            'whole characters (\\ud83d\\ude00), or write them as UTF-8.') from None
       tokens = [tok.bos_id, *tok.encode(record['prompt'])]
       if len(tokens) > self.length:
         raise PromptsError(

@@ -10,6 +10,12 @@ file from the same Python), cached under `~/.cache/upcycle/` (`UPCYCLE_CACHE` mo
 
 Text is encoded without the tokenizer's own special tokens; the pipeline adds BOS and EOS
 itself, so every tokenizer frames a document the same way.
+
+Which tokenizer a checkpoint's weights belong to (`trained_with`): a step of a run of ours
+records its tokenizer's digest in its saved data position (`dataset/`, `lm.LmPipeline.describe`),
+else the run keeps it in `tokenizer/`; an HF directory carries its own files. `check_trained`
+refuses, in one line, a tokenizer that is not that one, and `check_fits` one whose ids exceed
+the model's embedding rows: both would train or decode on ids the weights were not made for.
 """
 
 import dataclasses
@@ -19,9 +25,11 @@ import json
 import os
 import sys
 import tempfile
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from etils import epath
+
+from upcycle import fields
 
 OFFLINE_BPE = 'offline_stdlib_bpe'
 OFFLINE_VOCAB_SIZE = 4096
@@ -29,6 +37,8 @@ OFFLINE_SPECIAL = ('<pad>', '<s>', '</s>')   # ids 0, 1, 2: padding never collid
 FILES = ('tokenizer.json', 'tokenizer.model', 'tokenizer_config.json',
          'special_tokens_map.json')
 RUN_SUBDIR = 'tokenizer'
+DIGEST_CHARS = 16   # of the digest a step's data position records (`lm.LmPipeline.describe`)
+Spec = Union[str, Sequence[str]]
 
 
 class TokenizerError(ValueError):
@@ -44,12 +54,19 @@ class Tokenizer:
     bos_id / eos_id: the ids that open and close every document.
     vocab_size: the tokenizer's pieces (the model's vocabulary may be larger).
     digest: sha256 of the files, so a resumed run can check it reads the same ids.
+    source: where it was read (a directory, or `OFFLINE_BPE`), for messages.
   """
   files: Dict[str, bytes]
   bos_id: int
   eos_id: int
   vocab_size: int
   digest: str
+  source: str
+
+  @property
+  def short_digest(self) -> str:
+    """The digest as a step's data position records it."""
+    return self.digest[:DIGEST_CHARS]
 
   def encode(self, text: str) -> List[int]:
     return _backend(self.digest, self.files).encode(text)
@@ -137,9 +154,12 @@ def _special_id(directory: str, files: Dict[str, bytes], backend, which: str) ->
   return backend.token_id(token) if token else None
 
 
+def _files(directory: epath.Path) -> Dict[str, bytes]:
+  return {name: (directory / name).read_bytes() for name in FILES if (directory / name).exists()}
+
+
 def _from_directory(directory: str) -> Tokenizer:
-  path = epath.Path(directory)
-  files = {name: (path / name).read_bytes() for name in FILES if (path / name).exists()}
+  files = _files(epath.Path(directory))
   if 'tokenizer.json' not in files and 'tokenizer.model' not in files:
     raise TokenizerError(
         f'{directory} holds no tokenizer.json or tokenizer.model: give the HuggingFace '
@@ -151,7 +171,8 @@ def _from_directory(directory: str) -> Tokenizer:
     raise TokenizerError(
         f'{directory}: no {"bos" if bos is None else "eos"}_token_id in config.json nor its '
         'token in tokenizer_config.json; add it to config.json.')
-  return Tokenizer(files=files, bos_id=bos, eos_id=eos, vocab_size=backend.size(), digest=digest)
+  return Tokenizer(files=files, bos_id=bos, eos_id=eos, vocab_size=backend.size(), digest=digest,
+                   source=directory)
 
 
 def _cache_dir() -> str:
@@ -194,18 +215,126 @@ def _offline_bpe() -> Tokenizer:
   files = {'tokenizer.json': data,
            'tokenizer_config.json': json.dumps(config, indent=2).encode('utf-8')}
   return Tokenizer(files=files, bos_id=1, eos_id=2, vocab_size=OFFLINE_VOCAB_SIZE,
-                   digest=_digest(files))
+                   digest=_digest(files), source=OFFLINE_BPE)
 
 
-def load(spec: str) -> Tokenizer:
-  """`OFFLINE_BPE`, an HF checkpoint directory, or a run directory (or a checkpoint in it)."""
-  if spec == OFFLINE_BPE:
-    return _offline_bpe()
+def _has_files(directory: epath.Path) -> bool:
+  return any((directory / name).exists() for name in FILES[:2])
+
+
+def _directory(spec: str) -> Optional[epath.Path]:
+  """The directory `load(spec)` reads: `spec` itself, or the `tokenizer/` of the run it is in
+  (a MODEL_DIR, its checkpoints/, one of its steps); None if there is none."""
   path = epath.Path(spec)
   for candidate in (path, path / RUN_SUBDIR, path.parent / RUN_SUBDIR,
                     path.parent.parent / RUN_SUBDIR):
-    if any((candidate / name).exists() for name in FILES[:2]):
-      return _from_directory(os.fspath(candidate))
+    if _has_files(candidate):
+      return candidate
+  return None
+
+
+def load(spec: Spec) -> Tokenizer:
+  """`OFFLINE_BPE`, an HF checkpoint directory, or a run directory (or a checkpoint in it);
+  several checkpoints (Branch-Train-MiX sources): the one tokenizer they all carry."""
+  if not isinstance(spec, str):
+    return _shared(spec)
+  if spec == OFFLINE_BPE:
+    return _offline_bpe()
+  directory = _directory(spec)
+  if directory is None:
+    raise TokenizerError(
+        f'TOKENIZER={spec!r}: no tokenizer.json or tokenizer.model there, nor in a run\'s '
+        f"{RUN_SUBDIR}/ above it. Give the HF checkpoint directory or run its weights were "
+        f"trained with, or '{OFFLINE_BPE}'.")
+  return _from_directory(os.fspath(directory))
+
+
+def _shared(specs: Sequence[str]) -> Tokenizer:
+  """The tokenizer every one of `specs` carries; TokenizerError where two differ (merged
+  embeddings would average rows of different pieces)."""
+  tokenizers = [load(spec) for spec in specs]
+  for spec, tok in zip(specs[1:], tokenizers[1:]):
+    if tok.digest != tokenizers[0].digest:
+      raise TokenizerError(
+          f'TOKENIZER={list(specs)!r}: {spec} carries another tokenizer ({tok.source}, digest '
+          f'{tok.short_digest}) than {specs[0]} ({tokenizers[0].source}, digest '
+          f'{tokenizers[0].short_digest}): their embeddings index different pieces and cannot be '
+          f'merged. Fix: give checkpoints trained with one tokenizer.')
+  return tokenizers[0]
+
+
+def checked_spec(name: str, spec: object) -> Spec:
+  """`spec` if it is one (a non-empty string, or a non-empty list of them, made a tuple),
+  else ConfigError naming the binding `name`."""
+  if isinstance(spec, (list, tuple)) and spec and all(isinstance(s, str) and s for s in spec):
+    return tuple(spec)
+  if not isinstance(spec, str) or not spec:
+    raise fields.ConfigError(
+        f'{name} = {spec!r}: expected a tokenizer: {OFFLINE_BPE!r}, an HF checkpoint directory '
+        f'or a run directory (a string), or a list of checkpoints that share one.')
+  return spec
+
+
+def trained_with(path: str, format: Optional[str] = None  # pylint: disable=redefined-builtin
+                 ) -> Optional[Tuple[str, str]]:
+  """(digest, where it was found) of the tokenizer the weights of checkpoint `path` were
+  trained with, the digest `DIGEST_CHARS` long: a step of a run of ours (or its MODEL_DIR:
+  the latest step) by the digest its data position records, else by the run's `tokenizer/`;
+  an HF directory by its own tokenizer files. None where that is not known (no record, no
+  files, other formats). `format`: `upcycle.checkpoints.FORMATS`' name, None detects it."""
+  # pylint: disable=g-import-not-at-top  (the checkpoint readers are not the data pipeline's)
+  from upcycle import checkpoints
+  from upcycle.checkpoints import orbax
+  # pylint: enable=g-import-not-at-top
+  format = format or checkpoints.detect_format(path)
+  if format == 'orbax':
+    step_dir = orbax.latest(path)
+    digest = _recorded(step_dir)
+    if digest is not None:
+      return digest, f'the data position saved in {os.path.join(step_dir, orbax.DATASET)}'
+    directory = _directory(step_dir)
+  elif format == 'hf':
+    directory = epath.Path(path) if _has_files(epath.Path(path)) else None
+  else:
+    return None
+  if directory is None:
+    return None
+  return _digest(_files(directory))[:DIGEST_CHARS], f'the tokenizer files in {directory}'
+
+
+def _recorded(step_dir: str) -> Optional[str]:
+  """The tokenizer digest the data position of the step at `step_dir` records, if any."""
+  from upcycle.checkpoints import orbax  # pylint: disable=g-import-not-at-top
+  try:
+    state = orbax.dataset_state(step_dir)
+  except Exception:  # pylint: disable=broad-except  (a damaged step: resuming sets it aside)
+    return None
+  for shard in (state or {}).get('shards', {}).values():   # `train.host_states.gather`'s form
+    recorded = shard.get('pipeline', {}).get('tokenizer')
+    if isinstance(recorded, str):
+      return recorded
+  return None
+
+
+def check_trained(tokenizer: Tokenizer, path: str, *, binding: str, fix: str,
+                  format: Optional[str] = None) -> None:  # pylint: disable=redefined-builtin
+  """TokenizerError (one line naming `binding`, ending in `fix`) unless `tokenizer` is the one
+  checkpoint `path`'s weights were trained with, where that is known (`trained_with`)."""
+  found = trained_with(path, format)
+  if found is None or found[0] == tokenizer.short_digest:
+    return
   raise TokenizerError(
-      f'TOKENIZER={spec!r}: no tokenizer.json or tokenizer.model there, nor in a run\'s '
-      f"{RUN_SUBDIR}/ above it. Give an HF checkpoint directory or '{OFFLINE_BPE}'.")
+      f'{binding} reads {tokenizer.source} (tokenizer digest {tokenizer.short_digest}), but the '
+      f'weights of {path} were trained with tokenizer {found[0]} ({found[1]}): they would '
+      f'read another tokenizer\'s ids. Fix: {fix}')
+
+
+def check_fits(tokenizer: Tokenizer, rows: int, *, binding: str, rows_binding: str) -> None:
+  """TokenizerError unless every id of `tokenizer` has one of the embedding's `rows` (an id
+  past them reads no row: NaN from the first step)."""
+  if tokenizer.vocab_size > rows:
+    raise TokenizerError(
+        f'{binding} reads {tokenizer.source}, whose {tokenizer.vocab_size} pieces have ids up to '
+        f'{tokenizer.vocab_size - 1}, but the model\'s embedding has {rows} rows '
+        f'({rows_binding} = {rows}). Fix: the tokenizer the model was made for, or '
+        f'{rows_binding} = {tokenizer.vocab_size} or more.')

@@ -61,21 +61,23 @@ def _keep_tokenizer(train_data: Any, model_dir: str) -> None:
 def main(argv) -> int:
   """Runs `train`; --help exits 0, and refusals (bad flags or gin files, bad config values,
   MODEL_DIR in use or not a directory, a checkpoint that does not fit or cannot be read, a
-  loss that became NaN) end with one message and exit status 1 instead of a traceback
-  (gin_utils.run; --verbose shows it); so does a task whose data cannot be read
-  (upcycle.data.source_errors). Any other error shows its traceback once. SIGTERM saves the
-  step it arrives at and exits with status 143 (train/preemption.py)."""
+  tokenizer that is missing or not the weights', a loss that became NaN) end with one message
+  and exit status 1 instead of a traceback (gin_utils.run; --verbose shows it); so does a task
+  whose data cannot be read (upcycle.data.source_errors). Any other error shows its traceback
+  once. SIGTERM saves the step it arrives at and exits with status 143 (train/preemption.py)."""
   # pylint: disable=g-import-not-at-top
   from upcycle import fields
   from upcycle.checkpoints import CheckpointError
   from upcycle.data.source_errors import SourceError
+  from upcycle.data.tokenizer import TokenizerError
   from upcycle.train.preemption import Stopped
   from upcycle.train.run_lock import RunDirectoryInUse
   from upcycle.train.trainer import NonFiniteLossError
   # pylint: enable=g-import-not-at-top
   try:
     gin_utils.run(train, argv, __doc__, expected=(
-        fields.ConfigError, RunDirectoryInUse, CheckpointError, SourceError, NonFiniteLossError))
+        fields.ConfigError, RunDirectoryInUse, CheckpointError, SourceError, TokenizerError,
+        NonFiniteLossError))
   except Stopped as e:   # SIGTERM: the step is saved; the shell's status for a SIGTERM
     print(gin_utils.message(e), file=sys.stderr)
     return 128 + signal.SIGTERM

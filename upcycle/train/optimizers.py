@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from upcycle import tree
+from upcycle import fields, tree
 from upcycle.train import t5x_adafactor
 
 Schedule = Callable[[jnp.ndarray], jnp.ndarray]
@@ -28,6 +28,8 @@ ParamAxes = Mapping[str, Optional[Sequence[Optional[str]]]]
 
 def rsqrt_schedule(base_learning_rate: float = 1.0, warmup_steps: int = 10_000) -> Schedule:
   """T5X's inverse square root: base / sqrt(max(step, warmup)) (constant during warmup)."""
+  fields.number_value('optimizers.rsqrt_schedule.base_learning_rate', base_learning_rate)
+  fields.integer_value('optimizers.rsqrt_schedule.warmup_steps', warmup_steps, 0)
   def schedule(step):
     return base_learning_rate / jnp.sqrt(jnp.maximum(jnp.asarray(step, jnp.float32), warmup_steps))
   return schedule
@@ -35,12 +37,18 @@ def rsqrt_schedule(base_learning_rate: float = 1.0, warmup_steps: int = 10_000) 
 
 def constant_schedule(learning_rate: float = 1e-3) -> Schedule:
   """A constant learning rate (T5X's fine-tuning default, 1e-3 with Adafactor)."""
+  fields.number_value('optimizers.constant_schedule.learning_rate', learning_rate)
   return lambda step: jnp.full((), learning_rate, jnp.float32)
 
 
 def warmup_decay_schedule(peak_learning_rate: float, warmup_steps: int, total_steps: int,
                           decay: str = 'cosine', end_learning_rate: float = 0.0) -> Schedule:
   """Linear warmup from 0 to the peak, then cosine or linear decay to the end value."""
+  name = 'optimizers.warmup_decay_schedule.'
+  fields.number_value(f'{name}peak_learning_rate (LEARNING_RATE)', peak_learning_rate)
+  fields.number_value(f'{name}end_learning_rate (MIN_LEARNING_RATE)', end_learning_rate)
+  fields.integer_value(f'{name}warmup_steps (WARMUP_STEPS)', warmup_steps, 0)
+  fields.integer_value(f'{name}total_steps (SCHEDULE_STEPS)', total_steps, 0)
   if decay == 'cosine':
     return optax.warmup_cosine_decay_schedule(0.0, peak_learning_rate, warmup_steps,
                                               max(total_steps, warmup_steps + 1),
@@ -204,6 +212,10 @@ class BigVisionAdafactor:
   momentum: Optional[float] = 0.9
   momentum_dtype: str = 'bfloat16'
   epsilon: float = 1e-30
+
+  def __post_init__(self):   # LEARNING_RATE and WEIGHT_DECAY in runs/vit_pretrain.gin
+    fields.number(self, 'learning_rate')
+    fields.number(self, 'weight_decay')
 
   @property
   def schedule(self) -> Schedule:

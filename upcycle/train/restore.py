@@ -48,6 +48,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 from upcycle import fields, pretrained, tree
 from upcycle.checkpoints import describe, orbax, paths
+from upcycle.data import tokenizer as tokenizer_lib
 from upcycle.train.state import TrainState
 from upcycle.train.state_jit import StateJit, host_jit, layout, plan_jit
 from upcycle.upcycling import modes, step_policy
@@ -188,8 +189,7 @@ class Restore(abc.ABC):
       return
     run = os.path.realpath(model_dir)
     steps = os.path.join(run, orbax.RUN_CHECKPOINTS)
-    sources = [self.checkpoint] if isinstance(self.checkpoint, str) else list(self.checkpoint)
-    for source in sources:
+    for source in self._paths():
       if paths.is_url(source):
         continue
       src = os.path.realpath(source)
@@ -201,6 +201,20 @@ class Restore(abc.ABC):
         raise fields.ConfigError(
             f'trainer.TrainConfig.model_dir = {model_dir!r} {why} ({owner}.checkpoint, '
             f'INITIAL_CHECKPOINT_PATH). Fix: give the run a directory of its own, outside it.')
+
+  def _paths(self) -> Sequence[str]:
+    return [self.checkpoint] if isinstance(self.checkpoint, str) else list(self.checkpoint)
+
+  def check_tokenizer(self, tokenizer: tokenizer_lib.Tokenizer, binding: str) -> None:
+    """Refuses (`tokenizer.TokenizerError`, one line) the run's tokenizer unless it is the one
+    each source checkpoint's weights were trained with, where that is known
+    (`tokenizer.trained_with`): several sources must share it."""
+    shared = '' if isinstance(self.checkpoint, str) else '; merged checkpoints must share one'
+    for source in self._paths():
+      tokenizer_lib.check_trained(
+          tokenizer, source, binding=binding, format=self.format,
+          fix=f"TOKENIZER = {source!r}, the checkpoint's own (runs/llm_continue.gin's and "
+          f"runs/llm_upcycle.gin's default){shared}.")
 
   def dataset_state(self) -> Optional[dict]:
     if not self.restore_dataset:

@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from upcycle import fields
+from upcycle import fields, pretrained
 from upcycle.checkpoints import paths, t5x_export
 from upcycle.checkpoints.orbax import RUN_CHECKPOINTS, CheckpointManager
+from upcycle.data import tokenizer as tokenizer_lib
 from upcycle.train import (cadence, evaluation, host_states, partitioning, preemption, resume,
                            run_lock, stall, startup)
 from upcycle.train.built_run import build_run
@@ -230,6 +231,7 @@ class Trainer:
     (the data position set from it), else the initializer's state, else a random one."""
     built = self.built
     host_states.wait_for_all_hosts('restore')
+    self._check_tokenizer(manager)
     restored = resume.restore(manager, built.abstract, model_dir=self.config.model_dir,
                               on_optimizer_mismatch=self.config.on_optimizer_mismatch,
                               with_dataset=bool(data.get_state()))
@@ -258,10 +260,30 @@ class Trainer:
       opt_state = jax.jit(lambda p: step_policy.fresh(built.optimizer.init(p), restored.step),
                           out_shardings=built.shardings.opt_state)(restored.params)
     if restored.dataset_state is not None:
-      data.set_state(host_states.mine(restored.dataset_state, data.shards))
+      try:
+        data.set_state(host_states.mine(restored.dataset_state, data.shards))
+      except ValueError as e:   # another seed, batch size or pipeline than the run's
+        raise fields.ConfigError(f'{manager.directory}, step {restored.step}: {e}') from e
     log.info('Resuming from %s at step %s.', manager.directory, restored.step)
     step = jax.device_put(jnp.asarray(restored.step, jnp.int32), built.shardings.step)
     return TrainState(step, restored.params, opt_state), True
+
+  def _check_tokenizer(self, manager: CheckpointManager) -> None:
+    """Refuses (`tokenizer.TokenizerError`, one line) a tokenizer whose ids exceed the model's
+    embedding, or that is not the one of the weights the run starts from: its own latest step
+    when it resumes, else the initializer's checkpoints. Data without a tokenizer passes."""
+    found = pretrained.data_tokenizer(self.train_data, self.built.objective.model.config)
+    if found is None:
+      return
+    tok, binding = found
+    latest = manager.latest_step()
+    if latest is not None:
+      tokenizer_lib.check_trained(
+          tok, os.path.join(manager.directory, str(latest)), binding=binding, format='orbax',
+          fix=f'resume with the tokenizer the run was trained with (TOKENIZER in '
+          f'{self.config.model_dir}/config.gin), or train in a new MODEL_DIR.')
+    else:
+      getattr(self.initializer, 'check_tokenizer', lambda tok, binding: None)(tok, binding)
 
   def _run(self, cfg: TrainConfig, on_start: Callable[[], None]) -> Dict[str, Any]:
     built, data = self.built, self._host_data()
