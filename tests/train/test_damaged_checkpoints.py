@@ -17,6 +17,7 @@ import os
 import shutil
 import zlib
 
+import gin
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -231,8 +232,20 @@ def _refused(call, changed, skip='--no_verify'):
                           f'source, or pass {skip} to read it as it is.')
 
 
+def _eval_argv(step_dir):
+  """`python -m upcycle.eval`'s flags for a step of the fixture's run: one batch, no decoding."""
+  return ['--gin_file=models/t5_1_1/tiny.gin', '--gin_file=runs/eval.gin',
+          '--gin_file=data/offline_span_corruption.gin', f"--gin.CHECKPOINT_PATH='{step_dir}'",
+          f'--gin.TASK_FEATURE_LENGTHS={TEXT_LENGTHS}', '--gin.BATCH_SIZE=8',
+          '--gin.EVAL_BATCHES=1', '--gin.upcycle.eval.evaluate.decode_data=None',
+          *(f'--gin.models.T5Config.{field}={getattr(TRAINING_T5, field)}' for field in (
+              'd_model', 'd_ff', 'num_heads', 'd_kv', 'num_encoder_layers',
+              'num_decoder_layers'))]
+
+
 @pytest.mark.slow
-def test_every_reader_refuses_changed_bytes_unless_told_not_to_verify(run, tmp_path, capsys):
+def test_every_reader_refuses_changed_bytes_unless_told_not_to_verify(run, tmp_path, capsys,
+                                                                      entry_points):
   model_dir = _copy(run, tmp_path)
   step_dir = model_dir / 'checkpoints' / '4'
   _flip_embedding(step_dir)
@@ -240,11 +253,14 @@ def test_every_reader_refuses_changed_bytes_unless_told_not_to_verify(run, tmp_p
              f'from the digest recorded when the step was saved')
   refused = functools.partial(_refused, changed=changed)
   damaged = ocp.PyTreeCheckpointer().restore(step_dir / 'params')   # orbax's own reading
-  evaluate = functools.partial(eval_script.evaluate, objective=Seq2Seq(T5(TRAINING_T5)),
-                               eval_data=text('validation'), checkpoint_path=str(step_dir),
-                               batch_size=8, eval_batches=1)
-  refused(evaluate)
-  assert evaluate(verify=False)['step'] == 4   # read as it is (its loss is NaN)
+
+  # The command line: one line and exit status 1; --no_verify evaluates it as it is.
+  with pytest.raises(SystemExit) as stopped:
+    eval_script.main(_eval_argv(step_dir))
+  assert str(stopped.value.code).startswith(f'error: {changed}')
+  assert str(stopped.value.code).endswith('or pass --no_verify to read it as it is.')
+  gin.clear_config(clear_constants=True)
+  assert eval_script.main([*_eval_argv(step_dir), '--no_verify'])['step'] == 4   # its loss: NaN
   refused(lambda: infer_script.infer(
       model=T5(TRAINING_T5), infer_data=TextPipeline('offline_span_corruption', 'validation',
                                                      TEXT_LENGTHS, pack=False, shuffle=False),
