@@ -11,7 +11,7 @@ and the file.
                            a user runs calls before using a checkpoint (eval, infer, export,
                            convert, the restore hooks); `--no_verify` (a hook's `verify=False`)
                            skips it, and the refusal says so
-  dataset_damage(...)      the same for a step's data position (resume, the hooks)
+  dataset_damage(...)      the same for a step's data position (resume, describe, the hooks)
 """
 
 import os
@@ -108,17 +108,27 @@ def check(ckpt: Checkpoint, skip: str = NO_VERIFY) -> bool:
   return True
 
 
+def dataset_state(step_dir: str) -> Optional[dict]:
+  """The data position saved with the step at `step_dir` (`orbax.dataset_state`; None if it
+  has none). Raises CheckpointError in one line when its `dataset/` item is unreadable."""
+  try:
+    return orbax.dataset_state(step_dir)
+  except Exception as e:  # pylint: disable=broad-except  (orbax and json raise many kinds)
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    raise CheckpointError(
+        f'{os.path.join(step_dir, orbax.DATASET)}: the data position is unreadable '
+        f'({type(e).__name__}: {lines[-1][:200] if lines else ""}); the data changed on '
+        f'disk') from e
+
+
 def dataset_damage(step_dir: str, recorded: Optional[Dict[str, Entries]]) -> Optional[str]:
   """Why the data position saved with the step at `step_dir` cannot be used: its `dataset/`
   item is unreadable, or differs from its digest (`recorded`, the step's digests); None if
   it reads and matches, or the step has none."""
-  directory = os.path.join(step_dir, orbax.DATASET)
   try:
-    value = orbax.dataset_state(step_dir)
-  except Exception as e:  # pylint: disable=broad-except  (orbax and json raise many kinds)
-    lines = [line for line in str(e).splitlines() if line.strip()]
-    return (f'{directory}: the data position is unreadable ({type(e).__name__}: '
-            f'{lines[-1][:200] if lines else ""}); the data changed on disk')
+    value = dataset_state(step_dir)
+  except CheckpointError as e:
+    return str(e)
   if value is None or recorded is None:
     return None
-  return digests.check_json(recorded, value, directory)
+  return digests.check_json(recorded, value, os.path.join(step_dir, orbax.DATASET))

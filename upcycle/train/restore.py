@@ -234,11 +234,16 @@ class Restore(abc.ABC):
           f'{owner}.restore_dataset=True reads one checkpoint\'s data position; '
           f'{len(self.checkpoint)} are given. Fix: {owner}.restore_dataset = False.')
     ckpt = pretrained.load(self.checkpoint, self.format, lazy=True)
-    if ckpt.format == 'orbax' and self.verify:
-      damaged = verify.dataset_damage(ckpt.path, digests.read(ckpt.path))
-      if damaged:
-        raise CheckpointError(f'{damaged}; {verify.refusal(self._skip())}')
-    state = orbax.dataset_state(ckpt.path) if ckpt.format == 'orbax' else None
+    try:
+      state = verify.dataset_state(ckpt.path) if ckpt.format == 'orbax' else None
+    except CheckpointError as e:
+      raise CheckpointError(f'{e}. Fix: copy the checkpoint again from its source, or read the '
+                            f'data from its beginning: {owner}.restore_dataset = False.') from e
+    changed = (digests.check_json(digests.read(ckpt.path) or {}, state,
+                                  os.path.join(ckpt.path, orbax.DATASET))
+               if state is not None and self.verify else None)
+    if changed:
+      raise CheckpointError(f'{changed}. {verify.refusal(self._skip())}')
     if state is None:
       raise fields.ConfigError(
           f'{owner}.restore_dataset=True: {ckpt.path} ({ckpt.format}) holds no data position; '
