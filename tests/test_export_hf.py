@@ -164,7 +164,7 @@ def test_each_family_loads_as_its_class_from_scanned_layers(architecture, tmp_pa
   scanned = scan_layout.stack(params, dataclasses.replace(config, scan_layers=True))
   run = _save_run(tmp_path / 'run', scanned)
   out = hf_export.export(run, str(tmp_path / 'hf'), model_config=config)
-  assert sorted(os.listdir(out)) == ['config.json', 'model.safetensors']
+  assert sorted(os.listdir(out)) == ['config.json', 'digests', 'model.safetensors']
   theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
   assert type(theirs).__name__ == architecture
   tokens = _tokens(config.vocab_size)

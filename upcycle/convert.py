@@ -4,7 +4,7 @@
     --gin_file=models/t5_1_1/base.gin --gin_file=moe/paper_t5.gin \\
     --output_dir=/ckpt/t5_base_moe32 [--experts='drop(ratio=0.5)'] [--router=normal] \\
     [--format=t5x] [--output_format=orbax|t5x] [--seed=0] [--step=keep] [--cast] \\
-    [--overwrite] [--dry_run]
+    [--overwrite] [--dry_run] [--no_verify]
   python -m upcycle.convert --source=/ckpt/t5_base_moe32 --gin_file=models/t5_1_1/base.gin \\
     --gin_file=moe/paper_t5.gin --gin.NUM_EXPERTS=64 --output_dir=/ckpt/t5_base_moe64 \\
     --grow_experts=tile
@@ -48,7 +48,12 @@ only; train from it with `ContinueFromCheckpoint(OUTPUT_DIR, reuse_optimizer_sta
 (`upcycle.checkpoints.t5x_writer`): parameters under `optimizer/target` with Flaxformer's MoE
 names, `state/step`, an empty `state/param_states` (restore it in T5X as docs/checkpoints.md says).
 Either way OUTPUT_DIR/upcycling_report.txt holds the upcycling report, every leaf (the console
-shows its summary; `upcycling/report_file.py`).
+shows its summary; `upcycling/report_file.py`), and the step records the CRC-32 of every array
+written in its `digests/process_0.json` (as a training step does; `describe --verify` and every
+reader here check them).
+Digests: a source that carries them (a step of a run, an output of convert or export) is first
+compared with them, reading each parameter once; changed bytes stop the conversion in one line
+naming the array, before anything is written (--no_verify converts it as it is).
 Leaves are computed and written one at a time (upcycling/stream.py): peak memory is about
 one MoE block (E copies of one dense MLP) plus bounded write buffers, whatever the model size,
 so a dense checkpoint converts on a machine smaller than the MoE (benchmarks/convert_memory.py
@@ -92,7 +97,7 @@ import time
 from typing import Any, Callable, List, Mapping, Optional, Union
 
 from upcycle import checkpoints, console, families, gin_utils, pretrained, reachability, tree
-from upcycle.checkpoints import gcs, paths, t5x_writer
+from upcycle.checkpoints import gcs, paths, t5x_writer, verify as verify_lib
 from upcycle.locks import file_lock
 from upcycle.locks.gcs_lock import STALE_SECONDS, GcsLock
 from upcycle.upcycling import experts as experts_lib
@@ -382,18 +387,19 @@ def convert(source: Union[str, List[str]], model_config: Any, output_dir: str, *
             experts: Any = 'copy', router: Any = 'normal', seed: int = 0,
             step: Union[str, int] = 'keep', cast: bool = False, overwrite: bool = False,
             dry_run: bool = False, output_format: str = 'orbax', grow_experts: Any = None,
-            grow_depth: Any = None) -> UpcycleReport:
+            grow_depth: Any = None, verify: bool = True) -> UpcycleReport:
   """Upcycles checkpoint `source` into the model of `model_config`, written to `output_dir`
   as `output_format` ('orbax': `<step>/`, 't5x': `checkpoint_<step>/`, T5X's native layout);
   with `grow_experts` (expert_growth sources) or `grow_depth` (a depth_growth layer map) it
   grows the source into that model instead. `source` may be a list of checkpoints when
   `experts` makes experts from several (`sources.FromCheckpoints` / `Merge`, the class or a
-  partial of it: Branch-Train-MiX, UpIT).
+  partial of it: Branch-Train-MiX, UpIT). With `verify`, each source's parameters are first
+  compared with the digests it carries (`verify.check`; a dry run reads nothing).
 
   Returns the surgery report (its summary logged, the whole report in
   OUTPUT_DIR/upcycling_report.txt; logged whole by a dry run). Raises ConvertError (refusals),
-  CheckpointError (unreadable source) or ValueError (surgery mismatches) before
-  anything is written.
+  CheckpointError (unreadable source, or bytes that differ from its digests) or ValueError
+  (surgery mismatches) before anything is written.
   """
   output_dir = paths.absolute(output_dir)
   if output_format not in OUTPUT_FORMATS:
@@ -430,6 +436,9 @@ def convert(source: Union[str, List[str]], model_config: Any, output_dir: str, *
     log.info('%s', report)
     log.info('Dry run: nothing written.')
     return report
+  if verify:
+    for read in ckpts:
+      verify_lib.check(dataclasses.replace(read, optimizer_state=None))
   log.info('%s', report_file.summary(report, os.path.join(output_dir, report_file.REPORT_FILE)))
 
   def write(work: str) -> None:
@@ -488,6 +497,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="cast source values to the model's parameter dtypes")
   parser.add_argument('--overwrite', action='store_true', help='replace an existing output')
   parser.add_argument('--dry_run', action='store_true', help='print the report, write nothing')
+  parser.add_argument('--no_verify', action='store_false', dest='verify',
+                      help='convert the sources as they are, without comparing them with their '
+                           'digests first')
   return parser
 
 
@@ -545,6 +557,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     report_args = dict(
         format=args.format, seed=args.seed, step=args.step, cast=args.cast,
         overwrite=args.overwrite, dry_run=args.dry_run, output_format=args.output_format,
+        verify=args.verify,
         experts=_initializer(args.experts, 'experts', experts_lib.EXPERT_INITS, 'copy'),
         router=_initializer(args.router, 'router', router_init.ROUTER_INITS, 'normal'),
         grow_experts=_literal(args.grow_experts), grow_depth=_literal(args.grow_depth))

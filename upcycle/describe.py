@@ -4,9 +4,11 @@
 
 Only metadata is read (shapes and dtypes), so this is cheap on any checkpoint size.
 --verify then reads every array (parameters and optimizer state, one at a time) and exits
-with status 1 naming the parameter and the file if any data is missing or unreadable; for a
-training step also if an item it was saved with is gone, or an array's bytes differ from the
-CRC-32 recorded when it was saved (a step saved before digests were recorded says so).
+with status 1 naming the parameter and the file if any data is missing or unreadable, or an
+array's bytes differ from the CRC-32 recorded when it was written (by a training step, or by
+convert or export for their outputs; a checkpoint without digests says so); for a training
+step also if an item it was saved with is gone, or its data position (dataset/) is unreadable
+or differs from its digest.
 
 PATH may be a step that a running trainer deletes meanwhile (it keeps its last
 TrainConfig.keep_checkpoints steps): that is said, with exit status 0, not reported as damage.
@@ -121,23 +123,32 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _verified(ckpt: checkpoints.Checkpoint) -> str:
-  """Reads every array of `ckpt`, checking a training step's items and digests; the line
-  saying what was verified. Raises CheckpointError naming what is damaged."""
-  if ckpt.format != 'orbax':
-    return f'verified: all {verify.verify(ckpt)} arrays read back complete.'
-  missing = orbax.missing_items(ckpt.path)
-  if missing:
-    raise checkpoints.checkpoint_error(
-        ckpt.path, f'damaged: {" and ".join(f"{item}/" for item in missing)} '
-        f'{"is" if len(missing) == 1 else "are"} missing, saved with the step',
-        fix='The checkpoint copy is incomplete; copy the step again from its source')
+  """Reads every array of `ckpt`, checking a training step's items and its data position, and
+  the digests of any checkpoint that has them (a training step, an output of convert or
+  export); the line saying what was verified. Raises CheckpointError naming what is damaged."""
+  if ckpt.format == 'orbax':
+    missing = orbax.missing_items(ckpt.path)
+    if missing:
+      raise checkpoints.checkpoint_error(
+          ckpt.path, f'damaged: {" and ".join(f"{item}/" for item in missing)} '
+          f'{"is" if len(missing) == 1 else "are"} missing, saved with the step',
+          fix='The checkpoint copy is incomplete; copy the step again from its source')
   recorded = digests.read(ckpt.path)
   count = verify.verify(ckpt, recorded)
+  if ckpt.format == 'orbax':
+    damaged = verify.dataset_damage(ckpt.path, recorded)
+    if damaged:
+      raise checkpoints.CheckpointError(
+          f'{damaged}. The checkpoint copy is corrupt; copy the step again from its source.')
+  when = 'the step was saved' if ckpt.format == 'orbax' else 'it was written'
   if recorded is None:
-    return (f'verified: all {count} arrays read back complete. This step carries no digests '
-            f'(saved before they were recorded): changed bytes that still decode are not found.')
+    why = ('saved before they were recorded' if ckpt.format == 'orbax' else
+           'written before they were recorded, or by another program')
+    return (f'verified: all {count} arrays read back complete. This '
+            f'{"step" if ckpt.format == "orbax" else "checkpoint"} carries no digests ({why}): '
+            f'changed bytes that still decode are not found.')
   return (f'verified: all {count} arrays read back complete and match the digests recorded '
-          f'when the step was saved.')
+          f'when {when}.')
 
 
 if __name__ == '__main__':

@@ -5,6 +5,10 @@ HF, vit_jax/big_vision npz), checks it against the gin-configured model, and rep
 validation loss and accuracy; for T5 also sequence accuracy (exact match of greedy-decoded
 targets, `decode_data`); for ViT also few-shot linear accuracy. Gin files bind
 `eval_script.evaluate` (`import __main__ as eval_script`); see configs/runs/eval.gin.
+
+A checkpoint that carries digests (a step of a training run, an output of convert or export)
+is first compared with them, reading every parameter once: changed bytes stop it in one line
+naming the array. --no_verify skips that and evaluates the checkpoint as it is.
 """
 
 import json
@@ -26,7 +30,7 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
              decode_batches: int = 0,
              num_expert_partitions: int = 1, num_model_partitions: int = 1,
              output_dir: Optional[str] = None, tensorboard: bool = True,
-             seed: int = 0) -> dict:
+             seed: int = 0, verify: bool = True) -> dict:
   """Evaluates `checkpoint_path` with `objective`'s model; returns (and prints) the metrics.
 
   `decode_data` (an unpacked seq2seq split; None: skip) adds `sequence_accuracy` from decoded
@@ -38,10 +42,14 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
   process. With `output_dir`, process 0 writes eval_results.json, appends a row to
   metrics.jsonl and, with `tensorboard`, writes TensorBoard scalars (tensorboard/eval), at the
   checkpoint's step.
+
+  With `verify` (`--no_verify` clears it), the parameters are first compared with the digests
+  the checkpoint carries (`checkpoints/verify.py`): changed bytes stop it in one line.
   """
   # pylint: disable=g-import-not-at-top
   from upcycle import decoding as decoding_lib
   from upcycle import pretrained
+  from upcycle.checkpoints import verify as verify_lib
   from upcycle.train import evaluation, partitioning
   from upcycle.train.step import make_eval_step
   # pylint: enable=g-import-not-at-top
@@ -54,6 +62,8 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
       eval_data, objective.model.config, checkpoint.path, checkpoint.format,
       fix="TOKENIZER = %CHECKPOINT_PATH (the checkpoint's own); a run whose tokenizer/ was "
       'replaced needs the one it was trained with put back.')
+  if verify:
+    verify_lib.check(checkpoint)
   mesh = partitioning.make_mesh(num_expert_partitions, num_model_partitions)
   host_batch = batch_size // jax.process_count()
   params = pretrained.on_mesh(checkpoint.params, objective.model.config, mesh)
@@ -104,7 +114,8 @@ def main(argv) -> dict:
   from upcycle.data.iterator import EmptySplit
   from upcycle.data.tokenizer import TokenizerError
   # pylint: enable=g-import-not-at-top
-  return gin_utils.run(evaluate, argv, __doc__,
+  argv, given = gin_utils.no_verify(argv)
+  return gin_utils.run(evaluate, argv, __doc__, given=given,
                        expected=(fields.ConfigError, CheckpointError, EmptySplit, TokenizerError))
 
 

@@ -2,12 +2,19 @@
 default), or a run or any checkpoint the project reads to a HuggingFace directory (--format=hf).
 
   python -m upcycle.export --model_dir=/tmp/moe --output_dir=/tmp/moe_t5x \\
-    [--step=N] [--no_optimizer_state]
+    [--step=N] [--no_optimizer_state] [--no_verify]
   python -m upcycle.export --format=hf --model_dir=/tmp/llama --output_dir=/tmp/llama_hf \\
     --gin_file=models/llama/tiny.gin [--step=N] [--max_shard_size=5GB]
 
 --model_dir is the run's MODEL_DIR (or the directory holding its `<step>/` checkpoints,
 MODEL_DIR/checkpoints); --step defaults to the latest finished step.
+
+Digests: what is exported is first compared with the digests the checkpoint carries (a step
+of a run, an output of convert or export), reading each array once; changed bytes stop the
+export in one line naming the array, before anything is written (--no_verify exports it as it
+is). Either format's output records the CRC-32 of every array it holds in
+`digests/process_0.json`, which `python -m upcycle.describe OUTPUT --verify` and every reader
+here check.
 
 --format=t5x writes OUTPUT_DIR/checkpoint_<step>/ as T5X's `Checkpointer.save` writes it
 (`checkpoints/t5x_writer.py`): the parameters under `optimizer/target` in Flaxformer's (MoE)
@@ -76,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help='t5x: parameters only, also for a T5XAdafactor run')
   parser.add_argument('--max_shard_size', default=hf_export.DEFAULT_MAX_SHARD_SIZE,
                       help='hf: the largest safetensors file (5GB, 200KB, 2GiB)')
+  parser.add_argument('--no_verify', action='store_false', dest='verify',
+                      help="export the checkpoint as it is, without comparing it with its "
+                           'digests first')
   return parser
 
 
@@ -105,7 +115,7 @@ def main(argv: Optional[List[str]] = None) -> int:
   try:
     if args.format == 't5x':
       t5x_export.export(args.model_dir, args.output_dir, step=args.step,
-                        optimizer_state=not args.no_optimizer_state)
+                        optimizer_state=not args.no_optimizer_state, verify=args.verify)
       return 0
     model_config = None
     gin_args, bindings = gin_utils.parse_flags(rest, 'gin flags of python -m upcycle.export')
@@ -115,7 +125,7 @@ def main(argv: Optional[List[str]] = None) -> int:
       gin_utils.parse_gin(gin_args, bindings, read=(MODEL_MACRO,))
       model_config = _model_from_gin()
     hf_export.export(args.model_dir, args.output_dir, model_config=model_config,
-                     step=args.step, max_shard_size=args.max_shard_size)
+                     step=args.step, max_shard_size=args.max_shard_size, verify=args.verify)
   except (t5x_export.ExportError, checkpoints.CheckpointError, fields.ConfigError,
           TokenizerError) as e:
     print(gin_utils.one_line(e, argv), file=sys.stderr)

@@ -23,7 +23,8 @@ import re
 import sys
 import tokenize
 import traceback
-from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, Tuple, Type
+from typing import (Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple,
+                    Type)
 
 import gin
 
@@ -322,6 +323,15 @@ def one_line(error: BaseException, argv: Sequence[str]) -> str:
   if '--verbose' in argv:
     traceback.print_exception(error, file=sys.stderr)
   return f'error: {message(error)}'
+
+
+def no_verify(argv: Sequence[str]) -> Tuple[List[str], Optional[Dict[str, Any]]]:
+  """(argv without `--no_verify`, the keyword arguments it gives: {'verify': False}, or None
+  without it), for the readers run by `run` (eval, infer), whose `verify` compares the
+  checkpoint with its digests (`checkpoints/verify.py`)."""
+  from upcycle.checkpoints.verify import NO_VERIFY  # pylint: disable=g-import-not-at-top
+  rest = [arg for arg in argv if arg != NO_VERIFY]
+  return rest, ({'verify': False} if len(rest) < len(argv) else None)
 
 
 def run(fn: Callable[..., Any], argv: Sequence[str], description: str,

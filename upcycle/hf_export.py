@@ -20,7 +20,8 @@ unrolled (`scan_layout.unstack`, lazily). ViT, MoE T5 and an MoE Llama that neit
 nor Qwen2-MoE computes (an output bias, capacity that drops tokens) are refused in one line
 before any array is read. Weights keep their stored dtype
 and are read one at a time (`hf_writer`), which also makes the output appear whole or not at
-all.
+all. A source that carries digests is first compared with them (`verify.check`), and the
+output records the digests of the tensors it holds (`digests/process_0.json`).
 """
 
 import dataclasses
@@ -29,7 +30,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from upcycle import checkpoints, families, pretrained, tree
 from upcycle.checkpoints import (atomic_dir, hf_writer, paths, safetensors_file, t5x_export,
-                                 validate)
+                                 validate, verify as verify_lib)
 from upcycle.checkpoints.t5x_export import ExportError
 from upcycle.models import scan_layout
 
@@ -82,7 +83,8 @@ def _dense_params(ckpt: checkpoints.Checkpoint, config: Any) -> Dict[str, Any]:
 
 
 def export(model_dir: str, output_dir: str, model_config: Any = None,
-           step: Optional[int] = None, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> str:
+           step: Optional[int] = None, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
+           verify: bool = True) -> str:
   """Writes the checkpoint in `model_dir` (module docstring) as the HuggingFace directory
   `output_dir`; returns its absolute path.
 
@@ -93,11 +95,14 @@ def export(model_dir: str, output_dir: str, model_config: Any = None,
       too); None: the one an HF checkpoint describes.
     step: a step of the run (default: its latest); only for runs.
     max_shard_size: the largest safetensors file, e.g. '5GB', '200KB' (`hf_writer.parse_size`).
+    verify: first compare the parameters with the digests the checkpoint carries
+      (`verify.check`); the output records the digests of the tensors it holds.
 
   Raises:
     ExportError: a model HuggingFace has no class for, no model config, a bad size or step,
       an output that is taken, remote or touches the source, a full disk (nothing left).
-    CheckpointError: the checkpoint does not fit the model or cannot be read.
+    CheckpointError: the checkpoint does not fit the model, cannot be read, or its bytes
+      differ from its digests.
     fields.ConfigError: a Llama config no HF family computes (`llama_hf.hf_model_type`).
   """
   try:
@@ -116,6 +121,8 @@ def export(model_dir: str, output_dir: str, model_config: Any = None,
                       f'its bindings).')
   check_exportable(config)
   params = _dense_params(ckpt, config)
+  if verify:
+    verify_lib.check(dataclasses.replace(ckpt, optimizer_state=None))
   hf_config, tensors, files = families.of(config).hf_export.files(params, config, ckpt.path)
   written = t5x_export.written(
       lambda: hf_writer.write(output_dir, hf_config, tensors, files, max_shard_bytes),

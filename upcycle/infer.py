@@ -26,6 +26,10 @@ one's partial file is removed by the next. A file of the same name is the same d
 data, checkpoint, method and limits): running it again decodes again and replaces it. Gin
 files bind `infer_script.infer` (`import __main__ as infer_script`); see configs/runs/infer.gin
 and llm_infer.gin.
+
+A checkpoint that carries digests (a step of a training run, an output of convert or export)
+is first compared with them, reading every parameter once: changed bytes stop it in one line
+naming the array. --no_verify skips that and decodes with the checkpoint as it is.
 """
 
 import contextlib
@@ -98,7 +102,7 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
           batch_size: int, decoding: Any, max_decode_length: Optional[int] = None,
           format: Optional[str] = None,  # pylint: disable=redefined-builtin
           max_batches: int = 0, num_expert_partitions: int = 1, num_model_partitions: int = 1,
-          seed: int = 0) -> str:
+          seed: int = 0, verify: bool = True) -> str:
   """Decodes `infer_data` with the checkpoint; returns the path of the JSONL written.
 
   Every process of a slice runs it (`launch/tpu_vm.py infer`): the parameters are placed on
@@ -120,10 +124,13 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
     num_expert_partitions: devices the expert axis is split over (as in training).
     num_model_partitions: devices the model axis (MLP, heads, vocabulary) is split over.
     seed: data order and sampling randomness.
+    verify: first compare the parameters with the digests the checkpoint carries
+      (`checkpoints/verify.py`; changed bytes stop it in one line); `--no_verify` clears it.
   """
   # pylint: disable=g-import-not-at-top
   from upcycle import families
   from upcycle import pretrained
+  from upcycle.checkpoints import verify as verify_lib
   from upcycle.data.prompts import Prompts
   from upcycle.train import partitioning
   # pylint: enable=g-import-not-at-top
@@ -150,6 +157,8 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
   pretrained.check_tokenizer(infer_data, model.config, checkpoint.path, checkpoint.format,
                              fix=TOKENIZER_FIX)
   max_decode_length = max_decode_length or infer_data.feature_lengths['targets']
+  if verify:
+    verify_lib.check(checkpoint)
   path = epath.Path(output_dir) / 'inference' / output_name(
       predictions.source_name(infer_data), checkpoint.step or 0, decoding, seed,
       decode_identity(infer_data, checkpoint, max_decode_length=max_decode_length,
@@ -213,7 +222,8 @@ def main(argv) -> str:
   from upcycle.data.prompts import PromptsError
   from upcycle.data.tokenizer import TokenizerError
   # pylint: enable=g-import-not-at-top
-  return gin_utils.run(infer, argv, __doc__, expected=(
+  argv, given = gin_utils.no_verify(argv)
+  return gin_utils.run(infer, argv, __doc__, given=given, expected=(
       fields.ConfigError, CheckpointError, EmptySplit, PromptsError, TokenizerError,
       output_lock.OutputInUse))
 

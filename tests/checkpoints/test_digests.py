@@ -1,13 +1,17 @@
-"""The CRC-32 per array shard a step records at save, and the checks on what is read back."""
+"""The CRC-32 per array shard (and of the data position) a step records at save, and the checks
+on what is read back."""
 
+import json
 import zlib
 
 import jax
 import ml_dtypes
 import numpy as np
+import orbax.checkpoint as ocp
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from upcycle.checkpoints import digests, orbax
+from upcycle.checkpoints import CheckpointError, digests, orbax, orbax_tree, verify
 
 KERNEL = 'encoder/layers_0/mlp/wi_0/kernel'
 
@@ -65,3 +69,35 @@ def test_a_saved_step_checks_back_and_a_changed_value_is_named(tmp_path):
 
 def test_a_step_without_digests_reads_as_none(tmp_path):
   assert digests.read(str(tmp_path)) is None
+
+
+def test_the_data_position_is_recorded_by_process_0_and_a_changed_one_is_named(tmp_path):
+  """Its digest is the CRC-32 of its canonical JSON (json.dumps, sorted keys, no spaces)."""
+  params, opt = _state()
+  position = {'shards': {'0': {'epoch': 0, 'batch_in_epoch': 20, 'batches': 20}}}
+  with orbax.CheckpointManager(str(tmp_path), async_save=False) as manager:
+    manager.save(3, params, opt, dataset_state=position)
+  step_dir = str(tmp_path / '3')
+  recorded = digests.read(step_dir)
+  canonical = '{"shards":{"0":{"batch_in_epoch":20,"batches":20,"epoch":0}}}'
+  assert recorded['dataset'] == {
+      'metadata': {'dtype': 'json', 'shards': {'': zlib.crc32(canonical.encode())}}}
+  assert verify.dataset_damage(step_dir, recorded) is None
+  metadata = tmp_path / '3' / 'dataset' / 'metadata'
+  metadata.write_text(metadata.read_text().replace('"batch_in_epoch": 20', '"batch_in_epoch": 21'))
+  assert verify.dataset_damage(step_dir, recorded).startswith(
+      f'{step_dir}/dataset: the data position differs from the digest recorded when the step was '
+      f'saved (crc32 ')
+
+
+def test_a_damaged_tree_metadata_is_named_as_damaged_not_missing(tmp_path):
+  ocp.PyTreeCheckpointer().save(tmp_path / 'item', {'a': np.ones((3, 4), np.float32)})
+  metadata = tmp_path / 'item' / '_METADATA'
+  metadata.write_bytes(metadata.read_bytes()[:40])
+  with pytest.raises(json.JSONDecodeError) as cause:
+    json.loads(metadata.read_text())
+  with pytest.raises(CheckpointError) as raised:
+    orbax_tree.read(str(tmp_path / 'item'))
+  assert str(raised.value) == (
+      f'{metadata}: the tree metadata is unreadable (JSONDecodeError: {cause.value}). The '
+      f'checkpoint copy is corrupt; copy it again from its source.')

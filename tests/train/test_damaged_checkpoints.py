@@ -1,24 +1,40 @@
-"""A damaged step of a real training run: `describe --verify` names it, resume sets it aside.
+"""A damaged step of a real training run: `describe --verify` names it, resume sets it aside,
+every other reader refuses it.
 
 One tiny T5 run saves steps 2 and 4; each test damages a copy of step 4 the way a bad copy
 or a bad disk does (an item gone, a manifest that fails its CRC, flipped bytes inside array
-data), then resumes in-process with the same trainer (its compiled step reused): the run must
-fall back to step 2 and redo steps 3 and 4 exactly as the undamaged run did.
+data or in the data position), then resumes in-process with the same trainer (its compiled
+step reused): the run must fall back to step 2 and redo steps 3 and 4 exactly as the
+undamaged run did. Eval, infer, export, convert and the restore hook refuse changed bytes in
+one line unless told not to verify; what export and convert then write carries the digests of
+what they wrote.
 """
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
+import zlib
 
+import gin
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
+from safetensors.numpy import load_file
 
-from tests.train.helpers import TRAINING_T5, text
-from upcycle import console, describe
-from upcycle.checkpoints import ocdbt_files, orbax_tree
+from tests.train.helpers import TEXT_LENGTHS, TRAINING_T5, text
+from upcycle import console, convert, describe, hf_export
+from upcycle import eval as eval_script
+from upcycle import infer as infer_script
+from upcycle.checkpoints import CheckpointError, ocdbt_files, orbax_tree, t5x_export
+from upcycle.data.text import TextPipeline
+from upcycle.decoding import DecodeConfig
 from upcycle.models import T5
+from upcycle.moe import MoeConfig, routers
+from upcycle.train import partitioning
+from upcycle.train.restore import ContinueFromCheckpoint
 from upcycle.train.objectives import Seq2Seq
 from upcycle.train.optimizers import Adafactor, rsqrt_schedule
 from upcycle.train.trainer import TrainConfig, Trainer
@@ -78,6 +94,13 @@ def _flip(path, offset, count):
     data = f.read(count)
     f.seek(offset)
     f.write(bytes(b ^ 0xFF for b in data))
+
+
+def _flip_embedding(step_dir):
+  """Flips 16 bytes in the middle of the stored embedding's data (it still decodes)."""
+  ref = max(ocdbt_files.value_refs(str(step_dir / 'params'), EMBEDDING.replace('/', '.')),
+            key=lambda ref: ref.length)   # its data, not its .zarray
+  _flip(ref.path, ref.offset + ref.length // 2, 16)
 
 
 def _assert_falls_back_to_step_2(run, model_dir, capsys, reason, **config):
@@ -141,9 +164,7 @@ def test_flipped_bytes_in_array_data_are_found_and_set_aside(run, tmp_path, caps
   assert _verify(step_dir, capsys) == (0, (
       f'verified: all {_arrays(step_dir)} arrays read back complete and match the digests '
       f'recorded when the step was saved.'))
-  ref = max(ocdbt_files.value_refs(str(step_dir / 'params'), EMBEDDING.replace('/', '.')),
-            key=lambda ref: ref.length)   # its data, not its .zarray
-  _flip(ref.path, ref.offset + ref.length // 2, 16)
+  _flip_embedding(step_dir)
   status, line = _verify(step_dir, capsys)
   assert status == 1
   assert line.startswith(f"error: {step_dir}/params: parameter '{EMBEDDING}' (shard 0:384,0:32): "
@@ -156,15 +177,36 @@ def test_flipped_bytes_in_array_data_are_found_and_set_aside(run, tmp_path, caps
   assert _verify(moved, capsys)[0] == 1
 
 
-@pytest.mark.slow
-def test_a_step_saved_before_digests_restores_and_says_so(run, tmp_path, capsys):
-  model_dir = _copy(run, tmp_path)
-  step_dir = model_dir / 'checkpoints' / '4'
+def _drop_digests(step_dir):
+  """Makes the step one saved before digests were recorded."""
   shutil.rmtree(step_dir / 'digests')
   marker = step_dir / '_CHECKPOINT_METADATA'
   metadata = json.loads(marker.read_text())
   del metadata['item_handlers']['digests']
   marker.write_text(json.dumps(metadata))
+
+
+@pytest.mark.slow
+def test_a_step_without_digests_holding_nan_is_set_aside_naming_the_parameter(run, tmp_path,
+                                                                             capsys):
+  """0xFF bytes read as NaN: without digests, resume finds them in the restored parameters
+  (not the NaN stop of training, which would blame the learning rate)."""
+  model_dir = _copy(run, tmp_path)
+  step_dir = model_dir / 'checkpoints' / '4'
+  _drop_digests(step_dir)
+  _flip_embedding(step_dir)
+  damaged = ocp.PyTreeCheckpointer().restore(step_dir / 'params')['token_embedder']['embedding']
+  assert np.isnan(damaged).any()   # orbax's own reading
+  _assert_falls_back_to_step_2(
+      run, model_dir, capsys, f"/checkpoints/4/params: parameter '{EMBEDDING}' holds NaN or "
+      f'infinite values, which a run never saves (it stops first); the data changed on disk')
+
+
+@pytest.mark.slow
+def test_a_step_saved_before_digests_restores_and_says_so(run, tmp_path, capsys):
+  model_dir = _copy(run, tmp_path)
+  step_dir = model_dir / 'checkpoints' / '4'
+  _drop_digests(step_dir)
   assert _verify(step_dir, capsys) == (0, (
       f'verified: all {_arrays(step_dir)} arrays read back complete. This step carries no '
       f'digests (saved before they were recorded): changed bytes that still decode are not '
@@ -174,3 +216,132 @@ def test_a_step_saved_before_digests_restores_and_says_so(run, tmp_path, capsys)
   saved = _params(run['dir'] / 'checkpoints' / '4')
   for path, leaf in jax.tree_util.tree_leaves_with_path(result['state'].params):
     np.testing.assert_array_equal(np.asarray(leaf), saved[jax.tree_util.keystr(path)])
+
+
+MOE_T5 = dataclasses.replace(TRAINING_T5, encoder_moe=MoeConfig(num_experts=4),
+                             decoder_moe=MoeConfig(num_experts=4, router=routers.TopK()))
+
+
+def _refused(call, changed, skip='--no_verify'):
+  """`call()` raises the one-line refusal of changed bytes: `changed`, the fix and `skip`."""
+  with pytest.raises(CheckpointError) as raised:
+    call()
+  message = str(raised.value)
+  assert message.startswith(changed) and '\n' not in message
+  assert message.endswith(f'the data changed on disk. Fix: copy the checkpoint again from its '
+                          f'source, or pass {skip} to read it as it is.')
+
+
+def _eval_argv(step_dir):
+  """`python -m upcycle.eval`'s flags for a step of the fixture's run: one batch, no decoding."""
+  return ['--gin_file=models/t5_1_1/tiny.gin', '--gin_file=runs/eval.gin',
+          '--gin_file=data/offline_span_corruption.gin', f"--gin.CHECKPOINT_PATH='{step_dir}'",
+          f'--gin.TASK_FEATURE_LENGTHS={TEXT_LENGTHS}', '--gin.BATCH_SIZE=8',
+          '--gin.EVAL_BATCHES=1', '--gin.upcycle.eval.evaluate.decode_data=None',
+          *(f'--gin.models.T5Config.{field}={getattr(TRAINING_T5, field)}' for field in (
+              'd_model', 'd_ff', 'num_heads', 'd_kv', 'num_encoder_layers',
+              'num_decoder_layers'))]
+
+
+@pytest.mark.slow
+def test_every_reader_refuses_changed_bytes_unless_told_not_to_verify(run, tmp_path, capsys,
+                                                                      entry_points):
+  model_dir = _copy(run, tmp_path)
+  step_dir = model_dir / 'checkpoints' / '4'
+  _flip_embedding(step_dir)
+  changed = (f"{step_dir}/params: parameter '{EMBEDDING}' (shard 0:384,0:32): its bytes differ "
+             f'from the digest recorded when the step was saved')
+  refused = functools.partial(_refused, changed=changed)
+  damaged = ocp.PyTreeCheckpointer().restore(step_dir / 'params')   # orbax's own reading
+
+  # The command line: one line and exit status 1; --no_verify evaluates it as it is.
+  with pytest.raises(SystemExit) as stopped:
+    eval_script.main(_eval_argv(step_dir))
+  assert str(stopped.value.code).startswith(f'error: {changed}')
+  assert str(stopped.value.code).endswith('or pass --no_verify to read it as it is.')
+  gin.clear_config(clear_constants=True)
+  assert eval_script.main([*_eval_argv(step_dir), '--no_verify'])['step'] == 4   # its loss: NaN
+  refused(lambda: infer_script.infer(
+      model=T5(TRAINING_T5), infer_data=TextPipeline('offline_span_corruption', 'validation',
+                                                     TEXT_LENGTHS, pack=False, shuffle=False),
+      checkpoint_path=str(step_dir), output_dir=str(tmp_path / 'infer'), batch_size=8,
+      decoding=DecodeConfig(), max_batches=1))
+
+  # The restore hook (`verify`, a gin field), on the run's own abstract state.
+  built = run['trainer'].built
+  hook = ContinueFromCheckpoint(checkpoint=str(step_dir))
+  with partitioning.activate(built.mesh, built.rules):
+    refused(lambda: hook(built.abstract, built.optimizer, TRAINING_T5),
+            skip='--gin.restore.ContinueFromCheckpoint.verify=False')
+    state = dataclasses.replace(hook, verify=False)(built.abstract, built.optimizer, TRAINING_T5)
+  np.testing.assert_array_equal(np.asarray(state.params['token_embedder']['embedding']),
+                                damaged['token_embedder']['embedding'])
+
+  # Export (both formats) and convert refuse before writing; told not to verify, they write
+  # the bytes as read, and their outputs verify against the digests they recorded.
+  outputs = {name: tmp_path / name for name in ('t5x', 'hf', 'moe')}
+  writers = {
+      't5x': lambda **kw: t5x_export.export(str(model_dir), str(outputs['t5x']), **kw),
+      'hf': lambda **kw: hf_export.export(str(model_dir), str(outputs['hf']),
+                                          model_config=TRAINING_T5, **kw),
+      'moe': lambda **kw: convert.convert(str(step_dir), MOE_T5, str(outputs['moe']), **kw)}
+  for name, write in writers.items():
+    refused(write)
+    assert not outputs[name].exists(), name
+    write(verify=False)
+  capsys.readouterr()
+  for name, written in (('t5x', outputs['t5x'] / 'checkpoint_4'), ('hf', outputs['hf']),
+                        ('moe', outputs['moe'] / '4')):
+    when = 'the step was saved' if name == 'moe' else 'it was written'
+    assert _verify(written, capsys) == (0, (
+        f'verified: all {len(_recorded(written))} arrays read back complete and match the '
+        f'digests recorded when {when}.')), name
+  t5x_embedding = _t5x_embedding(outputs['t5x'] / 'checkpoint_4')
+  np.testing.assert_array_equal(t5x_embedding, damaged['token_embedder']['embedding'])
+
+  # The HF output's digests are the CRC-32 of the tensors the safetensors package reads; a
+  # byte flipped in one is then found.
+  tensors = load_file(str(outputs['hf'] / 'model.safetensors'))
+  assert _recorded(outputs['hf']) == {
+      name: {'dtype': str(t.dtype), 'shards': {','.join(f'0:{n}' for n in t.shape):
+                                                zlib.crc32(t.tobytes())}}
+      for name, t in tensors.items()}
+  _flip(outputs['hf'] / 'model.safetensors', os.path.getsize(outputs['hf'] / 'model.safetensors')
+        - 4, 1)
+  status, line = _verify(outputs['hf'], capsys)
+  assert status == 1 and 'its bytes differ from the digest recorded' in line
+
+
+def _recorded(directory):
+  """{name: entry} of the `params` and `optimizer_state` items an output's digests record."""
+  items = json.loads((directory / 'digests' / 'process_0.json').read_text())['items']
+  return {f'{item}/{name}' if item != 'params' else name: entry
+          for item, entries in items.items() for name, entry in entries.items()}
+
+
+def _t5x_embedding(checkpoint_dir):
+  """The embedding of a T5X checkpoint as its layout stores it (zarr, read by tensorstore)."""
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  store = ts.open({'driver': 'zarr', 'kvstore': {
+      'driver': 'file', 'path': str(checkpoint_dir / 'target.token_embedder.embedding')}})
+  return np.asarray(store.result().read().result())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('change', ['one bit of batch_in_epoch', 'not JSON'])
+def test_a_changed_data_position_is_refused_and_set_aside(run, tmp_path, capsys, change):
+  model_dir = _copy(run, tmp_path)
+  step_dir = model_dir / 'checkpoints' / '4'
+  metadata = step_dir / 'dataset' / 'metadata'
+  text_before = metadata.read_text()
+  assert '"batch_in_epoch": 4,' in text_before
+  if change == 'not JSON':
+    metadata.write_text(text_before[:-7])
+    reason = f'{step_dir}/dataset: the data position is unreadable ('
+  else:   # '4' (0x34) -> '5' (0x35): one bit
+    metadata.write_text(text_before.replace('"batch_in_epoch": 4,', '"batch_in_epoch": 5,'))
+    reason = (f'{step_dir}/dataset: the data position differs from the digest recorded when the '
+              f'step was saved (crc32 ')
+  status, line = _verify(step_dir, capsys)
+  assert status == 1 and line.startswith(f'error: {reason}')
+  _assert_falls_back_to_step_2(run, model_dir, capsys, reason.replace(str(model_dir), ''))

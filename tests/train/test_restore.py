@@ -277,6 +277,25 @@ def test_restore_dataset_reads_the_position_a_training_step_saved_and_refuses_ot
   with pytest.raises(ValueError, match=r"UpcycleFromDense.restore_dataset=True: .*checkpoint_6 "
                      r"\(t5x\) holds no data position"):
     UpcycleFromDense(t5['dir'], restore_dataset=True).dataset_state()
+  # One flipped bit of the position (5 -> 4) is refused, naming how to read it anyway; a
+  # position that is not JSON, naming the other way on.
+  metadata = tmp_path / 'with' / '5' / 'dataset' / 'metadata'
+  saved = metadata.read_text()
+  metadata.write_text(saved.replace('"batches": 5', '"batches": 4'))
+  with pytest.raises(checkpoints.CheckpointError, match=(
+      r"^[^\n]*/with/5/dataset: the data position differs from the digest recorded when the "
+      r"step was saved \(crc32 [0-9a-f]{8}, saved [0-9a-f]{8}\); the data changed on disk. Fix: "
+      r"copy the checkpoint again from its source, or pass "
+      r"--gin.restore.ContinueFromCheckpoint.verify=False to read it as it is.$")):
+    ContinueFromCheckpoint(str(tmp_path / 'with' / '5'), restore_dataset=True).dataset_state()
+  assert ContinueFromCheckpoint(str(tmp_path / 'with' / '5'), restore_dataset=True,
+                                verify=False).dataset_state()['shards']['0']['batches'] == 4
+  metadata.write_text(saved[:-3])
+  with pytest.raises(checkpoints.CheckpointError, match=(
+      r"^[^\n]*/with/5/dataset: the data position is unreadable \(.*\); the data changed on "
+      r"disk. Fix: copy the checkpoint again from its source, or read the data from its "
+      r"beginning: ContinueFromCheckpoint.restore_dataset = False.$")):
+    ContinueFromCheckpoint(str(tmp_path / 'with' / '5'), restore_dataset=True).dataset_state()
 
 
 def test_dense_leaves_are_placed_by_the_sharding_they_feed(t5):

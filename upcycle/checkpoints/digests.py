@@ -11,8 +11,19 @@ the other items, before it renames the step into place:
     "items": {"params": {"decoder/layers_0/mlp/wi_0/kernel":
                             {"dtype": "float32", "shards": {"0:32,0:64": 3735928559}}}, ...}}
 
-A shard is named by its index, `start:stop` per axis. `describe --verify` and resume recompute
-the CRC of what they read back and compare.
+A shard is named by its index, `start:stop` per axis. The data position (the `dataset/` item,
+JSON) is recorded in process 0's file as the item `dataset` with one entry, `metadata`, of
+dtype 'json': the CRC of its canonical JSON (`json_crc`).
+
+The outputs of `convert` and `export` record what they wrote the same way, in
+`<output>/digests/process_0.json` (one process): a T5X `checkpoint_<step>/` keys its arrays by
+their path in the tree its reader returns (items `params` and `optimizer_state`, T5X's
+`state`), a HuggingFace directory by tensor name (item `params`), each array whole
+(`whole`, `recording`, `write`).
+
+Every reader checks what it reads against them (`verify.check`: eval, infer, export, convert,
+the restore hooks; resume and `describe --verify` too); `--no_verify` (the hooks'
+`verify=False`) skips that.
 """
 
 import json
@@ -25,11 +36,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from upcycle.checkpoints import paths
+from upcycle.checkpoints import gcs, paths
 from upcycle.checkpoints.errors import checkpoint_error
+from upcycle.checkpoints.lazy import LazyArray
 
 DIGESTS = 'digests'
 FORMAT = 1
+DATASET, METADATA, JSON = 'dataset', 'metadata', 'json'   # the data position's entry
 
 
 def filename(process: int) -> str:
@@ -69,8 +82,15 @@ def _own_shards(leaf: Any) -> Iterator[Tuple[str, np.ndarray]]:
     yield shard_key((), array.shape), array
 
 
-def record(items: Dict[str, Any]) -> Dict[str, Any]:
-  """This process's record of `items` ({item name: tree of arrays}), ready for JSON."""
+def json_crc(value: Any) -> int:
+  """CRC-32 of `value`'s canonical JSON (sorted keys, no spaces): what a JSON item's digest is
+  of, whatever spacing its writer used."""
+  return zlib.crc32(json.dumps(value, sort_keys=True, separators=(',', ':')).encode())
+
+
+def record(items: Dict[str, Any], dataset: Optional[dict] = None) -> Dict[str, Any]:
+  """This process's record of `items` ({item name: tree of arrays}), ready for JSON; with the
+  data position `dataset` (the `dataset/` item), process 0 records its digest too."""
   recorded = {}
   for item, tree in items.items():
     arrays = {}
@@ -79,6 +99,8 @@ def record(items: Dict[str, Any]) -> Dict[str, Any]:
       if shards:
         arrays[path] = {'dtype': str(np.dtype(leaf.dtype)), 'shards': shards}
     recorded[item] = arrays
+  if dataset is not None and jax.process_index() == 0:
+    recorded[DATASET] = {METADATA: {'dtype': JSON, 'shards': {'': json_crc(dataset)}}}
   return {'format': FORMAT, 'algorithm': 'crc32', 'process_count': jax.process_count(),
           'items': recorded}
 
@@ -152,3 +174,51 @@ def check_tree(arrays: Dict[str, Any], tree: Any, source: str) -> Optional[str]:
         if got != entry['shards'][key]:
           return _differs(source, path, key, got, entry['shards'][key])
   return None
+
+
+def check_json(recorded: Dict[str, Any], value: Any, source: str) -> Optional[str]:
+  """Why the data position `value` read from `source` is not the one saved, given the step's
+  `recorded` digests; None if it matches or none was recorded."""
+  entry = recorded.get(DATASET, {}).get(METADATA)
+  if entry is None:
+    return None
+  got, saved = json_crc(value), entry['shards']['']
+  if got == saved:
+    return None
+  return (f'{source}: the data position differs from the digest recorded when the step was '
+          f'saved (crc32 {got:08x}, saved {saved:08x}); the data changed on disk')
+
+
+def whole(array: np.ndarray) -> Dict[str, Any]:
+  """The entry of an array written whole: its dtype and the CRC of its one shard."""
+  array = np.asarray(array)
+  return {'dtype': str(array.dtype), 'shards': {shard_key((), array.shape): crc(array)}}
+
+
+def recording(leaves: Dict[str, Any], sink: Dict[str, Any]) -> Dict[str, LazyArray]:
+  """`leaves` ({name: array or LazyArray}) as LazyArrays that, when a writer reads one whole,
+  put its entry (`whole`) into `sink[name]`: the digests of exactly what was written."""
+
+  def read(name: str, leaf: Any) -> np.ndarray:
+    array = np.asarray(leaf)
+    sink[name] = whole(array)
+    return array
+
+  return {name: LazyArray(np.shape(leaf), leaf.dtype,
+                          lambda name=name, leaf=leaf: read(name, leaf),
+                          getattr(leaf, 'source', ''), name)
+          for name, leaf in leaves.items()}
+
+
+def write(directory: str, items: Dict[str, Dict[str, Any]]) -> None:
+  """Writes `directory/digests/process_0.json`, the record of a one-process writer (convert,
+  export): `items` is {item: {name: entry}}, local or gs://."""
+  data = json.dumps({'format': FORMAT, 'algorithm': 'crc32', 'process_count': 1,
+                     'items': items}).encode()
+  path = os.path.join(directory, DIGESTS, filename(0))
+  if paths.is_url(directory):
+    gcs.write_bytes(path, data)
+    return
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, 'wb') as f:
+    f.write(data)

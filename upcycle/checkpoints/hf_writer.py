@@ -6,6 +6,8 @@
   OUTPUT_DIR/model.safetensors.index.json             {'metadata': {'total_size'},
                                                        'weight_map': {tensor: shard file}}
   OUTPUT_DIR/<other files>                            e.g. the tokenizer's
+  OUTPUT_DIR/digests/process_0.json                   the CRC-32 of every tensor written, by
+                                                      name (`digests.py`; transformers ignores it)
 
 Tensors fill the shards in order, a tensor larger than a shard alone in one (transformers'
 rule). They may be `LazyArray`s (also transposed ones, `LazyArray.map`): each is read, written
@@ -20,7 +22,7 @@ import re
 from typing import Any, Dict, List, Mapping
 
 from upcycle import progress
-from upcycle.checkpoints import atomic_dir, safetensors_file
+from upcycle.checkpoints import atomic_dir, digests, safetensors_file
 from upcycle.checkpoints.hf import SAFETENSORS, SAFETENSORS_INDEX
 
 # transformers' `convert_file_size_to_int`: KB, MB, GB are powers of 10, KiB, MiB, GiB of 2.
@@ -89,8 +91,10 @@ def write(output_dir: str, config: Mapping[str, Any], tensors: Mapping[str, Any]
   taken = (f'{final} already exists and is not empty; an export never overwrites. Fix: delete '
            f'it, or pass another --output_dir.')
   done = progress.Progress(os.path.basename(final), 'tensors', total=len(tensors))
+  recorded: Dict[str, Any] = {}
   with atomic_dir.create(final, taken, elsewhere='into another --output_dir') as tmp:
-    _write_weights(tmp, tensors, max_shard_bytes, done)
+    _write_weights(tmp, digests.recording(dict(tensors), recorded), max_shard_bytes, done)
+    digests.write(tmp, {'params': recorded})
     for name, data in files.items():
       with open(os.path.join(tmp, name), 'wb') as f:
         f.write(data)

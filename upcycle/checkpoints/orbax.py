@@ -168,8 +168,9 @@ class CheckpointManager:
            dataset_state: Optional[dict] = None, *, force: bool = False) -> bool:
     """Starts saving `step` (returns at once when async); False when the interval skips it.
 
-    The CRC-32 of each array shard this process holds is computed first, from the arrays as
-    they are now (the caller may donate them once this returns), into the step's `digests/`.
+    The CRC-32 of each array shard this process holds (and of the data position) is computed
+    first, from the arrays as they are now (the caller may donate them once this returns),
+    into the step's `digests/`.
     Raises CheckpointError (one line: the step, the directory, the space needed and free)
     before writing when a local disk has less free space than the last step took (or the
     state's bytes), and when this or an earlier background save failed.
@@ -182,7 +183,7 @@ class CheckpointManager:
     items = {name: ocp.args.StandardSave(tree) for name, tree in arrays.items()}
     if dataset_state is not None:
       items[DATASET] = ocp.args.JsonSave(dataset_state)
-    items[DIGESTS] = ocp.args.JsonSave(digests.record(arrays))
+    items[DIGESTS] = ocp.args.JsonSave(digests.record(arrays, dataset_state))
     self._saving = int(step)
     try:
       saved = self._manager.save(int(step), args=ocp.args.Composite(**items), force=force)

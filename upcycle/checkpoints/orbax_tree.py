@@ -33,7 +33,13 @@ def read(directory: str) -> Any:
   directory = paths.absolute(directory)
   try:
     metadata = ocp.PyTreeCheckpointHandler().metadata(epath.Path(directory))
-  except (FileNotFoundError, ValueError) as e:
+  except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
+    if is_item_dir(directory):   # there, but damaged
+      cause = f'{type(e).__name__}: {str(e).splitlines()[0].split(" [")[0][:200]}' if str(
+          e).strip() else type(e).__name__
+      raise checkpoint_error(
+          os.path.join(directory, METADATA), f'the tree metadata is unreadable ({cause})',
+          fix='The checkpoint copy is corrupt; copy it again from its source') from e
     raise checkpoint_error(
         directory, f'not a readable orbax checkpoint item ({e})',
         expected=f'{METADATA} written by orbax', found=paths.listdir(directory),

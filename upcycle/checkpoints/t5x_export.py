@@ -4,7 +4,8 @@ parameters under `optimizer/target`, and a `T5XAdafactor` run's slots as T5X's
 
 The run is only read, one leaf at a time; an output inside its checkpoints, on gs:// or an
 existing `checkpoint_<step>` is refused before anything is written (`ExportError`), and a
-failed write leaves nothing (`t5x_writer.write`).
+failed write leaves nothing (`t5x_writer.write`). What is exported is first compared with the
+step's digests (`verify.check`), and the output records the digests of what it holds.
 """
 
 import dataclasses
@@ -15,7 +16,7 @@ from typing import Callable, Dict, Mapping, Optional, Tuple
 import numpy as np
 
 from upcycle import checkpoints, tree
-from upcycle.checkpoints import orbax, paths, t5x_writer
+from upcycle.checkpoints import orbax, paths, t5x_writer, verify as verify_lib
 from upcycle.optimizer_state import adafactor
 from upcycle.checkpoints.errors import FULL_DISK
 
@@ -117,19 +118,21 @@ def written(write: Callable[[], str], *, what: str, nbytes: Callable[[], int]) -
 
 
 def export(model_dir: str, output_dir: str, step: Optional[int] = None,
-           optimizer_state: bool = True) -> str:
+           optimizer_state: bool = True, verify: bool = True) -> str:
   """Writes step `step` (default: the latest) of the run in `model_dir` as
   `output_dir/checkpoint_<step>/` in T5X's layout (module docstring); returns that directory.
+  With `verify`, what is exported is first compared with the step's digests.
 
   Raises:
     ExportError: no finished checkpoint in `model_dir`, no step `step`, an output inside the
       run's checkpoints or on gs://; AlreadyExported: the output step exists.
+    CheckpointError: the step's bytes differ from its digests (`verify.check`).
   """
   root, steps = run_steps(model_dir)
   output_dir = paths.absolute(output_dir)
   check_output(output_dir, root, writer='the T5X writer', source_name="the run's checkpoints")
   step = pick_step(root, steps, step)
-  ckpt = checkpoints.load(steps[step], format='orbax', lazy=True)
+  ckpt = stored = checkpoints.load(steps[step], format='orbax', lazy=True)
   slots = t5x_param_states(ckpt.optimizer_state, ckpt.params)
   if tree.is_scanned(ckpt.params):   # T5X's models are unrolled: layers_{i}
     log.info('%s holds scanned layers: exporting them unrolled (layers_0, layers_1, ...).',
@@ -154,6 +157,9 @@ def export(model_dir: str, output_dir: str, step: Optional[int] = None,
     raise AlreadyExported(f'{target} already exists; an export never overwrites. Fix: delete '
                           f'it, or pass another --output_dir.')
   slots = slots if optimizer_state else None
+  if verify:   # the arrays as stored (before unrolling), the slots if they are exported
+    verify_lib.check(dataclasses.replace(
+        stored, optimizer_state=stored.optimizer_state if slots is not None else None))
   arrays = {'params': ckpt.params, 'slots': slots or {}}
   path = written(lambda: t5x_writer.write(output_dir, out_step, ckpt.params, slots),
                  what=f'Exporting step {out_step} to {target}',

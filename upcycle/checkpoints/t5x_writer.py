@@ -3,6 +3,9 @@
   MODEL_DIR/checkpoint_<step>/checkpoint
       flax msgpack of {'version': 3, 'optimizer': {'target': params,
                         'state': {'step': int32 scalar, 'param_states': slots}}}
+  MODEL_DIR/checkpoint_<step>/digests/process_0.json
+      the CRC-32 of every array written (`digests.write`), which every reader of this
+      project checks (`describe --verify` too); T5X ignores it
   MODEL_DIR/checkpoint_<step>/target.encoder.layers_1.mlp.expert.wi_0.kernel/
       one zarr array per array leaf (as T5X writes every partitioned leaf), whose
       tensorstore spec stands in the msgpack in place of the leaf:
@@ -27,7 +30,7 @@ project's reader take a step to exist only once that file does. The zarr specs s
 """
 
 import os
-from typing import Any, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import flax.serialization
 import jax
@@ -35,7 +38,7 @@ import numpy as np
 import tensorstore as ts
 
 from upcycle import progress, tree
-from upcycle.checkpoints import atomic_dir, gcs, paths, zarr_leaf
+from upcycle.checkpoints import atomic_dir, digests, gcs, paths, zarr_leaf
 from upcycle.optimizer_state import adafactor
 
 VERSION = 3
@@ -96,10 +99,21 @@ def _write_leaf(directory: str, path: str, leaf: Any) -> Any:
   return leaf_spec
 
 
-def _encode(node: Any, path: str, directory: str, done: progress.Progress) -> Any:
+# The digest items of the msgpack's two trees, as T5X's reader returns them (`digests.py`).
+_ITEMS = {'target': 'params', 'state': 'optimizer_state'}
+
+
+def _encode(node: Any, path: str, directory: str, done: progress.Progress,
+            recorded: Dict[str, Dict[str, Any]]) -> Any:
+  """`node` with its array leaves written (`_write_leaf`); each written array's digest goes
+  into `recorded[item][path in the item]`."""
   if isinstance(node, Mapping):
-    return {str(k): _encode(v, tree.join(path, str(k)), directory, done)
+    return {str(k): _encode(v, tree.join(path, str(k)), directory, done, recorded)
             for k, v in node.items()}
+  if not isinstance(node, jax.ShapeDtypeStruct):
+    node = np.asarray(node) if not isinstance(node, np.generic) else node
+    top, name = path.split('/', 1)
+    recorded.setdefault(_ITEMS[top], {})[name] = digests.whole(node)
   written = _write_leaf(directory, path, node)
   done.update(1)
   return written
@@ -136,11 +150,14 @@ def write(model_dir: str, step: int, params: Mapping[str, Any],
 
 def _serialize(directory: str, step: int, params: Mapping[str, Any],
                param_states: Optional[Mapping[str, Any]]) -> bytes:
-  """Writes the array leaves under `directory`; returns the `checkpoint` msgpack."""
+  """Writes the array leaves under `directory`, and their digests (`digests.write`); returns
+  the `checkpoint` msgpack."""
   state = {'target': params,
            'state': {'step': np.int32(step), 'param_states': param_states or {}}}
   done = progress.Progress(f'checkpoint_{int(step)}', 'arrays', total=len(tree.flatten(state)))
-  written = _encode(state, '', directory, done)
+  recorded: Dict[str, Dict[str, Any]] = {}
+  written = _encode(state, '', directory, done, recorded)
+  digests.write(directory, recorded)
   done.finish()
   return flax.serialization.msgpack_serialize({'version': VERSION, 'optimizer': written})
 

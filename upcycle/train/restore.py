@@ -47,7 +47,7 @@ import os
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 from upcycle import fields, pretrained, tree
-from upcycle.checkpoints import describe, orbax, paths
+from upcycle.checkpoints import CheckpointError, describe, digests, orbax, paths, verify
 from upcycle.data import tokenizer as tokenizer_lib
 from upcycle.train.state import TrainState
 from upcycle.train.state_jit import StateJit, host_jit, layout, plan_jit
@@ -101,6 +101,11 @@ class Restore(abc.ABC):
       `python -m upcycle.train` run; T5X's `restore_dataset`), so the new run sees none of
       its examples again; the batch size may differ if the position is a whole number of new
       batches. False: the data starts from its beginning.
+    verify: before anything is placed, compare every array read (the parameters, the
+      optimizer state when it is reused) and the data position with the digests the
+      checkpoint carries (a step of a training run, an output of convert or export;
+      `checkpoints/verify.py`): changed bytes stop the run in one line. False reads it as
+      it is.
   """
 
   checkpoint: Union[str, Sequence[str]]
@@ -109,6 +114,7 @@ class Restore(abc.ABC):
   step: step_policy.Step = 'keep'
   seed: int = 0
   restore_dataset: bool = False
+  verify: bool = True
 
   def __post_init__(self):
     object.__setattr__(self, 'step', step_policy.check(self.step, fields.binding(self, 'step')))
@@ -119,7 +125,24 @@ class Restore(abc.ABC):
 
   def __call__(self, abstract_state: TrainState, optimizer,
                model_config: Optional[Any] = None) -> TrainState:
-    return self.state_jit(abstract_state, optimizer, model_config)()
+    built = self.state_jit(abstract_state, optimizer, model_config)
+    self.check_digests()
+    return built()
+
+  def _skip(self) -> str:
+    """How a refusal of changed bytes says to read the checkpoint anyway."""
+    return f'--gin.{fields.binding(self, "verify")}=False'
+
+  def check_digests(self) -> None:
+    """With `verify`, compares each source's parameters (and the optimizer state it reuses)
+    with their digests (`verify.check`); CheckpointError in one line for changed bytes."""
+    if not self.verify:
+      return
+    sources = [self.checkpoint] if isinstance(self.checkpoint, str) else list(self.checkpoint)
+    for source in sources:
+      ckpt = pretrained.load(source, self.format, lazy=True,
+                             with_optimizer_state=self.reuse_optimizer_state)
+      verify.check(ckpt, skip=self._skip())
 
   def lower(self, abstract_state: TrainState, optimizer,
             model_config: Optional[Any] = None) -> Any:
@@ -225,7 +248,16 @@ class Restore(abc.ABC):
           f'{owner}.restore_dataset=True reads one checkpoint\'s data position; '
           f'{len(self.checkpoint)} are given. Fix: {owner}.restore_dataset = False.')
     ckpt = pretrained.load(self.checkpoint, self.format, lazy=True)
-    state = orbax.dataset_state(ckpt.path) if ckpt.format == 'orbax' else None
+    try:
+      state = verify.dataset_state(ckpt.path) if ckpt.format == 'orbax' else None
+    except CheckpointError as e:
+      raise CheckpointError(f'{e}. Fix: copy the checkpoint again from its source, or read the '
+                            f'data from its beginning: {owner}.restore_dataset = False.') from e
+    changed = (digests.check_json(digests.read(ckpt.path) or {}, state,
+                                  os.path.join(ckpt.path, orbax.DATASET))
+               if state is not None and self.verify else None)
+    if changed:
+      raise CheckpointError(f'{changed}. {verify.refusal(self._skip())}')
     if state is None:
       raise fields.ConfigError(
           f'{owner}.restore_dataset=True: {ckpt.path} ({ckpt.format}) holds no data position; '

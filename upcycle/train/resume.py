@@ -7,7 +7,8 @@ step back, each step is checked in this order:
    `_CHECKPOINT_METADATA`) and every item a step of this trainer always has (parameters,
    optimizer state, the data position when the run's data has one) is there, their metadata
    reads, and every data file the OCDBT index points into exists and holds the bytes it
-   points to (the damage an interrupted copy leaves). Reads the index only, no array data.
+   points to (the damage an interrupted copy leaves); the data position (JSON) reads and
+   matches its digest. Reads the index only, no array data.
 2. Its parameter metadata (names and shapes) is compared with the model's abstract
    parameters. A different model (another d_model, other layers) stops the run with one
    message naming the first differing parameter and both shapes: resuming needs the gin
@@ -19,8 +20,8 @@ step back, each step is checked in this order:
    the optimizer state starts fresh at that step (said loudly; a state that fits is always
    restored).
 4. It is restored, and every shard each process restored is compared with the CRC-32 the
-   save recorded (`checkpoints/digests.py`; steps saved before digests were recorded are
-   restored unchecked).
+   save recorded (`checkpoints/digests.py`; of a step saved before digests were recorded,
+   only that no parameter holds NaN or infinite values, which a run never saves).
 
 A step that fails 1 or 4 (or whose restore fails and reading it leaf by leaf names the
 parameter and the file) is damaged: its directory is moved to
@@ -113,8 +114,9 @@ def missing_data(step_dir: str) -> Optional[str]:
 
 def incomplete(step_dir: str, required: Sequence[str]) -> Optional[str]:
   """Why the step at `step_dir` is not whole without reading array data: an item it was saved
-  with or one of `required` is gone, a data file is missing or short, or an item's OCDBT index
-  or metadata is unreadable; None if none of these."""
+  with or one of `required` is gone, a data file is missing or short, an item's OCDBT index
+  or metadata is unreadable, or its data position is unreadable or differs from its digest;
+  None if none of these."""
   missing = missing_items(step_dir, required)
   if missing:
     return (f'{step_dir}: no {" or ".join(f"{item}/" for item in missing)} (every step the '
@@ -131,21 +133,40 @@ def incomplete(step_dir: str, required: Sequence[str]) -> Optional[str]:
       except CheckpointError as e:
         cause = str(e.__cause__ or e).splitlines()[0].split(' [')[0]
         return f'{item_dir}: its metadata is unreadable ({cause})'
+  try:
+    return verify.dataset_damage(step_dir, digests.read(step_dir))
+  except CheckpointError as e:
+    return str(e)
+
+
+def non_finite(step_dir: str, params: Any) -> Optional[str]:
+  """The first parameter restored from `step_dir` whose shards on this process (first
+  replicas) hold NaN or infinite values, which a run never saves (it stops first); None if
+  all are finite."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if not jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact):
+      continue
+    shards = (shard.data for shard in leaf.addressable_shards if shard.replica_id == 0)
+    if not all(np.isfinite(np.asarray(data)).all() for data in shards):
+      name = '/'.join(str(getattr(k, 'key', k)) for k in path)
+      return (f"{step_dir}/{PARAMS}: parameter '{name}' holds NaN or infinite values, which a "
+              f'run never saves (it stops first); the data changed on disk')
   return None
 
 
 def changed_bytes(step_dir: str, restored: TrainingCheckpoint) -> Optional[str]:
   """Why the arrays restored from `step_dir` are not the ones saved (the first shard this
-  process holds whose CRC-32 differs from the digest of the save); None if they match or the
-  step has no digests (saved before they were recorded, said in the log)."""
+  process holds whose CRC-32 differs from the digest of the save); None if they match. A step
+  without digests (saved before they were recorded, said in the log) is checked for
+  parameters holding NaN or infinite values instead (`non_finite`)."""
   try:
     recorded = digests.read(step_dir)
   except CheckpointError as e:
     return str(e)
   if recorded is None:
-    log.info('%s has no digests (saved before they were recorded): its array data was not '
-             'checked.', step_dir)
-    return None
+    log.info('%s has no digests (saved before they were recorded): its array data was only '
+             'checked for non-finite values.', step_dir)
+    return non_finite(step_dir, restored.params)
   for item, tree in ((PARAMS, restored.params), (OPTIMIZER, restored.optimizer_state)):
     if tree is not None:
       reason = digests.check_tree(recorded.get(item, {}), tree, os.path.join(step_dir, item))

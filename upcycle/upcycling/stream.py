@@ -20,6 +20,7 @@ every leaf is on disk.
 """
 
 import logging
+import os
 from typing import Any, Dict, Mapping, Optional
 
 import jax
@@ -27,6 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from upcycle import progress, tree
+from upcycle.checkpoints import digests
 from upcycle.checkpoints.errors import CheckpointError
 from upcycle.checkpoints.lazy import LazyArray
 from upcycle.checkpoints.orbax import PARAMS
@@ -104,7 +106,10 @@ def leaves(plan: Plan, dense_params: Mapping[str, Any], seed: int) -> Dict[str, 
 
 
 def write(directory: str, step: int, params: Mapping[str, Any]) -> None:
-  """Writes `directory/<step>/params` from a tree of LazyArrays, one leaf in memory at a time."""
+  """Writes `directory/<step>/params` from a tree of LazyArrays, one leaf in memory at a time,
+  and `directory/<step>/digests/`, the CRC-32 of each array as it was written (`digests.py`)."""
+  recorded: Dict[str, Any] = {}
+  params = tree.unflatten(digests.recording(tree.flatten(params), recorded))
   registry = ocp.type_handlers.create_type_handler_registry((LazyArray, _StreamingHandler()))
   handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
   options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
@@ -115,3 +120,4 @@ def write(directory: str, step: int, params: Mapping[str, Any]) -> None:
     manager.wait_until_finished()
   finally:
     manager.close()
+  digests.write(os.path.join(directory, str(int(step))), {PARAMS: recorded})
