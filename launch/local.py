@@ -36,6 +36,8 @@ import time
 from typing import List, Optional, Sequence, Set, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)   # upcycle/arguments.py (standard library only)
+from upcycle import arguments  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def free_port() -> int:
@@ -183,7 +185,7 @@ def _interrupt(signum, frame):
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(
+  parser = arguments.ArgumentParser(
       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
       usage='python launch/local.py [options] -- <python -m upcycle.train flags>')
   parser.add_argument('--num_processes', type=int, default=2, help='JAX processes (hosts)')
