@@ -119,7 +119,8 @@ def test_t5x_habits_that_ask_for_what_happens_anyway_are_accepted_with_a_note(ca
      'trainer.TrainConfig.num_expert_partitions / num_model_partitions (the data axis takes the '
      'rest of the devices)'),
     ("utils.DatasetConfig.split='test'", None,
-     'EVAL_SPLIT (python -m upcycle.eval); in training, train/text.TextPipeline.split and '
+     'EVAL_SPLIT (python -m upcycle.eval; runs/vit_eval.gin: VALIDATION_SPLIT); in training, '
+     'train/text.TextPipeline.split and '
      'validation/text.TextPipeline.split'),
     ('DatasetConfig.batch_size=8', 'utils.DatasetConfig.batch_size', 'BATCH_SIZE'),
     # a parameter of a T5X class the table does not list, under a gin scope

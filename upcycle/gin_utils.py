@@ -92,7 +92,8 @@ T5X_CONFIGURABLES = {
     'utils.DatasetConfig.module': 'MIXTURE_OR_TASK_MODULE',
     'utils.DatasetConfig.task_feature_lengths': 'TASK_FEATURE_LENGTHS',
     'utils.DatasetConfig.batch_size': 'BATCH_SIZE',
-    'utils.DatasetConfig.split': ('EVAL_SPLIT (python -m upcycle.eval); in training, '
+    'utils.DatasetConfig.split': ('EVAL_SPLIT (python -m upcycle.eval; runs/vit_eval.gin: '
+                                  'VALIDATION_SPLIT); in training, '
                                   'train/text.TextPipeline.split and '
                                   'validation/text.TextPipeline.split'),
     'utils.DatasetConfig.seed': 'SEED',
