@@ -22,7 +22,8 @@ their console output silenced (it stays in --log_dir) and exits with the failed 
 status, so a crash never leaves its peers waiting in a collective. Ctrl-C or SIGTERM to the
 launcher stops every process the same way but for their output, which stays on the console:
 each training process stops as on a preemption, saving the step it is at, and says so
-(train/preemption.py).
+(train/preemption.py). So does SIGTERM to one process: JAX's preemption service stops every
+process at one step, and the first to exit with status 143 (`STOPPED`) is no failure.
 """
 
 import argparse
@@ -88,6 +89,10 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
   except OSError:
     pass
+
+
+# The exit status of `python -m upcycle.train` stopped on SIGTERM with its step saved.
+STOPPED = 128 + signal.SIGTERM
 
 
 def _describe(returncode: int) -> str:
@@ -156,7 +161,15 @@ class Job:
         self._waiters[i].join()
 
   def _failed(self, index: int, code: int, running: int) -> int:
-    """Says which process failed first and how, after its last output, then stops the rest."""
+    """Says which process failed first and how, after its last output, then stops the rest.
+    A process stopped on SIGTERM (a training process saved its step) is no failure: the rest
+    stop the same way, with their output on the console."""
+    if code == STOPPED:
+      self.stop()
+      self._drain()
+      _say(f'launch/local.py: process {index} stopped on SIGTERM (exit status {code}); stopped '
+           f'the other {running} process(es) too.')
+      return code
     self._silence_all_but(index)   # the peers' reactions (JAX fatal-error stacks) are noise
     self._pumps[index].join(timeout=5)
     _say(f'launch/local.py: process {index} {_describe(code)}; stopping the other {running} '

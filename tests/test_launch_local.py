@@ -113,28 +113,40 @@ print(f'[Gloo] Rank {index} is connected to [Gloo] Rank {index}1 is connected to
       '1Expected number of connected peer ranks is :  peer ranks. 1Expected number of connected '
       'peer ranks is : \n1', flush=True)
 open(os.path.join(os.environ['LOCK_DIR'], index), 'w').close()
+if os.environ.get('HOW') == 'one is stopped' and index == '1':
+  while not os.path.exists(os.path.join(os.environ['LOCK_DIR'], '0')):
+    time.sleep(0.01)
+  os.kill(os.getpid(), signal.SIGTERM)
 time.sleep(60)
 '''
 
 
-def test_a_stopped_launcher_shows_each_process_s_saved_step_and_logs_gloo_only(tmp_path):
+@pytest.mark.parametrize('how, status, said', [
+    ('the launcher is stopped', 130, 'interrupted; stopped every process.'),
+    ('one is stopped', 143, 'process 1 stopped on SIGTERM (exit status 143); stopped the other 1 '
+                            'process(es) too.'),
+])
+def test_a_stop_shows_each_process_s_saved_step_and_logs_gloo_only(tmp_path, how, status, said):
+  """As a preemption: SIGTERM to the launcher, or to one process (JAX's preemption service
+  then stops every process at one step)."""
   (tmp_path / 'worker.py').write_text(SAVING_WORKER)
-  env = {**os.environ, 'PYTHONPATH': str(tmp_path), 'LOCK_DIR': str(tmp_path)}
+  env = {**os.environ, 'PYTHONPATH': str(tmp_path), 'LOCK_DIR': str(tmp_path), 'HOW': how}
   launcher = subprocess.Popen(
       [sys.executable, os.path.join(REPO, 'launch', 'local.py'), '--num_processes=2',
        '--module=worker', f'--log_dir={tmp_path}/logs', '--grace_seconds=5'],
       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  deadline = time.time() + 60
-  while not all((tmp_path / i).exists() for i in '01') and time.time() < deadline:
-    time.sleep(0.05)
-  launcher.send_signal(signal.SIGTERM)
-  launcher.send_signal(signal.SIGTERM)   # a second one changes nothing
+  if how == 'the launcher is stopped':
+    deadline = time.time() + 60
+    while not all((tmp_path / i).exists() for i in '01') and time.time() < deadline:
+      time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    launcher.send_signal(signal.SIGTERM)   # a second one changes nothing
   out, err = launcher.communicate(timeout=60)
-  assert launcher.returncode == 130
+  assert launcher.returncode == status
   assert sorted(out.splitlines()) == [
       f'[process {i}] Stopped at step 4 on SIGTERM, with step 4 saved (process {i})'
       for i in '01']
-  assert err.splitlines()[-1] == 'launch/local.py: interrupted; stopped every process.'
+  assert err.splitlines()[-1] == f'launch/local.py: {said}'
   for i in '01':
     assert (tmp_path / 'logs' / f'process_{i}.log').read_text().startswith(f'[Gloo] Rank {i} ')
 
