@@ -79,8 +79,8 @@ T5X_CONFIGURABLES = {
     'utils.SaveCheckpointConfig.period': 'trainer.TrainConfig.checkpoint_every',
     'utils.SaveCheckpointConfig.keep': ('trainer.TrainConfig.keep_checkpoints (None: every '
                                         'checkpoint)'),
-    'utils.SaveCheckpointConfig.dtype': 'nothing: checkpoints keep the parameters\' dtype',
-    'utils.SaveCheckpointConfig.save_dataset': ('nothing: every checkpoint holds the data '
+    'utils.SaveCheckpointConfig.dtype': 'no binding: checkpoints keep the parameters\' dtype',
+    'utils.SaveCheckpointConfig.save_dataset': ('no binding: every checkpoint holds the data '
                                                 'position'),
     'utils.RestoreCheckpointConfig.path': 'INITIAL_CHECKPOINT_PATH',
     'partitioning.PjitPartitioner.num_partitions': 'trainer.TrainConfig.num_model_partitions',
@@ -99,7 +99,7 @@ T5X_CONFIGURABLES = {
     'utils.DatasetConfig.seed': 'SEED',
     'utils.DatasetConfig.shuffle': 'text.TextPipeline.shuffle',
     'utils.DatasetConfig.pack': 'text.TextPipeline.pack',
-    'utils.DatasetConfig.use_cached': 'nothing: tasks are always read uncached',
+    'utils.DatasetConfig.use_cached': 'no binding: tasks are always read uncached',
 }
 # Any other parameter of these T5X classes.
 T5X_CLASSES = {
