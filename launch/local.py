@@ -12,20 +12,24 @@ a TPU VM slice runs (`launch/tpu_vm.py train`), with its own simulated CPU devic
 (`XLA_FLAGS=--xla_force_host_platform_device_count`), joined by `jax.distributed` through a
 coordinator on 127.0.0.1 (UPCYCLE_COORDINATOR_ADDRESS, UPCYCLE_NUM_PROCESSES,
 UPCYCLE_PROCESS_ID; see `upcycle.distributed.join`). Each process's
-output goes to the console prefixed with `[process i]` and, with --log_dir, to
-`<log_dir>/process_<i>.log`.
+output goes to the console prefixed with `[process i]` (but gloo's connection reports,
+`gloo_report`) and, with --log_dir, all of it to `<log_dir>/process_<i>.log`.
 
 A process that exits with an error takes the others down: the launcher says which process
 failed first and how (its exit status or the signal that killed it; the peers that fail because
 it is gone are not blamed), stops the rest (SIGTERM, then SIGKILL after --grace_seconds) with
 their console output silenced (it stays in --log_dir) and exits with the failed process's
 status, so a crash never leaves its peers waiting in a collective. Ctrl-C or SIGTERM to the
-launcher stops every process the same way.
+launcher stops every process the same way but for their output, which stays on the console:
+each training process stops as on a preemption, saving the step it is at, and says so
+(train/preemption.py). So does SIGTERM to one process: JAX's preemption service stops every
+process at one step, and the first to exit with status 143 (`STOPPED`) is no failure.
 """
 
 import argparse
 import os
 import queue
+import re
 import shlex
 import signal
 import socket
@@ -36,6 +40,23 @@ import time
 from typing import List, Optional, Sequence, Set, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)   # upcycle/arguments.py (standard library only)
+from upcycle import arguments  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+# gloo's (JAX's CPU collectives) connection reports, 4 lines per process and run, e.g.
+#   [Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3
+# Threads write them at once, word by word, so that their words come mixed over two lines.
+_GLOO_WORDS = re.compile(r'\[Gloo\] Rank | is connected to | peer ranks\. |'
+                         r'Expected number of connected peer ranks is : |\d+|\s+')
+
+
+def gloo_report(line: str, continued: bool) -> bool:
+  """Whether `line` is (part of) gloo's connection reports: their words only, naming gloo or
+  peer ranks, or ending (`continued`) the report the line before began."""
+  if _GLOO_WORDS.sub('', line):
+    return False
+  return continued or '[Gloo]' in line or 'peer ranks' in line
 
 
 def free_port() -> int:
@@ -70,6 +91,10 @@ def _say(message: str) -> None:
     pass
 
 
+# The exit status of `python -m upcycle.train` stopped on SIGTERM with its step saved.
+STOPPED = 128 + signal.SIGTERM
+
+
 def _describe(returncode: int) -> str:
   if returncode < 0:
     return f'was killed by {signal.Signals(-returncode).name}'
@@ -80,8 +105,12 @@ class Job:
   """N processes of one command; `wait()` returns the job's exit status."""
 
   def __init__(self, command: Sequence[str], num_processes: int, devices: int,
-               log_dir: Optional[str] = None, grace_seconds: float = 10.0, quiet: bool = False):
+               log_dir: Optional[str] = None, grace_seconds: float = 10.0, quiet: bool = False,
+               interrupted: Optional[threading.Event] = None):
+    """`interrupted`: once set (by `interrupt_on_signals`' handlers), `wait` stops every
+    process."""
     self.grace_seconds, self.quiet = grace_seconds, quiet
+    self.interrupted = interrupted or threading.Event()
     port = free_port()
     self.logs = []
     if log_dir:
@@ -103,18 +132,20 @@ class Job:
       self._waiters.append(_start(lambda i, proc: self._ended.put((i, proc.wait())), i, proc))
 
   def _pump(self, index: int, proc: subprocess.Popen, log) -> None:
+    gloo = False
     for line in proc.stdout:
       if log:
         log.write(line)
         log.flush()
-      if not self.quiet and index not in self._silenced:
+      gloo = gloo_report(line, gloo)   # to the log only
+      if not self.quiet and index not in self._silenced and not gloo:
         try:
           sys.stdout.write(f'[process {index}] {line}')
           sys.stdout.flush()
         except OSError:   # Nobody reads the console any more; keep draining the pipe.
           self.quiet = True
 
-  def _silence_all_but(self, index: Optional[int]) -> None:
+  def _silence_all_but(self, index: int) -> None:
     self._silenced.update(i for i in range(len(self.procs)) if i != index)
 
   def stop(self) -> None:
@@ -130,7 +161,15 @@ class Job:
         self._waiters[i].join()
 
   def _failed(self, index: int, code: int, running: int) -> int:
-    """Says which process failed first and how, after its last output, then stops the rest."""
+    """Says which process failed first and how, after its last output, then stops the rest.
+    A process stopped on SIGTERM (a training process saved its step) is no failure: the rest
+    stop the same way, with their output on the console."""
+    if code == STOPPED:
+      self.stop()
+      self._drain()
+      _say(f'launch/local.py: process {index} stopped on SIGTERM (exit status {code}); stopped '
+           f'the other {running} process(es) too.')
+      return code
     self._silence_all_but(index)   # the peers' reactions (JAX fatal-error stacks) are noise
     self._pumps[index].join(timeout=5)
     _say(f'launch/local.py: process {index} {_describe(code)}; stopping the other {running} '
@@ -144,6 +183,11 @@ class Job:
     try:
       running = len(self.procs)
       while running:
+        if self.interrupted.is_set():   # every process stops as on a preemption, saying so
+          self.stop()
+          self._drain()
+          _say('launch/local.py: interrupted; stopped every process.')
+          return 130
         try:
           index, code = self._ended.get(timeout=poll_seconds)
         except queue.Empty:
@@ -152,17 +196,16 @@ class Job:
         if code:
           return self._failed(index, code, running)
       return 0
-    except KeyboardInterrupt:
-      self._silence_all_but(None)
-      self.stop()
-      _say('launch/local.py: interrupted; stopped every process.')
-      return 130
     finally:
-      for thread in self._pumps:
-        thread.join(timeout=5)
+      self._drain()
       for log in self.logs:
         if log:
           log.close()
+
+  def _drain(self) -> None:
+    """Waits (5 s at most each) for the processes' last output to be written."""
+    for thread in self._pumps:
+      thread.join(timeout=5)
 
 
 def _start(target, *args) -> threading.Thread:
@@ -178,12 +221,20 @@ def _signal_group(proc: subprocess.Popen, signum: int) -> None:
     pass
 
 
-def _interrupt(signum, frame):
-  raise KeyboardInterrupt
+def interrupt_on_signals() -> threading.Event:
+  """An event that Ctrl-C and SIGTERM set, for `Job.wait` to see between two polls.
+
+  Not KeyboardInterrupt: raised at any point of the main thread, it can leave the lock of the
+  queue the processes' exits arrive on held, and the launcher waiting on it forever.
+  """
+  event = threading.Event()
+  for signum in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(signum, lambda *_: event.set())
+  return event
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(
+  parser = arguments.ArgumentParser(
       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
       usage='python launch/local.py [options] -- <python -m upcycle.train flags>')
   parser.add_argument('--num_processes', type=int, default=2, help='JAX processes (hosts)')
@@ -213,9 +264,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       print('+ ' + ' '.join(f'{k}={shlex.quote(v)}' for k, v in sorted(env.items()))
             + ' ' + shlex.join(command))
     return 0
-  signal.signal(signal.SIGTERM, _interrupt)
+  interrupted = interrupt_on_signals()
   return Job(command, args.num_processes, args.devices_per_process, args.log_dir,
-             args.grace_seconds).wait()
+             args.grace_seconds, interrupted=interrupted).wait()
 
 
 if __name__ == '__main__':

@@ -40,8 +40,11 @@ import sys
 import time
 from typing import List, Optional, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import tpu_job  # pylint: disable=g-import-not-at-top,wrong-import-position  (launch/tpu_job.py)
+_LAUNCH = os.path.dirname(os.path.abspath(__file__))
+# launch/tpu_job.py, and upcycle/arguments.py (standard library only, as this script).
+sys.path[:0] = [_LAUNCH, os.path.dirname(_LAUNCH)]
+import tpu_job  # pylint: disable=g-import-not-at-top,wrong-import-position
+from upcycle import arguments  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 JAX_TPU = 'jax[tpu]==0.10.2'
 # The workers' virtualenv runs this CPython, the oldest that setup.py's pins accept; uv (from
@@ -376,9 +379,9 @@ def train(args, train_args: Sequence[str], shell: Shell) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
+  parser = arguments.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  common = argparse.ArgumentParser(add_help=False)
+  common = arguments.ArgumentParser(add_help=False)
   common.add_argument('--name', required=True, help='TPU VM (and queued resource) name')
   common.add_argument('--zone', required=True, help='e.g. us-central2-b (v4)')
   common.add_argument('--project', default=None, help='GCP project (default: gcloud config)')
@@ -386,10 +389,10 @@ def build_parser() -> argparse.ArgumentParser:
   common.add_argument('--queued', action='store_true',
                       help='create/delete through queued resources (waits for capacity)')
   common.add_argument('--dry_run', action='store_true', help='print every command, run none')
-  job = argparse.ArgumentParser(add_help=False)
+  job = arguments.ArgumentParser(add_help=False)
   job.add_argument('--run', default=None,
                    help='the job\'s name: its log is ~/upcycle_logs/<run>.log (default: --name)')
-  vm = argparse.ArgumentParser(add_help=False)
+  vm = arguments.ArgumentParser(add_help=False)
   vm.add_argument('--runtime_version', default=None, help='TPU VM image (default per generation)')
   capacity = vm.add_mutually_exclusive_group()
   capacity.add_argument('--spot', action='store_true', help='spot capacity')
@@ -405,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
                   help='seconds to wait for the slice to be READY (a queued one: ACTIVE)')
   vm.add_argument('--poll_seconds', type=float, default=60.0,
                   help='seconds between state checks of the slice and the job')
-  code = argparse.ArgumentParser(add_help=False)
+  code = arguments.ArgumentParser(add_help=False)
   code.add_argument('--source', default=os.getcwd(), help='local checkout whose HEAD is copied')
   code.add_argument('--ship_worktree', action='store_true',
                     help='copy the working tree as it is (uncommitted and untracked files too, '

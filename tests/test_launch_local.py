@@ -3,8 +3,10 @@
 import importlib.util
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -93,3 +95,78 @@ def test_the_first_process_to_fail_is_named_and_the_others_stop_quietly(tmp_path
   if how == 'crashes':
     assert done.stdout.splitlines()[-1] == '[process 1] error: process 1 cannot read its data shard'
     assert 'F0000 fatal-error stack' in (tmp_path / 'logs' / 'process_0.log').read_text()
+
+
+# A stand-in for a training process: gloo's connection report, then, on SIGTERM, what
+# train/preemption.py says of the step it saved.
+SAVING_WORKER = r'''
+import os, signal, sys, time
+index = os.environ['UPCYCLE_PROCESS_ID']
+def saved(*_):
+  print(f'Stopped at step 4 on SIGTERM, with step 4 saved (process {index})', flush=True)
+  sys.exit(143)
+signal.signal(signal.SIGTERM, saved)
+print(f'[Gloo] Rank {index} is connected to 1 peer ranks. Expected number of connected peer '
+      'ranks is : 1', flush=True)
+# two threads' reports, their words mixed (as a real run printed them)
+print(f'[Gloo] Rank {index} is connected to [Gloo] Rank {index}1 is connected to  peer ranks. '
+      '1Expected number of connected peer ranks is :  peer ranks. 1Expected number of connected '
+      'peer ranks is : \n1', flush=True)
+open(os.path.join(os.environ['LOCK_DIR'], index), 'w').close()
+if os.environ.get('HOW') == 'one is stopped' and index == '1':
+  while not os.path.exists(os.path.join(os.environ['LOCK_DIR'], '0')):
+    time.sleep(0.01)
+  os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(60)
+'''
+
+
+@pytest.mark.parametrize('how, status, said', [
+    ('the launcher is stopped', 130, 'interrupted; stopped every process.'),
+    ('one is stopped', 143, 'process 1 stopped on SIGTERM (exit status 143); stopped the other 1 '
+                            'process(es) too.'),
+])
+def test_a_stop_shows_each_process_s_saved_step_and_logs_gloo_only(tmp_path, how, status, said):
+  """As a preemption: SIGTERM to the launcher, or to one process (JAX's preemption service
+  then stops every process at one step)."""
+  (tmp_path / 'worker.py').write_text(SAVING_WORKER)
+  env = {**os.environ, 'PYTHONPATH': str(tmp_path), 'LOCK_DIR': str(tmp_path), 'HOW': how}
+  launcher = subprocess.Popen(
+      [sys.executable, os.path.join(REPO, 'launch', 'local.py'), '--num_processes=2',
+       '--module=worker', f'--log_dir={tmp_path}/logs', '--grace_seconds=5'],
+      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  if how == 'the launcher is stopped':
+    deadline = time.time() + 60
+    while not all((tmp_path / i).exists() for i in '01') and time.time() < deadline:
+      time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    launcher.send_signal(signal.SIGTERM)   # a second one changes nothing
+  out, err = launcher.communicate(timeout=60)
+  assert launcher.returncode == status
+  assert sorted(out.splitlines()) == [
+      f'[process {i}] Stopped at step 4 on SIGTERM, with step 4 saved (process {i})'
+      for i in '01']
+  assert err.splitlines()[-1] == f'launch/local.py: {said}'
+  for i in '01':
+    assert (tmp_path / 'logs' / f'process_{i}.log').read_text().startswith(f'[Gloo] Rank {i} ')
+
+
+# What two real processes printed (process_<i>.log), and lines a run prints besides.
+GLOO_LINES = [
+    '[Gloo] Rank 0[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer '
+    'ranks is : 1\n',
+    ' is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n',
+    '[Gloo] Rank 2 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\n',
+]
+
+
+def test_gloo_reports_are_told_from_a_run_s_own_lines():
+  continued = False
+  for line in GLOO_LINES:
+    continued = local.gloo_report(line, continued)
+    assert continued, line
+  assert local.gloo_report('1\n', continued=True)          # the end of a torn report
+  for line in ('1\n', 'train step 3/3 | loss 4.101 | accuracy 0.1562\n', '\n',
+               'Saved step 3 to /tmp/run/checkpoints/3 in 3.1 s.\n',
+               'error: 2 peer ranks is what gloo expected\n'):
+    assert not local.gloo_report(line, continued=False), line

@@ -11,6 +11,8 @@ run in this process (8 CPU devices), two of them as real processes to show the w
 output."""
 
 import dataclasses
+import importlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import sys
 import pytest
 
 from tests.checkpoints import helpers
+from tests.helpers import REPO
 from upcycle import eval as eval_main
 from upcycle import infer as infer_main
 from upcycle.checkpoints import t5x_writer
@@ -236,6 +239,35 @@ def test_eval_and_infer_refuse_a_batch_of_0_and_an_output_under_a_file(
   names = {'file': paths['file'], 'tmp': tmp_path}
   message = _refusal(main, [_fill(arg, **names) for arg in argv], capsys)
   assert message == 'error: ' + _fill(error, **names)
+
+
+def _launch_main(name):
+  """launch/<name>.py's main (a script, not a module of the package)."""
+  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, 'launch', f'{name}.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.main
+
+
+@pytest.mark.parametrize('entry_point, argv, error', [
+    ('upcycle.train.__main__', ['--gin_fil=x.gin'], 'unrecognized arguments: --gin_fil=x.gin'),
+    ('upcycle.eval', ['--bogus'], 'unrecognized arguments: --bogus'),
+    ('upcycle.convert', ['--sourc=x', '--output_dir=y'], 'the following arguments are required: '
+                                                         '--source'),
+    ('upcycle.describe', ['x', '--jso'], 'unrecognized arguments: --jso'),
+    ('upcycle.study.__main__', ['--suite=nope'], "argument --suite: invalid choice: 'nope' "),
+    ('local', ['--num_process=2'], 'unrecognized arguments: --num_process=2'),
+    ('tpu_vm', ['create', '--nam=x', '--zone=z'], 'the following arguments are required: --name'),
+])
+def test_a_bad_flag_of_any_entry_point_is_one_line_and_status_1(entry_point, argv, error):
+  """Not argparse's usage block and status 2; an abbreviation is no flag."""
+  main = (_launch_main(entry_point) if '.' not in entry_point
+          else importlib.import_module(entry_point).main)
+  with pytest.raises(SystemExit) as refused:
+    main(argv)
+  message = refused.value.code   # a string: printed on stderr, exit status 1
+  assert isinstance(message, str) and '\n' not in message
+  assert message.startswith(f'error: {error}') and message.endswith(' (--help lists the flags).')
 
 
 def _stderr(done):

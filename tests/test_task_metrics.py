@@ -22,9 +22,11 @@ TASK = 'keyword_or_name'
 WORDS = sorted(keyword.kwlist)[:12] + ['abs', 'all', 'any', 'ascii', 'bin', 'bool', 'bytes',
                                        'callable', 'chr', 'dict', 'dir', 'divmod']
 LENGTHS = {'inputs': 32, 'targets': 8}
+TEST_WORDS = 5   # the 'test' split: the first words only
 # The user's task module: Python's keywords and builtins' names, each to be called one or the
-# other; a postprocess that turns a text into a label (by its length, so that a random
-# model's predictions fall on both sides) and scikit-learn's metrics over the labels.
+# other ('validation'; 'test': the first TEST_WORDS of them); a postprocess that turns a text
+# into a label (by its length, so that a random model's predictions fall on both sides) and
+# scikit-learn's metrics over the labels.
 MODULE = f'''
 import keyword
 import seqio, sklearn.metrics, tensorflow as tf, numpy as np
@@ -32,10 +34,11 @@ import seqio, sklearn.metrics, tensorflow as tf, numpy as np
 WORDS = {WORDS!r}
 
 def dataset_fn(split, shuffle_files, seed=None):
-  del split, shuffle_files, seed
+  del shuffle_files, seed
+  words = WORDS if split == 'validation' else WORDS[:{TEST_WORDS}]
   return tf.data.Dataset.from_tensor_slices({{
-      'inputs': ['word: ' + w for w in WORDS],
-      'targets': ['keyword' if keyword.iskeyword(w) else 'name' for w in WORDS]}})
+      'inputs': ['word: ' + w for w in words],
+      'targets': ['keyword' if keyword.iskeyword(w) else 'name' for w in words]}})
 
 def label(text, example=None, is_target=False):
   return len(text) % 2
@@ -55,7 +58,7 @@ def labels_text(targets, predictions):
 
 vocabulary = seqio.ByteVocabulary(extra_ids=100)
 seqio.TaskRegistry.add(
-    '{TASK}', source=seqio.FunctionDataSource(dataset_fn, splits=('validation',)),
+    '{TASK}', source=seqio.FunctionDataSource(dataset_fn, splits=('validation', 'test')),
     preprocessors=[seqio.preprocessors.tokenize, seqio.preprocessors.append_eos],
     output_features={{'inputs': seqio.Feature(vocabulary), 'targets': seqio.Feature(vocabulary)}},
     postprocess_fn=label,
@@ -70,6 +73,13 @@ def user_module(tmp_path, monkeypatch):
   monkeypatch.setattr(sys.modules['__main__'], 'evaluate', eval_main.evaluate, raising=False)
   yield 'keyword_tasks'
   gin.clear_config(clear_constants=True)
+
+
+def _argv(checkpoint, module, *flags):
+  return ['--gin_file=models/t5_1_1/tiny.gin', '--gin_file=runs/eval.gin',
+          f"--gin.CHECKPOINT_PATH='{checkpoint}'", f"--gin.MIXTURE_OR_TASK_NAME='{TASK}'",
+          f"--gin.MIXTURE_OR_TASK_MODULE='{module}'", f'--gin.TASK_FEATURE_LENGTHS={LENGTHS}',
+          '--gin.BATCH_SIZE=8', '--gin.EVAL_DECODE_BATCHES=0', *BYTE_T5_FLAGS, *flags]
 
 
 def _reference(reference):
@@ -110,12 +120,8 @@ def test_eval_runs_the_tasks_metric_functions_on_transformers_predictions(
     byte_vocab_t5, user_module, tmp_path):
   directory, reference = byte_vocab_t5
   out = tmp_path / 'eval'
-  results = gin_utils.run(eval_main.evaluate, [
-      '--gin_file=models/t5_1_1/tiny.gin', '--gin_file=runs/eval.gin',
-      f"--gin.CHECKPOINT_PATH='{directory}'", f"--gin.MIXTURE_OR_TASK_NAME='{TASK}'",
-      f"--gin.MIXTURE_OR_TASK_MODULE='{user_module}'", f'--gin.TASK_FEATURE_LENGTHS={LENGTHS}',
-      '--gin.BATCH_SIZE=8', '--gin.EVAL_DECODE_BATCHES=0', f"--gin.EVAL_OUTPUT_DIR='{out}'",
-      *BYTE_T5_FLAGS], 'test')
+  results = gin_utils.run(eval_main.evaluate, _argv(directory, user_module,
+                                                   f"--gin.EVAL_OUTPUT_DIR='{out}'"), 'test')
   expected, predicted = _reference(reference)
   assert 0 < sum(predicted) < len(predicted)    # the predictions fall on both labels
   assert results['decoded_examples'] == 24
@@ -138,3 +144,19 @@ def test_eval_runs_the_tasks_metric_functions_on_transformers_predictions(
   assert logged[f'{TASK}/labels'] == results[f'{TASK}/labels']
   assert logged[f'{TASK}/mean_log_likelihood'] == pytest.approx(
       expected[f'{TASK}/mean_log_likelihood'], rel=1e-4)
+
+
+def test_eval_split_evaluates_another_split_of_the_task(byte_vocab_t5, user_module):
+  """T5X's DatasetConfig.split: EVAL_SPLIT is the split of the loss and of the decodes."""
+  results = gin_utils.run(eval_main.evaluate, _argv(byte_vocab_t5[0], user_module,
+                                                    "--gin.EVAL_SPLIT='test'"), 'test')
+  assert results['decoded_examples'] == TEST_WORDS
+
+
+def test_a_split_the_task_lacks_is_one_line_naming_its_splits(byte_vocab_t5, user_module):
+  with pytest.raises(SystemExit) as refused:
+    eval_main.main(_argv(byte_vocab_t5[0], user_module, "--gin.EVAL_SPLIT='train'"))
+  assert refused.value.code == (
+      f"error: text.TextPipeline.split = 'train': the task '{TASK}' has the splits "
+      "('validation', 'test'). Fix: one of those (python -m upcycle.eval: "
+      '--gin.EVAL_SPLIT="\'<split>\'").')

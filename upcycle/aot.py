@@ -22,7 +22,7 @@ import json
 import sys
 from typing import Any, Optional, Sequence, Tuple
 
-from upcycle import gin_utils
+from upcycle import arguments, gin_utils
 
 
 def train(*, objective: Any, optimizer: Any, config: Any, train_data: Any,
@@ -52,7 +52,7 @@ def train(*, objective: Any, optimizer: Any, config: Any, train_data: Any,
 def _own_flags(argv: Sequence[str]) -> Tuple[argparse.Namespace, Sequence[str]]:
   """(--topology, --json, --no_megacore and --find_batch; the rest of argv, the train
   flags)."""
-  parser = argparse.ArgumentParser(add_help=False)
+  parser = arguments.ArgumentParser(add_help=False)
   parser.add_argument('--topology', default='v4:2x2x1')
   parser.add_argument('--json', default=None)
   parser.add_argument('--no_megacore', action='store_false', dest='megacore')

@@ -96,7 +96,8 @@ import tempfile
 import time
 from typing import Any, Callable, List, Mapping, Optional, Union
 
-from upcycle import checkpoints, console, families, gin_utils, pretrained, reachability, tree
+from upcycle import (arguments, checkpoints, console, families, gin_utils, pretrained,
+                     reachability, tree)
 from upcycle.checkpoints import gcs, paths, t5x_writer, verify as verify_lib
 from upcycle.locks import file_lock
 from upcycle.locks.gcs_lock import STALE_SECONDS, GcsLock
@@ -469,8 +470,8 @@ def _literal(value: Optional[str]) -> Any:
 
 def build_parser() -> argparse.ArgumentParser:
   """convert's own flags; the gin flags (gin_utils.parse_flags) are the rest."""
-  parser = argparse.ArgumentParser(
-      prog='python -m upcycle.convert', description=__doc__, allow_abbrev=False,
+  parser = arguments.ArgumentParser(
+      prog='python -m upcycle.convert', description=__doc__,
       formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--source', required=True, action='append',
                       help='dense checkpoint, any supported format; Branch-Train-MiX / UpIT: '

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 from etils import epath
 
-from upcycle import checkpoints, console, pretrained, reachability, tree
+from upcycle import arguments, checkpoints, console, pretrained, reachability, tree
 from upcycle.checkpoints import describe, digests, orbax, paths, verify
 
 
@@ -86,7 +86,7 @@ def format_text(info: Dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog='python -m upcycle.describe', description=__doc__,
+  parser = arguments.ArgumentParser(prog='python -m upcycle.describe', description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('path', help='checkpoint file or directory (T5X, orbax, HF, .npz)')
   parser.add_argument('--format', choices=checkpoints.FORMATS, default=None,

@@ -58,7 +58,7 @@ import argparse
 import sys
 from typing import Any, List, Optional
 
-from upcycle import checkpoints, console, fields, gin_utils, hf_export, reachability
+from upcycle import arguments, checkpoints, console, fields, gin_utils, hf_export, reachability
 from upcycle.checkpoints import t5x_export
 from upcycle.data.tokenizer import TokenizerError
 
@@ -67,8 +67,8 @@ MODEL_MACRO = 'MODEL'
 
 def build_parser() -> argparse.ArgumentParser:
   """export's own flags; with --format=hf the gin flags (gin_utils.parse_flags) are the rest."""
-  parser = argparse.ArgumentParser(
-      prog='python -m upcycle.export', description=__doc__, allow_abbrev=False,
+  parser = arguments.ArgumentParser(
+      prog='python -m upcycle.export', description=__doc__,
       formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--model_dir', required=True,
                       help="the run's MODEL_DIR (or its checkpoints/ directory); with "

@@ -49,9 +49,13 @@ def integer_value(name: str, value: Any, minimum: Optional[int] = None) -> None:
     raise ConfigError(f'{name} = {value!r}: expected {expected}.')
 
 
-def optional_integer(obj: Any, field: str, minimum: int) -> None:
-  if getattr(obj, field) is not None:
-    integer(obj, field, minimum)
+def optional_integer(obj: Any, field: str, minimum: int, none: str = '') -> None:
+  """None or an integer >= minimum; `none`, what None means, is said in the error."""
+  value = getattr(obj, field)
+  if value is None:
+    return
+  if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+    raise _fail(obj, field, f'an integer >= {minimum}' + (f', or None ({none})' if none else ''))
 
 
 def number(obj: Any, field: str, minimum: float = 0.0, strictly: bool = False) -> None:

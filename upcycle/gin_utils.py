@@ -28,7 +28,7 @@ from typing import (Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequ
 
 import gin
 
-from upcycle import console, distributed, reachability
+from upcycle import arguments, console, distributed, reachability
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 # The gin files: inside the package in a wheel (setup.py ships configs/ as upcycle/configs/),
@@ -54,19 +54,60 @@ _TO_THE_TERMINAL = ('progress and warnings already go to the terminal (no absl l
                     'kept)')
 T5X_FLAGS = {'--alsologtostderr': _TO_THE_TERMINAL, '--logtostderr': _TO_THE_TERMINAL}
 T5X_ACCEPTED_BINDINGS = {'USE_CACHED_TASKS = False': 'tasks are always read uncached here'}
-# T5X configurables (the training command's names) and the binding that does the same here.
+# T5X's configurable parameters (full names; gin's partial names such as `train.eval_period`
+# or `PjitPartitioner.model_parallel_submesh` match them too) and what to use here instead.
+_CHECKPOINTS = ('trainer.TrainConfig.checkpoint_every / keep_checkpoints (saving) and '
+                'INITIAL_CHECKPOINT_PATH (restoring)')
+_MESH = ('trainer.TrainConfig.num_expert_partitions / num_model_partitions (the data axis takes '
+         'the rest of the devices)')
+_DATA = ('the data gin file (configs/data/) and the macros MIXTURE_OR_TASK_NAME, '
+         'TASK_FEATURE_LENGTHS, BATCH_SIZE')
 T5X_CONFIGURABLES = {
-    'utils.SaveCheckpointConfig.period': 'trainer.TrainConfig.checkpoint_every',
-    'utils.SaveCheckpointConfig.keep': 'trainer.TrainConfig.keep_checkpoints',
+    'train_script.train.total_steps': 'TRAIN_STEPS',
     'train_script.train.eval_period': 'EVAL_PERIOD (trainer.TrainConfig.eval_every)',
     'train_script.train.eval_steps': 'EVAL_STEPS (trainer.TrainConfig.eval_batches)',
     'train_script.train.stats_period': 'trainer.TrainConfig.log_every',
     'train_script.train.random_seed': 'SEED',
-    'train_script.train.total_steps': 'TRAIN_STEPS',
-    'partitioning.PjitPartitioner.num_partitions': 'trainer.TrainConfig.num_model_partitions',
-    'trainer.Trainer.num_microbatches': 'trainer.TrainConfig.num_microbatches',
+    'train_script.train.run_eval_before_training': 'trainer.TrainConfig.eval_at_start',
+    'train_script.train.checkpoint_cfg': _CHECKPOINTS,
+    'train_script.train.partitioner': _MESH,
+    'train_script.train.train_dataset_cfg': 'train.train_data (a text.TextPipeline)',
+    'train_script.train.train_eval_dataset_cfg': 'train.eval_data (a text.TextPipeline)',
+    'train_script.train.infer_eval_dataset_cfg': ('python -m upcycle.eval (runs/eval.gin): '
+                                                  'decode_data'),
+    'utils.CheckpointConfig.save': _CHECKPOINTS,
+    'utils.CheckpointConfig.restore': _CHECKPOINTS,
+    'utils.SaveCheckpointConfig.period': 'trainer.TrainConfig.checkpoint_every',
+    'utils.SaveCheckpointConfig.keep': ('trainer.TrainConfig.keep_checkpoints (None: every '
+                                        'checkpoint)'),
+    'utils.SaveCheckpointConfig.dtype': 'no binding: checkpoints keep the parameters\' dtype',
+    'utils.SaveCheckpointConfig.save_dataset': ('no binding: every checkpoint holds the data '
+                                                'position'),
     'utils.RestoreCheckpointConfig.path': 'INITIAL_CHECKPOINT_PATH',
+    'partitioning.PjitPartitioner.num_partitions': 'trainer.TrainConfig.num_model_partitions',
+    'partitioning.PjitPartitioner.model_parallel_submesh': _MESH,
+    'partitioning.PjitPartitioner.logical_axis_rules': ('LOGICAL_AXIS_RULES '
+                                                        '(trainer.TrainConfig.logical_axis_rules)'),
+    'trainer.Trainer.num_microbatches': 'trainer.TrainConfig.num_microbatches',
+    'utils.DatasetConfig.mixture_or_task_name': 'MIXTURE_OR_TASK_NAME',
+    'utils.DatasetConfig.module': 'MIXTURE_OR_TASK_MODULE',
+    'utils.DatasetConfig.task_feature_lengths': 'TASK_FEATURE_LENGTHS',
     'utils.DatasetConfig.batch_size': 'BATCH_SIZE',
+    'utils.DatasetConfig.split': ('EVAL_SPLIT (python -m upcycle.eval; runs/vit_eval.gin: '
+                                  'VALIDATION_SPLIT); in training, '
+                                  'train/text.TextPipeline.split and '
+                                  'validation/text.TextPipeline.split'),
+    'utils.DatasetConfig.seed': 'SEED',
+    'utils.DatasetConfig.shuffle': 'text.TextPipeline.shuffle',
+    'utils.DatasetConfig.pack': 'text.TextPipeline.pack',
+    'utils.DatasetConfig.use_cached': 'no binding: tasks are always read uncached',
+}
+# Any other parameter of these T5X classes.
+T5X_CLASSES = {
+    'utils.DatasetConfig': _DATA,
+    'utils.SaveCheckpointConfig': _CHECKPOINTS,
+    'utils.RestoreCheckpointConfig': _CHECKPOINTS,
+    'partitioning.PjitPartitioner': _MESH,
 }
 
 
@@ -84,7 +125,7 @@ def parse_flags(argv: Sequence[str], description: str) -> Tuple[argparse.Namespa
     else:
       kept.append(arg)
   argv = kept
-  parser = argparse.ArgumentParser(description=description)
+  parser = arguments.ArgumentParser(description=description)
   parser.add_argument('--gin_file', action='append', default=[],
                       help='gin file; repeatable, later files override earlier ones')
   parser.add_argument('--gin_bindings', action='append', default=[],
@@ -121,11 +162,33 @@ def _translated(bindings: Sequence[str]) -> List[str]:
       _note(f'{normalized} (T5X): accepted; {T5X_ACCEPTED_BINDINGS[normalized]}')
       continue
     key = binding.split('=', 1)[0].strip()
-    if key in T5X_CONFIGURABLES:
-      raise SystemExit(f'gin configuration error: {key} is T5X\'s; here the same is '
-                       f'{T5X_CONFIGURABLES[key]} (docs/training.md, "From T5X").')
+    t5x = t5x_name(key)
+    if t5x:
+      full, instead = t5x
+      named = key if key == full else f'{key} ({full})'
+      raise SystemExit(f'gin configuration error: {named} is T5X\'s; here use {instead} '
+                       '(docs/training.md, "From T5X").')
     kept.append(binding)
   return kept
+
+
+def _names(partial: str, full_names: Sequence[str]) -> Optional[str]:
+  """The first of `full_names` that `partial` names as gin would: whole or a dotted tail."""
+  return next((n for n in full_names if n == partial or n.endswith('.' + partial)), None)
+
+
+def t5x_name(key: str) -> Optional[Tuple[str, str]]:
+  """(T5X's full name, what to use here) for a binding's `key` (`[scope/]configurable.param`)
+  that names a T5X configurable parameter; None for any other key."""
+  name = key.rsplit('/', 1)[-1]
+  if '.' not in name:   # a macro
+    return None
+  full = _names(name, list(T5X_CONFIGURABLES))
+  if full:
+    return full, T5X_CONFIGURABLES[full]
+  selector, _, parameter = name.rpartition('.')
+  cls = _names(selector, list(T5X_CLASSES)) if selector else None
+  return (f'{cls}.{parameter}', T5X_CLASSES[cls]) if cls else None
 
 
 def search_paths(extra: Sequence[str] = ()) -> List[str]:
@@ -252,7 +315,7 @@ def parse_gin(args: argparse.Namespace, bindings: Sequence[str], read: Sequence[
     raise SystemExit(f'gin configuration error: {where} does not close its brackets or '
                      f'quotes ({e.args[0]}).') from e
   except (ValueError, IOError) as e:
-    raise SystemExit(f'gin configuration error: {_duplicate_task(e) or e}') from e
+    raise SystemExit(f'gin configuration error: {_duplicate_task(e) or located(str(e))}') from e
 
 
 def _duplicate_task(error: Exception) -> Optional[str]:
@@ -277,6 +340,24 @@ def _unclosed(binding: str) -> bool:
   except tokenize.TokenError:
     return True
   return False
+
+
+# What gin appends to an error in a binding or a gin file: where, the line, a caret.
+_GIN_LOCATION = re.compile(r'\n  In (?:file "(?P<file>[^"]*)",|bindings string) line '
+                           r'(?P<line>\d+)\n    (?P<text>[^\n]*)(?:\n *\^)?$')
+
+
+def located(text: str) -> str:
+  """gin's error `text` in one line, naming the binding or the file line it is in: gin's
+  `<message>\\n  In bindings string line 4\\n    train.eval_period = 100` is
+  `the binding 'train.eval_period = 100': <message>`."""
+  found = _GIN_LOCATION.search(text)
+  if not found:
+    return text
+  message, where = text[:found.start()], found.group('text').strip()
+  if found.group('file'):
+    return f'{found.group("file")}, line {found.group("line")}: {message} ({where})'
+  return f'the binding {where!r}: {message}'
 
 
 def syntax_error(error: SyntaxError) -> str:

@@ -19,13 +19,14 @@ out of training), shuffled by the seed.
 Every stage is a real `python -m upcycle.train` run with the gin files under configs/.
 """
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import time
 from typing import Dict, List
+
+from upcycle import arguments
 
 COMMON = ['--gin_file=data/offline_stdlib_span_corruption.gin',
           '--gin.trainer.TrainConfig.log_every=10',
@@ -80,7 +81,7 @@ def plot(curves: Dict[str, Dict[str, List[dict]]], pretrain_steps: int, path: st
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = arguments.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--output_dir', default='runs/quickstart')
   parser.add_argument('--pretrain_steps', type=int, default=200)
   parser.add_argument('--extra_steps', type=int, default=300)

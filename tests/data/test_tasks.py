@@ -325,3 +325,43 @@ def test_an_unregistered_task_is_one_line_naming_the_binding_and_the_module_macr
       "registered seqio task or mixture (registered: ['c4_span_corruption', "
       "'c4_v220_span_corruption', ")
   assert message.endswith('--gin.MIXTURE_OR_TASK_MODULE="\'my_tasks\'".')
+
+
+def _pretokenized_task():
+  """A task as most seqio tasks are: `tokenize` keeps the texts as '*_pretokenized'."""
+  name = 'test_pretokenized_pairs'
+  if name not in seqio.TaskRegistry.names():
+    vocabulary = seqio.ByteVocabulary()
+    source = seqio.FunctionDataSource(
+        lambda split, shuffle_files, seed=None: tf.data.Dataset.from_tensor_slices(
+            {'inputs': ['a b c', 'd e', 'f'], 'targets': ['x', 'y z', 'w']}),
+        splits=('validation',))
+    seqio.TaskRegistry.add(
+        name, source=source,
+        preprocessors=[seqio.preprocessors.tokenize, seqio.preprocessors.append_eos],
+        output_features={'inputs': seqio.Feature(vocabulary),
+                         'targets': seqio.Feature(vocabulary)})
+  return name
+
+
+def test_packing_a_task_with_pretokenized_texts_is_seqio_s_and_says_nothing(caplog):
+  """The batches are seqio's converter's on the task's examples as read; its warning that the
+  pretokenized texts are dropped by packing is not logged."""
+  name, lengths = _pretokenized_task(), {'inputs': 16, 'targets': 8}
+  pipeline = text.TextPipeline(name, 'validation', lengths, shuffle=False)
+  with caplog.at_level('WARNING', logger='absl'):
+    batches = list(pipeline.batches(seed=0, batch_size=2, shard_index=0, num_shards=1,
+                                    drop_remainder=False, skip_batches=0).as_numpy_iterator())
+  assert not [r for r in caplog.records if 'packing' in r.getMessage()]
+  examples = seqio.get_mixture_or_task(name).get_dataset(lengths, split='validation',
+                                                        shuffle=False, use_cached=False)
+  assert 'inputs_pretokenized' in examples.element_spec
+  with caplog.at_level('WARNING', logger='absl'):
+    expected = list(seqio.EncDecFeatureConverter(pack=True)(examples, lengths).batch(2)
+                    .as_numpy_iterator())
+  assert [r for r in caplog.records if 'removed during packing' in r.getMessage()]
+  assert len(batches) == len(expected)
+  for got, want in zip(batches, expected):
+    assert got.keys() == want.keys()
+    for key in want:
+      np.testing.assert_array_equal(got[key], want[key], err_msg=key)

@@ -1,6 +1,7 @@
 """One trainer per MODEL_DIR, resume checks, corrupt checkpoints, config checks,
 stalled runs, metrics on resume. Cases 1-3 run `python -m upcycle.train` as real processes."""
 
+import dataclasses
 import glob
 import json
 import os
@@ -281,11 +282,24 @@ def test_inspect_verify_reads_every_array(run_4_steps, tmp_path, capsys):
      'models.ViTConfig.width = 100: not divisible by num_heads = 12'),
     (lambda: ViTConfig(layer_norm_epsilon=0),
      'models.ViTConfig.layer_norm_epsilon = 0: expected a number > 0.0'),
+    (lambda: TrainConfig('unused', train_steps=1, batch_size=1, keep_checkpoints=0),
+     'trainer.TrainConfig.keep_checkpoints = 0: expected an integer >= 1, or None (every '
+     'checkpoint is kept).'),
 ])
 def test_config_fields_are_checked_at_construction(make, binding):
   with pytest.raises(fields.ConfigError) as raised:
     make()
   assert str(raised.value).startswith(binding)
+
+
+def test_keep_checkpoints_none_keeps_every_checkpoint(tmp_path):
+  """T5X's default (`SaveCheckpointConfig.keep = None`): 4 checkpoints stay, not the last 3."""
+  config = TrainConfig(str(tmp_path), train_steps=4, batch_size=8, checkpoint_every=1,
+                       keep_checkpoints=None, eval_every=0, async_checkpoints=False)
+  tiny = dataclasses.replace(TRAINING_T5, num_encoder_layers=1, num_decoder_layers=1)
+  Trainer(Seq2Seq(T5(tiny)), Adafactor(schedule=rsqrt_schedule(1.0, 100)), config,
+          text('train'), None).run()
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['1', '2', '3', '4']
 
 
 @pytest.mark.slow

@@ -50,7 +50,7 @@ class LmPipeline:
 
   Attributes:
     task: a seqio task whose source yields documents under `text_key`.
-    split: 'train' or 'validation'.
+    split: a split the task has: 'train', 'validation', 'test', ...
     feature_lengths: {'targets': tokens per row}, as T5X's decoder-only runs give
       TASK_FEATURE_LENGTHS.
     tokenizer: `upcycle.data.tokenizer.load`'s spec: 'offline_stdlib_bpe', an HF
@@ -102,6 +102,7 @@ class LmPipeline:
     task = tasks.get_task(self.task, module=self.module,
                           task_binding=fields.binding(self, 'task'),
                           module_binding=fields.binding(self, 'module'))
+    tasks.check_split(task, self.split, binding=fields.binding(self, 'split'))
     # As seqio's Task.get_dataset: a source that shards itself gets the shard, others are
     # read whole and sharded by example.
     by_source = num_shards > 1 and task.source.supports_arbitrary_sharding

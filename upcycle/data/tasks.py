@@ -175,6 +175,15 @@ def get_task(name: str, *, module: Optional[str], task_binding: str,
         f'name it: --gin.MIXTURE_OR_TASK_MODULE="\'my_tasks\'".') from None
 
 
+def check_split(task: Union[seqio.Task, seqio.Mixture], split: str, *, binding: str) -> None:
+  """Refuses a `split` that `task` does not have: a `fields.ConfigError` naming `binding` and
+  the task's splits."""
+  if split not in task.splits:
+    raise fields.ConfigError(
+        f'{binding} = {split!r}: the task {task.name!r} has the splits {tuple(task.splits)}. '
+        f'Fix: one of those (python -m upcycle.eval: --gin.EVAL_SPLIT="\'<split>\'").')
+
+
 for _name, _tfds_name in C4_TASKS.items():
   add_c4_span_corruption(_name, tfds_name=_tfds_name)
 add_offline_span_corruption()

@@ -50,7 +50,7 @@ class TextPipeline:
   Attributes:
     task: a name registered in `seqio.TaskRegistry`, e.g. 'offline_span_corruption' or
       'c4_span_corruption' (see `upcycle.data.tasks`).
-    split: 'train' or 'validation'.
+    split: a split the task has: 'train', 'validation', 'test', ...
     feature_lengths: task feature lengths, e.g. {'inputs': 512, 'targets': 114}.
     pack: pack several examples per row (`EncDecFeatureConverter(pack=True)`).
     shuffle: shuffle documents (source order and seqio's example buffer).
@@ -96,9 +96,7 @@ class TextPipeline:
     """
     host_only.hide_accelerators()
     task = self.seqio_task()
-    if self.split not in task.splits:
-      raise ValueError(f'Task {self.task!r} has splits {tuple(task.splits)}; '
-                       f'TextPipeline.split={self.split!r} is not one of them.')
+    tasks.check_split(task, self.split, binding=fields.binding(self, 'split'))
     shard_info = seqio.ShardInfo(shard_index, num_shards) if num_shards > 1 else None
     try:
       ds = task.get_dataset(
@@ -110,6 +108,9 @@ class TextPipeline:
           f'(TASK_FEATURE_LENGTHS): {e}') from None
     except Exception as e:  # pylint: disable=broad-except  (TFDS and imports fail many ways)
       raise source_errors.source_error(self.task, task, e, module=self.module) from e
+    # The converter reads 'inputs' and 'targets' only; packing warns of every other feature it
+    # drops (the '*_pretokenized' copies seqio's tokenize keeps, in most tasks).
+    ds = ds.map(lambda example: {k: example[k] for k in self.feature_lengths})
     ds = seqio.EncDecFeatureConverter(pack=self.pack)(ds, dict(self.feature_lengths))
     ds = ds.batch(batch_size, drop_remainder=drop_remainder)
     return ds.skip(skip_batches)

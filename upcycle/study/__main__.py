@@ -15,7 +15,7 @@ import platform
 import sys
 import time
 
-from upcycle import console
+from upcycle import arguments, console
 from upcycle.study import drop_render, drop_runs, drop_units, epochs, execute, render
 from upcycle.study import runs as runs_lib
 from upcycle.study.curves import Results
@@ -152,7 +152,7 @@ most likely reason.
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = arguments.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--out', default='docs', help='where RESULTS.md and results/ go')
   parser.add_argument('--runs_dir', default='runs/study', help='the training runs')
   parser.add_argument('--suite', choices=(*SUITES, 'all'), default='claims',

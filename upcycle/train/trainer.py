@@ -58,7 +58,8 @@ class TrainConfig:
       seed every time, so the numbers are those of re-reading it); False re-reads the pipeline
       for every evaluation (for a split too large for host memory: eval_batches x host batch
       of token ids or images).
-    keep_checkpoints: how many recent checkpoints stay on disk.
+    keep_checkpoints: how many recent checkpoints stay on disk; None: every one (T5X's
+      `SaveCheckpointConfig.keep` default).
     num_microbatches: gradient accumulation steps per batch.
     num_expert_partitions / num_model_partitions: mesh shape; data = rest.
     logical_axis_rules: where each logical axis lives on the mesh: 'default' (parameters
@@ -105,7 +106,7 @@ class TrainConfig:
   eval_every: int = 0
   eval_batches: int = 0
   cache_eval_batches: bool = True
-  keep_checkpoints: int = 3
+  keep_checkpoints: Optional[int] = 3
   num_microbatches: int = 1
   num_expert_partitions: int = 1
   num_model_partitions: int = 1
@@ -126,7 +127,8 @@ class TrainConfig:
     fields.integer(self, 'train_steps', 0)
     fields.integer(self, 'batch_size', 1)
     fields.integer(self, 'seed')
-    for name in ('log_every', 'checkpoint_every', 'keep_checkpoints', 'num_microbatches',
+    fields.optional_integer(self, 'keep_checkpoints', 1, none='every checkpoint is kept')
+    for name in ('log_every', 'checkpoint_every', 'num_microbatches',
                  'num_expert_partitions', 'num_model_partitions'):
       fields.integer(self, name, 1)
     for name in ('eval_every', 'eval_batches', 'stall_warning_steps', 'data_shards',
