@@ -73,8 +73,8 @@ T5X_CONFIGURABLES = {
     'train_script.train.partitioner': _MESH,
     'train_script.train.train_dataset_cfg': 'train.train_data (a text.TextPipeline)',
     'train_script.train.train_eval_dataset_cfg': 'train.eval_data (a text.TextPipeline)',
-    'train_script.train.infer_eval_dataset_cfg': ('python -m upcycle.eval (runs/eval.gin): '
-                                                  'decode_data'),
+    'train_script.train.infer_eval_dataset_cfg': ('INFER_EVAL = True (trainer.TrainConfig.'
+                                                  'infer_eval; it decodes train.decode_data)'),
     'utils.CheckpointConfig.save': _CHECKPOINTS,
     'utils.CheckpointConfig.restore': _CHECKPOINTS,
     'utils.SaveCheckpointConfig.period': 'trainer.TrainConfig.checkpoint_every',
