@@ -91,9 +91,22 @@ def documented_commands():
 COMMANDS = documented_commands()
 
 
+# The user's task module the docs name (`--gin.MIXTURE_OR_TASK_MODULE="'my_tasks'"`), which
+# the entry points import when they parse the gin files.
+MY_TASKS = """
+import seqio
+if 'my_task' not in seqio.TaskRegistry.names():
+  seqio.TaskRegistry.add('my_task', source=seqio.FunctionDataSource(
+      lambda split, shuffle_files, seed=None: None, splits=('train', 'validation')),
+      output_features={})
+"""
+
+
 @pytest.fixture(autouse=True)
-def parsing(entry_points):  # pylint: disable=unused-argument,redefined-outer-name
-  """The entry points on `__main__`."""
+def parsing(entry_points, tmp_path, monkeypatch):  # pylint: disable=unused-argument
+  """The entry points on `__main__`, and the docs' task module on the path."""
+  (tmp_path / 'my_tasks.py').write_text(MY_TASKS)
+  monkeypatch.syspath_prepend(str(tmp_path))
 
 
 def parse_training_flags(argv, read=()):
