@@ -96,6 +96,17 @@ def _hf_greedy(reference, input_tokens):
   return out + [0] * (8 - len(out)), score
 
 
+def _hf_target_log_likelihood(reference, input_tokens, target_tokens):
+  """transformers' log-likelihood of `target_tokens` with the reference fed back (T5X's
+  `score_batch`)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  with torch.no_grad():
+    logits = reference(input_ids=torch.tensor([input_tokens]),
+                       decoder_input_ids=torch.tensor([[0] + target_tokens[:-1]])).logits
+  return float(torch.log_softmax(logits.double(), -1)[0].gather(
+      -1, torch.tensor(target_tokens)[:, None]).sum())
+
+
 def test_infer_writes_t5x_rows_and_whole_targets(byte_vocab_t5, long_texts_task, entry_points,
                                                  tmp_path):
   import seqio  # pylint: disable=g-import-not-at-top
@@ -105,7 +116,7 @@ def test_infer_writes_t5x_rows_and_whole_targets(byte_vocab_t5, long_texts_task,
                                    shuffle=False).as_numpy_iterator())
   vocabulary = task.output_features['targets'].vocabulary
   rows = {}
-  for mode in ('None', "'predict_with_aux'", "'predict'"):
+  for mode in ('None', "'predict_with_aux'", "'predict'", "'score'"):
     gin.clear_config(clear_constants=True)
     path = gin_utils.run(infer_main.infer, byte_t5_argv(
         'infer', directory, f"--gin.MODEL_DIR='{tmp_path}'", '--gin.BATCH_SIZE=2',
@@ -113,7 +124,8 @@ def test_infer_writes_t5x_rows_and_whole_targets(byte_vocab_t5, long_texts_task,
     with open(path) as f:
       rows[mode] = (path, [json.loads(line) for line in f])
   assert rows["'predict'"][0].endswith('.jsonl') and '-greedy-t5x_predict-' in rows["'predict'"][0]
-  assert len({path for path, _ in rows.values()}) == 3   # each its own file
+  assert '-t5x_score-' in rows["'score'"][0]
+  assert len({path for path, _ in rows.values()}) == 4   # each its own file
   assert len(examples) == 3 == len(rows['None'][1])
   for i, example in enumerate(examples):
     tokens, score = _hf_greedy(reference, example['inputs'].tolist())
@@ -126,6 +138,10 @@ def test_infer_writes_t5x_rows_and_whole_targets(byte_vocab_t5, long_texts_task,
     assert aux.pop('aux')['scores'] == pytest.approx(score, rel=1e-4)
     assert aux == t5x
     assert rows["'predict'"][1][i] == t5x
+    scored = rows["'score'"][1][i]
+    assert scored.pop('score') == pytest.approx(_hf_target_log_likelihood(
+        reference, example['inputs'].tolist(), example['targets'].tolist()), rel=1e-4)
+    assert scored == {'inputs': texts}
     own = rows['None'][1][i]
     assert own['targets'] == LONG_TEXTS['targets'][i]   # whole, as seqio keeps it
     assert own['target_tokens'] == example['targets'].tolist()   # truncated, as decoded

@@ -13,14 +13,16 @@ apart decodes of other prompts or checkpoints that share the rest), one object p
 Texts are the task's `targets` vocabulary decoding the tokens (absent when the task has none),
 but for "targets", the task's whole `targets_pretokenized` text where the target tokens are its
 encoding (not truncated to the feature length); token lists stop at the first padding (0).
-With `t5x_mode` ('predict' or 'predict_with_aux'; gin: T5X_MODE) the rows are T5X's
-(`write_inferences_to_file` with `output_ids`), the file named `...-<method>-t5x_<mode>-...`:
+With `t5x_mode` ('predict', 'predict_with_aux' or 'score'; gin: T5X_MODE) the rows are T5X's
+(`write_inferences_to_file` with `output_ids`), the file named `...-<method>-t5x_<mode>-...`
+('...-t5x_score-...' for 'score', which decodes nothing):
 
   {"inputs": {"inputs_pretokenized": "...", "targets_pretokenized": "..."},
    "prediction": "...", "prediction_tokens": [...], "aux": {"scores": -3.2}}
+  {"inputs": {...}, "score": -12.5}                                        ('score')
 
 "inputs" holding every `*_pretokenized` text of the task's example, whole ("aux" only with
-'predict_with_aux'). A decoder-only Llama (configs/runs/llm_infer.gin)
+'predict_with_aux'; "score" the log-likelihood of the example's target tokens). A decoder-only Llama (configs/runs/llm_infer.gin)
 continues prompts instead (`upcycle.data.prompts`: a JSONL file's, or the first window of each
 document of a task split), named after the file or the task, one object per prompt:
 
@@ -73,7 +75,9 @@ def output_name(source: str, step: int, decoding: Any, seed: int,
     method = decoding.method
   if decoding.rescale_log_probs and decoding.method != 'beam':
     method += '-rescaled'
-  if t5x_mode:
+  if t5x_mode == 'score':
+    method = 't5x_score'   # nothing decoded: the decoding's settings change nothing
+  elif t5x_mode:
     method += f'-t5x_{t5x_mode}'
   digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
   return f'{source}-{step}-{method}-{digest}.jsonl'
@@ -127,8 +131,8 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
     num_expert_partitions: devices the expert axis is split over (as in training).
     num_model_partitions: devices the model axis (MLP, heads, vocabulary) is split over.
     seed: data order and sampling randomness.
-    t5x_mode: None (this project's rows), or T5X's rows of its infer mode 'predict' or
-      'predict_with_aux' (a T5's task examples only).
+    t5x_mode: None (this project's rows), or T5X's rows of its infer mode 'predict',
+      'predict_with_aux' or 'score' (a T5's task examples only).
   """
   # pylint: disable=g-import-not-at-top
   from upcycle import families
@@ -169,16 +173,23 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
     params = pretrained.on_mesh(checkpoint.params, model.config, mesh)
     done = progress.Progress('infer', 'examples', total=predictions.expected_examples(
         infer_data, batch_size=batch_size, max_batches=max_batches))
-    for records in predictions.batch_records(
-        model, params, infer_data, decoding,
-        max_decode_length=max_decode_length, batch_size=batch_size, mesh=mesh,
-        max_batches=max_batches, seed=seed, t5x_mode=t5x_mode):
+    if t5x_mode == 'score':
+      batches = predictions.scored_records(
+          families.of(model).objective(model), params, infer_data, batch_size=batch_size,
+          mesh=mesh, max_batches=max_batches, seed=seed)
+    else:
+      batches = predictions.batch_records(
+          model, params, infer_data, decoding, max_decode_length=max_decode_length,
+          batch_size=batch_size, mesh=mesh, max_batches=max_batches, seed=seed,
+          t5x_mode=t5x_mode)
+    for records in batches:
       if writer:
         f.writelines(json.dumps({**record, **source}) + '\n' for record in records)
       done.update(len(records))
   done.finish()
   if writer:
-    print(f'Wrote {done.done} predictions ({decoding.method}) of checkpoint {checkpoint_path} '
+    what = 'scores' if t5x_mode == 'score' else f'predictions ({decoding.method})'
+    print(f'Wrote {done.done} {what} of checkpoint {checkpoint_path} '
           f'(step {checkpoint.step}) to {path}', flush=True)
   return os.fspath(path)
 
@@ -192,8 +203,8 @@ def _check_t5x_mode(t5x_mode: Optional[str], infer_data: Any) -> None:
   if t5x_mode not in predictions.T5X_MODES:
     raise fields.ConfigError(
         f'T5X_MODE (infer_script.infer.t5x_mode) = {t5x_mode!r}: infer writes T5X\'s rows of '
-        f"the modes {', '.join(map(repr, predictions.T5X_MODES))} (T5X's 'score' mode, the "
-        "targets' log-likelihoods, is not written), or None for this project's rows.")
+        f"its infer modes {', '.join(map(repr, predictions.T5X_MODES))}, or None for this "
+        "project's rows.")
   if isinstance(infer_data, Prompts):
     raise fields.ConfigError(
         f'T5X_MODE (infer_script.infer.t5x_mode) = {t5x_mode!r}: T5X\'s rows are of a task\'s '
