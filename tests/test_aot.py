@@ -6,8 +6,10 @@ the batch prediction on numbers; and the mesh that used to crash the compiler.""
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -62,12 +64,12 @@ def aot_result(tmp_path_factory):
                         env={**os.environ, 'XLA_FLAGS': ''})
   assert done.returncode == 0, done.stderr[-3000:]
   assert not (tmp / 'moe').exists()   # nothing is written to the run's directory
-  return json.loads((tmp / 'aot.json').read_text()), done.stdout
+  return json.loads((tmp / 'aot.json').read_text()), done.stdout, done.stderr, tmp
 
 
 @pytest.mark.slow
 def test_aot_compiles_every_function_for_the_topology(aot_result):
-  result, stdout = aot_result
+  result, stdout, _, _ = aot_result
   assert (result['topology'], result['devices'], result['device_kind']) == ('v4:2x2x1', 4,
                                                                             'TPU v4')
   assert result['mesh'] == {'data': 1, 'expert': 4, 'model': 1}
@@ -78,7 +80,23 @@ def test_aot_compiles_every_function_for_the_topology(aot_result):
     assert report['usable_hbm_bytes_per_device'] == 30.75 * 2**30, name
     assert report['fits'] and report['per_device_bytes']['total'] < 2**30, name
     assert report['flops_per_device'] > 0 and report['compile_seconds'] > 0, name
+  # The counting copies' compile time apart from the step's own: the train step (2
+  # microbatches) and the eval step have loops, the restore hook none.
+  assert result['functions']['train_step']['count_compile_seconds'] > 0
+  assert result['functions']['restore_hook']['count_compile_seconds'] == 0
   assert 'train_step: fits' in stdout and 'mesh data 1 x expert 4 x model 1' in stdout
+  assert 'compile s  count s' in stdout
+
+
+@pytest.mark.slow
+def test_the_upcycling_hook_logs_its_summary_and_no_donation_warning(aot_result):
+  """The restore hook's report: its summary, naming the file the run will write (aot writes
+  nothing), not the per-leaf table; and no warning of donated inputs no output aliases."""
+  _, stdout, stderr, tmp = aot_result
+  assert (f'Full upcycling report (every leaf): {tmp}/moe/upcycling_report.txt (written when '
+          'the run restores it)') in stdout
+  assert not re.search(r'^\s*action\s+path\s+shape', stdout, re.M)   # the per-leaf header
+  assert 'Some donated buffers were not usable' not in stderr
 
 
 @pytest.mark.slow
@@ -90,7 +108,7 @@ def test_the_step_counts_every_microbatch_and_its_roofline_follows(aot_result):
   einsums and every elementwise op). Counted once, they would be about half of it. The
   roofline is max(FLOPs / 275 TFLOP/s, bytes / 1228 GB/s), and the MFU at it the model's
   FLOPs over the chips' peak in that time."""
-  result, stdout = aot_result
+  result, stdout, _, _ = aot_result
   train = result['functions']['train_step']
   assert train['extrapolated'] and not result['functions']['restore_hook']['extrapolated']
   model_flops = train['model_flops_per_step']
@@ -105,7 +123,7 @@ def test_the_step_counts_every_microbatch_and_its_roofline_follows(aot_result):
 
 @pytest.mark.slow
 def test_aot_per_device_bytes_match_a_count_by_hand(aot_result):
-  result, _ = aot_result
+  result, _, _, _ = aot_result
   train = result['functions']['train_step']['per_device_bytes']
   # moe/paper_t5.gin: layer 1 of each stack is an MoE: E copies of its MLP split over
   # 'expert', and a replicated router [d, E].
@@ -147,7 +165,7 @@ def test_expert_axis_32_mesh_compiles():
 
 @pytest.mark.slow
 def test_aot_names_the_levers_set_and_the_largest_batch_that_fits(aot_result):
-  result, stdout = aot_result
+  result, stdout, _, _ = aot_result
   assert result['levers_set'] == [
       "REMAT_POLICY = 'full'",
       'num_expert_partitions = 4 (the most: E = 4 over 4 devices)', 'T5XAdafactor.factored = True',
@@ -243,7 +261,7 @@ def _t5_xl_on_a_v4_32(**changes):
 
 
 def test_levers_already_set_are_named_and_never_advised():
-  from upcycle.train import levers  # pylint: disable=g-import-not-at-top
+  from upcycle.train import batch_fit, levers  # pylint: disable=g-import-not-at-top
   gib = 2**30
   xl = _t5_xl_on_a_v4_32()
   assert levers.already_set(xl) == [
@@ -253,7 +271,9 @@ def test_levers_already_set_are_named_and_never_advised():
   activations = dict(parameters=int(9.53 * gib), optimizer_state=gib // 64, temp=33 * gib)
   advised = levers.advise(xl, **activations)
   assert advised == ['a smaller BATCH_SIZE (is 256; --find_batch predicts the largest that fits)']
-  assert levers.advise(xl, **activations, largest_batch=192) == [
+  searched = batch_fit.BatchSearch({256: 33 * gib, 192: 30 * gib}, 192, int(30.75 * gib), 256,
+                                   16)
+  assert levers.advise(xl, **activations, search=searched) == [
       'BATCH_SIZE = 192 (the largest that fits, from --find_batch)']
   unset = levers.advise(_t5_xl_on_a_v4_32(scan_layers=False, remat_policy='dots'), **activations)
   assert [lever.split(' (')[0] for lever in unset] == [
@@ -298,6 +318,98 @@ def test_the_largest_batch_is_where_the_line_through_two_compiles_meets_the_usab
                          multiple=16)
   assert compiled[2:] == [32] and far.predicted == 208 and far.largest_fitting() == 32
   assert 'BATCH_SIZE = 208 (over 4 x 16: not compiled)' in far.lines()[0]
+
+
+def test_a_batch_that_cannot_fit_is_compiled_at_the_smallest_and_a_larger_slice_named():
+  """T5 XL's case on numbers: the parameters and optimizer state alone (30 GiB) leave too
+  little of a v4 chip's 30.75 for even one example per device (2 GiB), so the line predicts
+  0. The smallest batch is compiled (not claimed unfit uncompiled), and the slice named is
+  the fewest devices, by doublings, with 30 / k + 2 <= 30.75 GiB: k = 2, 8 chips."""
+  from upcycle.train import aot, batch_fit, hbm  # pylint: disable=g-import-not-at-top
+  gib = 2**30
+  v4 = hbm.capacity('TPU v4')
+  compiled = []
+
+  def total_at(batch):   # 4 devices: 30 GiB of state, 2 GiB per example on a device
+    compiled.append(batch)
+    return 30 * gib + batch // 4 * 2 * gib
+
+  search = batch_fit.search(total_at, batch=32, total=total_at(32), usable=v4.usable,
+                            multiple=4)
+  assert compiled == [32, 16, 4] and search.predicted == 0 and search.none_fits()
+  assert search.smallest() == (32 * gib, True) and search.lever() is None
+  assert ('the line predicts that no BATCH_SIZE fits; the smallest, 4, needs 32.00 GiB of the '
+          '30.75 usable (compiled); none compiled fits') in search.lines()[0]
+  assert search.as_json()['smallest_batch_bytes'] == 32 * gib
+  report = aot.FunctionReport(
+      arguments=30 * gib, outputs=0, alias=0, temp=34 * gib, code=0, hbm=v4,
+      flops_per_device=1.0, devices=4, compile_seconds=1.0,
+      parts={'parameters': 28 * gib, 'optimizer_state': 2 * gib, 'batch': 0})
+  assert batch_fit.larger_slice(total=32 * gib, state=30 * gib, usable=v4.usable,
+                                devices=4) == 8
+  slice_lever = aot.larger_slice(report, search, devices=4, device_kind='TPU v4',
+                                 megacore=True)
+  assert slice_lever == (
+      'no BATCH_SIZE fits, not even the smallest, 4: 32.00 GiB per device (compiled): a larger '
+      'slice of 8 devices (--topology=v4:2x2x2) would hold it with the parameters and '
+      'optimizer state split over them (FSDP, expert partitions)')
+  settings = dataclasses.replace(_t5_xl_on_a_v4_32(), batch_size=32,
+                                 mesh={'data': 1, 'expert': 4, 'model': 1})
+  line = aot.advice(report, settings, search, slice_lever)
+  assert line.endswith('levers not set: ' + slice_lever) and 'BATCH_SIZE =' not in line
+  # Its compile failing, the smallest's total is the line's, and said to be predicted.
+  failing = batch_fit.search(lambda b: None if b == 4 else total_at(b), batch=32,
+                             total=total_at(32), usable=v4.usable, multiple=4)
+  assert failing.smallest() == (32 * gib, False)
+  assert '(predicted, not compiled)' in failing.lines()[0]
+  # One example's activations alone over the usable HBM: no slice holds it.
+  assert batch_fit.larger_slice(total=40 * gib, state=8 * gib, usable=v4.usable,
+                                devices=4) is None
+  # Per TensorCore (no megacore), devices are half chips: 16 cores are 8 chips.
+  assert 'v4:2x2x2' in aot.larger_slice(report, search, devices=8, device_kind='TPU v4',
+                                        megacore=False)
+  assert [aot.v4_topology(c) for c in (4, 8, 16, 32, 64, 128, 256, 512, 12)] == [
+      'v4:2x2x1', 'v4:2x2x2', 'v4:2x2x4', 'v4:2x4x4', 'v4:4x4x4', 'v4:4x4x8', 'v4:4x8x8',
+      'v4:8x8x8', None]
+
+
+def test_the_counting_copies_compile_time_is_reported_apart():
+  from upcycle.train import aot, hbm  # pylint: disable=g-import-not-at-top
+  report = aot.FunctionReport(
+      arguments=1, outputs=0, alias=0, temp=1, code=0, hbm=hbm.capacity('TPU v4'),
+      flops_per_device=1.0, devices=4, compile_seconds=7.0, parts={})
+
+  def count():
+    time.sleep(0.05)
+    return 2e12, 1e9
+
+  counted = aot.with_roofline(report, device_kind='TPU v4', megacore=True, count=count)
+  assert counted.compile_seconds == 7.0 and counted.count_seconds >= 0.05
+  assert (counted.flops_per_device, counted.extrapolated) == (2e12, True)
+  assert counted.as_json()['count_compile_seconds'] == round(counted.count_seconds, 1)
+  assert counted.as_json()['compile_seconds'] == 7.0
+
+
+def test_the_restore_jit_lowers_without_the_donation_warning():
+  """A restore jit for 4 v4 chips whose donated input no output can alias (no output of
+  its size): lowered for TPU, JAX warns of it unless silenced."""
+  import warnings  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+  from upcycle.train import aot, state_jit  # pylint: disable=g-import-not-at-top
+  mesh = Mesh(np.array(aot.topology_devices('v4:2x2x1')), ('expert',))
+  replicated = NamedSharding(mesh, PartitionSpec())
+  dense = jax.ShapeDtypeStruct((128, 256), np.float32, sharding=replicated)
+  jitted = jax.jit(lambda inputs, saved, rng: jax.numpy.sum(inputs['w']),
+                   out_shardings=replicated, donate_argnums=(0,))
+  with warnings.catch_warnings(record=True) as plain:
+    warnings.simplefilter('always')
+    jitted.lower({'w': dense}, None, jax.ShapeDtypeStruct((2,), np.uint32))
+  assert any('Some donated buffers were not usable' in str(w.message) for w in plain)
+  restore = state_jit.StateJit(jitted, read=None, abstract=({'w': dense}, None), seed=0)
+  with warnings.catch_warnings(record=True) as quiet:
+    warnings.simplefilter('always')
+    restore.lower()
+  assert not any('donated' in str(w.message) for w in quiet)
 
 
 def test_the_exit_status_tells_fits_from_does_not_fit_from_not_compiled():

@@ -47,6 +47,8 @@ def test_infer_writes_jsonl_with_hf_greedy_predictions(byte_vocab_t5, tmp_path, 
                            'target_tokens', 'prediction_tokens', 'checkpoint'}
     assert record['checkpoint'] == {'path': directory, 'format': 'hf', 'step': None}
     assert record['inputs'] == vocabulary.decode(record['input_tokens']) and record['inputs']
+    # span corruption's targets are spans of the text, not its targets_pretokenized
+    assert record['targets'] == vocabulary.decode(record['target_tokens'])
     with torch.no_grad():
       hf = reference.generate(input_ids=torch.tensor([record['input_tokens']]),
                               max_new_tokens=8, decoder_start_token_id=0, eos_token_id=1,
@@ -54,6 +56,97 @@ def test_infer_writes_jsonl_with_hf_greedy_predictions(byte_vocab_t5, tmp_path, 
     hf = hf[:hf.index(0)] if 0 in hf else hf
     assert record['prediction_tokens'] == hf
     assert record['score'] < 0
+
+
+LONG_TASK = 'long_texts'
+LONG_TEXTS = {'inputs': ['translate: ' + 'abc' * 20, 'translate: short', 'translate: ' + 'xy' * 30],
+              'targets': ['a target longer than eight bytes', 'tgt', 'another long target text']}
+
+
+@pytest.fixture
+def long_texts_task():
+  """A seq2seq task over ByteVocabulary whose texts are longer than BYTE_T5_LENGTHS, its
+  preprocessors keeping the texts (`tokenize`) as T5's tasks do."""
+  import seqio  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  vocabulary = seqio.ByteVocabulary(extra_ids=100)
+  seqio.TaskRegistry.add(
+      LONG_TASK, source=seqio.FunctionDataSource(
+          lambda split, shuffle_files, seed=None: tf.data.Dataset.from_tensor_slices(LONG_TEXTS),
+          splits=('validation',)),
+      preprocessors=[seqio.preprocessors.tokenize, seqio.preprocessors.append_eos_after_trim],
+      output_features={'inputs': seqio.Feature(vocabulary), 'targets': seqio.Feature(vocabulary)})
+  yield LONG_TASK
+  seqio.TaskRegistry.remove(LONG_TASK)
+
+
+def _hf_greedy(reference, input_tokens):
+  """transformers' greedy decode of 8 tokens (padding after EOS) and its log-likelihood, EOS
+  included (this project's and T5X's decode score)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  with torch.no_grad():
+    out = reference.generate(input_ids=torch.tensor([input_tokens]), max_new_tokens=8,
+                             decoder_start_token_id=0, eos_token_id=1, pad_token_id=0,
+                             num_beams=1, do_sample=False)[0, 1:].tolist()
+    decoded = out[:out.index(1) + 1] if 1 in out else out
+    logits = reference(input_ids=torch.tensor([input_tokens]),
+                       decoder_input_ids=torch.tensor([[0] + decoded[:-1]])).logits
+  score = float(torch.log_softmax(logits.double(), -1)[0].gather(
+      -1, torch.tensor(decoded)[:, None]).sum())
+  return out + [0] * (8 - len(out)), score
+
+
+def _hf_target_log_likelihood(reference, input_tokens, target_tokens):
+  """transformers' log-likelihood of `target_tokens` with the reference fed back (T5X's
+  `score_batch`)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  with torch.no_grad():
+    logits = reference(input_ids=torch.tensor([input_tokens]),
+                       decoder_input_ids=torch.tensor([[0] + target_tokens[:-1]])).logits
+  return float(torch.log_softmax(logits.double(), -1)[0].gather(
+      -1, torch.tensor(target_tokens)[:, None]).sum())
+
+
+def test_infer_writes_t5x_rows_and_whole_targets(byte_vocab_t5, long_texts_task, entry_points,
+                                                 tmp_path):
+  import seqio  # pylint: disable=g-import-not-at-top
+  directory, reference = byte_vocab_t5
+  task = seqio.get_mixture_or_task(long_texts_task)
+  examples = list(task.get_dataset({'inputs': 32, 'targets': 8}, split='validation',
+                                   shuffle=False).as_numpy_iterator())
+  vocabulary = task.output_features['targets'].vocabulary
+  rows = {}
+  for mode in ('None', "'predict_with_aux'", "'predict'", "'score'"):
+    gin.clear_config(clear_constants=True)
+    path = gin_utils.run(infer_main.infer, byte_t5_argv(
+        'infer', directory, f"--gin.MODEL_DIR='{tmp_path}'", '--gin.BATCH_SIZE=2',
+        f"--gin.MIXTURE_OR_TASK_NAME='{long_texts_task}'", f'--gin.T5X_MODE={mode}'), 'test')
+    with open(path) as f:
+      rows[mode] = (path, [json.loads(line) for line in f])
+  assert rows["'predict'"][0].endswith('.jsonl') and '-greedy-t5x_predict-' in rows["'predict'"][0]
+  assert '-t5x_score-' in rows["'score'"][0]
+  assert len({path for path, _ in rows.values()}) == 4   # each its own file
+  assert len(examples) == 3 == len(rows['None'][1])
+  for i, example in enumerate(examples):
+    tokens, score = _hf_greedy(reference, example['inputs'].tolist())
+    until_padding = tokens[:tokens.index(0)] if 0 in tokens else tokens
+    texts = {k: v.decode() for k, v in example.items() if k.endswith('_pretokenized')}
+    assert set(texts) == {'inputs_pretokenized', 'targets_pretokenized'}
+    t5x = {'inputs': texts, 'prediction': vocabulary.decode(tokens),
+           'prediction_tokens': until_padding}
+    aux = rows["'predict_with_aux'"][1][i]
+    assert aux.pop('aux')['scores'] == pytest.approx(score, rel=1e-4)
+    assert aux == t5x
+    assert rows["'predict'"][1][i] == t5x
+    scored = rows["'score'"][1][i]
+    assert scored.pop('score') == pytest.approx(_hf_target_log_likelihood(
+        reference, example['inputs'].tolist(), example['targets'].tolist()), rel=1e-4)
+    assert scored == {'inputs': texts}
+    own = rows['None'][1][i]
+    assert own['targets'] == LONG_TEXTS['targets'][i]   # whole, as seqio keeps it
+    assert own['target_tokens'] == example['targets'].tolist()   # truncated, as decoded
+    assert own['inputs'] == vocabulary.decode(example['inputs'].tolist())
+  assert len(rows['None'][1][0]['target_tokens']) == 8 < len(LONG_TEXTS['targets'][0])
 
 
 def test_eval_sequence_accuracy_counts_exact_matches(byte_vocab_t5):

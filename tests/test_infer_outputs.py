@@ -142,6 +142,12 @@ def test_the_output_name_holds_what_changes_the_predictions():
           'task-20-sample-t0.7-top40-seed3')
   assert name(method='sample', topp=0.9) == 'task-20-sample-t1-topp0.9-seed0'
   assert name(method='sample', topp=1.0) == 'task-20-sample-t1-seed0'   # all tokens
+  t5x = lambda mode, **kwargs: infer_main.output_name('task', 20, DecodeConfig(**kwargs), 0,
+                                                     identity, t5x_mode=mode)
+  assert t5x('predict') == f'task-20-greedy-t5x_predict-{digest}.jsonl'
+  assert t5x('predict_with_aux', method='beam') == (
+      f'task-20-beam4-alpha0.6-t5x_predict_with_aux-{digest}.jsonl')
+  assert t5x('score', method='beam') == f'task-20-t5x_score-{digest}.jsonl'   # nothing decoded
 
 
 def _names(pairs, max_decode_length=8, max_batches=0):

@@ -132,8 +132,8 @@ def test_a_task_splits_first_windows_are_sampled_as_our_decode_does(hf_llama_wit
   assert [r['prediction'] for r in records] == [tokenizer.decode(t) for t in expected]
 
 
-def test_a_prompt_too_long_or_no_prompts_file_is_refused_in_one_line(hf_llama_with_tokenizer,
-                                                                      infer, tmp_path):
+def test_a_prompt_too_long_no_prompts_file_or_t5x_rows_are_refused_in_one_line(
+    hf_llama_with_tokenizer, infer, tmp_path):
   prompts_file = tmp_path / 'long.jsonl'
   prompts_file.write_text(json.dumps({'prompt': 'x = 1\n' * 40}) + '\n')
   with pytest.raises(SystemExit) as stopped:
@@ -147,6 +147,12 @@ def test_a_prompt_too_long_or_no_prompts_file_is_refused_in_one_line(hf_llama_wi
   assert str(stopped.value) == (
       f"error: PROMPTS_FILE = '{tmp_path / 'missing.jsonl'}' (prompts.Prompts.prompts_file): no "
       'such file. Fix: give a JSONL file of {"prompt": "..."} lines.')
+  with pytest.raises(SystemExit) as stopped:
+    infer(hf_llama_with_tokenizer, "--gin.upcycle.infer.infer.t5x_mode='predict'")
+  assert str(stopped.value) == (
+      "error: T5X_MODE (infer_script.infer.t5x_mode) = 'predict': T5X's rows are of a task's "
+      "examples; continued prompts (runs/llm_infer.gin) are written in this project's rows: "
+      'bind T5X_MODE = None.')
 
 
 def test_another_tokenizer_or_a_prompts_file_that_is_no_text_is_refused_in_one_line(

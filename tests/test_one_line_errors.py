@@ -233,8 +233,12 @@ def _infer_argv(checkpoint, *flags):
      "MODEL_DIR (infer_script.infer.output_dir) = '{file}/out': {file} is a file, not a "
      'directory, so no directory can be made under it. Fix: give a directory (one that does '
      'not exist yet is created).'),
+    (infer_main.main, _infer_argv('/nonexistent', "--gin.MODEL_DIR='{tmp}/out'",
+                                  "--gin.T5X_MODE='scores'"),
+     "T5X_MODE (infer_script.infer.t5x_mode) = 'scores': infer writes T5X's rows of its infer "
+     "modes 'predict', 'predict_with_aux', 'score', or None for this project's rows."),
 ])
-def test_eval_and_infer_refuse_a_batch_of_0_and_an_output_under_a_file(
+def test_eval_and_infer_refuse_a_batch_of_0_an_output_under_a_file_and_a_t5x_mode(
     main, argv, error, paths, entry_points, tmp_path, capsys):
   names = {'file': paths['file'], 'tmp': tmp_path}
   message = _refusal(main, [_fill(arg, **names) for arg in argv], capsys)

@@ -8,10 +8,11 @@ step for it, allocating nothing. Prints per function the per-device bytes (param
 optimizer state, arguments, outputs, temporaries, total) against the HBM the TPU compiler can
 use of the device's (30.75 of a v4 chip's 32 GiB), FLOPs and HBM bytes per device and call
 (every layer and microbatch counted: a step with loops is counted from shallow copies),
-the roofline bound on its time and the MFU at it, compile time, the
-memory levers the run has set, and for what does not fit, what dominates and the levers not
-set that would shrink it (`upcycle/train/aot.py`). --find_batch compiles the train step at up
-to two more batch sizes and names the largest BATCH_SIZE that fits.
+the roofline bound on its time and the MFU at it, compile time (the function's, and apart its
+counting copies'), the memory levers the run has set, and for what does not fit, what
+dominates and the levers not set that would shrink it (`upcycle/train/aot.py`). --find_batch
+compiles the train step at up to two more batch sizes and names the largest BATCH_SIZE that
+fits, or, when not even the smallest does, the larger slice it would fit on.
 The gs:// paths it reads (not MODEL_DIR) must answer first, in bounded time. Exit status: 0
 every function fits, 2 one does not, 3 one could not be compiled (its reason printed and in
 --json), 1 a bad flag, config or topology. Needs libtpu: pip install -e '.[tpu]'.
@@ -27,9 +28,13 @@ from upcycle import arguments, gin_utils
 
 def train(*, objective: Any, optimizer: Any, config: Any, train_data: Any,
           eval_data: Optional[Any] = None, initializer: Optional[Any] = None,
+          decode_data: Optional[Any] = None, decoding: Optional[Any] = None,
           flags: argparse.Namespace) -> dict:
   """What `python -m upcycle.train` would run, compiled for `flags.topology` instead of run
-  (the other arguments gin-bound as the training command's; `flags` from `_own_flags`)."""
+  (the other arguments gin-bound as the training command's; `flags` from `_own_flags`).
+  `decode_data` / `decoding`, the inference evaluation's (TrainConfig.infer_eval), are taken
+  as the training command binds them; its decode is not compiled."""
+  del decode_data, decoding
   from upcycle import reachability  # pylint: disable=g-import-not-at-top
   from upcycle.train import aot  # pylint: disable=g-import-not-at-top
   # What is read must answer first, in bounded time; MODEL_DIR is never written here.

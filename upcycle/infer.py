@@ -10,8 +10,19 @@ apart decodes of other prompts or checkpoints that share the rest), one object p
    "input_tokens": [...], "target_tokens": [...], "prediction_tokens": [...],
    "checkpoint": {"path": "/abs/run/checkpoints/20", "format": "orbax", "step": 20}}
 
-Texts are the task's `targets` vocabulary decoding the tokens (absent when the task has none);
-token lists stop at the first padding (0). A decoder-only Llama (configs/runs/llm_infer.gin)
+Texts are the task's `targets` vocabulary decoding the tokens (absent when the task has none),
+but for "targets", the task's whole `targets_pretokenized` text where the target tokens are its
+encoding (not truncated to the feature length); token lists stop at the first padding (0).
+With `t5x_mode` ('predict', 'predict_with_aux' or 'score'; gin: T5X_MODE) the rows are T5X's
+(`write_inferences_to_file` with `output_ids`), the file named `...-<method>-t5x_<mode>-...`
+('...-t5x_score-...' for 'score', which decodes nothing):
+
+  {"inputs": {"inputs_pretokenized": "...", "targets_pretokenized": "..."},
+   "prediction": "...", "prediction_tokens": [...], "aux": {"scores": -3.2}}
+  {"inputs": {...}, "score": -12.5}                                        ('score')
+
+"inputs" holding every `*_pretokenized` text of the task's example, whole ("aux" only with
+'predict_with_aux'; "score" the log-likelihood of the example's target tokens). A decoder-only Llama (configs/runs/llm_infer.gin)
 continues prompts instead (`upcycle.data.prompts`: a JSONL file's, or the first window of each
 document of a task split), named after the file or the task, one object per prompt:
 
@@ -55,10 +66,10 @@ TOKENIZER_FIX = ("TOKENIZER = %CHECKPOINT_PATH (runs/llm_infer.gin's default: th
 
 
 def output_name(source: str, step: int, decoding: Any, seed: int,
-                identity: Mapping[str, Any]) -> str:
+                identity: Mapping[str, Any], t5x_mode: Optional[str] = None) -> str:
   """'<source>-<step>-<method>-<digest>.jsonl', the method with what changes its predictions
   or scores ('greedy', 'beam4-alpha0.6', 'sample-t0.7-top40-topp0.9-seed0'; '-rescaled' for
-  T5X's scores), the digest the first 8 hex digits of the sha256 of `identity`
+  T5X's scores) and T5X's rows ('-t5x_predict'), the digest the first 8 hex digits of the sha256 of `identity`
   (`decode_identity`: the prompts' content, the checkpoint, the limits). Decodes that differ
   write different files, so a later one never replaces another's; one of the same name is
   the same decode run again."""
@@ -72,6 +83,10 @@ def output_name(source: str, step: int, decoding: Any, seed: int,
     method = decoding.method
   if decoding.rescale_log_probs and decoding.method != 'beam':
     method += '-rescaled'
+  if t5x_mode == 'score':
+    method = 't5x_score'   # nothing decoded: the decoding's settings change nothing
+  elif t5x_mode:
+    method += f'-t5x_{t5x_mode}'
   digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
   return f'{source}-{step}-{method}-{digest}.jsonl'
 
@@ -102,7 +117,7 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
           batch_size: int, decoding: Any, max_decode_length: Optional[int] = None,
           format: Optional[str] = None,  # pylint: disable=redefined-builtin
           max_batches: int = 0, num_expert_partitions: int = 1, num_model_partitions: int = 1,
-          seed: int = 0, verify: bool = True) -> str:
+          seed: int = 0, verify: bool = True, t5x_mode: Optional[str] = None) -> str:
   """Decodes `infer_data` with the checkpoint; returns the path of the JSONL written.
 
   Every process of a slice runs it (`launch/tpu_vm.py infer`): the parameters are placed on
@@ -126,6 +141,8 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
     seed: data order and sampling randomness.
     verify: first compare the parameters with the digests the checkpoint carries
       (`checkpoints/verify.py`; changed bytes stop it in one line); `--no_verify` clears it.
+    t5x_mode: None (this project's rows), or T5X's rows of its infer mode 'predict',
+      'predict_with_aux' or 'score' (a T5's task examples only).
   """
   # pylint: disable=g-import-not-at-top
   from upcycle import families
@@ -150,6 +167,7 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
         f'infer_data is prompts (runs/llm_infer.gin), which a decoder-only model continues, but '
         f'MODEL is a {type(model).__name__}: give a models/llama/ file, or decode a split with '
         'runs/infer.gin.')
+  _check_t5x_mode(t5x_mode, infer_data)
   fields.integer_value('BATCH_SIZE (infer_script.infer.batch_size)', batch_size, 1)
   fields.directory('MODEL_DIR (infer_script.infer.output_dir)', output_dir)
   checkpoint = pretrained.load(checkpoint_path, format, model_config=model.config, lazy=True,
@@ -162,26 +180,51 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
   path = epath.Path(output_dir) / 'inference' / output_name(
       predictions.source_name(infer_data), checkpoint.step or 0, decoding, seed,
       decode_identity(infer_data, checkpoint, max_decode_length=max_decode_length,
-                      max_batches=max_batches, seed=seed))
-  source = {'checkpoint': checkpoint_record(checkpoint)}
+                      max_batches=max_batches, seed=seed), t5x_mode=t5x_mode)
+  source = {} if t5x_mode else {'checkpoint': checkpoint_record(checkpoint)}
   mesh = partitioning.make_mesh(num_expert_partitions, num_model_partitions)
   writer = jax.process_index() == 0
   with _output(path, writer) as f:
     params = pretrained.on_mesh(checkpoint.params, model.config, mesh)
     done = progress.Progress('infer', 'examples', total=predictions.expected_examples(
         infer_data, batch_size=batch_size, max_batches=max_batches))
-    for records in predictions.batch_records(
-        model, params, infer_data, decoding,
-        max_decode_length=max_decode_length, batch_size=batch_size, mesh=mesh,
-        max_batches=max_batches, seed=seed):
+    if t5x_mode == 'score':
+      batches = predictions.scored_records(
+          families.of(model).objective(model), params, infer_data, batch_size=batch_size,
+          mesh=mesh, max_batches=max_batches, seed=seed)
+    else:
+      batches = predictions.batch_records(
+          model, params, infer_data, decoding, max_decode_length=max_decode_length,
+          batch_size=batch_size, mesh=mesh, max_batches=max_batches, seed=seed,
+          t5x_mode=t5x_mode)
+    for records in batches:
       if writer:
         f.writelines(json.dumps({**record, **source}) + '\n' for record in records)
       done.update(len(records))
   done.finish()
   if writer:
-    print(f'Wrote {done.done} predictions ({decoding.method}) of checkpoint {checkpoint_path} '
+    what = 'scores' if t5x_mode == 'score' else f'predictions ({decoding.method})'
+    print(f'Wrote {done.done} {what} of checkpoint {checkpoint_path} '
           f'(step {checkpoint.step}) to {path}', flush=True)
   return os.fspath(path)
+
+
+def _check_t5x_mode(t5x_mode: Optional[str], infer_data: Any) -> None:
+  """Refuses a `t5x_mode` infer does not write, and T5X's rows of prompts (T5X's are of a
+  task's examples)."""
+  from upcycle.data.prompts import Prompts  # pylint: disable=g-import-not-at-top
+  if t5x_mode is None:
+    return
+  if t5x_mode not in predictions.T5X_MODES:
+    raise fields.ConfigError(
+        f'T5X_MODE (infer_script.infer.t5x_mode) = {t5x_mode!r}: infer writes T5X\'s rows of '
+        f"its infer modes {', '.join(map(repr, predictions.T5X_MODES))}, or None for this "
+        "project's rows.")
+  if isinstance(infer_data, Prompts):
+    raise fields.ConfigError(
+        f'T5X_MODE (infer_script.infer.t5x_mode) = {t5x_mode!r}: T5X\'s rows are of a task\'s '
+        'examples; continued prompts (runs/llm_infer.gin) are written in this project\'s rows: '
+        'bind T5X_MODE = None.')
 
 
 @contextlib.contextmanager

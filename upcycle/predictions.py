@@ -62,21 +62,40 @@ def _on_mesh(fn, params: Any, inputs: Sequence[np.ndarray], *extra, rows: int, m
 def decoded_batches(decode_fn, params: Any, pipeline: Any, *, batch_size: int, mesh: Mesh,
                     max_batches: int = 0, seed: int = 0) -> Iterator[Predictions]:
   """(batch, tokens `[n, max_length]`, scores `[n]`) for each batch of `pipeline`, in order,
-  on every process (`params` placed on `mesh`).
+  on every process (`params` placed on `mesh`); the batch with the task's `*_pretokenized`
+  texts (`TextPipeline.pretokenized`).
 
   Every example is decoded once: every batch is padded to `padded_rows(batch_size)` (one
   compiled shape) and the padding cut off again, so `n <= batch_size`.
   """
-  from upcycle.data.iterator import DataIterator  # pylint: disable=g-import-not-at-top
-  iterator = DataIterator(pipeline, batch_size=batch_size, seed=seed, num_epochs=1,
-                          drop_remainder=False)
   rows, rng = padded_rows(batch_size, mesh), jax.random.PRNGKey(seed)
-  for i, batch in enumerate(iterator):
-    if max_batches and i >= max_batches:
-      return
+  for i, batch in enumerate(_split_batches(pipeline, batch_size=batch_size,
+                                           max_batches=max_batches, seed=seed)):
     tokens, scores = _on_mesh(decode_fn, params, [batch['encoder_input_tokens']],
                               jax.random.fold_in(rng, i), rows=rows, mesh=mesh)
     yield batch, tokens, scores
+
+
+def _split_batches(pipeline: Any, *, batch_size: int, max_batches: int,
+                   seed: int) -> Iterator[Dict[str, np.ndarray]]:
+  """`pipeline`'s batches with the task's `*_pretokenized` texts (`TextPipeline.pretokenized`),
+  every example once (the last batch partial), at most `max_batches` (0: all)."""
+  from upcycle.data.iterator import DataIterator  # pylint: disable=g-import-not-at-top
+  iterator = DataIterator(dataclasses.replace(pipeline, pretokenized=True),
+                          batch_size=batch_size, seed=seed, num_epochs=1, drop_remainder=False)
+  for i, batch in enumerate(iterator):
+    if max_batches and i >= max_batches:
+      return
+    yield batch
+
+
+def target_scores(score_fn, params: Any, batch: Dict[str, np.ndarray], *, rows: int,
+                  mesh: Mesh) -> np.ndarray:
+  """`[n]`: `score_fn(params, batch)` (`_target_score_fn`) of the batch's token features on
+  `mesh`, padded to `rows`."""
+  names = sorted(k for k in batch if not k.endswith('_pretokenized'))
+  return _on_mesh(lambda p, *xs: score_fn(p, dict(zip(names, xs))), params,
+                  [batch[k] for k in names], rows=rows, mesh=mesh)
 
 
 def target_vocabulary(pipeline: Any) -> Optional[Any]:
@@ -93,9 +112,26 @@ def _until_padding(tokens: np.ndarray) -> list:
   return tokens[:tokens.index(0)] if 0 in tokens else tokens
 
 
+def whole_targets(text: Optional[bytes], target_tokens: List[int], vocabulary: Any
+                  ) -> Optional[str]:
+  """The example's `targets_pretokenized` `text` when `target_tokens` are its encoding (cut at
+  the feature length, EOS after), else None: a span-corruption task's targets are spans of
+  its text, not the text."""
+  if text is None:
+    return None
+  text = text.decode('utf-8')
+  tokens = target_tokens[:-1] if target_tokens[-1:] == [vocabulary.eos_id] else target_tokens
+  return text if vocabulary.encode(text)[:len(tokens)] == tokens else None
+
+
 def example_records(batch: Dict[str, np.ndarray], tokens: np.ndarray, scores: np.ndarray,
                     vocabulary: Optional[Any]) -> Iterator[Dict[str, Any]]:
-  """One JSON-ready dict per example of a decoded batch."""
+  """One JSON-ready dict per example of a decoded batch: its tokens (the input and target
+  tokens as the model saw them, truncated to the feature lengths), the decode's score and,
+  with a `vocabulary`, its texts: inputs and prediction decoded from the tokens, targets the
+  task's whole `targets_pretokenized` text where it is the targets' text (`whole_targets`),
+  else decoded."""
+  texts = batch.get('targets_pretokenized')
   for i in range(tokens.shape[0]):
     record = {'input_tokens': _until_padding(batch['encoder_input_tokens'][i]),
               'target_tokens': _until_padding(batch['decoder_target_tokens'][i]),
@@ -105,7 +141,47 @@ def example_records(batch: Dict[str, np.ndarray], tokens: np.ndarray, scores: np
       for text_key, token_key in (('inputs', 'input_tokens'), ('targets', 'target_tokens'),
                                   ('prediction', 'prediction_tokens')):
         record[text_key] = vocabulary.decode(record[token_key])
+      record['targets'] = whole_targets(
+          None if texts is None else texts[i], record['target_tokens'], vocabulary
+      ) or record['targets']
     yield record
+
+
+T5X_MODES = ('predict', 'predict_with_aux', 'score')
+
+
+def _texts(batch: Dict[str, np.ndarray], i: int) -> Dict[str, str]:
+  """Example `i`'s `*_pretokenized` texts."""
+  return {k: batch[k][i].decode('utf-8') for k in sorted(batch) if k.endswith('_pretokenized')}
+
+
+def t5x_records(batch: Dict[str, np.ndarray], tokens: np.ndarray, scores: np.ndarray,
+                vocabulary: Any, mode: str) -> Iterator[Dict[str, Any]]:
+  """One dict per example of a decoded batch, as T5X's `infer.write_inferences_to_file`
+  writes it in `mode` ('predict' or 'predict_with_aux', with `output_ids`): {'inputs': every
+  `*_pretokenized` text of the task's example, whole; 'prediction': the decoded row's text;
+  'prediction_tokens': its tokens up to the first padding} and with 'predict_with_aux'
+  {'aux': {'scores': the decode's score}}."""
+  for i in range(tokens.shape[0]):
+    record = {'inputs': _texts(batch, i),
+              'prediction': vocabulary.decode([int(t) for t in tokens[i]]),
+              'prediction_tokens': _until_padding(tokens[i])}
+    if mode == 'predict_with_aux':
+      record['aux'] = {'scores': float(scores[i])}
+    yield record
+
+
+def scored_records(objective: Any, params: Any, pipeline: Any, *, batch_size: int, mesh: Mesh,
+                   max_batches: int, seed: int) -> Iterator[List[Dict[str, Any]]]:
+  """T5X's 'score' rows of each batch of `pipeline`, in order: {'inputs': the example's
+  `*_pretokenized` texts, 'score': the log-likelihood of its target tokens with the reference
+  fed back (T5X's `score_batch`)}; nothing is decoded."""
+  score_fn, rows = _target_score_fn(objective), padded_rows(batch_size, mesh)
+  for batch in _split_batches(pipeline, batch_size=batch_size, max_batches=max_batches,
+                              seed=seed):
+    scores = target_scores(score_fn, params, batch, rows=rows, mesh=mesh)
+    yield [{'inputs': _texts(batch, i), 'score': float(score)}
+           for i, score in enumerate(scores)]
 
 
 def expected_examples(pipeline: Any, *, batch_size: int, max_batches: int) -> Optional[int]:
@@ -167,10 +243,12 @@ def continuation_records(batch: Dict[str, Any], tokens: np.ndarray, scores: np.n
 
 def batch_records(model: Any, params: Any, pipeline: Any, decoding: Any, *,
                   max_decode_length: int, batch_size: int, mesh: Mesh, max_batches: int,
-                  seed: int) -> Iterator[List[Dict[str, Any]]]:
+                  seed: int, t5x_mode: Optional[str] = None) -> Iterator[List[Dict[str, Any]]]:
   """The records of each decoded batch, in order: a task split's examples decoded by a T5
-  (`pipeline` a `TextPipeline`), or prompts continued by a decoder-only Llama (a `Prompts`;
-  the tokenizer's EOS ends a continuation, as it ends every training document)."""
+  (`pipeline` a `TextPipeline`; `example_records`, or with `t5x_mode` 'predict' or
+  'predict_with_aux' T5X's `t5x_records`),
+  or prompts continued by a decoder-only Llama (a `Prompts`; the tokenizer's EOS ends a
+  continuation, as it ends every training document)."""
   if isinstance(pipeline, Prompts):
     tokenizer = pipeline.load_tokenizer()
     decode_fn = decoding_lib.llama.make_decode_fn(
@@ -185,7 +263,8 @@ def batch_records(model: Any, params: Any, pipeline: Any, decoding: Any, *,
   for batch, tokens, scores in decoded_batches(
       decode_fn, params, pipeline, batch_size=batch_size, mesh=mesh, max_batches=max_batches,
       seed=seed):
-    yield list(example_records(batch, tokens, scores, vocabulary))
+    yield list(t5x_records(batch, tokens, scores, vocabulary, t5x_mode) if t5x_mode
+               else example_records(batch, tokens, scores, vocabulary))
 
 
 def decoded_split(model: Any, params: Any, pipeline: Any, decoding: Any, *, batch_size: int,
@@ -207,10 +286,8 @@ def decoded_split(model: Any, params: Any, pipeline: Any, decoding: Any, *, batc
     matches.append(np.asarray(decoding_lib.exact_match(tokens, batch['decoder_target_tokens'])))
     records.extend(example_records(batch, tokens, beam_scores, vocabulary))
     if score_fn is not None:
-      names = sorted(batch)
-      scores.append(_on_mesh(lambda p, *xs: score_fn(p, dict(zip(names, xs))), params,
-                             [batch[k] for k in names], rows=padded_rows(batch_size, mesh),
-                             mesh=mesh))
+      scores.append(target_scores(score_fn, params, batch, rows=padded_rows(batch_size, mesh),
+                                  mesh=mesh))
   matches = np.concatenate(matches)
   return records, {'sequence_accuracy': float(matches.mean()),
                    'decoded_examples': int(matches.size)}, (

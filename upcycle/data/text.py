@@ -4,7 +4,10 @@ Batches are dicts of int32 `[batch, length]` arrays, as produced by
 `seqio.EncDecFeatureConverter`: encoder_input_tokens, encoder_segment_ids, encoder_positions
 (length = feature_lengths['inputs']) and decoder_input_tokens, decoder_target_tokens,
 decoder_loss_weights, decoder_segment_ids, decoder_positions (length = feature_lengths['targets']).
-Segment ids and positions exist only with `pack=True`.
+Segment ids and positions exist only with `pack=True`. An unpacked pipeline with
+`pretokenized=True` also gives the task's `*_pretokenized` features (its whole texts, before
+tokenizing and truncation, where its preprocessors keep them, as seqio's `tokenize` does), as
+`[batch]` byte strings: what decoding writes (`upcycle.predictions`, T5X's infer does the same).
 """
 
 import dataclasses
@@ -56,6 +59,8 @@ class TextPipeline:
     shuffle: shuffle documents (source order and seqio's example buffer).
     module: a module to import before `task` is looked up, which registers it (T5X's
       MIXTURE_OR_TASK_MODULE); None: none.
+    pretokenized: with `pack=False`, batches also carry the task's `*_pretokenized` texts
+      (`[batch]` bytes). Not part of `describe()`: the tokens are the same either way.
   """
   task: str
   split: str
@@ -63,6 +68,7 @@ class TextPipeline:
   pack: bool = True
   shuffle: bool = True
   module: Optional[str] = None
+  pretokenized: bool = False
 
   def __post_init__(self):
     fields.lengths(self, 'feature_lengths', ('inputs', 'targets'),
@@ -108,9 +114,33 @@ class TextPipeline:
           f'(TASK_FEATURE_LENGTHS): {e}') from None
     except Exception as e:  # pylint: disable=broad-except  (TFDS and imports fail many ways)
       raise source_errors.source_error(self.task, task, e, module=self.module) from e
-    # The converter reads 'inputs' and 'targets' only; packing warns of every other feature it
-    # drops (the '*_pretokenized' copies seqio's tokenize keeps, in most tasks).
-    ds = ds.map(lambda example: {k: example[k] for k in self.feature_lengths})
-    ds = seqio.EncDecFeatureConverter(pack=self.pack)(ds, dict(self.feature_lengths))
+    texts = _pretokenized_names(ds) if self.pretokenized and not self.pack else []
+    # The converter reads 'inputs', 'targets' and the texts it passes through; packing warns of
+    # every other feature it drops (the '*_pretokenized' copies seqio's tokenize keeps).
+    ds = ds.map(lambda example: {k: example[k] for k in (*self.feature_lengths, *texts)})
+    ds = _converted(ds, dict(self.feature_lengths), pack=self.pack, texts=texts)
     ds = ds.batch(batch_size, drop_remainder=drop_remainder)
+    if texts:
+      ds = ds.map(lambda batch: {**batch, **{k: batch[k][:, 0] for k in texts}})
     return ds.skip(skip_batches)
+
+
+def _pretokenized_names(ds: tf.data.Dataset) -> list:
+  """The task's `*_pretokenized` text features (scalar strings) in `ds`'s examples."""
+  return sorted(k for k, spec in ds.element_spec.items()
+                if k.endswith('_pretokenized') and spec.dtype == tf.string
+                and spec.shape.rank == 0)
+
+
+def _converted(ds: tf.data.Dataset, lengths: Dict[str, int], *, pack: bool,
+               texts: list) -> tf.data.Dataset:
+  """`seqio.EncDecFeatureConverter`'s examples of the task's `ds`, the unpacked ones with the
+  text features `texts` passed through as `[1]` strings (seqio passes features of rank 1
+  with a length; a text is one string of length 1)."""
+  if not texts:
+    return seqio.EncDecFeatureConverter(pack=pack)(ds, lengths)
+  spec = seqio.FeatureConverter.FeatureSpec(dtype=tf.string)
+  converter = seqio.EncDecFeatureConverter(pack=False,
+                                           passthrough_features={k: spec for k in texts})
+  ds = ds.map(lambda example: {**example, **{k: example[k][None] for k in texts}})
+  return converter(ds, {**lengths, **{k: 1 for k in texts}})

@@ -18,7 +18,8 @@ Each also gets its FLOPs and bytes accessed per device and call, and the rooflin
 its time they imply (`roofline.py`), with the model FLOPs utilization at that bound for the
 train step. The compiler counts a loop's body once, so for a step with loops (scanned layers,
 microbatches) those counts are extrapolated from shallow copies of the run, compiled with their
-loops unrolled (`step_count.py`), whose memory is not used.
+loops unrolled (`step_count.py`), whose memory is not used; their compile time is reported
+apart from the function's own.
 """
 
 import dataclasses
@@ -36,6 +37,7 @@ from upcycle.train import batch_fit, levers, partitioning, step_count
 from upcycle.train.built_run import build_run, step_flops
 from upcycle.train import roofline as rooflines
 from upcycle.train import hbm as hbm_sizes
+from upcycle.upcycling import report_file
 
 # Compiling needs libtpu's compiler only: no TPU, no metadata server (libtpu otherwise asks
 # GCE's), and a training process holding libtpu's lock file on a TPU VM is no obstacle.
@@ -102,6 +104,7 @@ class FunctionReport:
   `flops_per_device` and `bytes_per_device` (HBM bytes accessed) are the compiler's
   (`cost_analysis()`) per call, extrapolated from shallow copies where the function has
   loops (`extrapolated`, `step_count.py`; the compiler counts a loop body once);
+  `compile_seconds` the function's own compile, `count_seconds` the shallow copies';
   `model_flops_per_step` (train step) is the model's matmul FLOPs (`models/flops.py`, as
   logged in training); `roofline` the bound they imply (`roofline.py`); `uncounted` why a
   function with loops has no roofline (a shallow copy was refused, or its compiled program
@@ -126,6 +129,7 @@ class FunctionReport:
   extrapolated: bool = False
   roofline: Optional[rooflines.Roofline] = None
   uncounted: Optional[str] = None
+  count_seconds: float = 0.0
 
   @property
   def total(self) -> int:
@@ -149,7 +153,8 @@ class FunctionReport:
             'roofline_seconds': None if self.roofline is None else self.roofline.seconds,
             'roofline_bound': None if self.roofline is None else self.roofline.bound,
             'mfu_at_roofline': None if self.roofline is None else self.roofline.mfu,
-            'compile_seconds': round(self.compile_seconds, 1)}
+            'compile_seconds': round(self.compile_seconds, 1),
+            'count_compile_seconds': round(self.count_seconds, 1)}
 
 
 def _counts(compiled: jax.stages.Compiled) -> Tuple[float, float]:
@@ -216,17 +221,54 @@ def with_roofline(report: FunctionReport, *, device_kind: str, megacore: bool,
           'and bytes shown count a loop body once'))
     report = dataclasses.replace(
         report, flops_per_device=flops, bytes_per_device=accessed, extrapolated=True,
-        compile_seconds=report.compile_seconds + time.perf_counter() - start)
+        count_seconds=time.perf_counter() - start)
   return dataclasses.replace(report, roofline=rooflines.roofline(
       flops_per_device=report.flops_per_device, bytes_per_device=report.bytes_per_device,
       device_kind=device_kind, megacore=megacore, devices=report.devices,
       model_flops=report.model_flops_per_step))
 
 
+def v4_topology(chips: int) -> Optional[str]:
+  """The v4 topology of `chips` chips, a power of two from 4 ('v4:2x2x1', 'v4:2x2x2',
+  'v4:2x2x4', 'v4:2x4x4', 'v4:4x4x4', ...: each doubling doubles the shortest axis, the last
+  of the shortest); None for another count."""
+  if chips < 4 or chips & (chips - 1):
+    return None
+  axes = [2, 2, 1]
+  while axes[0] * axes[1] * axes[2] < chips:
+    shortest = min(axes)
+    last = max(i for i, n in enumerate(axes) if n == shortest)
+    axes[last] *= 2
+  return 'v4:' + 'x'.join(map(str, axes))
+
+
+def larger_slice(report: FunctionReport, search: batch_fit.BatchSearch, *, devices: int,
+                 device_kind: str, megacore: bool) -> str:
+  """The lever when --find_batch finds that no batch fits: the train step's total at the
+  smallest batch (compiled, or the line's) and the slice it would fit on
+  (`batch_fit.larger_slice`), named as a v4 topology where it is one."""
+  total, compiled = search.smallest()
+  state = report.parts.get('parameters', 0) + report.parts.get('optimizer_state', 0)
+  said = (f'no BATCH_SIZE fits, not even the smallest, {search.multiple}: '
+          f'{total / GIB:.2f} GiB per device ({"compiled" if compiled else "predicted"})')
+  needed = batch_fit.larger_slice(total=total, state=state, usable=report.hbm.usable,
+                                  devices=devices)
+  if needed is None:
+    return (f'{said}, {(total - state) / GIB:.2f} GiB of it besides the parameters and '
+            'optimizer state: a larger slice does not hold it either')
+  chips = needed if megacore or device_kind != 'TPU v4' else needed // 2
+  name = v4_topology(chips) if device_kind == 'TPU v4' else None
+  return (f'{said}: a larger slice of {needed} devices' + (f' (--topology={name})' if name
+                                                           else '')
+          + ' would hold it with the parameters and optimizer state split over them (FSDP, '
+          'expert partitions)')
+
+
 def advice(report: FunctionReport, settings: levers.Settings,
-           largest_batch: Optional[int] = None) -> str:
+           search: Optional[batch_fit.BatchSearch] = None, slice_lever: str = '') -> str:
   """One line: by how much `report` fits within the usable HBM or not and, when it does not,
-  what dominates and the levers the run has not set that would shrink it (`levers.py`)."""
+  what dominates and the levers the run has not set that would shrink it (`levers.py`;
+  `search`, --find_batch's, and `slice_lever`, `larger_slice`, for the train step)."""
   usable = report.hbm.usable / GIB
   margin = (report.hbm.usable - report.total) / GIB
   if report.fits:
@@ -236,7 +278,7 @@ def advice(report: FunctionReport, settings: levers.Settings,
           f'can use (of {report.hbm.nominal / GIB:.0f} GiB); ' + levers.summary(
               settings, parameters=report.parts.get('parameters', 0),
               optimizer_state=report.parts.get('optimizer_state', 0), temp=report.temp,
-              largest_batch=largest_batch))
+              search=search, larger_slice=slice_lever))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,10 +297,16 @@ class CompiledRun:
   batch_search: Optional[batch_fit.BatchSearch] = None
 
   def advice(self) -> Dict[str, str]:
-    """{function: its advice line}; the train step's names the batch found to fit."""
-    found = None if self.batch_search is None else self.batch_search.largest_fitting()
-    return {name: advice(r, self.settings, found if name == 'train_step' else None)
-            for name, r in self.reports.items()}
+    """{function: its advice line}; the train step's names the batch found to fit, or the
+    larger slice when none does."""
+    out = {}
+    for name, r in self.reports.items():
+      search = self.batch_search if name == 'train_step' else None
+      slice_lever = '' if search is None or not search.none_fits() else larger_slice(
+          r, search, devices=len(self.devices), device_kind=self.devices[0].device_kind,
+          megacore=self.megacore)
+      out[name] = advice(r, self.settings, search, slice_lever)
+    return out
 
   def describe(self, topology: str) -> Dict[str, Any]:
     """The `--json` document."""
@@ -275,7 +323,8 @@ def table(run: CompiledRun) -> str:
   """The console table of a compiled run (GiB per device)."""
   reports = run.reports
   head = ('function', 'params', 'opt state', 'args', 'outputs', 'temp', 'total', 'usable HBM',
-          'TFLOP/dev', 'GB/dev', 'model TFLOP/step', 'roofline ms', 'MFU max', 'compile s')
+          'TFLOP/dev', 'GB/dev', 'model TFLOP/step', 'roofline ms', 'MFU max', 'compile s',
+          'count s')
   rows = [head]
   for name, r in reports.items():
     model_flops = r.model_flops_per_step
@@ -289,7 +338,8 @@ def table(run: CompiledRun) -> str:
                  f'{r.roofline.seconds * 1e3:.1f} ({r.roofline.bound})',
                  '-' if r.roofline is None or r.roofline.mfu is None else
                  f'{100 * r.roofline.mfu:.0f}%',
-                 f'{r.compile_seconds:.0f}'))
+                 f'{r.compile_seconds:.0f}',
+                 f'{r.count_seconds:.0f}' if r.extrapolated else '-'))
   widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
   lines = ['  '.join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
            for row in rows]
@@ -300,7 +350,9 @@ def table(run: CompiledRun) -> str:
   lines.append("(GiB per device; usable HBM: what the TPU compiler can use of the device's; "
                "TFLOP/dev, GB/dev: the compiler's FLOPs and HBM bytes accessed per call, every "
                'loop iteration counted; roofline ms: the least time per call they allow, and '
-               'what bounds it; MFU max: the model FLOPs utilization at that time)')
+               'what bounds it; MFU max: the model FLOPs utilization at that time; compile s: '
+               "the function's compile, count s: its shallow copies', compiled to count every "
+               'layer and microbatch)')
   lines.append('levers set: ' + (', '.join(levers.already_set(run.settings)) or 'none'))
   lines += [f'{name}: {line}' for name, line in run.advice().items()]
   lines += [f'{name}: {r.uncounted}' for name, r in reports.items() if r.uncounted]
@@ -416,9 +468,12 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
                                 total=reports['train_step'].total, usable=hbm.usable,
                                 multiple=settings.batch_multiple())
     if initializer is not None:
+      def lower_restore():
+        with report_file.planned(config.model_dir):   # its summary; nothing is written
+          return initializer.lower(abstract, built.optimizer, objective.model.config)
+
       _compile_or_reason(
-          'restore_hook',
-          lambda: initializer.lower(abstract, built.optimizer, objective.model.config),
+          'restore_hook', lower_restore,
           hbm=hbm, devices=n, parts=state_parts, reports=reports, not_compiled=not_compiled)
       if 'restore_hook' in reports:
         reports['restore_hook'] = counted(reports['restore_hook'])

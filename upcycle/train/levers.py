@@ -21,7 +21,7 @@ import math
 from typing import Any, List, Mapping, Optional
 
 from upcycle.moe.config import MoeConfig
-from upcycle.train import partitioning
+from upcycle.train import batch_fit, partitioning
 
 GIB = 2 ** 30
 
@@ -91,16 +91,16 @@ def already_set(s: Settings) -> List[str]:
 
 
 def advise(s: Settings, *, parameters: int, optimizer_state: int, temp: int,
-           largest_batch: Optional[int] = None) -> List[str]:
+           search: Optional[batch_fit.BatchSearch] = None) -> List[str]:
   """The levers `s` has not set that would shrink what dominates: activations (`temp`) or
-  the state (`parameters` + `optimizer_state`, bytes per device). `largest_batch`: the
-  largest BATCH_SIZE found to fit (`batch_fit`), when searched."""
+  the state (`parameters` + `optimizer_state`, bytes per device). `search`: --find_batch's
+  (`batch_fit`), when searched."""
   if temp >= parameters + optimizer_state:
-    return _activation_levers(s, largest_batch)
+    return _activation_levers(s, search)
   return _state_levers(s, parameters, optimizer_state)
 
 
-def _activation_levers(s: Settings, largest_batch: Optional[int]) -> List[str]:
+def _activation_levers(s: Settings, search: Optional[batch_fit.BatchSearch]) -> List[str]:
   out = []
   if s.remat_policy != 'full':
     out.append(f"REMAT_POLICY = 'full' (is {s.remat_policy!r}: recompute every block's "
@@ -108,13 +108,11 @@ def _activation_levers(s: Settings, largest_batch: Optional[int]) -> List[str]:
   if not s.scan_layers:
     out.append('SCAN_LAYERS = True (the layer stack under nn.scan: with remat, one input per '
                'layer is kept)')
-  if largest_batch is None:
+  if search is None:
     out.append(f'a smaller BATCH_SIZE (is {s.batch_size}; --find_batch predicts the largest '
                f'that fits)')
-  elif largest_batch == 0:
-    out.append(f'no BATCH_SIZE fits (the smallest, {s.batch_multiple()}, does not)')
-  elif largest_batch != s.batch_size:
-    out.append(f'BATCH_SIZE = {largest_batch} (the largest that fits, from --find_batch)')
+  elif search.lever():
+    out.append(search.lever())
   return out
 
 
@@ -135,14 +133,15 @@ def _state_levers(s: Settings, parameters: int, optimizer_state: int) -> List[st
 
 
 def summary(s: Settings, *, parameters: int, optimizer_state: int, temp: int,
-            largest_batch: Optional[int] = None) -> str:
-  """What dominates and the levers not set that would shrink it, in one clause."""
+            search: Optional[batch_fit.BatchSearch] = None, larger_slice: str = '') -> str:
+  """What dominates and the levers not set that would shrink it, in one clause;
+  `larger_slice`: the slice to advise when no batch fits (`batch_fit.larger_slice`)."""
   state = parameters + optimizer_state
   part = (f'activations (temp {temp / GIB:.2f} GiB) dominate parameters + optimizer state '
           f'({state / GIB:.2f} GiB)' if temp >= state else
           f'parameters + optimizer state ({state / GIB:.2f} GiB) dominate activations (temp '
           f'{temp / GIB:.2f} GiB)')
   levers = advise(s, parameters=parameters, optimizer_state=optimizer_state, temp=temp,
-                  largest_batch=largest_batch)
+                  search=search) + ([larger_slice] if larger_slice else [])
   return (f'{part}; levers not set: {"; ".join(levers)}' if levers else
           f'{part}; every lever for them is set: a larger slice')

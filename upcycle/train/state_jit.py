@@ -10,8 +10,10 @@ the fresh optimizer state. Either way the hook's work is one `StateJit`, which `
 lowers on abstract inputs without reading anything.
 """
 
+import contextlib
 import dataclasses
 import logging
+import warnings
 from typing import Any, Callable, Mapping, Optional, Tuple
 
 import jax
@@ -94,10 +96,23 @@ class StateJit:
 
   def __call__(self) -> TrainState:
     inputs, saved = self.read()
-    return self.jitted(inputs, saved, jax.random.PRNGKey(self.seed))
+    with _unaliased_donations_expected():
+      return self.jitted(inputs, saved, jax.random.PRNGKey(self.seed))
 
   def lower(self) -> jax.stages.Lowered:
-    return self.jitted.lower(*self.abstract, jax.ShapeDtypeStruct((2,), jnp.uint32))
+    with _unaliased_donations_expected():
+      return self.jitted.lower(*self.abstract, jax.ShapeDtypeStruct((2,), jnp.uint32))
+
+
+@contextlib.contextmanager
+def _unaliased_donations_expected():
+  """Lowering without JAX's 'Some donated buffers were not usable' warning: the jit donates
+  its inputs so that a leaf copied as it is reuses its buffer, and the inputs no output
+  matches (a dense leaf made into experts, a source leaf of another layout) are not aliased,
+  as expected: they are freed when the jit returns."""
+  with warnings.catch_warnings():
+    warnings.filterwarnings('ignore', message='Some donated buffers were not usable')
+    yield
 
 
 def _placed(leaf: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:

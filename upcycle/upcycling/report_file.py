@@ -3,8 +3,9 @@
 A plan's report lists every target leaf (about 300 lines for T5 Base). The restore hooks and
 `python -m upcycle.convert` log its summary, naming `<directory>/upcycling_report.txt`, which
 holds the whole report, written whole (a temporary file renamed; on gs:// one object). The
-trainer says which directory (`kept_in(MODEL_DIR)` around its restore hook); a hook called
-without one, as `python -m upcycle.aot` and notebooks call them, logs the whole report.
+trainer says which directory (`kept_in(MODEL_DIR)` around its restore hook);
+`python -m upcycle.aot`, which writes nothing, logs the summary naming the file the run will
+write (`planned`); a hook called with neither, as notebooks call them, logs the whole report.
 """
 
 import contextlib
@@ -22,6 +23,8 @@ REPORT_FILE = 'upcycling_report.txt'
 
 _DIRECTORY: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
     'upcycling_report_directory', default=None)
+_PLANNED: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
+    'upcycling_report_planned', default=None)
 
 
 @contextlib.contextmanager
@@ -32,6 +35,17 @@ def kept_in(directory: str) -> Iterator[None]:
     yield
   finally:
     _DIRECTORY.reset(token)
+
+
+@contextlib.contextmanager
+def planned(directory: str) -> Iterator[None]:
+  """Reports shown (`show`) in the block log their summary only, naming `directory`/
+  REPORT_FILE, where the run will write the whole report; nothing is written."""
+  token = _PLANNED.set(os.path.join(directory, REPORT_FILE))
+  try:
+    yield
+  finally:
+    _PLANNED.reset(token)
 
 
 def write(report: UpcycleReport, directory: str) -> str:
@@ -49,16 +63,21 @@ def write(report: UpcycleReport, directory: str) -> str:
   return path
 
 
-def summary(report: UpcycleReport, path: str) -> str:
-  """The console's lines for `report` kept at `path`: its summary, growth notes, the file."""
+def summary(report: UpcycleReport, path: str, written: bool = True) -> str:
+  """The console's lines for `report` kept at `path` (or to be, not `written`): its
+  summary, growth notes, the file."""
   notes = ''.join(f'\n  {note}' for note in report.notes)
-  return f'{report.summary()}{notes}\nFull upcycling report (every leaf): {path}'
+  when = '' if written else ' (written when the run restores it)'
+  return f'{report.summary()}{notes}\nFull upcycling report (every leaf): {path}{when}'
 
 
 def show(report: UpcycleReport, log: logging.Logger) -> None:
   """Logs `report`'s summary and writes the whole report where `kept_in` says; without a
   directory, logs the whole report."""
   directory = _DIRECTORY.get()
+  if directory is None and _PLANNED.get() is not None:
+    log.info('%s', summary(report, _PLANNED.get(), written=False))
+    return
   if directory is None:
     log.info('%s', report)
     return
