@@ -411,6 +411,8 @@ def convert(source: Union[str, List[str]], model_config: Any, output_dir: str, *
     raise ConvertError(str(e)) from e
   source_paths = [source] if isinstance(source, str) else list(source)
   ckpts = [pretrained.load(path, format, lazy=True) for path in source_paths]
+  for ckpt in ckpts:
+    pretrained.check_config(ckpt, model_config)
   for path, read in zip(source_paths, ckpts):
     check_paths(path, read.path, output_dir, overwrite)
   ckpt, dense, experts = _sources(ckpts, experts, step,

@@ -45,8 +45,32 @@ def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-b
     return None if config is None else families.abstract_params(config)
 
   ckpt = checkpoints.load(os.fspath(path), format, expected, lazy, with_optimizer_state)
+  check_config(ckpt, model_config)
   ckpt.model_config = config_for(ckpt.description)
   return ckpt
+
+
+def check_config(ckpt: checkpoints.Checkpoint, model_config: Any) -> None:
+  """Refuses a model config that disagrees with the config the checkpoint describes (an HF
+  config.json) on what changes the function but not the shapes (the config class's
+  `FUNCTION_FIELDS`: rope theta and scaling, epsilon, tied embeddings, biases, sliding
+  window, ...), which a shape check cannot see: one line naming the binding, both values and
+  the file. Nothing to compare: a checkpoint without a description (ours, T5X's), another
+  family (refused elsewhere), or no model config."""
+  if model_config is None or ckpt.description is None:
+    return
+  described = families.config_from_description(ckpt.description)
+  if type(described) is not type(model_config):
+    return
+  source = ckpt.description.get('config_path', ckpt.path)
+  for name in getattr(model_config, 'FUNCTION_FIELDS', ()):
+    ours, theirs = getattr(model_config, name), getattr(described, name)
+    if ours != theirs:
+      raise fields.ConfigError(
+          f'{fields.binding(model_config, name)} = {ours!r}, but the checkpoint\'s {source} '
+          f'says {theirs!r}: the model would compute another function of the same weights. '
+          f'Fix: bind it as the checkpoint has it ({theirs!r}), or use the model file made for '
+          f'that checkpoint.')
 
 
 def load_hf(path: str, lazy: bool = False) -> Tuple[Dict[str, Any], Any]:

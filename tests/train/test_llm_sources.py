@@ -137,3 +137,29 @@ def test_each_merged_source_is_checked_against_the_runs_tokenizer(tmp_path):
       f"tokenizer files in {b}): they would read another tokenizer's ids. Fix: TOKENIZER = "
       f"'{b}', the checkpoint's own (runs/llm_continue.gin's and runs/llm_upcycle.gin's "
       'default); merged checkpoints must share one.')
+
+
+@pytest.mark.parametrize('field, value', [('rope_theta', 500000.0),
+                                          ('layer_norm_epsilon', 1e-5)])
+def test_a_model_file_that_disagrees_with_config_json_is_refused_before_any_read(
+    branches, tmp_path, field, value):
+  """Shapes agree, the function does not: a hand-written model gin with another RoPE base or
+  norm epsilon than the checkpoint's config.json is refused by the restore hook, convert and
+  every reader given the model (eval, infer), naming the binding and both values."""
+  dirs, config, built, abstract = branches
+  wrong = dataclasses.replace(config, **{field: value})
+  theirs = getattr(config, field)
+  message = (f"^models.LlamaConfig.{field} = {value!r}, but the checkpoint's "
+             f"{os.path.join(dirs['a'], 'config.json')} says {theirs!r}: the model would compute "
+             f'another function of the same weights. Fix: bind it as the checkpoint has it '
+             fr'\({theirs!r}\), or use the model file made for that checkpoint.$')
+  with pytest.raises(ValueError, match=message):
+    with partitioning.activate(built.mesh):
+      UpcycleFromDense(dirs['a']).lower(abstract, built.optimizer, wrong)
+  with pytest.raises(ValueError, match=message):
+    convert.convert(dirs['a'], wrong, str(tmp_path / 'moe'))
+  assert not (tmp_path / 'moe').exists()
+  with pytest.raises(ValueError, match=message):
+    pretrained.load(dirs['a'], model_config=dataclasses.replace(wrong, moe=None), lazy=True)
+  assert pretrained.load(dirs['a'], model_config=dataclasses.replace(config, moe=None),
+                         lazy=True).format == 'hf'

@@ -34,7 +34,7 @@ scanned layers stack theirs on axis 1.
 
 import dataclasses
 import functools
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, ClassVar, Mapping, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -94,6 +94,12 @@ class LlamaConfig:
   moe_layers: placement.Placement = 'all'
   scan_layers: bool = False
   remat_policy: str = 'none'
+
+  # What changes the model's function but not its parameters' shapes: a checkpoint that
+  # describes its config (an HF config.json) must agree on these (`pretrained.check_config`).
+  FUNCTION_FIELDS: ClassVar[Tuple[str, ...]] = (
+      'rope_theta', 'rope_scaling', 'layer_norm_epsilon', 'logits_via_embedding',
+      'sliding_window', 'qkv_bias', 'out_bias')
 
   def __post_init__(self):
     for name in ('vocab_size', 'd_model', 'num_heads', 'num_kv_heads', 'head_dim', 'd_ff',

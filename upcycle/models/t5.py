@@ -23,7 +23,7 @@ cache leaf has the batch axis first, so beam search can expand and reorder it.
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import ClassVar, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -66,6 +66,12 @@ class T5Config:
   decoder_moe_layers: placement.Placement = 'every_other'
   scan_layers: bool = False
   remat_policy: str = 'none'
+
+  # What changes the model's function but not its parameters' shapes: a checkpoint that
+  # describes its config (an HF config.json) must agree on these (`pretrained.check_config`).
+  FUNCTION_FIELDS: ClassVar[Tuple[str, ...]] = (
+      'relative_attention_num_buckets', 'relative_attention_max_distance',
+      'layer_norm_epsilon', 'logits_via_embedding')
 
   def __post_init__(self):
     for name in ('vocab_size', 'd_model', 'num_heads', 'd_kv', 'd_ff', 'num_encoder_layers',

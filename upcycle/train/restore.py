@@ -154,7 +154,7 @@ class Restore(abc.ABC):
                 model_config: Optional[Any] = None) -> StateJit:
     """The hook's one jit, checked from shapes before anything is read."""
     owner = type(self).__name__
-    ckpt, source, mode, where = self._sources(owner)
+    ckpt, source, mode, where = self._sources(owner, model_config)
     target = layout(source, abstract_state.params, model_config)
     layers = (model_config.moe_positions() if hasattr(model_config, 'moe_positions')
               else None)   # the MoE blocks' places, for Drop's ramp (None: from the names)
@@ -169,9 +169,12 @@ class Restore(abc.ABC):
     return host_jit(ckpt, abstract_state, optimizer, plan, target=target, seed=self.seed,
                     owner=owner)
 
-  def _sources(self, owner: str) -> Tuple[Any, Any, modes.Mode, str]:
+  def _sources(self, owner: str, model_config: Optional[Any]
+               ) -> Tuple[Any, Any, modes.Mode, str]:
     """(the checkpoint, the params the plan copies from, the mode, the checkpoint in errors);
-    several checkpoints are combined by the mode's experts (Branch-Train-MiX, UpIT)."""
+    several checkpoints are combined by the mode's experts (Branch-Train-MiX, UpIT). Each
+    checkpoint that describes its config agrees with `model_config` on what changes the
+    model's function (`pretrained.check_config`)."""
     mode = self.mode()
     if isinstance(self.checkpoint, str):
       if isinstance(mode, modes.Upcycle) and not isinstance(mode.experts, (str, ExpertInit)):
@@ -181,12 +184,13 @@ class Restore(abc.ABC):
             f'takes several source checkpoints: {owner}.checkpoint = [path, path, ...]; any '
             f'other initializer needs parentheses (gin: @experts.Drop()).')
       ckpt = pretrained.load(self.checkpoint, self.format, lazy=True)
+      pretrained.check_config(ckpt, model_config)
       return ckpt, ckpt.params, mode, f'{ckpt.path!r}, format {ckpt.format!r}'
-    ckpt, init = self._several(owner, mode)
+    ckpt, init = self._several(owner, mode, model_config)
     return (ckpt, init.shared_params(), dataclasses.replace(mode, experts=init),
             repr(list(self.checkpoint)))
 
-  def _several(self, owner: str, mode: modes.Mode):
+  def _several(self, owner: str, mode: modes.Mode, model_config: Optional[Any]):
     """(first checkpoint, initializer) for Branch-Train-MiX / UpIT sources."""
     experts = getattr(mode, 'experts', None)
     if isinstance(experts, (str, ExpertInit)) or not callable(experts):
@@ -198,6 +202,8 @@ class Restore(abc.ABC):
       raise fields.ConfigError(f'{owner}: several source checkpoints have no one optimizer '
                                f'state to reuse. Fix: {owner}.reuse_optimizer_state = False.')
     ckpts = [pretrained.load(path, self.format, lazy=True) for path in self.checkpoint]
+    for ckpt in ckpts:
+      pretrained.check_config(ckpt, model_config)
     try:
       ckpt, init = combine(ckpts, experts, step=self.step, names={
           'step': f'{owner}.step', 'experts': f'{owner}.experts'})
