@@ -497,7 +497,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help='grow the layers of each stack: tile | repeat | [source layers]')
   parser.add_argument('--step', default='keep', help='keep | reset | N')
   parser.add_argument('--cast', action='store_true',
-                      help="cast source values to the model's parameter dtypes")
+                      help="also allow casts that round values (float32 into bfloat16 "
+                           "parameters); casts that keep them (bfloat16 into float32) need "
+                           "nothing; the report lists every cast")
   parser.add_argument('--overwrite', action='store_true', help='replace an existing output')
   parser.add_argument('--dry_run', action='store_true', help='print the report, write nothing')
   parser.add_argument('--no_verify', action='store_false', dest='verify',

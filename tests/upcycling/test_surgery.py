@@ -141,18 +141,27 @@ def test_experts_disagreeing_on_num_experts(t5, target):
     upcycle(dense, tgt, rng=0)
 
 
-def test_dtype_mismatch_is_an_error_unless_cast(t5, target):
+def test_bfloat16_into_float32_is_cast_exactly_and_rounding_needs_cast(t5, target):
+  """A bfloat16 checkpoint (every published Llama) upcycles into a float32 model, each value
+  kept (the report says so); float32 into a bfloat16 model rounds values and needs cast."""
   dense = t5()
   tgt = target(dense, [MLP], 4)
-  dense = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), dense)
-  with pytest.raises(ValueError, match=r'dtype float32 but dense leaf .* is bfloat16.*cast=True'):
-    upcycle(dense, tgt, rng=0)
-  params, report = upcycle(dense, tgt, rng=0, cast=True)
+  bf16 = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), dense)
+  params, report = upcycle(bf16, tgt, rng=0)
   out = tree.flatten(params)[f'{MLP}/expert/wo/kernel']
   assert out.dtype == jnp.float32
-  np.testing.assert_array_equal(out[2], np.asarray(dense['encoder']['layers_1']['mlp']['wo']
+  np.testing.assert_array_equal(out[2], np.asarray(bf16['encoder']['layers_1']['mlp']['wo']
                                                    ['kernel'], np.float32))
-  assert 'cast bfloat16 -> float32' in str(report)
+  assert 'cast bfloat16 -> float32 (exact)' in str(report)
+  tgt_bf16 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), tgt)
+  with pytest.raises(ValueError, match=r'dtype bfloat16 but dense leaf .* is float32: casting '
+                                       r'would round its values. Fix: allow it .*--cast'):
+    upcycle(dense, tgt_bf16, rng=0)
+  params, report = upcycle(dense, tgt_bf16, rng=0, cast=True)
+  np.testing.assert_array_equal(
+      tree.flatten(params)[f'{MLP}/expert/wo/kernel'][1],
+      np.asarray(dense['encoder']['layers_1']['mlp']['wo']['kernel']).astype(jnp.bfloat16))
+  assert 'cast float32 -> bfloat16 (rounds values)' in str(report)
 
 
 def test_unknown_initializer_names():

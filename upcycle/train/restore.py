@@ -286,9 +286,10 @@ class UpcycleFromDense(Restore):
       host holds the MoE params at once; the optimizer state is then fresh.
     experts: an ExpertInit, or 'copy', 'drop', 'noise', 'random'.
     router: a RouterInit, or 'normal', 'uniform', 'zeros'.
-    cast: cast dense values to the model's parameter dtypes (e.g. a bfloat16 checkpoint into
-      a float32 model) instead of failing; casts are listed in the report
-      (MODEL_DIR/upcycling_report.txt).
+    cast: also allow casts that round values (a float32 checkpoint into bfloat16
+      parameters). Casts that keep every value (a bfloat16 checkpoint, as HF Llamas ship,
+      into a float32 model) need nothing; every cast is listed in the report
+      (MODEL_DIR/upcycling_report.txt), as exact or rounding.
   """
 
   experts: Union[str, ExpertInit, Callable[..., MultiSource]] = 'copy'
@@ -318,7 +319,7 @@ class ContinueFromCheckpoint(Restore):
 
   Attributes (besides `Restore`'s):
     reuse_optimizer_state: restore the checkpoint's optimizer state as it is (default True).
-    cast: cast checkpoint values to the model's parameter dtypes.
+    cast: also allow casts that round values (`UpcycleFromDense.cast`).
   """
 
   checkpoint: str

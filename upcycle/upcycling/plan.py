@@ -14,9 +14,9 @@ exactly only if the routed experts' output starts at zero (`experts.ZeroOutput`)
 experts with normalized combine weights give 2 x dense(x) for every routed token.
 
 The target decides everything: which layers are MoE, E (the leading axis of its expert
-leaves), shapes and dtypes. Dtypes must match exactly unless `cast=True`, which casts dense
-values to the target's dtypes (e.g. a bfloat16 checkpoint into a float32 model); a silent
-cast would hide a wrong model config. Dense leaves nothing is made from are reported, not an
+leaves), shapes and dtypes. A dtype that holds every source value (a bfloat16 checkpoint into
+a float32 model) is cast and noted in the report ('cast bfloat16 -> float32 (exact)'); one that
+would round them (float32 into bfloat16) needs `cast=True` and is noted as rounding. Dense leaves nothing is made from are reported, not an
 error: the target is the specification, and e.g. a dense head that the MoE model does not
 have is harmless.
 
@@ -178,15 +178,21 @@ def _missing_leaf_error(path: str, leaf, dense: Mapping[str, Any], why: str,
 
 
 def _cast_note(path: str, target_dtype, source_path: str, source_dtype, cast: bool) -> str:
-  if jnp.dtype(target_dtype) == jnp.dtype(source_dtype):
+  """The report's note of a leaf whose dtype changes: a cast that keeps every value (a
+  bfloat16 checkpoint into a float32 model, as every published Llama trains) always, one that
+  rounds them (float32 into bfloat16) only with `cast`, named as such."""
+  target, source = jnp.dtype(target_dtype), jnp.dtype(source_dtype)
+  if target == source:
     return ''
+  if jnp.promote_types(source, target) == target:
+    return f'cast {source.name} -> {target.name} (exact)'
   if not cast:
     raise ValueError(
-        f'Target leaf {path} has dtype {jnp.dtype(target_dtype).name} but dense leaf '
-        f'{source_path} is {jnp.dtype(source_dtype).name}. Fix: pass cast=True to cast dense '
-        f'values to the target dtypes, or build the MoE model with param dtype '
-        f'{jnp.dtype(source_dtype).name}.')
-  return f'cast {jnp.dtype(source_dtype).name} -> {jnp.dtype(target_dtype).name}'
+        f'Target leaf {path} has dtype {target.name} but dense leaf {source_path} is '
+        f'{source.name}: casting would round its values. Fix: allow it (the restore hook\'s '
+        f'cast = True in gin, e.g. --gin.restore.UpcycleFromDense.cast=True; python -m '
+        f'upcycle.convert --cast), or build the model with param dtype {source.name}.')
+  return f'cast {source.name} -> {target.name} (rounds values)'
 
 
 def _leaf(path, target_leaf, source='', source_leaf=None, cast=False) -> Leaf:
