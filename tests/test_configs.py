@@ -231,3 +231,14 @@ def test_a_decoder_only_run_reads_the_tokenizer_of_its_initial_checkpoint(run, t
         MACROS[:2] + ["INITIAL_CHECKPOINT_PATH = '/ckpt/llama'",
                       'probe.model = @train/lm.LmPipeline()'])
   assert probe().tokenizer == tokenizer
+
+
+@pytest.mark.parametrize('model, run', [('models/t5_1_1/tiny.gin', 'runs/upcycle.gin'),
+                                        ('models/vit/tiny.gin', 'runs/vit_upcycle.gin'),
+                                        ('models/llama/tiny.gin', 'runs/llm_upcycle.gin')])
+def test_convert_upcycles_with_the_router_of_its_familys_recipe(model, run):
+  """`python -m upcycle.convert`'s default router is the family's upcycling recipe's."""
+  from upcycle import families  # pylint: disable=g-import-not-at-top
+  parse([model, run], MACROS + ['probe.model = %MODEL'])
+  assert gin.query_parameter('upcycle.train.restore.UpcycleFromDense.router') == (
+      families.of(probe()).upcycle_router)

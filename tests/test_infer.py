@@ -298,3 +298,20 @@ def test_progress_lines_count_rate_and_time_left():
   now[0] = 4.0
   unknown.update(8)
   assert unknown.line() == 'infer: 8 examples, 2.0 examples/s'
+
+
+def test_progress_rate_leaves_out_the_start_and_the_last_line_is_logged_once(caplog):
+  """60 s before the first unit (compiling), then 10 units/s: the rate and time left are
+  those of the work, and a finish right after a logged line does not log it again."""
+  now = [0.0]
+  done = progress.Progress('convert', 'arrays', total=200, every=10, clock=lambda: now[0])
+  for second in range(60, 71):
+    now[0] = float(second)
+    done.update(10)
+  assert done.line() == 'convert: 110/200 arrays (55%), 10.0 arrays/s, ETA 0:00:09'
+  with caplog.at_level('INFO', logger='upcycle.progress'):
+    now[0] = 80.0
+    done.update(90)
+    done.finish()
+  assert [r.getMessage() for r in caplog.records] == [
+      'convert: 200/200 arrays (100%), 9.5 arrays/s, ETA 0:00:00']

@@ -9,9 +9,9 @@
     --gin_file=moe/paper_t5.gin --gin.NUM_EXPERTS=64 --output_dir=/ckpt/t5_base_moe64 \\
     --grow_experts=tile
 
-The target model is the gin macro MODEL, as configs/models/* bind it (MODEL = @models.T5()
-or @models.ViT(); a bare T5Config / ViTConfig works too): its config decides which blocks
-are MoE, how many experts, shapes and dtypes. --gin_file / --gin.KEY=VALUE /
+The target model is the gin macro MODEL, as configs/models/* bind it (MODEL = @models.T5(),
+@models.ViT() or @models.Llama(); a bare T5Config / ViTConfig / LlamaConfig works too): its
+config decides which blocks are MoE, how many experts, shapes and dtypes. --gin_file / --gin.KEY=VALUE /
 --gin_bindings / --gin_search_paths work as for training (upcycle/gin_utils.py).
 
 --experts: copy | drop | noise | random | partial | granular | zero_output
@@ -19,7 +19,9 @@ are MoE, how many experts, shapes and dtypes. --gin_file / --gin.KEY=VALUE /
 'drop(ratio=0.5, index_sharing="per_matrix")', 'drop(ratio="linear:0.2:0.8")',
 'partial(copied=4)', 'granular(granularity=2)', 'zero_output(inner="drop")' (with a shared
 expert: the dense model at step 0).
---router: normal | uniform | zeros (router_init.ROUTER_INITS), e.g. 'normal(std=0.02)'.
+--router: normal | uniform | zeros (router_init.ROUTER_INITS), e.g. 'normal(std=0.02)'; by
+default the router of the model family's upcycling recipe: 'normal' for T5 and ViT
+(runs/upcycle.gin, the paper's), 'uniform' for a Llama (runs/llm_upcycle.gin, Drop-Upcycling's).
 Without them, the restore hook's gin bindings decide as they do for training
 (`--gin_file=upcycling/drop.gin` gives Drop here too); a flag that disagrees with them is
 refused.
@@ -142,7 +144,8 @@ def parse_init(text: str, choices: Mapping[str, Any], flag: str) -> Any:
 
 
 def target_from_gin(macro: str = MODEL_MACRO):
-  """The MoE model's config from the gin macro `macro` (a T5 / ViT module, or its config)."""
+  """The MoE model's config from the gin macro `macro` (a T5 / ViT / Llama module, or its
+  config)."""
   import gin  # pylint: disable=g-import-not-at-top
   try:
     value = gin.query_parameter(f'{macro}/gin.macro.value')
@@ -487,8 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="e.g. copy (the default), 'drop(ratio=0.5)'; or the restore hook's "
                            'gin binding (--gin_file=upcycling/drop.gin)')
   parser.add_argument('--router', default=None,
-                      help="e.g. normal (the default), 'normal(std=0.02)'; or the restore "
-                           "hook's gin binding")
+                      help="e.g. uniform, 'normal(std=0.02)'; default: the model family's "
+                           "upcycling recipe's (T5 / ViT: normal; Llama: uniform), or the "
+                           "restore hook's gin binding")
   parser.add_argument('--seed', type=int, default=0, help='expert and router initializer seed')
   grow = parser.add_mutually_exclusive_group()
   grow.add_argument('--grow_experts', default=None,
@@ -559,19 +563,21 @@ def main(argv: Optional[List[str]] = None) -> int:
   gin.clear_config()  # Each call parses its own flags (main may run more than once in a process).
   try:
     gin_utils.parse_gin(gin_args, bindings, read=(MODEL_MACRO,))
+    model_config = target_from_gin()
     report_args = dict(
         format=args.format, seed=args.seed, step=args.step, cast=args.cast,
         overwrite=args.overwrite, dry_run=args.dry_run, output_format=args.output_format,
         verify=args.verify,
         experts=_initializer(args.experts, 'experts', experts_lib.EXPERT_INITS, 'copy'),
-        router=_initializer(args.router, 'router', router_init.ROUTER_INITS, 'normal'),
+        router=_initializer(args.router, 'router', router_init.ROUTER_INITS,
+                            families.of(model_config).upcycle_router),
         grow_experts=_literal(args.grow_experts), grow_depth=_literal(args.grow_depth))
     growing = '--grow_experts' if args.grow_experts else '--grow_depth' if args.grow_depth else ''
     if growing and (args.experts, args.router, args.cast) != (None, None, False):
       raise ConvertError(f'{growing} copies the source\'s own experts and router columns; '
                          f'--experts, --router and --cast apply to upcycling a dense checkpoint. '
                          f'Fix: drop them.')
-    convert(args.source, target_from_gin(), args.output_dir, **report_args)
+    convert(args.source, model_config, args.output_dir, **report_args)
   except (ConvertError, checkpoints.CheckpointError, ValueError) as e:
     print(gin_utils.one_line(e, argv), file=sys.stderr)   # --verbose: the traceback first
     return 1

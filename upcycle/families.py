@@ -62,6 +62,9 @@ class Family:
   decodes: what `python -m upcycle.infer` gives it: 'split' (a task split's inputs,
     runs/infer.gin), 'prompts' (continued, runs/llm_infer.gin) or None (not decoded).
   hf_export: its HuggingFace writer, or None.
+  upcycle_router: the router initializer of the family's upcycling recipe, `convert`'s
+    default (runs/upcycle.gin and vit_upcycle.gin: 'normal', the paper's; runs/llm_upcycle.gin:
+    'uniform', Drop-Upcycling's).
   """
   name: str
   config: type
@@ -71,6 +74,7 @@ class Family:
   objective: type
   decodes: Optional[str]
   hf_export: Optional[HfExport]
+  upcycle_router: str
 
 
 def _dtype(params: Mapping[str, Any]) -> str:
@@ -120,17 +124,20 @@ FAMILIES = (
            example_inputs=lambda config: _tokens(config) * 2,
            from_description=lambda fields: T5Config(**fields),
            objective=objectives.Seq2Seq, decodes='split',
-           hf_export=HfExport(check=_t5_hf_check, files=_t5_hf_files)),
+           hf_export=HfExport(check=_t5_hf_check, files=_t5_hf_files),
+           upcycle_router='normal'),
     Family(name='vit', config=ViTConfig, module=ViT,
            example_inputs=lambda config: (
                jnp.ones((1, *config.image_size, config.num_channels), jnp.float32),),
            from_description=lambda fields: ViTConfig(**fields),
-           objective=objectives.Classification, decodes=None, hf_export=None),
+           objective=objectives.Classification, decodes=None, hf_export=None,
+           upcycle_router='normal'),
     Family(name='llama', config=LlamaConfig, module=Llama, example_inputs=_tokens,
            from_description=lambda fields: LlamaConfig.from_hf_config(
                fields['hf_config'], source=fields['config_path']),
            objective=objectives.CausalLm, decodes='prompts',
-           hf_export=HfExport(check=llama_hf.hf_model_type, files=_llama_hf_files)),
+           hf_export=HfExport(check=llama_hf.hf_model_type, files=_llama_hf_files),
+           upcycle_router='uniform'),
 )
 
 

@@ -9,7 +9,8 @@ the routers, everything else frozen, to send every token of an example to its ex
 (cross-entropy of each MoE layer's router logits against the label, averaged over real
 tokens and over layers). Here that stage is a run of the trainer (`runs/upit_router_stage.gin`):
 its sharded jit steps, checkpoints, resumption, metrics and evaluation; a second run
-continues from its last step with the MoE loss (`runs/upit.gin`).
+continues from its last step with the MoE loss (`runs/llm_continue.gin`, or
+`runs/continue_dense.gin`, with the MoE's model files).
 
 Expert model e is the upcycled model with expert e as every MoE layer's MLP (router and
 other experts left out, everything else shared): for UpIT's experts 0..n-1 the MLPs of the
