@@ -103,7 +103,8 @@ def _llama_hf_files(params: Mapping[str, Any], config: LlamaConfig, source: str)
                 source, e)
     tokenizer = None
   else:
-    tokenizer_lib.check_trained(
+    from upcycle import pretrained  # pylint: disable=g-import-not-at-top  (pretrained imports this)
+    pretrained.check_trained(
         tokenizer, source, binding='The HF export',
         fix=f'put the tokenizer {source} was trained with in {tokenizer.source}.')
   ids = ({'bos_id': None, 'eos_id': None} if tokenizer is None

@@ -105,6 +105,44 @@ def data_tokenizer(data: Any, model_config: Any
   return tok, binding
 
 
+def trained_with(path: str, format: Optional[str] = None  # pylint: disable=redefined-builtin
+                 ) -> Optional[Tuple[str, str]]:
+  """(digest, where it was found) of the tokenizer the weights of checkpoint `path` were
+  trained with (`tokenizer.DIGEST_CHARS` long): a step of a run of ours (or its MODEL_DIR: the
+  latest step) by the digest its data position records, else by the run's `tokenizer/`; an
+  HF directory by its own tokenizer files. None where that is not known (no record, no files,
+  other formats). `format`: `upcycle.checkpoints.FORMATS`' name, None detects it."""
+  from upcycle.checkpoints import orbax  # pylint: disable=g-import-not-at-top
+  format = format or checkpoints.detect_format(path)
+  if format == 'orbax':
+    step_dir = orbax.latest(path)
+    try:
+      digest = tokenizer_lib.recorded_digest(orbax.dataset_state(step_dir))
+    except Exception:  # pylint: disable=broad-except  (a damaged step: resuming sets it aside)
+      digest = None
+    if digest is not None:
+      return digest, f'the data position saved in {os.path.join(step_dir, orbax.DATASET)}'
+    found = tokenizer_lib.files_digest(step_dir)
+  elif format == 'hf':
+    found = tokenizer_lib.files_digest(path, run=False)
+  else:
+    return None
+  return None if found is None else (found[0], f'the tokenizer files in {found[1]}')
+
+
+def check_trained(tokenizer: tokenizer_lib.Tokenizer, path: str, *, binding: str, fix: str,
+                  format: Optional[str] = None) -> None:  # pylint: disable=redefined-builtin
+  """TokenizerError (one line naming `binding`, ending in `fix`) unless `tokenizer` is the one
+  checkpoint `path`'s weights were trained with, where that is known (`trained_with`)."""
+  found = trained_with(path, format)
+  if found is None or found[0] == tokenizer.short_digest:
+    return
+  raise tokenizer_lib.TokenizerError(
+      f'{binding} reads {tokenizer.source} (tokenizer digest {tokenizer.short_digest}), but the '
+      f'weights of {path} were trained with tokenizer {found[0]} ({found[1]}): they would '
+      f'read another tokenizer\'s ids. Fix: {fix}')
+
+
 def check_tokenizer(data: Any, model_config: Any, path: str,
                     format: Optional[str],  # pylint: disable=redefined-builtin
                     fix: str) -> None:
@@ -112,4 +150,4 @@ def check_tokenizer(data: Any, model_config: Any, path: str,
   tokenizer is not the one the weights of checkpoint `path` were trained with."""
   found = data_tokenizer(data, model_config)
   if found is not None:
-    tokenizer_lib.check_trained(found[0], path, binding=found[1], format=format, fix=fix)
+    check_trained(found[0], path, binding=found[1], format=format, fix=fix)

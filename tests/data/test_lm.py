@@ -8,7 +8,7 @@ import pytest
 import seqio
 import tensorflow as tf
 
-from upcycle import fields
+from upcycle import fields, pretrained
 from upcycle.data import iterator
 from upcycle.data import lm
 from upcycle.data import offline_text
@@ -225,11 +225,11 @@ def test_a_tokenizer_that_is_not_the_weights_is_refused(docs_task, offline, swap
   was replaced), an HF directory by its own files; the matching tokenizer passes."""
   step = _run_step(tmp_path / 'run', lm.LmPipeline(docs_task, 'train', {'targets': 16}), offline)
   other = tokenizer_lib.load(swapped)
-  assert tokenizer_lib.trained_with(step) == (
+  assert pretrained.trained_with(step) == (
       offline.short_digest, f'the data position saved in {step}/dataset')
-  tokenizer_lib.check_trained(offline, step, binding='TOKENIZER', fix='unused')
+  pretrained.check_trained(offline, step, binding='TOKENIZER', fix='unused')
   with pytest.raises(tokenizer_lib.TokenizerError) as refused:
-    tokenizer_lib.check_trained(other, str(tmp_path / 'run' / 'checkpoints'), binding='TOKENIZER',
+    pretrained.check_trained(other, str(tmp_path / 'run' / 'checkpoints'), binding='TOKENIZER',
                                 fix='give it back.')
   assert str(refused.value) == (
       f'TOKENIZER reads {swapped} (tokenizer digest {other.short_digest}), but the weights of '
@@ -239,20 +239,20 @@ def test_a_tokenizer_that_is_not_the_weights_is_refused(docs_task, offline, swap
   other.save(str(tmp_path / 'run' / tokenizer_lib.RUN_SUBDIR))   # the run's tokenizer/ replaced
   assert tokenizer_lib.load(step).digest == other.digest
   with pytest.raises(tokenizer_lib.TokenizerError, match='were trained with tokenizer '):
-    tokenizer_lib.check_trained(tokenizer_lib.load(step), step, binding='TOKENIZER', fix='')
+    pretrained.check_trained(tokenizer_lib.load(step), step, binding='TOKENIZER', fix='')
 
   hf = tmp_path / 'hf'
   offline.save(str(hf))
   (hf / 'config.json').write_text(json.dumps({'bos_token_id': 1, 'eos_token_id': 2}))
-  assert tokenizer_lib.trained_with(str(hf), 'hf') == (
+  assert pretrained.trained_with(str(hf), 'hf') == (
       offline.short_digest, f'the tokenizer files in {hf}')
-  tokenizer_lib.check_trained(tokenizer_lib.load(str(hf)), str(hf), binding='TOKENIZER', fix='',
+  pretrained.check_trained(tokenizer_lib.load(str(hf)), str(hf), binding='TOKENIZER', fix='',
                               format='hf')
   with pytest.raises(tokenizer_lib.TokenizerError, match=f'the tokenizer files in {hf}'):
-    tokenizer_lib.check_trained(other, str(hf), binding='TOKENIZER', fix='', format='hf')
+    pretrained.check_trained(other, str(hf), binding='TOKENIZER', fix='', format='hf')
   bare = tmp_path / 'bare'   # weights without tokenizer files: nothing to compare with
   bare.mkdir()
-  assert tokenizer_lib.trained_with(str(bare), 'hf') is None
+  assert pretrained.trained_with(str(bare), 'hf') is None
 
 
 def test_merged_sources_must_share_their_tokenizer(offline, swapped, tmp_path):

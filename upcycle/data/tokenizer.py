@@ -25,7 +25,7 @@ import json
 import os
 import sys
 import tempfile
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from etils import epath
 
@@ -275,58 +275,24 @@ def checked_spec(name: str, spec: object) -> Spec:
   return spec
 
 
-def trained_with(path: str, format: Optional[str] = None  # pylint: disable=redefined-builtin
-                 ) -> Optional[Tuple[str, str]]:
-  """(digest, where it was found) of the tokenizer the weights of checkpoint `path` were
-  trained with, the digest `DIGEST_CHARS` long: a step of a run of ours (or its MODEL_DIR:
-  the latest step) by the digest its data position records, else by the run's `tokenizer/`;
-  an HF directory by its own tokenizer files. None where that is not known (no record, no
-  files, other formats). `format`: `upcycle.checkpoints.FORMATS`' name, None detects it."""
-  # pylint: disable=g-import-not-at-top  (the checkpoint readers are not the data pipeline's)
-  from upcycle import checkpoints
-  from upcycle.checkpoints import orbax
-  # pylint: enable=g-import-not-at-top
-  format = format or checkpoints.detect_format(path)
-  if format == 'orbax':
-    step_dir = orbax.latest(path)
-    digest = _recorded(step_dir)
-    if digest is not None:
-      return digest, f'the data position saved in {os.path.join(step_dir, orbax.DATASET)}'
-    directory = _directory(step_dir)
-  elif format == 'hf':
-    directory = epath.Path(path) if _has_files(epath.Path(path)) else None
-  else:
-    return None
-  if directory is None:
-    return None
-  return _digest(_files(directory))[:DIGEST_CHARS], f'the tokenizer files in {directory}'
+def files_digest(spec: str, *, run: bool = True) -> Optional[Tuple[str, str]]:
+  """(digest `DIGEST_CHARS` long, the directory) of the tokenizer files at `spec` — with `run`,
+  also the `tokenizer/` of the run it is in (a MODEL_DIR, its checkpoints/, one of its steps),
+  as `load` finds them — or None where there are none."""
+  path = epath.Path(spec)
+  directory = _directory(spec) if run else (path if _has_files(path) else None)
+  return None if directory is None else (_digest(_files(directory))[:DIGEST_CHARS],
+                                         str(directory))
 
 
-def _recorded(step_dir: str) -> Optional[str]:
-  """The tokenizer digest the data position of the step at `step_dir` records, if any."""
-  from upcycle.checkpoints import orbax  # pylint: disable=g-import-not-at-top
-  try:
-    state = orbax.dataset_state(step_dir)
-  except Exception:  # pylint: disable=broad-except  (a damaged step: resuming sets it aside)
-    return None
-  for shard in (state or {}).get('shards', {}).values():   # `train.host_states.gather`'s form
+def recorded_digest(dataset_state: Optional[Mapping[str, Any]]) -> Optional[str]:
+  """The tokenizer digest a step's data position records (`lm.LmPipeline.describe`, in
+  `train.host_states.gather`'s form), if any."""
+  for shard in (dataset_state or {}).get('shards', {}).values():
     recorded = shard.get('pipeline', {}).get('tokenizer')
     if isinstance(recorded, str):
       return recorded
   return None
-
-
-def check_trained(tokenizer: Tokenizer, path: str, *, binding: str, fix: str,
-                  format: Optional[str] = None) -> None:  # pylint: disable=redefined-builtin
-  """TokenizerError (one line naming `binding`, ending in `fix`) unless `tokenizer` is the one
-  checkpoint `path`'s weights were trained with, where that is known (`trained_with`)."""
-  found = trained_with(path, format)
-  if found is None or found[0] == tokenizer.short_digest:
-    return
-  raise TokenizerError(
-      f'{binding} reads {tokenizer.source} (tokenizer digest {tokenizer.short_digest}), but the '
-      f'weights of {path} were trained with tokenizer {found[0]} ({found[1]}): they would '
-      f'read another tokenizer\'s ids. Fix: {fix}')
 
 
 def check_fits(tokenizer: Tokenizer, rows: int, *, binding: str, rows_binding: str) -> None:

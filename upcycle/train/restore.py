@@ -237,10 +237,10 @@ class Restore(abc.ABC):
   def check_tokenizer(self, tokenizer: tokenizer_lib.Tokenizer, binding: str) -> None:
     """Refuses (`tokenizer.TokenizerError`, one line) the run's tokenizer unless it is the one
     each source checkpoint's weights were trained with, where that is known
-    (`tokenizer.trained_with`): several sources must share it."""
+    (`pretrained.trained_with`): several sources must share it."""
     shared = '' if isinstance(self.checkpoint, str) else '; merged checkpoints must share one'
     for source in self._paths():
-      tokenizer_lib.check_trained(
+      pretrained.check_trained(
           tokenizer, source, binding=binding, format=self.format,
           fix=f"TOKENIZER = {source!r}, the checkpoint's own (runs/llm_continue.gin's and "
           f"runs/llm_upcycle.gin's default){shared}.")

@@ -280,7 +280,7 @@ class Trainer:
     tok, binding = found
     latest = manager.latest_step()
     if latest is not None:
-      tokenizer_lib.check_trained(
+      pretrained.check_trained(
           tok, os.path.join(manager.directory, str(latest)), binding=binding, format='orbax',
           fix=f'resume with the tokenizer the run was trained with (TOKENIZER in '
           f'{self.config.model_dir}/config.gin), or train in a new MODEL_DIR.')
