@@ -7,6 +7,7 @@ import os
 import re
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -105,8 +106,11 @@ def test_llama_run_loads_in_transformers_sharded_with_its_tokenizer(tmp_path, ca
   assert {'tokenizer.json', 'tokenizer_config.json', 'config.json'} <= set(files)
   assert sorted(os.listdir(tmp_path)) == ['hf', 'llama3.gin', 'run']   # nothing left beside
   config = json.loads((out / 'config.json').read_text())
-  assert (config['bos_token_id'], config['eos_token_id']) == (1, 2)
+  assert (config['bos_token_id'], config['eos_token_id'], config['pad_token_id']) == (1, 2, 0)
   assert config['rope_parameters']['rope_type'] == 'llama3'
+  # A run from scratch: its own tokenizer's ids (the offline BPE's <s>, </s>, <pad>).
+  assert json.loads((out / 'generation_config.json').read_text()) == {
+      'bos_token_id': 1, 'eos_token_id': 2, 'pad_token_id': 0}
 
   theirs = transformers.LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
   tokens = _tokens(TINY_LLAMA.vocab_size)
@@ -115,6 +119,17 @@ def test_llama_run_loads_in_transformers_sharded_with_its_tokenizer(tmp_path, ca
   text = 'def main(argv):\n  return sorted(argv)[0]  # ünïcode\n'
   assert hf_tokenizer.encode(text, add_special_tokens=False) == tokenizer.encode(text)
   _assert_reads_back(str(out), params, TINY_LLAMA)
+
+  # --dtype=bfloat16: each tensor is the float32 one rounded by numpy's bfloat16 cast.
+  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+  half = tmp_path / 'bf16'
+  assert export.main(['--format=hf', f'--model_dir={run}', f'--output_dir={half}',
+                      '--dtype=bfloat16', f'--gin_file={tmp_path / "llama3.gin"}']) == 0
+  assert json.loads((half / 'config.json').read_text())['dtype'] == 'bfloat16'
+  got = load_file(str(half / 'model.safetensors'))
+  embedding = params['token_embedder']['embedding']
+  np.testing.assert_array_equal(got['model.embed_tokens.weight'],
+                                embedding.astype(ml_dtypes.bfloat16))
 
 
 @pytest.mark.parametrize('architecture', sorted(FAMILIES))
@@ -127,7 +142,7 @@ def test_each_family_loads_as_its_class_from_scanned_layers(architecture, tmp_pa
   scanned = scan_layout.stack(params, dataclasses.replace(config, scan_layers=True))
   run = _save_run(tmp_path / 'run', scanned)
   out = hf_export.export(run, str(tmp_path / 'hf'), model_config=config)
-  assert sorted(os.listdir(out)) == ['config.json', 'model.safetensors']
+  assert sorted(os.listdir(out)) == ['README.md', 'config.json', 'model.safetensors']
   theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
   assert type(theirs).__name__ == architecture
   tokens = _tokens(config.vocab_size)
@@ -377,3 +392,124 @@ def test_a_qwen2_moe_we_did_not_write_is_refused_on_read(tmp_path):
                      r'32: this model\'s experts have the dense MLP\'s d_ff \("intermediate_size'
                      r'" = 64\)\. Fix: '):
     pretrained.load_hf(out)
+
+
+# An HF Llama of settings the tests above do not use, and the gin file of its MoE: bf16
+# weights, 6 query heads over 2 key/value heads, llama3 RoPE, a context of 384 (not the
+# class's 2048).
+CHAT_LLAMA = dict(vocab_size=4096, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+                  max_position_embeddings=384, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                  rope_parameters={'rope_type': 'llama3', 'rope_theta': 50000.0, 'factor': 4.0,
+                                   'low_freq_factor': 1.0, 'high_freq_factor': 4.0,
+                                   'original_max_position_embeddings': 32})
+CHAT_MOE_GIN = '''from __gin__ import dynamic_registration
+from upcycle import models
+include 'models/llama/tiny.gin'
+include 'moe/mixtral.gin'
+NUM_EXPERTS = 4
+models.LlamaConfig:
+  d_model = 48
+  num_heads = 6
+  head_dim = 8
+  d_ff = 96
+  num_layers = 2
+  rope_theta = 50000.0
+  rope_scaling = @models.Llama3RopeScaling()
+models.Llama3RopeScaling:
+  factor = 4.0
+  original_max_position_embeddings = 32
+'''
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+
+
+def _chat_source(directory):
+  """The offline BPE as an HF tokenizer with a chat template, and a bf16 Llama whose eos list
+  [2, E] holds E, a token its greedy continuation of the prompt reaches at its 4th step or
+  later (so that `generate` has one to stop on), both saved by transformers; -> (the
+  tokenizer, the prompt's ids, E)."""
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  from tests import hf_files  # pylint: disable=g-import-not-at-top
+  bpe = tokenizer_lib.load(tokenizer_lib.OFFLINE_BPE)
+  tokenizer = transformers.PreTrainedTokenizerFast(
+      tokenizer_object=tokenizers.Tokenizer.from_str(bpe.files['tokenizer.json'].decode()),
+      bos_token='<s>', eos_token='</s>', pad_token='<pad>')
+  tokenizer.chat_template = CHAT_TEMPLATE
+  tokenizer.save_pretrained(directory)
+  torch.manual_seed(0)
+  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+      **CHAT_LLAMA, bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+  hf_files.perturb(model, seed=8)
+  model.to(torch.bfloat16).to(torch.float32)   # the values bf16 keeps
+  prompt = tokenizer.apply_chat_template([{'role': 'user', 'content': 'def f(x):'}],
+                                         add_generation_prompt=True, return_dict=False)
+  with torch.no_grad():
+    greedy = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+  end = next(t for i, t in enumerate(greedy) if i >= 3 and t not in greedy[:i] and t > 2)
+  for config in (model.config, model.generation_config):
+    config.eos_token_id = [2, end]
+  model.to(torch.bfloat16).save_pretrained(directory)
+  return tokenizer, prompt, end
+
+
+def test_a_chat_llama_converted_and_exported_keeps_what_chat_users_rely_on(tmp_path):
+  """HF Llama (bf16, GQA, llama3 RoPE, chat template, eos list, pad, context 384) -> convert
+  (4 copied experts, cast to float32) -> export: transformers loads it with AutoTokenizer and
+  AutoModelForCausalLM, its chat template renders as the source's, config.json and
+  generation_config.json carry the source's values, the weights are bf16 (the source's dtype),
+  and `generate` stops on the eos list's second id after the tokens our greedy decoding of
+  the converted checkpoint gives."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+  from upcycle import convert  # pylint: disable=g-import-not-at-top
+  source, moe, out = (str(tmp_path / name) for name in ('source', 'moe', 'hf'))
+  source_tokenizer, prompt, end = _chat_source(source)
+  (tmp_path / 'moe.gin').write_text(CHAT_MOE_GIN)
+  gin_file = f'--gin_file={tmp_path / "moe.gin"}'
+  assert convert.main([f'--source={source}', f'--output_dir={moe}', '--cast', gin_file]) == 0
+  assert export.main(['--format=hf', f'--model_dir={moe}', f'--output_dir={out}', gin_file]) == 0
+
+  hf = json.loads(open(os.path.join(out, 'config.json')).read())
+  want = json.loads(open(os.path.join(source, 'config.json')).read())
+  for key in ('bos_token_id', 'eos_token_id', 'pad_token_id', 'max_position_embeddings',
+              'rope_parameters', 'dtype'):
+    assert hf[key] == want[key], key
+  assert (hf['eos_token_id'], hf['pad_token_id'], hf['max_position_embeddings'], hf['dtype'],
+          hf['output_router_logits']) == ([2, end], 0, 384, 'bfloat16', True)
+  assert json.loads(open(os.path.join(out, 'generation_config.json')).read()) == json.loads(
+      open(os.path.join(source, 'generation_config.json')).read())
+  with safe_open(os.path.join(out, 'model.safetensors'), 'np') as f:
+    assert {f.get_slice(name).get_dtype() for name in f.keys()} == {'BF16'}
+  card = open(os.path.join(out, 'README.md')).read()
+  assert 'library_name: transformers' in card and '4 experts, top 2 per token' in card
+
+  tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+  messages = [{'role': 'user', 'content': 'def f(x):'}]
+  assert tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                       return_dict=False) == prompt
+  assert tokenizer.apply_chat_template(messages, tokenize=False) == (
+      source_tokenizer.apply_chat_template(messages, tokenize=False))
+  model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  assert type(model).__name__ == 'MixtralForCausalLM'
+  assert model.generation_config.eos_token_id == [2, end]
+  with torch.no_grad():
+    theirs = model.generate(torch.tensor([prompt]), max_new_tokens=12,
+                            do_sample=False)[0, len(prompt):].tolist()
+  assert theirs[-1] == end and len(theirs) < 12   # stopped on the list's second id
+
+  params, config = pretrained.load(moe).params, None
+  config = dataclasses.replace(
+      LlamaConfig(vocab_size=4096, d_model=48, num_heads=6, num_kv_heads=2, head_dim=8,
+                  d_ff=96, num_layers=2, rope_theta=50000.0, layer_norm_epsilon=1e-5,
+                  rope_scaling=Llama3RopeScaling(4.0, 1.0, 4.0, 32)),
+      moe=llama_hf.mixtral_moe(4, 2, 0.02))
+  params = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
+  decode = llama_decoding.make_decode_fn(Llama(config), DecodeConfig(method='greedy'), 12)
+  ours, _ = decode(params, np.array([prompt], np.int32), np.ones((1, len(prompt)), np.int32),
+                   jax.random.PRNGKey(0))
+  assert np.asarray(ours)[0, :len(theirs)].tolist() == theirs

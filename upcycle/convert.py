@@ -48,7 +48,10 @@ only; train from it with `ContinueFromCheckpoint(OUTPUT_DIR, reuse_optimizer_sta
 (`upcycle.checkpoints.t5x_writer`): parameters under `optimizer/target` with Flaxformer's MoE
 names, `state/step`, an empty `state/param_states` (restore it in T5X as docs/checkpoints.md says).
 Either way OUTPUT_DIR/upcycling_report.txt holds the upcycling report, every leaf (the console
-shows its summary; `upcycling/report_file.py`).
+shows its summary; `upcycling/report_file.py`), and a Llama-family output keeps the source's
+tokenizer in OUTPUT_DIR/tokenizer/, as a run does (`upcycle.data.tokenizer`: with its chat
+template, generation_config.json and the source's config.json, whose eos list, pad id, context
+length and dtype `python -m upcycle.export --format=hf` writes back).
 Leaves are computed and written one at a time (upcycling/stream.py): peak memory is about
 one MoE block (E copies of one dense MLP) plus bounded write buffers, whatever the model size,
 so a dense checkpoint converts on a machine smaller than the MoE (benchmarks/convert_memory.py
@@ -93,6 +96,7 @@ from typing import Any, Callable, List, Mapping, Optional, Union
 
 from upcycle import checkpoints, console, families, gin_utils, pretrained, reachability, tree
 from upcycle.checkpoints import gcs, paths, t5x_writer
+from upcycle.data import tokenizer as tokenizer_lib
 from upcycle.locks import file_lock
 from upcycle.locks.gcs_lock import STALE_SECONDS, GcsLock
 from upcycle.upcycling import experts as experts_lib
@@ -377,6 +381,18 @@ def _unrolled(model_config: Any) -> Any:
   return model_config
 
 
+def _source_tokenizer(source: str, model_config: Any) -> Optional[tokenizer_lib.Tokenizer]:
+  """The tokenizer a decoder-only `source` carries (an HF directory's, a run's tokenizer/),
+  which the output keeps; None for other families or a source without one (said)."""
+  if families.of(model_config).name != 'llama':
+    return None
+  try:
+    return tokenizer_lib.load(source)
+  except tokenizer_lib.TokenizerError as e:
+    log.info('The output keeps no tokenizer: %s', e)
+    return None
+
+
 def convert(source: Union[str, List[str]], model_config: Any, output_dir: str, *,
             format: Optional[str] = None,  # pylint: disable=redefined-builtin
             experts: Any = 'copy', router: Any = 'normal', seed: int = 0,
@@ -431,6 +447,7 @@ def convert(source: Union[str, List[str]], model_config: Any, output_dir: str, *
     log.info('Dry run: nothing written.')
     return report
   log.info('%s', report_file.summary(report, os.path.join(output_dir, report_file.REPORT_FILE)))
+  tokenizer = _source_tokenizer(source_paths[0], model_config)
 
   def write(work: str) -> None:
     leaves = stream.leaves(plan, dense, seed)
@@ -439,6 +456,8 @@ def convert(source: Union[str, List[str]], model_config: Any, output_dir: str, *
     else:
       stream.write(work, plan.step, leaves)
     report_file.write(report, work)
+    if tokenizer is not None:
+      tokenizer.save(os.path.join(work, tokenizer_lib.RUN_SUBDIR))
 
   if paths.is_url(output_dir):
     _convert_into_gcs(output_dir, write, overwrite)

@@ -4,7 +4,7 @@ default), or a run or any checkpoint the project reads to a HuggingFace director
   python -m upcycle.export --model_dir=/tmp/moe --output_dir=/tmp/moe_t5x \\
     [--step=N] [--no_optimizer_state]
   python -m upcycle.export --format=hf --model_dir=/tmp/llama --output_dir=/tmp/llama_hf \\
-    --gin_file=models/llama/tiny.gin [--step=N] [--max_shard_size=5GB]
+    --gin_file=models/llama/tiny.gin [--step=N] [--max_shard_size=5GB] [--dtype=bfloat16]
 
 --model_dir is the run's MODEL_DIR (or the directory holding its `<step>/` checkpoints,
 MODEL_DIR/checkpoints); --step defaults to the latest finished step.
@@ -31,8 +31,15 @@ exports its final step the same way with `TrainConfig.export_t5x` (MODEL_DIR/t5x
 
 --format=hf writes OUTPUT_DIR itself as `save_pretrained` does (`upcycle/hf_export.py`):
 config.json, the weights as safetensors (shards of at most --max_shard_size, default 5GB,
-with model.safetensors.index.json), and for a Llama-family model the tokenizer the run keeps
-in MODEL_DIR/tokenizer/. A dense Llama is written as LlamaForCausalLM, one with q/k/v biases
+with model.safetensors.index.json) in --dtype (bfloat16 or float32; default: the HF source's
+dtype, else the stored one), a model card (README.md: the architecture, the source
+checkpoint and step, the upcycling report's summary, the steps and tokens trained), and for
+a Llama-family model what a chat user needs: the tokenizer the run keeps in
+MODEL_DIR/tokenizer/ (`python -m upcycle.convert` and training copy an HF source's there)
+with its chat template and special_tokens_map, generation_config.json (the source's, else
+the tokenizer's bos / eos / pad ids), and in config.json the source's bos / eos (a list stays
+one) / pad ids and max_position_embeddings; an MoE with `output_router_logits` true, so HF
+fine-tuning adds the load-balancing loss (`router_aux_loss_coef`). A dense Llama is written as LlamaForCausalLM, one with q/k/v biases
 alone as Qwen2ForCausalLM, one with a sliding window as MistralForCausalLM; a dense T5 v1.1 as
 T5ForConditionalGeneration with its own lm_head, an MoE Llama as MixtralForCausalLM, or where
 Mixtral cannot express it (MoE in some layers only, a shared expert, raw top-k weights, q/k/v
@@ -73,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help='t5x: parameters only, also for a T5XAdafactor run')
   parser.add_argument('--max_shard_size', default=hf_export.DEFAULT_MAX_SHARD_SIZE,
                       help='hf: the largest safetensors file (5GB, 200KB, 2GiB)')
+  parser.add_argument('--dtype', choices=hf_export.DTYPES, default=None,
+                      help="hf: the weights' dtype (default: the HF source's, else the stored "
+                           'one)')
   return parser
 
 
@@ -112,7 +122,7 @@ def main(argv: Optional[List[str]] = None) -> int:
       gin_utils.parse_gin(gin_args, bindings, read=(MODEL_MACRO,))
       model_config = _model_from_gin()
     hf_export.export(args.model_dir, args.output_dir, model_config=model_config,
-                     step=args.step, max_shard_size=args.max_shard_size)
+                     step=args.step, max_shard_size=args.max_shard_size, dtype=args.dtype)
   except (t5x_export.ExportError, checkpoints.CheckpointError, fields.ConfigError) as e:
     print(gin_utils.one_line(e, argv), file=sys.stderr)
     return 1
