@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import re
+import sys
 
 import jax
 import ml_dtypes
@@ -192,6 +193,9 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys):
   assert 'ViT is not written' in _refusal(capsys, *flags, '--gin_file=models/vit/tiny.gin')
   assert 'does not say which model' in _refusal(capsys, *flags)
   assert "'5XB' is not a size" in _refusal(capsys, *flags, '--max_shard_size=5XB')
+  with pytest.raises(hf_export.ExportError,
+                     match=r"^--dtype='float16': expected one of \['bfloat16', 'float32'\]\.$"):
+    hf_export.export(run, str(out), model_config=FAMILIES['Qwen2ForCausalLM'], dtype='float16')
   llama = '--gin_file=models/llama/tiny.gin'
   assert 'the HuggingFace export writes local directories' in _refusal(
       capsys, f'--model_dir={run}', '--output_dir=gs://bucket/hf', llama)
@@ -458,7 +462,8 @@ def _chat_source(directory):
 
 def test_a_chat_llama_converted_and_exported_keeps_what_chat_users_rely_on(tmp_path):
   """HF Llama (bf16, GQA, llama3 RoPE, chat template, eos list, pad, context 384) -> convert
-  (4 copied experts, cast to float32) -> export: transformers loads it with AutoTokenizer and
+  (4 copied experts, cast to float32) -> export, whose model is the one convert's config.gin
+  keeps (no gin files repeated): transformers loads it with AutoTokenizer and
   AutoModelForCausalLM, its chat template renders as the source's, config.json and
   generation_config.json carry the source's values, the weights are bf16 (the source's dtype),
   and `generate` stops on the eos list's second id after the tokens our greedy decoding of
@@ -472,7 +477,7 @@ def test_a_chat_llama_converted_and_exported_keeps_what_chat_users_rely_on(tmp_p
   (tmp_path / 'moe.gin').write_text(CHAT_MOE_GIN)
   gin_file = f'--gin_file={tmp_path / "moe.gin"}'
   assert convert.main([f'--source={source}', f'--output_dir={moe}', '--cast', gin_file]) == 0
-  assert export.main(['--format=hf', f'--model_dir={moe}', f'--output_dir={out}', gin_file]) == 0
+  assert export.main(['--format=hf', f'--model_dir={moe}', f'--output_dir={out}']) == 0
 
   hf = json.loads(open(os.path.join(out, 'config.json')).read())
   want = json.loads(open(os.path.join(source, 'config.json')).read())
@@ -487,6 +492,8 @@ def test_a_chat_llama_converted_and_exported_keeps_what_chat_users_rely_on(tmp_p
     assert {f.get_slice(name).get_dtype() for name in f.keys()} == {'BF16'}
   card = open(os.path.join(out, 'README.md')).read()
   assert 'library_name: transformers' in card and '4 experts, top 2 per token' in card
+  report = open(os.path.join(moe, 'upcycling_report.txt')).read()
+  assert report.split('\n\n')[0] in card   # convert's summary: method, source, experts
 
   tokenizer = transformers.AutoTokenizer.from_pretrained(out)
   messages = [{'role': 'user', 'content': 'def f(x):'}]
@@ -513,3 +520,50 @@ def test_a_chat_llama_converted_and_exported_keeps_what_chat_users_rely_on(tmp_p
   ours, _ = decode(params, np.array([prompt], np.int32), np.ones((1, len(prompt)), np.int32),
                    jax.random.PRNGKey(0))
   assert np.asarray(ours)[0, :len(theirs)].tolist() == theirs
+
+
+def test_a_run_exports_with_the_model_its_config_gin_keeps(tmp_path, monkeypatch):
+  """No gin files repeated: the model is the one the run's MODEL_DIR/config.gin (as the
+  trainer writes it, `import __main__ as train_script` included) binds, its command-line
+  overrides too (2 layers, d_ff 96: the parameters of any other model are refused)."""
+  import gin  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  from upcycle import gin_utils  # pylint: disable=g-import-not-at-top
+  from upcycle.train import __main__ as trainer_main  # pylint: disable=g-import-not-at-top
+  run = tmp_path / 'run'
+  gin.clear_config()
+  with monkeypatch.context() as patch:   # what `python -m upcycle.train` parses and writes
+    patch.setattr(sys.modules['__main__'], 'train', trainer_main.train, raising=False)
+    gin_utils.parse_files_and_bindings(
+        ['models/llama/tiny.gin', 'runs/llm_pretrain.gin', 'data/offline_stdlib_lm.gin'],
+        [f"MODEL_DIR = '{run}'", 'TRAIN_STEPS = 2', 'models.LlamaConfig.num_layers = 2',
+         'models.LlamaConfig.d_ff = 96'])
+    gin_utils.write_config(str(run))
+  gin.clear_config()
+  config = dataclasses.replace(TINY_LLAMA, num_layers=2, d_ff=96, rope_scaling=None)
+  params = _random(config, seed=9)
+  _save_run(run, params)
+  out = tmp_path / 'hf'
+  assert export.main(['--format=hf', f'--model_dir={run}', f'--output_dir={out}']) == 0
+  theirs = transformers.LlamaForCausalLM.from_pretrained(str(out)).eval()
+  tokens = _tokens(config.vocab_size)
+  _assert_close(llama_logits(params, config, tokens), _torch_logits(theirs, tokens))
+  # The card's tokens: step 2 of data/offline_stdlib_lm.gin's 16 rows of 128 positions.
+  assert '2 steps of 16 x 128 token positions: 4,096 tokens' in (
+      out / 'README.md').read_text()
+
+
+@pytest.mark.parametrize('name, context', [('llama3_1_8b', 131072), ('llama3_2_1b', 131072),
+                                           ('mistral_7b', 32768)])
+def test_the_shipped_model_files_export_their_published_context(name, context):
+  """config.json's max_position_embeddings for a model file's run with no HF source: the
+  published config.json's value (meta-llama/Llama-3.1-8B, Llama-3.2-1B, Mistral-7B-v0.3), not
+  a llama3 RoPE's original context times its factor (65536, 262144)."""
+  import gin  # pylint: disable=g-import-not-at-top
+  from upcycle import gin_utils  # pylint: disable=g-import-not-at-top
+  gin.clear_config()
+  gin_utils.parse_files_and_bindings([f'models/llama/{name}.gin'], [])
+  config = export._model_from_gin().config   # pylint: disable=protected-access
+  gin.clear_config()
+  hf = llama_hf.hf_config(config, dtype='bfloat16', token_ids={})
+  assert hf['max_position_embeddings'] == context

@@ -48,7 +48,9 @@ only; train from it with `ContinueFromCheckpoint(OUTPUT_DIR, reuse_optimizer_sta
 (`upcycle.checkpoints.t5x_writer`): parameters under `optimizer/target` with Flaxformer's MoE
 names, `state/step`, an empty `state/param_states` (restore it in T5X as docs/checkpoints.md says).
 Either way OUTPUT_DIR/upcycling_report.txt holds the upcycling report, every leaf (the console
-shows its summary; `upcycling/report_file.py`), and a Llama-family output keeps the source's
+shows its summary; `upcycling/report_file.py`), OUTPUT_DIR/config.gin the gin configuration
+(`python -m upcycle.export --model_dir=OUTPUT_DIR` reads the model from it), and a
+Llama-family output keeps the source's
 tokenizer in OUTPUT_DIR/tokenizer/, as a run does (`upcycle.data.tokenizer`: with its chat
 template, generation_config.json and the source's config.json, whose eos list, pad id, context
 length and dtype `python -m upcycle.export --format=hf` writes back).
@@ -93,6 +95,8 @@ import sys
 import tempfile
 import time
 from typing import Any, Callable, List, Mapping, Optional, Union
+
+from etils import epath
 
 from upcycle import checkpoints, console, families, gin_utils, pretrained, reachability, tree
 from upcycle.checkpoints import gcs, paths, t5x_writer
@@ -398,13 +402,14 @@ def convert(source: Union[str, List[str]], model_config: Any, output_dir: str, *
             experts: Any = 'copy', router: Any = 'normal', seed: int = 0,
             step: Union[str, int] = 'keep', cast: bool = False, overwrite: bool = False,
             dry_run: bool = False, output_format: str = 'orbax', grow_experts: Any = None,
-            grow_depth: Any = None) -> UpcycleReport:
+            grow_depth: Any = None, config_gin: Optional[str] = None) -> UpcycleReport:
   """Upcycles checkpoint `source` into the model of `model_config`, written to `output_dir`
   as `output_format` ('orbax': `<step>/`, 't5x': `checkpoint_<step>/`, T5X's native layout);
   with `grow_experts` (expert_growth sources) or `grow_depth` (a depth_growth layer map) it
   grows the source into that model instead. `source` may be a list of checkpoints when
   `experts` makes experts from several (`sources.FromCheckpoints` / `Merge`, the class or a
-  partial of it: Branch-Train-MiX, UpIT).
+  partial of it: Branch-Train-MiX, UpIT). `config_gin`: the gin configuration the model came
+  from, kept as OUTPUT_DIR/config.gin (where `python -m upcycle.export` reads the model).
 
   Returns the surgery report (its summary logged, the whole report in
   OUTPUT_DIR/upcycling_report.txt; logged whole by a dry run). Raises ConvertError (refusals),
@@ -458,6 +463,8 @@ def convert(source: Union[str, List[str]], model_config: Any, output_dir: str, *
     report_file.write(report, work)
     if tokenizer is not None:
       tokenizer.save(os.path.join(work, tokenizer_lib.RUN_SUBDIR))
+    if config_gin is not None:
+      epath.Path(work, gin_utils.RUN_CONFIGS[0]).write_text(config_gin)
 
   if paths.is_url(output_dir):
     _convert_into_gcs(output_dir, write, overwrite)
@@ -572,7 +579,8 @@ def main(argv: Optional[List[str]] = None) -> int:
       raise ConvertError(f'{growing} copies the source\'s own experts and router columns; '
                          f'--experts, --router and --cast apply to upcycling a dense checkpoint. '
                          f'Fix: drop them.')
-    convert(args.source, target_from_gin(), args.output_dir, **report_args)
+    convert(args.source, target_from_gin(), args.output_dir, config_gin=gin.config_str(),
+            **report_args)
   except (ConvertError, checkpoints.CheckpointError, ValueError) as e:
     print(gin_utils.one_line(e, argv), file=sys.stderr)   # --verbose: the traceback first
     return 1

@@ -307,6 +307,47 @@ def write_config(model_dir: str, operative: bool = False) -> None:
   (directory / name).write_text(text)
 
 
+RUN_CONFIGS = ('config.gin', 'operative_config.gin')   # `write_config`'s, in preference
+
+
+def saved_config(directories: Sequence[str]) -> Optional[str]:
+  """The first config.gin / operative_config.gin (`write_config`'s; `python -m upcycle.convert`
+  writes config.gin too) in `directories`, in order; None if there is none."""
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  for directory in directories:
+    for name in RUN_CONFIGS:
+      if (epath.Path(directory) / name).exists():
+        return os.path.join(directory, name)
+  return None
+
+
+@contextlib.contextmanager
+def _trainer_as_main() -> Iterator[None]:
+  """`__main__.train` is the trainer's entry point while the block runs: runs/*.gin bind it as
+  `import __main__ as train_script`, true where they were written (`python -m upcycle.train`),
+  not in the entry point that reads a run's saved config. A `__main__` with a `train` of its
+  own (the trainer itself) is left as it is."""
+  main = sys.modules['__main__']
+  if hasattr(main, 'train'):
+    yield
+    return
+  from upcycle.train import __main__ as trainer  # pylint: disable=g-import-not-at-top
+  main.train = trainer.train
+  try:
+    yield
+  finally:
+    del main.train
+
+
+def parse_saved_config(path: str) -> None:
+  """Parses a run's saved config (`saved_config`) outside the trainer, as the run parsed its
+  gin files and bindings: its macros (MODEL, ...) are then what the run had."""
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  with _trainer_as_main():
+    gin.parse_config(epath.Path(path).read_text())
+    gin.finalize()
+
+
 _GIN_CALL_SUFFIX = '\n  In call to configurable '
 
 

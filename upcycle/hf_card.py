@@ -62,14 +62,15 @@ def _architecture(hf: Mapping[str, Any], config: Any) -> str:
 
 
 def _training(config_gin: Optional[str], step: Optional[int]) -> Optional[str]:
+  """'- N steps of B x L token positions: T tokens', where a trained run's config.gin binds
+  BATCH_SIZE and TASK_FEATURE_LENGTHS (a `convert` output's binds neither)."""
   if config_gin is None or step is None:
     return None
   batch, lengths = _macro(config_gin, 'BATCH_SIZE'), _macro(config_gin, 'TASK_FEATURE_LENGTHS')
-  line = f'- {step} steps'
-  if isinstance(batch, int) and isinstance(lengths, dict) and 'targets' in lengths:
-    line += (f' of {batch} x {lengths["targets"]} token positions: '
-             f'{step * batch * lengths["targets"]:,} tokens (padding included)')
-  return line
+  if not isinstance(batch, int) or not isinstance(lengths, dict) or 'targets' not in lengths:
+    return None
+  return (f'- {step} steps of {batch} x {lengths["targets"]} token positions: '
+          f'{step * batch * lengths["targets"]:,} tokens (padding included)')
 
 
 def text(hf: Mapping[str, Any], config: Any, ckpt: Any, run_dirs, name: str) -> str:
@@ -81,7 +82,8 @@ def text(hf: Mapping[str, Any], config: Any, ckpt: Any, run_dirs, name: str) -> 
       '---\nlibrary_name: transformers\ntags:\n' + ''.join(f'- {t}\n' for t in tags) + '---',
       f'# {name}',
       '## Architecture\n\n' + _architecture(hf, config),
-      f'## Source\n\n- `{ckpt.path}` ({ckpt.format} checkpoint, step {ckpt.step}), exported by '
+      f'## Source\n\n- `{ckpt.path}` ({ckpt.format} checkpoint'
+      f'{"" if ckpt.step is None else f", step {ckpt.step}"}), exported by '
       f'`python -m upcycle.export --format=hf`',
   ]
   report = _kept(run_dirs, report_file.REPORT_FILE)

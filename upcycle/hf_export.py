@@ -142,8 +142,8 @@ def export(model_dir: str, output_dir: str, model_config: Any = None,
   if config is None:
     raise ExportError(f'{ckpt.path}: this {ckpt.format} checkpoint does not say which model it '
                       f'holds. Fix: give the gin files of its model, e.g. '
-                      f'--gin_file=models/llama/tiny.gin (a run\'s MODEL_DIR/config.gin shows '
-                      f'its bindings).')
+                      f'--gin_file=models/llama/tiny.gin (the export reads a run\'s own '
+                      f'MODEL_DIR/config.gin where it has one).')
   check_exportable(config)
   params = _dense_params(ckpt, config)
   hf_config, tensors, files = families.of(config).hf_export.files(params, config, ckpt.path)

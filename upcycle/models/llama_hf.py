@@ -345,9 +345,9 @@ def hf_config(config, dtype: str, token_ids: Mapping[str, Any],
 
   `dtype`: the weights' ('float32', 'bfloat16'). `token_ids`: {'bos_token_id', 'eos_token_id'
   (an int or a list), 'pad_token_id'}, None where unknown (written as null).
-  `max_position_embeddings`: the context the source was published with; None: the model has
-  none of its own, so only a llama3 RoPE writes one (its original context times its factor)
-  and elsewhere the HF class's default stands. An MoE writes `output_router_logits` true, so
+  `max_position_embeddings`: the context the HF source was published with; None: the model
+  config's (`LlamaConfig.max_position_embeddings`, the shipped model files' published value),
+  else a llama3 RoPE's original context times its factor, else the HF class's default. An MoE writes `output_router_logits` true, so
   that transformers adds the load-balancing loss (`router_aux_loss_coef`) when it fine-tunes.
   """
   model_type = hf_model_type(config)
@@ -362,6 +362,7 @@ def hf_config(config, dtype: str, token_ids: Mapping[str, Any],
       **{name: token_ids.get(name) for name in ('bos_token_id', 'eos_token_id', 'pad_token_id')},
       'dtype': dtype, 'torch_dtype': dtype,
   }
+  max_position_embeddings = max_position_embeddings or config.max_position_embeddings
   if max_position_embeddings is None and config.rope_scaling is not None:
     max_position_embeddings = int(config.rope_scaling.original_max_position_embeddings *
                                   config.rope_scaling.factor)
