@@ -5,7 +5,6 @@ import dataclasses
 import json
 import os
 import re
-import sys
 
 import jax
 import ml_dtypes
@@ -220,6 +219,12 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys):
       capsys, *flags, llama, '--gin_file=moe/mixtral.gin',
       '--gin.moe.MoeConfig.router=@routers.ExpertsChoose()',
       "--gin.moe.MoeConfig.dispatch='indices'")
+  (tmp_path / 'run' / 'config.gin').write_text(
+      'from __gin__ import dynamic_registration\nfrom upcycle import models\n'
+      'MODEL = @models.NoSuchModel()\n')
+  assert _refusal(capsys, *flags).startswith(
+      f"error: {run}/config.gin: the run's model cannot be read from its saved gin config (")
+  os.remove(tmp_path / 'run' / 'config.gin')
   out.mkdir()
   (out / 'kept').write_text('')
   assert 'already exists and is not empty' in _refusal(
@@ -522,23 +527,23 @@ def test_a_chat_llama_converted_and_exported_keeps_what_chat_users_rely_on(tmp_p
   assert np.asarray(ours)[0, :len(theirs)].tolist() == theirs
 
 
-def test_a_run_exports_with_the_model_its_config_gin_keeps(tmp_path, monkeypatch):
+def test_a_run_exports_with_the_model_its_config_gin_keeps(tmp_path, entry_points):
   """No gin files repeated: the model is the one the run's MODEL_DIR/config.gin (as the
   trainer writes it, `import __main__ as train_script` included) binds, its command-line
-  overrides too (2 layers, d_ff 96: the parameters of any other model are refused)."""
+  overrides too (2 layers, d_ff 96: the parameters of any other model are refused). In a
+  process of its own (no `__main__.train`): tests/train/test_llm_training.py."""
   import gin  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   from upcycle import gin_utils  # pylint: disable=g-import-not-at-top
-  from upcycle.train import __main__ as trainer_main  # pylint: disable=g-import-not-at-top
   run = tmp_path / 'run'
   gin.clear_config()
-  with monkeypatch.context() as patch:   # what `python -m upcycle.train` parses and writes
-    patch.setattr(sys.modules['__main__'], 'train', trainer_main.train, raising=False)
-    gin_utils.parse_files_and_bindings(
-        ['models/llama/tiny.gin', 'runs/llm_pretrain.gin', 'data/offline_stdlib_lm.gin'],
-        [f"MODEL_DIR = '{run}'", 'TRAIN_STEPS = 2', 'models.LlamaConfig.num_layers = 2',
-         'models.LlamaConfig.d_ff = 96'])
-    gin_utils.write_config(str(run))
+  del entry_points   # `__main__.train` is the trainer's, as under `python -m upcycle.train`
+  gin_utils.parse_files_and_bindings(
+      ['models/llama/tiny.gin', 'runs/llm_pretrain.gin', 'data/offline_stdlib_lm.gin'],
+      [f"MODEL_DIR = '{run}'", 'TRAIN_STEPS = 2', 'models.LlamaConfig.num_layers = 2',
+       'models.LlamaConfig.d_ff = 96'])
+  gin_utils.write_config(str(run))   # what the trainer writes at its start
+  assert 'train_script.train.optimizer = @optimizers.AdamW()' in (run / 'config.gin').read_text()
   gin.clear_config()
   config = dataclasses.replace(TINY_LLAMA, num_layers=2, d_ff=96, rope_scaling=None)
   params = _random(config, seed=9)
@@ -567,3 +572,22 @@ def test_the_shipped_model_files_export_their_published_context(name, context):
   gin.clear_config()
   hf = llama_hf.hf_config(config, dtype='bfloat16', token_ids={})
   assert hf['max_position_embeddings'] == context
+
+
+def test_the_source_context_and_dtype_apply_to_its_own_weights_only(tmp_path):
+  """A run's tokenizer kept from an HF checkpoint gives the export that checkpoint's eos list
+  and pad id; its context and dtype only where the weights are that checkpoint's (its
+  hidden_size and vocab_size): a model trained from scratch with its tokenizer keeps its own."""
+  config = dataclasses.replace(TINY_LLAMA, num_layers=1, rope_scaling=None)
+  run = _save_run(tmp_path / 'run', _random(config, seed=10))
+  kept = os.path.join(run, tokenizer_lib.RUN_SUBDIR)
+  tokenizer_lib.load(tokenizer_lib.OFFLINE_BPE).save(kept)
+  source = {'bos_token_id': 1, 'eos_token_id': [2, 7], 'pad_token_id': 0, 'dtype': 'bfloat16',
+            'max_position_embeddings': 384, 'vocab_size': 4096}
+  for hidden_size, dtype, context in ((32, 'float32', None), (64, 'bfloat16', 384)):
+    with open(os.path.join(kept, tokenizer_lib.SOURCE_CONFIG), 'w') as f:
+      json.dump(dict(source, hidden_size=hidden_size), f)
+    out = hf_export.export(run, str(tmp_path / f'hf{hidden_size}'), model_config=config)
+    hf = json.loads(open(os.path.join(out, 'config.json')).read())
+    assert (hf['eos_token_id'], hf['pad_token_id'], hf['dtype'],
+            hf.get('max_position_embeddings')) == ([2, 7], 0, dtype, context)

@@ -113,6 +113,17 @@ def _saved_config(model_dir: str) -> Optional[str]:
   return gin_utils.saved_config([path, parent, os.path.dirname(parent)])
 
 
+def _parse_saved_config(path: str) -> None:
+  """`gin_utils.parse_saved_config`, its failures one ExportError line."""
+  try:
+    gin_utils.parse_saved_config(path)
+  except (ValueError, ImportError, AttributeError, SyntaxError) as e:
+    cause = gin_utils.message(e).strip().splitlines()[0]
+    raise t5x_export.ExportError(
+        f'{path}: the run\'s model cannot be read from its saved gin config ({cause}). Fix: '
+        f'give the gin files of its model, e.g. --gin_file=models/llama/tiny.gin.') from None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   console.show_progress()
@@ -134,7 +145,7 @@ def main(argv: Optional[List[str]] = None) -> int:
       import gin  # pylint: disable=g-import-not-at-top
       gin.clear_config()   # each call parses its own flags
       if saved:
-        gin_utils.parse_saved_config(saved)
+        _parse_saved_config(saved)
       else:
         gin_utils.parse_gin(gin_args, bindings, read=(MODEL_MACRO,))
       model_config = _model_from_gin()

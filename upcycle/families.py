@@ -96,11 +96,21 @@ def _generation_config(tokenizer: tokenizer_lib.Tokenizer, ids: Mapping[str, Any
   return kept if kept is not None else json.dumps(dict(ids), indent=2).encode('utf-8')
 
 
+def _weights_source(tokenizer: tokenizer_lib.Tokenizer, config: LlamaConfig) -> Dict[str, Any]:
+  """The config.json of the HF checkpoint the tokenizer came from where the weights came from
+  it too (its hidden_size and vocab_size the model's), else {}: a model trained from scratch
+  with an HF model's tokenizer takes that model's token ids, not its context or dtype."""
+  kept = tokenizer_lib.source_config(tokenizer)
+  same = (kept.get('hidden_size'), kept.get('vocab_size')) == (config.d_model, config.vocab_size)
+  return kept if same else {}
+
+
 def _llama_hf_files(params: Mapping[str, Any], config: LlamaConfig, source: str) -> HfFiles:
-  """config.json with the token ids, context length and dtype of the HF checkpoint the run's
-  tokenizer came from (`tokenizer.hf_ids`, `source_config`), else the tokenizer's own ids and
-  the stored dtype; the tokenizer's files and companions (chat template) and
-  generation_config.json. None of them, with a warning, where the source keeps no tokenizer."""
+  """config.json with the token ids of the HF checkpoint the run's tokenizer came from
+  (`tokenizer.hf_ids`) and the context length and dtype of the one its weights came from
+  (`_weights_source`), else the tokenizer's own ids and the stored dtype; the tokenizer's
+  files and companions (chat template) and generation_config.json. None of them, with a
+  warning, where the source keeps no tokenizer."""
   try:
     tokenizer = tokenizer_lib.load(source)
   except tokenizer_lib.TokenizerError as e:
@@ -108,7 +118,7 @@ def _llama_hf_files(params: Mapping[str, Any], config: LlamaConfig, source: str)
         'Exporting without a tokenizer (config.json gets no BOS / EOS ids): %s', e)
     tokenizer = None
   ids = {} if tokenizer is None else tokenizer_lib.hf_ids(tokenizer)
-  kept = {} if tokenizer is None else tokenizer_lib.source_config(tokenizer)
+  kept = {} if tokenizer is None else _weights_source(tokenizer, config)
   hf_config = llama_hf.hf_config(
       config, dtype=kept.get('dtype') or kept.get('torch_dtype') or _dtype(params),
       token_ids=ids, max_position_embeddings=kept.get('max_position_embeddings'))

@@ -321,31 +321,22 @@ def saved_config(directories: Sequence[str]) -> Optional[str]:
   return None
 
 
-@contextlib.contextmanager
-def _trainer_as_main() -> Iterator[None]:
-  """`__main__.train` is the trainer's entry point while the block runs: runs/*.gin bind it as
-  `import __main__ as train_script`, true where they were written (`python -m upcycle.train`),
-  not in the entry point that reads a run's saved config. A `__main__` with a `train` of its
-  own (the trainer itself) is left as it is."""
-  main = sys.modules['__main__']
-  if hasattr(main, 'train'):
-    yield
-    return
-  from upcycle.train import __main__ as trainer  # pylint: disable=g-import-not-at-top
-  main.train = trainer.train
-  try:
-    yield
-  finally:
-    del main.train
+def _entry_points(text: str) -> List[str]:
+  """The configurables a saved config binds on `__main__` (`import __main__ as train_script`:
+  'train_script.train'), the entry point that wrote it, which another one does not have."""
+  aliases = re.findall(r'^import __main__ as (\w+)$', text, flags=re.MULTILINE)
+  return sorted({name for alias in aliases
+                 for name in re.findall(rf'^({alias}\.\w+)\.', text, flags=re.MULTILINE)})
 
 
 def parse_saved_config(path: str) -> None:
   """Parses a run's saved config (`saved_config`) outside the trainer, as the run parsed its
-  gin files and bindings: its macros (MODEL, ...) are then what the run had."""
+  gin files and bindings, but for its entry point's own bindings (`_entry_points`, skipped):
+  its macros (MODEL, ...) are then what the run had."""
   from etils import epath  # pylint: disable=g-import-not-at-top
-  with _trainer_as_main():
-    gin.parse_config(epath.Path(path).read_text())
-    gin.finalize()
+  text = epath.Path(path).read_text()
+  gin.parse_config(text, skip_unknown=_entry_points(text))
+  gin.finalize()
 
 
 _GIN_CALL_SUFFIX = '\n  In call to configurable '
