@@ -465,6 +465,7 @@ def _chat_source(directory):
   return tokenizer, prompt, end
 
 
+@pytest.mark.slow   # 40 s: convert, export, generate and an MoE decode compiled
 def test_a_chat_llama_converted_and_exported_keeps_what_chat_users_rely_on(tmp_path):
   """HF Llama (bf16, GQA, llama3 RoPE, chat template, eos list, pad, context 384) -> convert
   (4 copied experts, cast to float32) -> export, whose model is the one convert's config.gin
