@@ -42,8 +42,8 @@ ALLOWED = {
     'tpu_slice': set(),
 }
 # Wiring: may import any part.
-WIRING = {'train', 'pretrained', 'predictions', 'aot', 'convert', 'export', 'hf_export', 'eval',
-          'families', 'infer', 'describe', 'quickstart', 'study', '__init__'}
+WIRING = {'train', 'pretrained', 'predictions', 'aot', 'convert', 'export', 'hf_export', 'hf_card',
+          'eval', 'families', 'infer', 'describe', 'quickstart', 'study', '__init__'}
 # The command-line modules (`python -m ...`): flags and one call; no module imports them.
 COMMANDS = {'upcycle.aot', 'upcycle.convert', 'upcycle.eval', 'upcycle.export', 'upcycle.infer',
             'upcycle.describe', 'upcycle.quickstart', 'upcycle.study.__main__',

@@ -142,7 +142,7 @@ def test_t5x_output_is_t5x_native_with_flaxformer_moe_names(source, tmp_path, ca
   assert _main(source, out, '--experts', DROP, '--seed', '3', '--output_format', 't5x') == 0
   assert f'Wrote {out}/checkpoint_6.' in capsys.readouterr().out
   assert os.listdir(tmp_path) == ['moe_t5x']
-  assert sorted(os.listdir(out)) == ['checkpoint_6', 'upcycling_report.txt']
+  assert sorted(os.listdir(out)) == ['checkpoint_6', 'config.gin', 'upcycling_report.txt']
   assert os.path.isdir(out / 'checkpoint_6' / 'target.encoder.layers_1.mlp.expert.wi_0.kernel')
   ckpt = checkpoints.load(str(out))
   assert (ckpt.format, ckpt.step) == ('t5x', 6)
@@ -302,7 +302,7 @@ def test_refuses_to_touch_the_source_or_an_existing_output(source, tmp_path, cap
   assert 'already exists and is not empty' in capsys.readouterr().err
   assert os.listdir(out) == ['notes.txt']
   assert _main(source, out, '--overwrite', '--step', '9') == 0
-  assert sorted(os.listdir(out)) == ['9', 'upcycling_report.txt']
+  assert sorted(os.listdir(out)) == ['9', 'config.gin', 'upcycling_report.txt']
   assert checkpoints.load(str(out)).step == 9
   assert sorted(os.listdir(tmp_path)) == ['moe']
 

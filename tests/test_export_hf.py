@@ -7,6 +7,7 @@ import os
 import re
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -105,8 +106,11 @@ def test_llama_run_loads_in_transformers_sharded_with_its_tokenizer(tmp_path, ca
   assert {'tokenizer.json', 'tokenizer_config.json', 'config.json'} <= set(files)
   assert sorted(os.listdir(tmp_path)) == ['hf', 'llama3.gin', 'run']   # nothing left beside
   config = json.loads((out / 'config.json').read_text())
-  assert (config['bos_token_id'], config['eos_token_id']) == (1, 2)
+  assert (config['bos_token_id'], config['eos_token_id'], config['pad_token_id']) == (1, 2, 0)
   assert config['rope_parameters']['rope_type'] == 'llama3'
+  # A run from scratch: its own tokenizer's ids (the offline BPE's <s>, </s>, <pad>).
+  assert json.loads((out / 'generation_config.json').read_text()) == {
+      'bos_token_id': 1, 'eos_token_id': 2, 'pad_token_id': 0}
 
   theirs = transformers.LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
   tokens = _tokens(TINY_LLAMA.vocab_size)
@@ -115,6 +119,17 @@ def test_llama_run_loads_in_transformers_sharded_with_its_tokenizer(tmp_path, ca
   text = 'def main(argv):\n  return sorted(argv)[0]  # ünïcode\n'
   assert hf_tokenizer.encode(text, add_special_tokens=False) == tokenizer.encode(text)
   _assert_reads_back(str(out), params, TINY_LLAMA)
+
+  # --dtype=bfloat16: each tensor is the float32 one rounded by numpy's bfloat16 cast.
+  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+  half = tmp_path / 'bf16'
+  assert export.main(['--format=hf', f'--model_dir={run}', f'--output_dir={half}',
+                      '--dtype=bfloat16', f'--gin_file={tmp_path / "llama3.gin"}']) == 0
+  assert json.loads((half / 'config.json').read_text())['dtype'] == 'bfloat16'
+  got = load_file(str(half / 'model.safetensors'))
+  embedding = params['token_embedder']['embedding']
+  np.testing.assert_array_equal(got['model.embed_tokens.weight'],
+                                embedding.astype(ml_dtypes.bfloat16))
 
 
 def test_a_run_whose_tokenizer_was_replaced_is_refused_and_one_without_says_so(tmp_path,
@@ -164,7 +179,7 @@ def test_each_family_loads_as_its_class_from_scanned_layers(architecture, tmp_pa
   scanned = scan_layout.stack(params, dataclasses.replace(config, scan_layers=True))
   run = _save_run(tmp_path / 'run', scanned)
   out = hf_export.export(run, str(tmp_path / 'hf'), model_config=config)
-  assert sorted(os.listdir(out)) == ['config.json', 'digests', 'model.safetensors']
+  assert sorted(os.listdir(out)) == ['README.md', 'config.json', 'digests', 'model.safetensors']
   theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
   assert type(theirs).__name__ == architecture
   tokens = _tokens(config.vocab_size)
@@ -214,6 +229,9 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys):
   assert 'ViT is not written' in _refusal(capsys, *flags, '--gin_file=models/vit/tiny.gin')
   assert 'does not say which model' in _refusal(capsys, *flags)
   assert "'5XB' is not a size" in _refusal(capsys, *flags, '--max_shard_size=5XB')
+  with pytest.raises(hf_export.ExportError,
+                     match=r"^--dtype='float16': expected one of \['bfloat16', 'float32'\]\.$"):
+    hf_export.export(run, str(out), model_config=FAMILIES['Qwen2ForCausalLM'], dtype='float16')
   llama = '--gin_file=models/llama/tiny.gin'
   assert 'the HuggingFace export writes local directories' in _refusal(
       capsys, f'--model_dir={run}', '--output_dir=gs://bucket/hf', llama)
@@ -238,6 +256,12 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys):
       capsys, *flags, llama, '--gin_file=moe/mixtral.gin',
       '--gin.moe.MoeConfig.router=@routers.ExpertsChoose()',
       "--gin.moe.MoeConfig.dispatch='indices'")
+  (tmp_path / 'run' / 'config.gin').write_text(
+      'from __gin__ import dynamic_registration\nfrom upcycle import models\n'
+      'MODEL = @models.NoSuchModel()\n')
+  assert _refusal(capsys, *flags).startswith(
+      f"error: {run}/config.gin: the run's model cannot be read from its saved gin config (")
+  os.remove(tmp_path / 'run' / 'config.gin')
   out.mkdir()
   (out / 'kept').write_text('')
   assert 'already exists and is not empty' in _refusal(
@@ -414,3 +438,194 @@ def test_a_qwen2_moe_we_did_not_write_is_refused_on_read(tmp_path):
                      r'32: this model\'s experts have the dense MLP\'s d_ff \("intermediate_size'
                      r'" = 64\)\. Fix: '):
     pretrained.load_hf(out)
+
+
+# An HF Llama of settings the tests above do not use, and the gin file of its MoE: bf16
+# weights, 6 query heads over 2 key/value heads, llama3 RoPE, a context of 384 (not the
+# class's 2048).
+CHAT_LLAMA = dict(vocab_size=4096, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+                  max_position_embeddings=384, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                  rope_parameters={'rope_type': 'llama3', 'rope_theta': 50000.0, 'factor': 4.0,
+                                   'low_freq_factor': 1.0, 'high_freq_factor': 4.0,
+                                   'original_max_position_embeddings': 32})
+CHAT_MOE_GIN = '''from __gin__ import dynamic_registration
+from upcycle import models
+include 'models/llama/tiny.gin'
+include 'moe/mixtral.gin'
+NUM_EXPERTS = 4
+models.LlamaConfig:
+  d_model = 48
+  num_heads = 6
+  head_dim = 8
+  d_ff = 96
+  num_layers = 2
+  rope_theta = 50000.0
+  rope_scaling = @models.Llama3RopeScaling()
+models.Llama3RopeScaling:
+  factor = 4.0
+  original_max_position_embeddings = 32
+'''
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+
+
+def _chat_source(directory):
+  """The offline BPE as an HF tokenizer with a chat template, and a bf16 Llama whose eos list
+  [2, E] holds E, a token its greedy continuation of the prompt reaches at its 4th step or
+  later (so that `generate` has one to stop on), both saved by transformers; -> (the
+  tokenizer, the prompt's ids, E)."""
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  from tests import hf_files  # pylint: disable=g-import-not-at-top
+  bpe = tokenizer_lib.load(tokenizer_lib.OFFLINE_BPE)
+  tokenizer = transformers.PreTrainedTokenizerFast(
+      tokenizer_object=tokenizers.Tokenizer.from_str(bpe.files['tokenizer.json'].decode()),
+      bos_token='<s>', eos_token='</s>', pad_token='<pad>')
+  tokenizer.chat_template = CHAT_TEMPLATE
+  tokenizer.save_pretrained(directory)
+  torch.manual_seed(0)
+  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+      **CHAT_LLAMA, bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+  hf_files.perturb(model, seed=8)
+  model.to(torch.bfloat16).to(torch.float32)   # the values bf16 keeps
+  prompt = tokenizer.apply_chat_template([{'role': 'user', 'content': 'def f(x):'}],
+                                         add_generation_prompt=True, return_dict=False)
+  with torch.no_grad():
+    greedy = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+  end = next(t for i, t in enumerate(greedy) if i >= 3 and t not in greedy[:i] and t > 2)
+  for config in (model.config, model.generation_config):
+    config.eos_token_id = [2, end]
+  model.to(torch.bfloat16).save_pretrained(directory)
+  return tokenizer, prompt, end
+
+
+@pytest.mark.slow   # 40 s: convert, export, generate and an MoE decode compiled
+def test_a_chat_llama_converted_and_exported_keeps_what_chat_users_rely_on(tmp_path):
+  """HF Llama (bf16, GQA, llama3 RoPE, chat template, eos list, pad, context 384) -> convert
+  (4 copied experts, cast to float32) -> export, whose model is the one convert's config.gin
+  keeps (no gin files repeated): transformers loads it with AutoTokenizer and
+  AutoModelForCausalLM, its chat template renders as the source's, config.json and
+  generation_config.json carry the source's values, the weights are bf16 (the source's dtype),
+  and `generate` stops on the eos list's second id after the tokens our greedy decoding of
+  the converted checkpoint gives."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+  from upcycle import convert  # pylint: disable=g-import-not-at-top
+  source, moe, out = (str(tmp_path / name) for name in ('source', 'moe', 'hf'))
+  source_tokenizer, prompt, end = _chat_source(source)
+  (tmp_path / 'moe.gin').write_text(CHAT_MOE_GIN)
+  gin_file = f'--gin_file={tmp_path / "moe.gin"}'
+  assert convert.main([f'--source={source}', f'--output_dir={moe}', '--cast', gin_file]) == 0
+  assert export.main(['--format=hf', f'--model_dir={moe}', f'--output_dir={out}']) == 0
+
+  hf = json.loads(open(os.path.join(out, 'config.json')).read())
+  want = json.loads(open(os.path.join(source, 'config.json')).read())
+  for key in ('bos_token_id', 'eos_token_id', 'pad_token_id', 'max_position_embeddings',
+              'rope_parameters', 'dtype'):
+    assert hf[key] == want[key], key
+  assert (hf['eos_token_id'], hf['pad_token_id'], hf['max_position_embeddings'], hf['dtype'],
+          hf['output_router_logits']) == ([2, end], 0, 384, 'bfloat16', True)
+  assert json.loads(open(os.path.join(out, 'generation_config.json')).read()) == json.loads(
+      open(os.path.join(source, 'generation_config.json')).read())
+  with safe_open(os.path.join(out, 'model.safetensors'), 'np') as f:
+    assert {f.get_slice(name).get_dtype() for name in f.keys()} == {'BF16'}
+  card = open(os.path.join(out, 'README.md')).read()
+  assert 'library_name: transformers' in card and '4 experts, top 2 per token' in card
+  report = open(os.path.join(moe, 'upcycling_report.txt')).read()
+  assert report.split('\n\n')[0] in card   # convert's summary: method, source, experts
+
+  tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+  messages = [{'role': 'user', 'content': 'def f(x):'}]
+  assert tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                       return_dict=False) == prompt
+  assert tokenizer.apply_chat_template(messages, tokenize=False) == (
+      source_tokenizer.apply_chat_template(messages, tokenize=False))
+  model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  assert type(model).__name__ == 'MixtralForCausalLM'
+  assert model.generation_config.eos_token_id == [2, end]
+  with torch.no_grad():
+    theirs = model.generate(torch.tensor([prompt]), max_new_tokens=12,
+                            do_sample=False)[0, len(prompt):].tolist()
+  assert theirs[-1] == end and len(theirs) < 12   # stopped on the list's second id
+
+  params, config = pretrained.load(moe).params, None
+  config = dataclasses.replace(
+      LlamaConfig(vocab_size=4096, d_model=48, num_heads=6, num_kv_heads=2, head_dim=8,
+                  d_ff=96, num_layers=2, rope_theta=50000.0, layer_norm_epsilon=1e-5,
+                  rope_scaling=Llama3RopeScaling(4.0, 1.0, 4.0, 32)),
+      moe=llama_hf.mixtral_moe(4, 2, 0.02))
+  params = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
+  decode = llama_decoding.make_decode_fn(Llama(config), DecodeConfig(method='greedy'), 12)
+  ours, _ = decode(params, np.array([prompt], np.int32), np.ones((1, len(prompt)), np.int32),
+                   jax.random.PRNGKey(0))
+  assert np.asarray(ours)[0, :len(theirs)].tolist() == theirs
+
+
+def test_a_run_exports_with_the_model_its_config_gin_keeps(tmp_path, entry_points):
+  """No gin files repeated: the model is the one the run's MODEL_DIR/config.gin (as the
+  trainer writes it, `import __main__ as train_script` included) binds, its command-line
+  overrides too (2 layers, d_ff 96: the parameters of any other model are refused). In a
+  process of its own (no `__main__.train`): tests/train/test_llm_training.py."""
+  import gin  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  from upcycle import gin_utils  # pylint: disable=g-import-not-at-top
+  run = tmp_path / 'run'
+  gin.clear_config()
+  del entry_points   # `__main__.train` is the trainer's, as under `python -m upcycle.train`
+  gin_utils.parse_files_and_bindings(
+      ['models/llama/tiny.gin', 'runs/llm_pretrain.gin', 'data/offline_stdlib_lm.gin'],
+      [f"MODEL_DIR = '{run}'", 'TRAIN_STEPS = 2', 'models.LlamaConfig.num_layers = 2',
+       'models.LlamaConfig.d_ff = 96'])
+  gin_utils.write_config(str(run))   # what the trainer writes at its start
+  assert 'train_script.train.optimizer = @optimizers.AdamW()' in (run / 'config.gin').read_text()
+  gin.clear_config()
+  config = dataclasses.replace(TINY_LLAMA, num_layers=2, d_ff=96, rope_scaling=None)
+  params = _random(config, seed=9)
+  _save_run(run, params)
+  out = tmp_path / 'hf'
+  assert export.main(['--format=hf', f'--model_dir={run}', f'--output_dir={out}']) == 0
+  theirs = transformers.LlamaForCausalLM.from_pretrained(str(out)).eval()
+  tokens = _tokens(config.vocab_size)
+  _assert_close(llama_logits(params, config, tokens), _torch_logits(theirs, tokens))
+  # The card's tokens: step 2 of data/offline_stdlib_lm.gin's 16 rows of 128 positions.
+  assert '2 steps of 16 x 128 token positions: 4,096 tokens' in (
+      out / 'README.md').read_text()
+
+
+@pytest.mark.parametrize('name, context', [('llama3_1_8b', 131072), ('llama3_2_1b', 131072),
+                                           ('mistral_7b', 32768)])
+def test_the_shipped_model_files_export_their_published_context(name, context):
+  """config.json's max_position_embeddings for a model file's run with no HF source: the
+  published config.json's value (meta-llama/Llama-3.1-8B, Llama-3.2-1B, Mistral-7B-v0.3), not
+  a llama3 RoPE's original context times its factor (65536, 262144)."""
+  import gin  # pylint: disable=g-import-not-at-top
+  from upcycle import gin_utils  # pylint: disable=g-import-not-at-top
+  gin.clear_config()
+  gin_utils.parse_files_and_bindings([f'models/llama/{name}.gin'], [])
+  config = export._model_from_gin().config   # pylint: disable=protected-access
+  gin.clear_config()
+  hf = llama_hf.hf_config(config, dtype='bfloat16', token_ids={})
+  assert hf['max_position_embeddings'] == context
+
+
+def test_the_source_context_and_dtype_apply_to_its_own_weights_only(tmp_path):
+  """A run's tokenizer kept from an HF checkpoint gives the export that checkpoint's eos list
+  and pad id; its context and dtype only where the weights are that checkpoint's (its
+  hidden_size and vocab_size): a model trained from scratch with its tokenizer keeps its own."""
+  config = dataclasses.replace(TINY_LLAMA, num_layers=1, rope_scaling=None)
+  run = _save_run(tmp_path / 'run', _random(config, seed=10))
+  kept = os.path.join(run, tokenizer_lib.RUN_SUBDIR)
+  tokenizer_lib.load(tokenizer_lib.OFFLINE_BPE).save(kept)
+  source = {'bos_token_id': 1, 'eos_token_id': [2, 7], 'pad_token_id': 0, 'dtype': 'bfloat16',
+            'max_position_embeddings': 384, 'vocab_size': 4096}
+  for hidden_size, dtype, context in ((32, 'float32', None), (64, 'bfloat16', 384)):
+    with open(os.path.join(kept, tokenizer_lib.SOURCE_CONFIG), 'w') as f:
+      json.dump(dict(source, hidden_size=hidden_size), f)
+    out = hf_export.export(run, str(tmp_path / f'hf{hidden_size}'), model_config=config)
+    hf = json.loads(open(os.path.join(out, 'config.json')).read())
+    assert (hf['eos_token_id'], hf['pad_token_id'], hf['dtype'],
+            hf.get('max_position_embeddings')) == ([2, 7], 0, dtype, context)

@@ -50,9 +50,14 @@ only; train from it with `ContinueFromCheckpoint(OUTPUT_DIR, reuse_optimizer_sta
 (`upcycle.checkpoints.t5x_writer`): parameters under `optimizer/target` with Flaxformer's MoE
 names, `state/step`, an empty `state/param_states` (restore it in T5X as docs/checkpoints.md says).
 Either way OUTPUT_DIR/upcycling_report.txt holds the upcycling report, every leaf (the console
-shows its summary; `upcycling/report_file.py`), and the step records the CRC-32 of every array
-written in its `digests/process_0.json` (as a training step does; `describe --verify` and every
-reader here check them).
+shows its summary; `upcycling/report_file.py`), OUTPUT_DIR/config.gin the gin configuration
+(`python -m upcycle.export --model_dir=OUTPUT_DIR` reads the model from it), a Llama-family
+output keeps the source's tokenizer in OUTPUT_DIR/tokenizer/, as a run does
+(`upcycle.data.tokenizer`: with its chat template, generation_config.json and the source's
+config.json, whose eos list, pad id, context length and dtype `python -m upcycle.export
+--format=hf` writes back), and the step records the CRC-32 of every array written in its
+`digests/process_0.json` (as a training step does; `describe --verify` and every reader here
+check them).
 Digests: a source that carries them (a step of a run, an output of convert or export) is first
 compared with them, reading each parameter once; changed bytes stop the conversion in one line
 naming the array, before anything is written (--no_verify converts it as it is).
@@ -98,9 +103,12 @@ import tempfile
 import time
 from typing import Any, Callable, List, Mapping, Optional, Union
 
+from etils import epath
+
 from upcycle import (arguments, checkpoints, console, families, gin_utils, pretrained,
                      reachability, tree)
 from upcycle.checkpoints import gcs, paths, t5x_writer, verify as verify_lib
+from upcycle.data import tokenizer as tokenizer_lib
 from upcycle.locks import file_lock
 from upcycle.locks.gcs_lock import STALE_SECONDS, GcsLock
 from upcycle.upcycling import experts as experts_lib
@@ -386,19 +394,34 @@ def _unrolled(model_config: Any) -> Any:
   return model_config
 
 
+def _source_tokenizer(source: str, model_config: Any) -> Optional[tokenizer_lib.Tokenizer]:
+  """The tokenizer a decoder-only `source` carries (an HF directory's, a run's tokenizer/),
+  which the output keeps; None for other families or a source without one (said)."""
+  if families.of(model_config).name != 'llama':
+    return None
+  try:
+    return tokenizer_lib.load(source)
+  except tokenizer_lib.TokenizerError as e:
+    log.info('The output keeps no tokenizer: %s', e)
+    return None
+
+
 def convert(source: Union[str, List[str]], model_config: Any, output_dir: str, *,
             format: Optional[str] = None,  # pylint: disable=redefined-builtin
             experts: Any = 'copy', router: Any = 'normal', seed: int = 0,
             step: Union[str, int] = 'keep', cast: bool = False, overwrite: bool = False,
             dry_run: bool = False, output_format: str = 'orbax', grow_experts: Any = None,
-            grow_depth: Any = None, verify: bool = True) -> UpcycleReport:
+            grow_depth: Any = None, verify: bool = True,
+            config_gin: Optional[str] = None) -> UpcycleReport:
   """Upcycles checkpoint `source` into the model of `model_config`, written to `output_dir`
   as `output_format` ('orbax': `<step>/`, 't5x': `checkpoint_<step>/`, T5X's native layout);
   with `grow_experts` (expert_growth sources) or `grow_depth` (a depth_growth layer map) it
   grows the source into that model instead. `source` may be a list of checkpoints when
   `experts` makes experts from several (`sources.FromCheckpoints` / `Merge`, the class or a
   partial of it: Branch-Train-MiX, UpIT). With `verify`, each source's parameters are first
-  compared with the digests it carries (`verify.check`; a dry run reads nothing).
+  compared with the digests it carries (`verify.check`; a dry run reads nothing). `config_gin`:
+  the gin configuration the model came from, kept as OUTPUT_DIR/config.gin (where `python -m
+  upcycle.export` reads the model).
 
   Returns the surgery report (its summary logged, the whole report in
   OUTPUT_DIR/upcycling_report.txt; logged whole by a dry run). Raises ConvertError (refusals),
@@ -446,6 +469,7 @@ def convert(source: Union[str, List[str]], model_config: Any, output_dir: str, *
     for read in ckpts:
       verify_lib.check(dataclasses.replace(read, optimizer_state=None))
   log.info('%s', report_file.summary(report, os.path.join(output_dir, report_file.REPORT_FILE)))
+  tokenizer = _source_tokenizer(source_paths[0], model_config)
 
   def write(work: str) -> None:
     leaves = stream.leaves(plan, dense, seed)
@@ -454,6 +478,10 @@ def convert(source: Union[str, List[str]], model_config: Any, output_dir: str, *
     else:
       stream.write(work, plan.step, leaves)
     report_file.write(report, work)
+    if tokenizer is not None:
+      tokenizer.save(os.path.join(work, tokenizer_lib.RUN_SUBDIR))
+    if config_gin is not None:
+      epath.Path(work, gin_utils.RUN_CONFIGS[0]).write_text(config_gin)
 
   if paths.is_url(output_dir):
     _convert_into_gcs(output_dir, write, overwrite)
@@ -577,7 +605,8 @@ def main(argv: Optional[List[str]] = None) -> int:
       raise ConvertError(f'{growing} copies the source\'s own experts and router columns; '
                          f'--experts, --router and --cast apply to upcycling a dense checkpoint. '
                          f'Fix: drop them.')
-    convert(args.source, model_config, args.output_dir, **report_args)
+    convert(args.source, model_config, args.output_dir, config_gin=gin.config_str(),
+            **report_args)
   except (ConvertError, checkpoints.CheckpointError, ValueError) as e:
     print(gin_utils.one_line(e, argv), file=sys.stderr)   # --verbose: the traceback first
     return 1

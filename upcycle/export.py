@@ -4,7 +4,7 @@ default), or a run or any checkpoint the project reads to a HuggingFace director
   python -m upcycle.export --model_dir=/tmp/moe --output_dir=/tmp/moe_t5x \\
     [--step=N] [--no_optimizer_state] [--no_verify]
   python -m upcycle.export --format=hf --model_dir=/tmp/llama --output_dir=/tmp/llama_hf \\
-    --gin_file=models/llama/tiny.gin [--step=N] [--max_shard_size=5GB]
+    [--step=N] [--max_shard_size=5GB] [--dtype=bfloat16] [--gin_file=models/llama/tiny.gin]
 
 --model_dir is the run's MODEL_DIR (or the directory holding its `<step>/` checkpoints,
 MODEL_DIR/checkpoints); --step defaults to the latest finished step.
@@ -37,29 +37,39 @@ local directories: export there, then copy to gs:// (`gcloud storage cp -r`). Th
 exports its final step the same way with `TrainConfig.export_t5x` (MODEL_DIR/t5x/).
 
 --format=hf writes OUTPUT_DIR itself as `save_pretrained` does (`upcycle/hf_export.py`):
-config.json, the weights as safetensors (shards of at most --max_shard_size, default 5GB,
-with model.safetensors.index.json), and for a Llama-family model the tokenizer the run keeps
-in MODEL_DIR/tokenizer/ (refused in one line when it is not the one the step was trained with,
-whose digest the step's data position records; a source without one is exported without, said
-in the last line). A dense Llama is written as LlamaForCausalLM, one with q/k/v biases
-alone as Qwen2ForCausalLM, one with a sliding window as MistralForCausalLM; a dense T5 v1.1 as
-T5ForConditionalGeneration with its own lm_head, an MoE Llama as MixtralForCausalLM, or where
-Mixtral cannot express it (MoE in some layers only, a shared expert, raw top-k weights, q/k/v
-biases) as Qwen2MoeForCausalLM (what neither computes, e.g. capacity that drops tokens, is
-refused naming the binding). T5 MoE models and ViT are refused (use --format=t5x).
---model_dir may also be one step of a run, a T5X or an HF checkpoint. The model is gin's MODEL
-from --gin_file / --gin.KEY=VALUE (the model files the run was trained with); an HF checkpoint
-names its own. Scanned layers are unrolled. OUTPUT_DIR must not exist or be empty; it is
-written as OUTPUT_DIR.tmp-* and renamed when complete (a second export into it while one runs
-is refused).
+config.json, the weights as safetensors (shards of at most --max_shard_size, default 5GB, with
+model.safetensors.index.json) in --dtype (bfloat16 or float32; default: the HF source's dtype,
+else the stored one), a model card (README.md: the architecture, the source checkpoint and
+step, the upcycling report's summary, the steps and tokens trained), and for a Llama-family
+model what a chat user needs: the tokenizer the run keeps in MODEL_DIR/tokenizer/ (convert and
+training copy an HF source's there) with its chat template and
+special_tokens_map, generation_config.json (the source's, else the tokenizer's bos / eos / pad
+ids), and in config.json the source's bos / eos (a list stays one) / pad ids and
+max_position_embeddings; an MoE with `output_router_logits` true, so HF fine-tuning adds the
+load-balancing loss (`router_aux_loss_coef`). A dense Llama is written as LlamaForCausalLM, one
+with q/k/v biases alone as Qwen2ForCausalLM, one with a sliding window as MistralForCausalLM; a
+dense T5 v1.1 as T5ForConditionalGeneration with its own lm_head, an MoE Llama as
+MixtralForCausalLM, or where Mixtral cannot express it (MoE in some layers only, a shared
+expert, raw top-k weights, q/k/v biases) as Qwen2MoeForCausalLM (what neither computes, e.g.
+capacity that drops tokens, is refused naming the binding). T5 MoE models and ViT are refused
+(use --format=t5x). --model_dir may also be one step of a run, a T5X or an HF checkpoint. The
+model is gin's MODEL from --gin_file / --gin.KEY=VALUE, else the one the run's saved
+MODEL_DIR/config.gin (or operative_config.gin; a convert output's config.gin) binds, its
+overrides included, so no gin file need be repeated; an HF checkpoint names its own. Scanned
+layers are unrolled. OUTPUT_DIR must not exist or be empty; it is written as OUTPUT_DIR.tmp-*
+and renamed when complete (a second export into it while one runs is refused). The tokenizer
+is refused in one line when it is not the one the step was trained with (whose digest the
+step's data position records); a source without one is exported without, said in the last
+line. A source that carries digests is compared with them first (--no_verify skips that).
 """
 
 import argparse
+import os
 import sys
 from typing import Any, List, Optional
 
 from upcycle import arguments, checkpoints, console, fields, gin_utils, hf_export, reachability
-from upcycle.checkpoints import t5x_export
+from upcycle.checkpoints import hf, paths, t5x_export
 from upcycle.data.tokenizer import TokenizerError
 
 MODEL_MACRO = 'MODEL'
@@ -86,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument('--no_verify', action='store_false', dest='verify',
                       help="export the checkpoint as it is, without comparing it with its "
                            'digests first')
+  parser.add_argument('--dtype', choices=hf_export.DTYPES, default=None,
+                      help="hf: the weights' dtype (default: the HF source's, else the stored "
+                           'one)')
   return parser
 
 
@@ -101,6 +114,28 @@ def _model_from_gin() -> Any:
   if isinstance(value, gin.config.ConfigurableReference) and value.evaluate:
     value = value.scoped_configurable_fn()
   return value
+
+
+def _saved_config(model_dir: str) -> Optional[str]:
+  """The config.gin (or operative_config.gin) of the run or `convert` output `model_dir` is,
+  or holds (its MODEL_DIR, checkpoints/ or a step); None for an HF checkpoint, which names its
+  own model."""
+  path = paths.absolute(model_dir)
+  if hf.is_hf_dir(path):
+    return None
+  parent = os.path.dirname(path)
+  return gin_utils.saved_config([path, parent, os.path.dirname(parent)])
+
+
+def _parse_saved_config(path: str) -> None:
+  """`gin_utils.parse_saved_config`, its failures one ExportError line."""
+  try:
+    gin_utils.parse_saved_config(path)
+  except (ValueError, ImportError, AttributeError, SyntaxError) as e:
+    cause = gin_utils.message(e).strip().splitlines()[0]
+    raise t5x_export.ExportError(
+        f'{path}: the run\'s model cannot be read from its saved gin config ({cause}). Fix: '
+        f'give the gin files of its model, e.g. --gin_file=models/llama/tiny.gin.') from None
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -119,13 +154,18 @@ def main(argv: Optional[List[str]] = None) -> int:
       return 0
     model_config = None
     gin_args, bindings = gin_utils.parse_flags(rest, 'gin flags of python -m upcycle.export')
-    if gin_args.gin_file or bindings:   # else the checkpoint names its model (HF)
+    saved = None if gin_args.gin_file or bindings else _saved_config(args.model_dir)
+    if gin_args.gin_file or bindings or saved:   # else the checkpoint names its model (HF)
       import gin  # pylint: disable=g-import-not-at-top
       gin.clear_config()   # each call parses its own flags
-      gin_utils.parse_gin(gin_args, bindings, read=(MODEL_MACRO,))
+      if saved:
+        _parse_saved_config(saved)
+      else:
+        gin_utils.parse_gin(gin_args, bindings, read=(MODEL_MACRO,))
       model_config = _model_from_gin()
     hf_export.export(args.model_dir, args.output_dir, model_config=model_config,
-                     step=args.step, max_shard_size=args.max_shard_size, verify=args.verify)
+                     step=args.step, max_shard_size=args.max_shard_size, verify=args.verify,
+                     dtype=args.dtype)
   except (t5x_export.ExportError, checkpoints.CheckpointError, fields.ConfigError,
           TokenizerError) as e:
     print(gin_utils.one_line(e, argv), file=sys.stderr)

@@ -17,6 +17,7 @@ on a model config or module anywhere else.
 """
 
 import dataclasses
+import json
 import logging
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
@@ -92,9 +93,28 @@ def _t5_hf_files(params: Mapping[str, Any], config: T5Config, source: str) -> Hf
   return hf_config, hf_t5.to_hf(params, source), {}
 
 
+def _generation_config(tokenizer: tokenizer_lib.Tokenizer, ids: Mapping[str, Any]) -> bytes:
+  """generation_config.json: the source's, kept beside the run's tokenizer, else the ids
+  `generate` stops on and pads with (`ids`, config.json's)."""
+  kept = tokenizer.files.get('generation_config.json')
+  return kept if kept is not None else json.dumps(dict(ids), indent=2).encode('utf-8')
+
+
+def _weights_source(tokenizer: tokenizer_lib.Tokenizer, config: LlamaConfig) -> Dict[str, Any]:
+  """The config.json of the HF checkpoint the tokenizer came from where the weights came from
+  it too (its hidden_size and vocab_size the model's), else {}: a model trained from scratch
+  with an HF model's tokenizer takes that model's token ids, not its context or dtype."""
+  kept = tokenizer_lib.source_config(tokenizer)
+  same = (kept.get('hidden_size'), kept.get('vocab_size')) == (config.d_model, config.vocab_size)
+  return kept if same else {}
+
+
 def _llama_hf_files(params: Mapping[str, Any], config: LlamaConfig, source: str) -> HfFiles:
-  """config.json with the run's tokenizer's BOS / EOS ids and its files (none, with a
-  warning, where the source keeps no tokenizer); `tokenizer.TokenizerError` where the
+  """config.json with the token ids of the HF checkpoint the run's tokenizer came from
+  (`tokenizer.hf_ids`) and the context length and dtype of the one its weights came from
+  (`_weights_source`), else the tokenizer's own ids and the stored dtype; the tokenizer's
+  files and companions (chat template) and generation_config.json. None of them, with a
+  warning, where the source keeps no tokenizer; `tokenizer.TokenizerError` where the
   tokenizer it keeps is not the one its weights were trained with (a replaced tokenizer/)."""
   try:
     tokenizer = tokenizer_lib.load(source)
@@ -107,10 +127,16 @@ def _llama_hf_files(params: Mapping[str, Any], config: LlamaConfig, source: str)
     pretrained.check_trained(
         tokenizer, source, binding='The HF export',
         fix=f'put the tokenizer {source} was trained with in {tokenizer.source}.')
-  ids = ({'bos_id': None, 'eos_id': None} if tokenizer is None
-         else {'bos_id': tokenizer.bos_id, 'eos_id': tokenizer.eos_id})
-  hf_config = llama_hf.hf_config(config, dtype=_dtype(params), **ids)
-  files = {} if tokenizer is None else dict(tokenizer.files)
+  ids = {} if tokenizer is None else tokenizer_lib.hf_ids(tokenizer)
+  kept = {} if tokenizer is None else _weights_source(tokenizer, config)
+  hf_config = llama_hf.hf_config(
+      config, dtype=kept.get('dtype') or kept.get('torch_dtype') or _dtype(params),
+      token_ids=ids, max_position_embeddings=kept.get('max_position_embeddings'))
+  files = {}
+  if tokenizer is not None:
+    files = {name: data for name, data in tokenizer.files.items()
+             if name != tokenizer_lib.SOURCE_CONFIG}
+    files['generation_config.json'] = _generation_config(tokenizer, ids)
   if hf_config['model_type'] == 'qwen2_moe':   # its gated shared expert: hf_qwen2_moe
     return hf_config, hf_qwen2_moe.to_hf(params, source), files
   return hf_config, hf_llama.to_hf(params, source, hf_config['architectures'][0]), files

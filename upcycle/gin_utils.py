@@ -389,6 +389,38 @@ def write_config(model_dir: str, operative: bool = False) -> None:
   (directory / name).write_text(text)
 
 
+RUN_CONFIGS = ('config.gin', 'operative_config.gin')   # `write_config`'s, in preference
+
+
+def saved_config(directories: Sequence[str]) -> Optional[str]:
+  """The first config.gin / operative_config.gin (`write_config`'s; `python -m upcycle.convert`
+  writes config.gin too) in `directories`, in order; None if there is none."""
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  for directory in directories:
+    for name in RUN_CONFIGS:
+      if (epath.Path(directory) / name).exists():
+        return os.path.join(directory, name)
+  return None
+
+
+def _entry_points(text: str) -> List[str]:
+  """The configurables a saved config binds on `__main__` (`import __main__ as train_script`:
+  'train_script.train'), the entry point that wrote it, which another one does not have."""
+  aliases = re.findall(r'^import __main__ as (\w+)$', text, flags=re.MULTILINE)
+  return sorted({name for alias in aliases
+                 for name in re.findall(rf'^({alias}\.\w+)\.', text, flags=re.MULTILINE)})
+
+
+def parse_saved_config(path: str) -> None:
+  """Parses a run's saved config (`saved_config`) outside the trainer, as the run parsed its
+  gin files and bindings, but for its entry point's own bindings (`_entry_points`, skipped):
+  its macros (MODEL, ...) are then what the run had."""
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  text = epath.Path(path).read_text()
+  gin.parse_config(text, skip_unknown=_entry_points(text))
+  gin.finalize()
+
+
 _GIN_CALL_SUFFIX = '\n  In call to configurable '
 
 

@@ -7,8 +7,11 @@ logits (`python -m upcycle.export --format=hf`):
                          Mixtral cannot express: in some layers only, with a shared expert,
                          raw top-k weights or q/k/v biases; `checkpoints.hf_qwen2_moe`):
                          `llama_hf.hf_model_type`; the tokenizer the run keeps
-                         (MODEL_DIR/tokenizer/, or an HF source's own) copied, its BOS / EOS
-                         ids in config.json
+                         (MODEL_DIR/tokenizer/, or an HF source's own) copied with its chat
+                         template; generation_config.json; config.json's bos / eos (a list
+                         stays one) / pad ids and max_position_embeddings those of the HF
+                         checkpoint the tokenizer came from (`tokenizer.hf_ids`), else the
+                         tokenizer's own ids
   dense T5 v1.1       -> T5ForConditionalGeneration with its own lm_head
                          (`tie_word_embeddings` false); no tokenizer (T5 runs read seqio's)
 
@@ -18,25 +21,33 @@ latest) or any checkpoint `checkpoints.load` reads (one step of a run, T5X, HF).
 the parameters are checked against it before anything is written. Scanned layers are
 unrolled (`scan_layout.unstack`, lazily). ViT, MoE T5 and an MoE Llama that neither Mixtral
 nor Qwen2-MoE computes (an output bias, capacity that drops tokens) are refused in one line
-before any array is read. Weights keep their stored dtype
-and are read one at a time (`hf_writer`), which also makes the output appear whole or not at
-all. A source that carries digests is first compared with them (`verify.check`), and the
-output records the digests of the tensors it holds (`digests/process_0.json`).
+before any array is read. The weights are written in `dtype` (default: the HF source's
+dtype, kept beside the run's tokenizer, else the stored one), read and cast one at a time
+(`hf_writer`), which also makes the output appear whole or not at all. README.md is a model
+card (`hf_card`). A source that carries digests is first compared with them (`verify.check`),
+and the output records the digests of the tensors it holds (`digests/process_0.json`).
 """
 
 import dataclasses
 import logging
+import os
 from typing import Any, Dict, Optional, Tuple
 
-from upcycle import checkpoints, families, pretrained, tree
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from upcycle import checkpoints, families, hf_card, pretrained, tree
 from upcycle.checkpoints import (atomic_dir, hf_writer, paths, safetensors_file, t5x_export,
                                  validate, verify as verify_lib)
+from upcycle.checkpoints.lazy import LazyArray
 from upcycle.checkpoints.t5x_export import ExportError
 from upcycle.models import scan_layout
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SHARD_SIZE = '5GB'   # transformers' `save_pretrained` default
+DTYPES = ('bfloat16', 'float32')
 
 
 def check_exportable(config: Any) -> None:
@@ -82,9 +93,23 @@ def _dense_params(ckpt: checkpoints.Checkpoint, config: Any) -> Dict[str, Any]:
   return scan_layout.unstack(ckpt.params, config) if scanned else ckpt.params
 
 
+def _cast(tensors: Dict[str, Any], dtype: str) -> Dict[str, Any]:
+  """`tensors` with their floating-point ones in `dtype` ('bfloat16', 'float32', ...), lazily:
+  each is read and cast as it is written."""
+  target = np.dtype(ml_dtypes.bfloat16 if dtype == 'bfloat16' else dtype)
+
+  def cast(name: str, leaf: Any) -> Any:
+    if leaf.dtype == target or not jnp.issubdtype(leaf.dtype, jnp.floating):
+      return leaf
+    return LazyArray(leaf.shape, target, lambda: np.asarray(leaf).astype(target),
+                     getattr(leaf, 'source', name), name)
+
+  return {name: cast(name, leaf) for name, leaf in tensors.items()}
+
+
 def export(model_dir: str, output_dir: str, model_config: Any = None,
            step: Optional[int] = None, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
-           verify: bool = True) -> str:
+           verify: bool = True, dtype: Optional[str] = None) -> str:
   """Writes the checkpoint in `model_dir` (module docstring) as the HuggingFace directory
   `output_dir`; returns its absolute path.
 
@@ -97,6 +122,8 @@ def export(model_dir: str, output_dir: str, model_config: Any = None,
     max_shard_size: the largest safetensors file, e.g. '5GB', '200KB' (`hf_writer.parse_size`).
     verify: first compare the parameters with the digests the checkpoint carries
       (`verify.check`); the output records the digests of the tensors it holds.
+    dtype: the weights' dtype, one of `DTYPES`; None: the HF source's (as the run keeps it
+      beside its tokenizer), else the stored one.
 
   Raises:
     ExportError: a model HuggingFace has no class for, no model config, a bad size or step,
@@ -109,6 +136,8 @@ def export(model_dir: str, output_dir: str, model_config: Any = None,
     max_shard_bytes = hf_writer.parse_size(max_shard_size)
   except ValueError as e:
     raise ExportError(f'--max_shard_size: {e}') from None
+  if dtype is not None and dtype not in DTYPES:
+    raise ExportError(f'--dtype={dtype!r}: expected one of {list(DTYPES)}.')
   path, source = _checkpoint_path(model_dir, step)
   output_dir = paths.absolute(output_dir)
   _check_output(output_dir, source)
@@ -117,13 +146,19 @@ def export(model_dir: str, output_dir: str, model_config: Any = None,
   if config is None:
     raise ExportError(f'{ckpt.path}: this {ckpt.format} checkpoint does not say which model it '
                       f'holds. Fix: give the gin files of its model, e.g. '
-                      f'--gin_file=models/llama/tiny.gin (a run\'s MODEL_DIR/config.gin shows '
-                      f'its bindings).')
+                      f'--gin_file=models/llama/tiny.gin (the export reads a run\'s own '
+                      f'MODEL_DIR/config.gin where it has one).')
   check_exportable(config)
   params = _dense_params(ckpt, config)
   if verify:
     verify_lib.check(dataclasses.replace(ckpt, optimizer_state=None))
   hf_config, tensors, files = families.of(config).hf_export.files(params, config, ckpt.path)
+  dtype = dtype or hf_config['dtype']
+  hf_config.update(dtype=dtype, torch_dtype=dtype)
+  tensors = _cast(tensors, dtype)
+  files = {**files, hf_card.CARD: hf_card.text(
+      hf_config, config, ckpt, hf_card.run_directories(source) if source != path else (),
+      name=os.path.basename(output_dir)).encode('utf-8')}
   written = t5x_export.written(
       lambda: hf_writer.write(output_dir, hf_config, tensors, files, max_shard_bytes),
       what=f'Exporting {ckpt.path} to {output_dir}',

@@ -108,6 +108,15 @@ def test_a_killed_llm_run_resumes_exactly_and_keeps_its_tokenizer(tmp_path):
   kept = tokenizer_lib.load(str(killed / 'checkpoints' / '12'))
   assert kept.digest == tokenizer_lib.load(tokenizer_lib.OFFLINE_BPE).digest
 
+  # `python -m upcycle.export` reads the run's model from its config.gin (2 layers: the
+  # command line's override), with no gin file repeated.
+  done = subprocess.run([sys.executable, '-m', 'upcycle.export', '--format=hf',
+                         f'--model_dir={straight}', f'--output_dir={tmp_path / "hf"}'],
+                        cwd=REPO, env=env, capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr[-5000:]
+  hf = json.loads((tmp_path / 'hf' / 'config.json').read_text())
+  assert (hf['num_hidden_layers'], hf['hidden_size']) == (2, 64)
+
   # Another run continuing step 8 (its parameters, AdamW moments, step and data position)
   # trains steps 9-12 as the straight run did.
   continued = tmp_path / 'continued'

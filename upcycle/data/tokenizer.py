@@ -16,6 +16,13 @@ records its tokenizer's digest in its saved data position (`dataset/`, `lm.LmPip
 else the run keeps it in `tokenizer/`; an HF directory carries its own files. `check_trained`
 refuses, in one line, a tokenizer that is not that one, and `check_fits` one whose ids exceed
 the model's embedding rows: both would train or decode on ids the weights were not made for.
+
+Beside the files that map text to ids (`FILES`, whose digest identifies the tokenizer) a
+tokenizer carries what a chat user of its HF export relies on (`COMPANIONS`): the chat template
+(`chat_template.jinja`, transformers 5's file), the source's `generation_config.json`, and its
+`config.json` kept as `SOURCE_CONFIG` (the source's eos list, pad, context length, dtype:
+`hf_ids`, `source_config`). A run keeps them in `tokenizer/` with the rest, so an export of the
+run writes them back (`upcycle.hf_export`).
 """
 
 import dataclasses
@@ -36,6 +43,8 @@ OFFLINE_VOCAB_SIZE = 4096
 OFFLINE_SPECIAL = ('<pad>', '<s>', '</s>')   # ids 0, 1, 2: padding never collides with text
 FILES = ('tokenizer.json', 'tokenizer.model', 'tokenizer_config.json',
          'special_tokens_map.json')
+COMPANIONS = ('chat_template.jinja', 'generation_config.json')
+SOURCE_CONFIG = 'source_config.json'   # an HF source's config.json, as a run keeps it
 RUN_SUBDIR = 'tokenizer'
 DIGEST_CHARS = 16   # of the digest a step's data position records (`lm.LmPipeline.describe`)
 Spec = Union[str, Sequence[str]]
@@ -50,10 +59,11 @@ class Tokenizer:
   """Text <-> ids with the framing ids a causal LM needs.
 
   Attributes:
-    files: {file name: bytes} of the tokenizer files, copied into a run and an HF export.
+    files: {file name: bytes} of the tokenizer files (`FILES`) and their companions
+      (`COMPANIONS`, `SOURCE_CONFIG`), copied into a run and an HF export.
     bos_id / eos_id: the ids that open and close every document.
     vocab_size: the tokenizer's pieces (the model's vocabulary may be larger).
-    digest: sha256 of the files, so a resumed run can check it reads the same ids.
+    digest: sha256 of `FILES`' files, so a resumed run can check it reads the same ids.
     source: where it was read (a directory, or `OFFLINE_BPE`), for messages.
   """
   files: Dict[str, bytes]
@@ -134,39 +144,67 @@ def _backend(digest: str, files: Dict[str, bytes]):
 
 def _digest(files: Dict[str, bytes]) -> str:
   h = hashlib.sha256()
-  for name in sorted(files):
+  for name in sorted(set(files) & set(FILES)):   # companions do not change the ids
     h.update(name.encode() + b'\0' + files[name])
   return h.hexdigest()
 
 
-def _special_id(directory: str, files: Dict[str, bytes], backend, which: str) -> Optional[int]:
-  """`<which>_token_id` from config.json, else the token tokenizer_config.json names."""
-  config = epath.Path(directory) / 'config.json'
-  if config.exists():
-    value = json.loads(config.read_text()).get(f'{which}_token_id')
-    if isinstance(value, list):   # instruction-tuned Llama 3: several end ids, the first ends text
-      value = value[0] if value else None
-    if value is not None:
-      return int(value)
-  token = json.loads(files.get('tokenizer_config.json', b'{}')).get(f'{which}_token')
+def _json(files: Dict[str, bytes], name: str) -> Dict:
+  return json.loads(files.get(name, b'{}'))
+
+
+def _token_id(files: Dict[str, bytes], backend, which: str) -> Optional[int]:
+  """The id of the `<which>_token` tokenizer_config.json names, or None."""
+  token = _json(files, 'tokenizer_config.json').get(f'{which}_token')
   if isinstance(token, dict):
     token = token.get('content')
   return backend.token_id(token) if token else None
 
 
 def _files(directory: epath.Path) -> Dict[str, bytes]:
+  """The files that map text to ids (`FILES`), whose digest identifies the tokenizer."""
   return {name: (directory / name).read_bytes() for name in FILES if (directory / name).exists()}
 
 
+def _special_id(files: Dict[str, bytes], backend, which: str) -> Optional[int]:
+  """`<which>_token_id` from the source's config.json, else the token tokenizer_config.json
+  names."""
+  value = _json(files, SOURCE_CONFIG).get(f'{which}_token_id')
+  if isinstance(value, list):   # instruction-tuned Llama 3: several end ids, the first ends text
+    value = value[0] if value else None
+  return _token_id(files, backend, which) if value is None else int(value)
+
+
+def hf_ids(tokenizer: Tokenizer) -> Dict[str, Any]:
+  """{'bos_token_id', 'eos_token_id', 'pad_token_id'} as the source's config.json has them (an
+  eos list stays a list), else the tokenizer's own (its pad token's id, or None)."""
+  source = source_config(tokenizer)
+  backend = _backend(tokenizer.digest, tokenizer.files)
+  own = {'bos_token_id': tokenizer.bos_id, 'eos_token_id': tokenizer.eos_id,
+         'pad_token_id': _token_id(tokenizer.files, backend, 'pad')}
+  return {name: own[name] if source.get(name) is None else source[name] for name in own}
+
+
+def source_config(tokenizer: Tokenizer) -> Dict[str, Any]:
+  """The config.json of the HF checkpoint the tokenizer came from ({} if none)."""
+  return _json(tokenizer.files, SOURCE_CONFIG)
+
+
 def _from_directory(directory: str) -> Tokenizer:
-  files = _files(epath.Path(directory))
+  path = epath.Path(directory)
+  files = {name: (path / name).read_bytes() for name in FILES + COMPANIONS
+           if (path / name).exists()}
+  for name in (SOURCE_CONFIG, 'config.json'):   # a run's kept copy, or an HF directory's own
+    if (path / name).exists():
+      files[SOURCE_CONFIG] = (path / name).read_bytes()
+      break
   if 'tokenizer.json' not in files and 'tokenizer.model' not in files:
     raise TokenizerError(
         f'{directory} holds no tokenizer.json or tokenizer.model: give the HuggingFace '
         f"checkpoint's directory (it carries its tokenizer), or TOKENIZER='{OFFLINE_BPE}'.")
   digest = _digest(files)
   backend = _backend(digest, files)
-  bos, eos = (_special_id(directory, files, backend, w) for w in ('bos', 'eos'))
+  bos, eos = (_special_id(files, backend, w) for w in ('bos', 'eos'))
   if bos is None or eos is None:
     raise TokenizerError(
         f'{directory}: no {"bos" if bos is None else "eos"}_token_id in config.json nor its '

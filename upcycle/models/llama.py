@@ -70,6 +70,9 @@ class LlamaConfig:
     sliding_window: the window of the HF model this config was read from (Mistral, Qwen2), or
       None. This model attends to the whole causal context, the same function on sequences of
       at most `sliding_window` tokens, so it refuses longer ones.
+    max_position_embeddings: the context the model is published for (HF's field of that
+      name, e.g. 131072 for Llama 3.1), or None; nothing here computes with it: the HF export
+      writes it where the run's HF source does not say (`llama_hf.hf_config`).
     dropout_rate: as T5's (attention weights, block outputs, MLP hidden units); HF has none.
   Every field is checked at construction, naming the binding (`models.LlamaConfig.d_model`).
   """
@@ -88,6 +91,7 @@ class LlamaConfig:
   layer_norm_epsilon: float = 1e-6
   logits_via_embedding: bool = False
   sliding_window: Optional[int] = None
+  max_position_embeddings: Optional[int] = None
   dropout_rate: float = 0.0
   dtype: str = 'float32'
   moe: Optional[MoeConfig] = None
@@ -112,6 +116,7 @@ class LlamaConfig:
       fields.boolean(self, name)
     fields.number(self, 'layer_norm_epsilon', 0.0, strictly=True)
     fields.optional_integer(self, 'sliding_window', 1)
+    fields.optional_integer(self, 'max_position_embeddings', 1)
     fields.fraction(self, 'dropout_rate')
     fields.choice(self, 'dtype', layers.DTYPES)
     fields.optional_instance(self, 'moe', MoeConfig, '@moe.MoeConfig()')

@@ -330,23 +330,25 @@ def qwen2_moe_fields(config) -> Dict[str, Any]:
       'decoder_sparse_step': 1,
       'mlp_only_layers': [i for i in range(config.num_layers) if i not in sparse],
       'qkv_bias': config.qkv_bias, 'router_aux_loss_coef': moe.load_balancing_loss_weight,
-      'output_router_logits': False, 'use_sliding_window': windowed,
+      'output_router_logits': True, 'use_sliding_window': windowed,
       'sliding_window': config.sliding_window,
       'max_window_layers': 0 if windowed else config.num_layers,
       'layer_types': [('sliding_attention' if windowed else 'full_attention')] * config.num_layers,
   }
 
 
-def hf_config(config, bos_id: Optional[int], eos_id: Optional[int],
-              dtype: str) -> Dict[str, Any]:
+def hf_config(config, dtype: str, token_ids: Mapping[str, Any],
+              max_position_embeddings: Optional[int] = None) -> Dict[str, Any]:
   """A LlamaConfig (dense or MoE) -> the config.json of `hf_model_type(config)`'s
   *ForCausalLM with the same logits (`config_fields` reads it back to `config`, up to dtype
   and training fields, a dropless dispatch read as 'ragged').
 
-  `bos_id` / `eos_id`: the tokenizer's (None: unknown, written as null); `dtype`: the weights'
-  ('float32', 'bfloat16'). The model has no context length of its own: only a llama3 RoPE
-  writes `max_position_embeddings` (its original context times its factor), elsewhere the
-  HF class's default stands.
+  `dtype`: the weights' ('float32', 'bfloat16'). `token_ids`: {'bos_token_id', 'eos_token_id'
+  (an int or a list), 'pad_token_id'}, None where unknown (written as null).
+  `max_position_embeddings`: the context the HF source was published with; None: the model
+  config's (`LlamaConfig.max_position_embeddings`, the shipped model files' published value),
+  else a llama3 RoPE's original context times its factor, else the HF class's default. An MoE writes `output_router_logits` true, so
+  that transformers adds the load-balancing loss (`router_aux_loss_coef`) when it fine-tunes.
   """
   model_type = hf_model_type(config)
   hf = {
@@ -357,11 +359,15 @@ def hf_config(config, bos_id: Optional[int], eos_id: Optional[int],
       'head_dim': config.head_dim, 'hidden_act': 'silu',
       'rms_norm_eps': config.layer_norm_epsilon,
       'tie_word_embeddings': config.logits_via_embedding, **_rope_settings(config),
-      'bos_token_id': bos_id, 'eos_token_id': eos_id, 'dtype': dtype, 'torch_dtype': dtype,
+      **{name: token_ids.get(name) for name in ('bos_token_id', 'eos_token_id', 'pad_token_id')},
+      'dtype': dtype, 'torch_dtype': dtype,
   }
-  if config.rope_scaling is not None:
-    hf['max_position_embeddings'] = int(config.rope_scaling.original_max_position_embeddings *
-                                        config.rope_scaling.factor)
+  max_position_embeddings = max_position_embeddings or config.max_position_embeddings
+  if max_position_embeddings is None and config.rope_scaling is not None:
+    max_position_embeddings = int(config.rope_scaling.original_max_position_embeddings *
+                                  config.rope_scaling.factor)
+  if max_position_embeddings is not None:
+    hf['max_position_embeddings'] = max_position_embeddings
   if model_type == 'llama':
     hf.update(attention_bias=config.qkv_bias, mlp_bias=False)
   elif model_type == 'mistral':
@@ -370,7 +376,7 @@ def hf_config(config, bos_id: Optional[int], eos_id: Optional[int],
     hf.update(sliding_window=config.sliding_window, num_local_experts=config.moe.num_experts,
               num_experts_per_tok=config.moe.router.k,
               router_aux_loss_coef=config.moe.load_balancing_loss_weight,
-              output_router_logits=False, router_jitter_noise=0.0)
+              output_router_logits=True, router_jitter_noise=0.0)
   elif model_type == 'qwen2_moe':
     hf.update(qwen2_moe_fields(config))
   else:   # qwen2: a window (read from a Qwen2 that had one) covers every layer
