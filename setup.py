@@ -44,6 +44,8 @@ setuptools.setup(
         # The TPU compiler, for `python -m upcycle.aot` (compile for a TPU topology on any
         # host) and the TPU runtime on a TPU VM: the libtpu that jax[tpu]==0.10.2 pins.
         'tpu': ['libtpu==0.0.42.1'],
+        # `python -m upcycle.lm_eval`: lm-evaluation-harness tasks scored on our checkpoints.
+        'eval': ['lm-eval==0.4.13'],
         'test': [
             'libtpu==0.0.42.1',   # tests/test_aot.py compiles for TPU v4
             'pytest==9.2.0',
@@ -51,6 +53,9 @@ setuptools.setup(
             'torch==2.13.0',
             'transformers==5.24.0',
             'safetensors==0.8.0',
+            # tests/test_lm_eval.py: ours against lm-eval's hf backend (which needs accelerate)
+            'lm-eval==0.4.13',
+            'accelerate==1.16.0',
             # notebooks/ run in a real kernel by tests/test_notebooks.py
             'nbclient==0.11.0',
             'nbformat==5.11.1',

@@ -42,11 +42,12 @@ ALLOWED = {
     'tpu_slice': set(),
 }
 # Wiring: may import any part.
-WIRING = {'train', 'pretrained', 'predictions', 'aot', 'convert', 'export', 'hf_export', 'hf_card',
-          'eval', 'families', 'infer', 'describe', 'quickstart', 'study', '__init__'}
+WIRING = {'train', 'pretrained', 'predictions', 'harness', 'aot', 'convert', 'export',
+          'hf_export', 'hf_card', 'eval', 'families', 'infer', 'lm_eval', 'describe', 'quickstart',
+          'study', '__init__'}
 # The command-line modules (`python -m ...`): flags and one call; no module imports them.
 COMMANDS = {'upcycle.aot', 'upcycle.convert', 'upcycle.eval', 'upcycle.export', 'upcycle.infer',
-            'upcycle.describe', 'upcycle.quickstart', 'upcycle.study.__main__',
+            'upcycle.lm_eval', 'upcycle.describe', 'upcycle.quickstart', 'upcycle.study.__main__',
             'upcycle.train.__main__'}
 
 

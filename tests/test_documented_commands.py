@@ -21,6 +21,7 @@ import pytest
 from tests.helpers import REPO
 from upcycle import aot, convert, export, gin_utils
 from upcycle import describe as describe_main
+from upcycle import lm_eval as lm_eval_main
 from upcycle.study import __main__ as study_main
 
 RESULTS = os.path.join('docs', 'RESULTS.md')   # written by python -m upcycle.study
@@ -126,6 +127,10 @@ def check(argv):
     elif cli == 'upcycle.convert':
       _, rest = convert.build_parser().parse_known_args(flags)
       parse_training_flags(rest, read=(convert.MODEL_MACRO,))
+    elif cli == 'upcycle.lm_eval':   # the model from gin files, if any
+      _, rest = lm_eval_main.build_parser().parse_known_args(flags)
+      if rest:
+        parse_training_flags(rest, read=('MODEL',))
     elif cli == 'upcycle.export' and '--format=hf' in flags:   # the model from gin files
       _, rest = export.build_parser().parse_known_args(flags)
       if rest:
@@ -147,8 +152,8 @@ def check(argv):
 def test_the_documentation_shows_commands_of_every_kind():
   clis = {p.values[0][1] if p.values[0][0] == '-m' else p.values[0][0] for p in COMMANDS}
   assert {'upcycle.train', 'upcycle.eval', 'upcycle.infer', 'upcycle.aot', 'upcycle.convert',
-          'upcycle.export', 'upcycle.describe', 'upcycle.study', 'launch/tpu_vm.py',
-          'launch/local.py'} <= clis
+          'upcycle.export', 'upcycle.describe', 'upcycle.study', 'upcycle.lm_eval',
+          'launch/tpu_vm.py', 'launch/local.py'} <= clis
 
 
 @pytest.mark.parametrize('argv', COMMANDS)

@@ -154,15 +154,11 @@ def parse_init(text: str, choices: Mapping[str, Any], flag: str) -> Any:
 def target_from_gin(macro: str = MODEL_MACRO):
   """The MoE model's config from the gin macro `macro` (a T5 / ViT / Llama module, or its
   config)."""
-  import gin  # pylint: disable=g-import-not-at-top
-  try:
-    value = gin.query_parameter(f'{macro}/gin.macro.value')
-  except ValueError as e:
+  value = gin_utils.macro_value(macro)
+  if value is None:
     raise ConvertError(f'No gin macro {macro}: give a model file (e.g. '
                        f'--gin_file=models/t5_1_1/base.gin) that binds {macro} = @models.T5() '
-                       f'plus the moe/ files, or --gin.{macro}=...') from e
-  if isinstance(value, gin.config.ConfigurableReference) and value.evaluate:
-    value = value.scoped_configurable_fn()
+                       f'plus the moe/ files, or --gin.{macro}=...')
   try:
     families.of(value)
   except TypeError as e:

@@ -16,7 +16,6 @@ import os
 import sys
 from typing import Any, Optional, Sequence
 
-from etils import epath
 import jax
 
 from upcycle import fields, gin_utils, predictions
@@ -83,26 +82,9 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
              'step': checkpoint.step, **results}
   print(json.dumps(results, indent=2), flush=True)
   if output_dir and jax.process_index() == 0:
-    _write(epath.Path(output_dir), results, tensorboard=tensorboard)
+    from upcycle.train.logger import write_eval_results  # pylint: disable=g-import-not-at-top
+    write_eval_results(output_dir, results, tensorboard=tensorboard)
   return results
-
-
-def _write(directory: epath.Path, results: dict, *, tensorboard: bool) -> None:
-  """eval_results.json (this evaluation), a row of metrics.jsonl ({'step', 'split': 'eval',
-  metrics...}, one per evaluation, appended) and, with `tensorboard`, TensorBoard scalars
-  and the task metrics' texts (tensorboard/eval) in `directory`, local or gs://: the training
-  log's writer."""
-  from upcycle.train.logger import MetricLogger  # pylint: disable=g-import-not-at-top
-  directory.mkdir(parents=True, exist_ok=True)
-  (directory / 'eval_results.json').write_text(json.dumps(results, indent=2))
-  step = int(results['step'] or 0)
-  scalars = {k: v for k, v in results.items()
-             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != 'step'}
-  texts = {k: v for k, v in results.items() if '/' in k and isinstance(v, str)}  # task metrics
-  logger = MetricLogger(os.fspath(directory), total_steps=step, tokens_per_step=0,
-                        tensorboard=tensorboard, append=True)
-  logger.write(step, scalars, split='eval', texts=texts)
-  logger.close()
 
 
 def main(argv) -> dict:

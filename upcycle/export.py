@@ -104,15 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _model_from_gin() -> Any:
   """gin's MODEL: a T5 / Llama / ViT module, or its config."""
-  import gin  # pylint: disable=g-import-not-at-top
-  try:
-    value = gin.query_parameter(f'{MODEL_MACRO}/gin.macro.value')
-  except ValueError as e:
+  value = gin_utils.macro_value(MODEL_MACRO)
+  if value is None:
     raise t5x_export.ExportError(
         f'No gin macro {MODEL_MACRO}: give a model file (e.g. '
-        f'--gin_file=models/llama/tiny.gin) that binds {MODEL_MACRO}.') from e
-  if isinstance(value, gin.config.ConfigurableReference) and value.evaluate:
-    value = value.scoped_configurable_fn()
+        f'--gin_file=models/llama/tiny.gin) that binds {MODEL_MACRO}.')
   return value
 
 

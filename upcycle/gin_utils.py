@@ -479,3 +479,15 @@ def run(fn: Callable[..., Any], argv: Sequence[str], description: str,
   # Raised outside the handler: the error's traceback, and the run's objects its frames hold
   # (checkpoint managers with threads), are released before the interpreter shuts down.
   raise SystemExit(message)
+
+
+def macro_value(name: str) -> Any:
+  """The value of gin macro `name` (a configurable reference `@x()` called), None when the
+  parsed files and bindings do not set it."""
+  try:
+    value = gin.query_parameter(f'{name}/gin.macro.value')
+  except ValueError:
+    return None
+  if isinstance(value, gin.config.ConfigurableReference) and value.evaluate:
+    value = value.scoped_configurable_fn()
+  return value

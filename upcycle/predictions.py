@@ -48,7 +48,7 @@ def _fetched(x: jax.Array) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def _on_mesh(fn, params: Any, inputs: Sequence[np.ndarray], *extra, rows: int, mesh: Mesh):
+def on_mesh(fn, params: Any, inputs: Sequence[np.ndarray], *extra, rows: int, mesh: Mesh):
   """`fn(params, *inputs, *extra)` on the mesh, each input `[n, ...]` padded with zero rows to
   `rows` (one compiled shape for every batch); its outputs as numpy, whole on every process
   and cut back to the n rows."""
@@ -71,7 +71,7 @@ def decoded_batches(decode_fn, params: Any, pipeline: Any, *, batch_size: int, m
   rows, rng = padded_rows(batch_size, mesh), jax.random.PRNGKey(seed)
   for i, batch in enumerate(_split_batches(pipeline, batch_size=batch_size,
                                            max_batches=max_batches, seed=seed)):
-    tokens, scores = _on_mesh(decode_fn, params, [batch['encoder_input_tokens']],
+    tokens, scores = on_mesh(decode_fn, params, [batch['encoder_input_tokens']],
                               jax.random.fold_in(rng, i), rows=rows, mesh=mesh)
     yield batch, tokens, scores
 
@@ -94,7 +94,7 @@ def target_scores(score_fn, params: Any, batch: Dict[str, np.ndarray], *, rows: 
   """`[n]`: `score_fn(params, batch)` (`_target_score_fn`) of the batch's token features on
   `mesh`, padded to `rows`."""
   names = sorted(k for k in batch if not k.endswith('_pretokenized'))
-  return _on_mesh(lambda p, *xs: score_fn(p, dict(zip(names, xs))), params,
+  return on_mesh(lambda p, *xs: score_fn(p, dict(zip(names, xs))), params,
                   [batch[k] for k in names], rows=rows, mesh=mesh)
 
 
@@ -216,7 +216,7 @@ def continued_prompts(decode_fn, params: Any, prompts: Prompts, *, batch_size: i
   for i, batch in enumerate(prompts.batches(batch_size)):
     if max_batches and i >= max_batches:
       return
-    tokens, scores = _on_mesh(decode_fn, params, [batch['prompt_tokens'], batch['prompt_mask']],
+    tokens, scores = on_mesh(decode_fn, params, [batch['prompt_tokens'], batch['prompt_mask']],
                               jax.random.fold_in(rng, i), rows=rows, mesh=mesh)
     yield batch, tokens, scores
 

@@ -84,6 +84,34 @@ def test_a_sentencepiece_model_encodes_as_sentencepiece_does(docs, tmp_path):
   assert loaded.vocab_size == 200
 
 
+def test_text_is_framed_as_transformers_frames_it(offline, tmp_path):
+  """`Tokenizer.encode(add_special_tokens=True)` is transformers' default encoding: the
+  offline BPE adds nothing, a tokenizer.json whose post-processor adds BOS adds it; a
+  tokenizer.model alone is refused in one line."""
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  plain, framed = tmp_path / 'plain', tmp_path / 'framed'
+  offline.save(str(plain))
+  backend = tokenizers.Tokenizer.from_str(offline.files['tokenizer.json'].decode())
+  backend.post_processor = tokenizers.processors.TemplateProcessing(
+      single='<s> $A', special_tokens=[('<s>', offline.bos_id)])
+  offline.save(str(framed))
+  backend.save(str(framed / 'tokenizer.json'))
+  text = 'def main(argv):\n  return sorted(argv)[0]\n'
+  for directory, first in ((plain, []), (framed, [offline.bos_id])):
+    (directory / 'config.json').write_text(json.dumps({'bos_token_id': 1, 'eos_token_id': 2}))
+    want = transformers.AutoTokenizer.from_pretrained(str(directory)).encode(text)
+    ours = tokenizer_lib.load(str(directory))
+    assert ours.encode(text, add_special_tokens=True) == want == first + offline.encode(text)
+    assert ours.encode(text) == offline.encode(text)
+  spm = tokenizer_lib.Tokenizer(files={'tokenizer.model': b''}, bos_id=1, eos_id=2,
+                                vocab_size=3, digest='0', source='/ckpt')
+  with pytest.raises(tokenizer_lib.TokenizerError,
+                     match=r"^/ckpt: a tokenizer.model alone does not say which special tokens "
+                     r'frame text as transformers frames it\. Fix: add .*tokenizer.json'):
+    spm.encode('x', add_special_tokens=True)
+
+
 def _rows(pipeline, batch_size=64):
   ds = pipeline.batches(seed=3, batch_size=batch_size, shard_index=0, num_shards=1,
                         drop_remainder=False, skip_batches=0)

@@ -78,8 +78,18 @@ class Tokenizer:
     """The digest as a step's data position records it."""
     return self.digest[:DIGEST_CHARS]
 
-  def encode(self, text: str) -> List[int]:
-    return _backend(self.digest, self.files).encode(text)
+  def encode(self, text: str, add_special_tokens: bool = False) -> List[int]:
+    """`text`'s ids; with `add_special_tokens` framed as transformers' tokenizer frames text
+    by default (what lm-eval's HuggingFace backend scores): the special tokens the
+    tokenizer.json's post-processor adds (Llama's BOS; none for `OFFLINE_BPE`). A
+    tokenizer.model has no such rule here: TokenizerError."""
+    if add_special_tokens and 'tokenizer.json' not in self.files:
+      raise TokenizerError(
+          f'{self.source}: a tokenizer.model alone does not say which special tokens frame '
+          "text as transformers frames it. Fix: add the tokenizer's tokenizer.json "
+          '(transformers: AutoTokenizer.from_pretrained(d).save_pretrained(d)).')
+    backend = _backend(self.digest, self.files)
+    return backend.encode(text, add_special_tokens) if add_special_tokens else backend.encode(text)
 
   def decode(self, ids) -> str:
     return _backend(self.digest, self.files).decode([int(i) for i in ids])
@@ -98,8 +108,8 @@ class _HfBackend:
     import tokenizers  # pylint: disable=g-import-not-at-top
     self._tok = tokenizers.Tokenizer.from_str(data.decode('utf-8'))
 
-  def encode(self, text):
-    return self._tok.encode(text, add_special_tokens=False).ids
+  def encode(self, text, add_special_tokens=False):
+    return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
   def decode(self, ids):
     return self._tok.decode(ids, skip_special_tokens=True)

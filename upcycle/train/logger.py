@@ -16,7 +16,7 @@ reaches the step a restart resumes from), at most every FLUSH_SECONDS otherwise,
 import json
 import logging
 import time
-from typing import Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional
 
 import jax
 import numpy as np
@@ -220,3 +220,23 @@ class MetricLogger:
     for writer in self._tb.values():
       writer.flush()
       writer.close()
+
+
+def write_eval_results(directory: str, results: Mapping[str, Any], *, tensorboard: bool) -> None:
+  """An evaluation's `results` ({'step': the checkpoint's or None, metrics...}) in
+  `directory`, local or gs://: eval_results.json (this evaluation), a row of metrics.jsonl
+  ({'step', 'split': 'eval', metrics...}, one per evaluation, appended) and, with
+  `tensorboard`, TensorBoard scalars and the task metrics' texts (keys with a '/') in
+  tensorboard/eval; the numbers among `results` are the metrics (`python -m upcycle.eval`,
+  `python -m upcycle.lm_eval`)."""
+  path = epath.Path(directory)
+  path.mkdir(parents=True, exist_ok=True)
+  (path / 'eval_results.json').write_text(json.dumps(results, indent=2))
+  step = int(results['step'] or 0)
+  scalars = {k: v for k, v in results.items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != 'step'}
+  texts = {k: v for k, v in results.items() if '/' in k and isinstance(v, str)}  # task metrics
+  logger = MetricLogger(str(path), total_steps=step, tokens_per_step=0,
+                        tensorboard=tensorboard, append=True)
+  logger.write(step, scalars, split='eval', texts=texts)
+  logger.close()
