@@ -30,6 +30,7 @@ import argparse
 import os
 import queue
 import re
+import select
 import shlex
 import signal
 import socket
@@ -170,12 +171,23 @@ class Job:
       _say(f'launch/local.py: process {index} stopped on SIGTERM (exit status {code}); stopped '
            f'the other {running} process(es) too.')
       return code
+    self._settle(index)   # what the peers said before the failure still reaches the console
     self._silence_all_but(index)   # the peers' reactions (JAX fatal-error stacks) are noise
     self._pumps[index].join(timeout=5)
     _say(f'launch/local.py: process {index} {_describe(code)}; stopping the other {running} '
          f'process(es) so that none waits for it forever.')
     self.stop()
     return code if code > 0 else 128 - code
+
+  def _settle(self, index: int, timeout: float = 1.0) -> None:
+    """Waits (`timeout` at most) until the pipes of every process but `index` hold nothing
+    unread, then a moment for their pumps to write what they read: on a loaded machine a pump
+    lags behind its process, and a peer's output from before the failure is no reaction."""
+    pipes = [proc.stdout for i, proc in enumerate(self.procs) if i != index]
+    deadline = time.time() + timeout
+    while pipes and time.time() < deadline and select.select(pipes, [], [], 0)[0]:
+      time.sleep(0.02)
+    time.sleep(0.05)
 
   def wait(self, poll_seconds: float = 0.2) -> int:
     """0 when every process exits 0; else the status of the first process to fail (in the
