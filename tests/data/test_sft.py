@@ -234,7 +234,8 @@ def test_refusals_are_one_line(chat_dir, tmp_path):
     make(good, overlong='cut')
   cases = [
       ('bad.jsonl', '{"prompt": "a", "response": "b"}\n{"prompt": \n',
-       r'bad.jsonl:2: not a line of JSON'),
+       r'bad.jsonl:2: not a line of JSON \(Expecting value '
+       r'at character 13\)'),
       ('keys.jsonl', '{"question": "a", "answer": "b"}\n',
        r"keys.jsonl:1: keys \['answer', 'question'\]: expected \"messages\""),
       ('noreply.jsonl', json.dumps({'messages': [{'role': 'user', 'content': 'a'}]}) + '\n',
@@ -242,9 +243,11 @@ def test_refusals_are_one_line(chat_dir, tmp_path):
       ('role.jsonl', json.dumps({'messages': [{'role': 'bot', 'content': 'a'}]}) + '\n',
        r"role.jsonl:1: message 0 is .*: expected a role of \('system', 'user', 'assistant'\)"),
       ('text.txt', 'hello\n', r"text.txt': a .txt file. Fix: give .jsonl"),
+      ('latin.jsonl', '{"prompt": "caf\xe9"}\n', r'latin.jsonl:1: not UTF-8 \(invalid '
+       r'continuation byte at byte 16 of the line\)'),
   ]
   for name, text, message in cases:
-    (tmp_path / name).write_text(text)
+    (tmp_path / name).write_bytes(text.encode('latin-1'))
     with pytest.raises(sft.SftError, match=message) as e:
       make(str(tmp_path / name), tokenizer=chat_dir).rendered(seed=0, shard_index=0,
                                                               num_shards=1)

@@ -211,9 +211,12 @@ def _jsonl_records(path: epath.Path) -> Iterator[Tuple[str, Any]]:
         continue
       try:
         yield where, json.loads(raw.decode('utf-8'))
-      except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SftError(f'{where}: not a line of JSON ({e}). Fix: one JSON object per '
-                       'line, UTF-8.') from None
+      except UnicodeDecodeError as e:
+        raise SftError(f'{where}: not UTF-8 ({e.reason} at byte {e.start + 1} of the line). '
+                       'Fix: write the file as UTF-8.') from None
+      except json.JSONDecodeError as e:
+        raise SftError(f'{where}: not a line of JSON ({e.msg} at character {e.pos + 1}). Fix: '
+                       'one JSON object per line.') from None
 
 
 def _parquet_records(path: epath.Path) -> Iterator[Tuple[str, Any]]:
@@ -344,10 +347,10 @@ class SftPipeline(lm.LmPipeline):
                ) -> List[List[Tuple[str, bool]]]:
     """The response parts (`response_parts`) of this host's shard of the split's samples,
     in a permutation drawn from `seed` (numpy) when shuffling, else in source order."""
+    template, special = self.chat_template(), self.load_tokenizer().special_tokens()
     records = self.records()
     order = (np.random.default_rng(seed).permutation(len(records)) if self.shuffle
              else np.arange(len(records)))
-    template, special = self.chat_template(), self.load_tokenizer().special_tokens()
     out = []
     for i in order[shard_index::num_shards]:
       where, record = records[i]
