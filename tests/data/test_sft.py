@@ -6,6 +6,7 @@ every refusal in one line."""
 import ast
 import json
 import logging
+import re
 import textwrap
 
 import numpy as np
@@ -242,16 +243,20 @@ def test_refusals_are_one_line(chat_dir, tmp_path):
        r'noreply.jsonl:1: no assistant message'),
       ('role.jsonl', json.dumps({'messages': [{'role': 'bot', 'content': 'a'}]}) + '\n',
        r"role.jsonl:1: message 0 is .*: expected a role of \('system', 'user', 'assistant'\)"),
-      ('text.txt', 'hello\n', r"text.txt': a .txt file. Fix: give .jsonl"),
       ('latin.jsonl', '{"prompt": "caf\xe9"}\n', r'latin.jsonl:1: not UTF-8 \(invalid '
        r'continuation byte at byte 16 of the line\)'),
   ]
   for name, text, message in cases:
     (tmp_path / name).write_bytes(text.encode('latin-1'))
-    with pytest.raises(sft.SftError, match=message) as e:
+    with pytest.raises(sft.SftError) as e:
       make(str(tmp_path / name), tokenizer=chat_dir).rendered(seed=0, shard_index=0,
                                                               num_shards=1)
+    assert re.match(re.escape(str(tmp_path)) + '/' + message, str(e.value)), str(e.value)
     assert '\n' not in str(e.value)
+  (tmp_path / 'text.txt').write_text('hello\n')
+  with pytest.raises(sft.SftError, match=r"^SFT_TRAIN_FILES \(sft.SftPipeline.data_files\) = "
+                     r"'\S*text.txt': a .txt file. Fix: give .jsonl"):
+    make(str(tmp_path / 'text.txt'), tokenizer=chat_dir).records()
   with pytest.raises(sft.SftError, match=r"'\S*missing.jsonl': no such file"):
     make(str(tmp_path / 'missing.jsonl'), tokenizer=chat_dir).records()
   with pytest.raises(sft.SftError, match=r"a directory \(a `datasets.save_to_disk` directory"):
@@ -263,5 +268,5 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
   message) leaves the response nowhere: refused, naming the sample."""
   template = ("{% for m in messages %}{{ m.content }}{% if loop.last %}!{% endif %}{% endfor %}"
               "{% if add_generation_prompt %}>{% endif %}")
-  with pytest.raises(ValueError, match='^message 1$'):
+  with pytest.raises(sft.NotAPrefix, match='^message 1$'):
     sft.response_parts(template, tuple(_messages(SAMPLES[0])), {})

@@ -75,6 +75,11 @@ class SftError(fields.ConfigError):
   """SFT data that is not what the pipeline reads (one line: where, what, the fix)."""
 
 
+class NotAPrefix(Exception):
+  """A chat template's render of the messages before an assistant turn (with the generation
+  prompt) is not the start of the conversation's render: the turn has no span."""
+
+
 @functools.lru_cache(maxsize=8)
 def _compiled(template: str):
   """`template` compiled as transformers compiles chat templates."""
@@ -108,7 +113,7 @@ def response_parts(template: str, messages: Conversation,
                    special: Mapping[str, str]) -> List[Tuple[str, bool]]:
   """The render of `messages` as consecutive (text, is_response) parts: each assistant
   message's part is what its render adds to the render of the messages before it with the
-  generation prompt. ValueError (the message index) where a prefix does not render as a
+  generation prompt. NotAPrefix (the message index) where a prefix does not render as a
   prefix."""
   full = render(template, messages, add_generation_prompt=False, special=special)
   parts, done = [], 0
@@ -118,7 +123,7 @@ def response_parts(template: str, messages: Conversation,
     prompt = render(template, messages[:i], add_generation_prompt=True, special=special)
     upto = render(template, messages[:i + 1], add_generation_prompt=False, special=special)
     if not (upto.startswith(prompt) and full.startswith(upto) and len(prompt) >= done):
-      raise ValueError(f'message {i}')
+      raise NotAPrefix(f'message {i}')
     parts += [(prompt[done:], False), (upto[len(prompt):], True)]
     done = len(upto)
   parts.append((full[done:], False))
@@ -329,7 +334,8 @@ class SftPipeline(lm.LmPipeline):
   def records(self) -> List[Tuple[str, Any]]:
     """(where, record) of every sample of the split, in source order."""
     if self.data_files is not None:
-      binding = f'SFT data_files ({fields.binding(self, "data_files")})'
+      macro = 'SFT_TRAIN_FILES' if self.split == 'train' else 'SFT_VALIDATION_FILES'
+      binding = f'{macro} ({fields.binding(self, "data_files")})'
       return [r for path in self.data_files for r in file_records(path, binding)]
     host_only.hide_accelerators()
     task = tasks.get_task(self.task, module=self.module,
@@ -354,9 +360,10 @@ class SftPipeline(lm.LmPipeline):
     out = []
     for i in order[shard_index::num_shards]:
       where, record = records[i]
+      messages = conversation(record, where)
       try:
-        out.append(response_parts(template, conversation(record, where), special))
-      except ValueError as e:
+        out.append(response_parts(template, messages, special))
+      except NotAPrefix as e:
         raise SftError(f'{where}: the chat template does not render the conversation up to '
                        f'its {e} (with the generation prompt) as the start of the whole '
                        'conversation, so the response has no place in it. Fix: a template '
