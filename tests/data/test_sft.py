@@ -162,6 +162,19 @@ def test_parquet_written_by_pyarrow_reads_as_the_same_samples(chat_dir, tmp_path
           == _segments(_batches(make(jsonl))))
 
 
+def test_an_alpaca_json_array_reads_as_its_prompt_response_pairs(chat_dir, tmp_path):
+  alpaca = [{'instruction': 'Name the largest planet.', 'input': '', 'output': 'Jupiter.'},
+            {'instruction': 'Add the numbers.', 'input': '2 and 3', 'output': 'Five.'}]
+  (tmp_path / 'alpaca_data.json').write_text(json.dumps(alpaca, indent=2))
+  pairs = _write_jsonl(tmp_path / 'pairs.jsonl', [
+      {'prompt': 'Name the largest planet.', 'response': 'Jupiter.'},
+      {'prompt': 'Add the numbers.\n\n2 and 3', 'response': 'Five.'}])
+  make = lambda files: sft.SftPipeline('unused', 'train', {'targets': 64}, tokenizer=chat_dir,
+                                       data_files=files, shuffle=False)
+  assert (make(str(tmp_path / 'alpaca_data.json')).rendered(seed=0, shard_index=0, num_shards=1)
+          == make(pairs).rendered(seed=0, shard_index=0, num_shards=1))
+
+
 def test_over_length_samples_are_truncated_or_dropped_and_counted():
   ids = np.arange(10, dtype=np.int32)
   mask = np.array([0, 0, 0, 1, 1, 1, 1, 1, 1, 1], np.int32)
@@ -245,6 +258,7 @@ def test_refusals_are_one_line(chat_dir, tmp_path):
        r"role.jsonl:1: message 0 is .*: expected a role of \('system', 'user', 'assistant'\)"),
       ('latin.jsonl', '{"prompt": "caf\xe9"}\n', r'latin.jsonl:1: not UTF-8 \(invalid '
        r'continuation byte at byte 16 of the line\)'),
+      ('bad.parquet', 'PAR1 not really', r'bad.parquet: not a Parquet file pyarrow reads '),
   ]
   for name, text, message in cases:
     (tmp_path / name).write_bytes(text.encode('latin-1'))

@@ -3,9 +3,10 @@ weights are 1 on the responses only.
 
 A sample is a conversation: `{"messages": [{"role": ..., "content": ...}, ...]}` (roles
 'system', 'user', 'assistant'; at least one assistant message), or a prompt/response pair
-`{"prompt": ..., "response": ...}` (also `completion` for `response`, and an optional `system`),
-which is the conversation [user: prompt, assistant: response]. Samples come from JSONL or
-Parquet files (`data_files`) or from a registered seqio task whose source yields `prompt` /
+`{"prompt": ..., "response": ...}` (also `completion` for `response`, and an optional `system`;
+or Alpaca's `instruction`, `input`, `output`: the prompt is the instruction, then a blank line
+and the input if there is one), which is the conversation [user: prompt, assistant: response].
+Samples come from JSONL, JSON (an array of samples) or Parquet files (`data_files`) or from a registered seqio task whose source yields `prompt` /
 `response` strings or `messages` as a JSON string (the default: `offline_stdlib_sft`, documented
 functions of Python's standard library, `offline_text.stdlib_functions`).
 
@@ -197,15 +198,20 @@ def conversation(record: Any, where: str) -> Conversation:
     if not any(m['role'] == 'assistant' for m in out):
       raise SftError(f'{where}: no assistant message, so no response to train on. {fix}')
     return tuple(out)
+  prompt = record.get('prompt')
   response = record.get('response', record.get('completion'))
-  if not isinstance(record.get('prompt'), str) or not isinstance(response, str):
+  if prompt is None and isinstance(record.get('instruction'), str):   # Alpaca's fields
+    extra = record.get('input')
+    prompt = record['instruction'] + (f'\n\n{extra}' if isinstance(extra, str) and extra else '')
+    response = record.get('output')
+  if not isinstance(prompt, str) or not isinstance(response, str):
     keys = sorted(record)[:8]
     raise SftError(f'{where}: keys {keys}: expected "messages", or string "prompt" and '
-                   f'"response" (or "completion"). {fix}')
+                   f'"response" (or "completion"; or Alpaca\'s "instruction", "input", '
+                   f'"output"). {fix}')
   system = record.get('system')
   head = ({'role': 'system', 'content': system},) if isinstance(system, str) and system else ()
-  return head + ({'role': 'user', 'content': record['prompt']},
-                 {'role': 'assistant', 'content': response})
+  return head + ({'role': 'user', 'content': prompt}, {'role': 'assistant', 'content': response})
 
 
 def _jsonl_records(path: epath.Path) -> Iterator[Tuple[str, Any]]:
@@ -224,6 +230,17 @@ def _jsonl_records(path: epath.Path) -> Iterator[Tuple[str, Any]]:
                        'one JSON object per line.') from None
 
 
+def _json_records(path: epath.Path) -> Iterator[Tuple[str, Any]]:
+  """A .json file: a JSON array of samples (Alpaca's `alpaca_data.json`), else JSON lines."""
+  try:
+    records = json.loads(path.read_bytes().decode('utf-8'))
+  except (UnicodeDecodeError, json.JSONDecodeError):
+    records = None
+  if not isinstance(records, list):
+    return _jsonl_records(path)
+  return ((f'{path} (item {i})', record) for i, record in enumerate(records))
+
+
 def _parquet_records(path: epath.Path) -> Iterator[Tuple[str, Any]]:
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
   try:
@@ -237,9 +254,10 @@ def _parquet_records(path: epath.Path) -> Iterator[Tuple[str, Any]]:
 
 
 def file_records(path: str, binding: str) -> Iterator[Tuple[str, Any]]:
-  """(where, record) of a .jsonl / .json (JSON lines) or .parquet file, in file order."""
+  """(where, record) of a .jsonl, .json (an array, or JSON lines) or .parquet file, in file
+  order."""
   file = epath.Path(path)
-  readers = {'.jsonl': _jsonl_records, '.json': _jsonl_records, '.parquet': _parquet_records}
+  readers = {'.jsonl': _jsonl_records, '.json': _json_records, '.parquet': _parquet_records}
   reader = readers.get(file.suffix.lower())
   if reader is None or not file.is_file():
     what = ('a directory (a `datasets.save_to_disk` directory is not read here: write it with '
