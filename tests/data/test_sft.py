@@ -284,3 +284,19 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
               "{% if add_generation_prompt %}>{% endif %}")
   with pytest.raises(sft.NotAPrefix, match='^message 1$'):
     sft.response_parts(template, tuple(_messages(SAMPLES[0])), {})
+
+
+@pytest.mark.parametrize('form', ['string', 'named'])
+def test_a_chat_template_in_tokenizer_config_is_the_one_transformers_reads(tmp_path, form):
+  import transformers  # pylint: disable=g-import-not-at-top
+  tokenizer_lib.load(tokenizer_lib.OFFLINE_BPE).save(str(tmp_path))
+  config = json.loads((tmp_path / 'tokenizer_config.json').read_text())
+  config['chat_template'] = CHATML if form == 'string' else [
+      {'name': 'tool_use', 'template': '{{ tools }}'}, {'name': 'default', 'template': CHATML}]
+  (tmp_path / 'tokenizer_config.json').write_text(json.dumps(config))
+  tok, hf = tokenizer_lib.load(str(tmp_path)), transformers.AutoTokenizer.from_pretrained(
+      str(tmp_path))
+  want = hf.chat_template if form == 'string' else hf.chat_template['default']
+  assert tok.chat_template == want == CHATML
+  assert tok.special_tokens() == {'bos_token': hf.bos_token, 'eos_token': hf.eos_token,
+                                  'pad_token': hf.pad_token}
