@@ -190,17 +190,26 @@ def test_over_length_samples_are_truncated_or_dropped_and_counted():
                                     dropped_no_response=1)
 
 
-def test_a_pass_logs_its_counts(chat_dir, tmp_path, caplog):
+def test_a_split_logs_its_counts_and_is_refused_with_none_left(chat_dir, tmp_path, caplog):
   late = {'prompt': 'Repeat. ' * 40, 'response': 'Done.'}   # its response beyond 64 tokens
   long = {'prompt': 'Count.', 'response': 'one two ' * 40}   # its response cut
   path = _write_jsonl(tmp_path / 'train.jsonl', SAMPLES[:2] + [late, long])
   pipeline = sft.SftPipeline('unused', 'train', {'targets': 64}, tokenizer=chat_dir,
                              data_files=path, shuffle=False)
+  counts = (f'SFT data {path} (shard 0): 4 samples, 2 whole, 1 truncated to 65 tokens, 0 left '
+            'out as longer than that, 1 left out with no response token within it.')
   with caplog.at_level(logging.INFO, logger=sft.__name__):
-    rows = _segments(_batches(pipeline))
+    batches = pipeline.batches(seed=0, batch_size=4, shard_index=0, num_shards=1,
+                               drop_remainder=False, skip_batches=0)
+    assert caplog.messages == [counts]   # before the first row is read
+  rows = _segments(list(batches.as_numpy_iterator()))
   assert len(rows) == 3 and len(rows[-1][0]) == 64
-  assert (f'SFT data {path} (shard 0): 4 samples, 2 whole, 1 truncated to 65 tokens, 0 left out '
-          'as longer than that, 1 left out with no response token within it.') in caplog.messages
+  path = _write_jsonl(tmp_path / 'late.jsonl', [late])
+  with pytest.raises(sft.SftError, match=r'^SFT data \S*late.jsonl \(shard 0\): 1 samples, 0 '
+                     r'whole, .* 1 left out with no response token within it. None is left to '
+                     r"train on. Fix: a longer TASK_FEATURE_LENGTHS\['targets'\]"):
+    _batches(sft.SftPipeline('unused', 'train', {'targets': 64}, tokenizer=chat_dir,
+                             data_files=path))
 
 
 def test_the_plain_template_frames_a_base_tokenizers_samples():

@@ -25,14 +25,15 @@ conversation as a prefix of its render is refused in one line (no response span 
 
 Over-length samples: a sample of more than `length + 1` tokens is cut to its first
 `length + 1` (`overlong='truncate'`, TRL's `keep_start`) or left out (`'drop'`); a sample with
-no response token left is left out either way. Every pass over a split logs how many samples
-were whole, truncated and left out (`SampleCounts`). Rows are packed as `lm.LmPipeline` packs
+no response token left is left out either way. Each split logs how many samples were whole,
+truncated and left out (`SampleCounts`) when its batches are made. Rows are packed as `lm.LmPipeline` packs
 windows (`decoder_segment_ids` apart, positions from 0 in each, so no sample attends to
 another) or, with `pack=False`, one sample per row (UpIT's router stage scores rows as samples).
 
-The samples of a split are read, checked and rendered when its batches are made (host memory:
-the rendered text); tokenization runs as the rows are read. A record that is no sample, or a
-template that fails on it, is refused in one line naming the file and line.
+The samples of a split are read, checked, rendered and tokenized when its batches are made
+(host memory: the rendered text and its ids), and the counts logged then. A record that is no
+sample, or a template that fails on it, is refused in one line naming the file and line; so is
+a split of which no sample is left.
 """
 
 import dataclasses
@@ -397,22 +398,24 @@ class SftPipeline(lm.LmPipeline):
   def batches(self, *, seed: int, batch_size: int, shard_index: int, num_shards: int,
               drop_remainder: bool, skip_batches: int) -> tf.data.Dataset:
     """One epoch of this host's shard of samples, as batches of rows, after `skip_batches`;
-    a pure function of (seed, shard_index, num_shards)."""
-    samples = self.rendered(seed=seed, shard_index=shard_index, num_shards=num_shards)
+    a pure function of (seed, shard_index, num_shards). The samples are tokenized here, and
+    how many were whole, truncated and left out is logged."""
     tok, where = self.load_tokenizer(), f'{self._where()} (shard {shard_index})'
-
-    def windows():
-      counts = SampleCounts()
-      for parts in samples:
-        row = window(*tokens_and_mask(tok, parts), length=self.length, overlong=self.overlong,
-                     counts=counts)
-        if row is not None:
-          yield row
-      log.info(counts.text(where, self.length))
-
+    counts = SampleCounts()
+    windows = [w for w in (
+        window(*tokens_and_mask(tok, parts), length=self.length, overlong=self.overlong,
+               counts=counts)
+        for parts in self.rendered(seed=seed, shard_index=shard_index, num_shards=num_shards))
+               if w is not None]
+    log.info(counts.text(where, self.length))
+    if not windows:
+      raise SftError(
+          f'{counts.text(where, self.length)} None is left to train on. Fix: a longer '
+          f"TASK_FEATURE_LENGTHS['targets'], or --gin.SFT_OVERLONG=\"'truncate'\".")
     spec = tf.TensorSpec([None], tf.int32)
     ds = tf.data.Dataset.from_generator(
-        windows, output_signature={'inputs': spec, 'targets': spec, 'weights': spec})
+        lambda: iter(windows), output_signature={'inputs': spec, 'targets': spec,
+                                                 'weights': spec})
     ds = self._rows(ds)
     ds = ds.batch(batch_size, drop_remainder=drop_remainder)
     return ds.skip(skip_batches)
