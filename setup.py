@@ -38,6 +38,10 @@ setuptools.setup(
         # and the offline byte-level BPE.
         'tokenizers==0.23.3',
         'sentencepiece==0.2.3',
+        # Instruction tuning (upcycle/data/sft.py): chat templates (transformers' renderer's
+        # version) and Parquet files of samples.
+        'jinja2==3.1.6',
+        'pyarrow==26.0.1',
         'matplotlib==3.11.2',
     ],
     extras_require={

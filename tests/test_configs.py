@@ -242,3 +242,18 @@ def test_convert_upcycles_with_the_router_of_its_familys_recipe(model, run):
   parse([model, run], MACROS + ['probe.model = %MODEL'])
   assert gin.query_parameter('upcycle.train.restore.UpcycleFromDense.router') == (
       families.of(probe()).upcycle_router)
+
+
+def test_an_sft_data_file_gives_the_run_sft_pipelines_and_the_router_stage_unpacks_them():
+  sft_run = ['models/llama/tiny.gin', 'runs/llm_sft.gin', 'data/offline_sft.gin']
+  parse(sft_run, MACROS[:2] + ["INITIAL_CHECKPOINT_PATH = '/ckpt/llama'",
+                               'probe.model = @train/sft.SftPipeline()'])
+  pipeline = probe()
+  assert (pipeline.task, pipeline.tokenizer, pipeline.template, pipeline.pack) == (
+      'offline_stdlib_sft', '/ckpt/llama', 'plain', True)
+  gin.clear_config()
+  parse(['models/llama/tiny.gin', 'moe/mixtral.gin', 'runs/llm_upcycle.gin',
+         'data/offline_sft.gin', 'upcycling/upit.gin', 'runs/upit_router_stage.gin'],
+        MACROS[:2] + ["INITIAL_CHECKPOINT_PATH = ['/ckpt/sft/1', '/ckpt/sft/2']",
+                      'probe.model = @train/sft.SftPipeline()'])
+  assert probe().pack is False   # one sample per row: the stage scores samples

@@ -6,7 +6,8 @@ string, an unclosed bracket); experts the expert axis does not divide; a batch t
 not divide; a MODEL_DIR that is a file, a dangling link, too long a name, under a file or
 inside the source checkpoint; a batch size of 0; a decoder-only run's tokenizer that is no
 path, missing from the checkpoint it defaults to, or not shared by merged checkpoints, and a
-learning rate that is a string. The entry points' mains
+learning rate that is a string; SFT samples with no template to render them or that are no
+JSON. The entry points' mains
 run in this process (8 CPU devices), two of them as real processes to show the whole
 output."""
 
@@ -295,3 +296,21 @@ def test_the_whole_output_is_one_line(module, argv, error, paths, tmp_path):
                         capture_output=True, text=True, timeout=300, check=False)
   assert (done.returncode, done.stdout) == (1, '')
   assert _stderr(done) == ['error: ' + _fill(error, **names)], done.stderr
+
+
+@pytest.mark.parametrize('flags, error', [
+    ([], "TOKENIZER offline_stdlib_bpe has no chat template (no chat_template.jinja, no "
+         "chat_template in tokenizer_config.json), so its samples cannot be rendered. Fix: "
+         "--gin.SFT_TEMPLATE=\"'plain'\""),
+    (["--gin.SFT_TEMPLATE='plain'"], '{data}/train.jsonl:2: not a line of JSON'),
+])
+def test_sft_data_that_cannot_be_read(flags, error, entry_points, tmp_path, capsys):
+  data = tmp_path / 'data'
+  data.mkdir()
+  (data / 'train.jsonl').write_text('{"prompt": "a", "response": "b"}\n{"prompt": "a",\n')
+  message = _refusal(train_main.main, [
+      '--gin_file=models/llama/tiny.gin', '--gin_file=runs/llm_pretrain.gin',
+      '--gin_file=data/sft_files.gin', '--gin.TRAIN_STEPS=1', '--gin.BATCH_SIZE=8',
+      f"--gin.MODEL_DIR='{tmp_path}/run'", f"--gin.SFT_TRAIN_FILES='{data}/train.jsonl'",
+      f"--gin.SFT_VALIDATION_FILES='{data}/train.jsonl'"] + flags, capsys)
+  assert _fill(error, data=data) in message, message

@@ -136,7 +136,12 @@ class LmPipeline:
         lambda s: {'inputs': window(s)[:-1], 'targets': window(s)[1:]})
 
   def _rows(self, ds: tf.data.Dataset) -> tf.data.Dataset:
+    """Windows {'inputs', 'targets'} (and 'weights', where the loss weights are not every
+    real token's) -> rows of FEATURES, packed or padded."""
     lengths = {'inputs': self.length, 'targets': self.length}
+    if 'weights' in ds.element_spec:   # packed as weight + 1: seqio's packing takes 0 for padding
+      lengths['weights'] = self.length
+      ds = ds.map(lambda x: {**x, 'weights': x['weights'] + 1})
     if self.pack:
       ds = seqio.utils.trim_and_pack_dataset(ds, lengths)
       segments = lambda x: x['targets_segment_ids']
@@ -149,8 +154,10 @@ class LmPipeline:
 
     def features(x):
       segment_ids = tf.cast(segments(x), tf.int32)
+      weights = (tf.maximum(x['weights'] - 1, 0) if 'weights' in x
+                 else tf.cast(segment_ids > 0, tf.int32))
       return {'decoder_input_tokens': x['inputs'], 'decoder_target_tokens': x['targets'],
-              'decoder_loss_weights': tf.cast(segment_ids > 0, tf.int32),
+              'decoder_loss_weights': tf.cast(weights, tf.int32),
               'decoder_segment_ids': segment_ids,
               'decoder_positions': tf.cast(positions(x), tf.int32)}
 

@@ -17,7 +17,9 @@ The span-corruption tasks have 'train' and 'validation' splits and features `inp
 
 Text tasks, for decoder-only language models (`upcycle.data.lm` tokenizes them with the run's
 tokenizer): `offline_stdlib_text` and `offline_pydoc_text`, the two offline corpora's
-documents under `text`, untokenized. Registration is lazy: nothing is read until a dataset is
+documents under `text`, untokenized. Instruction tuning (`upcycle.data.sft`):
+`offline_stdlib_sft`, the documented functions of the standard library as `prompt` /
+`response` strings (`offline_text.stdlib_functions`). Registration is lazy: nothing is read until a dataset is
 requested.
 
 Tasks of your own: a module that registers them, named by T5X's `MIXTURE_OR_TASK_MODULE`, is
@@ -47,6 +49,7 @@ T5_NAMES = ('c4_v220_span_corruption',)   # registered by t5.data.tasks as well
 OFFLINE_TASK = 'offline_span_corruption'
 OFFLINE_STDLIB_TASK = 'offline_stdlib_span_corruption'
 OFFLINE_TEXT_TASKS = {'offline_stdlib_text': 'stdlib', 'offline_pydoc_text': 'pydoc'}
+OFFLINE_SFT_TASK = 'offline_stdlib_sft'
 C4_TFDS_NAME = C4_TASKS[C4_TASK]
 T5_VOCABULARY_PATH = 'gs://t5-data/vocabs/cc_all.32000/sentencepiece.model'
 EXTRA_IDS = 100
@@ -130,6 +133,15 @@ def add_offline_text_task(name: str, corpus: str) -> seqio.Task:
   return seqio.TaskRegistry.add(name, source=source, output_features={})
 
 
+def add_offline_sft_task(name: str = OFFLINE_SFT_TASK) -> seqio.Task:
+  """Registers (or re-registers) `name`: the stdlib's documented functions as instruction
+  samples, `prompt` / `response` strings (`offline_text.stdlib_functions`)."""
+  if name in seqio.TaskRegistry.names():
+    seqio.TaskRegistry.remove(name)
+  source = seqio.FunctionDataSource(offline_text.functions_dataset_fn, splits=offline_text.SPLITS)
+  return seqio.TaskRegistry.add(name, source=source, output_features={})
+
+
 def import_task_module(module: Optional[str], *, binding: str) -> None:
   """Imports `module` (T5X's MIXTURE_OR_TASK_MODULE), which registers its tasks; None: none.
 
@@ -190,3 +202,4 @@ add_offline_span_corruption()
 add_offline_span_corruption(OFFLINE_STDLIB_TASK, corpus='stdlib')
 for _name, _corpus in OFFLINE_TEXT_TASKS.items():
   add_offline_text_task(_name, _corpus)
+add_offline_sft_task()

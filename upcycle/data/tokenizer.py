@@ -9,7 +9,10 @@ of the standard library's source (`offline_text`, 'stdlib'), deterministically (
 file from the same Python), cached under `~/.cache/upcycle/` (`UPCYCLE_CACHE` moves it).
 
 Text is encoded without the tokenizer's own special tokens; the pipeline adds BOS and EOS
-itself, so every tokenizer frames a document the same way.
+itself, so every tokenizer frames a document the same way. A directory's chat template
+(`chat_template.jinja`, as transformers 5 saves it, else `tokenizer_config.json`'s
+`chat_template`) travels with the files: `Tokenizer.chat_template`, which the SFT pipeline
+renders (`upcycle.data.sft`).
 
 Which tokenizer a checkpoint's weights belong to (`trained_with`): a step of a run of ours
 records its tokenizer's digest in its saved data position (`dataset/`, `lm.LmPipeline.describe`),
@@ -94,6 +97,34 @@ class Tokenizer:
   def decode(self, ids) -> str:
     return _backend(self.digest, self.files).decode([int(i) for i in ids])
 
+  @property
+  def chat_template(self) -> Optional[str]:
+    """The Jinja chat template of the files: `chat_template.jinja`, else
+    `tokenizer_config.json`'s `chat_template` (a list of named ones: 'default'); None."""
+    if 'chat_template.jinja' in self.files:
+      return self.files['chat_template.jinja'].decode('utf-8')
+    template = self._config().get('chat_template')
+    if isinstance(template, list):
+      template = {t.get('name'): t.get('template') for t in template}.get('default')
+    return template if isinstance(template, str) else None
+
+  def special_tokens(self) -> Dict[str, str]:
+    """{'bos_token', 'eos_token'} and any of 'pad_token' / 'unk_token' that
+    `tokenizer_config.json` names, as text: what a chat template reads."""
+    out = {}
+    for name, value in self._config().items():
+      if name in ('bos_token', 'eos_token', 'pad_token', 'unk_token'):
+        value = value.get('content') if isinstance(value, dict) else value
+        if isinstance(value, str):
+          out[name] = value
+    backend = _backend(self.digest, self.files)
+    for name, i in (('bos_token', self.bos_id), ('eos_token', self.eos_id)):
+      out.setdefault(name, backend.token(i))
+    return out
+
+  def _config(self) -> Dict[str, object]:
+    return json.loads(self.files.get('tokenizer_config.json', b'{}'))
+
   def save(self, directory: str) -> None:
     """Writes the tokenizer files into `directory` (created)."""
     directory = epath.Path(directory)
@@ -120,6 +151,9 @@ class _HfBackend:
   def token_id(self, token):
     return self._tok.token_to_id(token)
 
+  def token(self, i):
+    return self._tok.id_to_token(i)
+
 
 class _SentencePieceBackend:
 
@@ -135,6 +169,9 @@ class _SentencePieceBackend:
 
   def size(self):
     return self._sp.get_piece_size()
+
+  def token(self, i):
+    return self._sp.id_to_piece(i)
 
   def token_id(self, token):
     i = self._sp.piece_to_id(token)

@@ -22,6 +22,11 @@ z-loss) under every expert model, then the buckets filled in batch order, each h
 most ceil(`bucket_capacity_factor` x examples / E) examples of a (micro)batch: UpIT's rule
 with the buckets per batch instead of per dataset. Train it with `optimizers.RoutersOnly`.
 
+An example is a row: with instruction samples (`upcycle.data.sft`, `pack=False`: one sample
+per row) a whole sample, scored by its mean loss on its response tokens (the rows' loss
+weights), and every token of it, prompt included, routed to its expert; with packed text
+(`lm.LmPipeline`) a row of windows.
+
 The loss and metrics take the trainer's names: 'loss' and 'cross_entropy' are the router
 cross-entropy, 'accuracy' the fraction of real tokens whose top router choice is their
 example's expert; the MoE auxiliary losses are left out (not in UpIT's stage).
@@ -193,6 +198,8 @@ class RouterStage(LossOfOutputs):
     """`[batch, length]`: the tokens layer `layer` routes that count (padding does not)."""
     if layer.startswith('encoder') and 'encoder_input_tokens' in batch:
       mask = batch['encoder_input_tokens'] > 0
+    elif 'decoder_segment_ids' in batch:   # every token of the sample, its prompt's too
+      mask = batch['decoder_segment_ids'] > 0
     elif hasattr(self.inner, 'target_weights'):
       mask = self.inner.target_weights(batch) > 0
     else:
