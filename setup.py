@@ -60,6 +60,8 @@ setuptools.setup(
             # tests/test_lm_eval.py: ours against lm-eval's hf backend (which needs accelerate)
             'lm-eval==0.4.13',
             'accelerate==1.16.0',
+            # tests/data/test_sft.py: a dataset saved by datasets' save_to_disk (lm-eval's too)
+            'datasets==5.2.0',
             # notebooks/ run in a real kernel by tests/test_notebooks.py
             'nbclient==0.11.0',
             'nbformat==5.11.1',

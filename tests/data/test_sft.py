@@ -162,6 +162,26 @@ def test_parquet_written_by_pyarrow_reads_as_the_same_samples(chat_dir, tmp_path
           == _segments(_batches(make(jsonl))))
 
 
+def test_a_dataset_saved_to_disk_by_datasets_reads_as_the_same_samples(chat_dir, tmp_path):
+  """A directory `datasets`' save_to_disk wrote (its Arrow files, in two shards) reads as the
+  same samples as the JSONL; a DatasetDict saved whole is refused naming its splits."""
+  datasets = pytest.importorskip('datasets')
+  rows = [{'messages': _messages(s)} for s in SAMPLES]
+  datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / 'saved'), num_shards=2)
+  assert len(list((tmp_path / 'saved').glob('*.arrow'))) == 2
+  jsonl = _write_jsonl(tmp_path / 'train.jsonl', rows)
+  make = lambda files: sft.SftPipeline('unused', 'train', {'targets': 64}, tokenizer=chat_dir,
+                                       data_files=files, shuffle=False)
+  assert (_segments(_batches(make(str(tmp_path / 'saved'))))
+          == _segments(_batches(make(jsonl))))
+  datasets.DatasetDict({'train': datasets.Dataset.from_list(rows)}).save_to_disk(
+      str(tmp_path / 'dict'))
+  with pytest.raises(sft.SftError, match=r"a DatasetDict saved to disk, with the splits "
+                                        r"\['train'\]. Fix: give one split's directory, e.g. "
+                                        r"'\S*dict/train'$"):
+    make(str(tmp_path / 'dict')).records()
+
+
 def test_an_alpaca_json_array_reads_as_its_prompt_response_pairs(chat_dir, tmp_path):
   alpaca = [{'instruction': 'Name the largest planet.', 'input': '', 'output': 'Jupiter.'},
             {'instruction': 'Add the numbers.', 'input': '2 and 3', 'output': 'Five.'}]
@@ -282,7 +302,9 @@ def test_refusals_are_one_line(chat_dir, tmp_path):
     make(str(tmp_path / 'text.txt'), tokenizer=chat_dir).records()
   with pytest.raises(sft.SftError, match=r"'\S*missing.jsonl': no such file"):
     make(str(tmp_path / 'missing.jsonl'), tokenizer=chat_dir).records()
-  with pytest.raises(sft.SftError, match=r"a directory \(a `datasets.save_to_disk` directory"):
+  with pytest.raises(sft.SftError, match=r"a directory that holds no dataset saved to disk "
+                                        r"\(state.json\)\. Fix: .* or a `datasets` "
+                                        r"save_to_disk directory\.$"):
     make(str(tmp_path), tokenizer=chat_dir).records()
 
 

@@ -254,18 +254,46 @@ def _parquet_records(path: epath.Path) -> Iterator[Tuple[str, Any]]:
     yield f'{path} (row {number})', row
 
 
+def _saved_dataset_records(path: epath.Path, binding: str) -> Iterator[Tuple[str, Any]]:
+  """A directory `datasets.Dataset.save_to_disk` wrote: its `state.json` lists its Arrow files
+  (Arrow's streaming format), read here with pyarrow, in order. A `DatasetDict` saved whole
+  (`dataset_dict.json`) is refused naming its splits' directories."""
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  if (path / 'dataset_dict.json').exists():
+    splits = json.loads((path / 'dataset_dict.json').read_text()).get('splits', [])
+    raise SftError(f'{binding} = {str(path)!r}: a DatasetDict saved to disk, with the splits '
+                   f'{splits}. Fix: give one split\'s directory, e.g. {str(path / splits[0])!r}'
+                   if splits else f'{binding} = {str(path)!r}: a DatasetDict with no splits.')
+  try:
+    files = [entry['filename'] for entry in json.loads((path / 'state.json').read_text())[
+        '_data_files']]
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise SftError(f'{path}/state.json: not the state of a dataset saved to disk '
+                   f'({type(e).__name__}: {e}). Fix: save it with datasets\' save_to_disk, or '
+                   f'give .jsonl / .parquet files.') from None
+  number = 0
+  for name in files:
+    with (path / name).open('rb') as f:
+      rows = pa.ipc.open_stream(f).read_all().to_pylist()
+    for row in rows:
+      yield f'{path / name} (row {number})', row
+      number += 1
+
+
 def file_records(path: str, binding: str) -> Iterator[Tuple[str, Any]]:
-  """(where, record) of a .jsonl, .json (an array, or JSON lines) or .parquet file, in file
-  order."""
+  """(where, record) of a .jsonl, .json (an array, or JSON lines) or .parquet file, or of a
+  directory a `datasets` dataset was saved to (`save_to_disk`), in file order."""
   file = epath.Path(path)
+  if file.is_dir() and ((file / 'state.json').exists() or
+                        (file / 'dataset_dict.json').exists()):
+    return _saved_dataset_records(file, binding)
   readers = {'.jsonl': _jsonl_records, '.json': _json_records, '.parquet': _parquet_records}
   reader = readers.get(file.suffix.lower())
   if reader is None or not file.is_file():
-    what = ('a directory (a `datasets.save_to_disk` directory is not read here: write it with '
-            "`dataset.to_json('train.jsonl')` or `.to_parquet(...)`)" if file.is_dir() else
+    what = ('a directory that holds no dataset saved to disk (state.json)' if file.is_dir() else
             'no such file' if not file.exists() else f'a {file.suffix or "suffixless"} file')
     raise SftError(f'{binding} = {path!r}: {what}. Fix: give .jsonl (one JSON object per '
-                   'line) or .parquet files of samples.')
+                   'line) or .parquet files of samples, or a `datasets` save_to_disk directory.')
   return reader(file)
 
 
@@ -287,7 +315,8 @@ class SftPipeline(lm.LmPipeline):
 
   Attributes (besides `lm.LmPipeline`'s: `task`, `split`, `feature_lengths`, `tokenizer`,
   `pack`, `shuffle`, `module`; `text_key` unused):
-    data_files: a .jsonl / .parquet path or a list of them (local or gs://), read instead of
+    data_files: a .jsonl / .parquet path, a `datasets` save_to_disk directory, or a list of
+      them (local or gs://), read instead of
       the task (whose split is then not read); None: the task's split.
     template: None (the tokenizer's chat template) or a name of `TEMPLATES` (for a base
       tokenizer; it replaces the tokenizer's).
@@ -311,7 +340,7 @@ class SftPipeline(lm.LmPipeline):
                               or not all(isinstance(f, str) and f for f in files)):
       raise fields.ConfigError(
           f'{fields.binding(self, "data_files")} = {self.data_files!r}: expected a .jsonl / '
-          '.parquet path, a list of them, or None for the task.')
+          '.parquet path or a save_to_disk directory, a list of them, or None for the task.')
     object.__setattr__(self, 'data_files', None if files is None else tuple(files))
 
   def chat_template(self) -> str:
