@@ -35,13 +35,13 @@ def _as_tuple(x: Union[int, Sequence[int]]) -> Tuple[int, ...]:
   return (x,) if isinstance(x, int) else tuple(x)
 
 
-def _batch_axes() -> Tuple[str, ...]:
-  """The mesh axes (size > 1) the logical 'batch' axis is split over in the current mesh and
-  rules; () outside a mesh."""
+def mesh_axes(logical: str) -> Tuple[str, ...]:
+  """The mesh axes (size > 1) the logical axis `logical` (e.g. 'batch') is split over in the
+  current mesh and rules; () outside a mesh."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return ()
-  spec = nn.logical_to_mesh_axes(('batch',))
+  spec = nn.logical_to_mesh_axes((logical,))
   axes = spec[0] if spec else None
   axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
   return tuple(a for a in axes if mesh.shape[a] > 1)
@@ -53,7 +53,7 @@ def per_batch_shard(fn: Callable, batched: Tuple[bool, ...], out_batched: Tuple[
 
   `fn` computes on its shard alone (no collectives), so shard_map's varying-axes check is off:
   Pallas kernels (megablox) declare outputs without the axes they vary over."""
-  axes = _batch_axes()
+  axes = mesh_axes('batch')
   if not axes:
     return fn
   mesh = jax.sharding.get_abstract_mesh()
@@ -63,10 +63,15 @@ def per_batch_shard(fn: Callable, batched: Tuple[bool, ...], out_batched: Tuple[
                        axis_names=frozenset(mesh.axis_names), check_vma=False)
 
 
+def mesh_size(axes: Tuple[str, ...]) -> int:
+  """How many shards the mesh axes `axes` of the current mesh make (1 for none)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return math.prod(mesh.shape[a] for a in axes)
+
+
 def batch_shards() -> int:
   """How many shards the logical 'batch' axis has in the current mesh (1 outside one)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return math.prod(mesh.shape[a] for a in _batch_axes())
+  return mesh_size(mesh_axes('batch'))
 
 
 def grouped_matmul(rows: Array, kernel: Array, group_sizes: Array,

@@ -124,6 +124,40 @@ def test_scan_and_remat_equal_the_unrolled_model(scan, policy):
     np.testing.assert_allclose(got[path], leaf, rtol=0, atol=1e-5, err_msg=path)
 
 
+def test_splash_kernel_equals_the_einsum_logits_and_gradients():
+  """attention='splash_interpret' (the TPU kernel, interpreted) against the einsum, on 200
+  tokens (padded to the kernel's 256): a row packing two examples and padding, a row of one;
+  grouped-query heads, a sliding window as long as the rows."""
+  einsum = dataclasses.replace(DENSE, num_layers=1, sliding_window=200, attention='einsum')
+  splash = dataclasses.replace(einsum, attention='splash_interpret')
+  tokens = np.random.default_rng(1).integers(0, DENSE.vocab_size, (2, 200)).astype(np.int32)
+  segments = np.stack([np.repeat([1, 2, 0], [90, 100, 10]), np.ones(200, int)]).astype(np.int32)
+  positions = np.stack([np.concatenate([np.arange(90), np.arange(100), np.zeros(10, int)]),
+                        np.arange(200)]).astype(np.int32)
+  params = tree.unbox(jax.jit(Llama(einsum).init)(jax.random.PRNGKey(0), tokens))['params']
+
+  def logits_and_grads(config):
+    def loss(params):
+      logits = Llama(config).apply({'params': params}, tokens, segments, positions)
+      return jnp.mean(jax.nn.log_softmax(logits)[..., 1]), logits
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+  (_, want), want_grads = logits_and_grads(einsum)
+  (_, got), got_grads = logits_and_grads(splash)
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+  for path, leaf in tree.flatten(want_grads).items():
+    np.testing.assert_allclose(tree.flatten(got_grads)[path], leaf, rtol=0, atol=1e-6,
+                               err_msg=path)
+
+
+def test_auto_attention_is_the_einsum_on_cpu_bit_for_bit():
+  packed = np.array([[1] * 5 + [2] * 5 + [0] * 2, [1] * 12], np.int32)
+  auto = llama_logits(_dense_params(), DENSE, TOKENS, packed)
+  einsum = llama_logits(_dense_params(), dataclasses.replace(DENSE, attention='einsum'),
+                        TOKENS, packed)
+  np.testing.assert_array_equal(auto, einsum)
+
+
 def test_scanned_dense_tree():
   config = dataclasses.replace(DENSE, num_layers=3, scan_layers=True)
   flat = tree.flatten(abstract_params(config))
@@ -212,6 +246,11 @@ def test_from_hf_config_refuses_in_one_line(changes, field):
     ({'num_kv_heads': 4}, 'models.LlamaConfig.num_kv_heads = 4'),
     ({'head_dim': 9}, 'models.LlamaConfig.head_dim = 9'),
     ({'moe': MoeConfig(num_experts=4)}, 'models.LlamaConfig.moe.router = ExpertsChoose'),
+    ({'attention': 'flash'}, "models.LlamaConfig.attention = 'flash'"),
+    ({'attention': 'cudnn'}, "models.LlamaConfig.attention = 'cudnn': cuDNN's fused attention "
+     "takes bfloat16 or float16, but dtype = 'float32'"),
+    ({'attention': 'splash', 'dropout_rate': 0.1},
+     "models.LlamaConfig.attention = 'splash': the kernel has no attention dropout"),
     ({'moe': MoeConfig(num_experts=4, router=routers.TopK()), 'moe_layers': 'last_1',
       'scan_layers': True}, 'models.LlamaConfig.moe_layers'),
 ])

@@ -40,7 +40,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from upcycle import fields, layers
+from upcycle import fields, fused_attention, layers
 from upcycle.models import llama_hf, rope, scan_layout, stacking
 from upcycle.moe import grouping, placement
 from upcycle.moe.config import MoeConfig
@@ -74,6 +74,11 @@ class LlamaConfig:
       name, e.g. 131072 for Llama 3.1), or None; nothing here computes with it: the HF export
       writes it where the run's HF source does not say (`llama_hf.hf_config`).
     dropout_rate: as T5's (attention weights, block outputs, MLP hidden units); HF has none.
+    attention: how training and evaluation attend over whole sequences
+      (`upcycle.fused_attention.ATTENTION`): 'auto' (splash-attention kernel on TPU, cuDNN's
+      on GPU for bfloat16 / float16, the einsum elsewhere), 'einsum', 'splash', 'cudnn' or
+      'splash_interpret' (the kernel interpreted on any platform, for tests). Decoding steps
+      with the KV cache, the prompt's prefill and attention dropout use the einsum.
   Every field is checked at construction, naming the binding (`models.LlamaConfig.d_model`).
   """
 
@@ -93,6 +98,7 @@ class LlamaConfig:
   sliding_window: Optional[int] = None
   max_position_embeddings: Optional[int] = None
   dropout_rate: float = 0.0
+  attention: str = 'auto'
   dtype: str = 'float32'
   moe: Optional[MoeConfig] = None
   moe_layers: placement.Placement = 'all'
@@ -119,6 +125,18 @@ class LlamaConfig:
     fields.optional_integer(self, 'max_position_embeddings', 1)
     fields.fraction(self, 'dropout_rate')
     fields.choice(self, 'dtype', layers.DTYPES)
+    fields.choice(self, 'attention', fused_attention.ATTENTION)
+    if self.attention == 'cudnn' and self.dtype not in fused_attention.CUDNN_DTYPES:
+      raise fields.ConfigError(
+          f"{fields.binding(self, 'attention')} = 'cudnn': cuDNN's fused attention takes "
+          f"{' or '.join(fused_attention.CUDNN_DTYPES)}, but dtype = {self.dtype!r}. Fix: set "
+          f"dtype to one of them, or attention = 'auto'.")
+    if self.attention not in ('auto', 'einsum') and self.dropout_rate:
+      raise fields.ConfigError(
+          f'{fields.binding(self, "attention")} = {self.attention!r}: the kernel has no '
+          f'attention dropout, but dropout_rate = {self.dropout_rate}. Fix: attention = '
+          f"'einsum' (or 'auto', which attends by the einsum while dropout is on), or "
+          f'dropout_rate = 0.')
     fields.optional_instance(self, 'moe', MoeConfig, '@moe.MoeConfig()')
     placement.check(self, 'moe_layers', self.num_layers)
     fields.choice(self, 'remat_policy', tuple(stacking.REMAT_POLICIES))
@@ -175,17 +193,21 @@ class Attention(nn.Module):
   """Causal grouped-query self-attention with rotary positions (HF `LlamaAttention`).
 
   Query head h reads key/value head h // (num_heads / num_kv_heads), as HF's `repeat_kv`;
-  logits are scaled by head_dim**-0.5 and soft-maxed in float32. Keys are rotated before
-  they are used, so a decoding cache can keep them as they are.
+  logits are scaled by head_dim**-0.5 and soft-maxed in float32 (`upcycle.fused_attention`,
+  by `config.attention`). Keys are rotated before they are used, so a decoding cache can keep
+  them as they are.
   """
 
   config: LlamaConfig
 
   @nn.compact
-  def __call__(self, x: Array, bias: Array, positions: Array, deterministic: bool,
-               cache_index: Optional[Array] = None, cache_length: Optional[int] = None) -> Array:
-    """x `[batch, length, d_model]`, bias `[batch|1, 1, length, keys]` (additive mask),
-    positions `[batch, length]` -> `[batch, length, d_model]`.
+  def __call__(self, x: Array, bias: Optional[Array], segment_ids: Optional[Array],
+               positions: Array, deterministic: bool, cache_index: Optional[Array] = None,
+               cache_length: Optional[int] = None) -> Array:
+    """x `[batch, length, d_model]`, positions `[batch, length]` -> `[batch, length,
+    d_model]`. Whole sequences (bias None): causal within the segments of `segment_ids`
+    `[batch, length]` (None: one per row), by `config.attention`. Decoding: by the einsum with
+    bias `[batch, 1, length, keys]` (additive mask).
 
     Decoding (`cache_length` set): the first call (the prompt) also writes its keys and
     values into a new cache of `cache_length` columns; a later call (one step, length 1)
@@ -207,12 +229,14 @@ class Attention(nn.Module):
     v = project('value', kv_heads)
     if cache_length is not None:
       k, v = self._cached(k, v, cache_index, cache_length)
-    q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
-    logits = jnp.einsum('bqhgd,bkhd->bhgqk', q, k, preferred_element_type=jnp.float32)
-    logits = logits * head_dim**-0.5 + bias[:, :, None].astype(jnp.float32)
-    weights = jax.nn.softmax(logits, axis=-1).astype(cfg.dtype)
-    weights = nn.Dropout(cfg.dropout_rate)(weights, deterministic=deterministic)
-    y = jnp.einsum('bhgqk,bkhd->bqhgd', weights, v).reshape(batch, length, heads * head_dim)
+    dropout = None
+    if not deterministic and cfg.dropout_rate:
+      dropout = functools.partial(nn.Dropout(cfg.dropout_rate), deterministic=False)
+    if bias is None:
+      y = fused_attention.attend(q, k, v, segment_ids, cfg.attention, cfg.dtype, dropout)
+    else:
+      y = fused_attention.einsum_attention(q, k, v, bias, cfg.dtype, dropout)
+    y = y.reshape(batch, length, heads * head_dim)
     y = dense(cfg.d_model, ('joined_kv', 'embed'), use_bias=cfg.out_bias, name='out')(y)
     return layers.constrain(y, ('batch', 'length', 'embed'))
 
@@ -255,17 +279,18 @@ class DecoderLayer(nn.Module):
   sparse: bool = False
 
   @nn.compact
-  def __call__(self, x, bias, positions, token_mask, cache_index, deterministic,
+  def __call__(self, x, bias, segment_ids, positions, token_mask, cache_index, deterministic,
                cache_length=None):
-    """x `[batch, length, d_model]`; token_mask `[batch, length]` (False: padding) or None;
-    a decode step (`cache_index` set) has length 1."""
+    """x `[batch, length, d_model]`; bias None (whole sequences, of `segment_ids`) or the
+    decoding's (`Attention`); token_mask `[batch, length]` (False: padding) or None; a decode
+    step (`cache_index` set) has length 1."""
     cfg = self.config
     norm = functools.partial(layers.RMSNorm, cfg.layer_norm_epsilon, cfg.dtype,
                              scale_in_dtype=True)
     dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
     y = norm(name='pre_self_attention_layer_norm')(x)
-    y = Attention(cfg, name='self_attention')(y, bias, positions, deterministic, cache_index,
-                                              cache_length)
+    y = Attention(cfg, name='self_attention')(y, bias, segment_ids, positions, deterministic,
+                                              cache_index, cache_length)
     x = x + dropout(y, deterministic=deterministic)
     y = norm(name='pre_mlp_layer_norm')(x)
     if not self.sparse:
@@ -321,10 +346,8 @@ class Decoder(nn.Module):
     else:
       batch, length = tokens.shape
       self._check_window(cache_length if decode else length)
-      mask = layers.combine_masks(
-          layers.make_causal_mask(length),
-          None if segment_ids is None else layers.make_segment_mask(segment_ids, segment_ids))
-      bias = layers.attention_bias_from_mask(mask)
+      # The prompt's prefill attends by the einsum; training and evaluation by `attention`.
+      bias = fused_attention.causal_bias(segment_ids, length) if decode else None
       if positions is None:
         positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
       token_mask = None if segment_ids is None else segment_ids > 0
@@ -333,7 +356,7 @@ class Decoder(nn.Module):
     dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
     x = dropout(self.embedder(tokens), deterministic=deterministic)
     x = stacking.apply_stack(DecoderLayer, cfg, 0, x,
-                             (bias, positions, token_mask, cache_index),
+                             (bias, segment_ids, positions, token_mask, cache_index),
                              (deterministic, cache_length if decode else None))
     x = layers.RMSNorm(cfg.layer_norm_epsilon, cfg.dtype, scale_in_dtype=True,
                        name='decoder_norm')(x)
