@@ -20,11 +20,19 @@ BYTE_T5_FLAGS = ['--gin.models.T5Config.d_model=8', '--gin.models.T5Config.d_ff=
                  '--gin.models.T5Config.num_decoder_layers=1']
 
 
+def with_flags(base, *flags):
+  """The command-line flags `base` then `flags`, a `--gin.KEY=VALUE` of `flags` replacing
+  `base`'s of the same KEY (the command line refuses two values for one binding)."""
+  keys = {flag.split('=', 1)[0] for flag in flags if flag.startswith('--gin.')}
+  return [flag for flag in base if flag.split('=', 1)[0] not in keys] + list(flags)
+
+
 def byte_t5_argv(run, checkpoint, *flags):
   """runs/<run>.gin on the offline task with byte_vocab_t5's architecture, and `flags`."""
-  return ['--gin_file=models/t5_1_1/tiny.gin', f'--gin_file=runs/{run}.gin',
-          '--gin_file=data/offline_span_corruption.gin', f"--gin.CHECKPOINT_PATH='{checkpoint}'",
-          f'--gin.TASK_FEATURE_LENGTHS={BYTE_T5_LENGTHS}', *BYTE_T5_FLAGS, *flags]
+  return with_flags([
+      '--gin_file=models/t5_1_1/tiny.gin', f'--gin_file=runs/{run}.gin',
+      '--gin_file=data/offline_span_corruption.gin', f"--gin.CHECKPOINT_PATH='{checkpoint}'",
+      f'--gin.TASK_FEATURE_LENGTHS={BYTE_T5_LENGTHS}', *BYTE_T5_FLAGS], *flags)
 
 
 def save_swapped_tokenizer(tokenizer, directory: str, ids=(2000, 2001)) -> str:

@@ -167,6 +167,65 @@ def test_an_error_in_a_gin_file_names_the_file_and_line(tmp_path):
       '(train_script.train.eval_perod = 100)')
 
 
+@pytest.mark.parametrize('bindings, error', [
+    (['--gin.TRAIN_STEPS=10', '--gin.TRAIN_STEPS=3'], 'TRAIN_STEPS is given two values on the '
+     'command line, 10 and 3: give it one.'),
+    (['--gin.TRAIN_STEPS=3', '--gin_bindings=TRAIN_STEPS = 2'], 'TRAIN_STEPS is given two '
+     'values on the command line, 3 and 2: give it one.'),   # in the command line's order
+    (['--gin_bindings=trainer.TrainConfig.log_every = 5\nSEED = 1',
+      '--gin.trainer.TrainConfig.log_every=7'], 'trainer.TrainConfig.log_every is given two '
+     'values on the command line, 5 and 7: give it one.'),
+    (["--gin.validation/text.TextPipeline.split='train'",
+      "--gin_bindings=validation/text.TextPipeline.split = 'test'"],
+     "validation/text.TextPipeline.split is given two values on the command line, 'train' and "
+     "'test': give it one."),
+])
+def test_two_command_line_values_for_one_binding_are_refused_naming_both(bindings, error):
+  assert refusal(T5[:2] + ["--gin.MODEL_DIR='/tmp/unused'", *bindings]) == (
+      f'gin configuration error: {error}')
+
+
+def test_a_command_line_binding_overrides_the_gin_files_and_may_repeat_its_value():
+  parse(T5 + ['--gin.BATCH_SIZE=4', '--gin_bindings=BATCH_SIZE = 4'])   # runs/pretrain.gin: 512
+  assert gin.query_parameter('%BATCH_SIZE') == 4 and gin.query_parameter('%TRAIN_STEPS') == 10
+
+
+LLAMA = ['--gin_file=models/llama/tiny.gin', "--gin.MODEL_DIR='/tmp/unused'",
+         '--gin.TRAIN_STEPS=3']
+
+
+@pytest.mark.parametrize('files, error', [
+    (['data/offline_stdlib_lm.gin', 'runs/llm_pretrain.gin'],
+     'MIXTURE_OR_TASK_NAME is set by data/offline_stdlib_lm.gin, but runs/llm_pretrain.gin, '
+     'given after it, sets it back to %gin.REQUIRED: give data/offline_stdlib_lm.gin after '
+     'runs/llm_pretrain.gin (later gin files win).'),
+    (['data/offline_stdlib_lm.gin', 'moe/mixtral.gin', 'runs/llm_upcycle.gin'],
+     'MIXTURE_OR_TASK_NAME is set by data/offline_stdlib_lm.gin, but runs/llm_upcycle.gin (in '
+     'its include runs/llm_pretrain.gin), given after it, sets it back to %gin.REQUIRED: give '
+     'data/offline_stdlib_lm.gin after runs/llm_upcycle.gin (later gin files win).'),
+    (['runs/llm_pretrain.gin'],
+     'MIXTURE_OR_TASK_NAME is %gin.REQUIRED in runs/llm_pretrain.gin and no gin file given '
+     'sets it: set it with --gin.MIXTURE_OR_TASK_NAME=...'),
+])
+def test_a_macro_left_required_names_the_gin_files_that_set_it(files, error):
+  gin_files = [f'--gin_file={name}' for name in files]
+  needs = ["--gin.INITIAL_CHECKPOINT_PATH='/x'"] if 'runs/llm_upcycle.gin' in files else []
+  assert refusal(LLAMA + gin_files + needs) == f'gin configuration error: {error}'
+  # What the message says to do: the data file after the runs file.
+  parse(LLAMA + [f for f in gin_files if '=data/' not in f] +
+        ['--gin_file=data/offline_stdlib_lm.gin'] + needs)
+  assert gin.query_parameter('%MIXTURE_OR_TASK_NAME') == 'offline_stdlib_text'
+
+
+def test_a_parameter_left_required_is_named_as_gin_names_it(tmp_path):
+  (tmp_path / 'unset.gin').write_text('from __gin__ import dynamic_registration\n'
+                                      'import __main__ as train_script\n'
+                                      'train_script.train.eval_data = %gin.REQUIRED\n')
+  assert refusal(T5 + [f'--gin_file={tmp_path}/unset.gin']) == (
+      'gin configuration error: train.eval_data set to `%gin.REQUIRED` but not '
+      'subsequently overridden.')
+
+
 @pytest.mark.parametrize('flag, error', [
     ('--bogus', 'unrecognized arguments: --bogus'),
     ('--gin_fil=x.gin', 'unrecognized arguments: --gin_fil=x.gin'),   # no abbreviations

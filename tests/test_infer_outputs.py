@@ -21,7 +21,7 @@ import gin
 import numpy as np
 import pytest
 
-from tests.helpers import BYTE_T5_LENGTHS, byte_t5_argv
+from tests.helpers import BYTE_T5_LENGTHS, byte_t5_argv, with_flags
 from upcycle import infer as infer_main
 from upcycle.decoding import DecodeConfig
 
@@ -29,8 +29,8 @@ BEAM = "--gin.decoding.DecodeConfig.method='beam'"
 
 
 def _argv(checkpoint, model_dir, *flags):
-  return byte_t5_argv('infer', checkpoint, f"--gin.MODEL_DIR='{model_dir}'",
-                      '--gin.BATCH_SIZE=2', '--gin.INFER_BATCHES=3', *flags)
+  return byte_t5_argv('infer', checkpoint, *with_flags([
+      f"--gin.MODEL_DIR='{model_dir}'", '--gin.BATCH_SIZE=2', '--gin.INFER_BATCHES=3'], *flags))
 
 
 def _infer_here(argv):

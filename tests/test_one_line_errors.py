@@ -21,7 +21,7 @@ import sys
 import pytest
 
 from tests.checkpoints import helpers
-from tests.helpers import REPO
+from tests.helpers import REPO, with_flags
 from upcycle import eval as eval_main
 from upcycle import infer as infer_main
 from upcycle.checkpoints import t5x_writer
@@ -116,8 +116,8 @@ def paths(tmp_path):
 ])
 def test_a_config_the_mesh_or_the_data_cannot_take(flags, error, entry_points, tmp_path,
                                                    capsys):
-  message = _refusal(train_main.main, PRETRAIN + [f"--gin.MODEL_DIR='{tmp_path}/run'", *flags],
-                     capsys)
+  message = _refusal(
+      train_main.main, with_flags(PRETRAIN, f"--gin.MODEL_DIR='{tmp_path}/run'", *flags), capsys)
   assert message == f'error: {error}'
   assert os.listdir(tmp_path) == []
 

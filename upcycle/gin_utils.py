@@ -9,9 +9,12 @@ the gin files).
   --tfds_data_dir=DIR                   as T5X's: where TFDS datasets are prepared
   --verbose                             errors show their traceback, not only one line
 
-A macro bound on the command line that no binding uses is refused, naming the closest macro
-the configuration has (`--gin.NUM_EXPERT=8` would otherwise define a new macro and change
-nothing); so are T5X's macros and flags that mean nothing here, with what to use instead.
+Two values for one binding on the command line are refused, naming both (`check_repeats`); a
+macro left %gin.REQUIRED names the gin file that sets it and the later one that sets it back
+(`unset_macro`). A macro bound on the command line that no binding uses is refused, naming
+the closest macro the configuration has (`--gin.NUM_EXPERT=8` would otherwise define a new
+macro and change nothing); so are T5X's macros and flags that mean nothing here, with what to
+use instead.
 """
 
 import argparse
@@ -27,6 +30,7 @@ from typing import (Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequ
                     Type)
 
 import gin
+from gin import config_parser
 
 from upcycle import arguments, console, distributed, reachability
 
@@ -139,17 +143,17 @@ def parse_flags(argv: Sequence[str], description: str) -> Tuple[argparse.Namespa
                       help="as T5X's: the TFDS data directory of every task and image dataset")
   parser.add_argument('--verbose', action='store_true',
                       help='show the traceback of an error, not only its one-line message')
-  bindings, rest = [], []
-  for arg in argv:
+  rest = []
+  for arg in argv:   # --gin.K=V is --gin_bindings: the bindings keep the command line's order
     if arg.startswith('--gin.'):
       key, sep, value = arg[len('--gin.'):].partition('=')
       if not sep:
         raise SystemExit(f'{arg}: expected --gin.KEY=VALUE.')
-      bindings.append(f'{key} = {value}')
+      rest.append(f'--gin_bindings={key} = {value}')
     else:
       rest.append(arg)
   args = parser.parse_args(rest)
-  return args, _translated(list(args.gin_bindings) + bindings)
+  return args, _translated(args.gin_bindings)
 
 
 def _translated(bindings: Sequence[str]) -> List[str]:
@@ -255,6 +259,58 @@ def _macro_references(value: Any, found: set) -> None:
       _macro_references(item, found)
 
 
+class _Written:
+  """A macro or reference inside a parsed value, as it is written (`%gin.REQUIRED`, `@f()`)."""
+
+  def __init__(self, text: str):
+    self.text = text
+
+  def __repr__(self) -> str:
+    return self.text
+
+
+class _AsWritten(config_parser.ParserDelegate):
+  """gin's parser delegate that resolves nothing: values keep their macros and references."""
+
+  def configurable_reference(self, scoped_configurable_name: str, evaluate: bool) -> _Written:
+    return _Written(f'@{scoped_configurable_name}{"()" if evaluate else ""}')
+
+  def macro(self, macro_name: str) -> _Written:
+    return _Written(f'%{macro_name}')
+
+
+_REQUIRED = '%gin.REQUIRED'
+
+
+def _statements(source: Any) -> List[Any]:
+  """gin's statements (bindings, includes, imports) of a bindings string or an open gin file,
+  nothing resolved: `repr` of a binding's value is its text (`10`, `'/tmp/x'`,
+  `%gin.REQUIRED`)."""
+  return list(config_parser.ConfigParser(source, _AsWritten()))
+
+
+def _bindings(source: Any) -> List[config_parser.BindingStatement]:
+  return [s for s in _statements(source) if isinstance(s, config_parser.BindingStatement)]
+
+
+def _key(binding: config_parser.BindingStatement) -> str:
+  """The binding's key as written: `[scope/]selector[.parameter]` (a macro: its name)."""
+  scope = f'{binding.scope}/' if binding.scope else ''
+  return scope + binding.selector + (f'.{binding.arg_name}' if binding.arg_name else '')
+
+
+def check_repeats(bindings: Sequence[str]) -> None:
+  """Refuses two values for one key among the command line's `bindings` (--gin.KEY=VALUE and
+  --gin_bindings alike), whichever gin would keep (the last) unsaid; a value given twice is
+  one value. A binding overriding a gin file's value is what bindings are for."""
+  values: Dict[str, str] = {}
+  for binding in (b for text in bindings for b in _bindings(text)):
+    key, value = _key(binding), repr(binding.value)
+    if values.setdefault(key, value) != value:
+      raise ValueError(f'{key} is given two values on the command line, {values[key]} and '
+                       f'{value}: give it one.')
+
+
 def check_macros(bindings: Sequence[str], read: Sequence[str] = ()) -> None:
   """Refuses a macro set by `bindings` that no binding of the parsed configuration uses (nor
   the entry point, which reads the macros `read` itself), naming the closest macro it has."""
@@ -264,8 +320,8 @@ def check_macros(bindings: Sequence[str], read: Sequence[str] = ()) -> None:
     for value in parameters.values():
       _macro_references(value, used)
   in_use = sorted(used & {scope for scope, selector in config if selector == 'gin.macro'})
-  given = [m.group(1) for binding in bindings for line in binding.splitlines()
-           if (m := re.match(r'\s*([A-Za-z_]\w*)\s*=', line))]
+  given = [b.selector for text in bindings for b in _bindings(text)
+           if not b.scope and not b.arg_name]
   for name in given:
     if name in used:
       continue
@@ -301,9 +357,11 @@ def parse_gin(args: argparse.Namespace, bindings: Sequence[str], read: Sequence[
     os.environ['TFDS_DATA_DIR'] = args.tfds_data_dir       # image datasets (data/images.py)
   if not args.gin_file:
     raise SystemExit('Give at least one --gin_file (see configs/ and docs/training.md).')
+  paths = search_paths(args.gin_search_paths.split(','))   # as parse_files_and_bindings's
   try:
     parse_files_and_bindings(args.gin_file, bindings, args.gin_search_paths.split(','),
                              finalize=False)
+    check_repeats(bindings)
     check_macros(bindings, read)
     _import_task_module()
     gin.finalize()
@@ -315,7 +373,8 @@ def parse_gin(args: argparse.Namespace, bindings: Sequence[str], read: Sequence[
     raise SystemExit(f'gin configuration error: {where} does not close its brackets or '
                      f'quotes ({e.args[0]}).') from e
   except (ValueError, IOError) as e:
-    raise SystemExit(f'gin configuration error: {_duplicate_task(e) or located(str(e))}') from e
+    why = _duplicate_task(e) or unset_macro(e, args.gin_file, paths) or located(str(e))
+    raise SystemExit(f'gin configuration error: {why}') from e
 
 
 def _duplicate_task(error: Exception) -> Optional[str]:
@@ -332,6 +391,56 @@ def _duplicate_task(error: Exception) -> Optional[str]:
           f'configuration registers already. Fix: name the module as '
           f'--gin.MIXTURE_OR_TASK_MODULE="\'{module}\'" instead of importing it in a gin '
           f'file; its tasks then replace this project\'s registrations of the same names.')
+
+
+# gin's error for a macro left `%gin.REQUIRED` (others name a parameter, not `/macro.value`).
+_UNSET_MACRO = re.compile(r'(?P<macro>[A-Za-z_]\w*)/macro\.value set to `%gin\.REQUIRED` but '
+                          r'not subsequently overridden\.')
+
+
+def _macro_values(name: str, macro: str, paths: Sequence[str]) -> List[Tuple[str, bool]]:
+  """(the file, whether the value is %gin.REQUIRED) of each binding of `macro` in the gin file
+  `name` and its includes (found in `paths`, as `resolve` finds them for gin), in the order
+  gin reads them."""
+  with open(resolve(name, paths)) as f:
+    statements = _statements(f)
+  found = []
+  for statement in statements:
+    if isinstance(statement, config_parser.IncludeStatement):
+      found += _macro_values(statement.filename, macro, paths)
+    elif (isinstance(statement, config_parser.BindingStatement)
+          and _key(statement) == macro):
+      found.append((name, repr(statement.value) == _REQUIRED))
+  return found
+
+
+def unset_macro(error: Exception, files: Sequence[str],
+                paths: Sequence[str]) -> Optional[str]:
+  """One line for gin's error that a macro is left %gin.REQUIRED: the gin file of `files` that
+  sets it and the later one that sets it back (so the first must come after it: later files
+  win), or, where none of them sets it, how to set it. None for other errors, and where the
+  files do not explain it."""
+  found = _UNSET_MACRO.fullmatch(str(error).strip())
+  if not found:
+    return None
+  macro = found.group('macro')
+  values = [(given, where, required) for given in files
+            for where, required in _macro_values(given, macro, paths)]
+  named = lambda value: value[0] + ('' if value[1] == value[0] else
+                                    f' (in its include {value[1]})')
+  sets = [i for i, value in enumerate(values) if not value[2]]
+  if not sets:
+    required = next((value for value in values if value[2]), None)
+    return required and (f'{macro} is {_REQUIRED} in {named(required)} and no gin file given '
+                         f'sets it: set it with --gin.{macro}=...')
+  setter = values[sets[-1]]
+  later = next((value for value in values[sets[-1] + 1:] if value[2]), None)
+  if later is None:
+    return None
+  fix = (f'set it with --gin.{macro}=...' if later[0] == setter[0] else
+         f'give {setter[0]} after {later[0]} (later gin files win)')
+  return (f'{macro} is set by {named(setter)}, but {named(later)}, given after it, sets it '
+          f'back to {_REQUIRED}: {fix}.')
 
 
 def _unclosed(binding: str) -> bool:

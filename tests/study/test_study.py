@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import REPO
+from upcycle import gin_utils
 from upcycle.study import claims, drop_runs, drop_section, epochs, regime, runs as runs_lib
 from upcycle.study.__main__ import DESCRIPTIONS, QUICK_ARMS, SUITES, plan, suite_of
 from upcycle.study.curves import Curve, Results, train_rows_at_end
@@ -200,6 +201,21 @@ def test_every_run_starts_from_a_checkpoint_its_source_keeps(scale):
       saved = sorted({s for s in range(scale.checkpoint_every, last + 1, scale.checkpoint_every)}
                      | {last})
       assert step in saved[-keep:], (r.name, step, saved[-keep:])
+
+
+def test_every_run_s_command_binds_each_key_once_the_run_s_own_winning():
+  """The command line refuses two values for one binding: a run's bindings replace its
+  family's, which replace the common ones."""
+  for r in plan(FULL, quick=False, suites=SUITES):
+    if callable(r.steps):   # read from another run's metrics
+      continue
+    flags = r.command('runs', FULL, 'python')[3:]
+    gin_utils.check_repeats(gin_utils.parse_flags(flags, 'study')[1])
+    if r.family == 'llama':
+      assert f'--gin.trainer.TrainConfig.eval_every={FULL.llama_eval_every}' in flags, r.name
+  constant = [r for r in plan(FULL, quick=False, suites=('drop',)) if 'constant_lr' in r.name]
+  assert constant and all(f'--gin.MIN_LEARNING_RATE={FULL.llama_learning_rate}' in r.command(
+      'runs', FULL, 'python') for r in constant)
 
 
 def test_suites_split_the_arms_and_plan_each_run_after_the_runs_it_starts_from():

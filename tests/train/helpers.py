@@ -4,6 +4,7 @@ the `python -m upcycle.train` command line of the subprocess runs."""
 import os
 import sys
 
+from tests.helpers import with_flags
 from upcycle.data.text import TextPipeline
 from upcycle.models import T5, T5Config, ViTConfig
 from upcycle.train.built_run import build_run
@@ -54,14 +55,15 @@ def mesh_run(objective, optimizer, batch):
   return built, built.abstract
 
 
-def train_command(model_dir, steps):
+def train_command(model_dir, steps, *flags):
   """`python -m upcycle.train` of the tiny T5 gin file at 2+2 layers on the offline task, for
-  `steps` steps (batches of 8, a checkpoint every 4, no evaluation)."""
-  return [sys.executable, '-m', 'upcycle.train',
+  `steps` steps (batches of 8, a checkpoint every 4, no evaluation), and `flags` (`with_flags`:
+  a binding of `flags` replaces the command's own)."""
+  return with_flags([sys.executable, '-m', 'upcycle.train',
           '--gin_file=models/t5_1_1/tiny.gin', '--gin_file=runs/pretrain.gin',
           '--gin_file=data/offline_span_corruption.gin',
           f"--gin.MODEL_DIR='{model_dir}'", f'--gin.TRAIN_STEPS={steps}',
           '--gin.BATCH_SIZE=8', "--gin.TASK_FEATURE_LENGTHS={'inputs': 64, 'targets': 16}",
           '--gin.trainer.TrainConfig.log_every=1', '--gin.trainer.TrainConfig.checkpoint_every=4',
           '--gin.models.T5Config.num_encoder_layers=2',
-          '--gin.models.T5Config.num_decoder_layers=2', '--gin.train.eval_data=None']
+          '--gin.models.T5Config.num_decoder_layers=2', '--gin.train.eval_data=None'], *flags)

@@ -38,7 +38,7 @@ EVERY_2 = '--gin.trainer.TrainConfig.checkpoint_every=2'
 
 
 def _train(model_dir, steps, *extra, timeout=300):
-  return subprocess.run(train_command(model_dir, steps) + [EVERY_2, *extra], cwd=REPO,
+  return subprocess.run(train_command(model_dir, steps, EVERY_2, *extra), cwd=REPO,
                         env=ONE_DEVICE_ENV, capture_output=True, text=True, timeout=timeout)
 
 
@@ -72,7 +72,7 @@ def _largest_params_file(model_dir, step):
 @pytest.mark.slow
 def test_a_second_trainer_on_a_model_dir_is_refused_naming_the_holder(tmp_path):
   model_dir = tmp_path / 'run'
-  first = subprocess.Popen(train_command(model_dir, 100000) + [EVERY_2], cwd=REPO,
+  first = subprocess.Popen(train_command(model_dir, 100000, EVERY_2), cwd=REPO,
                            env=ONE_DEVICE_ENV, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
   try:
@@ -306,7 +306,7 @@ def test_keep_checkpoints_none_keeps_every_checkpoint(tmp_path):
 def test_a_wrong_gin_binding_fails_before_any_work(tmp_path):
   model_dir = tmp_path / 'run'
   done = subprocess.run(
-      train_command(model_dir, 4) + ["--gin.trainer.TrainConfig.checkpoint_every='ten'"],
+      train_command(model_dir, 4, "--gin.trainer.TrainConfig.checkpoint_every='ten'"),
       cwd=REPO, env=ONE_DEVICE_ENV, capture_output=True, text=True, timeout=300)
   assert done.returncode == 1
   assert ("error: trainer.TrainConfig.checkpoint_every = 'ten': expected an integer >= 1"

@@ -74,10 +74,13 @@ class Run:
       arm, step = self.source
       path = os.path.join(self.directory(runs_dir, arm), 'checkpoints', str(step))
       bindings += [f"INITIAL_CHECKPOINT_PATH='{path}'", 'RESTORE_DATASET=True']
+    # The run's own bindings over the family's over the common ones: one value per key, as
+    # the command line takes them.
+    chosen = {b.split('=', 1)[0]: b for b in (*bindings, *scale.family_bindings(self.family),
+                                                *self.bindings)}
     return [python, '-m', 'upcycle.train', f'--gin_file={model}',
             *[f'--gin_file={f}' for f in self.gin_files], f'--gin_file={data}',
-            *[f'--gin.{b}' for b in (*bindings, *scale.family_bindings(self.family),
-                                     *self.bindings)]]
+            *[f'--gin.{b}' for b in chosen.values()]]
 
 
 def last_logged(run_dir: str, split: str, key: str) -> float:
