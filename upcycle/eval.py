@@ -48,24 +48,20 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
   # pylint: disable=g-import-not-at-top
   from upcycle import decoding as decoding_lib
   from upcycle import pretrained
-  from upcycle.checkpoints import verify as verify_lib
   from upcycle.train import evaluation, partitioning
   from upcycle.train.step import make_eval_step
   # pylint: enable=g-import-not-at-top
   fields.integer_value('BATCH_SIZE (eval_script.evaluate.batch_size)', batch_size, 1)
   if output_dir:
     fields.directory('EVAL_OUTPUT_DIR (eval_script.evaluate.output_dir)', output_dir)
-  checkpoint = pretrained.load(checkpoint_path, format, model_config=objective.model.config,
-                               lazy=True, with_optimizer_state=False)
-  pretrained.check_tokenizer(
-      eval_data, objective.model.config, checkpoint.path, checkpoint.format,
-      fix="TOKENIZER = %CHECKPOINT_PATH (the checkpoint's own); a run whose tokenizer/ was "
-      'replaced needs the one it was trained with put back.')
-  if verify:
-    verify_lib.check(checkpoint)
   mesh = partitioning.make_mesh(num_expert_partitions, num_model_partitions)
+  checkpoint, params, _ = pretrained.load_on_mesh(
+      checkpoint_path, model_config=objective.model.config, mesh=mesh, format=format,
+      verify=verify, check=lambda ckpt: pretrained.check_tokenizer(
+          eval_data, objective.model.config, ckpt.path, ckpt.format,
+          fix="TOKENIZER = %CHECKPOINT_PATH (the checkpoint's own); a run whose tokenizer/ "
+          'was replaced needs the one it was trained with put back.'))
   host_batch = batch_size // jax.process_count()
-  params = pretrained.on_mesh(checkpoint.params, objective.model.config, mesh)
   with partitioning.activate(mesh):
     results = evaluation.evaluate(jax.jit(make_eval_step(objective)), params, eval_data,
                                   batch_size=host_batch, mesh=mesh, max_batches=eval_batches,

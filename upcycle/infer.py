@@ -147,7 +147,6 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
   # pylint: disable=g-import-not-at-top
   from upcycle import families
   from upcycle import pretrained
-  from upcycle.checkpoints import verify as verify_lib
   from upcycle.data.prompts import Prompts
   from upcycle.train import partitioning
   # pylint: enable=g-import-not-at-top
@@ -170,22 +169,25 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
   _check_t5x_mode(t5x_mode, infer_data)
   fields.integer_value('BATCH_SIZE (infer_script.infer.batch_size)', batch_size, 1)
   fields.directory('MODEL_DIR (infer_script.infer.output_dir)', output_dir)
-  checkpoint = pretrained.load(checkpoint_path, format, model_config=model.config, lazy=True,
-                               with_optimizer_state=False)
-  pretrained.check_tokenizer(infer_data, model.config, checkpoint.path, checkpoint.format,
-                             fix=TOKENIZER_FIX)
   max_decode_length = max_decode_length or infer_data.feature_lengths['targets']
-  if verify:
-    verify_lib.check(checkpoint)
-  path = epath.Path(output_dir) / 'inference' / output_name(
-      predictions.source_name(infer_data), checkpoint.step or 0, decoding, seed,
-      decode_identity(infer_data, checkpoint, max_decode_length=max_decode_length,
-                      max_batches=max_batches, seed=seed), t5x_mode=t5x_mode)
-  source = {} if t5x_mode else {'checkpoint': checkpoint_record(checkpoint)}
+
+  def checked(ckpt: Any) -> Dict[str, Any]:
+    """The tokenizer's check; the decode's identity (the digests of the step read)."""
+    pretrained.check_tokenizer(infer_data, model.config, ckpt.path, ckpt.format,
+                               fix=TOKENIZER_FIX)
+    return decode_identity(infer_data, ckpt, max_decode_length=max_decode_length,
+                           max_batches=max_batches, seed=seed)
+
   mesh = partitioning.make_mesh(num_expert_partitions, num_model_partitions)
+  checkpoint, params, identity = pretrained.load_on_mesh(
+      checkpoint_path, model_config=model.config, mesh=mesh, format=format, verify=verify,
+      check=checked)
+  path = epath.Path(output_dir) / 'inference' / output_name(
+      predictions.source_name(infer_data), checkpoint.step or 0, decoding, seed, identity,
+      t5x_mode=t5x_mode)
+  source = {} if t5x_mode else {'checkpoint': checkpoint_record(checkpoint)}
   writer = jax.process_index() == 0
   with _output(path, writer) as f:
-    params = pretrained.on_mesh(checkpoint.params, model.config, mesh)
     done = progress.Progress('infer', 'examples', total=predictions.expected_examples(
         infer_data, batch_size=batch_size, max_batches=max_batches))
     if t5x_mode == 'score':

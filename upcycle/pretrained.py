@@ -6,11 +6,12 @@ the model); `upcycle.families` knows shapes. This module wires the two:
   ckpt = pretrained.load(path, model_config=cfg)   # checked against cfg's shapes
   params, config = pretrained.load_hf(path)        # the config HF's config.json implies
   params = pretrained.on_mesh(ckpt.params, cfg, mesh)   # placed by the model's logical axes
+  ckpt, params, _ = pretrained.load_on_mesh(path, model_config=cfg, mesh=mesh)  # eval's, infer's
   pretrained.check_tokenizer(data, cfg, ckpt.path, ckpt.format, fix=...)   # the weights' ids
 """
 
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import jax
 
@@ -90,6 +91,42 @@ def on_mesh(params: Any, model_config: Any, mesh: jax.sharding.Mesh) -> Any:
   # pylint: enable=g-import-not-at-top
   shardings = partitioning.logical_sharding(families.logical_params(model_config), mesh)
   return jax.tree.map(sharded.read, params, shardings)
+
+
+def load_on_mesh(path: str, *, model_config: Any, mesh: jax.sharding.Mesh,
+                 format: Optional[str] = None,  # pylint: disable=redefined-builtin
+                 verify: bool = True,
+                 check: Callable[[checkpoints.Checkpoint], Any] = lambda ckpt: None
+                 ) -> Tuple[checkpoints.Checkpoint, Any, Any]:
+  """The whole read of a checkpoint that eval and infer run with: opened lazily without its
+  optimizer state and checked against `model_config` (`load`), `check(checkpoint)` (the
+  caller's own checks, e.g. its tokenizer's), its arrays compared with their digests
+  (`verify`: `verify.check`) and its parameters placed on `mesh` (`on_mesh`).
+
+  A MODEL_DIR of a running trainer is read at its latest step, all of it through
+  `orbax.read_live`: when retention deletes that step at any point of the read (opening,
+  digests, placing), everything is read again at the new latest step, and the console says
+  which step was read; a step that stays but is damaged is refused with its own diagnosis.
+
+  Returns:
+    (the Checkpoint, its parameters on `mesh`, what `check` returned).
+  """
+  # pylint: disable=g-import-not-at-top
+  from upcycle.checkpoints import orbax
+  from upcycle.checkpoints import verify as verify_lib
+  # pylint: enable=g-import-not-at-top
+  path = os.fspath(path)
+  format = format or checkpoints.detect_format(path)
+
+  def read(source: str) -> Tuple[checkpoints.Checkpoint, Any, Any]:
+    ckpt = load(source, format, model_config=model_config, lazy=True,
+                with_optimizer_state=False)
+    checked = check(ckpt)
+    if verify:
+      verify_lib.check(ckpt)
+    return ckpt, on_mesh(ckpt.params, model_config, mesh), checked
+
+  return orbax.read_live(path, read) if format == 'orbax' else read(path)
 
 
 def data_tokenizer(data: Any, model_config: Any

@@ -28,7 +28,7 @@ from tests.train.helpers import TEXT_LENGTHS, TRAINING_T5, text
 from upcycle import console, convert, describe, hf_export
 from upcycle import eval as eval_script
 from upcycle import infer as infer_script
-from upcycle.checkpoints import CheckpointError, ocdbt_files, orbax_tree, t5x_export
+from upcycle.checkpoints import CheckpointError, ocdbt_files, orbax_tree, t5x_export, zarr_leaf
 from upcycle.data.text import TextPipeline
 from upcycle.decoding import DecodeConfig
 from upcycle.models import T5
@@ -345,3 +345,78 @@ def test_a_changed_data_position_is_refused_and_set_aside(run, tmp_path, capsys,
   status, line = _verify(step_dir, capsys)
   assert status == 1 and line.startswith(f'error: {reason}')
   _assert_falls_back_to_step_2(run, model_dir, capsys, reason.replace(str(model_dir), ''))
+
+
+def _retention_at_the_first_array_read(monkeypatch, steps):
+  """At the first array read (a digest check or a placement on the mesh, after the step was
+  opened), the trainer of `steps` (MODEL_DIR/checkpoints) saves step 6 and its retention deletes
+  step 4 as orbax's does: its files unlinked, then its directories. Step 6 holds step 2's
+  arrays, so what is evaluated tells which step was read."""
+  original, reads = zarr_leaf._read, []  # pylint: disable=protected-access
+
+  def read_during_retention(*args, **kwargs):
+    reads.append(args)
+    if len(reads) == 1:
+      shutil.copytree(steps / '2', steps / '6')
+      for root, _, names in os.walk(steps / '4', topdown=False):
+        for name in names:
+          os.unlink(os.path.join(root, name))
+        os.rmdir(root)
+    return original(*args, **kwargs)
+
+  monkeypatch.setattr(zarr_leaf, '_read', read_during_retention)
+
+
+def _evaluate(checkpoint_path, **kw):
+  return eval_script.evaluate(objective=Seq2Seq(T5(TRAINING_T5)), eval_data=text('validation'),
+                              checkpoint_path=str(checkpoint_path), batch_size=8,
+                              eval_batches=1, **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('reader', ['eval', 'infer --no_verify'])
+def test_a_step_retention_deletes_while_it_is_read_is_read_again_at_the_new_latest(
+    run, tmp_path, monkeypatch, capsys, reader):
+  """Eval and infer of a live run's MODEL_DIR/checkpoints: the step being read is deleted after
+  it was opened (eval: during its digest check; infer without it: while its parameters are
+  placed on the mesh); the whole read starts again at the new latest step, said on the
+  console, instead of a missing chunk being called damage."""
+  console.show_progress()   # as the entry points do
+  steps = _copy(run, tmp_path) / 'checkpoints'
+  _retention_at_the_first_array_read(monkeypatch, steps)
+  if reader == 'eval':
+    results = _evaluate(steps)
+    monkeypatch.undo()
+    reference = _evaluate(run['dir'] / 'checkpoints' / '2')   # step 6's arrays, read directly
+    assert results['step'] == 6
+    assert {k: v for k, v in results.items() if k not in ('checkpoint', 'step')} == {
+        k: v for k, v in reference.items() if k not in ('checkpoint', 'step')}
+  else:
+    path = infer_script.infer(
+        model=T5(TRAINING_T5), infer_data=TextPipeline(
+            'offline_span_corruption', 'validation', TEXT_LENGTHS, pack=False, shuffle=False),
+        checkpoint_path=str(steps), output_dir=str(tmp_path / 'infer'), batch_size=8,
+        decoding=DecodeConfig(), max_batches=1, verify=False)
+    rows = [json.loads(line) for line in open(path)]
+    assert rows and all(row['checkpoint'] == {'path': f'{steps}/6', 'format': 'orbax', 'step': 6}
+                        for row in rows)
+    assert os.path.basename(path).startswith('offline_span_corruption-6-greedy-')
+  said = capsys.readouterr().err.splitlines()
+  assert said == [
+      f'{steps}/4 was deleted by retention while being read (a running trainer keeps its last '
+      'TrainConfig.keep_checkpoints steps); reading the latest step again.',
+      f'Read step 6 ({steps}/6), the latest step now.']
+
+
+@pytest.mark.slow
+def test_a_damaged_latest_step_that_stays_is_refused_not_read_again(run, tmp_path, capsys):
+  """Eval of MODEL_DIR/checkpoints whose latest step has changed bytes: it is not vanishing, so
+  it is refused as damaged (the live-run retry does not hide it, nor fall back)."""
+  console.show_progress()
+  steps = _copy(run, tmp_path) / 'checkpoints'
+  _flip_embedding(steps / '4')
+  _refused(lambda: _evaluate(steps), changed=(
+      f"{steps}/4/params: parameter '{EMBEDDING}' (shard 0:384,0:32): its bytes differ from the "
+      'digest recorded when the step was saved'))
+  assert 'deleted by retention' not in capsys.readouterr().err
+  assert sorted(os.listdir(steps)) == ['2', '4']

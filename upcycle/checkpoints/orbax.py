@@ -407,18 +407,23 @@ def latest(path: str) -> str:
 def read_live(path: str, read: Callable[[str], Any], attempts: int = 3) -> Any:
   """`read(step directory)` of `path`'s step (its latest, for a MODEL_DIR). A live run's
   retention may delete that step while it is read: then the newer latest step is read
-  instead (`attempts` in all), said on the console; an error of a step that stays is raised.
+  instead (`attempts` in all), said on the console with the step read in the end; an error of
+  a step that stays is raised.
   """
   for attempt in range(attempts):
     step_dir = latest(path)
     try:
-      return read(step_dir)
+      value = read(step_dir)
     except (CheckpointError, OSError, ValueError):
       if step_dir == paths.absolute(path) or attempt == attempts - 1 or not vanishing(step_dir):
         raise
       log.warning('%s was deleted by retention while being read (a running trainer keeps its '
                   'last TrainConfig.keep_checkpoints steps); reading the latest step again.',
                   step_dir)
+      continue
+    if attempt:
+      log.warning('Read step %d (%s), the latest step now.', step_of(step_dir), step_dir)
+    return value
   raise AssertionError('unreachable')
 
 
