@@ -435,6 +435,33 @@ def test_a_live_runs_latest_step_deleted_while_read_is_read_again_at_the_new_lat
     checkpoints.load(str(steps))
 
 
+def test_a_live_run_whose_every_step_is_deleted_while_read_says_so(tmp_path):
+  """Each step lives shorter than a read: the trainer saves the next and retention deletes the
+  one being read, every time. After the attempts, one line says that, not that a chunk is
+  missing from a damaged step."""
+  from upcycle.checkpoints import orbax  # pylint: disable=g-import-not-at-top
+  steps = tmp_path / 'checkpoints'
+
+  def save(step):   # what makes a finished step for the readers: orbax's two metadata files
+    (steps / str(step) / 'params').mkdir(parents=True)
+    (steps / str(step) / '_CHECKPOINT_METADATA').write_text('{}')
+    (steps / str(step) / 'params' / '_METADATA').write_text('{}')
+
+  def read_outlived(step_dir):
+    save(orbax.step_of(step_dir) + 2)
+    shutil.rmtree(step_dir)
+    raise CheckpointError(f'{step_dir}/params: a zarr chunk or array file is missing.')
+
+  save(2)
+  with pytest.raises(CheckpointError) as raised:
+    orbax.read_live(str(steps), read_outlived)
+  assert str(raised.value) == (
+      f'{steps}: retention deleted each of the 3 latest steps read, the last {steps}/6, before '
+      'its read ended: a running trainer keeps its last TrainConfig.keep_checkpoints steps, and '
+      'each lived shorter than a read. Read a copy of a step, or a run that saves less often or '
+      'keeps more steps.')
+
+
 @pytest.mark.slow
 def test_a_disk_that_fills_during_the_save_stops_the_run_in_one_line(roomy_disk):
   """The free-space check passes, then another writer fills the disk while step 4 is written:

@@ -408,15 +408,23 @@ def read_live(path: str, read: Callable[[str], Any], attempts: int = 3) -> Any:
   """`read(step directory)` of `path`'s step (its latest, for a MODEL_DIR). A live run's
   retention may delete that step while it is read: then the newer latest step is read
   instead (`attempts` in all), said on the console with the step read in the end; an error of
-  a step that stays is raised.
+  a step that stays is raised. A run whose every step read is deleted before the read ends
+  (each lives shorter than a read takes) is a CheckpointError that says so.
   """
   for attempt in range(attempts):
     step_dir = latest(path)
     try:
       value = read(step_dir)
-    except (CheckpointError, OSError, ValueError):
-      if step_dir == paths.absolute(path) or attempt == attempts - 1 or not vanishing(step_dir):
+    except (CheckpointError, OSError, ValueError) as e:
+      if step_dir == paths.absolute(path) or not vanishing(step_dir):
         raise
+      if attempt == attempts - 1:
+        raise checkpoint_error(
+            path, f'retention deleted each of the {attempts} latest steps read, the last '
+            f'{step_dir}, before its read ended: a running trainer keeps its last '
+            'TrainConfig.keep_checkpoints steps, and each lived shorter than a read',
+            fix='Read a copy of a step, or a run that saves less often or keeps more '
+            'steps') from e
       log.warning('%s was deleted by retention while being read (a running trainer keeps its '
                   'last TrainConfig.keep_checkpoints steps); reading the latest step again.',
                   step_dir)
