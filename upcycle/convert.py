@@ -433,8 +433,6 @@ def convert(source: Union[str, List[str]], model_config: Any, output_dir: str, *
     raise ConvertError(str(e)) from e
   source_paths = [source] if isinstance(source, str) else list(source)
   ckpts = [pretrained.load(path, format, lazy=True) for path in source_paths]
-  for ckpt in ckpts:
-    pretrained.check_config(ckpt, model_config)
   for path, read in zip(source_paths, ckpts):
     check_paths(path, read.path, output_dir, overwrite)
   ckpt, dense, experts = _sources(ckpts, experts, step,
@@ -452,6 +450,8 @@ def convert(source: Union[str, List[str]], model_config: Any, output_dir: str, *
   else:
     mode = modes.Upcycle(experts, router, cast)
   plan = mode.plan(dense, target, step=first, layers=model_config.moe_positions())
+  for read in ckpts:   # shapes agree: does the function?
+    pretrained.check_config(read, model_config)
   written = str(plan.step) if output_format == 'orbax' else f'checkpoint_{plan.step}'
   log.info('%s (%s, step %s) -> %s/%s', ckpt.path, ckpt.format, ckpt.step, output_dir, written)
   for note in ckpt.notes:

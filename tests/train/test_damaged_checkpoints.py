@@ -290,17 +290,27 @@ def test_every_reader_refuses_changed_bytes_unless_told_not_to_verify(run, tmp_p
     assert not outputs[name].exists(), name
     write(verify=False)
   capsys.readouterr()
-  for name, written in (('t5x', outputs['t5x'] / 'checkpoint_4'), ('hf', outputs['hf']),
-                        ('moe', outputs['moe'] / '4')):
+  for name, written in (('t5x', outputs['t5x'] / 'checkpoint_4'), ('moe', outputs['moe'] / '4')):
     when = 'the step was saved' if name == 'moe' else 'it was written'
     assert _verify(written, capsys) == (0, (
         f'verified: all {len(_recorded(written))} arrays read back complete and match the '
         f'digests recorded when {when}.')), name
   t5x_embedding = _t5x_embedding(outputs['t5x'] / 'checkpoint_4')
   np.testing.assert_array_equal(t5x_embedding, damaged['token_embedder']['embedding'])
+  # The damaged values hold NaN, which an HF directory's reader refuses wherever it reads them.
+  status, line = _verify(outputs['hf'], capsys)
+  assert status == 1 and line.endswith(
+      "model.safetensors: parameter 'shared.weight': the tensor holds values that are not "
+      'finite. Expected finite values, found 9 NaN and 0 Inf among those read. The file is '
+      'damaged: re-download or re-export it.')
 
-  # The HF output's digests are the CRC-32 of the tensors the safetensors package reads; a
-  # byte flipped in one is then found.
+  # An HF output's digests are the CRC-32 of the tensors the safetensors package reads; a
+  # byte flipped in one is then found (the export of the intact step).
+  outputs['hf'] = tmp_path / 'hf_intact'
+  hf_export.export(str(run['dir']), str(outputs['hf']), model_config=TRAINING_T5)
+  assert _verify(outputs['hf'], capsys) == (0, (
+      f'verified: all {len(_recorded(outputs["hf"]))} arrays read back complete and match the '
+      f'digests recorded when it was written.'))
   tensors = load_file(str(outputs['hf'] / 'model.safetensors'))
   assert _recorded(outputs['hf']) == {
       name: {'dtype': str(t.dtype), 'shards': {','.join(f'0:{n}' for n in t.shape):

@@ -162,6 +162,7 @@ class Restore(abc.ABC):
         target.source, target.target, step=step_policy.start(self.step, ckpt.step),
         layers=layers), source=target.source, target=target.target, upcycling=mode.upcycles,
                  binding=fields.binding(self, 'checkpoint'))
+    pretrained.check_config(ckpt, model_config)   # shapes agree: does the function?
     if plan.experts is None or plan.experts.traceable:
       return plan_jit(ckpt, abstract_state, optimizer, plan, target=target,
                       reuse_optimizer_state=self.reuse_optimizer_state,
@@ -172,9 +173,9 @@ class Restore(abc.ABC):
   def _sources(self, owner: str, model_config: Optional[Any]
                ) -> Tuple[Any, Any, modes.Mode, str]:
     """(the checkpoint, the params the plan copies from, the mode, the checkpoint in errors);
-    several checkpoints are combined by the mode's experts (Branch-Train-MiX, UpIT). Each
-    checkpoint that describes its config agrees with `model_config` on what changes the
-    model's function (`pretrained.check_config`)."""
+    several checkpoints are combined by the mode's experts (Branch-Train-MiX, UpIT), each of
+    which must agree with `model_config` on what changes the model's function
+    (`pretrained.check_config`; one checkpoint is checked once its plan has its shapes)."""
     mode = self.mode()
     if isinstance(self.checkpoint, str):
       if isinstance(mode, modes.Upcycle) and not isinstance(mode.experts, (str, ExpertInit)):
@@ -184,7 +185,6 @@ class Restore(abc.ABC):
             f'takes several source checkpoints: {owner}.checkpoint = [path, path, ...]; any '
             f'other initializer needs parentheses (gin: @experts.Drop()).')
       ckpt = pretrained.load(self.checkpoint, self.format, lazy=True)
-      pretrained.check_config(ckpt, model_config)
       return ckpt, ckpt.params, mode, f'{ckpt.path!r}, format {ckpt.format!r}'
     ckpt, init = self._several(owner, mode, model_config)
     return (ckpt, init.shared_params(), dataclasses.replace(mode, experts=init),
