@@ -410,7 +410,9 @@ def test_gcs_output_equals_the_local_one_and_is_refused_and_cleaned_alike(
   assert runs[4:] == [['orbax', 6, 'gs://bucket/moe/6'],
                       ['t5x', 6, 'gs://bucket/moe_t5x/checkpoint_6']]
   assert 'upcycling_report.txt' in report['listing']['moe']
-  assert all(n.startswith('6/') for n in report['listing']['moe'] if n != 'upcycling_report.txt')
+  assert 'config.gin' in report['listing']['moe']
+  assert all(n.startswith('6/') for n in report['listing']['moe']
+             if n not in ('upcycling_report.txt', 'config.gin'))
   assert report['listing']['hidden'] == [   # no work directory, no lock left
       'gs://bucket/.moe.converting-x.converting-1-2/6/_METADATA']
 
@@ -535,8 +537,8 @@ def test_a_non_finite_source_weight_is_refused_in_one_line(tmp_path, capsys, cap
   source = str(tmp_path / 'llama')
   transformers.LlamaForCausalLM(transformers.LlamaConfig(
       vocab_size=4096, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-      tie_word_embeddings=False)).save_pretrained(source)
+      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+      tie_word_embeddings=False)).save_pretrained(source)   # models/llama/tiny.gin's
   weights = os.path.join(source, 'model.safetensors')
   tensors = load_file(weights)
   tensors['model.embed_tokens.weight'][5, 3] = np.inf

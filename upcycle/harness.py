@@ -251,7 +251,7 @@ def context_length(checkpoint: Any) -> int:
     hf = json.loads((epath.Path(checkpoint.path) / 'config.json').read_text())
   else:
     try:
-      hf = llama_hf.hf_config(checkpoint.model_config, None, None, 'float32')
+      hf = llama_hf.hf_config(checkpoint.model_config, dtype='float32', token_ids={})
     except fields.ConfigError:   # no HF family computes it: lm-eval's own default
       hf = {}
   return int(hf.get('max_position_embeddings')
@@ -288,7 +288,7 @@ def load_lm(checkpoint_path: str, *, model_config: Any = None,
   tok = tokenizer_lib.load(tokenizer or checkpoint.path)
   tokenizer_lib.check_fits(tok, config.vocab_size, binding=f'--tokenizer={tok.source}',
                            rows_binding=fields.binding(config, 'vocab_size'))
-  tokenizer_lib.check_trained(tok, checkpoint.path, binding=f'--tokenizer={tok.source}',
+  pretrained.check_trained(tok, checkpoint.path, binding=f'--tokenizer={tok.source}',
                               format=checkpoint.format,
                               fix='leave out --tokenizer (the checkpoint\'s own), or give the '
                                   'one the weights were trained with.')

@@ -153,6 +153,9 @@ def export(model_dir: str, output_dir: str, model_config: Any = None,
   if verify:
     verify_lib.check(dataclasses.replace(ckpt, optimizer_state=None))
   hf_config, tensors, files = families.of(config).hf_export.files(params, config, ckpt.path)
+  tokenizer = (', with its tokenizer' if files else
+               ', without a tokenizer: copy the one its weights were trained with into it'
+               if families.of(config).name == 'llama' else '')
   dtype = dtype or hf_config['dtype']
   hf_config.update(dtype=dtype, torch_dtype=dtype)
   tensors = _cast(tensors, dtype)
@@ -163,9 +166,6 @@ def export(model_dir: str, output_dir: str, model_config: Any = None,
       lambda: hf_writer.write(output_dir, hf_config, tensors, files, max_shard_bytes),
       what=f'Exporting {ckpt.path} to {output_dir}',
       nbytes=lambda: sum(safetensors_file.nbytes(t) for t in tensors.values()))
-  tokenizer = (', with its tokenizer' if files else
-               ', without a tokenizer: copy the one its weights were trained with into it'
-               if families.of(config).name == 'llama' else '')
   log.info('Wrote %s (%s, %d tensors%s).', written, hf_config['architectures'][0], len(tensors),
            tokenizer)
   return written
