@@ -18,7 +18,8 @@ the softmax in float32. They differ in what they keep in memory:
 - 'cudnn': `jax.nn.dot_product_attention(implementation='cudnn')` on GPU (bfloat16 / float16
   only), 'einsum' elsewhere.
 - 'auto' (the default): 'cudnn' on GPU for bfloat16 / float16, 'splash' on TPU, 'einsum'
-  elsewhere (so CPU results are the einsum's, bit for bit).
+  elsewhere (so CPU results are the einsum's, bit for bit). 'splash' and 'auto' attend with
+  the einsum where the batch shards do not divide the rows (a model's one-row init).
 - 'splash_interpret': the splash kernel in Pallas' interpreter on any platform (slow; for
   tests).
 """
@@ -144,5 +145,7 @@ def attend(q: Array, k: Array, v: Array, segment_ids: Optional[Array], attention
     return splash(q, k, v, segment_ids, interpret=True)
   if attention == 'cudnn' or (attention == 'auto' and gpu):
     return dot_product(q, k, v, segment_ids) if gpu else einsum(*args)
+  if q.shape[0] % layers.batch_shards():   # rows the kernel's shards cannot split (one row)
+    return einsum(*args)
   # 'splash', or 'auto' off GPU: the kernel where the program is lowered for TPU.
   return jax.lax.platform_dependent(*args, tpu=unpack(splash), default=einsum)

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, with_flags
 from tests.train.helpers import (ONE_DEVICE_XLA_FLAGS, TEXT_LENGTHS, TRAINING_T5, TRAINING_VIT,
                                  losses, run_t5, text, train_command)
 from upcycle import eval as eval_main
@@ -235,7 +235,7 @@ def test_a_continuation_that_restores_the_dataset_trains_like_the_uninterrupted_
     assert continued[step] == expected[step], step
   # 4 batches of 8 are not a whole number of batches of 12: one line, before any step.
   odd = [c.replace(str(model_dir), str(tmp_path / 'odd')) for c in command]
-  refused = subprocess.run(odd + ['--gin.BATCH_SIZE=12'], cwd=REPO, capture_output=True,
+  refused = subprocess.run(with_flags(odd, '--gin.BATCH_SIZE=12'), cwd=REPO, capture_output=True,
                            text=True, env={**os.environ, 'XLA_FLAGS': ONE_DEVICE_XLA_FLAGS})
   assert refused.returncode == 1, refused.stderr[-3000:]
   assert refused.stderr.strip().splitlines()[-1] == (
