@@ -162,7 +162,8 @@ class Restore(abc.ABC):
         target.source, target.target, step=step_policy.start(self.step, ckpt.step),
         layers=layers), source=target.source, target=target.target, upcycling=mode.upcycles,
                  binding=fields.binding(self, 'checkpoint'))
-    pretrained.check_config(ckpt, model_config)   # shapes agree: does the function?
+    if isinstance(self.checkpoint, str):   # several sources were each checked as read
+      pretrained.check_config(ckpt, model_config)   # shapes agree: does the function?
     if plan.experts is None or plan.experts.traceable:
       return plan_jit(ckpt, abstract_state, optimizer, plan, target=target,
                       reuse_optimizer_state=self.reuse_optimizer_state,
