@@ -43,7 +43,7 @@ ALLOWED = {
     'tpu_slice': set(),
 }
 # Wiring: may import any part.
-WIRING = {'train', 'pretrained', 'predictions', 'harness', 'aot', 'convert', 'export',
+WIRING = {'train', 'pretrained', 'hf_model', 'predictions', 'harness', 'aot', 'convert', 'export',
           'hf_export', 'hf_card', 'eval', 'families', 'infer', 'lm_eval', 'describe', 'quickstart',
           'study', '__init__'}
 # The command-line modules (`python -m ...`): flags and one call; no module imports them.

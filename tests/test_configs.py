@@ -14,8 +14,11 @@ from upcycle.moe import capacity, grouping, routers
 CONFIGS = gin_utils.CONFIGS_DIR
 FILES = sorted(os.path.relpath(p, CONFIGS)
                for p in glob.glob(os.path.join(CONFIGS, '**', '*.gin'), recursive=True))
+# models/hf.gin's directory: a config.json transformers' LlamaConfig(...).save_pretrained wrote
+# (vocab 256, hidden 32, 2 layers, 4 heads over 2 of 8, d_ff 64, context 256).
+HF_CONFIG = os.path.join(os.path.dirname(__file__), 'fixtures', 'hf_llama_config')
 MACROS = ["MODEL_DIR = '/tmp/unused'", 'TRAIN_STEPS = 10', "INITIAL_CHECKPOINT_PATH = '/tmp/x'",
-          "CHECKPOINT_PATH = '/tmp/x'"]
+          "CHECKPOINT_PATH = '/tmp/x'", f"HF_MODEL = '{HF_CONFIG}'"]
 
 
 def context(name):

@@ -1,6 +1,7 @@
 """Describe a checkpoint without loading its data: format, step, sizes, tree, model.
 
   python -m upcycle.describe PATH [--format F] [--json] [--verify]
+  python -m upcycle.describe HF_DIR --gin > my_model.gin
 
 Only metadata is read (shapes and dtypes), so this is cheap on any checkpoint size.
 --verify then reads every array (parameters and optimizer state, one at a time) and exits
@@ -14,6 +15,10 @@ PATH may be a step that a running trainer deletes meanwhile (it keeps its last
 TrainConfig.keep_checkpoints steps): that is said, with exit status 0, not reported as damage.
 A step that resume set aside (MODEL_DIR/corrupt_checkpoints/<step>-<time>) is inspected as
 any step is.
+
+--gin prints the model file of a HuggingFace directory (Llama, Mistral, Qwen2, Mixtral): what
+`--gin_file=models/hf.gin --gin.HF_MODEL=...` builds from its config.json, as a gin file to
+keep or edit (`upcycle.hf_model.gin_file`).
 """
 
 import argparse
@@ -25,7 +30,8 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 from etils import epath
 
-from upcycle import arguments, checkpoints, console, pretrained, reachability, tree
+from upcycle import (arguments, checkpoints, console, fields, hf_model, pretrained, reachability,
+                     tree)
 from upcycle.checkpoints import describe, digests, orbax, paths, verify
 
 
@@ -94,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument('--json', action='store_true', help='print JSON instead of text')
   parser.add_argument('--verify', action='store_true',
                       help='read every array to check that all data is present')
+  parser.add_argument('--gin', action='store_true',
+                      help="print an HF directory's model as a gin file (models/hf.gin's model)")
   return parser
 
 
@@ -103,6 +111,13 @@ def main(argv: Optional[List[str]] = None) -> int:
   path = args.path
   if reachability.refused({'path': path}):
     return 1
+  if args.gin:
+    try:
+      print(hf_model.gin_file(path, named=path), end='', flush=True)
+    except fields.ConfigError as e:
+      print(f'error: {e}', file=sys.stderr)
+      return 1
+    return 0
   existed = epath.Path(path).exists()
   try:
     ckpt = pretrained.load(path, format=args.format, lazy=True)

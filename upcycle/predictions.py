@@ -11,7 +11,7 @@ and merges by index to the same end).
 """
 
 import dataclasses
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import jax
 from jax.experimental import multihost_utils
@@ -221,11 +221,13 @@ def continued_prompts(decode_fn, params: Any, prompts: Prompts, *, batch_size: i
     yield batch, tokens, scores
 
 
-def through_eos(tokens: np.ndarray, eos_id: int) -> List[int]:
-  """A decoder-only continuation up to its first EOS, included (Llama's 0 is a real token, so
-  the padding after EOS is found from EOS, not from 0)."""
-  tokens = [int(t) for t in tokens]
-  return tokens[:tokens.index(eos_id) + 1] if eos_id in tokens else tokens
+def through_eos(tokens: np.ndarray, eos_id: Union[int, Tuple[int, ...]]) -> List[int]:
+  """A decoder-only continuation up to its first EOS (`eos_id`, or any of a tuple of them),
+  included (Llama's 0 is a real token, so the padding after EOS is found from EOS, not from
+  0)."""
+  tokens, ends = [int(t) for t in tokens], set(np.atleast_1d(eos_id).tolist())
+  end = next((i for i, t in enumerate(tokens) if t in ends), None)
+  return tokens if end is None else tokens[:end + 1]
 
 
 def continuation_records(batch: Dict[str, Any], tokens: np.ndarray, scores: np.ndarray,
@@ -233,7 +235,7 @@ def continuation_records(batch: Dict[str, Any], tokens: np.ndarray, scores: np.n
   """One JSON-ready dict per prompt of a decoded batch: its text and tokens, the continuation
   as the tokenizer decodes it (special tokens such as EOS dropped) and its tokens."""
   for i in range(tokens.shape[0]):
-    prediction = through_eos(tokens[i], tokenizer.eos_id)
+    prediction = through_eos(tokens[i], tokenizer.stop_ids)
     real = batch['prompt_mask'][i] == 1
     yield {'prompt': batch['prompt'][i], 'prediction': tokenizer.decode(prediction),
            'score': float(scores[i]),
@@ -248,11 +250,12 @@ def batch_records(model: Any, params: Any, pipeline: Any, decoding: Any, *,
   (`pipeline` a `TextPipeline`; `example_records`, or with `t5x_mode` 'predict' or
   'predict_with_aux' T5X's `t5x_records`),
   or prompts continued by a decoder-only Llama (a `Prompts`; the tokenizer's EOS ends a
-  continuation, as it ends every training document)."""
+  continuation, as it ends every training document, and so does each id of the source's eos
+  list: `Tokenizer.stop_ids`, what transformers' `generate` stops at)."""
   if isinstance(pipeline, Prompts):
     tokenizer = pipeline.load_tokenizer()
     decode_fn = decoding_lib.llama.make_decode_fn(
-        model, dataclasses.replace(decoding, eos_id=tokenizer.eos_id), max_decode_length)
+        model, dataclasses.replace(decoding, eos_id=tokenizer.stop_ids), max_decode_length)
     for batch, tokens, scores in continued_prompts(
         decode_fn, params, pipeline, batch_size=batch_size, mesh=mesh, max_batches=max_batches,
         seed=seed):

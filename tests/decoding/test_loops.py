@@ -60,6 +60,28 @@ def test_greedy_stops_at_eos_and_pads():
   np.testing.assert_allclose(log_prob, [np.log(0.9)] * 2, rtol=1e-6)
 
 
+def test_an_eos_list_ends_a_decode_at_any_of_its_ids():
+  # 0 -> 3 -> 4 -> EOS: with the eos list (4, 1), as generate's, greedy ends at 4; beam search
+  # finishes [3, 4] too (its score is the same path's, without the EOS step).
+  never = -1e9
+  table = np.full((5, 5), never)
+  table[0, 3], table[3, 4], table[4, EOS], table[EOS, 2] = 0.0, np.log(0.8), 0.0, 0.0
+  table[3, 2], table[2, EOS] = np.log(0.2), 0.0
+  cache = {'steps': jnp.zeros((), jnp.int32)}
+  tokens, log_prob = temperature_sample(table_step(table), cache, batch_size=1, max_length=6,
+                                        eos_id=(4, EOS), rng=jax.random.PRNGKey(0),
+                                        temperature=0.0)
+  np.testing.assert_array_equal(tokens, [[3, 4, 0, 0, 0, 0]])
+  np.testing.assert_allclose(log_prob, [np.log(0.8)], rtol=1e-6)
+  sequences, _ = beam_search(table_step(table), cache, batch_size=1, max_length=6,
+                             eos_id=(4, EOS), num_beams=2, alpha=0.0)
+  np.testing.assert_array_equal(sequences[0], [[3, 4, 0, 0, 0, 0], [3, 2, 1, 0, 0, 0]])
+  assert DecodeConfig(eos_id=[2, 4]).eos_id == (2, 4)
+  with pytest.raises(fields.ConfigError, match=r'^decoding.DecodeConfig.eos_id = \(\): expected '
+                     r'an id >= 0 or a non-empty tuple of them.$'):
+    DecodeConfig(eos_id=())
+
+
 def test_sampling_follows_temperature_and_top_k():
   logits = np.log(np.array([0.0001, 0.1, 0.2, 0.3, 0.3999]))
   step = table_step(np.tile(logits, (5, 1)))

@@ -122,6 +122,17 @@ class Tokenizer:
       out.setdefault(name, backend.token(i))
     return out
 
+  @property
+  def stop_ids(self) -> Tuple[int, ...]:
+    """The ids a generation ends at, as transformers' `generate` has them: the source's
+    generation_config.json `eos_token_id` (an int or a list: Llama-3-Instruct's ends at
+    `<|end_of_text|>` and `<|eot_id|>`), else its config.json's, else (`eos_id`,)."""
+    for name in ('generation_config.json', SOURCE_CONFIG):
+      value = _json(self.files, name).get('eos_token_id')
+      if value is not None and value != []:
+        return tuple(int(i) for i in (value if isinstance(value, list) else [value]))
+    return (self.eos_id,)
+
   def _config(self) -> Dict[str, object]:
     return json.loads(self.files.get('tokenizer_config.json', b'{}'))
 

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from upcycle.decoding import beams as beam_ops
+from upcycle.decoding import sampling
 from upcycle.decoding.sampling import Cache, StepFn
 
 Array = jax.Array
@@ -32,7 +33,7 @@ def brevity_penalty(alpha: float, length) -> Array:
 
 
 def beam_search(step_fn: StepFn, cache: Cache, *, batch_size: int, max_length: int,
-                eos_id: int, num_beams: int, alpha: float = 0.6,
+                eos_id: sampling.EosId, num_beams: int, alpha: float = 0.6,
                 initial_tokens: Optional[Array] = None) -> Tuple[Array, Array]:
   """Beam search over `num_beams` beams per example.
 
@@ -41,7 +42,7 @@ def beam_search(step_fn: StepFn, cache: Cache, *, batch_size: int, max_length: i
     cache: the decoder cache for `batch_size` examples; expanded here to `batch * beams`.
     batch_size: examples decoded at once.
     max_length: tokens to decode at most.
-    eos_id: end-of-sequence token.
+    eos_id: end-of-sequence token, or a tuple of them (ends at any).
     num_beams: beams per example.
     alpha: brevity-penalty exponent (0: rank by log-probability alone).
     initial_tokens: `[batch]` int32, the first step's input (None: 0, T5's decoder start).
@@ -73,7 +74,7 @@ def beam_search(step_fn: StepFn, cache: Cache, *, batch_size: int, max_length: i
     from_beam, token = top_index // vocab, top_index % vocab                 # [b, 2k]
     candidates = beam_ops.take_beams(live_seqs, from_beam)                    # [b, 2k, len]
     candidates = jax.lax.dynamic_update_index_in_dim(candidates, token, i + 1, axis=2)
-    ends = token == eos_id
+    ends = sampling.is_eos(token, eos_id)
 
     # Live: the best k candidates that did not just end.
     _, keep = jax.lax.top_k(top_log_probs + ends * NEG_INF, k)

@@ -4,7 +4,7 @@ Model-agnostic: `t5` and `llama` prefill their model's cache and call `search` w
 """
 
 import dataclasses
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple, Union
 
 import jax
 
@@ -29,7 +29,9 @@ class DecodeConfig:
     topp: sample among the most likely tokens that reach this probability, after the
       temperature and top-k (nucleus sampling, T5X's `topp`, HF's `top_p`; 'sample'; 0 or 1:
       all).
-    eos_id: end-of-sequence token (T5 vocabularies: 1; a decoder-only LM: its tokenizer's).
+    eos_id: end-of-sequence token (T5 vocabularies: 1; a decoder-only LM: its tokenizer's), or
+      a tuple of them (an HF generation_config's eos list, `Tokenizer.stop_ids`): a decode
+      ends at the first of any.
     rescale_log_probs: 'greedy' and 'sample' score a decode under the distribution its
       tokens were drawn from (temperature, top-k and top-p applied; greedy scores 0), T5X's
       default. False (ours): under the model, comparable across temperatures and methods.
@@ -41,7 +43,7 @@ class DecodeConfig:
   temperature: float = 1.0
   topk: int = 0
   topp: float = 0.0
-  eos_id: int = 1
+  eos_id: Union[int, Tuple[int, ...]] = 1
   rescale_log_probs: bool = False
 
   def __post_init__(self):
@@ -55,7 +57,13 @@ class DecodeConfig:
       raise fields.ConfigError(
           f'{fields.binding(self, "topp")} = {self.topp!r}: expected a probability in [0, 1] '
           '(0 or 1: sample among all tokens).')
-    fields.integer(self, 'eos_id', 0)
+    if isinstance(self.eos_id, (tuple, list)):
+      if not self.eos_id or not all(isinstance(i, int) and i >= 0 for i in self.eos_id):
+        raise fields.ConfigError(f'{fields.binding(self, "eos_id")} = {self.eos_id!r}: expected '
+                                 'an id >= 0 or a non-empty tuple of them.')
+      object.__setattr__(self, 'eos_id', tuple(self.eos_id))
+    else:
+      fields.integer(self, 'eos_id', 0)
     fields.boolean(self, 'rescale_log_probs')
 
 

@@ -8,7 +8,7 @@ the loop stops when every sequence has ended or `max_length` tokens are out. Tem
 greedy (argmax).
 """
 
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,7 @@ Array = jax.Array
 Cache = Any
 # tokens `[n]` int32, cache -> next-token logits `[n, vocab]` (float32), advanced cache.
 StepFn = Callable[[Array, Cache], Tuple[Array, Cache]]
+EosId = Union[int, Tuple[int, ...]]   # one end-of-sequence id, or several (HF's eos list)
 
 
 def sampling_logits(logits: Array, *, temperature: float, topk: int = 0,
@@ -44,8 +45,14 @@ def sampling_logits(logits: Array, *, temperature: float, topk: int = 0,
   return scaled
 
 
+def is_eos(token: Array, eos_id: EosId) -> Array:
+  """Whether each of `token` (int array, any shape) ends a sequence: equals `eos_id`, or any
+  of a tuple of them."""
+  return jnp.isin(token, jnp.asarray(eos_id, jnp.int32))
+
+
 def temperature_sample(step_fn: StepFn, cache: Cache, *, batch_size: int, max_length: int,
-                       eos_id: int, rng: Array, temperature: float = 1.0, topk: int = 0,
+                       eos_id: EosId, rng: Array, temperature: float = 1.0, topk: int = 0,
                        topp: float = 0.0, rescale_log_probs: bool = False,
                        initial_tokens: Optional[Array] = None) -> Tuple[Array, Array]:
   """Samples one continuation per example.
@@ -55,7 +62,7 @@ def temperature_sample(step_fn: StepFn, cache: Cache, *, batch_size: int, max_le
     cache: the decoder cache for `batch_size` examples.
     batch_size: examples decoded at once.
     max_length: tokens to decode at most.
-    eos_id: end-of-sequence token.
+    eos_id: end-of-sequence token, or a tuple of them (ends at any).
     rng: PRNG key (unused when `temperature == 0`).
     temperature: a Python float; 0 picks the argmax (greedy).
     topk: sample among the `topk` most likely tokens only (0: all).
@@ -98,7 +105,7 @@ def temperature_sample(step_fn: StepFn, cache: Cache, *, batch_size: int, max_le
     token = jnp.where(ended, 0, pick(logits, subkey))
     log_prob = log_prob + jnp.where(ended, 0.0, score(logits, token))
     sequences = jax.lax.dynamic_update_slice_in_dim(sequences, token[:, None], i, axis=1)
-    return i + 1, token, sequences, cache, ended | (token == eos_id), log_prob, key
+    return i + 1, token, sequences, cache, ended | is_eos(token, eos_id), log_prob, key
 
   first = (jnp.zeros((batch_size,), jnp.int32) if initial_tokens is None
            else jnp.asarray(initial_tokens, jnp.int32))

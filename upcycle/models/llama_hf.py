@@ -206,6 +206,7 @@ def config_fields(hf: Mapping[str, Any], max_length: Optional[int] = None,
       layer_norm_epsilon=hf.get('rms_norm_eps', DEFAULT_RMS_NORM_EPS),
       logits_via_embedding=bool(hf.get('tie_word_embeddings', False)),
       sliding_window=_sliding_window(hf, model_type, max_length, source),
+      max_position_embeddings=hf.get('max_position_embeddings'),
       moe=_moe(hf, source), moe_layers=_moe_layers(hf, source))
 
 
