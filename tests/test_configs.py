@@ -260,3 +260,21 @@ def test_an_sft_data_file_gives_the_run_sft_pipelines_and_the_router_stage_unpac
         MACROS[:2] + ["INITIAL_CHECKPOINT_PATH = ['/ckpt/sft/1', '/ckpt/sft/2']",
                       'probe.model = @train/sft.SftPipeline()'])
   assert probe().pack is False   # one sample per row: the stage scores samples
+
+
+@pytest.mark.parametrize('scope', ['layer', 'model'])
+def test_upit_gin_binds_the_merge_pair_scope(scope):
+  """upcycling/upit.gin picks pairs per layer; `sources.Merge.pair_scope` reaches the Merge
+  the restore hook and convert make; a bad value is one line naming the binding."""
+  bindings = [] if scope == 'layer' else [f"sources.Merge.pair_scope = '{scope}'"]
+  parse(['upcycling/upit.gin'], bindings + ['probe.model = @sources.Merge'])
+  dense = {'mlp': {'wi': {'kernel': np.ones((2, 3), np.float32)}}}
+  merge = probe()(sources=[dense, dense], dare_base=dense)
+  assert (merge.method, merge.drop_rate, merge.pair_scope) == ('dare', 0.5, scope)
+  gin.clear_config()
+  parse(['upcycling/upit.gin'], ["sources.Merge.pair_scope = 'global'",
+                                 'probe.model = @sources.Merge'])
+  with pytest.raises(ValueError) as refused:
+    probe()(sources=[dense, dense], dare_base=dense)
+  assert gin_utils.message(refused.value) == (
+      "sources.Merge.pair_scope='global': expected one of ('layer', 'model').")

@@ -11,6 +11,7 @@ import dataclasses
 import glob
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from tests import helpers as test_helpers
 from tests.checkpoints import helpers
 from upcycle import hf_export, pretrained
 from upcycle import lm_eval as lm_eval_main
+from upcycle.checkpoints import ocdbt_files
 from upcycle.checkpoints.orbax import CheckpointManager
 from upcycle.data import tokenizer as tokenizer_lib
 from upcycle.models import LlamaConfig, llama_hf, scan_layout
@@ -143,7 +145,9 @@ def test_scores_are_lm_evals_hf_backend_on_the_export(moe_run, tmp_path, capsys)
   theirs = _theirs(exported, tasks)
   ours = json.loads((out / 'eval_results.json').read_text())
   assert (ours['checkpoint'], ours['format'], ours['step']) == (checkpoint, 'orbax', 5)
-  assert json.loads(capsys.readouterr().out.split('\neval step')[0]) == ours
+  printed = capsys.readouterr().out
+  assert printed.startswith('verify: ')   # the digests' check's progress, then the scores
+  assert json.loads(printed[printed.index('\n{') + 1:].split('\neval step')[0]) == ours
   for task in TASKS:
     for key, value in theirs['results'][task].items():
       metric, _, kept = key.partition(',')
@@ -231,6 +235,38 @@ def test_bad_input_is_refused_in_one_line(moe_run, tmp_path, capsys):
       'error: The model is a T5Config: lm-eval scores decoder-only models (Llama, Mistral, '
       'Qwen2, Mixtral, Qwen2-MoE). Fix: give a models/llama/ gin file, or evaluate it with '
       'python -m upcycle.eval.')
+
+
+def test_a_checkpoint_with_a_flipped_byte_is_refused_in_one_line(moe_run, tmp_path, capsys):
+  """One byte flipped inside the stored embedding (it still decodes, to other values): the
+  digests the run recorded at save refuse it, in one line, before anything is scored;
+  --no_verify (`verify=False`) reads it as it is."""
+  from upcycle import harness  # pylint: disable=g-import-not-at-top
+  from upcycle.train import partitioning  # pylint: disable=g-import-not-at-top
+  checkpoint, _, tasks = moe_run
+  shutil.copytree(os.path.dirname(checkpoint), tmp_path / 'run')   # with its tokenizer/
+  damaged = str(tmp_path / 'run' / 'checkpoints')
+  step = os.path.join(damaged, '5')
+  ref = max(ocdbt_files.value_refs(os.path.join(step, 'params'), 'token_embedder.embedding'),
+            key=lambda ref: ref.length)   # its data, not its .zarray
+  with open(ref.path, 'r+b') as f:
+    f.seek(ref.offset + ref.length // 2)
+    byte = f.read(1)[0]
+    f.seek(ref.offset + ref.length // 2)
+    f.write(bytes([byte ^ 0xFF]))
+  line = _error(capsys, f'--checkpoint={damaged}', '--tasks=local_mc', f'--include_path={tasks}',
+                *MODEL_FLAGS)
+  assert line.startswith(f"error: {step}/params: parameter 'token_embedder/embedding' (shard "
+                         '0:4096,0:64): its bytes differ from the digest recorded when the step '
+                         'was saved')
+  assert line.endswith('Fix: copy the checkpoint again from its source, or pass --no_verify to '
+                       'read it as it is.')
+  scanned, mesh = dataclasses.replace(CONFIG, scan_layers=True), partitioning.make_mesh()
+  as_is, _ = harness.load_lm(damaged, model_config=scanned, mesh=mesh, verify=False)
+  saved, _ = harness.load_lm(checkpoint, model_config=scanned, mesh=mesh)
+  changed = (np.asarray(as_is.params['token_embedder']['embedding']) !=
+             np.asarray(saved.params['token_embedder']['embedding']))
+  assert changed.sum() == 1   # the one float32 entry holding the flipped byte
 
 
 def test_a_task_that_samples_or_leaves_no_context_is_refused_in_one_line(moe_run):

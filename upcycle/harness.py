@@ -261,23 +261,38 @@ def context_length(checkpoint: Any) -> int:
 def load_lm(checkpoint_path: str, *, model_config: Any = None,
             format: Optional[str] = None,  # pylint: disable=redefined-builtin
             tokenizer: Optional[str] = None, mesh: Mesh, batch_size: int = 8,
-            max_length: Optional[int] = None, max_gen_toks: int = 256
+            max_length: Optional[int] = None, max_gen_toks: int = 256, verify: bool = True
             ) -> Tuple['ProjectLM', Any]:
   """(the `ProjectLM` of a checkpoint, its parameters placed on `mesh`, and the checkpoint).
 
+  Read as eval and infer read theirs (`pretrained.load_on_mesh`): a live run's latest step
+  read again when retention deletes it mid-read, and with `verify` (`--no_verify` clears it)
+  the arrays compared with their digests, changed bytes refused in one line (CheckpointError).
   `model_config`: the LlamaConfig (or Llama) the checkpoint holds; None: the one it describes
   (HF). `tokenizer`: None reads the checkpoint's own. HarnessError for a checkpoint that
   names no model or one that is not decoder-only; TokenizerError for a tokenizer the weights
   were not trained with or whose ids do not fit the embedding."""
+  from upcycle import pretrained  # pylint: disable=g-import-not-at-top
+  model_config = getattr(model_config, 'config', model_config)
+  if model_config is not None:
+    _check_decoder_only(model_config)
+  checkpoint, params, tok = pretrained.load_on_mesh(
+      checkpoint_path, model_config=model_config, mesh=mesh, format=format, verify=verify,
+      check=functools.partial(_checked_tokenizer, tokenizer=tokenizer))
+  lm = ProjectLM(Llama(checkpoint.model_config), params, tok, mesh=mesh,
+                 batch_size=batch_size, max_length=max_length or context_length(checkpoint),
+                 max_gen_toks=max_gen_toks)
+  return lm, checkpoint
+
+
+def _checked_tokenizer(checkpoint: Any, tokenizer: Optional[str]) -> Any:
+  """The tokenizer to score `checkpoint` with (`tokenizer`, None: the checkpoint's own), once
+  the checkpoint is known to name a decoder-only model and the tokenizer to fit it and be the
+  one its weights were trained with (the errors of `load_lm`)."""
   # pylint: disable=g-import-not-at-top
   from upcycle import pretrained
   from upcycle.data import tokenizer as tokenizer_lib
   # pylint: enable=g-import-not-at-top
-  model_config = getattr(model_config, 'config', model_config)
-  if model_config is not None:
-    _check_decoder_only(model_config)
-  checkpoint = pretrained.load(checkpoint_path, format, model_config=model_config, lazy=True,
-                               with_optimizer_state=False)
   config = checkpoint.model_config
   if config is None:
     raise HarnessError(
@@ -289,14 +304,10 @@ def load_lm(checkpoint_path: str, *, model_config: Any = None,
   tokenizer_lib.check_fits(tok, config.vocab_size, binding=f'--tokenizer={tok.source}',
                            rows_binding=fields.binding(config, 'vocab_size'))
   pretrained.check_trained(tok, checkpoint.path, binding=f'--tokenizer={tok.source}',
-                              format=checkpoint.format,
-                              fix='leave out --tokenizer (the checkpoint\'s own), or give the '
-                                  'one the weights were trained with.')
-  params = pretrained.on_mesh(checkpoint.params, config, mesh)
-  lm = ProjectLM(Llama(config), params, tok, mesh=mesh, batch_size=batch_size,
-                 max_length=max_length or context_length(checkpoint),
-                 max_gen_toks=max_gen_toks)
-  return lm, checkpoint
+                           format=checkpoint.format,
+                           fix='leave out --tokenizer (the checkpoint\'s own), or give the '
+                               'one the weights were trained with.')
+  return tok
 
 
 def _check_decoder_only(config: Any) -> None:
@@ -339,7 +350,7 @@ def evaluate_checkpoint(checkpoint_path: str, tasks: str, *, model_config: Any =
                         max_length: Optional[int] = None, max_gen_toks: int = 256,
                         num_expert_partitions: int = 1, num_model_partitions: int = 1,
                         output_dir: Optional[str] = None, log_samples: bool = False,
-                        tensorboard: bool = True) -> Dict[str, Any]:
+                        tensorboard: bool = True, verify: bool = True) -> Dict[str, Any]:
   """Scores the checkpoint on lm-eval's `tasks` (`python -m upcycle.lm_eval`, whose flags
   these are); returns and prints {'checkpoint', 'format', 'step', `scores`..., 'lm_eval':
   lm-eval's per-task results, n-shot and versions}, and with `output_dir` writes it
@@ -358,7 +369,7 @@ def evaluate_checkpoint(checkpoint_path: str, tasks: str, *, model_config: Any =
   mesh = partitioning.make_mesh(num_expert_partitions, num_model_partitions)
   lm, checkpoint = load_lm(checkpoint_path, model_config=model_config, format=format,
                            tokenizer=tokenizer, mesh=mesh, batch_size=batch_size,
-                           max_length=max_length, max_gen_toks=max_gen_toks)
+                           max_length=max_length, max_gen_toks=max_gen_toks, verify=verify)
   if limit is not None and limit >= 1:
     limit = int(limit)
   output = lm_eval.simple_evaluate(model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit,

@@ -15,6 +15,12 @@ devices (--num_expert_partitions, --num_model_partitions, as in training) and ev
 runs there (`upcycle.harness`: the scores lm-eval's HuggingFace backend gives on the exported
 model). The tokenizer is the checkpoint's own (an HF directory's, a run's tokenizer/), or
 --tokenizer's, refused in one line when it is not the one the weights were trained with.
+The checkpoint is read as `python -m upcycle.eval` reads one (`pretrained.load_on_mesh`): a
+running trainer's MODEL_DIR at its latest step, read again at the new latest step when
+retention deletes it mid-read; a checkpoint that carries digests (a step of a training run, an
+output of convert or export) is first compared with them, reading every parameter once:
+changed bytes stop it in one line naming the array. --no_verify skips that and scores the
+checkpoint as it is.
 
 --tasks are lm-eval task or group names, comma-separated; --include_path adds a directory of
 task YAML files (a local JSONL as `dataset_path: json`, `dataset_kwargs: {data_files: ...}`).
@@ -68,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument('--log_samples', action='store_true',
                       help='also write samples/<task>.jsonl to --output_dir')
   parser.add_argument('--no_tensorboard', action='store_true')
+  parser.add_argument('--no_verify', action='store_false', dest='verify',
+                      help='score the checkpoint as it is, without comparing it with its '
+                           'digests first')
   return parser
 
 
@@ -96,7 +105,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         batch_size=args.batch_size, max_length=args.max_length,
         max_gen_toks=args.max_gen_toks, num_expert_partitions=args.num_expert_partitions,
         num_model_partitions=args.num_model_partitions, output_dir=args.output_dir,
-        log_samples=args.log_samples, tensorboard=not args.no_tensorboard)
+        log_samples=args.log_samples, tensorboard=not args.no_tensorboard, verify=args.verify)
   except (fields.ConfigError, CheckpointError, TokenizerError, harness.HarnessError) as e:
     print(gin_utils.one_line(e, argv), file=sys.stderr)
     return 1

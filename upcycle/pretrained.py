@@ -101,7 +101,9 @@ def load_on_mesh(path: str, *, model_config: Any, mesh: jax.sharding.Mesh,
   """The whole read of a checkpoint that eval and infer run with: opened lazily without its
   optimizer state and checked against `model_config` (`load`), `check(checkpoint)` (the
   caller's own checks, e.g. its tokenizer's), its arrays compared with their digests
-  (`verify`: `verify.check`) and its parameters placed on `mesh` (`on_mesh`).
+  (`verify`: `verify.check`) and its parameters placed on `mesh` (`on_mesh`) by the
+  checkpoint's `model_config`: `model_config`, or where that is None the config the checkpoint
+  describes (HF; `check` refuses a checkpoint that describes none, as lm_eval's does).
 
   A MODEL_DIR of a running trainer is read at its latest step, all of it through
   `orbax.read_live`: when retention deletes that step at any point of the read (opening,
@@ -124,7 +126,7 @@ def load_on_mesh(path: str, *, model_config: Any, mesh: jax.sharding.Mesh,
     checked = check(ckpt)
     if verify:
       verify_lib.check(ckpt)
-    return ckpt, on_mesh(ckpt.params, model_config, mesh), checked
+    return ckpt, on_mesh(ckpt.params, ckpt.model_config, mesh), checked
 
   return orbax.read_live(path, read) if format == 'orbax' else read(path)
 

@@ -9,6 +9,7 @@ import json
 import os
 
 import glob
+import itertools
 
 import numpy as np
 import pytest
@@ -98,12 +99,27 @@ def test_branch_train_mix_from_hf_llamas(branches, via, tmp_path):
                              rtol=1e-6, atol=1e-7)
 
 
+def _merged_pair(merged, deltas):
+  """The pair (i, j) of which `merged` (minus the base) is the DARE merge at p = 0.5: each
+  entry 0, deltas[i], deltas[j] or their sum (kept / 0.5, averaged); None if no pair fits."""
+  for i, j in itertools.combinations(range(len(deltas)), 2):
+    candidates = np.stack([np.zeros_like(merged), deltas[i], deltas[j], deltas[i] + deltas[j]])
+    if np.all(np.min(np.abs(merged[None] - candidates), axis=0) <= 1e-5):
+      return i, j
+  return None
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize('via', ['hook', 'convert'])
-def test_upit_expansion_from_hf_llamas_merges_around_the_base(branches, via, tmp_path):
+@pytest.mark.parametrize('via, pair_scope', [('hook', 'layer'), ('convert', 'layer'),
+                                             ('hook', 'model'), ('convert', 'model')])
+def test_upit_expansion_from_hf_llamas_merges_around_the_base(branches, via, pair_scope,
+                                                               tmp_path):
+  """Expert 2 is the one pair's merge; with pair_scope='model' expert 3 merges one pair in
+  both layers (the plan gives the initializer every layer and the key, in both executors)."""
   dirs = branches[0]
   params = _upcycled(branches, via, tmp_path, router='uniform', experts=functools.partial(
-      sources.Merge, method='dare', drop_rate=0.5, dare_base=dirs['base']))
+      sources.Merge, method='dare', drop_rate=0.5, dare_base=dirs['base'],
+      pair_scope=pair_scope))
   a, b, base = (_safetensors(dirs[name]) for name in ('a', 'b', 'base'))
   name = 'model.layers.1.mlp.gate_proj.weight'
   kernel = np.asarray(params['decoder']['layers_1']['mlp']['expert']['wi_0']['kernel'])
@@ -116,6 +132,13 @@ def test_upit_expansion_from_hf_llamas_merges_around_the_base(branches, via, tmp
   assert np.all(np.min(np.abs(merged[None] - candidates), axis=0) <= 1e-5)
   kept_a = np.isclose(merged, da, atol=1e-5) | np.isclose(merged, da + db, atol=1e-5)
   assert 0.35 < kept_a.mean() < 0.65            # about half of a's delta kept
+  pairs = set()
+  for layer in range(2):
+    name = f'model.layers.{layer}.mlp.gate_proj.weight'
+    kernel = np.asarray(params['decoder'][f'layers_{layer}']['mlp']['expert']['wi_0']['kernel'])
+    deltas = kernel - base[name].T
+    pairs.add(_merged_pair(deltas[3], deltas[:3]))
+  assert None not in pairs and (pair_scope == 'layer' or len(pairs) == 1), pairs
 
 
 def test_each_merged_source_is_checked_against_the_runs_tokenizer(tmp_path):

@@ -8,10 +8,11 @@ from upcycle import tree
 from upcycle.families import abstract_params
 from upcycle.models import T5Config, ViTConfig
 from upcycle.moe import MoeConfig, routers
+from upcycle.upcycling import base as base_lib
 from upcycle.upcycling import experts, ffn
 from upcycle.upcycling import sources as sources_lib
 from upcycle.upcycling.sources import most_distant_pair
-from upcycle.upcycling.surgery import make_plan, upcycle
+from upcycle.upcycling.surgery import make_plan, upcycle, upcycle_from_checkpoints
 
 KEY = jax.random.PRNGKey(0)
 
@@ -417,8 +418,8 @@ def test_merge_picks_the_most_distant_pair():
   sources = _sources_with_known_distances()
   vectors = np.stack([np.concatenate([s['mlp']['wi']['kernel'].ravel(), s['mlp']['wo']['kernel'].ravel()])
                       for s in sources])
-  assert most_distant_pair(vectors) == (0, 2)
-  assert most_distant_pair(vectors, {(0, 2)}) == (1, 2)
+  assert most_distant_pair(vectors @ vectors.T) == (0, 2)
+  assert most_distant_pair(vectors @ vectors.T, {(0, 2)}) == (1, 2)
   mlp = {'wi/kernel': sources[0]['mlp']['wi']['kernel'], 'wo/kernel': sources[0]['mlp']['wo']['kernel']}
   out = experts.Merge(sources)(mlp, 5, KEY, layer='mlp')
   wi = np.asarray(out['wi/kernel'])
@@ -485,3 +486,120 @@ def test_granular_by_name_is_granular_2():
   with pytest.raises(ValueError, match=r"experts='grain': expected a ExpertInit instance or one of "
                      r"\('copy', 'drop', 'noise', 'random', 'partial', 'granular', 'zero_output'\)"):
     experts.get('grain')
+
+
+MOE_LAYERS = ('encoder/layers_0/mlp', 'encoder/layers_1/mlp')
+
+
+def _sources_whose_pairs_differ_by_scope(t5):
+  """Three sources and a DARE base, all T5 trees of 2 layers: in layer 0 sources 0 and 1 are
+  opposite (cosine distance 2), in layer 1 sources 1 and 2 are, at 10x the scale: layer 0
+  alone picks (0, 1), layer 1 and the whole model (1, 2)."""
+  rng = np.random.default_rng(7)
+  sources, base = [t5(seed=s) for s in range(3)], t5(seed=9)
+  for layer, scale, opposite in ((0, 1.0, (0, 1)), (1, 10.0, (1, 2))):
+    for name, leaf in base['encoder'][f'layers_{layer}']['mlp'].items():
+      x, y = (scale * rng.normal(size=leaf['kernel'].shape).astype(np.float32) for _ in 'xy')
+      values = {opposite[0]: x, opposite[1]: -x}
+      for s, source in enumerate(sources):
+        source['encoder'][f'layers_{layer}']['mlp'][name]['kernel'] = values.get(s, y)
+      leaf['kernel'] = 0.1 * rng.normal(size=leaf['kernel'].shape).astype(np.float32)
+  return sources, base
+
+
+def _mlp_leaves(tree_, layer):
+  """{'wi_0/kernel': array, ...} of `layer`'s MLP in a dense tree, names sorted."""
+  flat = tree.flatten(tree_)
+  return {p[len(layer) + 1:]: np.asarray(v, np.float32) for p, v in sorted(flat.items())
+          if p.startswith(layer + '/')}
+
+
+def _numpy_dare(a, b, base, key, drop_rate):
+  """DARE of MLPs a and b around base, in numpy, with masks from jax.random.uniform(key): one
+  draw for all leaves, a's leaves (sorted) first, then b's."""
+  names = sorted(base)
+  u = np.asarray(jax.random.uniform(key, (2 * sum(base[n].size for n in names),)))
+  keep, out, start = 1.0 - drop_rate, {}, 0
+  kept = []
+  for expert in (a, b):
+    for name in names:
+      size = base[name].size
+      kept.append((expert, name, u[start:start + size].reshape(base[name].shape) < keep))
+      start += size
+  for name in names:
+    deltas = [np.where(mask, (e[name] - base[name]) / keep, 0.0) for e, n, mask in kept
+              if n == name]
+    out[name] = base[name] + (deltas[0] + deltas[1]) / 2
+  return out
+
+
+def _cosine_distance(inner):
+  norms = np.sqrt(np.diag(inner))
+  return 1.0 - inner / np.outer(norms, norms)
+
+
+def _numpy_upit(sources, base, scope, num_experts, seed, drop_rate):
+  """{layer: [expert MLPs]} and {layer: [pair of each merged expert]} by UpIT's rule in numpy:
+  while fewer than E, merge the unmerged pair at the largest cosine distance (of the layer's
+  MLPs, or of every layer's concatenated), the merge joining the pool."""
+  experts_key = jax.random.split(jax.random.PRNGKey(seed))[0]   # the plan's experts' key
+  keys = {layer: base_lib.key_for(experts_key, layer) for layer in MOE_LAYERS}
+  pools = {layer: [_mlp_leaves(s, layer) for s in sources] for layer in MOE_LAYERS}
+  bases = {layer: _mlp_leaves(base, layer) for layer in MOE_LAYERS}
+  pairs = {layer: [] for layer in MOE_LAYERS}
+
+  def inner(layer):
+    v = np.stack([np.concatenate([e[n].ravel() for n in sorted(e)]) for e in pools[layer]])
+    return v.astype(np.float64) @ v.T.astype(np.float64)
+
+  while len(pools[MOE_LAYERS[0]]) < num_experts:
+    groups = [MOE_LAYERS] if scope == 'model' else [(layer,) for layer in MOE_LAYERS]
+    for group in groups:
+      distance = _cosine_distance(sum(inner(layer) for layer in group))
+      k = len(distance)
+      pair = max(((i, j) for i in range(k) for j in range(i + 1, k)
+                  if (i, j) not in pairs[group[0]]), key=lambda p: distance[p])
+      for layer in group:
+        pairs[layer].append(pair)
+        pools[layer].append(_numpy_dare(
+            pools[layer][pair[0]], pools[layer][pair[1]], bases[layer],
+            base_lib.key_for(keys[layer], str(len(pools[layer]))), drop_rate))
+  return pools, pairs
+
+
+@pytest.mark.parametrize('scope', ['layer', 'model'])
+def test_merge_pair_scope_merges_the_pair_its_rule_names_in_every_layer(t5, target, scope):
+  """UpIT with 3 sources and 5 experts (two DARE merges) through the plan: every expert of
+  every MoE layer equals the numpy DARE merge of the pair the rule picks (layer by layer, or
+  once for the model); 'model' gives expert model 3 of the router stage one pair everywhere."""
+  from upcycle.train import router_stage  # pylint: disable=g-import-not-at-top
+  sources, base = _sources_whose_pairs_differ_by_scope(t5)
+  init = experts.Merge(sources, method='dare', drop_rate=0.5, dare_base=base, pair_scope=scope)
+  params, _ = upcycle_from_checkpoints(init, target(sources[0], list(MOE_LAYERS), 5), rng=3)
+  want, pairs = _numpy_upit(sources, base, scope, num_experts=5, seed=3, drop_rate=0.5)
+  first = {layer: pairs[layer][0] for layer in MOE_LAYERS}
+  assert first == ({MOE_LAYERS[0]: (0, 1), MOE_LAYERS[1]: (1, 2)} if scope == 'layer' else
+                   {MOE_LAYERS[0]: (1, 2), MOE_LAYERS[1]: (1, 2)})
+  flat = tree.flatten(params)
+  for layer in MOE_LAYERS:
+    for e in range(5):
+      for name, value in want[layer][e].items():
+        np.testing.assert_allclose(np.asarray(flat[f'{layer}/expert/{name}'][e]), value,
+                                   rtol=1e-5, atol=1e-5, err_msg=f'{layer} expert {e} {name}')
+  if scope == 'model':   # the router stage's expert model 3: DARE(source 1, source 2) everywhere
+    model_3 = tree.flatten(router_stage.expert_params(params, 3))
+    for layer in MOE_LAYERS:
+      for name, value in want[layer][3].items():
+        np.testing.assert_allclose(np.asarray(model_3[f'{layer}/{name}']), value, rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_merge_pair_scope_is_checked_and_model_needs_the_plan():
+  sources = _sources_with_known_distances()
+  with pytest.raises(ValueError, match=r"^sources.Merge.pair_scope='global': expected one of "
+                                       r"\('layer', 'model'\).$"):
+    experts.Merge(sources, pair_scope='global')
+  with pytest.raises(ValueError, match=r"^Merge\(pair_scope='model'\) picks each merged "
+                                       r'expert.s pair over every MoE layer, and was called for '
+                                       r'mlp without them. Fix: upcycle through the plan'):
+    experts.Merge(sources, pair_scope='model')(_mlp_of(sources[0]), 4, KEY, layer='mlp')

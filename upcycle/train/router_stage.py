@@ -14,8 +14,10 @@ continues from its last step with the MoE loss (`runs/llm_continue.gin`, or
 
 Expert model e is the upcycled model with expert e as every MoE layer's MLP (router and
 other experts left out, everything else shared): for UpIT's experts 0..n-1 the MLPs of the
-n source checkpoints, for the merged ones their merge. (The paper scores with the source
-checkpoints themselves; with `base=None` the sources' attention and embeddings are
+n source checkpoints, for the merged ones their merges: with `sources.Merge(pair_scope=
+'model')` one pair's merge in every layer, with 'layer' (the default) each layer's own
+pick, so a merged expert model may be stitched from different pairs. (The paper scores with
+the source checkpoints themselves; with `base=None` the sources' attention and embeddings are
 averaged here, as they are in the MoE the routers are trained for.) Labels are made in the
 step from the batch: each example's mean token loss (the inner objective's loss without its
 z-loss) under every expert model, then the buckets filled in batch order, each holding at

@@ -113,6 +113,16 @@ class ExpertInit(abc.ABC):
     del positions
     return self
 
+  def for_key(self, rng: Array) -> 'ExpertInit':
+    """This initializer for the experts' key `rng` of a run of the plan (every MoE block's
+    own is `key_for(rng, layer)`); self by default.
+
+    The executor calls it before each block, so that an initializer whose block depends on
+    the other blocks' draws (`sources.Merge(pair_scope='model')`) can make them.
+    """
+    del rng
+    return self
+
   def tie_router(self, router: Mapping[str, Array], layer: str = '') -> Dict[str, Array]:
     """Constrains the freshly made router of the block; identity by default.
 

@@ -3,7 +3,9 @@
 These are pure functions of the dense leaves and a key, so the same code runs eagerly on
 the host (`surgery.upcycle`), inside the restore hook's sharded `jax.jit`, and block by
 block when streaming to disk (`stream.py`). Each block's draws depend only on the key and
-the block's path (`base.key_for`), so all three give the same values.
+the block's path (`base.key_for`), so all three give the same values. (An initializer may
+also make other blocks' draws from the same key, `ExpertInit.for_key`: UpIT's merges with
+one pair for the whole model pick it over every layer's merged experts.)
 """
 
 from typing import Any, Dict, Mapping
@@ -36,7 +38,8 @@ def block(plan: Plan, moe_block: Block, dense: Mapping[str, Any], rng: jax.Array
   expert_rng, router_rng = jax.random.split(rng)
   layer = moe_block.layer
   mlp = {name: dense[leaf.source] for name, leaf in moe_block.experts.items()}
-  made = plan.experts(mlp, moe_block.num_experts, key_for(expert_rng, layer), layer=layer)
+  made = plan.experts.for_key(expert_rng)(mlp, moe_block.num_experts,
+                                          key_for(expert_rng, layer), layer=layer)
   out = {}
   for name, leaf in moe_block.experts.items():
     value = made.get(name)

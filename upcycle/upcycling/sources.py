@@ -8,8 +8,10 @@ its sources. `combine` builds one from loaded checkpoints, as the restore hook a
 a shared leaf is averaged when it is read, so a conversion streams leaf by leaf.
 """
 
+import copy
 import dataclasses
-from typing import (Any, Callable, Dict, Mapping, Optional, Sequence, Set, Tuple, Union)
+from typing import (Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple,
+                    Union)
 
 import jax
 import jax.numpy as jnp
@@ -155,14 +157,25 @@ class FromCheckpoints(MultiSource):
             for name in mlp}
 
 
-def most_distant_pair(vectors: Array, exclude: Set[Tuple[int, int]] = frozenset()) -> Tuple[int, int]:
-  """(i, j), i < j, with the largest cosine distance among rows of `[n, params]`.
+def gram(pool: Sequence[Mapping[str, Array]]) -> np.ndarray:
+  """float64 `[k, k]`: the inner products of k experts' flattened MLPs (`{name: array}` each,
+  the same names), computed in float32."""
+  names = sorted(pool[0])
+  vectors = jnp.stack([jnp.concatenate([jnp.ravel(e[name]).astype(jnp.float32) for name in names])
+                       for e in pool])
+  return np.asarray(vectors @ vectors.T, np.float64)
+
+
+def most_distant_pair(inner: np.ndarray, exclude: Set[Tuple[int, int]] = frozenset()
+                      ) -> Tuple[int, int]:
+  """(i, j), i < j, with the largest cosine distance 1 - <v_i, v_j> / (|v_i| |v_j|) among n
+  vectors given by their inner products `inner` `[n, n]` (`gram`, or a sum of grams: the
+  distance of the concatenated vectors).
 
   Pairs in `exclude` are skipped; ties go to the lowest (i, j).
   """
-  v = vectors.astype(jnp.float32)
-  v = v / jnp.maximum(jnp.linalg.norm(v, axis=1, keepdims=True), 1e-30)
-  distance = np.asarray(1.0 - v @ v.T, np.float64)
+  norms = np.maximum(np.sqrt(np.maximum(np.diag(inner), 0.0)), 1e-30)
+  distance = 1.0 - inner / np.outer(norms, norms)
   n = distance.shape[0]
   best, pair = -np.inf, None
   for i in range(n):
@@ -207,15 +220,32 @@ def dare_merge(experts: Sequence[Mapping[str, Array]], base: Mapping[str, Array]
   return out
 
 
+PAIR_SCOPES = ('layer', 'model')
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Merge(MultiSource):
   """UpIT expert expansion: more experts than sources, by merging.
 
   Experts 0..n-1 are the MLPs of the n sources (e.g. intermediate checkpoints
-  of one run). While there are fewer than E, the two experts of the layer whose
-  flattened MLPs are most different (cosine distance) are merged into a new
-  expert, which joins the pool. A pair is merged at most once, so that
-  'average' does not produce the same expert twice.
+  of one run). While there are fewer than E, the two experts whose flattened
+  MLPs are most different (cosine distance) are merged into a new expert, which
+  joins the pool. A pair is merged at most once, so that 'average' does not
+  produce the same expert twice. `pair_scope` says over what the distance is
+  taken, and so whether expert k >= n is one pair's merge in every MoE layer:
+
+  - 'layer': each MoE layer picks its own pairs from its own pool, so expert k
+    may merge different pairs in different layers.
+  - 'model': the pairs are picked once for the whole model, by the cosine
+    distance of the experts' MLPs of every MoE layer flattened together
+    (1 - sum_l <a_l, b_l> / sqrt(sum_l |a_l|^2 sum_l |b_l|^2), a merged expert
+    being its merge in every layer); expert k merges the same pair everywhere.
+    Picking reads every MoE layer's MLP of every source once per merged expert
+    (merging again the experts merged before), before the first block is made.
+
+  In both, the merge of expert k at a layer draws its DARE masks from that
+  layer's key (`base.key_for(layer key, str(k))`), so the two scopes give the
+  same expert wherever they pick the same pair.
 
   Attributes:
     sources: dense param trees of one architecture.
@@ -229,6 +259,8 @@ class Merge(MultiSource):
       pre-trained model before instruction tuning): a dense param tree of the
       same architecture, or a checkpoint path (read with
       `upcycle.checkpoints.load`).
+    pair_scope: 'layer' (each MoE layer picks its pairs) or 'model' (one pair
+      per merged expert for all MoE layers); see above.
   """
 
   sources: Sequence[Mapping]
@@ -236,9 +268,11 @@ class Merge(MultiSource):
   drop_rate: float = 0.5
   base: Optional[int] = None
   dare_base: Union[None, str, Mapping] = None
+  pair_scope: str = 'layer'
 
   def __post_init__(self):
-    check_choice(self.method, ('average', 'dare'), 'Merge.method')
+    check_choice(self.method, ('average', 'dare'), 'sources.Merge.method')
+    check_choice(self.pair_scope, PAIR_SCOPES, 'sources.Merge.pair_scope')
     if not 0.0 <= self.drop_rate < 1.0:
       raise ValueError(f'Merge.drop_rate={self.drop_rate}: must be in [0, 1).')
     if self.method == 'dare' and self.dare_base is None:
@@ -252,11 +286,30 @@ class Merge(MultiSource):
       if isinstance(base, str):
         base = checkpoints.load(base, lazy=True, with_optimizer_state=False).params
       object.__setattr__(self, '_dare_base', tree.flatten(base))
+    object.__setattr__(self, '_layers', None)        # for_layers: the MoE layers
+    object.__setattr__(self, '_experts_rng', None)   # for_key: every layer's key comes from it
+    object.__setattr__(self, '_picked', {})   # 'model': (key, layers, E, names) -> pairs
 
   def __repr__(self):
     return (f'Merge({len(self.sources)} sources, method={self.method!r}, '
             f'drop_rate={self.drop_rate}, base={self.base}'
-            + (', dare_base given)' if self.method == 'dare' else ')'))
+            + (', dare_base given' if self.method == 'dare' else '')
+            + (f', pair_scope={self.pair_scope!r})' if self.pair_scope != 'layer' else ')'))
+
+  def for_layers(self, positions):
+    """This Merge with the plan's MoE layers (over which 'model' picks its pairs)."""
+    bound = copy.copy(self)
+    object.__setattr__(bound, '_layers', tuple(positions))
+    return bound
+
+  def for_key(self, rng):
+    """This Merge with the experts' key (every layer's is `key_for(rng, layer)`), which
+    'model' needs to merge in every layer while it picks; self for 'layer'."""
+    if self.pair_scope == 'layer':
+      return self
+    bound = copy.copy(self)
+    object.__setattr__(bound, '_experts_rng', rng)
+    return bound
 
   def _base_mlp(self, names, layer: str) -> Dict[str, Any]:
     out = {}
@@ -279,6 +332,44 @@ class Merge(MultiSource):
       return {name: (a[name] + b[name]) / 2 for name in a}
     return dare_merge([a, b], self._base_mlp(sorted(a), layer), self.drop_rate, rng)
 
+  def _extend(self, pool: List[Dict[str, Array]], pair: Tuple[int, int], rng: Array,
+              layer: str) -> None:
+    """Appends the merge of `pool[i]`, `pool[j]` (`pair`), expert `len(pool)` of the layer
+    whose key is `rng`."""
+    i, j = pair
+    pool.append(self._merge(pool[i], pool[j], key_for(rng, str(len(pool))), layer))
+
+  def _pool(self, names: Sequence[str], layer: str, rng: Array,
+            pairs: Sequence[Tuple[int, int]]) -> List[Dict[str, Array]]:
+    """The layer's experts, float32 `{name: array}` each: the sources' MLPs, then the
+    merges of `pairs` in order."""
+    pool = []
+    for index in range(len(self.sources)):
+      source = self._source_mlp(index, names, layer)
+      pool.append({name: as_array(source[name]).astype(jnp.float32) for name in names})
+    for pair in pairs:
+      self._extend(pool, pair, rng, layer)
+    return pool
+
+  def _model_pairs(self, names: Sequence[str], num_experts: int, layer: str
+                   ) -> Tuple[Tuple[int, int], ...]:
+    """'model': the pairs of experts n..E-1, by the distance over every MoE layer."""
+    if self._layers is None or self._experts_rng is None or layer not in self._layers:
+      raise ValueError(
+          f"Merge(pair_scope='model') picks each merged expert's pair over every MoE layer, and "
+          f'was called for {layer} without them. Fix: upcycle through the plan '
+          f'(upcycle_from_checkpoints, UpcycleFromDense, convert), which gives them.')
+    key = (np.asarray(jax.random.key_data(self._experts_rng)).tobytes(), self._layers,
+           num_experts, tuple(names))
+    if key not in self._picked:
+      keys = {moe: key_for(self._experts_rng, moe) for moe in self._layers}
+      pairs: List[Tuple[int, int]] = []
+      while len(self.sources) + len(pairs) < num_experts:
+        inner = sum(gram(self._pool(names, moe, keys[moe], pairs)) for moe in self._layers)
+        pairs.append(most_distant_pair(inner, set(pairs)))
+      self._picked[key] = tuple(pairs)
+    return self._picked[key]
+
   def __call__(self, mlp, num_experts, rng, *, layer=''):
     n = len(self.sources)
     if n > num_experts:
@@ -286,16 +377,14 @@ class Merge(MultiSource):
           f'Merge: {n} sources but the MoE block at {layer} has only {num_experts} experts. '
           f'Fix: use FromCheckpoints with an assignment to pick sources.')
     names = sorted(mlp)
-    pool = []
-    for index in range(n):
-      source = self._source_mlp(index, names, layer)
-      pool.append({name: as_array(source[name]).astype(jnp.float32) for name in names})
-    merged: Set[Tuple[int, int]] = set()
-    while len(pool) < num_experts:
-      vectors = jnp.stack([jnp.concatenate([e[name].ravel() for name in names]) for e in pool])
-      i, j = most_distant_pair(vectors, merged)
-      merged.add((i, j))
-      pool.append(self._merge(pool[i], pool[j], key_for(rng, str(len(pool))), layer))
+    if self.pair_scope == 'model':
+      pool = self._pool(names, layer, rng, self._model_pairs(names, num_experts, layer))
+    else:
+      pool, pairs = self._pool(names, layer, rng, ()), set()
+      while len(pool) < num_experts:
+        pair = most_distant_pair(gram(pool), pairs)
+        pairs.add(pair)
+        self._extend(pool, pair, rng, layer)
     return {name: jnp.stack([e[name] for e in pool]).astype(mlp[name].dtype) for name in names}
 
 
