@@ -113,6 +113,26 @@ def test_what_disagrees_with_the_directory_is_refused_in_one_line(chat_llama, tm
       f"that family's model file (configs/models/) instead.")
 
 
+def test_a_mixtral_directory_gives_its_moe_block(tmp_path):
+  """A MixtralForCausalLM config.json's block (4 experts, top 2, aux 0.01) is the model's; a
+  moe/ file beside it is refused unless it is that block."""
+  import transformers  # pylint: disable=g-import-not-at-top
+  from upcycle import fields  # pylint: disable=g-import-not-at-top
+  from upcycle.models import llama_hf  # pylint: disable=g-import-not-at-top
+  transformers.MixtralConfig(
+      vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+      num_experts_per_tok=2, router_aux_loss_coef=0.01).save_pretrained(tmp_path)
+  model = ["HF_MODEL = '%s'" % tmp_path]
+  assert _model_config(['models/hf.gin'], model).moe == llama_hf.mixtral_moe(4, 2, 0.01)
+  assert _model_config(['models/hf.gin', 'moe/mixtral.gin'], model + [
+      'NUM_EXPERTS = 4', 'ROUTER_AUX_LOSS_COEF = 0.01']).moe == llama_hf.mixtral_moe(4, 2, 0.01)
+  with pytest.raises(fields.ConfigError, match=(
+      r"^models.LlamaConfig.moe = an MoE block, but HF_MODEL's config.json \(.*/config.json\) "
+      r"gives the model, and says MoeConfig\(num_experts=4, .*\. Fix: drop that binding")):
+    _model_config(['models/hf.gin', 'moe/mixtral.gin'], model)
+
+
 def _infer(checkpoint, output_dir, prompt_text, *model_flags):
   """`python -m upcycle.infer`'s greedy record of one prompt, in process."""
   prompts = os.path.join(output_dir, 'prompts.jsonl')

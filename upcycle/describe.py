@@ -1,7 +1,7 @@
 """Describe a checkpoint without loading its data: format, step, sizes, tree, model.
 
   python -m upcycle.describe PATH [--format F] [--json] [--verify]
-  python -m upcycle.describe HF_DIR --gin > my_model.gin
+  python -m upcycle.describe HF_DIR --gin
 
 Only metadata is read (shapes and dtypes), so this is cheap on any checkpoint size.
 --verify then reads every array (parameters and optimizer state, one at a time) and exits
