@@ -110,7 +110,9 @@ def write(directory: str, step: int, params: Mapping[str, Any]) -> None:
   and `directory/<step>/digests/`, the CRC-32 of each array as it was written (`digests.py`)."""
   recorded: Dict[str, Any] = {}
   params = tree.unflatten(digests.recording(tree.flatten(params), recorded))
-  registry = ocp.type_handlers.create_type_handler_registry((LazyArray, _StreamingHandler()))
+  # jax.Array's own handler beside ours: orbax keeps its array metadata on (and says nothing).
+  registry = ocp.type_handlers.create_type_handler_registry(
+      (LazyArray, _StreamingHandler()), (jax.Array, ocp.type_handlers.ArrayHandler()))
   handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
   options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
   manager = ocp.CheckpointManager(directory, options=options, item_names=(PARAMS,),
