@@ -24,6 +24,9 @@ setuptools.setup(
         'ml_dtypes==0.6.0',
         'numpy==2.4.6',
         'scipy==1.17.1',
+        # JAX's persistent compilation cache with a size bound (platforms.cache_compilations)
+        # locks its directory with it.
+        'filelock==4.3.2',
         # Input pipelines (imported only by the training / eval entry points).
         'seqio==0.0.20',
         'tensorflow==2.21.0',

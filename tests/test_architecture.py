@@ -34,7 +34,7 @@ ALLOWED = {
     'decoding': {'tree', 'layers', 'moe', 'models', 'fields'},
     'checkpoints': {'tree', 'locks', 'progress', 'optimizer_state'},
     'upcycling': {'tree', 'leaf_ops', 'checkpoints', 'optimizer_state', 'progress'},
-    'data': {'fields'},
+    'data': {'fields', 'platforms'},
     'gin_utils': {'arguments', 'checkpoints', 'console', 'data', 'distributed', 'reachability'},
     'arguments': set(),
     'distributed': {'tpu_slice'},

@@ -42,9 +42,10 @@ def show_progress(level: int = logging.INFO, info_to: str = 'stdout') -> None:
   """Sends the `upcycle` loggers' records at `level` and above to the terminal: warnings and
   errors to stderr, the rest to `info_to` ('stdout', or 'stderr' where stdout is the command's
   output, as `describe --json`'s). A later call replaces an earlier one's handlers. Also keeps
-  TensorFlow's and seqio's noise off the terminal and JAX off libtpu away from a TPU VM
-  (module doc)."""
+  TensorFlow's and seqio's noise off the terminal, JAX off libtpu away from a TPU VM
+  (module doc) and JAX's persistent compilation cache on (`platforms.cache_compilations`)."""
   platforms.choose()
+  platforms.cache_compilations()
   _quiet_tensorflow()
   logger = logging.getLogger('upcycle')
   logger.setLevel(level)

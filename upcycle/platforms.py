@@ -10,10 +10,16 @@ JAX_FORCE_TPU_INIT), or the user asked for something:
   JAX_PLATFORMS                              the platforms, as JAX reads them
   TPU_ACCELERATOR_TYPE, TPU_WORKER_HOSTNAMES  libtpu's own settings (`upcycle.aot` compiles
                                              with libtpu off a TPU VM with these)
+
+`cache_compilations()` turns JAX's persistent compilation cache on for the command-line
+tools, under `cache_root()` (`UPCYCLE_CACHE`, default ~/.cache/upcycle/, where the offline
+tokenizer is kept too), unless JAX_COMPILATION_CACHE_DIR says where (or, empty, that it stays
+off).
 """
 
 import os
 
+CACHE_MAX_BYTES = 4 << 30   # of the persistent compilation cache (`cache_compilations`)
 # Set by the user, they say what libtpu should do: JAX is left to its own choice.
 WANTS_TPU = ('TPU_ACCELERATOR_TYPE', 'TPU_WORKER_HOSTNAMES')
 
@@ -28,6 +34,29 @@ def choose() -> None:
   if cloud_tpu_init.running_in_cloud_tpu_vm or xla_bridge.backends_are_initialized():
     return
   jax.config.update('jax_platforms', _host_platforms())
+
+
+def cache_root() -> str:
+  """Where upcycle keeps what it makes once and reads again: `UPCYCLE_CACHE`, default
+  ~/.cache/upcycle."""
+  return os.environ.get('UPCYCLE_CACHE', os.path.expanduser('~/.cache/upcycle'))
+
+
+def cache_compilations() -> None:
+  """JAX's persistent compilation cache, under `cache_root()/jax_compilation_cache`: a rerun
+  of a program compiled before (a run resumed, an ablation of the same shapes, infer or eval of
+  a later step) reads XLA's output back instead of compiling it again; JAX caches programs
+  that took at least `jax_persistent_cache_min_compile_time_secs` (1 s) to compile
+  (benchmarks/time_to_first_step.py measures what it saves), keeps at most
+  `CACHE_MAX_BYTES` (the least recently read entries go first) and locks the directory
+  while it writes, so concurrent processes share it. JAX_COMPILATION_CACHE_DIR set by the
+  user wins (JAX reads it; empty: no cache)."""
+  if 'JAX_COMPILATION_CACHE_DIR' in os.environ:
+    return
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update('jax_compilation_cache_dir',
+                    os.path.join(cache_root(), 'jax_compilation_cache'))
+  jax.config.update('jax_compilation_cache_max_size', CACHE_MAX_BYTES)
 
 
 def _host_platforms() -> str:

@@ -39,7 +39,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from etils import epath
 
-from upcycle import fields
+from upcycle import fields, platforms
 
 OFFLINE_BPE = 'offline_stdlib_bpe'
 OFFLINE_VOCAB_SIZE = 4096
@@ -271,10 +271,6 @@ def _from_directory(directory: str) -> Tokenizer:
                    source=directory)
 
 
-def _cache_dir() -> str:
-  return os.environ.get('UPCYCLE_CACHE', os.path.expanduser('~/.cache/upcycle'))
-
-
 def train_offline_bpe(vocab_size: int = OFFLINE_VOCAB_SIZE) -> bytes:
   """tokenizer.json of a byte-level BPE trained on the stdlib corpus's training split.
 
@@ -295,7 +291,8 @@ def train_offline_bpe(vocab_size: int = OFFLINE_VOCAB_SIZE) -> bytes:
 
 def _offline_bpe() -> Tokenizer:
   version = '.'.join(map(str, sys.version_info[:3]))
-  path = os.path.join(_cache_dir(), f'{OFFLINE_BPE}-{OFFLINE_VOCAB_SIZE}-py{version}.json')
+  path = os.path.join(platforms.cache_root(),
+                      f'{OFFLINE_BPE}-{OFFLINE_VOCAB_SIZE}-py{version}.json')
   if os.path.exists(path):
     with open(path, 'rb') as f:
       data = f.read()
