@@ -439,3 +439,22 @@ def test_an_unreachable_checkpoint_stops_it_in_one_line_before_compiling(tmp_pat
   last = done.stderr.strip().splitlines()[-1]
   assert 'INITIAL_CHECKPOINT_PATH' in last and 'gs://no-such-bucket-upcycle-test' in last, last
   assert 'Traceback' not in done.stderr and not (tmp_path / 'aot.json').exists()
+
+
+@pytest.mark.slow   # 20 s: two gradients of megablox's kernels compiled for TPU
+def test_megablox_compiles_for_tpu_where_a_dimension_is_under_128():
+  """models/llama/tiny.gin's experts (d_model 64, d_ff 256), up and down: Mosaic takes a tile
+  that is a multiple of 128 or the whole dimension, so each product of the backward tiles its
+  own k and n (the forward's tiles, reused with k and n swapped, were refused)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+  from upcycle.grouped_kernels import GROUPED_KERNELS  # pylint: disable=g-import-not-at-top
+  from upcycle.train import aot  # pylint: disable=g-import-not-at-top
+  one = NamedSharding(Mesh(np.array(aot.topology_devices('v4:2x2x1')[:1]), ('x',)),
+                      PartitionSpec())
+  spec = lambda *shape, dtype=np.float32: jax.ShapeDtypeStruct(shape, dtype, sharding=one)
+  loss = lambda rows, kernel, sizes: jnp.sum(GROUPED_KERNELS['megablox'](rows, kernel, sizes) ** 2)
+  for d_in, d_out in ((64, 256), (256, 64)):
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(
+        spec(1024, d_in), spec(8, d_in, d_out), spec(8, dtype=np.int32)).compile()
+    assert 'tpu_custom_call' in compiled.as_text()   # megablox's kernels, not the blocked scan

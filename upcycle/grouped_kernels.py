@@ -52,7 +52,10 @@ def _megablox_gmm(rows: Array, kernel: Array, sizes: Array, interpret: bool) -> 
   padded = -(-count // tile) * tile
   counted = jnp.arange(padded) < jnp.sum(sizes)
   rows = _gradient_where(jnp.pad(rows, ((0, padded - count), (0, 0))), counted)
-  tiling = (tile, min(1024, d_in), min(1024, kernel.shape[-1]))
+  # Each product (the forward's, and the backward's with k and n swapped) tiles its own k
+  # and n: a tile is the whole dimension up to 1024 (Mosaic takes a multiple of 128, or the
+  # whole dimension), so d_model 64 against d_ff 256 tiles both ways.
+  tiling = lambda m, k, n: (tile, min(1024, k), min(1024, n))
   out = ops.gmm(rows, kernel, sizes, rows.dtype, tiling, None, None, False, interpret)
   return jnp.where(counted[:, None], out, 0).astype(out.dtype)[:count]
 
