@@ -106,3 +106,34 @@ def test_loops_over_matmuls_are_found_in_compiled_hlo_and_binary_searches_are_no
   assert step_count.loops_over_matmuls(hlo(unrolled, (3, 8, 8), (4, 8))) == []
   search = hlo(jnp.searchsorted, (100,), (9,))
   assert 'while(' in search and step_count.loops_over_matmuls(search) == []
+
+
+def test_a_chunked_loss_is_counted_whole_in_the_shallow_copy():
+  """`CausalLm.loss_chunks`: the compiler counts the loss's loop over chunks once (less than
+  the whole-logits loss); the counting copy unrolls it, so it counts at least the whole-logits
+  loss's FLOPs and at most one more projection forward (2 B L d V: the backward recomputes
+  each chunk's logits), and its program has no loop over matmuls left."""
+  from upcycle.train import objectives  # pylint: disable=g-import-not-at-top
+  config = models.LlamaConfig(vocab_size=512, d_model=32, d_ff=64, num_heads=2, num_kv_heads=1,
+                              head_dim=16, num_layers=2)
+  batch = {'decoder_input_tokens': TOKENS, 'decoder_target_tokens': TOKENS,
+           'decoder_loss_weights': np.ones(TOKENS.shape, np.float32)}
+
+  def compiled(objective):
+    params = jax.eval_shape(lambda: objective.model.init(jax.random.PRNGKey(0), TOKENS))
+    loss = lambda p: objective.forward(p['params'], batch, train=False)[0]['loss']
+    return jax.jit(jax.grad(loss)).lower(params).compile()
+
+  def flops(program):
+    cost = program.cost_analysis()
+    return float((cost[0] if isinstance(cost, (list, tuple)) else cost)['flops'])
+
+  whole = flops(compiled(objectives.CausalLm(models.Llama(config))))
+  chunked = objectives.CausalLm(models.Llama(config), loss_chunks=4)
+  looped = compiled(chunked)
+  assert step_count.loss_loops(chunked) and flops(looped) < whole
+  assert step_count.loops_over_matmuls(looped.as_text())
+  copy = compiled(step_count.shallow(chunked, step_count.periods(config)))
+  assert not step_count.loops_over_matmuls(copy.as_text())
+  projection = 2 * TOKENS.size * config.d_model * config.vocab_size
+  assert whole <= flops(copy) <= whole + projection

@@ -460,7 +460,7 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
 
     compile_train_step(config.batch_size, reports, not_compiled)
     if 'train_step' in reports:
-      loops = scans or config.num_microbatches > 1
+      loops = scans or config.num_microbatches > 1 or step_count.loss_loops(objective)
       reports['train_step'] = counted(reports['train_step'], count=functools.partial(
           step_count.extrapolate, train_step_counts, full_periods) if loops else None)
     if find_batch and 'train_step' in reports:
@@ -486,5 +486,6 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
           reports=reports, not_compiled=not_compiled)
       if 'eval_step' in reports:
         reports['eval_step'] = counted(reports['eval_step'], count=functools.partial(
-            step_count.extrapolate, eval_step_counts, full_periods) if scans else None)
+            step_count.extrapolate, eval_step_counts, full_periods)
+            if scans or step_count.loss_loops(objective) else None)
   return CompiledRun(list(devices), mesh, megacore, settings, reports, not_compiled, search)

@@ -47,8 +47,8 @@ def cross_entropy(logits: Array, targets: Array, weights: Optional[Array] = None
 
 def chunked_cross_entropy(features: Array, project: Callable[[Array], Array], targets: Array,
                           weights: Optional[Array] = None, *, num_chunks: int,
-                          z_loss: float = 0.0, label_smoothing: float = 0.0
-                          ) -> Dict[str, Array]:
+                          z_loss: float = 0.0, label_smoothing: float = 0.0,
+                          unroll: bool = False) -> Dict[str, Array]:
   """`cross_entropy(project(features), targets, ...)` without the whole `[batch, length,
   vocab]` float32 logits in memory: the sequence is cut into `num_chunks` slices, each
   slice's logits computed, reduced to the sums and dropped (`lax.scan`), and computed again in
@@ -61,6 +61,8 @@ def chunked_cross_entropy(features: Array, project: Callable[[Array], Array], ta
     project: `[batch, n, d]` -> float32 logits `[batch, n, vocab]`.
     targets, weights, z_loss, label_smoothing: as `cross_entropy`'s (`[batch, length]`).
     num_chunks: slices of the sequence; must divide `length`.
+    unroll: the slices' loop unrolled (the same values and memory bound; what the compile-ahead
+      counting copies compile, since the compiler counts a loop's body once).
   """
   batch, length = targets.shape
   if length % num_chunks:
@@ -80,5 +82,6 @@ def chunked_cross_entropy(features: Array, project: Callable[[Array], Array], ta
 
   zeros = {name: jnp.zeros((), jnp.float32) for name in ('loss', 'z_loss', 'correct',
                                                            'weight_sum')}
-  total, _ = jax.lax.scan(add, zeros, (slices(features), slices(targets), slices(weights)))
+  total, _ = jax.lax.scan(add, zeros, (slices(features), slices(targets), slices(weights)),
+                          unroll=unroll)
   return total

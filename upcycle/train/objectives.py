@@ -99,6 +99,7 @@ class CausalLm(TargetTokenLoss):
   z_loss: float = 0.0
   label_smoothing: float = 0.0
   loss_chunks: int = 1
+  unroll_loss_chunks: bool = False   # the counting copies' (`train/step_count.py`)
 
   def __post_init__(self):
     fields.integer(self, 'loss_chunks', 1)
@@ -122,7 +123,8 @@ class CausalLm(TargetTokenLoss):
           f'sequence length {targets.shape[1]}. Fix: a divisor of it.')
     return losses.chunked_cross_entropy(
         features, project, targets, self.target_weights(batch), num_chunks=self.loss_chunks,
-        z_loss=self.z_loss, label_smoothing=self.label_smoothing), state
+        z_loss=self.z_loss, label_smoothing=self.label_smoothing,
+        unroll=self.unroll_loss_chunks), state
 
   def apply(self, params: Any, batch: Batch, *, train: bool,
             rngs: Mapping[str, Array] = None,

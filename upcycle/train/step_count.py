@@ -8,8 +8,8 @@ every loop unrolled counts them all, but holds every layer's activations at once
 Llama-3.2-1B at 128 × 4096 tokens on a v4-64 it needs 133 GiB of temporaries and is refused.
 
 So the step is compiled as copies of the same run with the model cut to few layers (the
-config's `with_depths`: unscanned, MoE blocks where they were) and the microbatch scan
-unrolled: one with one period of layers in every stack (`scan_layout`: the layers after which
+config's `with_depths`: unscanned, MoE blocks where they were) and the microbatch scan and the
+loss's scan over sequence chunks (`CausalLm.loss_chunks`) unrolled: one with one period of layers in every stack (`scan_layout`: the layers after which
 the MoE placement repeats), and, for each stack of more than one period, one with two periods
 in that stack. Counts are affine in each stack's number of periods n_s, so
 
@@ -86,13 +86,20 @@ def periods(model_config: Any) -> Tuple[int, ...]:
                for _, _, _, num_layers, sparse in model_config.layer_stacks())
 
 
+def loss_loops(objective: Any) -> bool:
+  """Whether `objective` computes its loss in a loop (`CausalLm.loss_chunks` > 1)."""
+  return getattr(objective, 'loss_chunks', 1) > 1
+
+
 def shallow(objective: Any, stack_periods: Sequence[int]) -> Any:
-  """`objective` with its model cut to `stack_periods[s]` periods of layers in stack s."""
+  """`objective` with its model cut to `stack_periods[s]` periods of layers in stack s, and
+  its loss's loop over chunks unrolled (`loss_loops`)."""
   config = objective.model.config
   depths = [scan_layout.period(sparse, num_layers) * k for (_, _, _, num_layers, sparse), k
             in zip(config.layer_stacks(), stack_periods)]
-  return dataclasses.replace(objective,
-                             model=objective.model.clone(config=config.with_depths(depths)))
+  unrolled = {'unroll_loss_chunks': True} if loss_loops(objective) else {}
+  return dataclasses.replace(
+      objective, model=objective.model.clone(config=config.with_depths(depths)), **unrolled)
 
 
 def extrapolate(count_at: Callable[[Tuple[int, ...]], Counts],
