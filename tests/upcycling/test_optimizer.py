@@ -137,21 +137,28 @@ def test_adafactor_factored_moments_tiled(t5, target):
 
 
 def test_adafactor_layout_change_rebuilds_the_estimate(t5, target):
-  """E = 32 is the largest axis of [32, 8, 16]: factors are rebuilt, not tiled."""
+  """E = 32 is the largest axis of [32, 8, 16]: optax factors it over axes 2 and 0, not the
+  dense [8, 16]'s 0 and 1, so the factors are rebuilt from the dense estimate, not tiled.
+
+  In numpy, optax's convention (`scale_by_factored_rms`): d0 the largest axis, d1 the second;
+  v_row lacks d0, v_col lacks d1, and the preconditioner is v_row / mean(v_row, d1) x v_col.
+  """
   optimizer = OPTIMIZERS['adafactor']()
   dense, dense_state = _train_dense(t5, optimizer)
   moe, _ = upcycle(dense, target(dense, [MLP], 32), rng=0)
   fs = upcycle_optimizer_state(dense, dense_state, moe, optimizer)[0]
-  dense_fs = dense_state[0]
-  name = 'wi_0/kernel'
-  dense_slots = tuple(tree.flatten(getattr(dense_fs, k))[f'{MLP}/{name}'] for k in ('v_row', 'v_col', 'v'))
-  moe_slots = tuple(tree.flatten(getattr(fs, k))[f'{MLP}/expert/{name}'] for k in ('v_row', 'v_col', 'v'))
-  moe_slots = adafactor.heuristic(*moe_slots, adafactor.placeholder(), (32, 8, 16))
-  assert (moe_slots.rows, moe_slots.cols) == ((2,), (0,))
-  want = adafactor.estimate(adafactor.heuristic(*dense_slots, adafactor.placeholder(), (8, 16)))
-  got = adafactor.estimate(moe_slots)
-  for e in (0, 17, 31):
-    np.testing.assert_allclose(got[e], want, rtol=1e-5)
+  slot = lambda state, k, path: np.asarray(tree.flatten(getattr(state, k))[path], np.float64)
+  dense_row = slot(dense_state[0], 'v_row', f'{MLP}/wi_0/kernel')     # [8]: d0 = 1 dropped
+  dense_col = slot(dense_state[0], 'v_col', f'{MLP}/wi_0/kernel')     # [16]: d1 = 0 dropped
+  want = np.outer(dense_row / dense_row.mean(), dense_col)             # [8, 16]
+  v_row = slot(fs, 'v_row', f'{MLP}/expert/wi_0/kernel')                # d0 = 0 dropped
+  v_col = slot(fs, 'v_col', f'{MLP}/expert/wi_0/kernel')                # d1 = 2 dropped
+  assert v_row.shape == (8, 16) and v_col.shape == (32, 8)
+  # The means of the dense estimate tiled 32 times, over the experts and over d_ff.
+  np.testing.assert_allclose(v_row, want, rtol=1e-5)
+  np.testing.assert_allclose(v_col, np.broadcast_to(want.mean(1), (32, 8)), rtol=1e-5)
+  got = v_row[None] / v_row.mean(1, keepdims=True)[None] * v_col[:, :, None]
+  np.testing.assert_allclose(got, np.broadcast_to(want, (32, 8, 16)), rtol=1e-5)
 
 
 def test_lr_at_first_moe_step_is_the_dense_schedule_at_that_step(t5, target):
