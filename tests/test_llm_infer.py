@@ -74,11 +74,14 @@ def _ours(directory, prompts, config, batch_size, rng):
   return [through_eos(row, config.eos_id) for row in np.asarray(tokens)]
 
 
-def test_prompts_file_is_continued_as_our_decode_does(hf_llama_with_tokenizer, infer, tmp_path):
+def test_prompts_file_is_continued_as_our_decode_does(hf_llama_with_tokenizer, infer, tmp_path,
+                                                      capsys):
   directory = hf_llama_with_tokenizer
   prompts_file = tmp_path / 'prompts.jsonl'
   prompts_file.write_text(''.join(json.dumps({'prompt': p}) + '\n' for p in PROMPTS))
   path, records = infer(directory, f"--gin.PROMPTS_FILE='{prompts_file}'")
+  assert capsys.readouterr().out.splitlines()[-1] == (
+      f'Wrote 3 predictions (greedy) of checkpoint {directory} (hf, no step) to {path}')
   assert re.fullmatch(re.escape(os.path.join(str(tmp_path), 'inference', '')) +
                       r'prompts-0-greedy-[0-9a-f]{8}\.jsonl', path)
   tokenizer = tokenizer_lib.load(directory)

@@ -206,8 +206,9 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
   done.finish()
   if writer:
     what = 'scores' if t5x_mode == 'score' else f'predictions ({decoding.method})'
-    print(f'Wrote {done.done} {what} of checkpoint {checkpoint_path} '
-          f'(step {checkpoint.step}) to {path}', flush=True)
+    step = 'no step' if checkpoint.step is None else f'step {checkpoint.step}'
+    print(f'Wrote {done.done} {what} of checkpoint {checkpoint_path} ({checkpoint.format}, '
+          f'{step}) to {path}', flush=True)
   return os.fspath(path)
 
 
