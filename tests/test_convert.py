@@ -531,6 +531,40 @@ def test_every_single_source_initializer_converts_a_sharded_hf_llama(
 
 
 
+def test_a_llama_step_whose_tokenizer_was_replaced_is_refused(tmp_path):
+  """The step's data position records the digest of the tokenizer it was trained with (the
+  offline BPE): the run's tokenizer/ replaced by another (two ids swapped) is refused in one
+  line, nothing written, instead of being kept beside the MoE; the right one is kept."""
+  from tests.helpers import save_swapped_tokenizer  # pylint: disable=g-import-not-at-top
+  from upcycle.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  from upcycle.data.lm import LmPipeline  # pylint: disable=g-import-not-at-top
+  from upcycle.models import LlamaConfig, llama_hf  # pylint: disable=g-import-not-at-top
+  from upcycle.train import host_data, host_states  # pylint: disable=g-import-not-at-top
+  dense = LlamaConfig(vocab_size=4096, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                      d_ff=256, num_layers=2, layer_norm_epsilon=1e-5)
+  position = host_states.gather(host_data.HostData(
+      LmPipeline('offline_stdlib_text', 'train', {'targets': 16}), global_batch_size=2,
+      seed=0).get_state())
+  run = tmp_path / 'run'
+  with orbax.CheckpointManager(str(run / 'checkpoints'), async_save=False) as manager:
+    manager.save(2, helpers.random_params(dense), dataset_state=position)
+  offline = tokenizer_lib.load(tokenizer_lib.OFFLINE_BPE)
+  kept = save_swapped_tokenizer(offline, str(run / tokenizer_lib.RUN_SUBDIR))
+  step, out = str(run / 'checkpoints' / '2'), tmp_path / 'moe'
+  moe_config = dataclasses.replace(dense, moe=llama_hf.mixtral_moe(4, 2, 0.02))
+  with pytest.raises(convert.ConvertError) as refused:
+    convert.convert(step, moe_config, str(out))
+  assert str(refused.value) == (
+      f'convert reads {kept} (tokenizer digest {tokenizer_lib.load(kept).short_digest}), but '
+      f'the weights of {step} were trained with tokenizer {offline.short_digest} (the data '
+      f"position saved in {step}/dataset): they would read another tokenizer's ids. Fix: put "
+      f'the tokenizer {step} was trained with in {kept}.')
+  assert not out.exists()
+  offline.save(kept)
+  convert.convert(step, moe_config, str(out))
+  assert tokenizer_lib.load(str(out)).files['tokenizer.json'] == offline.files['tokenizer.json']
+
+
 def test_a_non_finite_source_weight_is_refused_in_one_line(tmp_path, capsys, caplog):
   """An Inf written (by the safetensors library) into an HF Llama's embedding: the streamed
   write stops on it with one line naming the tensor and file, no traceback logged by orbax's

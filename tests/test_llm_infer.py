@@ -74,11 +74,14 @@ def _ours(directory, prompts, config, batch_size, rng):
   return [through_eos(row, config.eos_id) for row in np.asarray(tokens)]
 
 
-def test_prompts_file_is_continued_as_our_decode_does(hf_llama_with_tokenizer, infer, tmp_path):
+def test_prompts_file_is_continued_as_our_decode_does(hf_llama_with_tokenizer, infer, tmp_path,
+                                                      capsys):
   directory = hf_llama_with_tokenizer
   prompts_file = tmp_path / 'prompts.jsonl'
   prompts_file.write_text(''.join(json.dumps({'prompt': p}) + '\n' for p in PROMPTS))
   path, records = infer(directory, f"--gin.PROMPTS_FILE='{prompts_file}'")
+  assert capsys.readouterr().out.splitlines()[-1] == (
+      f'Wrote 3 predictions (greedy) of checkpoint {directory} (hf, no step) to {path}')
   assert re.fullmatch(re.escape(os.path.join(str(tmp_path), 'inference', '')) +
                       r'prompts-0-greedy-[0-9a-f]{8}\.jsonl', path)
   tokenizer = tokenizer_lib.load(directory)
@@ -141,7 +144,7 @@ def test_a_prompt_too_long_no_prompts_file_or_t5x_rows_are_refused_in_one_line(
   message = str(stopped.value)
   assert message.startswith(f'error: {prompts_file}:1: the prompt is ') and '\n' not in message
   assert "Fix: --gin.TASK_FEATURE_LENGTHS=\"{'targets': " in message
-  assert os.listdir(tmp_path / 'inference') == []   # no partial file or lock left behind
+  assert not (tmp_path / 'inference').exists()   # refused before the checkpoint is read
   with pytest.raises(SystemExit) as stopped:
     infer(hf_llama_with_tokenizer, f"--gin.PROMPTS_FILE='{tmp_path / 'missing.jsonl'}'")
   assert str(stopped.value) == (
@@ -156,8 +159,10 @@ def test_a_prompt_too_long_no_prompts_file_or_t5x_rows_are_refused_in_one_line(
 
 
 def test_another_tokenizer_or_a_prompts_file_that_is_no_text_is_refused_in_one_line(
-    hf_llama_with_tokenizer, infer, tmp_path):
+    hf_llama_with_tokenizer, infer, tmp_path, monkeypatch):
+  """Each refused in one line before any parameter is read (a large checkpoint takes minutes)."""
   from tests import helpers  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(pretrained, 'on_mesh', lambda *args: pytest.fail('parameters read'))
   swapped = helpers.save_swapped_tokenizer(tokenizer_lib.load(hf_llama_with_tokenizer),
                                            str(tmp_path / 'swapped'))
   digest = lambda spec: tokenizer_lib.load(spec).short_digest

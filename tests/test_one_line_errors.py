@@ -210,6 +210,35 @@ def test_a_decoder_only_run_refuses_a_tokenizer_or_learning_rate_that_cannot_be(
   assert not os.path.exists(tmp_path / 'run')
 
 
+def test_an_upcycling_start_whose_source_holds_an_inf_leaves_no_model_dir(
+    entry_points, tmp_path, capsys):
+  """An Inf written (by the safetensors library) into an HF Llama's embedding: the restore hook
+  stops on it in one line, and the MODEL_DIR this start created is removed again (no
+  upcycling_report.txt of a run that never began)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  from safetensors.numpy import load_file, save_file  # pylint: disable=g-import-not-at-top
+  from upcycle.data import tokenizer  # pylint: disable=g-import-not-at-top
+  source = str(tmp_path / 'llama')
+  transformers.LlamaForCausalLM(transformers.LlamaConfig(
+      vocab_size=4096, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+      tie_word_embeddings=False)).save_pretrained(source)   # models/llama/tiny.gin's
+  tokenizer.load(tokenizer.OFFLINE_BPE).save(source)
+  weights = os.path.join(source, 'model.safetensors')
+  tensors = load_file(weights)
+  tensors['model.embed_tokens.weight'][5, 3] = np.inf
+  save_file(tensors, weights, metadata={'format': 'pt'})
+  message = _refusal(train_main.main, LLM_UPCYCLE + [
+      '--gin.models.LlamaConfig.num_layers=2', f"--gin.INITIAL_CHECKPOINT_PATH='{source}'",
+      f"--gin.MODEL_DIR='{tmp_path}/run'"], capsys)
+  assert message == (
+      f"error: {weights}: parameter 'model.embed_tokens.weight': the tensor holds values that "
+      'are not finite. Expected finite values, found 0 NaN and 1 Inf among those read. The '
+      'file is damaged: re-download or re-export it.')
+  assert not os.path.exists(tmp_path / 'run')
+
+
 def _eval_argv(checkpoint, *flags):
   return ['--gin_file=models/t5_1_1/tiny.gin', '--gin_file=runs/eval.gin', DATA, LENGTHS,
           f"--gin.CHECKPOINT_PATH='{checkpoint}'", *flags]

@@ -52,7 +52,9 @@ names, `state/step`, an empty `state/param_states` (restore it in T5X as docs/ch
 Either way OUTPUT_DIR/upcycling_report.txt holds the upcycling report, every leaf (the console
 shows its summary; `upcycling/report_file.py`), OUTPUT_DIR/config.gin the gin configuration
 (`python -m upcycle.export --model_dir=OUTPUT_DIR` reads the model from it), a Llama-family
-output keeps the source's tokenizer in OUTPUT_DIR/tokenizer/, as a run does
+output keeps the source's tokenizer (the one its weights were trained with, where the step
+records it; several sources must share one: merged embeddings would average rows of different
+pieces) in OUTPUT_DIR/tokenizer/, as a run does
 (`upcycle.data.tokenizer`: with its chat template, generation_config.json and the source's
 config.json, whose eos list, pad id, context length and dtype `python -m upcycle.export
 --format=hf` writes back), and the step records the CRC-32 of every array written in its
@@ -390,16 +392,27 @@ def _unrolled(model_config: Any) -> Any:
   return model_config
 
 
-def _source_tokenizer(source: str, model_config: Any) -> Optional[tokenizer_lib.Tokenizer]:
-  """The tokenizer a decoder-only `source` carries (an HF directory's, a run's tokenizer/),
-  which the output keeps; None for other families or a source without one (said)."""
+def _source_tokenizer(sources: List[str], model_config: Any) -> Optional[tokenizer_lib.Tokenizer]:
+  """The tokenizer decoder-only `sources` carry (an HF directory's, a run's tokenizer/; several
+  sources: the one they share), which the output keeps; None for other families or where a
+  source has none (said). Raises ConvertError where a source carries another tokenizer than
+  its weights were trained with (a run whose tokenizer/ was replaced) or two sources carry
+  different ones."""
   if families.of(model_config).name != 'llama':
     return None
   try:
-    return tokenizer_lib.load(source)
+    tokenizers = [tokenizer_lib.load(source) for source in sources]
   except tokenizer_lib.TokenizerError as e:
     log.info('The output keeps no tokenizer: %s', e)
     return None
+  try:
+    for source, tok in zip(sources, tokenizers):
+      pretrained.check_trained(
+          tok, source, binding='convert',
+          fix=f'put the tokenizer {source} was trained with in {tok.source}.')
+    return tokenizer_lib.shared(specs=sources, tokenizers=tokenizers, binding='--source')
+  except tokenizer_lib.TokenizerError as e:
+    raise ConvertError(str(e)) from e
 
 
 def convert(source: Union[str, List[str]], model_config: Any, output_dir: str, *,
@@ -435,6 +448,7 @@ def convert(source: Union[str, List[str]], model_config: Any, output_dir: str, *
   ckpts = [pretrained.load(path, format, lazy=True) for path in source_paths]
   for path, read in zip(source_paths, ckpts):
     check_paths(path, read.path, output_dir, overwrite)
+  tokenizer = _source_tokenizer(source_paths, model_config)
   ckpt, dense, experts = _sources(ckpts, experts, step,
                                   growing=grow_experts is not None or grow_depth is not None)
   if tree.is_scanned(dense):   # a run trained with SCAN_LAYERS = True: planned per layer
@@ -465,7 +479,6 @@ def convert(source: Union[str, List[str]], model_config: Any, output_dir: str, *
     for read in ckpts:
       verify_lib.check(dataclasses.replace(read, optimizer_state=None))
   log.info('%s', report_file.summary(report, os.path.join(output_dir, report_file.REPORT_FILE)))
-  tokenizer = _source_tokenizer(source_paths[0], model_config)
 
   def write(work: str) -> None:
     leaves = stream.leaves(plan, dense, seed)

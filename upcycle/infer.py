@@ -172,9 +172,12 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
   max_decode_length = max_decode_length or infer_data.feature_lengths['targets']
 
   def checked(ckpt: Any) -> Dict[str, Any]:
-    """The tokenizer's check; the decode's identity (the digests of the step read)."""
+    """The tokenizer's and prompts file's checks, before any array is read; the decode's
+    identity (the digests of the step read)."""
     pretrained.check_tokenizer(infer_data, model.config, ckpt.path, ckpt.format,
                                fix=TOKENIZER_FIX)
+    if isinstance(infer_data, Prompts):
+      infer_data.check()
     return decode_identity(infer_data, ckpt, max_decode_length=max_decode_length,
                            max_batches=max_batches, seed=seed)
 
@@ -206,8 +209,9 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
   done.finish()
   if writer:
     what = 'scores' if t5x_mode == 'score' else f'predictions ({decoding.method})'
-    print(f'Wrote {done.done} {what} of checkpoint {checkpoint_path} '
-          f'(step {checkpoint.step}) to {path}', flush=True)
+    step = 'no step' if checkpoint.step is None else f'step {checkpoint.step}'
+    print(f'Wrote {done.done} {what} of checkpoint {checkpoint_path} ({checkpoint.format}, '
+          f'{step}) to {path}', flush=True)
   return os.fspath(path)
 
 

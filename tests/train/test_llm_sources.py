@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import json
 import os
+import shutil
 
 import glob
 import itertools
@@ -160,6 +161,34 @@ def test_each_merged_source_is_checked_against_the_runs_tokenizer(tmp_path):
       f"tokenizer files in {b}): they would read another tokenizer's ids. Fix: TOKENIZER = "
       f"'{b}', the checkpoint's own (runs/llm_continue.gin's and runs/llm_upcycle.gin's "
       'default); merged checkpoints must share one.')
+
+
+def test_convert_keeps_the_tokenizer_merged_sources_share_and_refuses_two(branches, tmp_path):
+  """Branch-Train-MiX by convert: sources carrying one tokenizer give the output that one; a
+  source carrying another (two ids swapped) is refused in one line naming --source, before
+  anything is written."""
+  from tests.helpers import save_swapped_tokenizer  # pylint: disable=g-import-not-at-top
+  from upcycle.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  dirs, config = branches[:2]
+  offline = tokenizer_lib.load(tokenizer_lib.OFFLINE_BPE)
+  a, b, swapped = (str(tmp_path / name) for name in ('a', 'b', 'swapped'))
+  for name, copy in ((dirs['a'], a), (dirs['b'], b), (dirs['b'], swapped)):
+    shutil.copytree(name, copy)
+  offline.save(a)
+  offline.save(b)
+  save_swapped_tokenizer(offline, swapped)
+  experts = functools.partial(sources.FromCheckpoints, assignment=(0, 1, 1, 0))
+  convert.convert([a, b], config, str(tmp_path / 'moe'), experts=experts)
+  kept = tokenizer_lib.load(str(tmp_path / 'moe'))
+  assert kept.files['tokenizer.json'] == offline.files['tokenizer.json']   # byte for byte
+  with pytest.raises(convert.ConvertError) as refused:
+    convert.convert([a, swapped], config, str(tmp_path / 'refused'), experts=experts)
+  assert str(refused.value) == (
+      f'--source: {swapped} carries another tokenizer ({swapped}, digest '
+      f'{tokenizer_lib.load(swapped).short_digest}) than {a} ({a}, digest '
+      f'{offline.short_digest}): their embeddings index different pieces and cannot be merged. '
+      'Fix: give checkpoints trained with one tokenizer.')
+  assert not (tmp_path / 'refused').exists()
 
 
 @pytest.mark.parametrize('field, value', [('rope_theta', 500000.0),

@@ -15,6 +15,7 @@ import time
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
@@ -339,10 +340,12 @@ def test_a_gradient_norm_of_exactly_0_warns_after_3_steps_not_50():
   assert first == 4   # steps 2, 3, 4
 
 
-def _run_tiny(model_dir, learning_rate, steps, **train_kwargs):
+def _run_tiny(model_dir, learning_rate, steps, checkpoint_every=1000, schedule=None,
+              **train_kwargs):
   config = TrainConfig(str(model_dir), train_steps=steps, batch_size=8, log_every=1,
-                       checkpoint_every=1000, async_checkpoints=False, **train_kwargs)
-  optimizer = Adafactor(schedule=rsqrt_schedule(learning_rate, 100))
+                       checkpoint_every=checkpoint_every, async_checkpoints=False,
+                       **train_kwargs)
+  optimizer = Adafactor(schedule=schedule or rsqrt_schedule(learning_rate, 100))
   return Trainer(Seq2Seq(T5(TRAINING_T5)), optimizer, config, text('train'),
                  devices=jax.devices()[:1]).run()
 
@@ -372,6 +375,23 @@ def test_a_nan_before_the_first_checkpoint_says_what_to_do(tmp_path):
   assert 'step None' not in message
   assert 'no checkpoint has been written yet, so a restart starts this run over from step 0' in (
       message)
+
+
+@pytest.mark.slow
+def test_a_nan_at_the_first_step_after_resuming_names_the_restored_step(tmp_path):
+  """Round 5's Dg5b: the step resumed from is the likely cause, not a good checkpoint to
+  resume from again. Its second update multiplies the weights by about 1e30: step 2 is saved
+  finite, and the loss of step 3, the first after resuming, is not."""
+  overflow = lambda step: jnp.where(step < 1, 1e-2, 1e30)
+  _run_tiny(tmp_path, None, steps=2, checkpoint_every=2, schedule=overflow)
+  with pytest.raises(NonFiniteLossError) as raised:
+    _run_tiny(tmp_path, 1e-2, steps=4, checkpoint_every=2)
+  assert str(raised.value) == (
+      'The training loss or gradients became NaN or infinite at step 3, the first step after '
+      f'resuming from step 2 in {tmp_path}/checkpoints; stopped without saving. The values '
+      'restored from step 2 may be the cause, and a restart would resume from them again. '
+      'Fix: move step 2 aside (a restart then resumes from an earlier step); else lower the '
+      'learning rate or check the data.')
 
 
 def test_truncate_log_keeps_rows_through_the_resume_step(tmp_path):

@@ -101,6 +101,14 @@ class Prompts:
                        '{"prompt": "..."} per line (PROMPTS_FILE), or a task whose split has '
                        'documents.')
 
+  def check(self) -> None:
+    """Reads a prompts file through, refusing its first line that is no prompt in one line
+    (PromptsError), so that a decode refuses it before reading its checkpoint; a task split is
+    read as the decode goes."""
+    if self.prompts_file is not None:
+      for _ in self.prompts():
+        pass
+
   def batches(self, batch_size: int) -> Iterator[Dict[str, Any]]:
     """Batches of at most `batch_size` prompts: 'prompt' (texts), 'prompt_tokens' and
     'prompt_mask' int32 `[n, length]`, each prompt at the end of its row (mask 1 on it)."""

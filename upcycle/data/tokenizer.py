@@ -330,7 +330,8 @@ def load(spec: Spec) -> Tokenizer:
   """`OFFLINE_BPE`, an HF checkpoint directory, or a run directory (or a checkpoint in it);
   several checkpoints (Branch-Train-MiX sources): the one tokenizer they all carry."""
   if not isinstance(spec, str):
-    return _shared(spec)
+    return shared(specs=spec, tokenizers=[load(one) for one in spec],
+                  binding=f'TOKENIZER={list(spec)!r}')
   if spec == OFFLINE_BPE:
     return _offline_bpe()
   directory = _directory(spec)
@@ -342,14 +343,14 @@ def load(spec: Spec) -> Tokenizer:
   return _from_directory(os.fspath(directory))
 
 
-def _shared(specs: Sequence[str]) -> Tokenizer:
-  """The tokenizer every one of `specs` carries; TokenizerError where two differ (merged
-  embeddings would average rows of different pieces)."""
-  tokenizers = [load(spec) for spec in specs]
+def shared(specs: Sequence[str], tokenizers: Sequence[Tokenizer], *, binding: str) -> Tokenizer:
+  """The tokenizer all of `tokenizers` (those `specs` carry, in order) are; TokenizerError
+  naming `binding` where two differ (merged embeddings would average rows of different
+  pieces)."""
   for spec, tok in zip(specs[1:], tokenizers[1:]):
     if tok.digest != tokenizers[0].digest:
       raise TokenizerError(
-          f'TOKENIZER={list(specs)!r}: {spec} carries another tokenizer ({tok.source}, digest '
+          f'{binding}: {spec} carries another tokenizer ({tok.source}, digest '
           f'{tok.short_digest}) than {specs[0]} ({tokenizers[0].source}, digest '
           f'{tokenizers[0].short_digest}): their embeddings index different pieces and cannot be '
           f'merged. Fix: give checkpoints trained with one tokenizer.')

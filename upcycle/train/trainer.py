@@ -40,6 +40,26 @@ class NonFiniteLossError(RuntimeError):
   pass
 
 
+def _non_finite_message(step: int, *, start: int, resumed: bool, last: Optional[int],
+                        directory: str) -> str:
+  """What NonFiniteLossError says when the loss or gradients of a run that started at step
+  `start` (`resumed`: from its own step `start` in `directory`) are not finite by `step`: the
+  step a restart resumes from (`last`, the latest saved; None: none yet), or, at the first step
+  after resuming, the values restored (a restart would resume from them again)."""
+  if resumed and step == start + 1 and last == start:
+    return (f'The training loss or gradients became NaN or infinite at step {step}, the first '
+            f'step after resuming from step {start} in {directory}; stopped without saving. '
+            f'The values restored from step {start} may be the cause, and a restart would '
+            f'resume from them again. Fix: move step {start} aside (a restart then resumes from '
+            f'an earlier step); else lower the learning rate or check the data.')
+  where = (f'the last good checkpoint is step {last} in {directory}; a restart resumes from it'
+           if last is not None else
+           f'no checkpoint has been written yet, so a restart starts this run over from step '
+           f'{start}')
+  return (f'The training loss or gradients became NaN or infinite by step {step}. Stopped '
+          f'without saving; {where}. Lower the learning rate or check the data first.')
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """How long, how big, how often.
@@ -319,14 +339,9 @@ class Trainer:
     def checked(step: int) -> None:
       if not bool(jax.device_get(finite)):
         manager.wait()
-        last = manager.latest_step()
-        where = (f'the last good checkpoint is step {last} in {manager.directory}; a restart '
-                 f'resumes from it' if last is not None else
-                 f'no checkpoint has been written yet, so a restart starts this run over '
-                 f'from step {start}')
-        raise NonFiniteLossError(
-            f'The training loss or gradients became NaN or infinite by step {step}. Stopped '
-            f'without saving; {where}. Lower the learning rate or check the data first.')
+        raise NonFiniteLossError(_non_finite_message(
+            step, start=start, resumed=resumed, last=manager.latest_step(),
+            directory=manager.directory))
 
     def log_metrics(step, state, metrics):
       checked(step)

@@ -3,7 +3,8 @@
 A plan's report lists every target leaf (about 300 lines for T5 Base). The restore hooks and
 `python -m upcycle.convert` log its summary, naming `<directory>/upcycling_report.txt`, which
 holds the whole report, written whole (a temporary file renamed; on gs:// one object). The
-trainer says which directory (`kept_in(MODEL_DIR)` around its restore hook);
+trainer says which directory (`kept_in(MODEL_DIR)` around its restore hook, which writes the file
+once the hook has read the checkpoint: a start that fails leaves none);
 `python -m upcycle.aot`, which writes nothing, logs the summary naming the file the run will
 write (`planned`); a hook called with neither, as notebooks call them, logs the whole report.
 """
@@ -12,7 +13,7 @@ import contextlib
 import contextvars
 import logging
 import os
-from typing import Iterator, Optional
+from typing import Iterator, List, Optional, Tuple
 
 from etils import epath
 
@@ -21,7 +22,9 @@ from upcycle.upcycling.report import UpcycleReport
 
 REPORT_FILE = 'upcycling_report.txt'
 
-_DIRECTORY: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
+# (directory, the reports shown in `kept_in`'s block, which it writes there at its end)
+_Kept = Tuple[str, List[UpcycleReport]]
+_DIRECTORY: contextvars.ContextVar[Optional[_Kept]] = contextvars.ContextVar(
     'upcycling_report_directory', default=None)
 _PLANNED: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
     'upcycling_report_planned', default=None)
@@ -29,12 +32,16 @@ _PLANNED: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def kept_in(directory: str) -> Iterator[None]:
-  """Reports shown (`show`) in the block go to `directory`/REPORT_FILE."""
-  token = _DIRECTORY.set(directory)
+  """Reports shown (`show`) in the block go to `directory`/REPORT_FILE, written when the block
+  ends without an error (a start that fails leaves no report of a run that never began)."""
+  shown: List[UpcycleReport] = []
+  token = _DIRECTORY.set((directory, shown))
   try:
     yield
   finally:
     _DIRECTORY.reset(token)
+  for report in shown:
+    write(report, directory)
 
 
 @contextlib.contextmanager
@@ -72,13 +79,15 @@ def summary(report: UpcycleReport, path: str, written: bool = True) -> str:
 
 
 def show(report: UpcycleReport, log: logging.Logger) -> None:
-  """Logs `report`'s summary and writes the whole report where `kept_in` says; without a
-  directory, logs the whole report."""
-  directory = _DIRECTORY.get()
-  if directory is None and _PLANNED.get() is not None:
+  """Logs `report`'s summary, naming the file where `kept_in` writes the whole report at the
+  end of its block; without a directory, logs the whole report."""
+  kept = _DIRECTORY.get()
+  if kept is None and _PLANNED.get() is not None:
     log.info('%s', summary(report, _PLANNED.get(), written=False))
     return
-  if directory is None:
+  if kept is None:
     log.info('%s', report)
     return
-  log.info('%s', summary(report, write(report, directory)))
+  directory, shown = kept
+  shown.append(report)
+  log.info('%s', summary(report, os.path.join(directory, REPORT_FILE)))
