@@ -169,6 +169,7 @@ def test_flipped_bytes_in_array_data_are_found_and_set_aside(run, tmp_path, caps
   assert status == 1
   assert line.startswith(f"error: {step_dir}/params: parameter '{EMBEDDING}' (shard 0:384,0:32): "
                          f'its bytes differ from the digest recorded when the step was saved')
+  assert line.endswith('the data changed on disk. Fix: copy the checkpoint again from its source.')
   key = "['token_embedder']['embedding']"   # it still reads, with other values
   assert (_params(step_dir)[key] != _params(run['dir'] / 'checkpoints' / '4')[key]).any()
   moved = _assert_falls_back_to_step_2(

@@ -73,18 +73,21 @@ def verify_tree(items_tree: Any) -> int:
   return _read(lazy, '', progress.Progress('verify', 'arrays', total=len(lazy)))
 
 
+COPY_AGAIN = 'Fix: copy the checkpoint again from its source.'
+
+
 def verify(ckpt: Checkpoint, recorded: Optional[Dict[str, Entries]] = None) -> int:
   """Reads every parameter and optimizer-state array of `ckpt` (progress: arrays read, rate,
   ETA), comparing each with the digests `recorded` for it (`digests.read`), if given;
-  returns how many."""
+  returns how many. A changed array's CheckpointError ends with `COPY_AGAIN`."""
   arrays = _arrays(ckpt, recorded or {})
-  return _read(arrays, ckpt.path, progress.Progress('verify', 'arrays', total=len(arrays)))
+  return _read(arrays, ckpt.path, progress.Progress('verify', 'arrays', total=len(arrays)),
+               fix=COPY_AGAIN)
 
 
 def refusal(skip: str) -> str:
   """The end of every refusal of changed bytes: what to do, and how to read them anyway."""
-  return (f'Fix: copy the checkpoint again from its source, or pass {skip} to read it as it '
-          f'is.')
+  return f'{COPY_AGAIN.rstrip(".")}, or pass {skip} to read it as it is.'
 
 
 def check(ckpt: Checkpoint, skip: str = NO_VERIFY) -> bool:
