@@ -4,6 +4,7 @@ continuing another's step (runs/llm_continue.gin, RESTORE_DATASET) trains its ne
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import signal
@@ -199,8 +200,16 @@ def test_a_tokenizer_that_is_not_the_weights_is_refused_before_any_step(tmp_path
 
   run('run')
   step = str(tmp_path / 'run' / 'checkpoints' / '2')
-  with pytest.raises(tokenizer_lib.TokenizerError) as refused:
-    run('run', steps=4, tokenizer=swapped)
+  said = []
+  listener = logging.Handler()
+  listener.emit = lambda record: said.append(record.getMessage())
+  logging.getLogger('upcycle').addHandler(listener)
+  try:
+    with pytest.raises(tokenizer_lib.TokenizerError) as refused:
+      run('run', steps=4, tokenizer=swapped)
+  finally:
+    logging.getLogger('upcycle').removeHandler(listener)
+  assert not [line for line in said if line.startswith('Training on')]   # refused first
   assert str(refused.value) == (
       f'TOKENIZER (lm.LmPipeline.tokenizer) reads {swapped} (tokenizer digest '
       f'{other.short_digest}), but the weights of {step} were trained with tokenizer '

@@ -253,7 +253,6 @@ class Trainer:
     (the data position set from it), else the initializer's state, else a random one."""
     built = self.built
     host_states.wait_for_all_hosts('restore')
-    self._check_tokenizer(manager)
     restored = resume.restore(manager, built.abstract, model_dir=self.config.model_dir,
                               on_optimizer_mismatch=self.config.on_optimizer_mismatch,
                               with_dataset=bool(data.get_state()))
@@ -309,12 +308,13 @@ class Trainer:
 
   def _run(self, cfg: TrainConfig, on_start: Callable[[], None]) -> Dict[str, Any]:
     built, data = self.built, self._host_data()
-    log.info(startup.summary(built.abstract.params, built.mesh,
-                             os.path.join(cfg.model_dir, CHECKPOINT_DIR)))
     watch = stall.Watch(('loss', 'grad_norm'), cfg.stall_warning_steps)
     manager = CheckpointManager(os.path.join(cfg.model_dir, CHECKPOINT_DIR),
                                 keep=cfg.keep_checkpoints, async_save=cfg.async_checkpoints)
     try:
+      self._check_tokenizer(manager)   # refused before anything says the run starts
+      log.info(startup.summary(built.abstract.params, built.mesh,
+                               os.path.join(cfg.model_dir, CHECKPOINT_DIR)))
       state, resumed = self._initial_state(manager, data)
       start = int(jax.device_get(state.step))
       if resumed and start > cfg.train_steps:   # before on_start: config.gin stays the run's
