@@ -20,6 +20,23 @@ BYTE_T5_FLAGS = ['--gin.models.T5Config.d_model=8', '--gin.models.T5Config.d_ff=
                  '--gin.models.T5Config.num_decoder_layers=1']
 
 
+def refusal(main, argv, capsys):
+  """The one line the entry point `main(argv)` exits with (it prints no traceback); gin's
+  configuration, which the refused run parsed, is cleared for the next entry point."""
+  import gin  # pylint: disable=g-import-not-at-top
+  import pytest  # pylint: disable=g-import-not-at-top
+  capsys.readouterr()   # what the fixtures printed
+  with pytest.raises(SystemExit) as stopped:
+    try:
+      main(argv)
+    finally:
+      gin.clear_config(clear_constants=True)
+  assert 'Traceback' not in capsys.readouterr().err
+  message = str(stopped.value)
+  assert '\n' not in message
+  return message
+
+
 def with_flags(base, *flags):
   """The command-line flags `base` then `flags`, a `--gin.KEY=VALUE` of `flags` replacing
   `base`'s of the same KEY (the command line refuses two values for one binding)."""

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tests import hf_files
+from tests.helpers import refusal
 from tests.models.helpers import llama_logits
 from upcycle import convert, describe, export, gin_utils, pretrained
 from upcycle import infer as infer_main
@@ -72,19 +73,6 @@ def test_describe_prints_a_model_file_of_transformers_logits(chat_llama, tmp_pat
   np.testing.assert_allclose(llama_logits(params, config, tokens), want, atol=1e-4, rtol=1e-4)
 
 
-def _refusal(main, argv, capsys):
-  capsys.readouterr()
-  with pytest.raises(SystemExit) as stopped:
-    try:
-      main(argv)
-    finally:
-      gin.clear_config(clear_constants=True)
-  assert 'Traceback' not in capsys.readouterr().err
-  message = str(stopped.value)
-  assert '\n' not in message
-  return message
-
-
 def test_what_disagrees_with_the_directory_is_refused_in_one_line(chat_llama, tmp_path, capsys,
                                                                   entry_points):
   del entry_points
@@ -92,21 +80,21 @@ def test_what_disagrees_with_the_directory_is_refused_in_one_line(chat_llama, tm
   run = ['--gin_file=runs/llm_pretrain.gin', '--gin_file=data/offline_stdlib_lm.gin',
          f"--gin.MODEL_DIR='{tmp_path / 'run'}'", '--gin.TRAIN_STEPS=1']
   # A size file beside models/hf.gin: its d_model is not the directory's.
-  assert _refusal(train_main.main, ['--gin_file=models/llama/tiny.gin',
+  assert refusal(train_main.main, ['--gin_file=models/llama/tiny.gin',
                                     '--gin_file=models/hf.gin', *run,
                                     f"--gin.HF_MODEL='{directory}'"], capsys) == (
       f"error: models.LlamaConfig.d_model = 64, but HF_MODEL's config.json "
       f"({directory}/config.json) gives the model, and says 48. Fix: drop that binding (a "
       f"models/ size or moe/ file given beside models/hf.gin), or drop models/hf.gin and write "
       f"the model file yourself.")
-  assert _refusal(train_main.main, ['--gin_file=models/hf.gin', *run,
+  assert refusal(train_main.main, ['--gin_file=models/hf.gin', *run,
                                     f"--gin.HF_MODEL='{tmp_path}'"], capsys) == (
       f"error: HF_MODEL = '{tmp_path}': no config.json there. Fix: give the HuggingFace "
       f"directory that holds config.json, the weights and the tokenizer files.")
   t5 = tmp_path / 't5'
   t5.mkdir()
   (t5 / 'config.json').write_text(json.dumps({'model_type': 't5'}))
-  assert _refusal(train_main.main, ['--gin_file=models/hf.gin', *run,
+  assert refusal(train_main.main, ['--gin_file=models/hf.gin', *run,
                                     f"--gin.HF_MODEL='{t5}'"], capsys) == (
       f"error: HF_MODEL = '{t5}': {t5}/config.json has \"model_type\": 't5'; models/hf.gin "
       f"reads the decoder-only ones (llama, mistral, qwen2, mixtral, qwen2_moe). Fix: give "

@@ -21,7 +21,7 @@ import sys
 import pytest
 
 from tests.checkpoints import helpers
-from tests.helpers import REPO, with_flags
+from tests.helpers import REPO, refusal, with_flags
 from upcycle import eval as eval_main
 from upcycle import infer as infer_main
 from upcycle.checkpoints import t5x_writer
@@ -45,17 +45,6 @@ def _fill(text, **paths):
   return text
 
 
-def _refusal(main, argv, capsys):
-  """The one line `main(argv)` exits with; it prints no traceback."""
-  capsys.readouterr()   # what the fixtures printed
-  with pytest.raises(SystemExit) as stopped:
-    main(argv)
-  assert 'Traceback' not in capsys.readouterr().err
-  message = str(stopped.value)
-  assert '\n' not in message
-  return message
-
-
 @pytest.fixture(scope='module')
 def moe_checkpoint(tmp_path_factory):
   config = dataclasses.replace(helpers.CHECKPOINT_T5, encoder_moe=MoeConfig(num_experts=2))
@@ -76,7 +65,7 @@ def test_a_source_that_cannot_be_upcycled(source, error, request, entry_points, 
                                           capsys):
   checkpoint = request.getfixturevalue(source)
   checkpoint = checkpoint if isinstance(checkpoint, str) else checkpoint[0]
-  message = _refusal(train_main.main, UPCYCLE + [
+  message = refusal(train_main.main, UPCYCLE + [
       f"--gin.INITIAL_CHECKPOINT_PATH='{checkpoint}'", f"--gin.MODEL_DIR='{tmp_path}/run'"],
                      capsys)
   assert message.startswith('error: UpcycleFromDense(') and error in message, message
@@ -116,7 +105,7 @@ def paths(tmp_path):
 ])
 def test_a_config_the_mesh_or_the_data_cannot_take(flags, error, entry_points, tmp_path,
                                                    capsys):
-  message = _refusal(
+  message = refusal(
       train_main.main, with_flags(PRETRAIN, f"--gin.MODEL_DIR='{tmp_path}/run'", *flags), capsys)
   assert message == f'error: {error}'
   assert os.listdir(tmp_path) == []
@@ -127,7 +116,7 @@ def test_a_model_dir_inside_the_source_is_refused_before_anything_is_written(
   source = t5x_writer.write(str(tmp_path / 'dense'), 6,
                             helpers.random_params(helpers.CHECKPOINT_T5))
   before = helpers.snapshot(source)
-  message = _refusal(train_main.main, UPCYCLE + [f"--gin.INITIAL_CHECKPOINT_PATH='{source}'",
+  message = refusal(train_main.main, UPCYCLE + [f"--gin.INITIAL_CHECKPOINT_PATH='{source}'",
                                                  f"--gin.MODEL_DIR='{source}/moe'"], capsys)
   assert message == (
       f"error: trainer.TrainConfig.model_dir = '{source}/moe' lies inside the source checkpoint "
@@ -145,7 +134,7 @@ def test_a_model_dir_inside_the_source_is_refused_before_anything_is_written(
      'multi-line statement).'),
 ])
 def test_a_binding_gin_cannot_parse_is_named(binding, error, entry_points, capsys):
-  assert _refusal(train_main.main, PRETRAIN + [binding], capsys) == error
+  assert refusal(train_main.main, PRETRAIN + [binding], capsys) == error
 
 
 @pytest.mark.parametrize('kind, error', [
@@ -160,7 +149,7 @@ def test_a_binding_gin_cannot_parse_is_named(binding, error, entry_points, capsy
 def test_a_model_dir_that_cannot_be_a_directory(kind, error, paths, entry_points, tmp_path,
                                                 capsys):
   path = paths[kind]
-  message = _refusal(train_main.main, PRETRAIN + [f"--gin.MODEL_DIR='{path}'"], capsys)
+  message = refusal(train_main.main, PRETRAIN + [f"--gin.MODEL_DIR='{path}'"], capsys)
   assert message == 'error: ' + _fill(error, path=path, tmp=tmp_path)
   assert sorted(os.listdir(tmp_path)) == ['link', 'notes']
   assert (tmp_path / 'notes').read_text() == 'notes\n'
@@ -204,7 +193,7 @@ def test_a_decoder_only_run_refuses_a_tokenizer_or_learning_rate_that_cannot_be(
   (tmp_path / 'bare').mkdir()
   names = {'tmp': tmp_path, 'a': offline.short_digest,
            'b': tokenizer.load(str(tmp_path / 'b')).short_digest}
-  message = _refusal(train_main.main, [_fill(flag, **names) for flag in flags] + [
+  message = refusal(train_main.main, [_fill(flag, **names) for flag in flags] + [
       f"--gin.MODEL_DIR='{tmp_path}/run'"], capsys)
   assert message == 'error: ' + _fill(error, **names)
   assert not os.path.exists(tmp_path / 'run')
@@ -229,7 +218,7 @@ def test_an_upcycling_start_whose_source_holds_an_inf_leaves_no_model_dir(
   tensors = load_file(weights)
   tensors['model.embed_tokens.weight'][5, 3] = np.inf
   save_file(tensors, weights, metadata={'format': 'pt'})
-  message = _refusal(train_main.main, LLM_UPCYCLE + [
+  message = refusal(train_main.main, LLM_UPCYCLE + [
       '--gin.models.LlamaConfig.num_layers=2', f"--gin.INITIAL_CHECKPOINT_PATH='{source}'",
       f"--gin.MODEL_DIR='{tmp_path}/run'"], capsys)
   assert message == (
@@ -271,7 +260,7 @@ def _infer_argv(checkpoint, *flags):
 def test_eval_and_infer_refuse_a_batch_of_0_an_output_under_a_file_and_a_t5x_mode(
     main, argv, error, paths, entry_points, tmp_path, capsys):
   names = {'file': paths['file'], 'tmp': tmp_path}
-  message = _refusal(main, [_fill(arg, **names) for arg in argv], capsys)
+  message = refusal(main, [_fill(arg, **names) for arg in argv], capsys)
   assert message == 'error: ' + _fill(error, **names)
 
 
@@ -337,7 +326,7 @@ def test_sft_data_that_cannot_be_read(flags, error, entry_points, tmp_path, caps
   data = tmp_path / 'data'
   data.mkdir()
   (data / 'train.jsonl').write_text('{"prompt": "a", "response": "b"}\n{"prompt": "a",\n')
-  message = _refusal(train_main.main, [
+  message = refusal(train_main.main, [
       '--gin_file=models/llama/tiny.gin', '--gin_file=runs/llm_pretrain.gin',
       '--gin_file=data/sft_files.gin', '--gin.TRAIN_STEPS=1', '--gin.BATCH_SIZE=8',
       f"--gin.MODEL_DIR='{tmp_path}/run'", f"--gin.SFT_TRAIN_FILES='{data}/train.jsonl'",
