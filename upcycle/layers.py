@@ -47,17 +47,21 @@ def mesh_axes(logical: str) -> Tuple[str, ...]:
   return tuple(a for a in axes if mesh.shape[a] > 1)
 
 
-def per_batch_shard(fn: Callable, batched: Tuple[bool, ...], out_batched: Tuple[bool, ...]):
-  """`fn` run on each batch shard: arguments flagged in `batched` split on their leading axis
-  over the batch's mesh axes, the others whole; outputs likewise. Outside a mesh: `fn`.
+def per_batch_shard(fn: Callable, batched: Tuple[Union[bool, str], ...],
+                    out_batched: Tuple[bool, ...]):
+  """`fn` run on each batch shard: arguments flagged True in `batched` split on their leading
+  axis over the batch's mesh axes, those flagged with a logical axis's name (e.g. 'expert')
+  split on it over that axis's mesh axes, the others (False) whole; outputs likewise. Outside
+  a mesh: `fn`.
 
-  `fn` computes on its shard alone (no collectives), so shard_map's varying-axes check is off:
-  Pallas kernels (megablox) declare outputs without the axes they vary over."""
+  shard_map's varying-axes check is off: Pallas kernels (megablox) declare outputs without
+  the axes they vary over."""
   axes = mesh_axes('batch')
   if not axes:
     return fn
   mesh = jax.sharding.get_abstract_mesh()
-  spec = lambda split: PartitionSpec(axes) if split else PartitionSpec()
+  spec = lambda split: (PartitionSpec(mesh_axes(split)) if isinstance(split, str)
+                        else PartitionSpec(axes) if split else PartitionSpec())
   return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(b) for b in batched),
                        out_specs=tuple(spec(b) for b in out_batched),
                        axis_names=frozenset(mesh.axis_names), check_vma=False)
@@ -76,11 +80,14 @@ def batch_shards() -> int:
 
 def grouped_matmul(rows: Array, kernel: Array, group_sizes: Array,
                    bias: Optional[Array] = None, grouped_kernel: str = 'ragged_dot') -> Array:
-  """Each row by its expert's kernel: rows `[R, d_in]` sorted by expert, group_sizes
-  `[shards, E]` (`upcycle.moe.ragged.sort_by_expert`), kernel `[E, d_in, d_out]`, bias
-  `[E, d_out]` -> `[R, d_out]`, rows past the groups 0. One grouped matmul per shard, by
-  `GROUPED_KERNELS[grouped_kernel]`."""
+  """Each row by its expert's kernel: rows `[R, d_in]` sorted by expert, kernel
+  `[E, d_in, d_out]`, bias `[E, d_out]` -> `[R, d_out]`, rows past the groups 0. One grouped
+  matmul per shard, by `GROUPED_KERNELS[grouped_kernel]`.
 
+  group_sizes `[shards, E]`: each batch shard's rows per expert
+  (`upcycle.moe.ragged.sort_by_expert`), every kernel on every shard. Or `[shards, E / n]`:
+  rows already exchanged over the n devices of the expert axes (`upcycle.moe.exchange`),
+  each device multiplying by its own experts' kernels."""
   def local(rows, kernel, group_sizes, *bias):
     sizes = group_sizes[0]
     out = GROUPED_KERNELS[grouped_kernel](rows, kernel, sizes)
@@ -91,7 +98,8 @@ def grouped_matmul(rows: Array, kernel: Array, group_sizes: Array,
     return (out,)
 
   args = (rows, kernel, group_sizes) + (() if bias is None else (bias,))
-  batched = (True, False, True, False)[:len(args)]
+  kernels = 'expert' if group_sizes.shape[1] != kernel.shape[0] else False
+  batched = (True, kernels, True, kernels)[:len(args)]
   return per_batch_shard(local, batched, (True,))(*args)[0]
 
 

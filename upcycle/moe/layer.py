@@ -2,7 +2,8 @@
 
 Dispatches: 'masked' and 'indices' fill each expert's capacity slots `[E, G, C, d]` and run
 the experts vmapped over them; 'ragged' is dropless: each token's K copies sorted by expert,
-the experts as grouped matmuls over the sorted rows (`upcycle.moe.ragged`).
+the experts as grouped matmuls over the sorted rows (`upcycle.moe.ragged`), sent to the
+devices of their experts where the mesh splits the experts (`upcycle.moe.exchange`).
 
 The layer stands where the dense MLP stood, under the same name. Its parameters:
   expert/<dense MLP params with a leading expert axis>   e.g. expert/wi_0/kernel [E, d_model, d_ff]
@@ -41,7 +42,7 @@ import jax.numpy as jnp
 
 from upcycle import layers, tree
 from upcycle.layers import DenseGeneral, constrain
-from upcycle.moe import grouping, ragged, routing
+from upcycle.moe import exchange, grouping, ragged, routing
 from upcycle.moe.config import MoeConfig
 
 Array = jax.Array
@@ -253,7 +254,11 @@ class MoeLayer(nn.Module):
         cut(grouped), cut(expert_index), cut(routed), cfg.num_experts)
     experts = self.expert(intermediate_axes=None, num_experts=cfg.num_experts,
                           grouped_kernel=cfg.grouped_kernel, name=tree.EXPERT)
-    out = experts(rows, deterministic, group_sizes)
+    if exchange.expert_axes():   # expert parallelism: rows to their experts' devices and back
+      received, local_sizes, sent = exchange.to_experts(rows, group_sizes)
+      out = exchange.from_experts(experts(received, deterministic, local_sizes), sent)
+    else:
+      out = experts(rows, deterministic, group_sizes)
     out = ragged.unsort_and_combine(out, inverse, order, cut(weights), cut(routed))
     return out.reshape(groups, tokens, d)
 

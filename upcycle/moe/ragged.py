@@ -6,15 +6,17 @@ one contiguous block and an expert MLP is one grouped matmul per kernel over all
 unsorted and summed with the combine weights. No capacity, no slot: every choice is computed,
 and an expert computes only the rows that chose it (with 'megablox' or 'blocked'; on CPU
 `jax.lax.ragged_dot` lowers to a masked dense product over all groups, E times the work).
-MaxText's `sparse_matmul` path, without its expert-parallel all-to-all.
+MaxText's `sparse_matmul` path.
 
-The sort is a permutation whose gradient is the inverse permutation (`_permute`), so neither
+The sort is a permutation whose gradient is the inverse permutation (`permute`), so neither
 direction has a scatter-add; each token's K copies are a broadcast, whose gradient is a sum.
 
 On a mesh, the rows stay on the devices of their tokens: the sort, each grouped matmul and the
 unsort run per batch shard (`jax.shard_map` over the mesh axes the logical 'batch' axis is
-split over), each device sorting its own tokens; the expert kernels enter every shard whole
-(gathered like FSDP's parameters, the gradient reduced back). Outside a mesh they run whole.
+split over), each device sorting its own tokens. With expert partitions, the sorted rows go to
+the devices that hold their experts and come back (`upcycle.moe.exchange`); without, the expert
+kernels enter every shard whole (gathered like FSDP's parameters, the gradient reduced back).
+Outside a mesh they run whole.
 """
 
 from typing import Tuple
@@ -28,7 +30,7 @@ Array = jax.Array
 
 
 @jax.custom_vjp
-def _permute(x: Array, order: Array, inverse: Array) -> Array:
+def permute(x: Array, order: Array, inverse: Array) -> Array:
   """`x[order]` for a permutation `order` of x's rows, `inverse` its inverse."""
   return x[order]
 
@@ -41,7 +43,7 @@ def _permute_bwd(inverse, grad):
   return grad[inverse], None, None
 
 
-_permute.defvjp(_permute_fwd, _permute_bwd)
+permute.defvjp(_permute_fwd, _permute_bwd)
 
 
 def sort_by_expert(x: Array, expert_index: Array, routed: Array,
@@ -73,7 +75,7 @@ def sort_by_expert(x: Array, expert_index: Array, routed: Array,
     starts = jnp.searchsorted(key[order], jnp.arange(num_experts + 1, dtype=key.dtype),
                               method='compare_all')
     group_sizes = jnp.diff(starts).astype(jnp.int32)[None]               # [1, E]
-    return _permute(copies, order, inverse), group_sizes, order, inverse
+    return permute(copies, order, inverse), group_sizes, order, inverse
 
   return layers.per_batch_shard(local, (True,) * 3, (True,) * 4)(x, expert_index, routed)
 
@@ -102,7 +104,7 @@ def unsort_and_combine(rows: Array, inverse: Array, order: Array, weights: Array
 
   def local(rows, inverse, order, weights, routed):
     g, s, k = weights.shape
-    copies = _permute(rows, inverse, order).reshape(g, s, k, -1)
+    copies = permute(rows, inverse, order).reshape(g, s, k, -1)
     copies = jnp.where(routed[..., None], copies, 0)
     return (jnp.einsum('gskd,gsk->gsd', copies, weights.astype(copies.dtype)),)
 
