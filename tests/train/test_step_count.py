@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from upcycle import models
+from upcycle import models, tree
 from upcycle.moe import routers
 from upcycle.moe.config import MoeConfig
 from upcycle.train import step_count
@@ -137,3 +137,45 @@ def test_a_chunked_loss_is_counted_whole_in_the_shallow_copy():
   assert not step_count.loops_over_matmuls(copy.as_text())
   projection = 2 * TOKENS.size * config.d_model * config.vocab_size
   assert whole <= flops(copy) <= whole + projection
+
+
+def test_microbatches_counted_from_two_loops_equal_the_unrolled_accumulation():
+  """Five microbatches of a Llama MoE's train step (AdamW): the compiler's counts of the
+  accumulation as a loop of one and of two microbatches per iteration (the remainder unrolled
+  by jax) give the count of all five unrolled, FLOPs and bytes (XLA's CPU compiler; TPU's in
+  tests/test_aot.py)."""
+  import optax  # pylint: disable=g-import-not-at-top
+  from upcycle.train import objectives, state, step  # pylint: disable=g-import-not-at-top
+  microbatches = 5
+  objective = objectives.CausalLm(models.Llama(dataclasses.replace(LLAMA_MOE, scan_layers=False)))
+  tokens = np.tile(TOKENS, (microbatches, 1))
+  batch = {'decoder_input_tokens': tokens, 'decoder_target_tokens': tokens,
+           'decoder_loss_weights': np.ones(tokens.shape, np.float32),
+           'decoder_segment_ids': np.ones(tokens.shape, np.int32),
+           'decoder_positions': np.tile(np.arange(16, dtype=np.int32), (2 * microbatches, 1))}
+  optimizer = optax.adamw(1e-3)
+  params = tree.unbox(jax.eval_shape(
+      lambda: objectives.init_params(objective, jax.random.PRNGKey(0), batch)))
+  train_state = state.TrainState(jnp.zeros((), jnp.int32), params,
+                                 jax.eval_shape(optimizer.init, params))
+
+  def compiled(unroll):
+    train_step = step.make_train_step(objective, optimizer, lambda s: 1e-3,
+                                      num_microbatches=microbatches, microbatch_unroll=unroll)
+    return jax.jit(train_step).lower(train_state, batch, jax.random.PRNGKey(1)).compile()
+
+  def counts(program):
+    cost = program.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost['flops']), float(cost['bytes accessed'])
+
+  programs = {unroll: compiled(unroll) for unroll in (1, 2, microbatches)}
+  assert len(step_count.loops_over_matmuls(programs[1].as_text())) == 1
+  assert len(step_count.loops_over_matmuls(programs[2].as_text())) == 1
+  assert not step_count.loops_over_matmuls(programs[microbatches].as_text())
+  extrapolated = step_count.extrapolate_microbatches(lambda u: counts(programs[u]), microbatches)
+  unrolled = counts(programs[microbatches])
+  # Within 1% (one microbatch is 20%): the unrolled copy's first accumulation adds to zeros,
+  # which XLA folds away, and each loop iteration folds its index into the key.
+  np.testing.assert_allclose(extrapolated, unrolled, rtol=1e-2)
+  assert counts(programs[1])[0] < 0.5 * unrolled[0]   # why: the loop's body counted once

@@ -164,13 +164,17 @@ def _counts(compiled: jax.stages.Compiled) -> Tuple[float, float]:
   return float(cost.get('flops', 0.0)), float(cost.get('bytes accessed', 0.0))
 
 
-def _loopless_counts(lowered: jax.stages.Lowered) -> step_count.Counts:
+def _loopless_counts(lowered: jax.stages.Lowered, loops: int = 0) -> step_count.Counts:
   """(FLOPs, bytes accessed) of a counting copy, compiled with `COUNTING_OPTIONS`; raises
-  `step_count.Uncountable` if the compiled program still loops over matmuls (counted once)."""
+  `step_count.Uncountable` if the compiled program loops over matmuls other than `loops`
+  times (a loop is counted once: the microbatches' accumulation, where it is left a loop for
+  `step_count.extrapolate_microbatches`)."""
   compiled = lowered.compile(COUNTING_OPTIONS)
-  loops = step_count.loops_over_matmuls(compiled.as_text())
-  if loops:
-    raise step_count.Uncountable(f'the compiled copy still loops over matmuls, at {loops[0]}')
+  found = step_count.loops_over_matmuls(compiled.as_text())
+  if len(found) != loops:
+    where = f', at {found[0]}' if found else ''
+    raise step_count.Uncountable(f'the compiled copy loops over matmuls {len(found)} times, '
+                                 f'not {loops}{where}')
   return _counts(compiled)
 
 
@@ -436,8 +440,13 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
 
     def train_step_counts(stack_periods: Tuple[int, ...]) -> step_count.Counts:
       run = shallow_run(stack_periods)
-      step = run.jit_train_step(unroll_microbatches=True)
-      return _loopless_counts(step.lower(run.abstract, batch, rng))
+      microbatches = config.num_microbatches
+      if microbatches <= step_count.UNROLLED_MICROBATCHES:
+        step = run.jit_train_step(microbatch_unroll=microbatches)
+        return _loopless_counts(step.lower(run.abstract, batch, rng))
+      return step_count.extrapolate_microbatches(
+          lambda unroll: _loopless_counts(run.jit_train_step(microbatch_unroll=unroll).lower(
+              run.abstract, batch, rng), loops=1), microbatches)
 
     def eval_step_counts(stack_periods: Tuple[int, ...]) -> step_count.Counts:
       run = shallow_run(stack_periods)

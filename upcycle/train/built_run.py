@@ -70,11 +70,11 @@ class BuiltRun:
     """`(params, batch) -> summed metrics`, jitted."""
     return self.jit_eval_step()
 
-  def jit_train_step(self, unroll_microbatches: bool = False) -> Callable[..., Any]:
-    """A new jit of the train step; with `unroll_microbatches`, its accumulation over
-    microbatches unrolled (a copy for the compiler to count, `step_count.py`)."""
+  def jit_train_step(self, microbatch_unroll: int = 1) -> Callable[..., Any]:
+    """A new jit of the train step, its accumulation over microbatches unrolled
+    `microbatch_unroll` per loop iteration (copies for the compiler to count, `step_count.py`)."""
     step = make_train_step(self.objective, self.optimizer, self.schedule, self.num_microbatches,
-                           unroll_microbatches=unroll_microbatches)
+                           microbatch_unroll=microbatch_unroll)
     return jax.jit(step, in_shardings=(self.shardings, None, None),
                    out_shardings=(self.shardings, None), donate_argnums=(0,))
 

@@ -36,14 +36,15 @@ def per_layer_metrics(model_config: Any) -> Callable[[Any], Dict[str, Array]]:
 
 def make_train_step(objective, optimizer: optax.GradientTransformation,
                     schedule: Callable[[Array], Array], num_microbatches: int = 1,
-                    unroll_microbatches: bool = False):
+                    microbatch_unroll: int = 1):
   """-> train_step(state, batch, rng) -> (state, metrics).
 
   The loss is the cross-entropy summed over the whole batch divided by its total
   weight (target tokens for T5, images for ViT), plus the MoE auxiliary losses
   averaged over layers and microbatches. Microbatching accumulates gradients of
-  exactly that loss, so it changes memory, not the result. `unroll_microbatches` unrolls
-  the accumulation's scan (for the compiler to count every microbatch, `step_count.py`).
+  exactly that loss, so it changes memory, not the result. `microbatch_unroll`: the
+  accumulation scan's unroll, microbatches per loop iteration (for the compiler's counts,
+  `step_count.py`).
   """
 
   layer_metrics = per_layer_metrics(objective.model.config)
@@ -77,7 +78,7 @@ def make_train_step(objective, optimizer: optax.GradientTransformation,
                             total_weight, num_microbatches)
       zero = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), zero)
       (grads, stats), _ = jax.lax.scan(accumulate, zero, (jnp.arange(num_microbatches), micro),
-                                       unroll=num_microbatches if unroll_microbatches else 1)
+                                       unroll=microbatch_unroll)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     weight = jnp.maximum(stats.pop('weight_sum'), 1.0)
