@@ -1,8 +1,9 @@
 """`python -m upcycle.infer` (in process, as gin_utils.run runs it) writes T5X-style JSONL on
 the offline task whose predictions are transformers' greedy `generate` for the same inputs;
-`upcycle.eval`'s sequence accuracy decodes the same split. gs:// outputs of both land on the
-GCS emulator, an unreachable GCS stops in bounded time with one line, an empty split is one
-line with no partial file left, and decoding reports its progress."""
+`upcycle.eval`'s sequence accuracy decodes the same split; under a run's 'fsdp' rules both
+place the parameters split over 'data' and give the numbers of 'default'. gs:// outputs of
+both land on the GCS emulator, an unreachable GCS stops in bounded time with one line, an
+empty split is one line with no partial file left, and decoding reports its progress."""
 
 import json
 import os
