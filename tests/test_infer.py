@@ -1,8 +1,9 @@
 """`python -m upcycle.infer` (in process, as gin_utils.run runs it) writes T5X-style JSONL on
 the offline task whose predictions are transformers' greedy `generate` for the same inputs;
-`upcycle.eval`'s sequence accuracy decodes the same split. gs:// outputs of both land on the
-GCS emulator, an unreachable GCS stops in bounded time with one line, an empty split is one
-line with no partial file left, and decoding reports its progress."""
+`upcycle.eval`'s sequence accuracy decodes the same split; under a run's 'fsdp' rules both
+place the parameters split over 'data' and give the numbers of 'default'. gs:// outputs of
+both land on the GCS emulator, an unreachable GCS stops in bounded time with one line, an
+empty split is one line with no partial file left, and decoding reports its progress."""
 
 import json
 import os
@@ -164,6 +165,56 @@ def test_eval_sequence_accuracy_counts_exact_matches(byte_vocab_t5):
   assert result['decoded_examples'] == len(records) == 6
   assert result['sequence_accuracy'] == 0.0   # a random model reproduces no span
   assert scores is None   # not asked for
+
+
+def _placed(monkeypatch):
+  """The parameters that each `pretrained.on_mesh` call of the test places, in order."""
+  from upcycle import pretrained  # pylint: disable=g-import-not-at-top
+  placed, on_mesh = [], pretrained.on_mesh
+
+  def spy(*args, **kwargs):
+    placed.append(on_mesh(*args, **kwargs))
+    return placed[-1]
+
+  monkeypatch.setattr(pretrained, 'on_mesh', spy)
+  return placed
+
+
+def _shard_shapes(params):
+  """{the shape each device holds} of the embedding `[vocab, d_model]` and an MLP input
+  kernel `[d_model, d_ff]`."""
+  return [{shard.data.shape for shard in x.addressable_shards}
+          for x in (params['token_embedder']['embedding'],
+                    params['encoder']['layers_0']['mlp']['wi_0']['kernel'])]
+
+
+def test_eval_and_infer_place_the_parameters_by_the_runs_logical_axis_rules(
+    byte_vocab_t5, entry_points, tmp_path, monkeypatch):
+  """LOGICAL_AXIS_RULES='fsdp', as a run trained with it binds it, splits every d_model axis
+  over 'data' (each of the 8 devices holds 1 of the 8 columns), where 'default' replicates
+  it; the loss and the decoded rows are the same."""
+  directory, _ = byte_vocab_t5
+  placed = _placed(monkeypatch)
+  results, rows = {}, {}
+  for rules in ('default', 'fsdp'):
+    gin.clear_config(clear_constants=True)
+    results[rules] = gin_utils.run(eval_main.evaluate, byte_t5_argv(
+        'eval', directory, '--gin.BATCH_SIZE=8', '--gin.EVAL_BATCHES=1',
+        '--gin.upcycle.eval.evaluate.decode_data=None', f"--gin.LOGICAL_AXIS_RULES='{rules}'"),
+        'test')
+    gin.clear_config(clear_constants=True)
+    path = gin_utils.run(infer_main.infer, byte_t5_argv(
+        'infer', directory, f"--gin.MODEL_DIR='{tmp_path / rules}'", '--gin.BATCH_SIZE=8',
+        '--gin.INFER_BATCHES=1', f"--gin.LOGICAL_AXIS_RULES='{rules}'"), 'test')
+    with open(path) as f:
+      rows[rules] = [json.loads(line) for line in f]
+  assert [_shard_shapes(params) for params in placed] == [
+      [{(384, 8)}, {(8, 12)}]] * 2 + [[{(384, 1)}, {(1, 12)}]] * 2
+  loss = results['default']['loss']
+  assert results['fsdp'] == {**results['default'], 'loss': pytest.approx(loss, rel=1e-5)}
+  scores = [[row.pop('score') for row in rows[rules]] for rules in ('default', 'fsdp')]
+  assert scores[1] == pytest.approx(scores[0], rel=1e-5)
+  assert rows['fsdp'] == rows['default'] and len(rows['default']) == 8
 
 
 def _gcs_object(gcs_emulator, url: str) -> bytes:

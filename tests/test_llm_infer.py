@@ -162,7 +162,7 @@ def test_another_tokenizer_or_a_prompts_file_that_is_no_text_is_refused_in_one_l
     hf_llama_with_tokenizer, infer, tmp_path, monkeypatch):
   """Each refused in one line before any parameter is read (a large checkpoint takes minutes)."""
   from tests import helpers  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(pretrained, 'on_mesh', lambda *args: pytest.fail('parameters read'))
+  monkeypatch.setattr(pretrained, 'on_mesh', lambda *args, **kwargs: pytest.fail('parameters read'))
   swapped = helpers.save_swapped_tokenizer(tokenizer_lib.load(hf_llama_with_tokenizer),
                                            str(tmp_path / 'swapped'))
   digest = lambda spec: tokenizer_lib.load(spec).short_digest

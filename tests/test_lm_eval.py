@@ -231,10 +231,45 @@ def test_bad_input_is_refused_in_one_line(moe_run, tmp_path, capsys):
       "read another tokenizer's ids. Fix: leave out --tokenizer (the checkpoint's own), or give "
       'the one the weights were trained with.')
   assert _error(capsys, f'--checkpoint={checkpoint}', '--tasks=local_mc',
+                '--logical_axis_rules=zero3') == (
+      "error: --logical_axis_rules = 'zero3': expected one of ['default', 'fsdp'] or a list of "
+      "(logical axis, mesh axes) pairs, e.g. [('batch', 'data'), ('embed', None)].")
+  assert _error(capsys, f'--checkpoint={checkpoint}', '--tasks=local_mc',
                 f'--include_path={tasks}', '--gin_file=models/t5_1_1/base.gin') == (
       'error: The model is a T5Config: lm-eval scores decoder-only models (Llama, Mistral, '
       'Qwen2, Mixtral, Qwen2-MoE). Fix: give a models/llama/ gin file, or evaluate it with '
       'python -m upcycle.eval.')
+
+
+def test_fsdp_splits_the_parameters_over_data_and_scores_as_the_default(moe_run):
+  """--logical_axis_rules=fsdp (`load_lm`'s rules) splits every d_model axis over 'data', the
+  experts' too (each of the 8 devices holds 8 of the 64 columns), where 'default' replicates
+  it; log-likelihoods, greedy flags and generations are those of the default placement."""
+  from lm_eval.api.instance import Instance  # pylint: disable=g-import-not-at-top
+  from upcycle import harness  # pylint: disable=g-import-not-at-top
+  from upcycle.train import partitioning  # pylint: disable=g-import-not-at-top
+  mesh = partitioning.make_mesh()
+  scored = [Instance(request_type='loglikelihood', doc={}, idx=i,
+                     arguments=(doc['question'], choice))
+            for i, doc in enumerate(DOCS['local_mc'][:2]) for choice in doc['choices']]
+  generated = [Instance(request_type='generate_until', doc={}, idx=i,
+                        arguments=(doc['prompt'], {'until': ['\n\n'], 'max_gen_toks': 6}))
+               for i, doc in enumerate(DOCS['local_gen'])]
+  shards, answers = {}, {}
+  for name in ('default', 'fsdp'):
+    lm, _ = harness.load_lm(moe_run[1], mesh=mesh, rules=partitioning.RULE_SETS[name],
+                            max_length=MAX_LENGTH)
+    shards[name] = [{shard.data.shape for shard in x.addressable_shards} for x in (
+        lm.params['token_embedder']['embedding'],
+        lm.params['decoder']['layers_0']['mlp']['expert']['wi_0']['kernel'])]
+    answers[name] = (lm.loglikelihood(scored), lm.generate_until(generated))
+  assert shards == {'default': [{(4096, 64)}, {(4, 64, 256)}],
+                    'fsdp': [{(4096, 8)}, {(4, 8, 256)}]}
+  (likelihoods, generations), (fsdp_likelihoods, fsdp_generations) = answers.values()
+  assert [greedy for _, greedy in fsdp_likelihoods] == [greedy for _, greedy in likelihoods]
+  np.testing.assert_allclose([ll for ll, _ in fsdp_likelihoods], [ll for ll, _ in likelihoods],
+                             rtol=1e-5)
+  assert fsdp_generations == generations and all(generations)
 
 
 def test_a_checkpoint_with_a_flipped_byte_is_refused_in_one_line(moe_run, tmp_path, capsys):
@@ -262,8 +297,9 @@ def test_a_checkpoint_with_a_flipped_byte_is_refused_in_one_line(moe_run, tmp_pa
   assert line.endswith('Fix: copy the checkpoint again from its source, or pass --no_verify to '
                        'read it as it is.')
   scanned, mesh = dataclasses.replace(CONFIG, scan_layers=True), partitioning.make_mesh()
-  as_is, _ = harness.load_lm(damaged, model_config=scanned, mesh=mesh, verify=False)
-  saved, _ = harness.load_lm(checkpoint, model_config=scanned, mesh=mesh)
+  rules = partitioning.LOGICAL_AXIS_RULES
+  as_is, _ = harness.load_lm(damaged, model_config=scanned, mesh=mesh, rules=rules, verify=False)
+  saved, _ = harness.load_lm(checkpoint, model_config=scanned, mesh=mesh, rules=rules)
   changed = (np.asarray(as_is.params['token_embedder']['embedding']) !=
              np.asarray(saved.params['token_embedder']['embedding']))
   assert changed.sum() == 1   # the one float32 entry holding the flipped byte
@@ -273,7 +309,8 @@ def test_a_task_that_samples_or_leaves_no_context_is_refused_in_one_line(moe_run
   from lm_eval.api.instance import Instance  # pylint: disable=g-import-not-at-top
   from upcycle import harness  # pylint: disable=g-import-not-at-top
   from upcycle.train import partitioning  # pylint: disable=g-import-not-at-top
-  lm, _ = harness.load_lm(moe_run[1], mesh=partitioning.make_mesh())
+  lm, _ = harness.load_lm(moe_run[1], mesh=partitioning.make_mesh(),
+                          rules=partitioning.LOGICAL_AXIS_RULES)
   request = Instance(request_type='generate_until', doc={}, idx=0,
                      arguments=('def', {'do_sample': True, 'temperature': 0.7}))
   with pytest.raises(harness.HarnessError, match=(

@@ -256,8 +256,17 @@ def _infer_argv(checkpoint, *flags):
                                   "--gin.T5X_MODE='scores'"),
      "T5X_MODE (infer_script.infer.t5x_mode) = 'scores': infer writes T5X's rows of its infer "
      "modes 'predict', 'predict_with_aux', 'score', or None for this project's rows."),
+    (eval_main.main, _eval_argv('/nonexistent', "--gin.LOGICAL_AXIS_RULES='zero3'"),
+     "LOGICAL_AXIS_RULES (eval_script.evaluate.logical_axis_rules) = 'zero3': expected one of "
+     "['default', 'fsdp'] or a list of (logical axis, mesh axes) pairs, e.g. [('batch', "
+     "'data'), ('embed', None)]."),
+    (infer_main.main, _infer_argv('/nonexistent', "--gin.MODEL_DIR='{tmp}/out'",
+                                  "--gin.LOGICAL_AXIS_RULES=[('embed', 'pod')]"),
+     "LOGICAL_AXIS_RULES (infer_script.infer.logical_axis_rules): ('embed', 'pod') is not a "
+     "(logical axis, mesh axes) pair; mesh axes are None, one of ('data', 'expert', 'model') or "
+     'a tuple of them.'),
 ])
-def test_eval_and_infer_refuse_a_batch_of_0_an_output_under_a_file_and_a_t5x_mode(
+def test_eval_and_infer_refuse_a_batch_of_0_an_output_under_a_file_a_t5x_mode_and_rules(
     main, argv, error, paths, entry_points, tmp_path, capsys):
   names = {'file': paths['file'], 'tmp': tmp_path}
   message = refusal(main, [_fill(arg, **names) for arg in argv], capsys)

@@ -28,8 +28,8 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
              decode_data: Optional[Any] = None, decoding: Optional[Any] = None,
              decode_batches: int = 0,
              num_expert_partitions: int = 1, num_model_partitions: int = 1,
-             output_dir: Optional[str] = None, tensorboard: bool = True,
-             seed: int = 0, verify: bool = True) -> dict:
+             logical_axis_rules: Any = 'default', output_dir: Optional[str] = None,
+             tensorboard: bool = True, seed: int = 0, verify: bool = True) -> dict:
   """Evaluates `checkpoint_path` with `objective`'s model; returns (and prints) the metrics.
 
   `decode_data` (an unpacked seq2seq split; None: skip) adds `sequence_accuracy` from decoded
@@ -38,9 +38,11 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
   task's own `metric_fns` ('<task>/<metric>', `upcycle.task_metrics`).
 
   Every process of a slice runs it (`launch/tpu_vm.py eval`); the numbers are those of one
-  process. With `output_dir`, process 0 writes eval_results.json, appends a row to
-  metrics.jsonl and, with `tensorboard`, writes TensorBoard scalars (tensorboard/eval), at the
-  checkpoint's step.
+  process. The parameters are placed on the mesh of all devices (`num_expert_partitions`,
+  `num_model_partitions`) by `logical_axis_rules`, the training run's (gin:
+  LOGICAL_AXIS_RULES, `partitioning.rules`: 'default', 'fsdp' or a list of pairs). With
+  `output_dir`, process 0 writes eval_results.json, appends a row to metrics.jsonl and, with
+  `tensorboard`, writes TensorBoard scalars (tensorboard/eval), at the checkpoint's step.
 
   With `verify` (`--no_verify` clears it), the parameters are first compared with the digests
   the checkpoint carries (`checkpoints/verify.py`): changed bytes stop it in one line.
@@ -54,15 +56,17 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
   fields.integer_value('BATCH_SIZE (eval_script.evaluate.batch_size)', batch_size, 1)
   if output_dir:
     fields.directory('EVAL_OUTPUT_DIR (eval_script.evaluate.output_dir)', output_dir)
+  rules = partitioning.rules(logical_axis_rules,
+                             'LOGICAL_AXIS_RULES (eval_script.evaluate.logical_axis_rules)')
   mesh = partitioning.make_mesh(num_expert_partitions, num_model_partitions)
   checkpoint, params, _ = pretrained.load_on_mesh(
-      checkpoint_path, model_config=objective.model.config, mesh=mesh, format=format,
-      verify=verify, check=lambda ckpt: pretrained.check_tokenizer(
+      checkpoint_path, model_config=objective.model.config, mesh=mesh, rules=rules,
+      format=format, verify=verify, check=lambda ckpt: pretrained.check_tokenizer(
           eval_data, objective.model.config, ckpt.path, ckpt.format,
           fix="TOKENIZER = %CHECKPOINT_PATH (the checkpoint's own); a run whose tokenizer/ "
           'was replaced needs the one it was trained with put back.'))
   host_batch = batch_size // jax.process_count()
-  with partitioning.activate(mesh):
+  with partitioning.activate(mesh, rules):
     results = evaluation.evaluate(jax.jit(make_eval_step(objective)), params, eval_data,
                                   batch_size=host_batch, mesh=mesh, max_batches=eval_batches,
                                   seed=seed)
@@ -70,10 +74,10 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
       results.update(evaluation.linear_fewshot(
           objective, params, fewshot_train_data, eval_data, batch_size=host_batch, mesh=mesh,
           shots=fewshot_shots, l2_reg=fewshot_l2_reg, max_batches=eval_batches, seed=seed))
-  if decode_data is not None:
-    results.update(predictions.decoded_metrics(
-        objective, params, decode_data, decoding or decoding_lib.DecodeConfig(),
-        batch_size=batch_size, mesh=mesh, max_batches=decode_batches, seed=seed))
+    if decode_data is not None:
+      results.update(predictions.decoded_metrics(
+          objective, params, decode_data, decoding or decoding_lib.DecodeConfig(),
+          batch_size=batch_size, mesh=mesh, max_batches=decode_batches, seed=seed))
   results = {'checkpoint': os.fspath(checkpoint_path), 'format': checkpoint.format,
              'step': checkpoint.step, **results}
   print(json.dumps(results, indent=2), flush=True)

@@ -2,7 +2,8 @@
 `upcycle.pretrained.load` reads (dense or MoE, scanned or not), scored on a mesh without
 exporting it (`python -m upcycle.lm_eval`).
 
-  lm = harness.ProjectLM(Llama(config), params, tokenizer, mesh=mesh, batch_size=8)
+  lm = harness.ProjectLM(Llama(config), params, tokenizer, mesh=mesh, rules=rules,
+                         batch_size=8)
   lm_eval.simple_evaluate(model=lm, tasks=['hellaswag'])
 
 Requests are answered as lm-eval's HuggingFace backend (`hf`, `HFLM`) answers them, so the
@@ -22,8 +23,9 @@ Text is framed as transformers' tokenizer frames it by default (`Tokenizer.encod
 `add_special_tokens`). Rows of a batch are padded (on the right to score, on the left to
 generate) to a length rounded up to a power of two, one compiled shape per length, and the
 batch to `predictions.padded_rows` rows; the mesh runs each batch as one program
-(`predictions.on_mesh`). MoE blocks route each sequence as a group of its own, as decoding
-does (docs/inference.md). Needs lm-eval (`pip install -e '.[eval]'`).
+(`predictions.on_mesh`) under the rules the parameters were placed with. MoE blocks route
+each sequence as a group of its own, as decoding does (docs/inference.md). Needs lm-eval
+(`pip install -e '.[eval]'`).
 """
 
 import functools
@@ -43,6 +45,7 @@ import numpy as np
 from upcycle import decoding, families, fields, predictions
 from upcycle.models import llama_hf
 from upcycle.models.llama import Llama
+from upcycle.train import partitioning
 
 MODEL_MACRO = 'MODEL'   # the gin macro of the model, as a run's gin files bind it
 DEFAULT_MAX_LENGTH = 2048   # lm-eval's hf backend's, where a model says nothing
@@ -106,19 +109,21 @@ class ProjectLM(TemplateLM):
 
   Args:
     model: the Llama (dense or MoE, scanned or not) the parameters fit.
-    params: its parameters, placed on `mesh` (`pretrained.on_mesh`).
+    params: its parameters, placed on `mesh` under `rules` (`pretrained.on_mesh`).
     tokenizer: an `upcycle.data.tokenizer.Tokenizer`, the one the weights were trained with.
     mesh: the devices every batch runs on.
+    rules: the logical axis rules (`partitioning.rules`) the parameters were placed with.
     batch_size: requests per batch.
     max_length: the longest row scored (context cut from the left), as HFLM's `max_length`.
     max_gen_toks: new tokens per generation at most, unless a task asks for other.
   """
 
   def __init__(self, model: Llama, params: Any, tokenizer: Any, *, mesh: Mesh,
-               batch_size: int = 8, max_length: int = DEFAULT_MAX_LENGTH,
-               max_gen_toks: int = 256):
+               rules: partitioning.Rules, batch_size: int = 8,
+               max_length: int = DEFAULT_MAX_LENGTH, max_gen_toks: int = 256):
     super().__init__()
-    self.model, self.params, self.mesh, self.tok = model, params, mesh, tokenizer
+    self.model, self.params, self.tok = model, params, tokenizer
+    self.mesh, self.rules = mesh, rules
     self.batch_size, self.max_length, self.max_gen_toks = batch_size, max_length, max_gen_toks
     self._score = jax.jit(functools.partial(token_log_probs, model))
     self._decoders: Dict[int, Callable] = {}
@@ -139,8 +144,12 @@ class ProjectLM(TemplateLM):
     ids = self.tok.encode(string, add_special_tokens=add_special_tokens is not False)
     return ids[-left_truncate_len:] if left_truncate_len else ids
 
-  def _rows(self) -> int:
-    return predictions.padded_rows(self.batch_size, self.mesh)
+  def _on_mesh(self, fn: Callable, inputs: Sequence[np.ndarray], *extra: Any) -> Any:
+    """`fn(params, *inputs, *extra)` on the mesh under the rules (`predictions.on_mesh`)."""
+    with partitioning.activate(self.mesh, self.rules):
+      return predictions.on_mesh(fn, self.params, inputs, *extra,
+                                 rows=predictions.padded_rows(self.batch_size, self.mesh),
+                                 mesh=self.mesh)
 
   def _loglikelihood_tokens(self, requests: Sequence[Request], disable_tqdm: bool = False,
                             **kwargs) -> List[Tuple[float, bool]]:
@@ -151,8 +160,7 @@ class ProjectLM(TemplateLM):
     for batch in _by_length(requests, lambda r: len(r[1]) + len(r[2]), self.batch_size):
       tokens, mask, targets, weights = scoring_rows([requests[i] for i in batch],
                                                     self.max_length)
-      picked, greedy = predictions.on_mesh(self._score, self.params, [tokens, mask, targets],
-                                           rows=self._rows(), mesh=self.mesh)
+      picked, greedy = self._on_mesh(self._score, [tokens, mask, targets])
       for row, i in enumerate(batch):
         scored = weights[row] == 1
         results[i] = (float(picked[row][scored].sum()), bool(greedy[row][scored].all()))
@@ -224,8 +232,7 @@ class ProjectLM(TemplateLM):
     mask = np.zeros_like(tokens)
     for i, context in enumerate(contexts):
       tokens[i, columns - len(context):], mask[i, columns - len(context):] = context, 1
-    continued, _ = predictions.on_mesh(self._decode_fn(max_new), self.params, [tokens, mask],
-                                       None, rows=self._rows(), mesh=self.mesh)
+    continued, _ = self._on_mesh(self._decode_fn(max_new), [tokens, mask], None)
     return [self.tok.decode(predictions.through_eos(row, self.tok.eos_id)) for row in continued]
 
 
@@ -260,10 +267,12 @@ def context_length(checkpoint: Any) -> int:
 
 def load_lm(checkpoint_path: str, *, model_config: Any = None,
             format: Optional[str] = None,  # pylint: disable=redefined-builtin
-            tokenizer: Optional[str] = None, mesh: Mesh, batch_size: int = 8,
+            tokenizer: Optional[str] = None, mesh: Mesh, rules: partitioning.Rules,
+            batch_size: int = 8,
             max_length: Optional[int] = None, max_gen_toks: int = 256, verify: bool = True
             ) -> Tuple['ProjectLM', Any]:
-  """(the `ProjectLM` of a checkpoint, its parameters placed on `mesh`, and the checkpoint).
+  """(the `ProjectLM` of a checkpoint, its parameters placed on `mesh` under `rules`, and the
+  checkpoint).
 
   Read as eval and infer read theirs (`pretrained.load_on_mesh`): a live run's latest step
   read again when retention deletes it mid-read, and with `verify` (`--no_verify` clears it)
@@ -277,9 +286,9 @@ def load_lm(checkpoint_path: str, *, model_config: Any = None,
   if model_config is not None:
     _check_decoder_only(model_config)
   checkpoint, params, tok = pretrained.load_on_mesh(
-      checkpoint_path, model_config=model_config, mesh=mesh, format=format, verify=verify,
-      check=functools.partial(_checked_tokenizer, tokenizer=tokenizer))
-  lm = ProjectLM(Llama(checkpoint.model_config), params, tok, mesh=mesh,
+      checkpoint_path, model_config=model_config, mesh=mesh, rules=rules, format=format,
+      verify=verify, check=functools.partial(_checked_tokenizer, tokenizer=tokenizer))
+  lm = ProjectLM(Llama(checkpoint.model_config), params, tok, mesh=mesh, rules=rules,
                  batch_size=batch_size, max_length=max_length or context_length(checkpoint),
                  max_gen_toks=max_gen_toks)
   return lm, checkpoint
@@ -349,8 +358,9 @@ def evaluate_checkpoint(checkpoint_path: str, tasks: str, *, model_config: Any =
                         gen_kwargs: Optional[str] = None, batch_size: int = 8,
                         max_length: Optional[int] = None, max_gen_toks: int = 256,
                         num_expert_partitions: int = 1, num_model_partitions: int = 1,
-                        output_dir: Optional[str] = None, log_samples: bool = False,
-                        tensorboard: bool = True, verify: bool = True) -> Dict[str, Any]:
+                        logical_axis_rules: str = 'default', output_dir: Optional[str] = None,
+                        log_samples: bool = False, tensorboard: bool = True,
+                        verify: bool = True) -> Dict[str, Any]:
   """Scores the checkpoint on lm-eval's `tasks` (`python -m upcycle.lm_eval`, whose flags
   these are); returns and prints {'checkpoint', 'format', 'step', `scores`..., 'lm_eval':
   lm-eval's per-task results, n-shot and versions}, and with `output_dir` writes it
@@ -358,17 +368,17 @@ def evaluate_checkpoint(checkpoint_path: str, tasks: str, *, model_config: Any =
   samples/<task>.jsonl there."""
   # pylint: disable=g-import-not-at-top
   import lm_eval
-  from upcycle.train import partitioning
   from upcycle.train.logger import write_eval_results
   # pylint: enable=g-import-not-at-top
   for name, value in (('--batch_size', batch_size), ('--max_gen_toks', max_gen_toks)):
     fields.integer_value(name, value, 1)
   if max_length is not None:
     fields.integer_value('--max_length', max_length, 2)
+  rules = partitioning.rules(logical_axis_rules, '--logical_axis_rules')
   names, manager = task_manager(tasks, include_path)
   mesh = partitioning.make_mesh(num_expert_partitions, num_model_partitions)
   lm, checkpoint = load_lm(checkpoint_path, model_config=model_config, format=format,
-                           tokenizer=tokenizer, mesh=mesh, batch_size=batch_size,
+                           tokenizer=tokenizer, mesh=mesh, rules=rules, batch_size=batch_size,
                            max_length=max_length, max_gen_toks=max_gen_toks, verify=verify)
   if limit is not None and limit >= 1:
     limit = int(limit)

@@ -117,7 +117,8 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
           batch_size: int, decoding: Any, max_decode_length: Optional[int] = None,
           format: Optional[str] = None,  # pylint: disable=redefined-builtin
           max_batches: int = 0, num_expert_partitions: int = 1, num_model_partitions: int = 1,
-          seed: int = 0, verify: bool = True, t5x_mode: Optional[str] = None) -> str:
+          logical_axis_rules: Any = 'default', seed: int = 0, verify: bool = True,
+          t5x_mode: Optional[str] = None) -> str:
   """Decodes `infer_data` with the checkpoint; returns the path of the JSONL written.
 
   Every process of a slice runs it (`launch/tpu_vm.py infer`): the parameters are placed on
@@ -138,6 +139,8 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
     max_batches: stop after this many batches (0: the whole split).
     num_expert_partitions: devices the expert axis is split over (as in training).
     num_model_partitions: devices the model axis (MLP, heads, vocabulary) is split over.
+    logical_axis_rules: where each logical axis lives on the mesh, the training run's (gin:
+      LOGICAL_AXIS_RULES; `partitioning.rules`: 'default', 'fsdp' or a list of pairs).
     seed: data order and sampling randomness.
     verify: first compare the parameters with the digests the checkpoint carries
       (`checkpoints/verify.py`; changed bytes stop it in one line); `--no_verify` clears it.
@@ -169,6 +172,8 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
   _check_t5x_mode(t5x_mode, infer_data)
   fields.integer_value('BATCH_SIZE (infer_script.infer.batch_size)', batch_size, 1)
   fields.directory('MODEL_DIR (infer_script.infer.output_dir)', output_dir)
+  rules = partitioning.rules(logical_axis_rules,
+                             'LOGICAL_AXIS_RULES (infer_script.infer.logical_axis_rules)')
   max_decode_length = max_decode_length or infer_data.feature_lengths['targets']
 
   def checked(ckpt: Any) -> Dict[str, Any]:
@@ -183,14 +188,14 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
 
   mesh = partitioning.make_mesh(num_expert_partitions, num_model_partitions)
   checkpoint, params, identity = pretrained.load_on_mesh(
-      checkpoint_path, model_config=model.config, mesh=mesh, format=format, verify=verify,
-      check=checked)
+      checkpoint_path, model_config=model.config, mesh=mesh, rules=rules, format=format,
+      verify=verify, check=checked)
   path = epath.Path(output_dir) / 'inference' / output_name(
       predictions.source_name(infer_data), checkpoint.step or 0, decoding, seed, identity,
       t5x_mode=t5x_mode)
   source = {} if t5x_mode else {'checkpoint': checkpoint_record(checkpoint)}
   writer = jax.process_index() == 0
-  with _output(path, writer) as f:
+  with _output(path, writer) as f, partitioning.activate(mesh, rules):
     done = progress.Progress('infer', 'examples', total=predictions.expected_examples(
         infer_data, batch_size=batch_size, max_batches=max_batches))
     if t5x_mode == 'score':

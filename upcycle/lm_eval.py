@@ -10,10 +10,11 @@ lm-evaluation-harness tasks without exporting it.
 --checkpoint is any checkpoint `upcycle.pretrained.load` reads: an HF directory (it names its
 model), or a run's checkpoints/ (its latest step) or one of its steps, or another format, with
 the gin files of its model (--gin_file, --gin.KEY=VALUE: the files it was trained with, MoE
-and scan_layers included). Its parameters are placed on a mesh of all
-devices (--num_expert_partitions, --num_model_partitions, as in training) and every request
-runs there (`upcycle.harness`: the scores lm-eval's HuggingFace backend gives on the exported
-model). The tokenizer is the checkpoint's own (an HF directory's, a run's tokenizer/), or
+and scan_layers included). Its parameters are placed on a mesh of all devices
+(--num_expert_partitions, --num_model_partitions) by --logical_axis_rules ('default', or
+'fsdp': split over 'data' too), all three as in training, and every request runs there
+(`upcycle.harness`: the scores lm-eval's HuggingFace backend gives on the exported model).
+The tokenizer is the checkpoint's own (an HF directory's, a run's tokenizer/), or
 --tokenizer's, refused in one line when it is not the one the weights were trained with.
 The checkpoint is read as `python -m upcycle.eval` reads one (`pretrained.load_on_mesh`): a
 running trainer's MODEL_DIR at its latest step, read again at the new latest step when
@@ -69,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="new tokens per generation at most, unless the task says")
   parser.add_argument('--num_expert_partitions', type=int, default=1)
   parser.add_argument('--num_model_partitions', type=int, default=1)
+  parser.add_argument('--logical_axis_rules', default='default',
+                      help="where the parameters live on the mesh, the training run's "
+                           "LOGICAL_AXIS_RULES: 'default' or 'fsdp' (split over 'data' too)")
   parser.add_argument('--output_dir', default=None,
                       help='eval_results.json, metrics.jsonl and tensorboard/ go here')
   parser.add_argument('--log_samples', action='store_true',
@@ -104,7 +108,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         num_fewshot=args.num_fewshot, limit=args.limit, gen_kwargs=args.gen_kwargs,
         batch_size=args.batch_size, max_length=args.max_length,
         max_gen_toks=args.max_gen_toks, num_expert_partitions=args.num_expert_partitions,
-        num_model_partitions=args.num_model_partitions, output_dir=args.output_dir,
+        num_model_partitions=args.num_model_partitions,
+        logical_axis_rules=args.logical_axis_rules, output_dir=args.output_dir,
         log_samples=args.log_samples, tensorboard=not args.no_tensorboard, verify=args.verify)
   except (fields.ConfigError, CheckpointError, TokenizerError, harness.HarnessError) as e:
     print(gin_utils.one_line(e, argv), file=sys.stderr)

@@ -51,11 +51,12 @@ def _fetched(x: jax.Array) -> np.ndarray:
 def on_mesh(fn, params: Any, inputs: Sequence[np.ndarray], *extra, rows: int, mesh: Mesh):
   """`fn(params, *inputs, *extra)` on the mesh, each input `[n, ...]` padded with zero rows to
   `rows` (one compiled shape for every batch); its outputs as numpy, whole on every process
-  and cut back to the n rows."""
+  and cut back to the n rows. Run within the caller's `partitioning.activate(mesh, rules)`,
+  the rules `params` were placed with (the trainer's, eval's, infer's, `harness.ProjectLM`'s):
+  the models' sharding constraints resolve by them."""
   n = inputs[0].shape[0]
   padded = [_global(np.pad(x, [(0, rows - n)] + [(0, 0)] * (x.ndim - 1)), mesh) for x in inputs]
-  with partitioning.activate(mesh):
-    outputs = fn(params, *padded, *extra)
+  outputs = fn(params, *padded, *extra)
   return jax.tree.map(lambda x: _fetched(x)[:n], outputs)
 
 

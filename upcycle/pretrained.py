@@ -5,8 +5,8 @@ the model); `upcycle.families` knows shapes. This module wires the two:
 
   ckpt = pretrained.load(path, model_config=cfg)   # checked against cfg's shapes
   params, config = pretrained.load_hf(path)        # the config HF's config.json implies
-  params = pretrained.on_mesh(ckpt.params, cfg, mesh)   # placed by the model's logical axes
-  ckpt, params, _ = pretrained.load_on_mesh(path, model_config=cfg, mesh=mesh)  # eval's, infer's
+  params = pretrained.on_mesh(ckpt.params, model_config=cfg, mesh=mesh, rules=rules)
+  ckpt, params, _ = pretrained.load_on_mesh(path, model_config=cfg, mesh=mesh, rules=rules)
   pretrained.check_tokenizer(data, cfg, ckpt.path, ckpt.format, fix=...)   # the weights' ids
 """
 
@@ -81,19 +81,21 @@ def load_hf(path: str, lazy: bool = False) -> Tuple[Dict[str, Any], Any]:
   return ckpt.params, ckpt.model_config
 
 
-def on_mesh(params: Any, model_config: Any, mesh: jax.sharding.Mesh) -> Any:
+def on_mesh(params: Any, *, model_config: Any, mesh: jax.sharding.Mesh, rules: Any) -> Any:
   """A checkpoint's parameters (lazy or not) placed on `mesh` by the model's logical axes
-  under the rules active (`partitioning.activate`; the default rules outside it), each
-  process reading only the blocks its devices hold (`upcycling.sharded.read`)."""
+  under `rules` (`partitioning.rules`: the training run's, e.g. 'fsdp' splits every d_model
+  axis over 'data'), each process reading only the blocks its devices hold
+  (`upcycling.sharded.read`)."""
   # pylint: disable=g-import-not-at-top
   from upcycle.train import partitioning
   from upcycle.upcycling import sharded
   # pylint: enable=g-import-not-at-top
-  shardings = partitioning.logical_sharding(families.logical_params(model_config), mesh)
+  shardings = partitioning.logical_sharding(families.logical_params(model_config), mesh,
+                                            rules)
   return jax.tree.map(sharded.read, params, shardings)
 
 
-def load_on_mesh(path: str, *, model_config: Any, mesh: jax.sharding.Mesh,
+def load_on_mesh(path: str, *, model_config: Any, mesh: jax.sharding.Mesh, rules: Any,
                  format: Optional[str] = None,  # pylint: disable=redefined-builtin
                  verify: bool = True,
                  check: Callable[[checkpoints.Checkpoint], Any] = lambda ckpt: None
@@ -101,9 +103,10 @@ def load_on_mesh(path: str, *, model_config: Any, mesh: jax.sharding.Mesh,
   """The whole read of a checkpoint that eval and infer run with: opened lazily without its
   optimizer state and checked against `model_config` (`load`), `check(checkpoint)` (the
   caller's own checks, e.g. its tokenizer's), its arrays compared with their digests
-  (`verify`: `verify.check`) and its parameters placed on `mesh` (`on_mesh`) by the
-  checkpoint's `model_config`: `model_config`, or where that is None the config the checkpoint
-  describes (HF; `check` refuses a checkpoint that describes none, as lm_eval's does).
+  (`verify`: `verify.check`) and its parameters placed on `mesh` under `rules` (`on_mesh`) by
+  the checkpoint's `model_config`: `model_config`, or where that is None the config the
+  checkpoint describes (HF; `check` refuses a checkpoint that describes none, as lm_eval's
+  does).
 
   A MODEL_DIR of a running trainer is read at its latest step, all of it through
   `orbax.read_live`: when retention deletes that step at any point of the read (opening,
@@ -126,7 +129,8 @@ def load_on_mesh(path: str, *, model_config: Any, mesh: jax.sharding.Mesh,
     checked = check(ckpt)
     if verify:
       verify_lib.check(ckpt)
-    return ckpt, on_mesh(ckpt.params, ckpt.model_config, mesh), checked
+    return ckpt, on_mesh(ckpt.params, model_config=ckpt.model_config, mesh=mesh,
+                         rules=rules), checked
 
   return orbax.read_live(path, read) if format == 'orbax' else read(path)
 
