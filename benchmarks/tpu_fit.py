@@ -124,7 +124,7 @@ ROWS = {
     **_rows('drop-8x3.7b-indices', 'models/llama/drop_upcycling_3_7b.gin', MIXTRAL + INDICES, {
         'v4-128': (8, 1, _microbatches(4))}, upcycles=False),
     **_rows('llama3.1-8x8b', 'models/llama/llama3_1_8b.gin', MIXTRAL, {
-        'v4-128': (8, 1, _microbatches(8)), 'v4-256': (8, 1, _microbatches(4))},
+        'v4-128': (8, 1, _microbatches(16)), 'v4-256': (8, 1, _microbatches(4))},
         upcycles=False),
     **_rows('llama3.1-8x8b-ragged-dot', 'models/llama/llama3_1_8b.gin',
             MIXTRAL + RAGGED_DOT, {

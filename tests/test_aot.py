@@ -279,11 +279,19 @@ def test_levers_already_set_are_named_and_never_advised():
   assert [lever.split(' (')[0] for lever in unset] == [
       "REMAT_POLICY = 'full'", 'SCAN_LAYERS = True', 'a smaller BATCH_SIZE']
   assert not any('microbatches' in lever for lever in advised + unset)
-  # The state dominates: the experts split as far as they go, FSDP only with a data axis to
-  # split over, a factored optimizer in place of AdamW's full-size moments.
+  # The state dominates: the experts split as far as they go, FSDP over the data-parallel
+  # devices (data x expert: 16 here), a factored optimizer in place of AdamW's full-size
+  # moments.
   state = dict(parameters=20 * gib, optimizer_state=gib // 8, temp=8 * gib)
-  assert levers.advise(xl, **state) == []
-  assert 'every lever for them is set' in levers.summary(xl, **state)
+  assert levers.advise(xl, **state) == [
+      "LOGICAL_AXIS_RULES = 'fsdp' (parameters and optimizer state split 16 ways over the "
+      'data-parallel devices)']
+  sharded = dataclasses.replace(xl, fsdp=True)
+  assert levers.advise(sharded, **state) == []
+  assert 'every lever for them is set' in levers.summary(sharded, **state)
+  model_parallel = dataclasses.replace(xl, mesh={'data': 1, 'expert': 1, 'model': 16})
+  assert not any(lever.startswith('LOGICAL_AXIS_RULES')
+                 for lever in levers.advise(model_parallel, **state))
   fewer = _t5_xl_on_a_v4_32(mesh={'data': 2, 'expert': 8, 'model': 1})
   assert [lever.split(' (')[0] for lever in levers.advise(fewer, **state)] == [
       'trainer.TrainConfig.num_expert_partitions = 16', "LOGICAL_AXIS_RULES = 'fsdp'"]

@@ -12,8 +12,8 @@ model), or a run's checkpoints/ (its latest step) or one of its steps, or anothe
 the gin files of its model (--gin_file, --gin.KEY=VALUE: the files it was trained with, MoE
 and scan_layers included). Its parameters are placed on a mesh of all devices
 (--num_expert_partitions, --num_model_partitions) by --logical_axis_rules ('default', or
-'fsdp': split over 'data' too), all three as in training, and every request runs there
-(`upcycle.harness`: the scores lm-eval's HuggingFace backend gives on the exported model).
+'fsdp': split over 'data' x 'expert' too), all three as in training, and every request runs
+there (`upcycle.harness`: the scores lm-eval's HuggingFace backend gives on the exported model).
 The tokenizer is the checkpoint's own (an HF directory's, a run's tokenizer/), or
 --tokenizer's, refused in one line when it is not the one the weights were trained with.
 The checkpoint is read as `python -m upcycle.eval` reads one (`pretrained.load_on_mesh`): a
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument('--num_model_partitions', type=int, default=1)
   parser.add_argument('--logical_axis_rules', default='default',
                       help="where the parameters live on the mesh, the training run's "
-                           "LOGICAL_AXIS_RULES: 'default' or 'fsdp' (split over 'data' too)")
+                           "LOGICAL_AXIS_RULES: 'default' or 'fsdp' (split over 'data' x 'expert' too)")
   parser.add_argument('--output_dir', default=None,
                       help='eval_results.json, metrics.jsonl and tensorboard/ go here')
   parser.add_argument('--log_samples', action='store_true',

@@ -84,7 +84,7 @@ def load_hf(path: str, lazy: bool = False) -> Tuple[Dict[str, Any], Any]:
 def on_mesh(params: Any, *, model_config: Any, mesh: jax.sharding.Mesh, rules: Any) -> Any:
   """A checkpoint's parameters (lazy or not) placed on `mesh` by the model's logical axes
   under `rules` (`partitioning.rules`: the training run's, e.g. 'fsdp' splits every d_model
-  axis over 'data'), each process reading only the blocks its devices hold
+  axis over 'data' x 'expert'), each process reading only the blocks its devices hold
   (`upcycling.sharded.read`)."""
   # pylint: disable=g-import-not-at-top
   from upcycle.train import partitioning

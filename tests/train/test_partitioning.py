@@ -146,16 +146,19 @@ def test_mesh_must_divide_the_devices():
     partitioning.make_mesh(num_expert_partitions=3)
 
 
-def test_fsdp_splits_parameters_and_their_optimizer_state_over_data_not_the_batch():
+def test_fsdp_splits_parameters_and_their_optimizer_state_over_the_data_parallel_devices():
   boxed = jax.eval_shape(T5(T5_MOE).init, jax.random.PRNGKey(0), *t5_case()[1])['params']
   mesh = partitioning.make_mesh(2, 2)   # data 2 x expert 2 x model 2
   fsdp = partitioning.rules('fsdp', 'rules')
   shardings = partitioning.logical_sharding(boxed, mesh, fsdp)
   flat = tree.flatten(shardings)
+  # Every data-parallel device, data x expert, holds a slice; the experts' kernels, already
+  # split over 'expert', are split over 'data' as well.
   assert flat['encoder/layers_1/mlp/expert/wi_0/kernel'].spec == P('expert', 'data', 'model')
-  assert flat['encoder/layers_0/mlp/wo/kernel'].spec == P('model', 'data')
-  assert flat['token_embedder/embedding'].spec == P('model', 'data')
-  assert flat['encoder/layers_1/mlp/router/router_weights/w/kernel'].spec == P('data', None)
+  assert flat['encoder/layers_0/mlp/wo/kernel'].spec == P('model', ('data', 'expert'))
+  assert flat['token_embedder/embedding'].spec == P('model', ('data', 'expert'))
+  assert flat['encoder/layers_1/mlp/router/router_weights/w/kernel'].spec == P(
+      ('data', 'expert'), None)
   # Activations keep the batch on ('expert', 'data'); their d_model stays whole.
   assert nn.logical_to_mesh_axes(('batch', 'length', 'embed'), fsdp) == P(('expert', 'data'),
                                                                           None, None)
@@ -166,7 +169,7 @@ def test_fsdp_splits_parameters_and_their_optimizer_state_over_data_not_the_batc
           if hasattr(s, 'mu')]
   mu = tree.flatten(adam[0].mu)   # optax's ScaleByAdamState
   assert mu['encoder/layers_1/mlp/expert/wi_0/kernel'].spec == P('expert', 'data', 'model')
-  assert mu['encoder/layers_0/mlp/wo/kernel'].spec == P('model', 'data')
+  assert mu['encoder/layers_0/mlp/wo/kernel'].spec == P('model', ('data', 'expert'))
 
 
 @pytest.mark.parametrize('value, message', [

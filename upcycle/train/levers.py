@@ -122,9 +122,9 @@ def _state_levers(s: Settings, parameters: int, optimizer_state: int) -> List[st
   if s.num_experts and s.mesh['expert'] < most:
     out.append(f'trainer.TrainConfig.num_expert_partitions = {most} (is {s.mesh["expert"]}: '
                f'the experts split {most} ways)')
-  if not s.fsdp and s.mesh['data'] > 1:
+  if not s.fsdp and s.mesh['data'] * s.mesh['expert'] > 1:
     out.append(f"LOGICAL_AXIS_RULES = 'fsdp' (parameters and optimizer state split "
-               f"{s.mesh['data']} ways over 'data' too)")
+               f"{s.mesh['data'] * s.mesh['expert']} ways over the data-parallel devices)")
   if optimizer_state >= parameters and not s.factored:   # full-size second moments
     out.append(f'{s.optimizer}.factored = True' if s.factored is False else
                f'a factored optimizer (optimizers.T5XAdafactor, optimizers.Adafactor) in place '

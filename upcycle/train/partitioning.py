@@ -7,10 +7,12 @@ Models name their axes (layers.py, moe/layer.py); only a rule table decides wher
              MLP/heads/vocab over 'model'; everything else replicated, the `layers` axis of
              scanned parameters included (T5X's default rules).
   'fsdp'     the same, and every parameter's d_model axis ('embed', 'mlp_embed') split over
-             'data' too: parameters and optimizer state fully sharded over the data-parallel
-             devices (big_vision's `fsdp`, ZeRO-3), gathered by XLA where a layer uses them.
-             Activations keep the batch on 'data' (flax gives each mesh axis to the first
-             rule that asks for it, and 'batch' asks first).
+             the devices the batch is split over, ('data', 'expert'), and over 'data' alone
+             where 'expert' already splits the parameter (the experts' kernels): parameters
+             and optimizer state fully sharded over the data-parallel devices (big_vision's
+             `fsdp`, ZeRO-3; MaxText's 'embed' rule), gathered by XLA where a layer uses them.
+             Activations keep the batch on ('expert', 'data') (flax gives each mesh axis to
+             the first rule that asks for it, and 'batch' asks first).
 
 Or any table of (logical axis, mesh axes) pairs, bound in gin.
 """
@@ -48,9 +50,13 @@ LOGICAL_AXIS_RULES: Rules = (
     ('classes', None),
     ('layers', None),       # the stacked axis of scanned layers: every device holds all layers
 )
-# Parameters' d_model axes over 'data' as well; after 'batch', so activations keep theirs.
-FSDP_RULES: Rules = tuple((name, 'data') if name in ('embed', 'mlp_embed') else (name, axes)
-                          for name, axes in LOGICAL_AXIS_RULES)
+# Parameters' d_model axes over every data-parallel device, ('data', 'expert') (as MaxText's
+# 'embed' rule, over its fsdp and expert axes), or over 'data' where 'expert' is taken (the
+# experts' kernels); after 'batch', so activations keep theirs.
+FSDP_RULES: Rules = tuple(
+    rule for name, axes in LOGICAL_AXIS_RULES
+    for rule in (((name, ('data', 'expert')), (name, 'data'))
+                 if name in ('embed', 'mlp_embed') else ((name, axes),)))
 RULE_SETS: Dict[str, Rules] = {'default': LOGICAL_AXIS_RULES, 'fsdp': FSDP_RULES}
 
 
