@@ -331,7 +331,7 @@ def test_a_conversion_that_dies_leaves_no_checkpoint(source, tmp_path, monkeypat
     return pop(self, path)
 
   monkeypatch.setattr(stream.BlockValues, 'pop', dying_pop)
-  monkeypatch.setattr(convert.shutil, 'rmtree', lambda *a, **k: None)  # As if killed.
+  monkeypatch.setattr(shutil, 'rmtree', lambda *a, **k: None)  # As if killed.
   out = tmp_path / 'moe'
   with pytest.raises(Exception) as raised:
     convert.convert(source['dir'], CONFIG, str(out))
@@ -361,32 +361,29 @@ def test_the_output_directory_has_the_mode_the_umask_gives(source, tmp_path, uma
   assert oct(os.stat(tmp_path / 'moe').st_mode & 0o777) == oct(mode)   # as training's, export's
 
 
-def _killed_conversion(work_dir):
+def _killed_conversion(work_dir, lock):
   """A work directory and lock file as a conversion killed while writing leaves them."""
   os.makedirs(os.path.join(work_dir, '0'))
   code = ('import os, signal, sys; from upcycle.locks.file_lock import FileLock; '
           'FileLock(sys.argv[1]).acquire(); os.kill(os.getpid(), signal.SIGKILL)')
-  killed = subprocess.run([sys.executable, '-c', code, work_dir + '.lock'], cwd=REPO)
+  killed = subprocess.run([sys.executable, '-c', code, lock], cwd=REPO)
   assert killed.returncode == -signal.SIGKILL
-  return json.loads(open(work_dir + '.lock').read())['pid']
+  return json.loads(open(lock).read())['pid']
 
 
 def test_a_later_conversion_removes_what_killed_ones_left(source, tmp_path, capsys):
-  stale = str(tmp_path / '.moe.converting-killed')
-  pid = _killed_conversion(stale)
-  unowned = tmp_path / '.moe.converting-unknown'
+  lock = str(tmp_path / '.moe.converting.lock')
+  unowned = tmp_path / '.moe.converting-unknown'   # not a work directory's name: left alone
   unowned.mkdir()
-  running = str(tmp_path / '.moe.converting-running')
-  os.makedirs(running)
-  with FileLock(running + '.lock'):
+  with FileLock(lock):
     assert _main(source, tmp_path / 'moe') == 1
-    assert (f'another conversion into {tmp_path}/moe is running (pid {os.getpid()}'
-            in capsys.readouterr().err)
-  shutil.rmtree(running)
+    assert (f'another conversion into {tmp_path}/moe is running: {lock} is locked by pid '
+            f'{os.getpid()}' in capsys.readouterr().err)
+  stale = str(tmp_path / '.moe.converting-1700000000-4242')
+  pid = _killed_conversion(stale, lock)
   assert _main(source, tmp_path / 'moe') == 0
   printed = capsys.readouterr()
   assert f'Removed {stale}, left by a killed conversion (pid {pid} on host' in printed.out
-  assert f'Note: {unowned} was left by a conversion that recorded no owner' in printed.err
   assert sorted(os.listdir(tmp_path)) == ['.moe.converting-unknown', 'moe']
 
 

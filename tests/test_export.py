@@ -190,17 +190,18 @@ def _killed_export(final):
 def test_an_export_removes_what_a_killed_one_left_and_refuses_a_running_one(run, tmp_path,
                                                                           capsys, caplog):
   out = tmp_path / 'out'
-  partial = _killed_export(out / 'checkpoint_2')
   args = [f"--model_dir={run['model_dir']}", f'--output_dir={out}']
   with FileLock(str(out / 'checkpoint_2.tmp.lock')):   # an export of step 2 is running
     assert export.main(args) == 1
   assert capsys.readouterr().err.startswith(
       f'error: Another write of {out}/checkpoint_2 is running: {out}/checkpoint_2.tmp.lock is '
       f'locked by pid {os.getpid()} on host ')
-  assert os.path.isdir(partial)
+  partial = _killed_export(out / 'checkpoint_2')   # its lock file names it, not the one above
   caplog.set_level('INFO')
   assert export.main(args) == 0
-  assert f'Removed {partial}, left by a write of checkpoint_2 that was killed.' in caplog.text
+  pid = partial.rsplit('-', 1)[1]
+  assert (f'Removed {partial}, left by a write of checkpoint_2 that was killed (pid {pid} on '
+          f'host ') in caplog.text
   assert os.listdir(out) == ['checkpoint_2']
   _assert_t5x(str(out / 'checkpoint_2'), 2, run['params'], run['slots'])
 

@@ -69,50 +69,41 @@ so a dense checkpoint converts on a machine smaller than the MoE (benchmarks/con
 measures it: +0.46 GiB for a 0.75 GiB MoE, +0.71 GiB for a 3 GiB one).
 
 Safety: the source is only read. The output may not be, contain or lie inside the source; an
-existing non-empty OUTPUT_DIR is replaced only with --overwrite. Everything is written to a
-hidden sibling `.OUTPUT_DIR.converting-*` and renamed to OUTPUT_DIR at the end, so a killed
-conversion leaves no OUTPUT_DIR. The conversion holds an OS lock on `<that directory>.lock`
-while it writes; the next conversion into the same OUTPUT_DIR deletes the hidden
-directories whose lock no live process holds (left by killed conversions, said on the
-console), refuses to start while another conversion into it is running, and lists (without
-deleting) hidden directories that have no lock file. --dry_run prints the plan
-(the whole upcycling report) and writes nothing.
+existing non-empty OUTPUT_DIR is replaced only with --overwrite. The output is written as every
+directory of this project that must appear whole (`checkpoints/atomic_dir.py`): into a hidden
+sibling `.OUTPUT_DIR.converting-<time>-<pid>`, renamed to OUTPUT_DIR at the end (an old output
+moved aside first, deleted last), so a killed conversion leaves no OUTPUT_DIR. The conversion
+holds the lock `.OUTPUT_DIR.converting.lock` while it writes: another conversion into the same
+OUTPUT_DIR is refused, naming it, and the next one deletes the hidden work directories killed
+conversions left (said on the console, with the killed one's pid and host). --dry_run prints
+the plan (the whole upcycling report) and writes nothing.
 
-OUTPUT_DIR may be gs://BUCKET/PATH. GCS has no rename and no OS locks, so there: one lock object
-`.OUTPUT_DIR.converting.lock` beside it (locks/gcs_lock.py: created only if absent, with a
-heartbeat; a dead holder's is taken over at once on its own host, elsewhere after 5 minutes)
-is held for the whole conversion, and its holder deletes the hidden work directories it finds
-(only a holder writes one, so they are a killed conversion's). Everything is written into a
-hidden `.OUTPUT_DIR.converting-<time>-<pid>/`, then copied object by object into OUTPUT_DIR
-(an old output is deleted just before) with the files that mark a step complete last (orbax's
-`<step>/commit_success.txt`, T5X's `checkpoint_<step>/checkpoint`; checkpoints/gcs.py), and
-the work directory deleted. Readers (ours, orbax's, T5X's) see no step until its marker
-exists, so a killed conversion leaves nothing that looks valid; one killed while copying
-leaves an OUTPUT_DIR without markers (refused as non-empty: rerun with --overwrite).
+OUTPUT_DIR may be gs://BUCKET/PATH. GCS has no rename and no OS locks, so there the lock
+`.OUTPUT_DIR.converting.lock` is an object (locks/gcs_lock.py: created only if absent, with a
+heartbeat; a dead holder's is taken over at once on its own host, elsewhere after 5 minutes),
+and the complete work directory is copied object by object into OUTPUT_DIR (an old output is
+deleted just before) with the files that mark a step complete last (orbax's
+`<step>/commit_success.txt`, T5X's `checkpoint_<step>/checkpoint`; checkpoints/gcs.py), then
+deleted. Readers (ours, orbax's, T5X's) see no step until its marker exists, so a killed
+conversion leaves nothing that looks valid; one killed while copying leaves an OUTPUT_DIR
+without markers (refused as non-empty: rerun with --overwrite).
 """
 
 import argparse
 import ast
 import dataclasses
-import glob
 import hashlib
 import logging
 import os
-import re
-import shutil
 import sys
-import tempfile
-import time
 from typing import Any, Callable, List, Mapping, Optional, Union
 
 from etils import epath
 
 from upcycle import (arguments, checkpoints, console, families, gin_utils, pretrained,
                      reachability, tree)
-from upcycle.checkpoints import gcs, paths, t5x_writer, verify as verify_lib
+from upcycle.checkpoints import atomic_dir, gcs, paths, t5x_writer, verify as verify_lib
 from upcycle.data import tokenizer as tokenizer_lib
-from upcycle.locks import file_lock
-from upcycle.locks.gcs_lock import STALE_SECONDS, GcsLock
 from upcycle.upcycling import experts as experts_lib
 from upcycle.upcycling import router_init
 from upcycle.upcycling import modes, report_file, step_policy, stream
@@ -187,9 +178,8 @@ def check_paths(source: str, resolved: str, output_dir: str, overwrite: bool) ->
   for src in {os.path.realpath(source), os.path.realpath(resolved)}:
     if out == src or paths.inside(src, out) or (os.path.isdir(src) and paths.inside(out, src)):
       raise _touches_source(output_dir, src)
-  if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
-    if not overwrite:
-      raise _exists_refusal(output_dir)
+  if not overwrite and atomic_dir.is_taken(out):
+    raise _exists_refusal(output_dir)
 
 
 def _check_url_paths(source: str, resolved: str, output_dir: str, overwrite: bool) -> None:
@@ -206,156 +196,28 @@ def _check_url_paths(source: str, resolved: str, output_dir: str, overwrite: boo
     raise _exists_refusal(output_dir)
 
 
-def _hidden_prefix(output_dir: str, kind: str) -> str:
-  """The prefix of a hidden sibling of `output_dir` ('.NAME.<kind>-'); a name too long to
-  carry it within the filesystem's 255 bytes is cut and told apart by its digest."""
+def _stem(output_dir: str) -> str:
+  """The hidden stem of a conversion's lock and work directories beside `output_dir`
+  ('.NAME.converting', `atomic_dir`); a name too long to carry it within the filesystem's 255
+  bytes is cut and told apart by its digest."""
   name = os.path.basename(output_dir)
   if len(name.encode()) > 200:
     digest = hashlib.sha256(name.encode()).hexdigest()[:16]
     name = f'{name.encode()[:160].decode(errors="ignore")}-{digest}'
-  return os.path.join(os.path.dirname(output_dir), f'.{name}.{kind}-')
+  return os.path.join(os.path.dirname(output_dir), f'.{name}.converting')
 
 
-def _work_prefix(output_dir: str) -> str:
-  return _hidden_prefix(output_dir, 'converting')
-
-
-def _running(output_dir: str, work: str) -> ConvertError:
-  return ConvertError(
-      f'another conversion into {output_dir} is running '
-      f'({file_lock.describe_holder(work + ".lock")}; it writes {work}). Fix: wait for it to '
-      f'finish, or choose another --output_dir.')
-
-
-def clean_leftovers(output_dir: str) -> None:
-  """Deletes the work directories of killed conversions into `output_dir` (see the module doc).
-
-  Raises ConvertError, deleting nothing, while another conversion into `output_dir` runs.
-  """
-  prefix = _work_prefix(output_dir)
-  works = sorted(p for p in glob.glob(glob.escape(prefix) + '*') if not p.endswith('.lock'))
-  owned = [w for w in works if os.path.exists(w + '.lock')]
-  for work in owned:
-    if file_lock.is_held(work + '.lock'):
-      raise _running(output_dir, work)
-  for work in works:
-    if work not in owned:
-      log.warning('Note: %s was left by a conversion that recorded no owner; delete it if no '
-                  'conversion into %s is running.', work, output_dir)
-      continue
-    owner = file_lock.describe_holder(work + '.lock')
-    try:
-      with file_lock.FileLock(work + '.lock'):
-        shutil.rmtree(work, ignore_errors=True)
-    except file_lock.LockHeld:
-      raise _running(output_dir, work) from None
-    os.remove(work + '.lock')
-    log.info('Removed %s, left by a killed conversion (%s).', work, owner)
-  for lock_path in glob.glob(glob.escape(prefix) + '*.lock'):   # locks whose directory is gone
-    if not os.path.exists(lock_path[:-len('.lock')]):
-      try:
-        with file_lock.FileLock(lock_path):
-          os.remove(lock_path)
-      except file_lock.LockHeld:
-        pass
-
-
-def _replace(tmp: str, output_dir: str) -> None:
-  """Renames `tmp` to `output_dir`; an old output is moved aside first, deleted last."""
-  old = None
-  if os.path.lexists(output_dir):
-    old = tempfile.mkdtemp(prefix=os.path.basename(_hidden_prefix(output_dir, 'replaced')),
-                           dir=os.path.dirname(output_dir))
-    os.rename(output_dir, os.path.join(old, 'output'))
-  os.rename(tmp, output_dir)
-  if old is not None:
-    shutil.rmtree(old)
-
-
-def _new_directory_mode() -> int:
-  """The mode os.makedirs gives a new directory: 0777 less the umask (0755 under umask 022),
-  as the trainer's and export's directories have."""
-  umask = os.umask(0)
-  os.umask(umask)
-  return 0o777 & ~umask
-
-
-def _convert_locally(output_dir: str, write: Callable[[str], None]) -> None:
-  """`write(work_dir)`, then `work_dir` renamed to `output_dir` (see the module doc)."""
-  parent = os.path.dirname(output_dir)
-  os.makedirs(parent, exist_ok=True)
-  clean_leftovers(output_dir)
-  tmp = tempfile.mkdtemp(prefix=os.path.basename(_work_prefix(output_dir)), dir=parent)
-  os.chmod(tmp, _new_directory_mode())   # mkdtemp's 0700 would become the output's
-  with file_lock.writing(file_lock.FileLock(tmp + '.lock').acquire(), tmp):
-    write(tmp)
-    _replace(tmp, output_dir)
-
-
-# gs:// outputs (the module doc): one lock object per output, work directories, the copy into
-# place with the completion markers last.
-
-def _gcs_sibling(output_dir: str, suffix: str) -> str:
-  parent, name = output_dir.rsplit('/', 1)
-  return f'{parent}/.{name}.converting{suffix}'
-
-
-def _lock_gcs(output_dir: str) -> GcsLock:
+def _write_whole(output_dir: str, write: Callable[[str], None], overwrite: bool) -> None:
+  """`write(work_dir)`, which then becomes `output_dir` (`atomic_dir`, see the module doc)."""
+  writer = atomic_dir.Writer(running=f'another conversion into {output_dir}',
+                             killed='a killed conversion', fix='choose another --output_dir',
+                             taken=str(_exists_refusal(output_dir)))
   try:
-    return GcsLock(_gcs_sibling(output_dir, '.lock')).acquire()
-  except file_lock.LockHeld as held:
-    raise ConvertError(f'another conversion into {output_dir} is running: {held} Fix: wait for '
-                       f'it to finish, or choose another --output_dir.') from None
-
-
-def clean_gcs_leftovers(output_dir: str) -> None:
-  """Deletes the work directories of killed conversions into gs:// `output_dir`; the caller
-  holds its lock (`_lock_gcs`). Only `<time>-<pid>` names: `.moe.converting-x.converting-*`
-  belongs to an output named `moe.converting-x`."""
-  prefix = _gcs_sibling(output_dir, '-')
-  ids = {url[len(prefix):].split('/', 1)[0] for url in gcs.names_starting_with(prefix)}
-  for work in sorted(prefix + i for i in ids if re.fullmatch(r'\d+-\d+', i)):
-    gcs.delete_tree(work)
-    log.info('Removed %s, left by a killed conversion.', work)
-
-
-def _replace_gcs(work: str, output_dir: str, lock: GcsLock) -> None:
-  """Copies `work` to `output_dir` (markers last), an old output deleted first, then `work`."""
-  if not lock.still_held():
-    raise ConvertError(
-        f'{lock.url} was taken over by another conversion while this one wrote {work} (its '
-        f'heartbeat had been silent for over {STALE_SECONDS:.0f}s); {output_dir} was left as it '
-        f'was. Fix: run the conversion again once the other one has finished.')
-  if gcs.names(output_dir) or gcs.is_object(output_dir):
-    gcs.delete_tree(output_dir)
-  gcs.copy_tree(work, output_dir)
-  gcs.delete_tree(work)
-
-
-def _delete_quietly(work: str) -> None:
-  try:
-    gcs.delete_tree(work)
-  except Exception as e:  # pylint: disable=broad-except  (the error being raised matters more)
-    log.warning('Could not delete %s (%s); the next conversion into the same output deletes '
-                'it.', work, e)
-
-
-def _convert_into_gcs(output_dir: str, write: Callable[[str], None], overwrite: bool) -> None:
-  """`write(work_dir)` into a gs:// work directory, then copied into place (see above)."""
-  lock = _lock_gcs(output_dir)
-  try:
-    if not overwrite and gcs.has_content(output_dir):  # written since check_paths looked
-      raise _exists_refusal(output_dir)
-    clean_gcs_leftovers(output_dir)
-    work = _gcs_sibling(output_dir, f'-{int(time.time())}-{os.getpid()}')
-    try:
+    with atomic_dir.create(output_dir, writer, stem=_stem(output_dir),
+                           overwrite=overwrite) as work:
       write(work)
-      _replace_gcs(work, output_dir, lock)
-    except BaseException:
-      _delete_quietly(work)
-      raise
-  finally:
-    lock.release()
+  except FileExistsError as e:
+    raise ConvertError(str(e)) from None
 
 
 def _makes_several(experts: Any) -> bool:
@@ -492,10 +354,7 @@ def convert(source: Union[str, List[str]], model_config: Any, output_dir: str, *
     if config_gin is not None:
       epath.Path(work, gin_utils.RUN_CONFIGS[0]).write_text(config_gin)
 
-  if paths.is_url(output_dir):
-    _convert_into_gcs(output_dir, write, overwrite)
-  else:
-    _convert_locally(output_dir, write)
+  _write_whole(output_dir, write, overwrite)
   log.info('Wrote %s/%s.', output_dir, written)
   return report
 

@@ -92,7 +92,8 @@ def write(output_dir: str, config: Mapping[str, Any], tensors: Mapping[str, Any]
            f'it, or pass another --output_dir.')
   done = progress.Progress(os.path.basename(final), 'tensors', total=len(tensors))
   recorded: Dict[str, Any] = {}
-  with atomic_dir.create(final, taken, elsewhere='into another --output_dir') as tmp:
+  writer = atomic_dir.write_of(final, fix='write into another --output_dir', taken=taken)
+  with atomic_dir.create(final, writer) as tmp:
     _write_weights(tmp, digests.recording(dict(tensors), recorded), max_shard_bytes, done)
     digests.write(tmp, {'params': recorded})
     for name, data in files.items():

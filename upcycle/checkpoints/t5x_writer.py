@@ -141,7 +141,8 @@ def write(model_dir: str, step: int, params: Mapping[str, Any],
   final = os.path.join(os.path.abspath(os.fspath(model_dir)), f'checkpoint_{int(step)}')
   taken = (f'{final} already exists; T5X checkpoints are never overwritten. Fix: write another '
            f'step or into another model directory.')
-  with atomic_dir.create(final, taken, elsewhere='into another model directory') as tmp:
+  writer = atomic_dir.write_of(final, fix='write into another model directory', taken=taken)
+  with atomic_dir.create(final, writer) as tmp:
     data = _serialize(tmp, step, params, param_states)
     with open(os.path.join(tmp, CHECKPOINT_FILE), 'wb') as f:
       f.write(data)
