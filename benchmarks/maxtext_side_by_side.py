@@ -318,9 +318,12 @@ def maxtext_name(microbatches: int) -> str:
 
 def setup(venv: str, python: str) -> None:
   """MaxText's venv at `venv` from `python` (>= MIN_PYTHON), with PINS installed."""
-  found = subprocess.run([python, '-c', 'import sys; print(tuple(sys.version_info[:2]))'],
-                         capture_output=True, text=True, check=False)
-  if found.returncode or ast.literal_eval(found.stdout.strip()) < MIN_PYTHON:
+  try:
+    found = subprocess.run([python, '-c', 'import sys; print(tuple(sys.version_info[:2]))'],
+                           capture_output=True, text=True, check=False)
+  except OSError:   # no such program
+    found = None
+  if not found or found.returncode or ast.literal_eval(found.stdout.strip()) < MIN_PYTHON:
     raise SideBySideError(
         f'--python {python} is not Python >= {MIN_PYTHON[0]}.{MIN_PYTHON[1]} (MaxText needs '
         'it): name one, e.g. --python ~/.pyenv/versions/3.12.1/bin/python')

@@ -132,13 +132,15 @@ def test_refuses_a_missing_venv_in_one_line(bench, tmp_path, capsys):
                      f'(--venv {venv}) first')
 
 
-def test_setup_refuses_an_older_python_without_making_a_venv(bench, tmp_path, capsys):
-  if sys.version_info[:2] >= (3, 12):
+@pytest.mark.parametrize('python', ['older', 'missing'])
+def test_setup_refuses_a_python_it_cannot_use_without_making_a_venv(bench, tmp_path, capsys,
+                                                                    python):
+  if python == 'older' and sys.version_info[:2] >= (3, 12):
     pytest.skip('this Python is new enough for MaxText')
+  python = sys.executable if python == 'older' else str(tmp_path / 'no-python')
   venv = tmp_path / 'venv'
-  message = refusal(bench.main, ['--setup', '--venv', str(venv), '--python', sys.executable],
-                    capsys)
-  assert message == (f'error: --python {sys.executable} is not Python >= 3.12 (MaxText needs '
+  message = refusal(bench.main, ['--setup', '--venv', str(venv), '--python', python], capsys)
+  assert message == (f'error: --python {python} is not Python >= 3.12 (MaxText needs '
                      'it): name one, e.g. --python ~/.pyenv/versions/3.12.1/bin/python')
   assert not venv.exists()
 
