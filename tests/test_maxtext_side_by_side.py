@@ -1,0 +1,155 @@
+"""benchmarks/maxtext_side_by_side.py's own logic, without MaxText's venv or a compile: the
+parameter count and the splash kernel's FLOPs against published and closed-form numbers, the
+roofline / MFU / ratio math against a table measured by hand before the benchmark existed,
+MaxText's settings against its batch arithmetic, the driver's output parsed, and its one-line
+refusals."""
+
+import importlib.util
+import os
+import re
+import shlex
+import sys
+
+import pytest
+
+from tests.helpers import REPO, refusal
+
+GIB = 2 ** 30
+
+
+@pytest.fixture(scope='module')
+def bench():
+  path = os.path.join(REPO, 'benchmarks', 'maxtext_side_by_side.py')
+  spec = importlib.util.spec_from_file_location('maxtext_side_by_side', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_llama_parameters_is_llama_3_2_1b_published_count(bench):
+  # meta-llama/Llama-3.2-1B: 1,235,814,400 parameters (tied embedding); float32 over 16 chips
+  # is the 308,953,600 bytes per chip upcycle.aot counts from the shardings (tpu_fit.json).
+  assert bench.llama_parameters(**bench.LLAMA) == 1_235_814_400
+  assert bench.llama_parameters(**bench.LLAMA) * 4 // 16 == 308_953_600
+
+
+def test_splash_flops_closed_form(bench):
+  # One tile (length = block): every matmul whole, 2 forward (twice with remat) + 3 + 4.
+  one = bench.splash_flops(rows=1, length=128, heads=1, head_dim=8, layers=1, block=128)
+  assert one == 11 * 2 * 128 * 128 * 8
+  assert bench.splash_flops(rows=1, length=128, heads=1, head_dim=8, layers=1, block=128,
+                            remat=False) == 9 * 2 * 128 * 128 * 8
+  # 2 x 2 tiles, causal: 3 of 4 computed.
+  assert bench.splash_flops(rows=1, length=256, heads=1, head_dim=8, layers=1,
+                            block=128) == 11 * 2 * 256 * 256 * 8 * 3 / 4
+  # MaxText's step measured by hand: 344.1 TFLOP = 289.7 counted by the compiler + the
+  # kernel's work.
+  assert bench.kernel_flops_per_chip() / 1e12 == pytest.approx(344.1 - 289.7, abs=0.06)
+
+
+# Measured by hand before the benchmark (this project's einsum-attention 1B row and MaxText
+# 0.2.5's train_compile), per chip: (TFLOP, GB accessed, roofline s, bound, MFU ceiling),
+# with the model's 4731.7 TFLOP per step (upcycle.aot's model_flops_per_step for the row).
+MODEL_FLOPS = 4731748290134016.0
+BY_HAND = {'upcycle': (362.2, 4532, 3.69, 'memory', 0.29),
+         'maxtext': (344.1, 706, 1.25, 'compute', 0.86)}
+
+
+@pytest.mark.parametrize('side', sorted(BY_HAND))
+def test_column_roofline_and_mfu_are_the_hand_measured(bench, side):
+  tflop, gb, seconds, bound, mfu = BY_HAND[side]
+  c = bench.column(parameters=0.288 * GIB, optimizer_state=0.575 * GIB, temp=GIB,
+                   compiler_flops=(tflop - 50) * 1e12, kernel_flops=50e12,
+                   bytes_accessed=gb * 1e9, model_flops_per_step=MODEL_FLOPS)
+  assert c['flops'] == pytest.approx(tflop * 1e12)
+  assert c['roofline_seconds'] == pytest.approx(seconds, abs=0.005)
+  assert c['roofline_bound'] == bound
+  assert c['mfu_ceiling'] == pytest.approx(mfu, abs=0.005)
+
+
+def test_table_ratios_are_the_hand_measured(bench):
+  def side(params, opt, temp, tflop, gb):
+    return bench.column(parameters=params * GIB, optimizer_state=opt * GIB, temp=temp * GIB,
+                        compiler_flops=tflop * 1e12, kernel_flops=0.0,
+                        bytes_accessed=gb * 1e9, model_flops_per_step=MODEL_FLOPS)
+  text = bench.table({'row': side(0.288, 0.575, 26.83, 362.2, 4532),
+                      'MaxText': side(0.288, 0.576, 11.20, 344.1, 706)},
+                     pairs=[('row', 'MaxText')])
+  lines = text.splitlines()
+  assert lines[0] == '| per chip, train step | row | MaxText | row / MaxText |'
+  cells = {line.split(' | ')[0][2:]: line.strip('| ').split(' | ')[1:] for line in lines[2:]}
+  assert cells['temporaries (GiB)'] == ['26.83', '11.20', '2.40']
+  assert cells['GB accessed per step'] == ['4532', '706', '6.42']
+  assert cells['roofline (s), bound'] == ['3.69, memory', '1.25, compute', '2.95']
+  assert cells['MFU ceiling'] == ['29%', '86%', '0.34']
+  assert cells['TFLOP per step (compiler + splash kernel)'][2] == '1.05'
+
+
+def test_maxtext_settings_are_the_rows_batch_and_counting_copies(bench, tmp_path):
+  def settings(**kwargs):
+    args = bench.maxtext_args('/venv', str(tmp_path), **kwargs)
+    assert args[0].endswith(os.path.join('site-packages', 'maxtext', 'configs', 'base.yml'))
+    return dict(arg.split('=', 1) for arg in args[1:])
+  step = settings(layers=16, microbatches=2, scan=True)
+  # MaxText's global batch: devices x per_device_batch_size x gradient_accumulation_steps.
+  assert 16 * int(step['per_device_batch_size']) * int(step['gradient_accumulation_steps']) == 128
+  assert (step['scan_layers'], step['max_target_length'], step['base_num_decoder_layers'],
+          step['remat_policy'], step['weight_dtype'], step['dtype']) == (
+              'true', '4096', '16', 'full', 'float32', 'bfloat16')
+  assert 'compile_xla_flags' not in step and step['jax_cache_dir'] == ''   # compiled afresh
+  whole = settings(layers=16, microbatches=1, scan=True)
+  assert (whole['per_device_batch_size'], whole['gradient_accumulation_steps']) == ('8', '1')
+  copy = settings(layers=2, microbatches=2, scan=False)   # one of the step's 2 microbatches
+  assert (copy['scan_layers'], copy['gradient_accumulation_steps'],
+          copy['base_num_decoder_layers'], copy['per_device_batch_size']) == (
+              'false', '1', '2', '4')
+  assert copy['compile_xla_flags'].split() == [
+      '--xla_tpu_enable_windowed_einsum_for_all_gather=false',
+      '--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false']
+
+
+def test_maxtext_env_leaves_this_projects_libtpu_and_modules_out(bench):
+  env = bench.maxtext_env({'TPU_LIBRARY_PATH': '/ours/libtpu.so', 'PYTHONPATH': '/repo',
+                           'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': '--xla_dump_to=/d',
+                           'HOME': '/root', 'TPU_ACCELERATOR_TYPE': 'v5p-8'})
+  assert env == {'HOME': '/root', 'XLA_FLAGS': '', 'TPU_SKIP_MDS_QUERY': '1',
+                 'TPU_ACCELERATOR_TYPE': 'v4-8', 'TPU_WORKER_HOSTNAMES': 'localhost',
+                 'ALLOW_MULTIPLE_LIBTPU_LOAD': '1'}
+
+
+def test_parse_driver_output(bench):
+  out = 'Starting train_compile.py...\nMAXTEXT_COMPILED {"flops": 2.5, "memory": {}}\nbye\n'
+  assert bench.parse_driver_output(out, 'x.log') == {'flops': 2.5, 'memory': {}}
+  with pytest.raises(bench.SideBySideError,
+                     match=r"^MaxText's compile printed no MAXTEXT_COMPILED line: see x.log$"):
+    bench.parse_driver_output('Finished train_compile.py successfully!\n', 'x.log')
+
+
+def test_refuses_a_missing_venv_in_one_line(bench, tmp_path, capsys):
+  venv = str(tmp_path / 'none')
+  message = refusal(bench.main, ['--venv', venv, '--workdir', str(tmp_path / 'w')], capsys)
+  assert message == (f'error: no MaxText venv at {venv}: run this script with --setup '
+                     f'(--venv {venv}) first')
+
+
+@pytest.mark.parametrize('python', ['older', 'missing'])
+def test_setup_refuses_a_python_it_cannot_use_without_making_a_venv(bench, tmp_path, capsys,
+                                                                    python):
+  if python == 'older' and sys.version_info[:2] >= (3, 12):
+    pytest.skip('this Python is new enough for MaxText')
+  python = sys.executable if python == 'older' else str(tmp_path / 'no-python')
+  venv = tmp_path / 'venv'
+  message = refusal(bench.main, ['--setup', '--venv', str(venv), '--python', python], capsys)
+  assert message == (f'error: --python {python} is not Python >= 3.12 (MaxText needs '
+                     'it): name one, e.g. --python ~/.pyenv/versions/3.12.1/bin/python')
+  assert not venv.exists()
+
+
+def test_documented_commands_parse(bench):
+  shown = []
+  for name in ('pods.md', 'development.md'):
+    with open(os.path.join(REPO, 'docs', name)) as f:
+      shown += re.findall(r'benchmarks/maxtext_side_by_side\.py([^\n`#]*)', f.read())
+  assert shown
+  for flags in shown:
+    bench.parser().parse_args(shlex.split(flags))
