@@ -23,7 +23,7 @@ parameters, AdamW, full remat, scanned layers, parameters and moments fully shar
   same microbatches. `DRIVER` runs `train_compile.main` in that venv and prints the
   compiled step's `memory_analysis()` and `cost_analysis()` as JSON.
 
-Both sides count FLOPs and HBM bytes the same way (`upcycle/train/step_count.py`): the
+Both sides count FLOPs and HBM bytes the same way (`upcycle/fit/step_count.py`): the
 compiler counts a loop body once, so the counts are extrapolated from copies compiled with
 their loops unrolled and the TPU compiler's windowed einsums off (`aot.COUNTING_OPTIONS`).
 upcycle.aot does this for its rows; MaxText's copies have 1 and 2 layers, unscanned, on one
@@ -32,7 +32,7 @@ times it (with 2, its AdamW update is counted twice: about 2 GB, 0.3% of the byt
 compiler counts a Pallas kernel as nothing (the splash kernel on both sides), so its work
 is added in closed form (`splash_flops`: the same kernel, blocks and remat on both sides);
 the bytes the kernel reads inside are in neither side's count. The roofline and MFU ceiling are
-`upcycle/train/roofline.py`'s from those counts, with this project's model FLOPs per step
+`upcycle/fit/roofline.py`'s from those counts, with this project's model FLOPs per step
 (`models/flops.py`; the same model and tokens) for both. Prints a markdown table and writes
 benchmarks/results/maxtext_side_by_side.json (every number, the commands, the versions).
 """
@@ -52,7 +52,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import tpu_fit
-from upcycle.train import aot, roofline, step_count
+from upcycle.fit import aot, roofline, step_count
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 GIB = 2 ** 30

@@ -450,7 +450,7 @@ def tpu_summary(verdicts):
 
 def topology_mesh(topology, shape):
   """The trainer's mesh over `topology`'s devices; `shape` 'DxExM', default 1 x all x 1."""
-  from upcycle.train.aot import topology_devices  # pylint: disable=g-import-not-at-top
+  from upcycle.fit.aot import topology_devices  # pylint: disable=g-import-not-at-top
   devices = topology_devices(topology, megacore=True)
   data, expert, model = map(int, shape.split('x')) if shape else (1, len(devices), 1)
   if data * expert * model != len(devices):

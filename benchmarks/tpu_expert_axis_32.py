@@ -34,7 +34,8 @@ sys.path.insert(0, REPO)
 from upcycle import layers, tree  # pylint: disable=g-import-not-at-top,wrong-import-position
 from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, capacity, grouping, routers  # pylint: disable=g-import-not-at-top,wrong-import-position
 from upcycle.moe import layer as moe_layer  # pylint: disable=g-import-not-at-top,wrong-import-position
-from upcycle.train import aot, partitioning  # pylint: disable=g-import-not-at-top,wrong-import-position
+from upcycle.fit import aot  # pylint: disable=g-import-not-at-top,wrong-import-position
+from upcycle.train import partitioning  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 BATCH, LENGTH, GROUP, EXPERTS, D_MODEL, D_FF = 256, 512, 4096, 32, 64, 128
 

@@ -186,12 +186,12 @@ def test_aot_names_the_levers_set_and_the_largest_batch_that_fits(aot_result):
 def test_the_usable_hbm_is_what_the_compiler_says():
   """A program far too large for each device kind, compiled: the compiler's refusal names the
   HBM it can use, which `hbm.CAPACITIES` holds."""
-  from upcycle.train import hbm  # pylint: disable=g-import-not-at-top
+  from upcycle.fit import hbm  # pylint: disable=g-import-not-at-top
   script = '''
 import json, jax, jax.numpy as jnp, numpy as np
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from upcycle.train import aot, hbm
+from upcycle.fit import aot, hbm
 aot.topology_devices('v4:2x2x1')   # libtpu's environment
 cases = {'v4:2x2x1': {'chip_config_name': 'megacore', 'chips_per_host_bounds': (2, 2, 1),
                       'num_slices': 1},
@@ -223,7 +223,7 @@ print(json.dumps(out))
 
 def test_a_total_over_the_usable_hbm_does_not_fit_though_under_the_nominal():
   from upcycle import aot as cli  # pylint: disable=g-import-not-at-top
-  from upcycle.train import aot, hbm, levers  # pylint: disable=g-import-not-at-top
+  from upcycle.fit import aot, hbm, levers  # pylint: disable=g-import-not-at-top
   gib = 2**30
   v4 = hbm.capacity('TPU v4')
   assert (v4.nominal, v4.usable) == (32 * gib, 30.75 * gib)
@@ -252,7 +252,7 @@ def test_a_total_over_the_usable_hbm_does_not_fit_though_under_the_nominal():
 def _t5_xl_on_a_v4_32(**changes):
   """T5 XL MoE on a v4-32 as the fit table compiles it: every lever for activations but the
   batch set."""
-  from upcycle.train import levers  # pylint: disable=g-import-not-at-top
+  from upcycle.fit import levers  # pylint: disable=g-import-not-at-top
   settings = levers.Settings(scan_layers=True, remat_policy='full', fsdp=False,
                              mesh={'data': 1, 'expert': 16, 'model': 1}, num_experts=32,
                              optimizer='T5XAdafactor', factored=True, num_microbatches=1,
@@ -261,7 +261,7 @@ def _t5_xl_on_a_v4_32(**changes):
 
 
 def test_levers_already_set_are_named_and_never_advised():
-  from upcycle.train import batch_fit, levers  # pylint: disable=g-import-not-at-top
+  from upcycle.fit import batch_fit, levers  # pylint: disable=g-import-not-at-top
   gib = 2**30
   xl = _t5_xl_on_a_v4_32()
   assert levers.already_set(xl) == [
@@ -303,7 +303,7 @@ def test_levers_already_set_are_named_and_never_advised():
 
 
 def test_the_largest_batch_is_where_the_line_through_two_compiles_meets_the_usable_hbm():
-  from upcycle.train import batch_fit  # pylint: disable=g-import-not-at-top
+  from upcycle.fit import batch_fit  # pylint: disable=g-import-not-at-top
   gib = 2**30
   # total = 4 GiB + batch / 8 GiB: 30.75 GiB at batch 214, so 208 in multiples of 16.
   low, high = (128, 20 * gib), (256, 36 * gib)
@@ -333,7 +333,7 @@ def test_a_batch_that_cannot_fit_is_compiled_at_the_smallest_and_a_larger_slice_
   little of a v4 chip's 30.75 for even one example per device (2 GiB), so the line predicts
   0. The smallest batch is compiled (not claimed unfit uncompiled), and the slice named is
   the fewest devices, by doublings, with 30 / k + 2 <= 30.75 GiB: k = 2, 8 chips."""
-  from upcycle.train import aot, batch_fit, hbm  # pylint: disable=g-import-not-at-top
+  from upcycle.fit import aot, batch_fit, hbm  # pylint: disable=g-import-not-at-top
   gib = 2**30
   v4 = hbm.capacity('TPU v4')
   compiled = []
@@ -382,7 +382,7 @@ def test_a_batch_that_cannot_fit_is_compiled_at_the_smallest_and_a_larger_slice_
 
 
 def test_the_counting_copies_compile_time_is_reported_apart():
-  from upcycle.train import aot, hbm  # pylint: disable=g-import-not-at-top
+  from upcycle.fit import aot, hbm  # pylint: disable=g-import-not-at-top
   report = aot.FunctionReport(
       arguments=1, outputs=0, alias=0, temp=1, code=0, hbm=hbm.capacity('TPU v4'),
       flops_per_device=1.0, devices=4, compile_seconds=7.0, parts={})
@@ -403,7 +403,8 @@ def test_the_restore_jit_lowers_without_the_donation_warning():
   its size): lowered for TPU, JAX warns of it unless silenced."""
   import warnings  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
-  from upcycle.train import aot, state_jit  # pylint: disable=g-import-not-at-top
+  from upcycle.fit import aot  # pylint: disable=g-import-not-at-top
+  from upcycle.train import state_jit  # pylint: disable=g-import-not-at-top
   mesh = Mesh(np.array(aot.topology_devices('v4:2x2x1')), ('expert',))
   replicated = NamedSharding(mesh, PartitionSpec())
   dense = jax.ShapeDtypeStruct((128, 256), np.float32, sharding=replicated)
@@ -457,7 +458,7 @@ def test_megablox_compiles_for_tpu_where_a_dimension_is_under_128():
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
   from upcycle.grouped_kernels import GROUPED_KERNELS  # pylint: disable=g-import-not-at-top
-  from upcycle.train import aot  # pylint: disable=g-import-not-at-top
+  from upcycle.fit import aot  # pylint: disable=g-import-not-at-top
   one = NamedSharding(Mesh(np.array(aot.topology_devices('v4:2x2x1')[:1]), ('x',)),
                       PartitionSpec())
   spec = lambda *shape, dtype=np.float32: jax.ShapeDtypeStruct(shape, dtype, sharding=one)

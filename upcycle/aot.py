@@ -10,7 +10,7 @@ use of the device's (30.75 of a v4 chip's 32 GiB), FLOPs and HBM bytes per devic
 (every layer and microbatch counted: a step with loops is counted from shallow copies),
 the roofline bound on its time and the MFU at it, compile time (the function's, and apart its
 counting copies'), the memory levers the run has set, and for what does not fit, what
-dominates and the levers not set that would shrink it (`upcycle/train/aot.py`). --find_batch
+dominates and the levers not set that would shrink it (`upcycle/fit/aot.py`). --find_batch
 compiles the train step at up to two more batch sizes and names the largest BATCH_SIZE that
 fits, or, when not even the smallest does, the larger slice it would fit on.
 The gs:// paths it reads (not MODEL_DIR) must answer first, in bounded time. Exit status: 0
@@ -36,7 +36,7 @@ def train(*, objective: Any, optimizer: Any, config: Any, train_data: Any,
   as the training command binds them; its decode is not compiled."""
   del decode_data, decoding
   from upcycle import reachability  # pylint: disable=g-import-not-at-top
-  from upcycle.train import aot  # pylint: disable=g-import-not-at-top
+  from upcycle.fit import aot  # pylint: disable=g-import-not-at-top
   # What is read must answer first, in bounded time; MODEL_DIR is never written here.
   reachability.check({binding: path for binding, path in reachability.gin_paths().items()
                       if not binding.lower().endswith('model_dir')})
@@ -68,7 +68,7 @@ def _own_flags(argv: Sequence[str]) -> Tuple[argparse.Namespace, Sequence[str]]:
 def main(argv: Sequence[str]) -> int:
   from upcycle import fields  # pylint: disable=g-import-not-at-top
   from upcycle.checkpoints import CheckpointError  # pylint: disable=g-import-not-at-top
-  from upcycle.train.aot import TopologyError  # pylint: disable=g-import-not-at-top
+  from upcycle.fit.aot import TopologyError  # pylint: disable=g-import-not-at-top
   if any(a in ('-h', '--help') for a in argv):
     print(__doc__.strip() + '\n\nflags: --topology=v4:AxBxC (chips per axis), --json=PATH, '
           '--no_megacore (one device per TensorCore), --find_batch (the largest BATCH_SIZE that '

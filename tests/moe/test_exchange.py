@@ -149,7 +149,7 @@ def test_ragged_arguments_fill_the_same_slots_as_the_dense_exchange():
 @pytest.mark.slow   # ~30 s: the block's gradient compiled by libtpu's compiler
 def test_on_tpu_the_blocks_travel_by_ragged_all_to_all():
   pytest.importorskip('libtpu', reason="compiling for TPU needs libtpu (pip install -e '.[test]')")
-  from upcycle.train import aot  # pylint: disable=g-import-not-at-top
+  from upcycle.fit import aot  # pylint: disable=g-import-not-at-top
   devices = aot.topology_devices('v4:2x2x1')
   mesh = partitioning.make_mesh(num_expert_partitions=4, devices=devices)
   boxed, params, x, _ = case('spread')

@@ -111,7 +111,7 @@ class T5Config:
   def with_depths(self, depths) -> 'T5Config':
     """This config, unscanned, with its stacks cut to their first `depths` layers (in
     `layer_stacks()` order), their MoE blocks where they were: a shallow copy of the model
-    (`upcycle/train/step_count.py` counts a step from such copies)."""
+    (`upcycle/fit/step_count.py` counts a step from such copies)."""
     encoder, decoder = depths
     return dataclasses.replace(
         self, num_encoder_layers=encoder, num_decoder_layers=decoder, scan_layers=False,

@@ -105,7 +105,7 @@ class ViTConfig:
   def with_depths(self, depths) -> 'ViTConfig':
     """This config, unscanned, with its stacks cut to their first `depths` layers (in
     `layer_stacks()` order), their MoE blocks where they were: a shallow copy of the model
-    (`upcycle/train/step_count.py` counts a step from such copies)."""
+    (`upcycle/fit/step_count.py` counts a step from such copies)."""
     return scan_layout.cut_one_stack(self, 'depth', depths)
 
   def layer_stacks(self) -> list:

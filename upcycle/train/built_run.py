@@ -72,7 +72,8 @@ class BuiltRun:
 
   def jit_train_step(self, microbatch_unroll: int = 1) -> Callable[..., Any]:
     """A new jit of the train step, its accumulation over microbatches unrolled
-    `microbatch_unroll` per loop iteration (copies for the compiler to count, `step_count.py`)."""
+    `microbatch_unroll` per loop iteration (copies for the compiler to count,
+    `fit/step_count.py`)."""
     step = make_train_step(self.objective, self.optimizer, self.schedule, self.num_microbatches,
                            microbatch_unroll=microbatch_unroll)
     return jax.jit(step, in_shardings=(self.shardings, None, None),

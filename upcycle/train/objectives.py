@@ -99,7 +99,7 @@ class CausalLm(TargetTokenLoss):
   z_loss: float = 0.0
   label_smoothing: float = 0.0
   loss_chunks: int = 1
-  unroll_loss_chunks: bool = False   # the counting copies' (`train/step_count.py`)
+  unroll_loss_chunks: bool = False   # the counting copies' (`fit/step_count.py`)
 
   def __post_init__(self):
     fields.integer(self, 'loss_chunks', 1)

@@ -44,7 +44,7 @@ def make_train_step(objective, optimizer: optax.GradientTransformation,
   averaged over layers and microbatches. Microbatching accumulates gradients of
   exactly that loss, so it changes memory, not the result. `microbatch_unroll`: the
   accumulation scan's unroll, microbatches per loop iteration (for the compiler's counts,
-  `step_count.py`).
+  `fit/step_count.py`).
   """
 
   layer_metrics = per_layer_metrics(objective.model.config)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from upcycle.train.roofline import roofline
+from upcycle.fit.roofline import roofline
 
 
 def test_the_slower_of_compute_and_memory_bounds_the_step():

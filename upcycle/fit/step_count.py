@@ -31,7 +31,7 @@ The copies are compiled with the TPU compiler's windowed einsums off (`aot.COUNT
 it otherwise turns a matmul over fully sharded parameters into a loop over the shards, counted
 once as well; a copy that still loops is reported, not counted (`Uncountable`). Measured on the
 TPU compiler (a T5 MoE of 8 + 8 layers on a v4-8): FLOPs equal those of the whole model
-compiled unscanned to 1e-6, bytes accessed to 0.13%; `tests/train/test_step_count.py` checks
+compiled unscanned to 1e-6, bytes accessed to 0.13%; `tests/fit/test_step_count.py` checks
 the same on XLA's CPU compiler.
 """
 

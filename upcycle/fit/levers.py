@@ -20,8 +20,9 @@ import dataclasses
 import math
 from typing import Any, List, Mapping, Optional
 
+from upcycle.fit import batch_fit
 from upcycle.moe.config import MoeConfig
-from upcycle.train import batch_fit, partitioning
+from upcycle.train import partitioning
 
 GIB = 2 ** 30
 

@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of a run for a TPU topology: will it fit, and what dominates.
 
-The run (mesh, shardings, steps: `built_run.build_run`, exactly what the trainer of
+The run (mesh, shardings, steps: `train.built_run.build_run`, exactly what the trainer of
 `python -m upcycle.train` builds) is built over the devices of a TPU topology description, and
 its compiled functions are lowered on abstract inputs (`jax.ShapeDtypeStruct`s with the run's
 shardings) and compiled by the TPU compiler (libtpu), on any host: nothing is allocated or
@@ -33,10 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from upcycle.train import batch_fit, levers, partitioning, step_count
+from upcycle.fit import batch_fit, levers, step_count
+from upcycle.fit import roofline as rooflines
+from upcycle.fit import hbm as hbm_sizes
+from upcycle.train import partitioning
 from upcycle.train.built_run import build_run, step_flops
-from upcycle.train import roofline as rooflines
-from upcycle.train import hbm as hbm_sizes
 from upcycle.upcycling import report_file
 
 # Compiling needs libtpu's compiler only: no TPU, no metadata server (libtpu otherwise asks
@@ -400,7 +401,7 @@ def _compile_or_reason(name: str, lower, *, hbm: hbm_sizes.Capacity, devices: in
 def compile_run(*, objective, optimizer, config, train_data, eval_data=None, initializer=None,
                 devices: Sequence[jax.Device], megacore: bool = True,
                 find_batch: bool = False) -> CompiledRun:
-  """Builds the run over `devices` (`built_run.build_run`, as the trainer does) and compiles
+  """Builds the run over `devices` (`train.built_run.build_run`, as the trainer does) and compiles
   its functions (module docstring); with `find_batch`, the train step at up to two more batch
   sizes (`batch_fit.py`).
 

@@ -1,5 +1,5 @@
 """A step's FLOPs and bytes with every layer counted, extrapolated from shallow copies of the
-model (`upcycle/train/step_count.py`), against the compiler's count of the whole model with
+model (`upcycle/fit/step_count.py`), against the compiler's count of the whole model with
 its layers unrolled (XLA's cost analysis on CPU; `tests/test_aot.py` runs it on libtpu's)."""
 
 import dataclasses
@@ -13,7 +13,7 @@ import pytest
 from upcycle import models, tree
 from upcycle.moe import routers
 from upcycle.moe.config import MoeConfig
-from upcycle.train import step_count
+from upcycle.fit import step_count
 
 EVERY_OTHER = MoeConfig(num_experts=4, router=routers.TopK(k=2))
 # 4 encoder layers (2 periods of 2) and 6 decoder layers (3 periods), so both stacks vary.
