@@ -71,7 +71,7 @@ def sort_by_expert(x: Array, expert_index: Array, routed: Array,
     inverse = jnp.argsort(order).astype(jnp.int32)
     copies = jnp.broadcast_to(x.reshape(g * s, 1, d), (g * s, k, d)).reshape(g * s * k, d)
     # E + 1 queries against all copies at once, not a binary search: no loop for the TPU
-    # compiler to count once (`upcycle/train/step_count.py`).
+    # compiler to count once (`upcycle/fit/step_count.py`).
     starts = jnp.searchsorted(key[order], jnp.arange(num_experts + 1, dtype=key.dtype),
                               method='compare_all')
     group_sizes = jnp.diff(starts).astype(jnp.int32)[None]               # [1, E]
