@@ -4,6 +4,7 @@ and parameter gradients, aux losses, metrics), with padding and with every token
 same expert; each device multiplies by its own experts' kernels only, the rows crossing in
 all-to-alls; and the slots' copies are each other's adjoints."""
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -160,3 +161,26 @@ def test_on_tpu_the_blocks_travel_by_ragged_all_to_all():
         jax.tree.map(spec, params, shardings),
         spec(x, partitioning.batch_sharding(mesh, x.ndim))).compile().as_text()
   assert hlo.count('ragged-all-to-all') >= 4      # there and back, forward and backward
+
+
+def test_the_fit_analysis_gives_no_roofline_where_the_rows_are_exchanged():
+  """The compile-ahead analysis (`upcycle.aot`) keeps the compiler's counts of an
+  expert-parallel dropless step but gives them no roofline: megablox declares its cost over
+  the whole receive buffer, n times the rows a balanced routing sends."""
+  from upcycle.fit import aot  # pylint: disable=g-import-not-at-top
+  from upcycle.models import LlamaConfig  # pylint: disable=g-import-not-at-top
+  llama = LlamaConfig(vocab_size=64, d_model=16, num_heads=2, num_kv_heads=1, d_ff=32,
+                      num_layers=2, moe=CONFIG)
+  reason = aot.exchange_buffers(llama, partitioning.make_mesh(num_expert_partitions=4))
+  assert reason.startswith('no roofline: the expert-parallel dropless block multiplies a '
+                           'receive buffer of 4 x the rows')
+  assert aot.exchange_buffers(llama, partitioning.make_mesh()) is None
+  slots = dataclasses.replace(llama, moe=dataclasses.replace(CONFIG, dispatch='indices'))
+  assert aot.exchange_buffers(slots, partitioning.make_mesh(num_expert_partitions=4)) is None
+  report = aot.FunctionReport(arguments=0, outputs=0, alias=0, temp=0, code=0,
+                              hbm=aot.hbm_sizes.capacity('TPU v4', True), flops_per_device=1e12,
+                              bytes_per_device=1e9, devices=4, compile_seconds=1.0, parts={})
+  kept = aot.with_roofline(report, device_kind='TPU v4', megacore=True, not_work=reason)
+  assert kept.roofline is None and kept.uncounted == reason
+  assert kept.flops_per_device == 1e12
+  assert aot.with_roofline(report, device_kind='TPU v4', megacore=True).roofline is not None

@@ -208,9 +208,12 @@ def compile_report(lowered: jax.stages.Lowered, *, hbm: hbm_sizes.Capacity, devi
 
 
 def with_roofline(report: FunctionReport, *, device_kind: str, megacore: bool,
-                  count: Optional[Callable[[], step_count.Counts]] = None) -> FunctionReport:
+                  count: Optional[Callable[[], step_count.Counts]] = None,
+                  not_work: Optional[str] = None) -> FunctionReport:
   """`report` with its roofline; with `count` (the function's FLOPs and bytes extrapolated
-  from shallow copies, `step_count.extrapolate`), its counts replaced by that count first."""
+  from shallow copies, `step_count.extrapolate`), its counts replaced by that count first.
+  `not_work`: why the counts are not the function's work (`exchange_buffers`): the counts
+  are kept, with no roofline and that reason."""
   if report.refused:
     return report
   if count is not None:
@@ -227,10 +230,28 @@ def with_roofline(report: FunctionReport, *, device_kind: str, megacore: bool,
     report = dataclasses.replace(
         report, flops_per_device=flops, bytes_per_device=accessed, extrapolated=True,
         count_seconds=time.perf_counter() - start)
+  if not_work:
+    return dataclasses.replace(report, uncounted=not_work)
   return dataclasses.replace(report, roofline=rooflines.roofline(
       flops_per_device=report.flops_per_device, bytes_per_device=report.bytes_per_device,
       device_kind=device_kind, megacore=megacore, devices=report.devices,
       model_flops=report.model_flops_per_step))
+
+
+def exchange_buffers(model_config: Any, mesh: jax.sharding.Mesh) -> Optional[str]:
+  """Why the compiler's counts of a step are not its work, where a dropless MoE block of
+  `model_config` exchanges its rows over the mesh's expert axis (`upcycle.moe.exchange`):
+  its grouped matmuls run over a receive buffer with room for every chip's rows, and
+  megablox (like `ragged_dot`) declares its cost over all of them. None otherwise."""
+  from upcycle.moe import MoeConfig  # pylint: disable=g-import-not-at-top
+  moes = [getattr(model_config, f.name) for f in dataclasses.fields(model_config)]
+  if mesh.shape['expert'] == 1 or not any(
+      isinstance(moe, MoeConfig) and moe.dispatch == 'ragged' for moe in moes):
+    return None
+  return ('no roofline: the expert-parallel dropless block multiplies a receive buffer of '
+          f"{mesh.shape['expert']} x the rows a balanced routing sends, and its grouped matmul "
+          'declares its cost over all of them (it runs only the rows received), so the FLOPs '
+          'and bytes shown overstate the experts\' work')
 
 
 def v4_topology(chips: int) -> Optional[str]:
@@ -431,7 +452,8 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
     scans = bool(objective.model.config.scan_layers)
     full_periods = step_count.periods(objective.model.config)
     counted = functools.partial(with_roofline, device_kind=devices[0].device_kind,
-                                megacore=megacore)
+                                megacore=megacore,
+                                not_work=exchange_buffers(objective.model.config, mesh))
 
     @functools.lru_cache(maxsize=None)   # the train and eval copies share their runs
     def shallow_run(stack_periods: Tuple[int, ...]):
@@ -486,7 +508,8 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
           'restore_hook', lower_restore,
           hbm=hbm, devices=n, parts=state_parts, reports=reports, not_compiled=not_compiled)
       if 'restore_hook' in reports:
-        reports['restore_hook'] = counted(reports['restore_hook'])
+        reports['restore_hook'] = with_roofline(
+            reports['restore_hook'], device_kind=devices[0].device_kind, megacore=megacore)
     if eval_data is not None:
       _compile_or_reason(
           'eval_step', lambda: built.eval_step.lower(abstract.params, eval_batch),
