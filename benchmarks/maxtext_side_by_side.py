@@ -31,9 +31,8 @@ their loops unrolled and the TPU compiler's windowed einsums off (`aot.COUNTING_
 upcycle.aot does this for its rows; MaxText's copies have 1 and 2 layers, unscanned, on one
 microbatch of the step's (no accumulation loop), and the step's count is the microbatches
 times it (with 2, its AdamW update is counted twice: for the 1B about 2 GB, 0.3% of the
-bytes). The
-compiler counts a Pallas kernel as nothing (the splash kernel on both sides), so its work
-is added in closed form (`splash_flops`: the same kernel, blocks and remat on both sides);
+bytes). The compiler counts a Pallas kernel as nothing (the splash kernel on both sides), so
+its work is added in closed form (`splash_flops`: the same kernel, blocks and remat on both sides);
 the bytes the kernel reads inside are in neither side's count. The roofline and MFU ceiling are
 `upcycle/train/roofline.py`'s from those counts, with this project's model FLOPs per step
 (`models/flops.py`; the same model and tokens) for both. Prints a markdown table and writes
@@ -198,9 +197,9 @@ def maxtext_args(venv: str, workdir: str, *, model: Model, layers: int, microbat
          'per_device_batch_size': BATCH // model.chips // microbatches,
          'scan_layers': str(scan).lower(),
          'gradient_accumulation_steps': microbatches if scan else 1}
-  model = {**maxtext_model(model), 'base_num_decoder_layers': layers}
+  dims = {**maxtext_model(model), 'base_num_decoder_layers': layers}
   counting = {} if scan else {'compile_xla_flags': COUNTING_FLAGS}
-  return [maxtext_base_yml(venv)] + [f'{k}={v}' for k, v in {**model, **run,
+  return [maxtext_base_yml(venv)] + [f'{k}={v}' for k, v in {**dims, **run,
                                                              **counting}.items()]
 
 
