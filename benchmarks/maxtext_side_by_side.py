@@ -1,40 +1,43 @@
-"""Llama-3.2-1B's train step on a v4-32, compiled by this project and by MaxText, side by side.
+"""A Llama's train step on a v4 slice, compiled by this project and by MaxText, side by side.
 
   python benchmarks/maxtext_side_by_side.py --setup     # once: MaxText's own virtualenv
-  python benchmarks/maxtext_side_by_side.py [--venv DIR] [--workdir /tmp/maxtext_side_by_side]
+  python benchmarks/maxtext_side_by_side.py [--model llama3.2-1b|llama3.1-8b] [--venv DIR]
+      [--workdir /tmp/maxtext_side_by_side]
 
 Both sides compile the same model for the same slice with the TPU compiler (libtpu), ahead of
-time (no TPU): Llama-3.2-1B, `v4:2x2x4` (16 chips, megacore), batch 128 x 4096 tokens (in 2
-microbatches, gradient accumulation 2, where a column says so), bfloat16 activations, float32
-parameters, AdamW, full remat, scanned layers, parameters and moments fully sharded over the
-16 chips (FSDP).
+time (no TPU): `MODELS[--model]`, Llama-3.2-1B on a v4-32 (`v4:2x2x4`, 16 chips, megacore) or
+Llama-3.1-8B on a v4-64 (`v4:2x4x4`, 32 chips), batch 128 x 4096 tokens (in 2 microbatches,
+gradient accumulation 2, where a column says so), bfloat16 activations, float32 parameters,
+AdamW, full remat, scanned layers, parameters and moments fully sharded over the chips (FSDP).
 
-- This project: the `llama3.2-1b-v4-32` row of benchmarks/tpu_fit.py, and the same with the
-  loss's logits 8 slices of the sequence at a time (`--gin.LOSS_CHUNKS=8`), with 2
-  microbatches and without (`llama3.2-1b-loss8-mb2-v4-32`, `llama3.2-1b-loss8-v4-32`): each
-  one `python -m upcycle.aot` run (`tpu_fit.run_row`), attention by the model's default
-  ('auto': jax's Pallas splash-attention kernel on TPU).
+- This project: the model's rows of benchmarks/tpu_fit.py (`Model.rows`): the fit table's row
+  and the same with the loss's logits 8 slices of the sequence at a time
+  (`--gin.LOSS_CHUNKS=8`), in 2 microbatches (and for the 1B in one): each one
+  `python -m upcycle.aot` run (`tpu_fit.run_row`), attention by the model's default ('auto':
+  jax's Pallas splash-attention kernel on TPU).
 - MaxText (`maxtext` on the package registry, compiled in a virtualenv of its own made by
   `--setup` with `PINS`: MaxText needs Python >= 3.12 and never enters this project's
-  environment): `train_compile`'s step (its AOT compile entry point) for `v4-32` with the
-  same dimensions (`MAXTEXT_MODEL`; MaxText ships no Llama-3.2 config) and run settings
-  (`MAXTEXT_RUN`: attention 'flash' = splash, blocks of 512), once with 2 accumulation steps
-  of per-device batch 4 and once with 1 of 8: each upcycle row is held to MaxText's of the
-  same microbatches. `DRIVER` runs `train_compile.main` in that venv and prints the
-  compiled step's `memory_analysis()` and `cost_analysis()` as JSON.
+  environment): `train_compile`'s step (its AOT compile entry point) for the slice with the
+  same dimensions (`maxtext_model`, the values of MaxText's own `llama3.1-8b` config for the
+  8B; MaxText ships no Llama-3.2 config) and run settings (`MAXTEXT_RUN`: attention 'flash' =
+  splash, blocks of 512), with as many accumulation steps as each upcycle row has
+  microbatches: each upcycle row is held to MaxText's of the same microbatches. `DRIVER` runs
+  `train_compile.main` in that venv and prints the compiled step's `memory_analysis()` and
+  `cost_analysis()` as JSON.
 
 Both sides count FLOPs and HBM bytes the same way (`upcycle/fit/step_count.py`): the
 compiler counts a loop body once, so the counts are extrapolated from copies compiled with
 their loops unrolled and the TPU compiler's windowed einsums off (`aot.COUNTING_OPTIONS`).
 upcycle.aot does this for its rows; MaxText's copies have 1 and 2 layers, unscanned, on one
 microbatch of the step's (no accumulation loop), and the step's count is the microbatches
-times it (with 2, its AdamW update is counted twice: about 2 GB, 0.3% of the bytes). The
-compiler counts a Pallas kernel as nothing (the splash kernel on both sides), so its work
-is added in closed form (`splash_flops`: the same kernel, blocks and remat on both sides);
+times it (with 2, its AdamW update is counted twice: for the 1B about 2 GB, 0.3% of the
+bytes). The compiler counts a Pallas kernel as nothing (the splash kernel on both sides), so
+its work is added in closed form (`splash_flops`: the same kernel, blocks and remat on both sides);
 the bytes the kernel reads inside are in neither side's count. The roofline and MFU ceiling are
 `upcycle/fit/roofline.py`'s from those counts, with this project's model FLOPs per step
 (`models/flops.py`; the same model and tokens) for both. Prints a markdown table and writes
-benchmarks/results/maxtext_side_by_side.json (every number, the commands, the versions).
+the model's entry of benchmarks/results/maxtext_side_by_side.json (every number, the commands,
+the versions), keeping the other models' entries.
 """
 
 import argparse
@@ -45,7 +48,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Sequence, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -59,26 +62,43 @@ GIB = 2 ** 30
 PINS = ('maxtext[tpu]==0.2.5', 'jax==0.12.0.1', 'jaxlib==0.12.0.1', 'libtpu==0.0.50.1')
 MIN_PYTHON = (3, 12)
 DEFAULT_VENV = os.path.expanduser('~/.cache/upcycle/maxtext-venv')
-# tpu_fit rows: their microbatches (MaxText is compiled with each number of them).
-UPCYCLE_ROWS = {'llama3.2-1b-v4-32': 2, 'llama3.2-1b-loss8-v4-32': 1,
-                'llama3.2-1b-loss8-mb2-v4-32': 2}
-CHIPS, DEVICE_KIND = 16, 'TPU v4'
-# Llama-3.2-1B (configs/models/llama/llama3_2_1b.gin), in MaxText's names.
-LLAMA = {'vocab_size': 128256, 'emb_dim': 2048, 'num_query_heads': 32, 'num_kv_heads': 8,
-         'head_dim': 64, 'mlp_dim': 8192, 'num_decoder_layers': 16}
+DEVICE_KIND = 'TPU v4'
 SEQUENCE, BATCH = 4096, 128
-MAXTEXT_MODEL = {
-    **{f'base_{k}': v for k, v in LLAMA.items() if k not in ('vocab_size', 'head_dim')},
-    'vocab_size': LLAMA['vocab_size'], 'head_dim': LLAMA['head_dim'],
-    'mlp_activations': '["silu","linear"]', 'logits_via_embedding': 'true',
-    'normalization_layer_epsilon': '1e-5', 'rope_max_timescale': 500000,
-    'decoder_block': 'llama2', 'enable_dropout': 'false'}
+
+
+class Model(NamedTuple):
+  """A compared Llama: its dimensions in MaxText's names (`dims`), whether its output layer is
+  the embedding (`tied`), the slice (`tpu`: tpu_fit's and MaxText's name, e.g. 'v4-64') and
+  its chips, and its tpu_fit rows with their microbatches (MaxText is compiled with each
+  number of them)."""
+  dims: Mapping[str, int]
+  tied: bool
+  tpu: str
+  chips: int
+  rows: Mapping[str, int]
+
+
+MODELS = {
+    # configs/models/llama/llama3_2_1b.gin
+    'llama3.2-1b': Model(
+        dims={'vocab_size': 128256, 'emb_dim': 2048, 'num_query_heads': 32,
+              'num_kv_heads': 8, 'head_dim': 64, 'mlp_dim': 8192, 'num_decoder_layers': 16},
+        tied=True, tpu='v4-32', chips=16,
+        rows={'llama3.2-1b-v4-32': 2, 'llama3.2-1b-loss8-v4-32': 1,
+              'llama3.2-1b-loss8-mb2-v4-32': 2}),
+    # configs/models/llama/llama3_1_8b.gin; MaxText's configs/models/llama3.1-8b.yml
+    'llama3.1-8b': Model(
+        dims={'vocab_size': 128256, 'emb_dim': 4096, 'num_query_heads': 32,
+              'num_kv_heads': 8, 'head_dim': 128, 'mlp_dim': 14336, 'num_decoder_layers': 32},
+        tied=False, tpu='v4-64', chips=32,
+        rows={'llama3.1-8b-v4-64': 2, 'llama3.1-8b-loss8-mb2-v4-64': 2}),
+}
 MAXTEXT_RUN = {
-    'compile_topology': 'v4-32', 'compile_topology_num_slices': 1, 'run_name': 'side_by_side',
+    'compile_topology_num_slices': 1, 'run_name': 'side_by_side',
     'dataset_type': 'synthetic', 'enable_checkpointing': 'false',
     'max_target_length': SEQUENCE,
     'dtype': 'bfloat16', 'weight_dtype': 'float32', 'opt_type': 'adamw',
-    'remat_policy': 'full', 'attention': 'flash', 'ici_fsdp_parallelism': CHIPS,
+    'remat_policy': 'full', 'attention': 'flash',
     'jax_cache_dir': ''}   # no persistent compilation cache (MaxText's default: ~/jax_cache)
 # The counting copies' compiler options, as MaxText's compile_xla_flags takes them.
 COUNTING_FLAGS = ' '.join(f'--{k}={str(v).lower()}' for k, v in aot.COUNTING_OPTIONS.items())
@@ -117,14 +137,27 @@ class SideBySideError(Exception):
   """A missing venv, a failed MaxText compile, output without the driver's JSON."""
 
 
+def maxtext_model(model: Model) -> Dict[str, Any]:
+  """`model`'s dimensions and architecture as MaxText's settings."""
+  dims = model.dims
+  return {**{f'base_{k}': v for k, v in dims.items() if k not in ('vocab_size', 'head_dim')},
+          'vocab_size': dims['vocab_size'], 'head_dim': dims['head_dim'],
+          'mlp_activations': '["silu","linear"]',
+          'logits_via_embedding': str(model.tied).lower(),
+          'normalization_layer_epsilon': '1e-5', 'rope_max_timescale': 500000,
+          'decoder_block': 'llama2', 'enable_dropout': 'false'}
+
+
 def llama_parameters(*, vocab_size: int, emb_dim: int, num_query_heads: int,
                      num_kv_heads: int, head_dim: int, mlp_dim: int,
-                     num_decoder_layers: int) -> int:
-  """A Llama's parameter count with tied embeddings: the embedding, per layer q / k / v / o,
-  the gated MLP's three matrices and two RMS norms' scales, and the final norm's."""
+                     num_decoder_layers: int, tied: bool) -> int:
+  """A Llama's parameter count: the embedding (and the output layer unless `tied`), per layer
+  q / k / v / o, the gated MLP's three matrices and two RMS norms' scales, and the final
+  norm's."""
   attention = emb_dim * head_dim * (2 * num_query_heads + 2 * num_kv_heads)
   layer = attention + 3 * emb_dim * mlp_dim + 2 * emb_dim
-  return vocab_size * emb_dim + num_decoder_layers * layer + emb_dim
+  embeddings = (1 if tied else 2) * vocab_size * emb_dim
+  return embeddings + num_decoder_layers * layer + emb_dim
 
 
 # The splash kernel's matmuls per layer and call: forward q k^T and p v; the backward's dq
@@ -146,25 +179,27 @@ def splash_flops(*, rows: int, length: int, heads: int, head_dim: int, layers: i
   return layers * calls * matmul
 
 
-def kernel_flops_per_chip() -> float:
-  """The splash kernel's FLOPs per chip and train step of the compared Llama-3.2-1B."""
-  return splash_flops(rows=BATCH // CHIPS, length=SEQUENCE, heads=LLAMA['num_query_heads'],
-                      head_dim=LLAMA['head_dim'], layers=LLAMA['num_decoder_layers'])
+def kernel_flops_per_chip(model: Model) -> float:
+  """The splash kernel's FLOPs per chip and train step of `model` (BATCH over its chips)."""
+  return splash_flops(rows=BATCH // model.chips, length=SEQUENCE,
+                      heads=model.dims['num_query_heads'], head_dim=model.dims['head_dim'],
+                      layers=model.dims['num_decoder_layers'])
 
 
-def maxtext_args(venv: str, workdir: str, *, layers: int, microbatches: int,
+def maxtext_args(venv: str, workdir: str, *, model: Model, layers: int, microbatches: int,
                  scan: bool) -> List[str]:
   """`train_compile`'s arguments: MaxText's base.yml in `venv`, then key=value settings
-  (its output directory in `workdir`): with `scan` the step of `layers` scanned layers
-  accumulating `microbatches` of the batch, else a counting copy of `layers` unscanned layers
-  on one such microbatch, windowed einsums off."""
+  (its output directory in `workdir`): `model` on its slice, FSDP over its chips; with `scan`
+  the step of `layers` scanned layers accumulating `microbatches` of the batch, else a
+  counting copy of `layers` unscanned layers on one such microbatch, windowed einsums off."""
   run = {**MAXTEXT_RUN, 'base_output_directory': os.path.join(workdir, 'maxtext_output'),
-         'per_device_batch_size': BATCH // CHIPS // microbatches,
+         'compile_topology': model.tpu, 'ici_fsdp_parallelism': model.chips,
+         'per_device_batch_size': BATCH // model.chips // microbatches,
          'scan_layers': str(scan).lower(),
          'gradient_accumulation_steps': microbatches if scan else 1}
-  model = {**MAXTEXT_MODEL, 'base_num_decoder_layers': layers}
+  dims = {**maxtext_model(model), 'base_num_decoder_layers': layers}
   counting = {} if scan else {'compile_xla_flags': COUNTING_FLAGS}
-  return [maxtext_base_yml(venv)] + [f'{k}={v}' for k, v in {**model, **run,
+  return [maxtext_base_yml(venv)] + [f'{k}={v}' for k, v in {**dims, **run,
                                                              **counting}.items()]
 
 
@@ -218,18 +253,20 @@ def compile_maxtext(venv: str, workdir: str, name: str, args: Sequence[str]) -> 
           'command': ['python', '-m', 'maxtext.trainers.pre_train.train_compile', *args]}
 
 
-def maxtext_side(venv: str, workdir: str, microbatches: int) -> Dict[str, Any]:
-  """MaxText's step of `microbatches` (memory) and its counting copies (FLOPs, bytes:
-  `microbatches` x the 1- and 2-layer copies' extrapolation to 16 layers)."""
-  name = f'maxtext_mb{microbatches}'
-  step = compile_maxtext(venv, workdir, f'{name}_step',
-                         maxtext_args(venv, workdir, layers=LLAMA['num_decoder_layers'],
+def maxtext_side(venv: str, workdir: str, name: str, microbatches: int) -> Dict[str, Any]:
+  """MaxText's step of `MODELS[name]` in `microbatches` (memory) and its counting copies
+  (FLOPs, bytes: `microbatches` x the 1- and 2-layer copies' extrapolation to its layers)."""
+  model = MODELS[name]
+  layers = model.dims['num_decoder_layers']
+  prefix = f'{name}_maxtext_mb{microbatches}'
+  step = compile_maxtext(venv, workdir, f'{prefix}_step',
+                         maxtext_args(venv, workdir, model=model, layers=layers,
                                       microbatches=microbatches, scan=True))
   copies = {}
 
   def count_at(periods: Tuple[int, ...]) -> step_count.Counts:
-    copy = compile_maxtext(venv, workdir, f'{name}_count_{periods[0]}_layers',
-                           maxtext_args(venv, workdir, layers=periods[0],
+    copy = compile_maxtext(venv, workdir, f'{prefix}_count_{periods[0]}_layers',
+                           maxtext_args(venv, workdir, model=model, layers=periods[0],
                                         microbatches=microbatches, scan=False))
     loops = step_count.loops_over_matmuls(open(copy['hlo']).read())
     if loops:
@@ -237,20 +274,20 @@ def maxtext_side(venv: str, workdir: str, microbatches: int) -> Dict[str, Any]:
     copies[periods[0]] = copy
     return copy['flops'], copy['bytes_accessed']
 
-  flops, accessed = step_count.extrapolate(count_at, (LLAMA['num_decoder_layers'],))
+  flops, accessed = step_count.extrapolate(count_at, (layers,))
   return {'microbatches': microbatches, 'step': step, 'counting_copies': copies,
           'flops_per_device': microbatches * flops,
           'bytes_accessed_per_device': microbatches * accessed}
 
 
 def column(*, parameters: float, optimizer_state: float, temp: float, compiler_flops: float,
-           kernel_flops: float, bytes_accessed: float, model_flops_per_step: float
-           ) -> Dict[str, Any]:
+           kernel_flops: float, bytes_accessed: float, model_flops_per_step: float,
+           chips: int) -> Dict[str, Any]:
   """One side's per-chip numbers (bytes, FLOPs per step) with the roofline and MFU ceiling
-  they imply on a v4 chip (megacore), the kernel's FLOPs added to the compiler's."""
+  they imply on `chips` v4 chips (megacore), the kernel's FLOPs added to the compiler's."""
   flops = compiler_flops + kernel_flops
   bound = roofline.roofline(flops_per_device=flops, bytes_per_device=bytes_accessed,
-                            device_kind=DEVICE_KIND, devices=CHIPS,
+                            device_kind=DEVICE_KIND, devices=chips,
                             model_flops=model_flops_per_step)
   return {'parameters': parameters, 'optimizer_state': optimizer_state, 'temp': temp,
           'compiler_flops': compiler_flops, 'kernel_flops': kernel_flops, 'flops': flops,
@@ -258,26 +295,28 @@ def column(*, parameters: float, optimizer_state: float, temp: float, compiler_f
           'roofline_bound': bound.bound, 'mfu_ceiling': bound.mfu}
 
 
-def upcycle_column(row: Mapping[str, Any]) -> Dict[str, Any]:
-  """`column` of a tpu_fit row (upcycle.aot's JSON) for its train step."""
+def upcycle_column(row: Mapping[str, Any], model: Model) -> Dict[str, Any]:
+  """`column` of a tpu_fit row of `model` (upcycle.aot's JSON) for its train step."""
   step = row['functions']['train_step']
   b = step['per_device_bytes']
   return column(parameters=b['parameters'], optimizer_state=b['optimizer_state'],
                 temp=b['temp'], compiler_flops=step['flops_per_device'],
-                kernel_flops=kernel_flops_per_chip(),
+                kernel_flops=kernel_flops_per_chip(model),
                 bytes_accessed=step['bytes_accessed_per_device'],
-                model_flops_per_step=step['model_flops_per_step'])
+                model_flops_per_step=step['model_flops_per_step'], chips=model.chips)
 
 
-def maxtext_column(side: Mapping[str, Any], model_flops_per_step: float) -> Dict[str, Any]:
+def maxtext_column(side: Mapping[str, Any], model: Model,
+                   model_flops_per_step: float) -> Dict[str, Any]:
   """`column` of `maxtext_side`'s result: its parameters and AdamW moments float32, fully
   sharded (the compiler reports its arguments whole)."""
-  parameters = llama_parameters(**LLAMA) * 4 / CHIPS
+  parameters = llama_parameters(**model.dims, tied=model.tied) * 4 / model.chips
   return column(parameters=parameters, optimizer_state=2 * parameters,
                 temp=side['step']['memory']['temp_size_in_bytes'],
-                compiler_flops=side['flops_per_device'], kernel_flops=kernel_flops_per_chip(),
+                compiler_flops=side['flops_per_device'],
+                kernel_flops=kernel_flops_per_chip(model),
                 bytes_accessed=side['bytes_accessed_per_device'],
-                model_flops_per_step=model_flops_per_step)
+                model_flops_per_step=model_flops_per_step, chips=model.chips)
 
 
 # (label, how to show a column's value) per table row.
@@ -339,6 +378,8 @@ def versions() -> Dict[str, str]:
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--setup', action='store_true', help="create MaxText's venv (PINS) and stop")
+  p.add_argument('--model', choices=sorted(MODELS), default='llama3.2-1b',
+                 help='the compared Llama and its slice')
   p.add_argument('--venv', default=DEFAULT_VENV, help="MaxText's virtualenv")
   p.add_argument('--python', default='python3.12',
                  help='the Python (>= 3.12) --setup makes the venv from')
@@ -353,26 +394,36 @@ def run(args: argparse.Namespace) -> None:
     setup(args.venv, args.python)
     return
   os.makedirs(args.workdir, exist_ok=True)
+  model = MODELS[args.model]
   # MaxText first: a missing venv stops the run before this project's minutes of compiles.
-  theirs = {maxtext_name(m): maxtext_side(args.venv, args.workdir, m)
-            for m in sorted(set(UPCYCLE_ROWS.values()), reverse=True)}
+  theirs = {maxtext_name(m): maxtext_side(args.venv, args.workdir, args.model, m)
+            for m in sorted(set(model.rows.values()), reverse=True)}
   rows = {}
-  for name in UPCYCLE_ROWS:
+  for name in model.rows:
     rows[name] = tpu_fit.run_row(name, args.workdir)
     if 'error' in rows[name]:
       raise SideBySideError(f'upcycle.aot {name}: {rows[name]["error"]}')
   model_flops = next(iter(rows.values()))['functions']['train_step']['model_flops_per_step']
-  columns = {**{n: upcycle_column(r) for n, r in rows.items()},
-             **{n: maxtext_column(side, model_flops) for n, side in theirs.items()}}
-  pairs = [(n, maxtext_name(m)) for n, m in UPCYCLE_ROWS.items()]
+  columns = {**{n: upcycle_column(r, model) for n, r in rows.items()},
+             **{n: maxtext_column(side, model, model_flops) for n, side in theirs.items()}}
+  pairs = [(n, maxtext_name(m)) for n, m in model.rows.items()]
   print(table(columns, pairs))
   first = next(iter(theirs.values()))
-  document = {'columns': columns, 'ratios': pairs, 'upcycle': rows, 'maxtext': theirs,
-              'versions': {'upcycle': versions(), 'maxtext': first['step']['versions']},
-              'maxtext_pins': list(PINS)}
-  os.makedirs(os.path.dirname(args.output), exist_ok=True)
-  with open(args.output, 'w') as f:
-    json.dump(document, f, indent=2)
+  entry = {'columns': columns, 'ratios': pairs, 'upcycle': rows, 'maxtext': theirs,
+           'versions': {'upcycle': versions(), 'maxtext': first['step']['versions']},
+           'maxtext_pins': list(PINS)}
+  write_entry(args.output, args.model, entry)
+
+
+def write_entry(path: str, name: str, entry: Mapping[str, Any]) -> None:
+  """Writes `entry` as model `name`'s in the JSON at `path`, keeping the other models'."""
+  document = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      document = json.load(f)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, 'w') as f:
+    json.dump({**document, name: entry}, f, indent=2)
 
 
 def main(argv: Sequence[str]) -> None:

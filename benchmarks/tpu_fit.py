@@ -101,7 +101,7 @@ ROWS = {
         'v4-32': (1, 1, _microbatches(2)), 'v4-64': (1, 1, ()), 'v4-128': (1, 1, ())},
         upcycles=False),
     # The loss's logits 8 slices of the sequence at a time (LOSS_CHUNKS), against the row
-    # above whose whole float32 logits need 2 microbatches.
+    # above whose whole float32 logits need 2 microbatches (and the 8B's below).
     **_rows('llama3.2-1b-loss8', 'models/llama/llama3_2_1b.gin', LLAMA + ('--gin.LOSS_CHUNKS=8',),
             {'v4-32': (1, 1, ())}, upcycles=False),
     **_rows('llama3.2-1b-loss8-mb2', 'models/llama/llama3_2_1b.gin',
@@ -109,6 +109,8 @@ ROWS = {
     **_rows('llama3.1-8b', 'models/llama/llama3_1_8b.gin', LLAMA, {
         'v4-32': (1, 1, _microbatches(4)), 'v4-64': (1, 1, _microbatches(2)),
         'v4-128': (1, 1, ())}, upcycles=False),
+    **_rows('llama3.1-8b-loss8-mb2', 'models/llama/llama3_1_8b.gin',
+            LLAMA + ('--gin.LOSS_CHUNKS=8',), {'v4-64': (1, 1, _microbatches(2))}, upcycles=False),
     **_rows('drop-8x1.5b', 'models/llama/drop_upcycling_1_5b.gin', MIXTRAL, {
         'v4-64': (8, 1, _microbatches(4))}, upcycles=False),
     **_rows('drop-8x1.5b-ragged-dot', 'models/llama/drop_upcycling_1_5b.gin',

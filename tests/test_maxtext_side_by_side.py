@@ -5,6 +5,7 @@ MaxText's settings against its batch arithmetic, the driver's output parsed, and
 refusals."""
 
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -26,11 +27,34 @@ def bench():
   return module
 
 
-def test_llama_parameters_is_llama_3_2_1b_published_count(bench):
-  # meta-llama/Llama-3.2-1B: 1,235,814,400 parameters (tied embedding); float32 over 16 chips
-  # is the 308,953,600 bytes per chip upcycle.aot counts from the shardings (tpu_fit.json).
-  assert bench.llama_parameters(**bench.LLAMA) == 1_235_814_400
-  assert bench.llama_parameters(**bench.LLAMA) * 4 // 16 == 308_953_600
+# meta-llama's published parameter counts (Llama-3.2-1B's embedding tied, Llama-3.1-8B's
+# not), and float32 over the slice's chips, the bytes per chip upcycle.aot counts from the
+# shardings (benchmarks/results/tpu_fit.json's llama3.2-1b-v4-32 and llama3.1-8b-v4-64 rows).
+PUBLISHED = {'llama3.2-1b': (1_235_814_400, 308_953_600),
+             'llama3.1-8b': (8_030_261_248, 1_003_782_656)}
+
+
+@pytest.mark.parametrize('name', sorted(PUBLISHED))
+def test_llama_parameters_is_the_published_count(bench, name):
+  model = bench.MODELS[name]
+  count = bench.llama_parameters(**model.dims, tied=model.tied)
+  assert (count, count * 4 // model.chips) == PUBLISHED[name]
+
+
+@pytest.mark.parametrize('name', sorted(PUBLISHED))
+def test_models_rows_are_tpu_fit_rows_of_the_model_and_slice(bench, name):
+  model = bench.MODELS[name]
+  gin = {'llama3.2-1b': 'models/llama/llama3_2_1b.gin',
+         'llama3.1-8b': 'models/llama/llama3_1_8b.gin'}[name]
+  for row, microbatches in model.rows.items():
+    fit = bench.tpu_fit.ROWS[row]
+    assert (fit.model_gin, fit.tpu) == (gin, model.tpu)
+    # A v4-N slice has N / 2 chips (megacore).
+    assert int(model.tpu.split('-')[1]) // 2 == model.chips
+    assert bench.tpu_fit.SLICES[model.tpu] == {16: 'v4:2x2x4', 32: 'v4:2x4x4'}[model.chips]
+    bound = [f for f in fit.family if 'num_microbatches' in f]
+    assert bound == ([] if microbatches == 1 else
+                     [f'--gin.trainer.TrainConfig.num_microbatches={microbatches}'])
 
 
 def test_splash_flops_closed_form(bench):
@@ -44,7 +68,19 @@ def test_splash_flops_closed_form(bench):
                             block=128) == 11 * 2 * 256 * 256 * 8 * 3 / 4
   # MaxText's step measured by hand: 344.1 TFLOP = 289.7 counted by the compiler + the
   # kernel's work.
-  assert bench.kernel_flops_per_chip() / 1e12 == pytest.approx(344.1 - 289.7, abs=0.06)
+  assert bench.kernel_flops_per_chip(bench.MODELS['llama3.2-1b']) / 1e12 == pytest.approx(
+      344.1 - 289.7, abs=0.06)
+
+
+def test_splash_flops_of_llama_3_1_8b_is_the_hand_computed(bench):
+  # Per chip: 128 rows over 32 chips = 4, 32 query heads of 128, 32 layers; 8 x 8 tiles of
+  # 512, 36 on or below the diagonal; 11 matmuls per layer of 2 x 4096² x 128 FLOPs per head
+  # and row: 11 x 2 x 4 x 32 x 16,777,216 x 128 x 36 / 64 x 32 FLOPs, twice the 1B's
+  # (half the rows, twice the head size and the layers).
+  by_hand = 11 * 2 * 4 * 32 * 16_777_216 * 128 * 36 // 64 * 32
+  assert by_hand == 108_851_651_149_824   # 108.9 TFLOP
+  assert bench.kernel_flops_per_chip(bench.MODELS['llama3.1-8b']) == by_hand
+  assert by_hand == 2 * bench.kernel_flops_per_chip(bench.MODELS['llama3.2-1b'])
 
 
 # Measured by hand before the benchmark (this project's einsum-attention 1B row and MaxText
@@ -60,7 +96,7 @@ def test_column_roofline_and_mfu_are_the_hand_measured(bench, side):
   tflop, gb, seconds, bound, mfu = BY_HAND[side]
   c = bench.column(parameters=0.288 * GIB, optimizer_state=0.575 * GIB, temp=GIB,
                    compiler_flops=(tflop - 50) * 1e12, kernel_flops=50e12,
-                   bytes_accessed=gb * 1e9, model_flops_per_step=MODEL_FLOPS)
+                   bytes_accessed=gb * 1e9, model_flops_per_step=MODEL_FLOPS, chips=16)
   assert c['flops'] == pytest.approx(tflop * 1e12)
   assert c['roofline_seconds'] == pytest.approx(seconds, abs=0.005)
   assert c['roofline_bound'] == bound
@@ -71,7 +107,8 @@ def test_table_ratios_are_the_hand_measured(bench):
   def side(params, opt, temp, tflop, gb):
     return bench.column(parameters=params * GIB, optimizer_state=opt * GIB, temp=temp * GIB,
                         compiler_flops=tflop * 1e12, kernel_flops=0.0,
-                        bytes_accessed=gb * 1e9, model_flops_per_step=MODEL_FLOPS)
+                        bytes_accessed=gb * 1e9, model_flops_per_step=MODEL_FLOPS,
+                        chips=16)
   text = bench.table({'row': side(0.288, 0.575, 26.83, 362.2, 4532),
                       'MaxText': side(0.288, 0.576, 11.20, 344.1, 706)},
                      pairs=[('row', 'MaxText')])
@@ -87,7 +124,8 @@ def test_table_ratios_are_the_hand_measured(bench):
 
 def test_maxtext_settings_are_the_rows_batch_and_counting_copies(bench, tmp_path):
   def settings(**kwargs):
-    args = bench.maxtext_args('/venv', str(tmp_path), **kwargs)
+    args = bench.maxtext_args('/venv', str(tmp_path), model=bench.MODELS['llama3.2-1b'],
+                              **kwargs)
     assert args[0].endswith(os.path.join('site-packages', 'maxtext', 'configs', 'base.yml'))
     return dict(arg.split('=', 1) for arg in args[1:])
   step = settings(layers=16, microbatches=2, scan=True)
@@ -106,6 +144,26 @@ def test_maxtext_settings_are_the_rows_batch_and_counting_copies(bench, tmp_path
   assert copy['compile_xla_flags'].split() == [
       '--xla_tpu_enable_windowed_einsum_for_all_gather=false',
       '--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false']
+  assert (step['compile_topology'], step['ici_fsdp_parallelism'],
+          step['logits_via_embedding']) == ('v4-32', '16', 'true')
+
+
+def test_maxtext_settings_of_llama_3_1_8b_are_maxtexts_own_config(bench, tmp_path):
+  # MaxText 0.2.5's configs/models/llama3.1-8b.yml, copied here.
+  own = {'base_emb_dim': '4096', 'base_num_query_heads': '32', 'base_num_kv_heads': '8',
+         'base_num_decoder_layers': '32', 'base_mlp_dim': '14336', 'head_dim': '128',
+         'mlp_activations': '["silu","linear"]', 'vocab_size': '128256',
+         'enable_dropout': 'false', 'logits_via_embedding': 'false',
+         'normalization_layer_epsilon': '1e-5', 'rope_max_timescale': '500000',
+         'decoder_block': 'llama2'}
+  args = bench.maxtext_args('/venv', str(tmp_path), model=bench.MODELS['llama3.1-8b'],
+                            layers=32, microbatches=2, scan=True)
+  step = dict(arg.split('=', 1) for arg in args[1:])
+  assert {k: step[k] for k in own} == own
+  # FSDP over the v4-64's 32 chips; 32 x 2 per chip x 2 accumulation steps = batch 128.
+  assert (step['compile_topology'], step['ici_fsdp_parallelism'],
+          step['per_device_batch_size'], step['gradient_accumulation_steps']) == (
+              'v4-64', '32', '2', '2')
 
 
 def test_maxtext_env_leaves_this_projects_libtpu_and_modules_out(bench):
@@ -115,6 +173,16 @@ def test_maxtext_env_leaves_this_projects_libtpu_and_modules_out(bench):
   assert env == {'HOME': '/root', 'XLA_FLAGS': '', 'TPU_SKIP_MDS_QUERY': '1',
                  'TPU_ACCELERATOR_TYPE': 'v4-8', 'TPU_WORKER_HOSTNAMES': 'localhost',
                  'ALLOW_MULTIPLE_LIBTPU_LOAD': '1'}
+
+
+def test_write_entry_keeps_the_other_models(bench, tmp_path):
+  path = str(tmp_path / 'results' / 'side.json')
+  bench.write_entry(path, 'llama3.2-1b', {'columns': {'a': 1}})
+  bench.write_entry(path, 'llama3.1-8b', {'columns': {'b': 2}})
+  bench.write_entry(path, 'llama3.1-8b', {'columns': {'b': 3}})
+  with open(path) as f:
+    assert json.load(f) == {'llama3.2-1b': {'columns': {'a': 1}},
+                            'llama3.1-8b': {'columns': {'b': 3}}}
 
 
 def test_parse_driver_output(bench):
