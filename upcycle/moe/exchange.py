@@ -108,22 +108,30 @@ def _local_sort(received_sizes: Array, rows: int) -> Tuple[Array, Array, Array]:
   return order, inverse, jnp.sum(received_sizes, axis=0).astype(jnp.int32)
 
 
+def _ragged_exchange(operand: Array, offsets: Array, sizes: Array, received_sizes: Array,
+                     slot_rows: int, axes: Tuple[str, ...]) -> Array:
+  """Block j of `operand` (`sizes[j]` rows from `offsets[j]`) to device j of `axes`, by
+  `jax.lax.ragged_all_to_all` -> this device's `[n, slot_rows, d]`: slot i holds the
+  `received_sizes[i]` rows from device i, the rest 0."""
+  n, d = sizes.shape[0], operand.shape[-1]
+  arguments = ragged_arguments(jax.lax.axis_index(axes), slot_rows, offsets, sizes,
+                               received_sizes)
+  empty = jnp.zeros((n * slot_rows, d), operand.dtype)
+  return jax.lax.ragged_all_to_all(operand, empty, *arguments,
+                                   axis_name=axes).reshape(n, slot_rows, d)
+
+
 def _send(rows: Array, starts: Array, counts: Array, received_counts: Array,
           axes: Tuple[str, ...]) -> Array:
   """Block j of the sorted rows `[R, d]` (`counts[j]` rows from `starts[j]`) to device j of
   `axes` -> this device's `[n, R, d]` buffer: slot i holds the `received_counts[i]` rows from
   device i, the rest 0. An all-to-all of the slots off TPU; on TPU, of the blocks alone."""
-  n = counts.shape[0]
-  count, d = rows.shape
 
   def dense(rows, starts, counts, received_counts):
     return jax.lax.all_to_all(_to_slots(rows, starts, counts), axes, 0, 0, tiled=False)
 
   def ragged(rows, starts, counts, received_counts):
-    arguments = ragged_arguments(jax.lax.axis_index(axes), count, starts, counts,
-                                 received_counts)
-    empty = jnp.zeros((n * count, d), rows.dtype)
-    return jax.lax.ragged_all_to_all(rows, empty, *arguments, axis_name=axes).reshape(n, count, d)
+    return _ragged_exchange(rows, starts, counts, received_counts, rows.shape[0], axes)
 
   return jax.lax.platform_dependent(rows, starts, counts, received_counts, tpu=ragged,
                                     default=dense)
@@ -140,11 +148,8 @@ def _send_back(slots: Array, received_counts: Array, counts: Array,
 
   def ragged(slots, received_counts, counts):
     starts = jnp.arange(n, dtype=jnp.int32) * count
-    arguments = ragged_arguments(jax.lax.axis_index(axes), count, starts, received_counts,
-                                 counts)
-    empty = jnp.zeros((n * count, d), slots.dtype)
-    return jax.lax.ragged_all_to_all(slots.reshape(n * count, d), empty, *arguments,
-                                     axis_name=axes).reshape(n, count, d)
+    return _ragged_exchange(slots.reshape(n * count, d), starts, received_counts, counts,
+                            count, axes)
 
   return jax.lax.platform_dependent(slots, received_counts, counts, tpu=ragged, default=dense)
 
