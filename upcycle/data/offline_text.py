@@ -10,7 +10,17 @@
             run need not read a byte twice. Documents are modules cut at blank lines into
             pieces of at most `STDLIB_DOCUMENT_BYTES` (span corruption keeps one chunk of 65536
             tokens per document, so no text is skipped). Every tenth module in sorted path
-            order is 'validation' (~8.0 MB train, ~1.2 MB validation).
+            order is 'validation' (~8.0 MB train, ~1.2 MB validation). Its text is the
+            interpreter's: two builds of Python 3.11.7 can differ.
+  'packages' the source of the numpy, scipy, scikit-learn and matplotlib that setup.py pins
+            (PACKAGE_PINS), as installed: 1,175 modules, ~27.5 MB, cut and split as 'stdlib'
+            (1,057 modules and ~24.9 MB train, 118 and ~2.6 MB validation). Left out: every
+            `tests/` and `test/` folder (the test suites; `numpy.testing` and
+            `matplotlib.testing` are library code and stay), vendored copies of other projects,
+            data tables and the wheels' build-time `__config__.py` (`_PACKAGES_LEFT_OUT`). The
+            same text on every machine that installs the pins: `corpus_record` says whether
+            this machine's is the pinned one (its `digest` against PACKAGES_DIGEST), and every
+            training run records it.
 
   'functions' an instruction set mined from the same modules (`stdlib_functions`): every
             documented function (a docstring and at least one statement after it) of at most
@@ -19,7 +29,8 @@
             written). 4,343 train and 616 validation pairs (Python 3.11.7).
 
 All split by topic or module, deterministically, so validation text comes from topics or
-modules never seen in training. The exact text depends on the Python version (`sys.version`).
+modules never seen in training. The text of 'pydoc', 'stdlib' and 'functions' depends on the
+Python build; that of 'packages' on the pinned packages' wheels alone.
 """
 
 import ast
