@@ -75,7 +75,7 @@ def describe(corpus: str, run_dir: str, cache_dir: str) -> str:
   from upcycle.data import offline_text  # pylint: disable=g-import-not-at-top
   from upcycle.train import run_summary  # pylint: disable=g-import-not-at-top
   record = run_summary.read_corpus(run_dir) or offline_text.corpus_record(corpus)
-  words = (f'the `{corpus}` offline corpus ({run_summary.corpus_words(record)}; '
+  words = (f'the `{corpus}` offline corpus ({run_summary.corpus_words(record, named=False)}; '
            f'{corpus_bytes(corpus) / 1e6:.1f} MB of training text')
   if os.path.isdir(os.path.join(run_dir, 'checkpoints')):
     position = data_position(run_dir)

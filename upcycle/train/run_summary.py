@@ -34,13 +34,14 @@ def text(model_dir: str, step: int, checkpoint: Optional[str], tensorboard: bool
   return '\n'.join(lines)
 
 
-def corpus_words(corpus: Dict) -> str:
-  """An `offline_text.corpus_record` in one line: its name, digest and whether it is pinned."""
+def corpus_words(corpus: Dict, named: bool = True) -> str:
+  """An `offline_text.corpus_record` in one line: its name (if `named`), digest and whether
+  it is the pinned one."""
   if corpus['matches'] is None:
     pin = 'not pinned: ' + ', '.join(f'{n} {v}' for n, v in corpus['versions'].items())
   else:
     pin = 'the pinned one' if corpus['matches'] else f"NOT the pinned {corpus['pinned_digest']}"
-  return f"{corpus['corpus']}, sha256 {corpus['digest']} ({pin})"
+  return f"{corpus['corpus'] + ', ' if named else ''}sha256 {corpus['digest']} ({pin})"
 
 
 def write_corpus(model_dir: str, corpus: Dict) -> None:
