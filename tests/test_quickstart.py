@@ -2,7 +2,8 @@
 
 CI does not run the full main job (about 12 minutes here); this runs the same three
 `python -m upcycle.train` stages with the same gin files at a handful of steps and checks what
-a user gets: the table, curves.png and summary.json, and each stage's run directory.
+a user gets: the table and the corpus line under it, curves.png and summary.json, and each
+stage's run directory.
 """
 
 import json
@@ -11,6 +12,8 @@ import subprocess
 import sys
 
 import pytest
+
+from upcycle.data import offline_text
 
 
 @pytest.mark.slow
@@ -26,6 +29,9 @@ def test_the_main_job_runs_its_three_stages_and_writes_its_table_and_plot(tmp_pa
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   for stage in ('1/3 pretrain dense', '2/3 continue dense', '3/3 upcycle and train MoE'):
     assert f'=== {stage}: ' in done.stdout
+  # Under the table: the corpus the runs read, the pinned one (this machine installs the pins).
+  assert (f'corpus: packages, sha256 {offline_text.PACKAGES_DIGEST} (the pinned one): the '
+          "README's") in done.stdout.splitlines()
   summary = json.loads((out / 'summary.json').read_text())
   assert list(summary) == ['validation loss ± s.e. at step 4 (start)',
                            'validation loss ± s.e. at step 6', 'validation accuracy at step 6',

@@ -1,7 +1,8 @@
 """python -m upcycle.quickstart: the whole sparse-upcycling story on the offline default.
 
-1. pretrain a tiny dense T5 v1.1 on span corruption over the source of Python's standard
-   library (`data/offline_stdlib_span_corruption.gin`: ~8 MB of training text, read once);
+1. pretrain a tiny dense T5 v1.1 on span corruption over the source of the pinned numpy,
+   scipy, scikit-learn and matplotlib (`data/offline_packages_span_corruption.gin`: ~25 MB of
+   training text, read once; the same text on every machine that installs setup.py's pins);
 2. keep training the dense model for EXTRA steps (the baseline), reading the data on from where
    the pretraining stopped (`RESTORE_DATASET=True`), so no training sequence is read twice;
 3. upcycle the dense checkpoint (every other layer; Expert Choice encoder, Top-2 decoder;
@@ -12,7 +13,8 @@
    pretraining's 16 each expert sees few tokens per step (`python -m upcycle.study --suite
    trails` compares the batch sizes over seeds);
 4. print a table (validation loss/accuracy of both; the upcycled model's loss at its
-   first step vs the dense model's) and save both curves to OUTPUT_DIR/curves.png.
+   first step vs the dense model's), under it the corpus's sha256 and whether it is the pinned
+   corpus the README's table was measured on, and save both curves to OUTPUT_DIR/curves.png.
 Every evaluation reads the same EVAL_SEQUENCES sequences of the validation split (modules kept
 out of training), shuffled by the seed.
 
@@ -28,7 +30,7 @@ from typing import Dict, List
 
 from upcycle import arguments
 
-COMMON = ['--gin_file=data/offline_stdlib_span_corruption.gin',
+COMMON = ['--gin_file=data/offline_packages_span_corruption.gin',
           '--gin.trainer.TrainConfig.log_every=10',
           '--gin.trainer.TrainConfig.checkpoint_every=100',
           '--gin.trainer.TrainConfig.eval_every=50',
@@ -78,6 +80,18 @@ def plot(curves: Dict[str, Dict[str, List[dict]]], pretrain_steps: int, path: st
     ax.legend()
   fig.tight_layout()
   fig.savefig(path, dpi=120)
+
+
+def corpus_line(model_dir: str) -> str:
+  """The line under the table: the corpus the run in `model_dir` read (its corpus.json, an
+  `offline_text.corpus_record`) and whether it is the pinned one, the README's."""
+  from upcycle.train import run_summary  # pylint: disable=g-import-not-at-top
+  corpus = run_summary.read_corpus(model_dir)
+  if corpus is None:
+    return 'corpus: not an offline corpus read from files (no digest recorded)'
+  verdict = ("the README's" if corpus['matches'] else
+             "NOT the README's: these numbers are not comparable with its table")
+  return f'corpus: {run_summary.corpus_words(corpus)}: {verdict}'
 
 
 def main(argv=None) -> None:
@@ -133,6 +147,7 @@ def main(argv=None) -> None:
   widths = [max(len(row[i]) for row in table) for i in range(3)]
   lines = ['  '.join(cell.ljust(w) for cell, w in zip(row, widths)) for row in table]
   print('\n' + '\n'.join(lines))
+  print(corpus_line(dense))
   png = os.path.join(out, 'curves.png')
   plot(curves, args.pretrain_steps, png)
   summary = {row[0]: {'dense': row[1], 'moe': row[2]} for row in table[1:]}

@@ -304,3 +304,17 @@ def test_the_routing_verdicts_read_the_experts_each_layer_uses():
   assert more.agrees == 'yes' and 'd = +2.8000' in more.ours
   usage['moe']['decoder/layers_1/mlp'] = seeds(3.0, 3.0, 3.0)
   assert drop_section.routing_rows(usage)[0].agrees == 'no'
+
+
+def test_the_setting_names_the_corpus_the_dense_run_recorded(tmp_path):
+  """The T5 setting's corpus words carry the pretraining run's corpus.json: a run whose
+  corpus was not the pinned one is named so, with both digests."""
+  from upcycle.data import offline_text  # pylint: disable=g-import-not-at-top
+  from upcycle.train import run_summary  # pylint: disable=g-import-not-at-top
+  record = {**offline_text.corpus_record('packages'), 'digest': 'f' * 64, 'matches': False}
+  run_summary.write_corpus(str(tmp_path), record)
+  words = epochs.describe('packages', str(tmp_path), str(tmp_path))
+  train_bytes = sum(len(d.encode()) for d in offline_text.packages_documents('train'))
+  assert words == (f"the `packages` offline corpus (sha256 {'f' * 64} (NOT the pinned "
+                   f'{offline_text.PACKAGES_DIGEST}); {train_bytes / 1e6:.1f} MB of training '
+                   'text)')

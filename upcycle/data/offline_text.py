@@ -10,7 +10,17 @@
             run need not read a byte twice. Documents are modules cut at blank lines into
             pieces of at most `STDLIB_DOCUMENT_BYTES` (span corruption keeps one chunk of 65536
             tokens per document, so no text is skipped). Every tenth module in sorted path
-            order is 'validation' (~8.0 MB train, ~1.2 MB validation).
+            order is 'validation' (~8.0 MB train, ~1.2 MB validation). Its text is the
+            interpreter's: two builds of Python 3.11.7 can differ.
+  'packages' the source of the numpy, scipy, scikit-learn and matplotlib that setup.py pins
+            (PACKAGE_PINS), as installed: 1,175 modules, ~27.5 MB, cut and split as 'stdlib'
+            (1,057 modules and ~24.9 MB train, 118 and ~2.6 MB validation). Left out: every
+            `tests/` and `test/` folder (the test suites; `numpy.testing` and
+            `matplotlib.testing` are library code and stay), vendored copies of other projects,
+            data tables and the wheels' build-time `__config__.py` (`_PACKAGES_LEFT_OUT`). The
+            same text on every machine that installs the pins: `corpus_record` says whether
+            this machine's is the pinned one (its `digest` against PACKAGES_DIGEST), and every
+            training run records it.
 
   'functions' an instruction set mined from the same modules (`stdlib_functions`): every
             documented function (a docstring and at least one statement after it) of at most
@@ -19,15 +29,20 @@
             written). 4,343 train and 616 validation pairs (Python 3.11.7).
 
 All split by topic or module, deterministically, so validation text comes from topics or
-modules never seen in training. The exact text depends on the Python version (`sys.version`).
+modules never seen in training. The text of 'pydoc', 'stdlib' and 'functions' depends on the
+Python build; that of 'packages' on the pinned packages' wheels alone.
 """
 
 import ast
 import functools
+import hashlib
+import importlib.metadata
+import importlib.util
 import pathlib
+import platform
 import re
 import sysconfig
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -39,6 +54,24 @@ FUNCTION_MAX_BYTES = 2_000
 FUNCTION_PROMPT = 'Implement this Python function (signature and docstring given):'
 _STDLIB_SKIPPED = ('site-packages', 'dist-packages', 'test', 'tests', 'idlelib', 'tkinter',
                    'lib2to3', 'turtledemo', 'encodings', '__phello__')   # encodings: codec tables
+# The 'packages' corpus: {distribution: its folder in site-packages}, and setup.py's pins.
+PACKAGES = {'numpy': 'numpy', 'scipy': 'scipy', 'scikit-learn': 'sklearn',
+            'matplotlib': 'matplotlib'}
+PACKAGE_PINS = {'numpy': '2.4.6', 'scipy': '1.17.1', 'scikit-learn': '1.9.1',
+                'matplotlib': '3.11.2'}
+# `corpus_digest('packages')` of the pinned wheels (Linux x86-64, CPython 3.11).
+PACKAGES_DIGEST = 'b76f7f0eeaa93a06d67f2b7cd47d3be941011b47e3d7c6d4e512b5bff3d580ec'
+_PACKAGES_LEFT_OUT = (   # besides every folder named tests/ or test/ (the test suites)
+    # vendored copies of other projects (scikit-learn and scipy both carry array_api_compat
+    # and array_api_extra, so their text would be in both splits)
+    'sklearn/externals', 'scipy/_lib/array_api_compat', 'scipy/_lib/array_api_extra',
+    'scipy/_lib/cobyqa', 'scipy/_lib/pyprima', 'scipy/_lib/_uarray',
+    # data tables: colormaps, glyph metrics, physical constants, quadrature nodes
+    'matplotlib/_cm.py', 'matplotlib/_cm_bivar.py', 'matplotlib/_cm_listed.py',
+    'matplotlib/_cm_multivar.py', 'matplotlib/_mathtext_data.py', 'scipy/constants/_codata.py',
+    'scipy/integrate/_lebedev.py',
+    # written when the wheel was built: the build machine's compilers and libraries
+    'numpy/__config__.py', 'scipy/__config__.py')
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,14 +91,41 @@ def paragraphs(split: str) -> Tuple[str, ...]:
   return tuple(out)
 
 
-def stdlib_modules() -> List[pathlib.Path]:
-  """The standard library's modules in the corpus, sorted by path below the stdlib root."""
-  root = pathlib.Path(sysconfig.get_paths()['stdlib'])
-  def kept(path):
-    folders = path.relative_to(root).parts[:-1]
-    return not any(f in _STDLIB_SKIPPED or f.startswith('config-') for f in folders)
+def stdlib_modules(root: Optional[pathlib.Path] = None) -> List[pathlib.Path]:
+  """The standard library's modules in the corpus, sorted by path below `root` (None: this
+  interpreter's stdlib directory)."""
+  root = pathlib.Path(sysconfig.get_paths()['stdlib']) if root is None else root
+  def kept(relative):
+    return not any(f in _STDLIB_SKIPPED or f.startswith('config-') for f in relative.parts[:-1])
 
-  return sorted(filter(kept, root.rglob('*.py')), key=lambda p: p.relative_to(root).as_posix())
+  return _sorted_modules(root, root.rglob('*.py'), kept)
+
+
+def packages_root() -> pathlib.Path:
+  """The directory the pinned packages are installed in (site-packages): numpy's parent."""
+  return pathlib.Path(importlib.util.find_spec('numpy').submodule_search_locations[0]).parent
+
+
+def package_modules(root: Optional[pathlib.Path] = None) -> List[pathlib.Path]:
+  """The 'packages' corpus's modules: the `.py` files of PACKAGES' folders in `root` (None:
+  `packages_root()`) but their test suites, vendored code and data tables
+  (`_PACKAGES_LEFT_OUT`), sorted by path below `root`."""
+  root = packages_root() if root is None else root
+  def kept(relative):
+    path = relative.as_posix()
+    return not (set(relative.parts[:-1]) & {'tests', 'test'} or any(
+        path == left or path.startswith(left + '/') for left in _PACKAGES_LEFT_OUT))
+
+  found = [p for folder in PACKAGES.values() for p in (root / folder).rglob('*.py')]
+  return _sorted_modules(root, found, kept)
+
+
+def _sorted_modules(root: pathlib.Path, paths: Iterable[pathlib.Path],
+                    kept: Callable[[pathlib.PurePath], bool]) -> List[pathlib.Path]:
+  """`paths` whose path relative to `root` is `kept`, sorted by that path (POSIX form)."""
+  relative = {p: p.relative_to(root) for p in paths}
+  return sorted((p for p, r in relative.items() if kept(r)),
+                key=lambda p: relative[p].as_posix())
 
 
 def _pieces(text: str) -> List[str]:
@@ -89,17 +149,26 @@ def _pieces(text: str) -> List[str]:
 @functools.lru_cache(maxsize=None)
 def stdlib_documents(split: str) -> Tuple[str, ...]:
   """The documents of `split` of the 'stdlib' corpus, in corpus order (module, then piece)."""
-  out = []
-  for module in _split_modules(split):
-    out += _pieces(module.read_text(encoding='utf-8', errors='replace'))
-  return tuple(out)
+  return _documents(_split_modules(stdlib_modules(), split))
 
 
-def _split_modules(split: str) -> List[pathlib.Path]:
-  """The stdlib modules of `split`: every tenth in sorted path order is 'validation'."""
+@functools.lru_cache(maxsize=None)
+def packages_documents(split: str) -> Tuple[str, ...]:
+  """The documents of `split` of the 'packages' corpus, in corpus order (module, then piece)."""
+  return _documents(_split_modules(package_modules(), split))
+
+
+def _documents(modules: List[pathlib.Path]) -> Tuple[str, ...]:
+  """The documents of `modules`: each cut into `_pieces`, in order."""
+  return tuple(piece for module in modules
+               for piece in _pieces(module.read_text(encoding='utf-8', errors='replace')))
+
+
+def _split_modules(modules: List[pathlib.Path], split: str) -> List[pathlib.Path]:
+  """The `modules` of `split`: every tenth in order, from the first, is 'validation'."""
   if split not in SPLITS:
     raise ValueError(f'The offline corpus has splits {SPLITS}; got split {split!r}.')
-  return [module for i, module in enumerate(stdlib_modules())
+  return [module for i, module in enumerate(modules)
           if (i % _VALIDATION_EVERY == 0) == (split == 'validation')]
 
 
@@ -126,7 +195,7 @@ def stdlib_functions(split: str) -> Tuple[Dict[str, str], ...]:
   indentation kept. A module Python cannot parse is skipped; a validation function whose
   prompt is also a training one (17 on Python 3.11.7: copies across modules) is left out."""
   out = []
-  for module in _split_modules(split):
+  for module in _split_modules(stdlib_modules(), split):
     text = module.read_text(encoding='utf-8', errors='replace')
     try:
       parsed = ast.parse(text)
@@ -143,7 +212,61 @@ def stdlib_functions(split: str) -> Tuple[Dict[str, str], ...]:
   return tuple(out)
 
 
-CORPORA = {'pydoc': paragraphs, 'stdlib': stdlib_documents}
+CORPORA = {'pydoc': paragraphs, 'stdlib': stdlib_documents, 'packages': packages_documents}
+_MODULES = {'stdlib': stdlib_modules, 'packages': package_modules}   # corpora read from files
+
+
+def package_versions(root: Optional[pathlib.Path] = None) -> Dict[str, Optional[str]]:
+  """{distribution: version} of PACKAGES as installed in `root` (None: `packages_root()`),
+  from their `.dist-info` metadata; None for one that is not installed there."""
+  root = packages_root() if root is None else root
+  found = {dist.metadata['Name'].lower(): dist.version
+           for dist in importlib.metadata.distributions(path=[str(root)])}
+  return {name: found.get(name) for name in PACKAGES}
+
+
+def digest(root: pathlib.Path, modules: List[pathlib.Path], versions: Dict[str, Optional[str]]
+           ) -> str:
+  """sha256 (hex) of `versions` and `modules`: first `name==version` and a newline per entry of
+  `versions` in order, then per module, in order, its path relative to `root` (POSIX, UTF-8),
+  a NUL byte, its size in bytes in decimal, a NUL byte and its bytes."""
+  h = hashlib.sha256(''.join(f'{n}=={v}\n' for n, v in versions.items()).encode())
+  for module in modules:
+    data = module.read_bytes()
+    h.update(f'{module.relative_to(root).as_posix()}\0{len(data)}\0'.encode())
+    h.update(data)
+  return h.hexdigest()
+
+
+def corpus_record(corpus: str, root: Optional[pathlib.Path] = None) -> Optional[Dict]:
+  """What a run records of the files-based `corpus` ('stdlib', 'packages'; None for another),
+  read from `root` (None: where this interpreter has it): {'corpus', 'digest', 'versions',
+  'pinned_digest', 'pinned_versions', 'matches'}. 'packages' is pinned (setup.py's versions,
+  PACKAGES_DIGEST), so 'matches' says whether this machine's is the same text; 'stdlib' has
+  no pin ('matches' None): it is the interpreter's, versioned by Python's version."""
+  if corpus not in _MODULES:
+    return None
+  if corpus == 'packages':
+    root = packages_root() if root is None else root
+    versions, pinned = package_versions(root), (PACKAGES_DIGEST, PACKAGE_PINS)
+  else:
+    root = pathlib.Path(sysconfig.get_paths()['stdlib']) if root is None else root
+    versions, pinned = {'python': platform.python_version()}, (None, None)
+  found = digest(root, _MODULES[corpus](root), versions)
+  return {'corpus': corpus, 'digest': found, 'versions': versions, 'pinned_digest': pinned[0],
+          'pinned_versions': pinned[1], 'matches': None if pinned[0] is None else found == pinned[0]}
+
+
+def mismatch_warning(record: Optional[Dict]) -> Optional[str]:
+  """One line naming a `corpus_record` whose text is not the pinned one; None if it is (or
+  has no pin)."""
+  if not record or record['matches'] is not False:
+    return None
+  versions = lambda v: ', '.join(f'{n} {v[n]}' for n in v)
+  return (f"WARNING: the offline corpus {record['corpus']!r} here is not the pinned one: "
+          f"sha256 {record['digest']} (pinned {record['pinned_digest']}); packages "
+          f"{versions(record['versions'])} (pinned {versions(record['pinned_versions'])}). "
+          'The run trains on this text: its numbers are not the README\'s.')
 
 
 def dataset_fn(split: str, shuffle_files: bool, seed: Optional[int] = None, *,

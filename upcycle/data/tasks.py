@@ -11,13 +11,16 @@
   (`offline_text`, 'pydoc') with `seqio.ByteVocabulary(extra_ids=100)`; needs no download.
 - `offline_stdlib_span_corruption`: the same over the standard library's source (`offline_text`,
   'stdlib', ~25x larger), for runs that must not repeat their data.
+- `offline_packages_span_corruption`: the same over the source of the pinned numpy, scipy,
+  scikit-learn and matplotlib (`offline_text`, 'packages', ~3x the stdlib's), the same text on
+  every machine that installs setup.py's pins (`offline_text.corpus_record`).
 
 The span-corruption tasks have 'train' and 'validation' splits and features `inputs`/`targets`
 (int32, EOS added).
 
 Text tasks, for decoder-only language models (`upcycle.data.lm` tokenizes them with the run's
-tokenizer): `offline_stdlib_text` and `offline_pydoc_text`, the two offline corpora's
-documents under `text`, untokenized. Instruction tuning (`upcycle.data.sft`):
+tokenizer): `offline_packages_text`, `offline_stdlib_text` and `offline_pydoc_text`, the
+offline corpora's documents under `text`, untokenized. Instruction tuning (`upcycle.data.sft`):
 `offline_stdlib_sft`, the documented functions of the standard library as `prompt` /
 `response` strings (`offline_text.stdlib_functions`). Registration is lazy: nothing is read until a dataset is
 requested.
@@ -48,12 +51,15 @@ C4_TASK = 'c4_span_corruption'
 T5_NAMES = ('c4_v220_span_corruption',)   # registered by t5.data.tasks as well
 OFFLINE_TASK = 'offline_span_corruption'
 OFFLINE_STDLIB_TASK = 'offline_stdlib_span_corruption'
-OFFLINE_TEXT_TASKS = {'offline_stdlib_text': 'stdlib', 'offline_pydoc_text': 'pydoc'}
+OFFLINE_PACKAGES_TASK = 'offline_packages_span_corruption'
+OFFLINE_TEXT_TASKS = {'offline_packages_text': 'packages', 'offline_stdlib_text': 'stdlib',
+                      'offline_pydoc_text': 'pydoc'}
 OFFLINE_SFT_TASK = 'offline_stdlib_sft'
 C4_TFDS_NAME = C4_TASKS[C4_TASK]
 T5_VOCABULARY_PATH = 'gs://t5-data/vocabs/cc_all.32000/sentencepiece.model'
 EXTRA_IDS = 100
 SPLITS = ('train', 'validation')
+OFFLINE_CORPORA = {}   # {task name: the offline_text corpus it reads}, as registered
 
 
 def output_features(vocabulary: seqio.Vocabulary) -> Mapping[str, seqio.Feature]:
@@ -116,11 +122,10 @@ def add_c4_span_corruption(
 def add_offline_span_corruption(
     name: str = OFFLINE_TASK, extra_ids: int = EXTRA_IDS, corpus: str = 'pydoc'
 ) -> seqio.Task:
-  """Span corruption over a corpus that ships with Python (`offline_text.CORPORA`),
-  byte-level; runs with no download."""
-  source = seqio.FunctionDataSource(functools.partial(offline_text.dataset_fn, corpus=corpus),
-                                    splits=offline_text.SPLITS)
-  return add_span_corruption_task(name, source, seqio.ByteVocabulary(extra_ids=extra_ids))
+  """Span corruption over an offline corpus (`offline_text.CORPORA`), byte-level; runs with
+  no download."""
+  return add_span_corruption_task(name, _offline_source(name, corpus),
+                                  seqio.ByteVocabulary(extra_ids=extra_ids))
 
 
 def add_offline_text_task(name: str, corpus: str) -> seqio.Task:
@@ -128,9 +133,20 @@ def add_offline_text_task(name: str, corpus: str) -> seqio.Task:
   untokenized (the LM pipeline tokenizes them with the run's tokenizer)."""
   if name in seqio.TaskRegistry.names():
     seqio.TaskRegistry.remove(name)
-  source = seqio.FunctionDataSource(functools.partial(offline_text.dataset_fn, corpus=corpus),
-                                    splits=offline_text.SPLITS)
-  return seqio.TaskRegistry.add(name, source=source, output_features={})
+  return seqio.TaskRegistry.add(name, source=_offline_source(name, corpus), output_features={})
+
+
+def _offline_source(name: str, corpus: str) -> seqio.DataSource:
+  """The source of task `name` over the offline `corpus`, noted in OFFLINE_CORPORA."""
+  OFFLINE_CORPORA[name] = corpus
+  return seqio.FunctionDataSource(functools.partial(offline_text.dataset_fn, corpus=corpus),
+                                  splits=offline_text.SPLITS)
+
+
+def offline_corpus_record(name: str) -> Optional[dict]:
+  """`offline_text.corpus_record` of the offline corpus task `name` reads; None for a task
+  over another source (C4, a user's) or over a corpus not read from files ('pydoc')."""
+  return offline_text.corpus_record(OFFLINE_CORPORA[name]) if name in OFFLINE_CORPORA else None
 
 
 def add_offline_sft_task(name: str = OFFLINE_SFT_TASK) -> seqio.Task:
@@ -200,6 +216,7 @@ for _name, _tfds_name in C4_TASKS.items():
   add_c4_span_corruption(_name, tfds_name=_tfds_name)
 add_offline_span_corruption()
 add_offline_span_corruption(OFFLINE_STDLIB_TASK, corpus='stdlib')
+add_offline_span_corruption(OFFLINE_PACKAGES_TASK, corpus='packages')
 for _name, _corpus in OFFLINE_TEXT_TASKS.items():
   add_offline_text_task(_name, _corpus)
 add_offline_sft_task()

@@ -190,7 +190,7 @@ def main(argv=None) -> None:
   arms = {family: {arm: DESCRIPTIONS[family][arm] for arm in
                    dict.fromkeys(r.arm for r in shown if r.family == family)}
           for family in ('t5', 'vit', 'llama')}
-  corpus = epochs.describe('stdlib', os.path.join(args.runs_dir, 't5', 'pretrain',
+  corpus = epochs.describe('packages', os.path.join(args.runs_dir, 't5', 'pretrain',
                                                   f'seed{scale.seeds[0]}'), args.runs_dir)
   drop_suite = drop_render.parts(results, scale, args.out)
   path = render.write(args.out, results, header(args, scale, time.time() - start, corpus), arms,

@@ -60,8 +60,9 @@ def parts(results: Results, scale, out: str) -> Tuple[List[str], Optional[Dict]]
       'suite)',
       f'The paper upcycles Llama-architecture models into Mixtral-style MoEs. Here: the tiny '
       f'Llama (`models/llama/tiny.gin`: 4 layers, d_model 64, SwiGLU d_ff 256, the offline '
-      f'byte-level BPE of 4,096 pieces) pretrained densely for P = {p} steps on the standard '
-      f"library's source (causal LM, `data/offline_stdlib_lm.gin`), peak learning rate "
+      f'byte-level BPE of 4,096 pieces) pretrained densely for P = {p} steps on the pinned '
+      f'numpy, scipy, scikit-learn and matplotlib source (causal LM, '
+      f'`data/offline_packages_lm.gin`), peak learning rate '
       f'{scale.llama_learning_rate:g} after {scale.llama_warmup_steps} warmup steps (cosine '
       f'to a tenth); then, reading the data on from where it stopped, every arm for X = {x} '
       f'steps with a schedule of its own (warmup {scale.llama_warmup_steps} steps, cosine over '

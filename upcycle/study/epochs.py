@@ -6,7 +6,6 @@ from the data position its last checkpoint saved; the epoch's size counted once 
 import functools
 import json
 import os
-import platform
 from typing import Dict
 
 
@@ -63,15 +62,20 @@ def read(run_dir: str, cache_dir: str) -> float:
 
 
 def corpus_bytes(corpus: str) -> int:
-  """UTF-8 bytes of the training split of an `offline_text` corpus ('pydoc', 'stdlib')."""
+  """UTF-8 bytes of the training split of an `offline_text` corpus ('pydoc', 'stdlib',
+  'packages')."""
   from upcycle.data import offline_text  # pylint: disable=g-import-not-at-top
   return sum(len(d.encode()) for d in offline_text.CORPORA[corpus]('train'))
 
 
 def describe(corpus: str, run_dir: str, cache_dir: str) -> str:
-  """The corpus in words, its size and (once `run_dir` has a checkpoint) its sequences per
-  epoch at that run's feature lengths."""
-  words = (f"the `{corpus}` offline corpus (Python {platform.python_version()}'s, "
+  """The files-based offline `corpus` in words: its sha256 and whether it is the pinned one
+  (the run's corpus.json once `run_dir` has one, else this machine's), its size and (once
+  `run_dir` has a checkpoint) its sequences per epoch at that run's feature lengths."""
+  from upcycle.data import offline_text  # pylint: disable=g-import-not-at-top
+  from upcycle.train import run_summary  # pylint: disable=g-import-not-at-top
+  record = run_summary.read_corpus(run_dir) or offline_text.corpus_record(corpus)
+  words = (f'the `{corpus}` offline corpus ({run_summary.corpus_words(record, named=False)}; '
            f'{corpus_bytes(corpus) / 1e6:.1f} MB of training text')
   if os.path.isdir(os.path.join(run_dir, 'checkpoints')):
     position = data_position(run_dir)

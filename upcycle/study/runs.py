@@ -14,12 +14,12 @@ from upcycle.study import curves
 from upcycle.study.scale import Scale
 
 T5_MODEL = 'models/t5_1_1/tiny.gin'
-T5_DATA = 'data/offline_stdlib_span_corruption.gin'
+T5_DATA = 'data/offline_packages_span_corruption.gin'
 VIT_MODEL = 'models/vit/tiny.gin'
 VIT_DATA = 'data/offline_digits.gin'
 # {family: (model gin file, data gin file)}: the model first, the data after the run's files.
 FAMILY_FILES = {'t5': (T5_MODEL, T5_DATA), 'vit': (VIT_MODEL, VIT_DATA),
-                'llama': ('models/llama/tiny.gin', 'data/offline_stdlib_lm.gin')}
+                'llama': ('models/llama/tiny.gin', 'data/offline_packages_lm.gin')}
 T5_MOE = ('moe/paper_t5.gin',)
 VIT_MOE = ('moe/paper_vit.gin',)
 

@@ -19,10 +19,12 @@ def train(*, objective: Any, optimizer: Any, config: Any, train_data: Any,
           eval_data: Optional[Any] = None, initializer: Optional[Any] = None,
           decode_data: Optional[Any] = None, decoding: Optional[Any] = None) -> dict:
   """Runs `upcycle.train.trainer.Trainer` with gin-built pieces; returns its result. Process 0
-  ends with where the run's checkpoints, metrics and TensorBoard files are
-  (`run_summary`). `decode_data` / `decoding`: what `TrainConfig.infer_eval` decodes."""
+  ends with where the run's checkpoints, metrics and TensorBoard files are and its offline
+  corpus (`run_summary`), and warns in one line at the start when that corpus is not the pinned
+  one. `decode_data` / `decoding`: what `TrainConfig.infer_eval` decodes."""
   from upcycle.train.trainer import Trainer  # pylint: disable=g-import-not-at-top
   started = time.monotonic()
+  corpus = _corpus(train_data)
   # config.gin is written once the run holds MODEL_DIR and its state is restored or built,
   # so a refused or failed start leaves the config of the run in MODEL_DIR as it was.
   trainer = Trainer(objective, optimizer, config, train_data, eval_data, initializer,
@@ -31,21 +33,41 @@ def train(*, objective: Any, optimizer: Any, config: Any, train_data: Any,
   def on_start():
     gin_utils.write_config(config.model_dir)
     _keep_tokenizer(train_data, config.model_dir)
+    if corpus:
+      from upcycle.train import run_summary  # pylint: disable=g-import-not-at-top
+      run_summary.write_corpus(config.model_dir, corpus)
 
   result = trainer.run(on_start=on_start)
   gin_utils.write_config(config.model_dir, operative=True)
-  _show_summary(config, result, time.monotonic() - started)
+  _show_summary(config, result, time.monotonic() - started, corpus)
   return result
 
 
-def _show_summary(config: Any, result: dict, seconds: float) -> None:
+def _corpus(train_data: Any) -> Optional[dict]:
+  """On process 0, the `offline_text.corpus_record` of the offline corpus `train_data` reads
+  (None for other data, and on other processes); prints its one-line warning if it is not the
+  pinned corpus."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from upcycle.data import offline_text  # pylint: disable=g-import-not-at-top
+  from upcycle.data import tasks  # pylint: disable=g-import-not-at-top
+  task = getattr(train_data, 'task', None)
+  if jax.process_index() != 0 or not isinstance(task, str):
+    return None
+  record = tasks.offline_corpus_record(task)
+  warning = offline_text.mismatch_warning(record)
+  if warning:
+    print(warning, flush=True)
+  return record
+
+
+def _show_summary(config: Any, result: dict, seconds: float, corpus: Optional[dict]) -> None:
   """Prints `run_summary.text` for the finished run (process 0)."""
   import jax  # pylint: disable=g-import-not-at-top
   from upcycle.train import run_summary  # pylint: disable=g-import-not-at-top
   if jax.process_index() == 0:
     step = max(result['start_step'], config.train_steps)
     print(run_summary.text(config.model_dir, step, result['checkpoint'], config.tensorboard,
-                           seconds), flush=True)
+                           seconds, corpus), flush=True)
 
 
 def _keep_tokenizer(train_data: Any, model_dir: str) -> None:
