@@ -11,7 +11,8 @@ import pytest
 
 from tests.helpers import REPO
 from upcycle import gin_utils
-from upcycle.study import claims, drop_runs, drop_section, epochs, regime, runs as runs_lib
+from upcycle.study import claims, drop_runs, drop_section, epochs, recipe, regime, render
+from upcycle.study import runs as runs_lib
 from upcycle.study.__main__ import DESCRIPTIONS, QUICK_ARMS, SUITES, plan, suite_of
 from upcycle.study.curves import Curve, Results, train_rows_at_end
 from upcycle.study.scale import FULL, QUICK
@@ -129,6 +130,11 @@ def test_quick_study_writes_results_and_resumes(tmp_path):
            if line.startswith('- `python -m upcycle.study') and '--suite ' in line}
   assert 'runs of the claims suite' in lines['regime']
   assert 'runs of the claims suite' not in lines['drop']
+  # The recipe suite: each sweep run evaluated its last checkpoint after training.
+  sweep = runs_lib.final_eval(str(runs_dir / 't5' / recipe.arm(QUICK.recipe_peaks[0]) / 'seed0'))
+  assert sweep['step'] == QUICK.regime_pretrain_steps and np.isfinite(sweep['loss'])
+  assert [r['peak'] for r in data['recipe']['rows']] == list(QUICK.recipe_peaks)
+  assert '## The recipe: a learning rate whose seeds agree' in text
   again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
   assert again.returncode == 0, again.stderr[-3000:]
   assert 'already finished, 0 to run' in again.stdout
@@ -318,3 +324,63 @@ def test_the_setting_names_the_corpus_the_dense_run_recorded(tmp_path):
   assert words == (f"the `packages` offline corpus (sha256 {'f' * 64} (NOT the pinned "
                    f'{offline_text.PACKAGES_DIGEST}); {train_bytes / 1e6:.1f} MB of training '
                    'text)')
+
+
+def _write_sweep_run(runs_dir, peak, seed, loss, grad_norms, stderr=0.01):
+  """A finished sweep run: its final evaluation's loss, its logged gradient norms (steps 10,
+  20, ...)."""
+  run_dir = os.path.join(runs_dir, 't5', recipe.arm(peak), f'seed{seed}')
+  os.makedirs(os.path.join(run_dir, runs_lib.FINAL_EVAL))
+  open(os.path.join(run_dir, 'study.done'), 'w').write('1\n')
+  with open(os.path.join(run_dir, runs_lib.FINAL_EVAL, 'eval_results.json'), 'w') as f:
+    json.dump({'step': 1500, 'loss': loss, 'loss_stderr': stderr, 'accuracy': 0.4}, f)
+  with open(os.path.join(run_dir, 'metrics.jsonl'), 'w') as f:
+    for i, norm in enumerate(grad_norms):
+      f.write(json.dumps({'split': 'train', 'step': 10 * (i + 1), 'grad_norm': norm}) + '\n')
+
+
+def test_the_recipe_is_the_agreeing_peak_with_the_lowest_loss(tmp_path):
+  """Closed form: peak 0.1's seeds spread (std 0.1308 > 0.05) although its mean is lowest;
+  0.032 and 0.01 agree (std 0.01, 0.0) -> 0.032, the lower mean of the two. A gradient spike
+  is the largest norm after the warmup over their median: norms 1, 1, 2, 8 after step 10
+  -> 8 / 1.5."""
+  scale = dataclasses.replace(FULL, recipe_warmup_steps=10)
+  losses = {0.1: (2.30, 2.55, 2.40), 0.032: (2.44, 2.45, 2.46), 0.01: (2.60, 2.60, 2.60)}
+  for peak, values in losses.items():
+    for seed, loss in enumerate(values):
+      _write_sweep_run(str(tmp_path), peak, seed, loss, [50.0, 1.0, 1.0, 2.0, 8.0])
+  summary = recipe.summary(str(tmp_path), scale)
+  by_peak = {r['peak']: r for r in summary['rows']}
+  assert by_peak[0.1]['std'] == pytest.approx(np.std([2.30, 2.55, 2.40], ddof=1))
+  assert [by_peak[p]['agree'] for p in (0.1, 0.032, 0.01)] == [False, True, True]
+  assert summary['chosen'] == 0.032 and summary['complete']
+  np.testing.assert_allclose(by_peak[0.1]['spike'], [8.0 / 1.5] * 3)
+  text = '\n'.join(render.recipe_parts(summary, scale))
+  assert '| 0.032 | 2.4400 ± 0.0100 | 2.4500 ± 0.0100 | 2.4600 ± 0.0100 | 2.4500 | 0.0100 | yes' \
+      in text and '**Chosen: peak 0.032**' in text
+  # One peak unfinished: shown as such, and no peak agreeing -> none chosen.
+  os.remove(os.path.join(str(tmp_path), 't5', 'lr_0.01', 'seed2', 'study.done'))
+  for seed, loss in enumerate((2.44, 2.60, 2.46)):
+    _write_sweep_run(str(tmp_path / 'spread'), 0.032, seed, loss, [1.0, 1.0])
+  spread = recipe.summary(str(tmp_path / 'spread'), scale)
+  assert spread['chosen'] is None and not spread['complete']
+  assert '**No peak swept gives seeds that agree.** (Not every peak' in '\n'.join(
+      render.recipe_parts(spread, scale))
+
+
+def test_a_sweep_run_pretrains_at_its_peak_and_evaluates_its_last_checkpoint_on_the_split():
+  """The rsqrt schedule's base rate is peak x sqrt(warmup): 0.032 x 10 = 0.32 at warmup 100;
+  the final evaluation reads the run's last checkpoint, every validation batch (0), no
+  decoding, into the run's final_eval directory."""
+  [run] = [r for r in recipe.recipe_runs(FULL, 1) if r.arm == 'lr_0.032']
+  flags = run.command('runs', FULL, 'python')
+  assert '--gin.optimizers.rsqrt_schedule.base_learning_rate=0.32' in flags
+  assert '--gin.WARMUP_STEPS=100' in flags and f'--gin.TRAIN_STEPS={FULL.regime_pretrain_steps}' \
+      in flags
+  command = run.final_eval_command('runs', FULL, 'python')
+  assert command[:3] == ['python', '-m', 'upcycle.eval']
+  assert (f"--gin.CHECKPOINT_PATH='runs/t5/lr_0.032/seed1/checkpoints/"
+          f"{FULL.regime_pretrain_steps}'") in command
+  assert '--gin.EVAL_BATCHES=0' in command and '--gin.eval_script.evaluate.decode_data=None' \
+      in command
+  gin_utils.check_repeats(gin_utils.parse_flags(command[3:], 'study')[1])

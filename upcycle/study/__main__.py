@@ -16,27 +16,33 @@ import sys
 import time
 
 from upcycle import arguments, console
-from upcycle.study import drop_render, drop_runs, drop_units, epochs, execute, render
+from upcycle.study import drop_render, drop_runs, drop_units, epochs, execute, recipe, render
 from upcycle.study import runs as runs_lib
 from upcycle.study.curves import Results
 from upcycle.study.scale import FULL, QUICK
 
-QUICK_ARMS = {'t5': ('pretrain', 'moe', 'dense', 'scratch', *runs_lib.REGIME_ARMS),
+QUICK_ARMS = {'t5': ('pretrain', 'moe', 'dense', 'scratch', *runs_lib.REGIME_ARMS,
+                     *recipe.arms(QUICK)),
               'vit': ('pretrain', 'moe'), 'llama': drop_runs.QUICK_ARMS}
-DESCRIPTIONS = {**runs_lib.DESCRIPTIONS, 'llama': drop_runs.DESCRIPTIONS}
+DESCRIPTIONS = {**runs_lib.DESCRIPTIONS,
+                't5': {**runs_lib.DESCRIPTIONS['t5'], **recipe.descriptions(FULL)},
+                'llama': drop_runs.DESCRIPTIONS}
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-SUITES = ('regime', 'claims', 'beyond', 'trails', 'drop')
+SUITES = ('recipe', 'regime', 'claims', 'beyond', 'trails', 'drop')
 
 
 def suite_of(run) -> str:
-  """'regime': the paper's headline experiment in its regime (`runs.regime_runs`); 'claims':
+  """'recipe': the tiny T5's learning-rate sweep (`recipe`); 'regime': the paper's headline
+  experiment in its regime (`runs.regime_runs`); 'claims':
   the papers' claims; 'beyond': the switches beyond the papers' anchors; 'trails': why the
   upcycled T5 trails the dense one (`runs.trail_runs`); 'drop': Drop-Upcycling in its own
   setting, a Llama upcycled into a Mixtral (`drop_runs`)."""
   if run.family == 'llama':
     return 'drop'
+  if run.arm in recipe.arms(FULL):
+    return 'recipe'
   if run.arm in runs_lib.REGIME_ARMS:
     return 'regime'
   if run.arm in runs_lib.TRAIL_ARMS:
@@ -52,7 +58,7 @@ def plan(scale, quick: bool, suites=('claims',)):
   for seed in scale.seeds:
     for r in (runs_lib.t5_runs(scale, seed) + runs_lib.vit_runs(scale, seed) +
               runs_lib.trail_runs(scale, seed) + runs_lib.regime_runs(scale, seed) +
-              drop_runs.llama_runs(scale, seed)):
+              recipe.recipe_runs(scale, seed) + drop_runs.llama_runs(scale, seed)):
       every.setdefault(r.name, r)
   wanted = [r for r in every.values() if suite_of(r) in suites]
   if quick:
@@ -156,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument('--out', default='docs', help='where RESULTS.md and results/ go')
   parser.add_argument('--runs_dir', default='runs/study', help='the training runs')
   parser.add_argument('--suite', choices=(*SUITES, 'all'), default='claims',
-                      help="which runs to train: the headline claim in the paper's regime "
+                      help="which runs to train: the tiny T5's learning-rate sweep "
+                           "(3 peaks x 3 seeds), the headline claim in the paper's regime "
                            "(~100 min), the papers' claims (~90 min), the switches beyond the "
                            "papers' anchors (~26 min), why the upcycled T5 trails the dense one "
                            '(~90 min), Drop-Upcycling on a Llama upcycled into a Mixtral '
@@ -194,7 +201,8 @@ def main(argv=None) -> None:
                                                   f'seed{scale.seeds[0]}'), args.runs_dir)
   drop_suite = drop_render.parts(results, scale, args.out)
   path = render.write(args.out, results, header(args, scale, time.time() - start, corpus), arms,
-                      units, scale, corpus, drop_suite)
+                      units, scale, corpus, drop_suite,
+                      recipe_summary=recipe.summary(args.runs_dir, scale))
   print(f'study: wrote {path}', flush=True)
   if failed:
     sys.exit(f'study: {len(failed)} runs failed or could not start: {", ".join(failed)} '

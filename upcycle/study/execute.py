@@ -1,8 +1,9 @@
 """Runs the study's training runs, `jobs` at a time, in dependency order, resumably.
 
-Each run's output goes to its directory's `study.log`; a run that finished (its `study.done`
-marker exists) is not run again, so an interrupted study continues where it stopped. A failed
-run is reported (its `study.failed` holds the end of its log), the runs that start from it are
+Each run's output goes to its directory's `study.log` (a run with a final evaluation,
+`Run.final_eval_batches`, runs it after training, in the same slot and log); a run that
+finished (its `study.done` marker exists) is not run again, so an interrupted study continues
+where it stopped. A failed run is reported (its `study.failed` holds the end of its log), the runs that start from it are
 skipped, and the others go on.
 """
 
@@ -32,6 +33,13 @@ def _failure(run: Run, runs_dir: str, code: int) -> RuntimeError:
                       f'{os.path.join(run.directory(runs_dir), LOG)}:\n{tail}')
 
 
+def _start(command: List[str], log, repository: str, env: Dict[str, str]) -> subprocess.Popen:
+  """`command` started in `repository`, its output appended to `log` after the command line."""
+  log.write(' '.join(command) + '\n')
+  log.flush()
+  return subprocess.Popen(command, cwd=repository, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
 def run_all(runs: Sequence[Run], runs_dir: str, scale: Scale, *, jobs: int = 2,
             repository: str = '.', python: str = sys.executable) -> List[str]:
   """Runs every run not yet finished, printing one line per finished run with an ETA; returns
@@ -58,18 +66,20 @@ def run_all(runs: Sequence[Run], runs_dir: str, scale: Scale, *, jobs: int = 2,
       todo.remove(run)
       os.makedirs(run.directory(runs_dir), exist_ok=True)
       log = open(os.path.join(run.directory(runs_dir), LOG), 'w')
-      command = run.command(runs_dir, scale, python)
+      commands = [run.command(runs_dir, scale, python)]
+      if run.final_eval_batches is not None:
+        commands.append(run.final_eval_command(runs_dir, scale, python))
       with open(os.path.join(run.directory(runs_dir), 'study.json'), 'w') as f:
-        json.dump({'command': command, 'source': run.source}, f)
-      log.write(' '.join(command) + '\n')
-      log.flush()
-      proc = subprocess.Popen(command, cwd=repository, stdout=log, stderr=subprocess.STDOUT,
-                              env=env)
-      running[run.name] = (run, proc, log, time.time())
+        json.dump({'command': commands[0], 'source': run.source}, f)
+      running[run.name] = (run, _start(commands[0], log, repository, env), log, time.time(),
+                           commands[1:])
     time.sleep(0.5)
-    for name, (run, proc, log, began) in list(running.items()):
+    for name, (run, proc, log, began, after) in list(running.items()):
       code = proc.poll()
       if code is None:
+        continue
+      if code == 0 and after:   # the run's next command (its final evaluation) in its slot
+        running[name] = (run, _start(after[0], log, repository, env), log, began, after[1:])
         continue
       log.close()
       del running[name]

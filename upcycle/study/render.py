@@ -233,6 +233,40 @@ def regime_parts(summary, scale, corpus: str) -> List[str]:
   return parts
 
 
+def recipe_parts(summary, scale) -> List[str]:
+  """The `recipe` section of RESULTS.md from `recipe.summary`."""
+  seeds = ', '.join(map(str, scale.seeds))
+  peaks = ', '.join(f'{p:g}' for p in scale.recipe_peaks)
+  split = ('the whole validation split' if scale.recipe_eval_batches == 0 else
+           f'{scale.recipe_eval_batches} batches of {runs_lib.FINAL_EVAL_BATCH_SIZE} sequences '
+           f'of the validation split')
+  rows = [(f"{r['peak']:g}", *[f'{v:.4f} ± {e:.4f}' for v, e in zip(r['loss'], r['loss_stderr'])],
+           f"{r['mean']:.4f}", f"{r['std']:.4f}",
+           {True: 'yes', False: 'no', None: '1 seed'}[r['agree']],
+           ', '.join(f'{s:.1f}' for s in r['spike'])) for r in summary['rows']]
+  if summary['chosen'] is not None:
+    verdict = (f"**Chosen: peak {summary['chosen']:g}**, the lowest mean loss among the peaks "
+               f"whose seeds agree.")
+  elif len(scale.seeds) < 2:
+    verdict = '**One seed: agreement is not measured, no peak is chosen.**'
+  else:
+    verdict = '**No peak swept gives seeds that agree.**'
+  if not summary['complete']:
+    verdict += ' (Not every peak has finished: the choice may change.)'
+  return [
+      "## The recipe: a learning rate whose seeds agree (the `recipe` suite)",
+      f'The tiny T5 pretrained densely from scratch for P = {scale.regime_pretrain_steps} steps '
+      f'(the `regime` suite\'s pretraining) at each peak learning rate of {peaks} (T5X\'s '
+      f'rsqrt schedule: the peak for {scale.recipe_warmup_steps} warmup steps, then falling as '
+      f'1 / sqrt(step)), seeds {seeds}; each run\'s last checkpoint evaluated on {split} '
+      f'(the same sequences for every seed; ± the standard error over its batches). The seeds agree when the standard deviation of their losses is at most '
+      f'{scale.recipe_seed_std}. Gradient spike: a run\'s largest logged gradient norm after '
+      f'the warmup over their median.',
+      table(('peak learning rate', *[f'seed {s}' for s in scale.seeds], 'mean', 'std',
+             'seeds agree?', 'gradient spike per seed'), rows),
+      verdict]
+
+
 def _jsonable(x):
   if isinstance(x, dict):
     return {k: _jsonable(v) for k, v in x.items()}
@@ -245,12 +279,16 @@ def _jsonable(x):
 
 def write(out: str, results: Results, header: str, arms: Dict[str, Dict[str, str]],
           drop_units: List[dict], scale, corpus: str,
-          drop_suite: Tuple[List[str], Optional[dict]] = ([], None)) -> str:
+          drop_suite: Tuple[List[str], Optional[dict]] = ([], None),
+          recipe_summary: Optional[dict] = None) -> str:
   """Writes out/RESULTS.md, out/results/*.png and out/results/study.json; returns the path.
   `corpus`: the T5 training data in words (the `regime` section says what P steps read);
-  `drop_suite`: the `drop` suite's section and summary (`drop_render.parts`)."""
+  `drop_suite`: the `drop` suite's section and summary (`drop_render.parts`);
+  `recipe_summary`: the `recipe` suite's (`recipe.summary`)."""
   os.makedirs(os.path.join(out, PLOTS), exist_ok=True)
   parts = [header]
+  if recipe_summary is not None:
+    parts += recipe_parts(recipe_summary, scale)
   summary = regime.summary(results, scale)
   if summary is not None:
     parts += regime_parts(summary, scale, corpus)
@@ -334,6 +372,7 @@ def write(out: str, results: Results, header: str, arms: Dict[str, Dict[str, str
           for family in arms}
   data['claims'] = {title: [r.__dict__ for r in rows] for title, rows in sections}
   data['drop_units'] = drop_units
+  data['recipe'] = _jsonable(recipe_summary)
   data['regime'] = _jsonable(summary)
   data['drop'] = _jsonable(drop_suite[1])
   with open(os.path.join(out, PLOTS, 'study.json'), 'w') as f:

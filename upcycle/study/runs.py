@@ -6,6 +6,7 @@ another's measured FLOPs (dense continuation at equal extra compute) computes it
 """
 
 import dataclasses
+import json
 import math
 import os
 from typing import Callable, List, Optional, Tuple
@@ -15,6 +16,9 @@ from upcycle.study.scale import Scale
 
 T5_MODEL = 'models/t5_1_1/tiny.gin'
 T5_DATA = 'data/offline_packages_span_corruption.gin'
+# A run's final evaluation (`Run.final_eval_batches`): its directory and batch size.
+FINAL_EVAL = 'final_eval'
+FINAL_EVAL_BATCH_SIZE = 128
 VIT_MODEL = 'models/vit/tiny.gin'
 VIT_DATA = 'data/offline_digits.gin'
 # {family: (model gin file, data gin file)}: the model first, the data after the run's files.
@@ -37,6 +41,9 @@ class Run:
     steps: TRAIN_STEPS, or a function of the runs directory computing it when the run starts.
     source: (arm, step) whose checkpoint INITIAL_CHECKPOINT_PATH points at; None from scratch.
     after: arms (same family and seed) that must finish first, besides `source`.
+    final_eval_batches: None, or after training its last checkpoint is evaluated on this many
+      batches of FINAL_EVAL_BATCH_SIZE validation sequences (0: the whole split) by
+      `python -m upcycle.eval` into <run>/final_eval (T5 only; `final_eval_command`).
   """
 
   family: str
@@ -47,6 +54,7 @@ class Run:
   steps: object = 0
   source: Optional[Tuple[str, int]] = None
   after: Tuple[str, ...] = ()
+  final_eval_batches: Optional[int] = None
 
   @property
   def name(self) -> str:
@@ -81,6 +89,37 @@ class Run:
     return [python, '-m', 'upcycle.train', f'--gin_file={model}',
             *[f'--gin_file={f}' for f in self.gin_files], f'--gin_file={data}',
             *[f'--gin.{b}' for b in chosen.values()]]
+
+
+  def final_eval_command(self, runs_dir: str, scale: Scale, python: str) -> List[str]:
+    """`python -m upcycle.eval` of the run's last checkpoint: loss and accuracy over
+    `final_eval_batches` (0: all) unshuffled validation batches, no decoding, written to
+    <run>/final_eval (eval_results.json)."""
+    if self.family != 't5':
+      raise ValueError(f'{self.name}: a final evaluation is built for T5 runs only.')
+    model, data = FAMILY_FILES[self.family]
+    run_dir = self.directory(runs_dir)
+    steps = self.train_steps(runs_dir)
+    lengths = ((f'--gin.TASK_FEATURE_LENGTHS={scale.t5_feature_lengths}',)
+               if scale.t5_feature_lengths else ())
+    return [python, '-m', 'upcycle.eval', f'--gin_file={model}', '--gin_file=runs/eval.gin',
+            f'--gin_file={data}', *lengths,
+            f"--gin.CHECKPOINT_PATH='{os.path.join(run_dir, 'checkpoints', str(steps))}'",
+            f"--gin.EVAL_OUTPUT_DIR='{os.path.join(run_dir, FINAL_EVAL)}'",
+            f'--gin.BATCH_SIZE={FINAL_EVAL_BATCH_SIZE}',
+            f'--gin.EVAL_BATCHES={self.final_eval_batches}',
+            '--gin.eval_script.evaluate.decode_data=None']
+
+
+def final_eval(run_dir: str) -> dict:
+  """What a run's final evaluation (`Run.final_eval_batches`) wrote: {'loss', 'accuracy',
+  'loss_stderr', 'step', ...}."""
+  path = os.path.join(run_dir, FINAL_EVAL, 'eval_results.json')
+  if not os.path.exists(path):
+    raise ValueError(f'{path} does not exist: the run\'s final evaluation has not run; run the '
+                     f'study command again.')
+  with open(path) as f:
+    return json.load(f)
 
 
 def last_logged(run_dir: str, split: str, key: str) -> float:

@@ -44,6 +44,13 @@ class Scale:
     llama_warmup_steps: the warmup of every run's schedule (the pretraining's and each arm's
       own).
     llama_batch_size, llama_feature_lengths: 0 / '' keep the offline default's (16; 128).
+    recipe_peaks: the peak learning rates the `recipe` suite sweeps (T5X's rsqrt schedule,
+      base rate = peak x sqrt(recipe_warmup_steps)).
+    recipe_warmup_steps: their warmup (WARMUP_STEPS).
+    recipe_eval_batches: batches of 128 sequences of each sweep run's final evaluation of its
+      last checkpoint (0: the whole validation split).
+    recipe_seed_std: the seeds agree when the std of their final validation losses is at most
+      this.
   """
 
   t5_pretrain_steps: int
@@ -74,6 +81,10 @@ class Scale:
   llama_warmup_steps: int = 20
   llama_batch_size: int = 0
   llama_feature_lengths: str = ''
+  recipe_peaks: Tuple[float, ...] = (0.1, 0.032, 0.01)
+  recipe_warmup_steps: int = 100
+  recipe_eval_batches: int = 0
+  recipe_seed_std: float = 0.05
 
   @property
   def t5_batch(self) -> int:
@@ -108,4 +119,5 @@ QUICK = Scale(t5_pretrain_steps=4, t5_extra_steps=4, vit_pretrain_steps=4, vit_e
               trail_long_steps=8, trail_late_upcycling_step=8, t5_eval_batches=2,
               regime_pretrain_steps=4, llama_pretrain_steps=4, llama_extra_steps=4,
               llama_eval_every=4, llama_eval_batches=2, llama_batch_size=4, llama_warmup_steps=2,
-              llama_feature_lengths="{'targets': 32}")
+              llama_feature_lengths="{'targets': 32}", recipe_peaks=(0.1,),
+              recipe_warmup_steps=2, recipe_eval_batches=2)
