@@ -45,7 +45,7 @@ def _show_summary(config: Any, result: dict, seconds: float) -> None:
   if jax.process_index() == 0:
     step = max(result['start_step'], config.train_steps)
     print(run_summary.text(config.model_dir, step, result['checkpoint'], config.tensorboard,
-                           seconds), flush=True)
+                           seconds, routing=result.get('routing_health')), flush=True)
 
 
 def _keep_tokenizer(train_data: Any, model_dir: str) -> None:
