@@ -334,10 +334,25 @@ def test_an_arm_whose_routers_did_not_learn_is_marked_with_a_footnote(tmp_path):
   results = Results(runs_dir, (0,))
   marks, footnote = render.unlearned_routers(results, 't5', ['moe', 'scratch', 'dense'])
   assert marks == {'moe': '', 'scratch': '†', 'dense': ''}
-  assert footnote.startswith('† Routers that did not learn: top-1 router probability >= 1.5 x '
-                             'uniform (1/E) in every MoE layer')
+  assert footnote.startswith('† Routers that did not learn (criterion: top-1 router '
+                             'probability >= 1.5 x uniform (1/E) in every MoE layer')
   assert ('`scratch` seed 0: decoder/layers_1/mlp 0.140 (uniform 0.125), encoder/layers_1/mlp '
           '0.300 (uniform 0.125).') in footnote
   assert '`moe`' not in footnote
   assert render.unlearned_routers(results, 't5', ['moe', 'dense']) == (
       {'moe': '', 'dense': ''}, None)
+
+
+def test_results_md_marks_the_arm_and_adds_the_footnote_under_its_table(tmp_path, monkeypatch):
+  from upcycle.study import render  # pylint: disable=g-import-not-at-top
+  runs_dir = str(tmp_path / 'runs')
+  for arm in ('moe', 'scratch'):
+    _write_run(runs_dir, arm, 0, None, 1.0, {0: 5.0, 200: 3.0})
+  _write_routing(runs_dir, 'scratch', (0.3, 0.14))
+  monkeypatch.setattr(Results, 'epochs', lambda self, family, arm: 0.1)   # no checkpoints here
+  path = render.write(str(tmp_path / 'out'), Results(runs_dir, (0,)), '# Results',
+                      {'t5': {'moe': 'upcycled', 'scratch': 'from scratch'}}, [], QUICK, 'x')
+  lines = open(path).read().split('### Every T5 arm (validation loss)')[1].splitlines()
+  assert lines[4].startswith('| `moe` (upcycled) | 5.0000 | 3.0000 |')
+  assert lines[5].startswith('| `scratch`† (from scratch) | 5.0000 | 3.0000 |')
+  assert lines[7].startswith('† Routers that did not learn') and '`scratch` seed 0' in lines[7]

@@ -105,10 +105,11 @@ def unlearned_routers(results: Results, family: str, arms: Sequence[str]
   marks = {arm: UNLEARNED if seeds else '' for arm, seeds in flagged.items()}
   if not runs:
     return marks, None
-  return marks, (f'{UNLEARNED} Routers that did not learn: {routing_health.CRITERION} failed '
-                 f'(the run\'s `routing_health` row of metrics.jsonl, top-1 router probability '
-                 f'per MoE layer): {"; ".join(runs)}. Such a number measures an MoE whose '
-                 f'routing stayed near uniform.')
+  return marks, (f'{UNLEARNED} Routers that did not learn (criterion: '
+                 f'{routing_health.CRITERION}; from the run\'s `routing_health` row of '
+                 f'metrics.jsonl), with the top-1 router probability of each MoE layer: '
+                 f'{"; ".join(runs)}. Such a number measures an MoE whose routing stayed near '
+                 f'uniform.')
 
 
 def trails(results: Results, scale) -> List[tuple]:
