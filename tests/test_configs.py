@@ -80,9 +80,10 @@ def test_config_parses_and_builds_its_model(name):
 
 def test_mixtral_gin_is_the_block_a_mixtral_config_json_reads_into():
   """moe/mixtral.gin and `llama_hf.mixtral_moe` (what MixtralForCausalLM's config.json reads
-  into, tests/checkpoints/test_hf_mixtral.py) are one MoE block."""
+  into, tests/checkpoints/test_hf_mixtral.py) are one MoE block (over a published Llama: the
+  tiny one binds its own router init)."""
   from upcycle.models import llama_hf  # pylint: disable=g-import-not-at-top
-  parse(['models/llama/tiny.gin', 'moe/mixtral.gin'], ['probe.model = %MODEL'])
+  parse(['models/llama/llama3_2_1b.gin', 'moe/mixtral.gin'], ['probe.model = %MODEL'])
   assert probe().config.moe == llama_hf.mixtral_moe(8, 2, 0.02)
 
 
@@ -106,10 +107,23 @@ def test_paper_default_moe():
   # The dispatch of the lowest roofline time at the paper's groups of 4096 (pod.gin); the CPU
   # recipe keeps the masked one.
   assert (cfg.encoder_moe.dispatch, cfg.decoder_moe.dispatch) == ('indices', 'masked')
+  assert cfg.encoder_moe.router_init == cfg.decoder_moe.router_init == 'constant'
   gin.clear_config()
   parse(['models/t5_1_1/tiny.gin', 'moe/paper_t5.gin'], ['probe.model = %MODEL'])
   tiny = probe().config
   assert (tiny.encoder_moe.dispatch, tiny.decoder_moe.dispatch) == ('masked', 'masked')
+  # The tiny width draws its routers at T5 Base's logit scale, 0.02 * sqrt(768 / 64).
+  for moe in (tiny.encoder_moe, tiny.decoder_moe):
+    assert moe.router_init == 'width_scaled'
+    np.testing.assert_allclose(moe.router_std(tiny.d_model), 0.02 * np.sqrt(12), rtol=1e-12)
+
+
+@pytest.mark.parametrize('model,router_init', [('models/llama/tiny.gin', 'width_scaled'),
+                                               ('models/llama/llama3_2_1b.gin', 'constant')])
+def test_a_llama_moe_router_init_is_the_width_scaled_one_only_at_the_tiny_width(model,
+                                                                                 router_init):
+  parse([model, 'moe/mixtral.gin'], ['probe.model = %MODEL'])
+  assert probe().config.moe.router_init == router_init
 
 
 def test_router_ablations_bind_each_stack_its_own_router():

@@ -92,6 +92,11 @@ def paths(tmp_path):
      "decoder/layers_1/mlp/expert/wi_0/kernel has 6 along 'expert', split over "
      'trainer.TrainConfig.num_expert_partitions = 4, which does not divide it. Fix: make '
      'NUM_EXPERTS a multiple of 4, or trainer.TrainConfig.num_expert_partitions a divisor of 6.'),
+    (['--gin_file=moe/paper_t5.gin', "--gin.moe.MoeConfig.router_init='wide'"],
+     "moe.MoeConfig.router_init = 'wide': expected one of ('constant', 'width_scaled') or a "
+     'router kernel std > 0.'),
+    (['--gin_file=moe/paper_t5.gin', '--gin.moe.MoeConfig.router_init=-0.02'],
+     'moe.MoeConfig.router_init = -0.02: expected a number > 0.0.'),
     (["--gin.TASK_FEATURE_LENGTHS={'inputs': 4, 'targets': 2}"],
      "text.TextPipeline.feature_lengths = {'inputs': 4, 'targets': 2} (TASK_FEATURE_LENGTHS): "
      'Span corruption with inputs length 4 (noise density 0.15, mean span 3.0) leaves no room '

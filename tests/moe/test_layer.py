@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from upcycle import layers
+from upcycle.fields import ConfigError
 from upcycle.moe import (MOE_COLLECTIONS, MoeConfig, MoeLayer, ROUTER_LOGITS, aux_losses, capacity,
                          grouping, metrics, router_logits, routers, routing)
 from upcycle.train import partitioning
@@ -47,6 +48,31 @@ def moe_params(config, x, dense_params=None, seed=2):
 def run(config, params, x, deterministic=True, rngs=None):
   return jitted(MoeLayer(config, EXPERT).apply, {'params': params}, x, deterministic, rngs=rngs,
                 mutable=MOE_COLLECTIONS)
+
+
+@pytest.mark.parametrize('router_init,d_model,std', [
+    ('constant', 64, 0.02), ('width_scaled', 64, 0.02 * np.sqrt(768 / 64)),
+    ('width_scaled', 768, 0.02), (0.05, 32, 0.05)])
+def test_the_router_kernel_is_drawn_at_the_std_of_router_init(router_init, d_model, std):
+  """The sample std of the initialized kernel `[d_model, 64]` against the std the setting names
+  (0.02 * sqrt(768 / d_model) for 'width_scaled', Flaxformer's 0.02 for 'constant'), within 5
+  standard errors of a sample std of n normal draws, std / sqrt(2 (n - 1))."""
+  config = MoeConfig(num_experts=64, router_init=router_init)
+  x = jnp.ones((1, 4, d_model))
+  params = nn.meta.unbox(jitted(MoeLayer(config, EXPERT).init, jax.random.PRNGKey(0), x,
+                                True))['params']
+  kernel = np.asarray(params['router']['router_weights']['w']['kernel'])
+  assert kernel.shape == (d_model, 64)
+  assert abs(kernel.std() / std - 1) < 5 / np.sqrt(2 * (kernel.size - 1))
+
+
+def test_a_router_init_that_is_no_std_is_refused_naming_its_binding():
+  with pytest.raises(ConfigError, match=r"^moe\.MoeConfig\.router_init = 'wide': expected one "
+                     r"of \('constant', 'width_scaled'\)"):
+    MoeConfig(router_init='wide')
+  with pytest.raises(ConfigError, match=r'^moe\.MoeConfig\.router_init = -0\.1: expected a '
+                     r'number > 0'):
+    MoeConfig(router_init=-0.1)
 
 
 @pytest.mark.slow

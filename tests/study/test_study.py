@@ -384,3 +384,55 @@ def test_a_sweep_run_pretrains_at_its_peak_and_evaluates_its_last_checkpoint_on_
   assert '--gin.EVAL_BATCHES=0' in command and '--gin.eval_script.evaluate.decode_data=None' \
       in command
   gin_utils.check_repeats(gin_utils.parse_flags(command[3:], 'study')[1])
+
+
+def _write_routing(runs_dir, arm, top1, experts=8):
+  """Appends to a `_write_run` run the routing-health row the trainer writes
+  (`MetricLogger.record` of `routing_health.health`), from training rows whose two MoE layers
+  had top-1 router probabilities `top1`."""
+  from upcycle.train import routing_health  # pylint: disable=g-import-not-at-top
+  from upcycle.train.logger import MetricLogger  # pylint: disable=g-import-not-at-top
+  run_dir = os.path.join(runs_dir, 't5', arm, 'seed0')
+  layers = ('encoder/layers_1/mlp', 'decoder/layers_1/mlp')
+  train = [{'split': 'train', 'step': s, **{f'moe/{layer}/router_top1_probability': p
+                                            for layer, p in zip(layers, top1)}}
+           for s in (100, 200)]
+  logger = MetricLogger(run_dir, 200, 0, tensorboard=False, append=True)
+  logger.record(routing_health.health(train, {layer: experts for layer in layers}))
+  logger.close()
+
+
+def test_an_arm_whose_routers_did_not_learn_is_marked_with_a_footnote(tmp_path):
+  """`scratch`'s decoder stayed at 0.14 < 1.5 / 8: marked and named; `moe` learned (0.3 and
+  0.25 >= 0.1875); `dense` has no MoE layer, so no routing-health row."""
+  from upcycle.study import render  # pylint: disable=g-import-not-at-top
+  runs_dir = str(tmp_path)
+  for arm in ('moe', 'scratch', 'dense'):
+    _write_run(runs_dir, arm, 0, None, 1.0, {0: 5.0, 200: 3.0})
+  _write_routing(runs_dir, 'moe', (0.3, 0.25))
+  _write_routing(runs_dir, 'scratch', (0.3, 0.14))
+  results = Results(runs_dir, (0,))
+  marks, footnote = render.unlearned_routers(results, 't5', ['moe', 'scratch', 'dense'])
+  assert marks == {'moe': '', 'scratch': '†', 'dense': ''}
+  assert footnote.startswith('† Routers that did not learn (criterion: top-1 router '
+                             'probability >= 1.5 x uniform (1/E) in every MoE layer')
+  assert ('`scratch` seed 0: decoder/layers_1/mlp 0.140 (uniform 0.125), encoder/layers_1/mlp '
+          '0.300 (uniform 0.125).') in footnote
+  assert '`moe`' not in footnote
+  assert render.unlearned_routers(results, 't5', ['moe', 'dense']) == (
+      {'moe': '', 'dense': ''}, None)
+
+
+def test_results_md_marks_the_arm_and_adds_the_footnote_under_its_table(tmp_path, monkeypatch):
+  from upcycle.study import render  # pylint: disable=g-import-not-at-top
+  runs_dir = str(tmp_path / 'runs')
+  for arm in ('moe', 'scratch'):
+    _write_run(runs_dir, arm, 0, None, 1.0, {0: 5.0, 200: 3.0})
+  _write_routing(runs_dir, 'scratch', (0.3, 0.14))
+  monkeypatch.setattr(Results, 'epochs', lambda self, family, arm: 0.1)   # no checkpoints here
+  path = render.write(str(tmp_path / 'out'), Results(runs_dir, (0,)), '# Results',
+                      {'t5': {'moe': 'upcycled', 'scratch': 'from scratch'}}, [], QUICK, 'x')
+  lines = open(path).read().split('### Every T5 arm (validation loss)')[1].splitlines()
+  assert lines[4].startswith('| `moe` (upcycled) | 5.0000 | 3.0000 |')
+  assert lines[5].startswith('| `scratch`† (from scratch) | 5.0000 | 3.0000 |')
+  assert lines[7].startswith('† Routers that did not learn') and '`scratch` seed 0' in lines[7]

@@ -106,6 +106,18 @@ def test_moe_training_on_8_devices_matches_one_device(tmp_path):
     assert tags[(4, t5x)] == pytest.approx(np.mean(layers), rel=1e-6)
   np.testing.assert_allclose(sharded['history'][-1]['moe/total'],
                              single['history'][-1]['moe/total'], rtol=1e-4)
+  # The run's routing health, the last row of metrics.jsonl: a block per MoE layer, from the
+  # training rows of the last tenth of the steps (of 4: step 4's row).
+  written = [json.loads(line) for line in open(tmp_path / 'single' / 'metrics.jsonl')]
+  health, last = written[-1], [r for r in written if r['split'] == 'train'][-1]
+  assert health == single['routing_health'] and health['split'] == 'routing_health'
+  assert health['layers'].keys() == {'encoder/layers_1/mlp', 'decoder/layers_1/mlp'}
+  for layer, h in health['layers'].items():
+    assert h['top1_probability'] == last[f'moe/{layer}/router_top1_probability']
+    assert h['unrouted_fraction'] == last[f'moe/{layer}/fraction_dropped_tokens']
+    assert (h['uniform_probability'], h['num_experts']) == (0.25, 4)
+    # At init, N(0, 0.02^2) over d_model x E = 32 x 4 draws: within 5 standard errors.
+    assert abs(h['router_kernel_rms_at_init'] / 0.02 - 1) < 5 / np.sqrt(2 * 32 * 4)
 
 
 def _train_losses(model_dir):

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from upcycle.fields import ConfigError
 from upcycle.upcycling import router_init
 
 KEY = jax.random.PRNGKey(0)
@@ -23,6 +24,19 @@ def test_distributions_have_zero_mean_and_the_given_std(init, std):
   assert not np.asarray(out['router_weights/w/bias']).any()
   if isinstance(init, router_init.Uniform):
     assert np.abs(kernel).max() <= std * np.sqrt(3)
+
+
+def test_normal_takes_the_std_names_of_the_moe_router_init():
+  """'width_scaled': 0.02 * sqrt(768 / d_model) for the kernel [64, 32] (0.0693), within 5
+  standard errors of a sample std of n normal draws."""
+  kernel = np.asarray(router_init.Normal('width_scaled')(ROUTER, KEY)['router_weights/w/kernel'])
+  assert abs(kernel.std() / (0.02 * np.sqrt(768 / 64)) - 1) < 5 / np.sqrt(2 * (kernel.size - 1))
+  with pytest.raises(ConfigError, match=r'^router_init\.Normal\.std = -0\.02: expected a '
+                     r'number > 0'):
+    router_init.Normal(-0.02)
+  with pytest.raises(ConfigError, match=r"^router_init\.Normal\.std = 'wide': expected one of "
+                     r"\('constant', 'width_scaled'\)"):
+    router_init.Normal('wide')
 
 
 def test_zeros():

@@ -1,7 +1,9 @@
 """`MoeConfig`: everything that decides how an MoE block routes and computes."""
 
 import dataclasses
-from typing import Optional
+import math
+import numbers
+from typing import Optional, Union
 
 from upcycle import fields
 from upcycle.grouped_kernels import GROUPED_KERNELS
@@ -12,6 +14,31 @@ from upcycle.moe import routers
 DISPATCHES = ('masked', 'indices', 'ragged')
 LOAD_BALANCING_SCOPES = ('group', 'batch')
 LOAD_BALANCING_LAYERS = ('separate', 'pooled')
+ROUTER_INITS = ('constant', 'width_scaled')
+ROUTER_INIT_STD = 0.02      # Flaxformer's router kernel std (and HF's initializer_range)
+ROUTER_INIT_WIDTH = 768     # T5 Base's d_model: where 'width_scaled' equals 'constant'
+
+
+def router_init_std(init: Union[str, float], d_model: int) -> float:
+  """The std of a router kernel `[d_model, E]` drawn from N(0, std^2) (`MoeConfig.router_init`):
+  'constant' 0.02 whatever the width; 'width_scaled' 0.02 * sqrt(768 / d_model), 0.02 at T5
+  Base's 768 and 0.0693 at d_model 64, so the router logits' scale does not depend on the
+  width; a number is the std itself."""
+  if init == 'constant':
+    return ROUTER_INIT_STD
+  if init == 'width_scaled':
+    return ROUTER_INIT_STD * math.sqrt(ROUTER_INIT_WIDTH / d_model)
+  return float(init)
+
+
+def check_router_init(init: Union[str, float], name: str) -> None:
+  """`fields.ConfigError` naming the binding `name` unless `init` is one of `ROUTER_INITS` or a
+  number > 0."""
+  if isinstance(init, numbers.Real) and not isinstance(init, bool):
+    fields.number_value(name, init, 0.0, strictly=True)
+  elif init not in ROUTER_INITS:
+    raise fields.ConfigError(f'{name} = {init!r}: expected one of {ROUTER_INITS} or a router '
+                             f'kernel std > 0.')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +110,18 @@ class MoeConfig:
       Upcycling copies the dense MLP into it (`upcycling.plan`).
     shared_expert_d_ff: the shared expert's d_ff (ViT: mlp_dim); None: the dense
       MLP's. Requires `shared_expert`.
+    router_init: how the router kernel `[d_model, E]` is drawn, N(0, std^2) with std
+      (`router_init_std`): 'constant' 0.02 whatever the width, as Flaxformer's router
+      (`routing.py`'s `default_kernel_init = normal(stddev=2e-2)`, T5X's MoE and Sparse
+      Upcycling) and HF's Mixtral (`initializer_range` 0.02 for the gate); 'width_scaled'
+      0.02 * sqrt(768 / d_model), equal to it at T5 Base's width and 0.0693 at d_model 64,
+      so the logits (a sum over d_model products) are as large at any width (V-MoE's router,
+      flax's default lecun_normal, also scales as 1 / sqrt(d_model): std 1 / sqrt(d_model));
+      or a number, the std. At d_model 64 'constant' gives logits 3.4x smaller than at 768
+      and the routers of a from-scratch MoE stay near uniform (docs/moe.md, "Router
+      initialization"); the tiny models bind 'width_scaled'. Upcycling draws its fresh
+      routers with its own initializer (`upcycling.router_init.Normal`, which takes the
+      same names).
   """
 
   num_experts: int = 32
@@ -102,6 +141,7 @@ class MoeConfig:
   jitter_noise: float = 0.0
   shared_expert: bool = False
   shared_expert_d_ff: Optional[int] = None
+  router_init: Union[str, float] = 'constant'
 
   def __post_init__(self):
     fields.integer(self, 'num_experts', 1)
@@ -139,6 +179,11 @@ class MoeConfig:
       raise fields.ConfigError(
           f'{fields.binding(self, "shared_expert_d_ff")} = {self.shared_expert_d_ff} without a '
           f'shared expert: set {fields.binding(self, "shared_expert")} = True too.')
+    check_router_init(self.router_init, fields.binding(self, 'router_init'))
+
+  def router_std(self, d_model: int) -> float:
+    """The router kernel's init std at width `d_model` (`router_init`)."""
+    return router_init_std(self.router_init, d_model)
 
   def shared_d_ff(self, dense_d_ff: int) -> Optional[int]:
     """The shared expert's d_ff in a model whose dense MLP has `dense_d_ff`; None: none."""

@@ -64,12 +64,13 @@ EXPERT_SLOT_AXES = ('expert', 'expert_group', 'embed')           # [E, G*C, d_mo
 
 class RouterWeights(nn.Module):
   num_experts: int
+  init_std: float = 0.02   # `MoeConfig.router_std`
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
     return DenseGeneral(
         self.num_experts, ('embed', 'unmodeled'), dtype=jnp.float32,
-        kernel_init=nn.initializers.normal(stddev=0.02), name='w')(x)
+        kernel_init=nn.initializers.normal(stddev=self.init_std), name='w')(x)
 
 
 class RouterLogits(nn.Module):
@@ -77,6 +78,7 @@ class RouterLogits(nn.Module):
 
   num_experts: int
   jitter_noise: float = 0.0
+  init_std: float = 0.02
 
   @nn.compact
   def __call__(self, x: Array, deterministic: bool) -> Array:
@@ -84,7 +86,7 @@ class RouterLogits(nn.Module):
     if self.jitter_noise > 0 and not deterministic:
       x = x * jax.random.uniform(self.make_rng('jitter'), x.shape, jnp.float32,
                                  1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
-    return RouterWeights(self.num_experts, name='router_weights')(x)
+    return RouterWeights(self.num_experts, self.init_std, name='router_weights')(x)
 
 
 def dispatch_masked(x: Array, decision: routing.RoutingDecision, experts_fn) -> Array:
@@ -193,8 +195,8 @@ class MoeLayer(nn.Module):
     groups, tokens, _ = grouped.shape
     capacity = cfg.capacity(tokens, deterministic)
 
-    logits = RouterLogits(cfg.num_experts, cfg.jitter_noise, name=tree.ROUTER)(
-        grouped, deterministic)
+    logits = RouterLogits(cfg.num_experts, cfg.jitter_noise, cfg.router_std(d_model),
+                          name=tree.ROUTER)(grouped, deterministic)
     probs = jax.nn.softmax(logits, axis=-1)                           # [G, S, E]
     dropless = cfg.dispatch == 'ragged'
     routed = cfg.router.route(probs, capacity=None if dropless else capacity, token_mask=mask,

@@ -12,6 +12,8 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from upcycle.train import routing_health
+
 
 @dataclasses.dataclass(frozen=True)
 class Curve:
@@ -55,9 +57,8 @@ def read_rows(run_dir: str) -> List[dict]:
 def train_rows_at_end(run_dir: str, window: float = 0.1) -> List[dict]:
   """The training rows logged over the last `window` of the run's steps (of those from its
   first logged step to its last)."""
-  rows = [r for r in read_rows(run_dir) if r.get('split') == 'train']
-  first, last = rows[0]['step'], rows[-1]['step']
-  return [r for r in rows if r['step'] > last - window * (last - first + 1)]
+  return routing_health.rows_at_end([r for r in read_rows(run_dir) if r.get('split') == 'train'],
+                                    window)
 
 
 def read_curve(run_dir: str, start_flops: float = 0.0) -> Curve:
@@ -111,6 +112,18 @@ class Results:
 
   def curves(self, family: str, arm: str) -> List[Curve]:
     return [self.curve(family, arm, s) for s in self.seeds]
+
+  def unlearned_routers(self, family: str, arm: str) -> Dict[int, dict]:
+    """{seed: its routing-health row} of the arm's runs whose routers did not learn
+    (`upcycle.train.routing_health`); a dense run, or one trained before runs wrote the row,
+    has none."""
+    out = {}
+    for s in self.seeds:
+      row = routing_health.of_run(read_rows(os.path.join(self.runs_dir, family, arm,
+                                                         f'seed{s}')))
+      if row is not None and not row['routers_learned']:
+        out[s] = row
+    return out
 
   def epochs(self, family: str, arm: str) -> float:
     """The most any seed's run of the arm read of its training data, in epochs

@@ -9,8 +9,10 @@ import numpy as np
 
 from upcycle.study import claims, regime, runs as runs_lib
 from upcycle.study.curves import Results
+from upcycle.train import routing_health
 
 PLOTS = 'results'
+UNLEARNED = '†'   # marks an arm with a run whose routers did not learn
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -86,6 +88,28 @@ def ablations(results: Results, family: str, arms: Sequence[str], metric: str) -
                  claims.mean_std(final), f'{results.curves(family, arm)[0].flops_per_step:.3g}',
                  diff, f'{results.epochs(family, arm):.2f}'))
   return rows
+
+
+def unlearned_routers(results: Results, family: str, arms: Sequence[str]
+                      ) -> Tuple[Dict[str, str], Optional[str]]:
+  """({arm: UNLEARNED or ''}, the footnote naming each run whose routers did not learn, with
+  its layers' top-1 router probabilities; None when every run's routers learned or no run says
+  (dense runs, runs from before the routing-health row))."""
+  flagged = {arm: results.unlearned_routers(family, arm) for arm in arms}
+  runs = []
+  for arm, seeds in flagged.items():
+    for seed, row in seeds.items():
+      layers = ', '.join(f"{layer} {h['top1_probability']:.3f} (uniform "
+                         f"{h['uniform_probability']:.3f})" for layer, h in row['layers'].items())
+      runs.append(f'`{arm}` seed {seed}: {layers}')
+  marks = {arm: UNLEARNED if seeds else '' for arm, seeds in flagged.items()}
+  if not runs:
+    return marks, None
+  return marks, (f'{UNLEARNED} Routers that did not learn (criterion: '
+                 f'{routing_health.CRITERION}; from the run\'s `routing_health` row of '
+                 f'metrics.jsonl), with the top-1 router probability of each MoE layer: '
+                 f'{"; ".join(runs)}. Such a number measures an MoE whose routing stayed near '
+                 f'uniform.')
 
 
 def trails(results: Results, scale) -> List[tuple]:
@@ -327,10 +351,13 @@ def write(out: str, results: Results, header: str, arms: Dict[str, Dict[str, str
              if a not in runs_lib.TRAIL_ARMS and a not in runs_lib.REGIME_ARMS]
     rows = ablations(results, family, shown, metric)
     if rows:
+      marks, footnote = unlearned_routers(results, family, [r[0] for r in rows])
       parts += [f'### Every {family.upper()} arm (validation {metric})',
                 table(('arm', 'at the start', 'final', 'training FLOPs / step',
                        'final − moe (± s.e., paired by seed)', 'epochs'),
-                      [(f'`{r[0]}` ({arms[family][r[0]]})', *r[1:]) for r in rows])]
+                      [(f'`{r[0]}`{marks[r[0]]} ({arms[family][r[0]]})', *r[1:])
+                       for r in rows])]
+      parts += [footnote] if footnote else []
   batch = scale.t5_batch
   figures = [
       ('t5_flops.png', 't5', {'pretrain': 'dense (pretraining)', 'dense': 'dense (continued)',

@@ -67,7 +67,8 @@ def _show_summary(config: Any, result: dict, seconds: float, corpus: Optional[di
   if jax.process_index() == 0:
     step = max(result['start_step'], config.train_steps)
     print(run_summary.text(config.model_dir, step, result['checkpoint'], config.tensorboard,
-                           seconds, corpus), flush=True)
+                           seconds, corpus=corpus, routing=result.get('routing_health')),
+          flush=True)
 
 
 def _keep_tokenizer(train_data: Any, model_dir: str) -> None:

@@ -3,8 +3,9 @@
 Only process 0 writes files, through `etils.epath`, so MODEL_DIR may be a local path or
 gs://. `MODEL_DIR/metrics.jsonl` holds one JSON object per
 logged step ({'step': ..., 'split': 'train'|'eval', metrics...}), the file the
-main job (`upcycle.quickstart`) plots from, and one per warning ({'step', 'split': 'warning', 'message',
-...}). A resumed run first cuts the log back to the step it resumes from, so that every
+main job (`upcycle.quickstart`) plots from, one per warning ({'step', 'split': 'warning', 'message',
+...}) and, at the end of an MoE run, its routing health ({'step', 'split': 'routing_health',
+...}: `routing_health`). A resumed run first cuts the log back to the step it resumes from, so that every
 step appears once; a new run (no checkpoint) starts an empty log. TensorBoard event files
 are appended to as they are (TensorBoard shows the redone steps' latest values).
 
@@ -16,7 +17,7 @@ reaches the step a restart resumes from), at most every FLUSH_SECONDS otherwise,
 import json
 import logging
 import time
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import jax
 import numpy as np
@@ -194,9 +195,22 @@ class MetricLogger:
   def warn(self, step: int, message: str, **fields) -> None:
     """A warning: on the console, and in metrics.jsonl as a row with split 'warning'."""
     if self._writes:
-      self._jsonl.write(json.dumps({'step': int(step), 'split': 'warning', 'message': message,
-                                    **fields}) + '\n')
+      self.record({'step': int(step), 'split': 'warning', 'message': message, **fields})
       log.warning('WARNING at step %d: %s', step, message)
+
+  def record(self, row: Mapping[str, Any]) -> None:
+    """One row of metrics.jsonl as it is (JSON: nested blocks and booleans kept)."""
+    if self._writes:
+      self._jsonl.write(json.dumps(row) + '\n')
+
+  def rows(self) -> List[dict]:
+    """The rows of metrics.jsonl so far, this run's and the attempts' it resumes (process 0;
+    [] on the others)."""
+    if not self._writes:
+      return []
+    self.flush()
+    return [json.loads(line) for line in
+            (self._model_dir / METRICS_FILE).read_text().splitlines() if line.strip()]
 
   def _line(self, step: int, values: Mapping[str, float], split: str) -> str:
     shown = [f'{split} step {step}/{self.total_steps}']

@@ -1,14 +1,16 @@
 """The lines `python -m upcycle.train` ends with: the step reached, the wall time, where the
-run's checkpoints, metrics and TensorBoard files are, and the offline corpus it trained on (its
+run's checkpoints, metrics and TensorBoard files are, the offline corpus it trained on (its
 digest, and whether that is the pinned one: `offline_text.corpus_record`, which the run also
-keeps in MODEL_DIR/corpus.json)."""
+keeps in MODEL_DIR/corpus.json) and an MoE run's routing health (the block `routing_health` of
+metrics.jsonl, `upcycle.train.routing_health`)."""
 
 import json
 import os
 import shlex
-from typing import Dict, Optional
+from typing import Dict, Mapping, Optional
 
 from upcycle import progress
+from upcycle.train import routing_health
 from upcycle.train.logger import METRICS_FILE, TENSORBOARD_DIR
 
 
@@ -16,11 +18,13 @@ CORPUS_FILE = 'corpus.json'   # in MODEL_DIR: the offline corpus's record
 
 
 def text(model_dir: str, step: int, checkpoint: Optional[str], tensorboard: bool,
-         seconds: float, corpus: Optional[Dict] = None) -> str:
-  """Up to five lines for a run that reached `step` in `seconds`, its latest checkpoint the
+         seconds: float, corpus: Optional[Dict] = None,
+         routing: Optional[Mapping] = None) -> str:
+  """The closing lines of a run that reached `step` in `seconds`, its latest checkpoint the
   directory `checkpoint` (None: none saved); `tensorboard`: whether it wrote TensorBoard
   files; `corpus`: the `offline_text.corpus_record` of its training data (None: not an
-  offline corpus read from files)."""
+  offline corpus read from files); then an MoE run's `routing` health (its metrics.jsonl row;
+  None: a dense run), a verdict line and one line per MoE layer."""
   saved = (f'{os.path.dirname(checkpoint)} (latest: {checkpoint})' if checkpoint
            else 'none saved')
   lines = [f'Done: step {step} in {progress.eta(seconds)}.',
@@ -31,6 +35,9 @@ def text(model_dir: str, step: int, checkpoint: Optional[str], tensorboard: bool
     lines.append(f'  TensorBoard:  tensorboard --logdir {shlex.quote(logdir)}')
   if corpus:
     lines.append(f'  corpus:       {corpus_words(corpus)}')
+  if routing is not None:
+    verdict, *layers = routing_health.lines(routing)
+    lines += [f'  routing:      {verdict}', *[f'    {line}' for line in layers]]
   return '\n'.join(lines)
 
 

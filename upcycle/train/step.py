@@ -34,6 +34,24 @@ def per_layer_metrics(model_config: Any) -> Callable[[Any], Dict[str, Array]]:
                                                         model_config))
 
 
+ROUTER_KERNEL = 'router/router_weights/w/kernel'   # under an MoE layer (`upcycle.moe.layer`)
+
+
+def router_kernels(params: Any, model_config: Any) -> Dict[str, Any]:
+  """{'encoder/layers_1/mlp': the router kernel `[d_model, E]`} of every MoE layer of `params`
+  (arrays or `jax.ShapeDtypeStruct`s), per layer whether or not the model scans its layers."""
+  kernels = {p: v for p, v in tree.flatten(params).items() if p.endswith('/' + ROUTER_KERNEL)}
+  if getattr(model_config, 'scan_layers', False):
+    kernels = tree.flatten(scan_layout.unstack(tree.unflatten(kernels), model_config))
+  return {p[:-len(ROUTER_KERNEL) - 1]: v for p, v in kernels.items()}
+
+
+def router_kernel_rms(params: Any, model_config: Any) -> Dict[str, Array]:
+  """{'<layer>/router_kernel_rms': sqrt(mean(kernel^2))} of every MoE layer's router."""
+  return {f'{layer}/router_kernel_rms': jnp.sqrt(jnp.mean(jnp.square(k.astype(jnp.float32))))
+          for layer, k in router_kernels(params, model_config).items()}
+
+
 def make_train_step(objective, optimizer: optax.GradientTransformation,
                     schedule: Callable[[Array], Array], num_microbatches: int = 1,
                     microbatch_unroll: int = 1):
@@ -41,13 +59,16 @@ def make_train_step(objective, optimizer: optax.GradientTransformation,
 
   The loss is the cross-entropy summed over the whole batch divided by its total
   weight (target tokens for T5, images for ViT), plus the MoE auxiliary losses
-  averaged over layers and microbatches. Microbatching accumulates gradients of
+  averaged over layers and microbatches. Its metrics: the loss's parts, and per MoE layer the
+  routing metrics it sowed and its router kernel's RMS before this step's update
+  (`moe/<layer>/router_kernel_rms`). Microbatching accumulates gradients of
   exactly that loss, so it changes memory, not the result. `microbatch_unroll`: the
   accumulation scan's unroll, microbatches per loop iteration (for the compiler's counts,
   `fit/step_count.py`).
   """
 
-  layer_metrics = per_layer_metrics(objective.model.config)
+  model_config = objective.model.config
+  layer_metrics = per_layer_metrics(model_config)
 
   def loss_fn(params, batch, rng, total_weight, num_micro):
     rngs = dict(zip(('dropout', 'jitter'), jax.random.split(rng)))
@@ -55,7 +76,9 @@ def make_train_step(objective, optimizer: optax.GradientTransformation,
     aux = aux_losses(state)
     loss = ce['loss'] / total_weight + aux['total'] / num_micro
     return loss, {**ce, **{f'moe/{k}': v / num_micro for k, v in aux.items()},
-                  **{f'moe/{k}': v / num_micro for k, v in layer_metrics(state).items()}}
+                  **{f'moe/{k}': v / num_micro for k, v in layer_metrics(state).items()},
+                  **{f'moe/{k}': v / num_micro
+                     for k, v in router_kernel_rms(params, model_config).items()}}
 
   grad_fn = jax.grad(loss_fn, has_aux=True)
 

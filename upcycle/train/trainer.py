@@ -20,7 +20,8 @@ from upcycle.checkpoints import paths, t5x_export
 from upcycle.checkpoints.orbax import RUN_CHECKPOINTS, CheckpointManager
 from upcycle.data import tokenizer as tokenizer_lib
 from upcycle.train import (cadence, evaluation, host_states, partitioning, preemption, resume,
-                           run_lock, stall, startup)
+                           routing_health, run_lock, stall, startup)
+from upcycle.train import step as step_lib
 from upcycle.train.built_run import build_run
 from upcycle.train.host_data import HostData
 from upcycle.train.interfaces import Initializer, Objective, Optimizer
@@ -239,7 +240,9 @@ class Trainer:
     Returns {'history': logged train metrics, 'eval': final evaluation,
     'initial_eval': evaluation before the first step (eval_at_start), 'start_step',
     'state': the final TrainState, 'checkpoint': the directory of the latest saved step, None
-    if none was (a new run that starts at `train_steps`)}.
+    if none was (a new run that starts at `train_steps`), 'routing_health': an MoE run's
+    routing-health row (`routing_health`; None for a dense model, or on processes other
+    than 0)}.
     """
     cfg = self.config
     getattr(self.initializer, 'check_apart', lambda model_dir: None)(cfg.model_dir)
@@ -397,6 +400,8 @@ class Trainer:
             break
       if self.eval_data is not None and start >= cfg.train_steps:
         eval_results = self.evaluate(state.params)
+      routing = None if stopped is not None else self._routing_health(
+          logger, trained=start < cfg.train_steps)
     finally:
       manager.wait()
       latest = manager.latest_step()
@@ -408,4 +413,19 @@ class Trainer:
       self._export_t5x(manager.directory, max(start, cfg.train_steps))
     checkpoint = None if latest is None else os.path.join(manager.directory, str(latest))
     return {'history': history, 'eval': eval_results, 'initial_eval': initial_eval,
-            'start_step': start, 'state': state, 'checkpoint': checkpoint}
+            'start_step': start, 'state': state, 'checkpoint': checkpoint,
+            'routing_health': routing}
+
+  def _routing_health(self, logger: MetricLogger, trained: bool) -> Optional[dict]:
+    """The run's routing-health row (`routing_health.health`), written to metrics.jsonl when
+    this attempt trained a step (else the row an earlier attempt wrote); None for a dense model
+    and on processes other than 0."""
+    rows = logger.rows()
+    if not trained or not rows:
+      return routing_health.of_run(rows)
+    kernels = step_lib.router_kernels(self.built.abstract.params,
+                                      self.built.objective.model.config)
+    row = routing_health.health(rows, {layer: k.shape[-1] for layer, k in kernels.items()})
+    if row is not None:
+      logger.record(row)
+    return row

@@ -5,7 +5,8 @@ relative to `router/` ('router_weights/w/kernel' -> `[d_model, E]`, float32),
 and returns arrays of those shapes and dtypes. Leaves named 'kernel' get the
 initializer's distribution, leaves named 'bias' get zeros.
 
-Names for entry points: 'normal' (the default, N(0, 0.02)), 'uniform',
+Names for entry points: 'normal' (the default, N(0, 0.02); `Normal(std='width_scaled')`
+draws at the std `moe.MoeConfig.router_init = 'width_scaled'` gives a fresh MoE), 'uniform',
 'zeros' (see `get`). `FromData` needs hidden states: pass an instance.
 """
 
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from upcycle.moe.config import check_router_init, router_init_std
 from upcycle.tree import shape_of
 from upcycle.upcycling.base import Array, from_registry, key_for
 
@@ -50,12 +52,19 @@ class RouterInit(abc.ABC):
 
 @dataclasses.dataclass(frozen=True)
 class Normal(RouterInit):
-  """N(0, std^2) kernel: the Sparse Upcycling default (std 0.02)."""
+  """N(0, std^2) kernel: the Sparse Upcycling default (std 0.02).
 
-  std: float = 0.02
+  `std`: a number, or a name of `moe.MoeConfig.router_init` ('constant': 0.02, 'width_scaled':
+  0.02 * sqrt(768 / d_model) for a kernel `[d_model, E]`), the std a fresh MoE's router gets
+  with that setting (`moe.config.router_init_std`)."""
+
+  std: Union[float, str] = 0.02
+
+  def __post_init__(self):
+    check_router_init(self.std, 'router_init.Normal.std')
 
   def kernel(self, rng, shape, dtype, layer):
-    return self.std * jax.random.normal(rng, shape, jnp.float32)
+    return router_init_std(self.std, shape[0]) * jax.random.normal(rng, shape, jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
