@@ -13,6 +13,7 @@ import urllib.request
 import pytest
 
 from tests import hf_files
+from tests.helpers import REPO
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 _flags = os.environ.get('XLA_FLAGS', '')
@@ -24,6 +25,16 @@ if '--xla_backend_optimization_level' not in _flags:
   _flags += ' --xla_backend_optimization_level=0'
 os.environ['XLA_FLAGS'] = _flags.strip()
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')   # the workers' TensorFlow start-up lines
+# JAX's persistent compilation cache, in this checkout (never the user's ~/.cache/upcycle):
+# set before JAX is imported, in the environment, so the xdist workers and every process a
+# test starts share it; a program compiled again (another test, worker or process) is read
+# back. JAX keys an entry by the program, its version and XLA's flags. The size limit turns on
+# JAX's file lock (no half-written entry is read) and evicts the least recently read.
+# JAX_COMPILATION_CACHE_DIR='' turns it off.
+os.environ.setdefault('JAX_COMPILATION_CACHE_DIR',
+                      os.path.join(REPO, '.pytest_cache', 'jax_compilation_cache'))
+os.environ.setdefault('JAX_COMPILATION_CACHE_MAX_SIZE', str(2 << 30))
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '1')
 
 
 @pytest.fixture(autouse=True)

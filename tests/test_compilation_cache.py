@@ -46,3 +46,15 @@ def test_the_users_setting_decides(tmp_path):
   assert _run(tmp_path, JAX_COMPILATION_CACHE_DIR=mine)['hit']
   off = _run(tmp_path, JAX_COMPILATION_CACHE_DIR='')
   assert not off['hit'] and not off['dir'] and not os.path.exists(tmp_path / 'cache')
+
+
+def test_the_tests_compile_into_a_cache_of_their_own():
+  """tests/conftest.py sets the cache in the environment before JAX is imported, so this
+  process, the xdist workers and the processes the tests start share it: the checkout's
+  .pytest_cache/jax_compilation_cache unless the environment names another, never the user's
+  ~/.cache/upcycle."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from upcycle import platforms  # pylint: disable=g-import-not-at-top
+  directory = os.environ['JAX_COMPILATION_CACHE_DIR']
+  assert jax.config.jax_compilation_cache_dir == directory
+  assert not directory.startswith(platforms.cache_root())

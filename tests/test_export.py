@@ -117,14 +117,13 @@ def test_trainer_flag_writes_the_final_step_and_a_restart_keeps_it(run, capsys):
     TrainConfig('gs://bucket/run', 1, 8, export_t5x=True)
 
 
-def test_cli_params_only(run, tmp_path):
+def test_cli_params_only(run, tmp_path, capsys):
   out = tmp_path / 'params_only'
-  done = subprocess.run(
-      [sys.executable, '-m', 'upcycle.export', f'--model_dir={run["model_dir"]}',
-       f'--output_dir={out}', '--no_optimizer_state'],
-      cwd=REPO, capture_output=True, text=True, check=False)
-  assert done.returncode == 0, done.stderr
-  assert 'Exporting the parameters only (no optimizer state asked for).' in done.stdout
+  capsys.readouterr()
+  assert export.main([f'--model_dir={run["model_dir"]}', f'--output_dir={out}',
+                      '--no_optimizer_state']) == 0
+  assert 'Exporting the parameters only (no optimizer state asked for).' in (
+      capsys.readouterr().out)
   assert os.listdir(out) == ['checkpoint_2']
   _assert_t5x(str(out / 'checkpoint_2'), 2, run['params'], None)
 

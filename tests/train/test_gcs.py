@@ -13,7 +13,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.parse
@@ -23,6 +22,7 @@ import pytest
 
 from tests.helpers import REPO
 from tests.train.helpers import ONE_DEVICE_XLA_FLAGS, train_command
+from upcycle import describe
 
 
 def _env(gcs_emulator):
@@ -75,7 +75,8 @@ def test_the_run_lock_on_gcs(gcs_emulator, monkeypatch):
 
 
 @pytest.mark.slow
-def test_train_kill_resume_and_inspect_on_gcs(tmp_path, gcs_emulator, straight_run):
+@pytest.mark.usefixtures('on_gcs')   # describe, in this process, on the emulator
+def test_train_kill_resume_and_inspect_on_gcs(tmp_path, gcs_emulator, straight_run, capsys):
   env = _env(gcs_emulator)
   remote = 'gs://bucket/run'
   extra = ['--gin.trainer.TrainConfig.tensorboard=False']
@@ -103,9 +104,9 @@ def test_train_kill_resume_and_inspect_on_gcs(tmp_path, gcs_emulator, straight_r
   assert _exists(gcs_emulator, f'{remote}/config.gin')
   assert _exists(gcs_emulator, f'{remote}/operative_config.gin')
   assert not _exists(gcs_emulator, f'{remote}/run.lock')
-  info = subprocess.run([sys.executable, '-m', 'upcycle.describe', f'{remote}/checkpoints',
-                         '--json', '--verify'], cwd=REPO, env=env, capture_output=True, text=True)
-  assert info.returncode == 0, info.stderr[-3000:]
-  summary = json.loads(info.stdout)
+  capsys.readouterr()
+  # `python -m upcycle.describe`'s main, in this process.
+  assert describe.main([f'{remote}/checkpoints', '--json', '--verify']) == 0
+  summary = json.loads(capsys.readouterr().out)
   assert summary['format'] == 'orbax' and summary['step'] == 8
   assert summary['path'] == 'gs://bucket/run/checkpoints/8'

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import REPO, with_flags
+from tests.helpers import REPO, refusal, with_flags
 from tests.train.helpers import (ONE_DEVICE_XLA_FLAGS, TEXT_LENGTHS, TRAINING_T5, TRAINING_VIT,
                                  losses, run_t5, text, train_command)
 from upcycle import eval as eval_main
@@ -19,6 +19,7 @@ from upcycle.data.images import DIGITS, ImagePipeline
 from upcycle.data.text import TextPipeline
 from upcycle.models import T5, ViT
 from upcycle.moe import MoeConfig, routers
+from upcycle.train import __main__ as train_main
 from upcycle.train.objectives import Classification, Seq2Seq
 from upcycle.train.optimizers import Adafactor, AdamW, rsqrt_schedule, warmup_decay_schedule
 from upcycle.train.trainer import Trainer, TrainConfig
@@ -224,7 +225,7 @@ def _assert_the_console_is_short(done, model_dir, source):
 
 @pytest.mark.slow
 def test_a_continuation_that_restores_the_dataset_trains_like_the_uninterrupted_run(
-    tmp_path, straight_run):
+    tmp_path, straight_run, entry_points, capsys):
   """RESTORE_DATASET=True: the dense continuation of step 4 (optimizer state and step kept)
   reads on from step 4's data position, so steps 5-12 equal the uninterrupted run's, loss for
   loss; the position comes from the checkpoint and its batches are not read twice."""
@@ -245,14 +246,12 @@ def test_a_continuation_that_restores_the_dataset_trains_like_the_uninterrupted_
   assert sorted(continued) == list(range(5, 13))
   for step in range(5, 13):
     assert continued[step] == expected[step], step
-  # 4 batches of 8 are not a whole number of batches of 12: one line, before any step.
-  odd = [c.replace(str(model_dir), str(tmp_path / 'odd')) for c in command]
-  refused = subprocess.run(with_flags(odd, '--gin.BATCH_SIZE=12'), cwd=REPO, capture_output=True,
-                           text=True, env={**os.environ, 'XLA_FLAGS': ONE_DEVICE_XLA_FLAGS})
-  assert refused.returncode == 1, refused.stderr[-3000:]
-  assert refused.stderr.strip().splitlines()[-1] == (
+  # 4 batches of 8 are not a whole number of batches of 24: one line, before any step (train's
+  # main in this process, on its 8 devices, which divide 24).
+  odd = [c.replace(str(model_dir), str(tmp_path / 'odd')) for c in command[3:]]
+  assert refusal(train_main.main, with_flags(odd, '--gin.BATCH_SIZE=24'), capsys) == (
       'error: ContinueFromCheckpoint.restore_dataset=True: The data position 4 batches of 8 '
-      'examples into epoch 0 (32 examples) is not a whole number of batches of 12; continue '
+      'examples into epoch 0 (32 examples) is not a whole number of batches of 24; continue '
       'with a batch size that divides 32. Or read the data from its beginning: '
       'ContinueFromCheckpoint.restore_dataset = False.')
   assert not (tmp_path / 'odd' / 'metrics.jsonl').exists()
