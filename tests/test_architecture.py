@@ -41,8 +41,9 @@ ALLOWED = {
     'progress': set(),
     'reachability': set(),
     'tpu_slice': set(),
+    'partitioning': {'fields'},
     # The fit analysis compiles the trainer's run; the trainer never imports it.
-    'fit': {'models', 'moe', 'train', 'upcycling'},
+    'fit': {'models', 'moe', 'partitioning', 'train', 'upcycling'},
 }
 # Wiring: may import any part but those above it (a part whose allowed imports name it).
 WIRING = {'train', 'pretrained', 'hf_model', 'predictions', 'harness', 'aot', 'convert', 'export',

@@ -151,7 +151,7 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
   from upcycle import families
   from upcycle import pretrained
   from upcycle.data.prompts import Prompts
-  from upcycle.train import partitioning
+  from upcycle import partitioning
   # pylint: enable=g-import-not-at-top
   if getattr(infer_data, 'pack', False):
     raise ValueError('infer_data: decoding needs one example per row; bind '

@@ -15,8 +15,9 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import jax
 
-from upcycle import checkpoints, families, fields
+from upcycle import checkpoints, families, fields, partitioning
 from upcycle.data import tokenizer as tokenizer_lib
+from upcycle.upcycling import sharded
 
 
 def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-builtin
@@ -86,10 +87,6 @@ def on_mesh(params: Any, *, model_config: Any, mesh: jax.sharding.Mesh, rules: A
   under `rules` (`partitioning.rules`: the training run's, e.g. 'fsdp' splits every d_model
   axis over 'data' x 'expert'), each process reading only the blocks its devices hold
   (`upcycling.sharded.read`)."""
-  # pylint: disable=g-import-not-at-top
-  from upcycle.train import partitioning
-  from upcycle.upcycling import sharded
-  # pylint: enable=g-import-not-at-top
   shardings = partitioning.logical_sharding(families.logical_params(model_config), mesh,
                                             rules)
   return jax.tree.map(sharded.read, params, shardings)
