@@ -17,7 +17,7 @@ from tests.checkpoints import helpers, t5x_writer
 from tests.helpers import REPO
 from upcycle import checkpoints, console, convert, partitioning, tree
 from upcycle.locks.file_lock import FileLock
-from upcycle.families import abstract_params
+from upcycle.models.families import abstract_params
 from upcycle.checkpoints import orbax
 from upcycle.models import T5, scan_layout
 from upcycle.moe import MoeConfig, routers

@@ -1,7 +1,7 @@
 """A checkpoint together with the model it fits: where `checkpoints` and `models` meet.
 
 Checkpoint readers know names and arrays (and, for HuggingFace, a plain description of
-the model); `upcycle.families` knows shapes. This module wires the two:
+the model); `upcycle.models.families` knows shapes. This module wires the two:
 
   ckpt = pretrained.load(path, model_config=cfg)   # checked against cfg's shapes
   params, config = pretrained.load_hf(path)        # the config HF's config.json implies
@@ -15,8 +15,9 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import jax
 
-from upcycle import checkpoints, families, fields, partitioning
+from upcycle import checkpoints, fields, partitioning
 from upcycle.data import tokenizer as tokenizer_lib
+from upcycle.models import families
 from upcycle.upcycling import sharded
 
 

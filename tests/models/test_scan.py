@@ -11,7 +11,7 @@ import pytest
 
 from tests.models.helpers import jitted, MODEL_T5, MODEL_VIT, tokens
 from upcycle import fields, partitioning, tree, upcycling
-from upcycle.families import abstract_params
+from upcycle.models.families import abstract_params
 from upcycle.models import T5, ViT, scan_layout
 from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses, metrics, routers
 from upcycle.train.step import per_layer_metrics
