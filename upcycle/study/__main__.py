@@ -22,8 +22,8 @@ from upcycle.study.curves import Results
 from upcycle.study.scale import FULL, QUICK
 
 QUICK_ARMS = {'t5': ('pretrain', 'moe', 'dense', 'scratch', *runs_lib.REGIME_ARMS),
-              'vit': ('pretrain', 'moe'), 'llama': drop_runs.QUICK_ARMS}
-DESCRIPTIONS = {**runs_lib.DESCRIPTIONS, 'llama': drop_runs.DESCRIPTIONS}
+              'vit': ('pretrain', 'moe'), drop_render.FAMILY: drop_runs.QUICK_ARMS}
+DESCRIPTIONS = {**runs_lib.DESCRIPTIONS, drop_render.FAMILY: drop_runs.DESCRIPTIONS}
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -35,7 +35,7 @@ def suite_of(run) -> str:
   the papers' claims; 'beyond': the switches beyond the papers' anchors; 'trails': why the
   upcycled T5 trails the dense one (`runs.trail_runs`); 'drop': Drop-Upcycling in its own
   setting, a Llama upcycled into a Mixtral (`drop_runs`)."""
-  if run.family == 'llama':
+  if run.family == drop_render.FAMILY:
     return 'drop'
   if run.arm in runs_lib.REGIME_ARMS:
     return 'regime'
@@ -189,7 +189,7 @@ def main(argv=None) -> None:
            if os.path.isdir(dense_t5) else [])   # the claims suite's dense T5 ran
   arms = {family: {arm: DESCRIPTIONS[family][arm] for arm in
                    dict.fromkeys(r.arm for r in shown if r.family == family)}
-          for family in ('t5', 'vit', 'llama')}
+          for family in runs_lib.FAMILY_FILES}
   corpus = epochs.describe('stdlib', os.path.join(args.runs_dir, 't5', 'pretrain',
                                                   f'seed{scale.seeds[0]}'), args.runs_dir)
   drop_suite = drop_render.parts(results, scale, args.out)
