@@ -28,10 +28,10 @@ import time
 import jax
 import numpy as np
 
-from upcycle import tree
+from upcycle import partitioning, tree
 from upcycle.checkpoints import digests, orbax
 from upcycle.models import T5, T5Config
-from upcycle.train import optimizers, partitioning
+from upcycle.train import optimizers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = {

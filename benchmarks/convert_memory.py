@@ -58,7 +58,7 @@ def _dense_checkpoint(directory: str, spec: dict) -> int:
   import numpy as np  # pylint: disable=g-import-not-at-top
   from upcycle.checkpoints import orbax  # pylint: disable=g-import-not-at-top
   # pylint: disable=g-import-not-at-top
-  from upcycle.families import abstract_params
+  from upcycle.models.families import abstract_params
   from upcycle.models import T5Config
   # pylint: enable=g-import-not-at-top
   config = T5Config(vocab_size=spec['vocab'], d_model=spec['d_model'], num_heads=spec['heads'],

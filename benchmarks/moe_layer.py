@@ -80,11 +80,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from upcycle import layers
+from upcycle import layers, partitioning
 from upcycle.moe import (MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, capacity, grouping,
                          routers)
 from upcycle.moe.layer import EXPERT_SLOT_AXES
-from upcycle.train import partitioning
 
 @dataclasses.dataclass(frozen=True)
 class Case:

@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from upcycle import gin_utils, tree
+from upcycle import gin_utils, partitioning, tree
 from upcycle.convert import target_from_gin
 from upcycle.models import T5
-from upcycle.train import objectives, optimizers, partitioning
+from upcycle.train import objectives, optimizers
 from upcycle.train.state import TrainState
 from upcycle.train.step import make_train_step
 

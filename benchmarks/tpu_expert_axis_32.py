@@ -35,7 +35,7 @@ from upcycle import layers, tree  # pylint: disable=g-import-not-at-top,wrong-im
 from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, capacity, grouping, routers  # pylint: disable=g-import-not-at-top,wrong-import-position
 from upcycle.moe import layer as moe_layer  # pylint: disable=g-import-not-at-top,wrong-import-position
 from upcycle.fit import aot  # pylint: disable=g-import-not-at-top,wrong-import-position
-from upcycle.train import partitioning  # pylint: disable=g-import-not-at-top,wrong-import-position
+from upcycle import partitioning  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 BATCH, LENGTH, GROUP, EXPERTS, D_MODEL, D_FF = 256, 512, 4096, 32, 64, 128
 

@@ -145,7 +145,8 @@ def dense_checkpoint(model_gin: str, workdir: str) -> str:
     return os.path.join(directory, 'checkpoint_1000000')
   import dataclasses  # pylint: disable=g-import-not-at-top
   import gin  # pylint: disable=g-import-not-at-top
-  from upcycle import families, gin_utils, tree  # pylint: disable=g-import-not-at-top
+  from upcycle import gin_utils, tree  # pylint: disable=g-import-not-at-top
+  from upcycle.models import families  # pylint: disable=g-import-not-at-top
   from upcycle.checkpoints import t5x_writer  # pylint: disable=g-import-not-at-top
   from upcycle.convert import target_from_gin  # pylint: disable=g-import-not-at-top
   gin.clear_config()

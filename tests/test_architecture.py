@@ -2,10 +2,10 @@
 
   tree  <-  layers  <-  moe  <-  models  <-  decoding
   tree  <-  leaf_ops  <-  optimizer_state  <-  checkpoints  <-  upcycling
-  train, pretrained and the entry points wire everything; train  <-  fit.
+  train, pretrained and the entry points wire everything; pretrained  <-  train  <-  fit.
 
 Function-local imports count: hiding an import in a function does not change what a module
-depends on. The dependency table here and README.md's "Architecture" table name exactly the
+depends on. No part imports a part that imports it back, directly or through others. The dependency table here and README.md's "Architecture" table name exactly the
 parts (top-level modules and subpackages) that upcycle/ has.
 """
 
@@ -41,12 +41,13 @@ ALLOWED = {
     'progress': set(),
     'reachability': set(),
     'tpu_slice': set(),
+    'partitioning': {'fields'},
     # The fit analysis compiles the trainer's run; the trainer never imports it.
-    'fit': {'models', 'moe', 'train', 'upcycling'},
+    'fit': {'models', 'moe', 'partitioning', 'train', 'upcycling'},
 }
 # Wiring: may import any part but those above it (a part whose allowed imports name it).
 WIRING = {'train', 'pretrained', 'hf_model', 'predictions', 'harness', 'aot', 'convert', 'export',
-          'hf_export', 'hf_card', 'eval', 'families', 'infer', 'lm_eval', 'describe', 'quickstart',
+          'hf_export', 'hf_card', 'eval', 'infer', 'lm_eval', 'describe', 'quickstart',
           'study', '__init__'}
 # The command-line modules (`python -m ...`): flags and one call; no module imports them.
 COMMANDS = {'upcycle.aot', 'upcycle.convert', 'upcycle.eval', 'upcycle.export', 'upcycle.infer',
@@ -120,6 +121,71 @@ def _imports_from_above(path: pathlib.Path, root: pathlib.Path, source: str) -> 
           f'move what both need into upcycle.{source}'
           for line, name in imports(path, root)
           if name.startswith('upcycle.') and source in ALLOWED.get(_part(name), ())]
+
+
+def part_imports(paths, root: pathlib.Path = PACKAGE) -> dict:
+  """part -> {part it imports: '<file>:<line>' of the first such import}, function-local
+  imports included."""
+  out = {}
+  for path in paths:
+    source = _part(_module_name(path, root))
+    where = path.relative_to(root.parent)
+    for line, name in imports(path, root):
+      if name.startswith('upcycle.') and _part(name) != source:
+        out.setdefault(source, {}).setdefault(_part(name), f'{where}:{line}')
+  return out
+
+
+def _path_between(graph: dict, start: str, goal: str):
+  """[start, ..., goal] along the imports of `graph`, or None."""
+  paths, seen = [[start]], {start}
+  while paths:
+    path = paths.pop(0)
+    if path[-1] == goal:
+      return path
+    for target in sorted(graph.get(path[-1], ())):
+      if target not in seen:
+        seen.add(target)
+        paths.append(path + [target])
+  return None
+
+
+def back_arrows(paths, root: pathlib.Path = PACKAGE):
+  """'<file>:<line>: ...' for each import of a part that imports, directly or through others,
+  the importing part: an arrow of the drawing that runs back up."""
+  graph = part_imports(paths, root)
+  out = []
+  for source, targets in sorted(graph.items()):
+    for target, where in sorted(targets.items()):
+      back = _path_between(graph, target, source)
+      if back:
+        out.append(f'{where}: upcycle.{source} imports upcycle.{target}, which imports it back '
+                   f'({" -> ".join(back)}); move what both need below both')
+  return out
+
+
+def test_no_arrow_runs_back_up():
+  found = back_arrows(sorted(PACKAGE.rglob('*.py')))
+  assert not found, 'Parts that import each other:\n  ' + '\n  '.join(found)
+
+
+def test_a_back_arrow_hidden_in_a_function_is_named(tmp_path):
+  """The check itself: the trainer imports `pretrained`, which imports the trainer's objectives
+  through the registry, the last import hidden in a function."""
+  package = tmp_path / 'upcycle'
+  (package / 'train').mkdir(parents=True)
+  (package / 'train' / 'restore.py').write_text('from upcycle import pretrained\n')
+  (package / 'pretrained.py').write_text('import os\nfrom upcycle import families\n')
+  (package / 'families.py').write_text('def objective():\n  from upcycle.train import objectives\n')
+  (package / 'hf_export.py').write_text('from upcycle import families, pretrained\n')
+  files = sorted(package.rglob('*.py'))
+  assert back_arrows(files, package) == [
+      'upcycle/families.py:2: upcycle.families imports upcycle.train, which imports it back '
+      '(train -> pretrained -> families); move what both need below both',
+      'upcycle/pretrained.py:2: upcycle.pretrained imports upcycle.families, which imports it '
+      'back (families -> train -> pretrained); move what both need below both',
+      'upcycle/train/restore.py:1: upcycle.train imports upcycle.pretrained, which imports it '
+      'back (pretrained -> families -> train); move what both need below both']
 
 
 def command_imports(paths, root: pathlib.Path = PACKAGE):
@@ -235,9 +301,9 @@ def test_a_part_missing_from_a_table_is_named(tmp_path):
       "upcycle/ has ['moe'], not in the README", "the README names ['models'], not in upcycle/"]
 
 
-# The model configs and modules of upcycle.families; dispatching on them is the registry's job.
+# The model configs and modules of upcycle.models.families; dispatching on them is its job.
 FAMILY_TYPES = {'T5Config', 'ViTConfig', 'LlamaConfig', 'T5', 'ViT', 'Llama'}
-REGISTRY = PACKAGE / 'families.py'
+REGISTRY = PACKAGE / 'models' / 'families.py'
 
 
 def _type_names(node: ast.AST):
@@ -266,17 +332,17 @@ def family_dispatch(paths, root: pathlib.Path = PACKAGE):
         continue
       for name in sorted(found):
         out.append(f'{path.relative_to(root.parent)}:{node.lineno}: dispatches on {name}; ask '
-                   f'upcycle.families.of(config) instead')
+                   f'upcycle.models.families.of(config) instead')
   return out
 
 
 def test_model_families_are_dispatched_on_only_by_the_registry():
-  from upcycle import families  # pylint: disable=g-import-not-at-top
+  from upcycle.models import families  # pylint: disable=g-import-not-at-top
   registered = {t.__name__ for f in families.FAMILIES for t in (f.config, f.module)}
   assert registered == FAMILY_TYPES   # a new family is added to the check too
   found = family_dispatch(sorted(PACKAGE.rglob('*.py')))
-  assert not found, 'Dispatch on a model family outside upcycle/families.py:\n  ' + '\n  '.join(
-      found)
+  assert not found, ('Dispatch on a model family outside upcycle/models/families.py:\n  ' +
+                     '\n  '.join(found))
 
 
 def test_a_dispatch_on_a_model_config_is_named(tmp_path):
@@ -286,5 +352,7 @@ def test_a_dispatch_on_a_model_config_is_named(tmp_path):
                   '  if isinstance(model, (models.Llama, int)):\n    return 1\n'
                   '  return type(config) is models.T5Config or isinstance(config, dict)\n')
   assert family_dispatch([fake], tmp_path / 'upcycle') == [
-      'upcycle/infer.py:4: dispatches on Llama; ask upcycle.families.of(config) instead',
-      'upcycle/infer.py:6: dispatches on T5Config; ask upcycle.families.of(config) instead']
+      'upcycle/infer.py:4: dispatches on Llama; ask upcycle.models.families.of(config) '
+      'instead',
+      'upcycle/infer.py:6: dispatches on T5Config; ask upcycle.models.families.of(config) '
+      'instead']

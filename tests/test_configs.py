@@ -8,8 +8,10 @@ import jax
 import numpy as np
 import pytest
 
-from upcycle import families, gin_utils
+from upcycle import gin_utils
+from upcycle.models import families
 from upcycle.moe import capacity, grouping, routers
+from upcycle.train import objectives
 
 CONFIGS = gin_utils.CONFIGS_DIR
 FILES = sorted(os.path.relpath(p, CONFIGS)
@@ -75,7 +77,7 @@ def test_config_parses_and_builds_its_model(name):
   assert jax.tree.leaves(shapes)
   # The objective the model's architecture.gin binds is the one its family registers.
   objective = gin.query_parameter('OBJECTIVE/gin.macro.value')
-  assert objective.configurable.wrapped is family.objective
+  assert objective.configurable.wrapped is objectives.OBJECTIVES[family.objective]
 
 
 def test_mixtral_gin_is_the_block_a_mixtral_config_json_reads_into():
@@ -232,7 +234,7 @@ def test_search_paths_come_first_then_configs_then_the_working_directory(tmp_pat
     ('drop_upcycling_152m', 152_318_464),
 ])
 def test_published_llama_sizes_have_their_parameter_counts(name, count):
-  from upcycle.families import abstract_params  # pylint: disable=g-import-not-at-top
+  from upcycle.models.families import abstract_params  # pylint: disable=g-import-not-at-top
   parse([f'models/llama/{name}.gin'], ['probe.model = %MODEL'])
   shapes = jax.tree.leaves(abstract_params(probe().config))
   assert sum(int(np.prod(s.shape)) for s in shapes) == count
@@ -255,7 +257,7 @@ def test_a_decoder_only_run_reads_the_tokenizer_of_its_initial_checkpoint(run, t
                                         ('models/llama/tiny.gin', 'runs/llm_upcycle.gin')])
 def test_convert_upcycles_with_the_router_of_its_familys_recipe(model, run):
   """`python -m upcycle.convert`'s default router is the family's upcycling recipe's."""
-  from upcycle import families  # pylint: disable=g-import-not-at-top
+  from upcycle.models import families  # pylint: disable=g-import-not-at-top
   parse([model, run], MACROS + ['probe.model = %MODEL'])
   assert gin.query_parameter('upcycle.train.restore.UpcycleFromDense.router') == (
       families.of(probe()).upcycle_router)

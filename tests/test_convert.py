@@ -15,13 +15,13 @@ import pytest
 
 from tests.checkpoints import helpers, t5x_writer
 from tests.helpers import REPO
-from upcycle import checkpoints, console, convert, tree
+from upcycle import checkpoints, console, convert, partitioning, tree
 from upcycle.locks.file_lock import FileLock
-from upcycle.families import abstract_params
+from upcycle.models.families import abstract_params
 from upcycle.checkpoints import orbax
 from upcycle.models import T5, scan_layout
 from upcycle.moe import MoeConfig, routers
-from upcycle.train import objectives, optimizers, partitioning
+from upcycle.train import objectives, optimizers
 from upcycle.train.built_run import build_run
 from upcycle.train.restore import ContinueFromCheckpoint
 from upcycle.train.trainer import TrainConfig

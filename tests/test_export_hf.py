@@ -21,7 +21,7 @@ from upcycle.decoding import DecodeConfig
 from upcycle.decoding import llama as llama_decoding
 from upcycle import upcycling
 from upcycle.upcycling.experts import Granular
-from upcycle.families import abstract_params
+from upcycle.models.families import abstract_params
 from upcycle.models import Llama, Llama3RopeScaling, LlamaConfig, llama_hf, scan_layout
 from upcycle.moe import MOE_COLLECTIONS, aux_losses, capacity, routers
 

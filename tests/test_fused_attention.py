@@ -7,8 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from upcycle import fused_attention, layers
-from upcycle.train import partitioning
+from upcycle import fused_attention, layers, partitioning
 
 # 300 tokens (padded to 384: blocks of 128, three by three), 4 query heads over 2 key/value
 # heads; row 0 packs two examples and 20 tokens of padding (segment 0), row 1 is one example.

@@ -155,7 +155,7 @@ def test_eval_sequence_accuracy_counts_exact_matches(byte_vocab_t5):
   from upcycle.data.text import TextPipeline  # pylint: disable=g-import-not-at-top
   from upcycle.decoding import DecodeConfig  # pylint: disable=g-import-not-at-top
   from upcycle.models import T5  # pylint: disable=g-import-not-at-top
-  from upcycle.train import partitioning  # pylint: disable=g-import-not-at-top
+  from upcycle import partitioning  # pylint: disable=g-import-not-at-top
   params, config = pretrained.load_hf(byte_vocab_t5[0])
   pipeline = TextPipeline('offline_span_corruption', 'validation',
                           {'inputs': 32, 'targets': 8}, pack=False, shuffle=False)

@@ -247,7 +247,7 @@ def test_fsdp_splits_the_parameters_over_data_and_scores_as_the_default(moe_run)
   it; log-likelihoods, greedy flags and generations are those of the default placement."""
   from lm_eval.api.instance import Instance  # pylint: disable=g-import-not-at-top
   from upcycle import harness  # pylint: disable=g-import-not-at-top
-  from upcycle.train import partitioning  # pylint: disable=g-import-not-at-top
+  from upcycle import partitioning  # pylint: disable=g-import-not-at-top
   mesh = partitioning.make_mesh()
   scored = [Instance(request_type='loglikelihood', doc={}, idx=i,
                      arguments=(doc['question'], choice))
@@ -277,7 +277,7 @@ def test_a_checkpoint_with_a_flipped_byte_is_refused_in_one_line(moe_run, tmp_pa
   digests the run recorded at save refuse it, in one line, before anything is scored;
   --no_verify (`verify=False`) reads it as it is."""
   from upcycle import harness  # pylint: disable=g-import-not-at-top
-  from upcycle.train import partitioning  # pylint: disable=g-import-not-at-top
+  from upcycle import partitioning  # pylint: disable=g-import-not-at-top
   checkpoint, _, tasks = moe_run
   shutil.copytree(os.path.dirname(checkpoint), tmp_path / 'run')   # with its tokenizer/
   damaged = str(tmp_path / 'run' / 'checkpoints')
@@ -308,7 +308,7 @@ def test_a_checkpoint_with_a_flipped_byte_is_refused_in_one_line(moe_run, tmp_pa
 def test_a_task_that_samples_or_leaves_no_context_is_refused_in_one_line(moe_run):
   from lm_eval.api.instance import Instance  # pylint: disable=g-import-not-at-top
   from upcycle import harness  # pylint: disable=g-import-not-at-top
-  from upcycle.train import partitioning  # pylint: disable=g-import-not-at-top
+  from upcycle import partitioning  # pylint: disable=g-import-not-at-top
   lm, _ = harness.load_lm(moe_run[1], mesh=partitioning.make_mesh(),
                           rules=partitioning.LOGICAL_AXIS_RULES)
   request = Instance(request_type='generate_until', doc={}, idx=0,

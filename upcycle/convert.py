@@ -100,10 +100,11 @@ from typing import Any, Callable, List, Mapping, Optional, Union
 
 from etils import epath
 
-from upcycle import (arguments, checkpoints, console, families, gin_utils, pretrained,
-                     reachability, tree)
+from upcycle import (arguments, checkpoints, console, gin_utils, pretrained, reachability,
+                     tree)
 from upcycle.checkpoints import atomic_dir, gcs, paths, t5x_writer, verify as verify_lib
 from upcycle.data import tokenizer as tokenizer_lib
+from upcycle.models import families
 from upcycle.upcycling import experts as experts_lib
 from upcycle.upcycling import router_init
 from upcycle.upcycling import modes, report_file, step_policy, stream
@@ -260,7 +261,7 @@ def _source_tokenizer(sources: List[str], model_config: Any) -> Optional[tokeniz
   source has none (said). Raises ConvertError where a source carries another tokenizer than
   its weights were trained with (a run whose tokenizer/ was replaced) or two sources carry
   different ones."""
-  if families.of(model_config).name != 'llama':
+  if not families.of(model_config).carries_tokenizer:
     return None
   try:
     tokenizers = [tokenizer_lib.load(source) for source in sources]

@@ -50,7 +50,8 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
   # pylint: disable=g-import-not-at-top
   from upcycle import decoding as decoding_lib
   from upcycle import pretrained
-  from upcycle.train import evaluation, partitioning
+  from upcycle import partitioning
+  from upcycle.train import evaluation
   from upcycle.train.step import make_eval_step
   # pylint: enable=g-import-not-at-top
   fields.integer_value('BATCH_SIZE (eval_script.evaluate.batch_size)', batch_size, 1)

@@ -42,10 +42,9 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models import utils as lm_eval_models
 import numpy as np
 
-from upcycle import decoding, families, fields, predictions
-from upcycle.models import llama_hf
+from upcycle import decoding, fields, partitioning, predictions
+from upcycle.models import families, llama_hf
 from upcycle.models.llama import Llama
-from upcycle.train import partitioning
 
 MODEL_MACRO = 'MODEL'   # the gin macro of the model, as a run's gin files bind it
 DEFAULT_MAX_LENGTH = 2048   # lm-eval's hf backend's, where a model says nothing

@@ -29,20 +29,22 @@ and the output records the digests of the tensors it holds (`digests/process_0.j
 """
 
 import dataclasses
+import json
 import logging
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from upcycle import checkpoints, families, hf_card, pretrained, tree
-from upcycle.checkpoints import (atomic_dir, hf_writer, paths, safetensors_file, t5x_export,
-                                 validate, verify as verify_lib)
+from upcycle import checkpoints, hf_card, pretrained, tree
+from upcycle.checkpoints import (atomic_dir, hf_llama, hf_qwen2_moe, hf_t5, hf_writer, paths,
+                                 safetensors_file, t5x_export, validate, verify as verify_lib)
 from upcycle.checkpoints.lazy import LazyArray
 from upcycle.checkpoints.t5x_export import ExportError
-from upcycle.models import scan_layout
+from upcycle.data import tokenizer as tokenizer_lib
+from upcycle.models import LlamaConfig, T5Config, families, llama_hf, scan_layout
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +52,98 @@ DEFAULT_MAX_SHARD_SIZE = '5GB'   # transformers' `save_pretrained` default
 DTYPES = ('bfloat16', 'float32')
 
 
+# (config.json, {HF tensor name: leaf}, {file name: bytes}) of dense, unrolled params.
+HfFiles = Tuple[Dict[str, Any], Dict[str, Any], Dict[str, bytes]]
+
+
+@dataclasses.dataclass(frozen=True)
+class HfExport:
+  """How `python -m upcycle.export --format=hf` writes a family.
+
+  check: config -> None; raises ExportError / fields.ConfigError, in one line, for a config
+    HuggingFace has no class for (called before any array is read).
+  files: (params, config, source checkpoint path) -> HfFiles.
+  """
+  check: Callable[[Any], None]
+  files: Callable[[Mapping[str, Any], Any, str], HfFiles]
+
+
+def _dtype(params: Mapping[str, Any]) -> str:
+  return np.dtype(params['token_embedder']['embedding'].dtype).name
+
+
+def _t5_hf_check(config: T5Config) -> None:
+  if config.encoder_moe or config.decoder_moe:
+    raise ExportError('an MoE T5 has no HuggingFace class (T5ForConditionalGeneration is '
+                      'dense). Fix: export it with --format=t5x (Flaxformer\'s MoE names).')
+
+
+def _t5_hf_files(params: Mapping[str, Any], config: T5Config, source: str) -> HfFiles:
+  hf_config = hf_t5.hf_config(dataclasses.asdict(config), dtype=_dtype(params))
+  return hf_config, hf_t5.to_hf(params, source), {}
+
+
+def _generation_config(tokenizer: tokenizer_lib.Tokenizer, ids: Mapping[str, Any]) -> bytes:
+  """generation_config.json: the source's, kept beside the run's tokenizer, else the ids
+  `generate` stops on and pads with (`ids`, config.json's)."""
+  kept = tokenizer.files.get('generation_config.json')
+  return kept if kept is not None else json.dumps(dict(ids), indent=2).encode('utf-8')
+
+
+def _weights_source(tokenizer: tokenizer_lib.Tokenizer, config: LlamaConfig) -> Dict[str, Any]:
+  """The config.json of the HF checkpoint the tokenizer came from where the weights came from
+  it too (its hidden_size and vocab_size the model's), else {}: a model trained from scratch
+  with an HF model's tokenizer takes that model's token ids, not its context or dtype."""
+  kept = tokenizer_lib.source_config(tokenizer)
+  same = (kept.get('hidden_size'), kept.get('vocab_size')) == (config.d_model, config.vocab_size)
+  return kept if same else {}
+
+
+def _llama_hf_files(params: Mapping[str, Any], config: LlamaConfig, source: str) -> HfFiles:
+  """config.json with the token ids of the HF checkpoint the run's tokenizer came from
+  (`tokenizer.hf_ids`) and the context length and dtype of the one its weights came from
+  (`_weights_source`), else the tokenizer's own ids and the stored dtype; the tokenizer's
+  files and companions (chat template) and generation_config.json. None of them, with a
+  warning, where the source keeps no tokenizer; `tokenizer.TokenizerError` where the
+  tokenizer it keeps is not the one its weights were trained with (a replaced tokenizer/)."""
+  try:
+    tokenizer = tokenizer_lib.load(source)
+  except tokenizer_lib.TokenizerError as e:
+    log.warning('Exporting %s without a tokenizer (config.json gets no BOS / EOS ids): %s',
+                source, e)
+    tokenizer = None
+  else:
+    pretrained.check_trained(
+        tokenizer, source, binding='The HF export',
+        fix=f'put the tokenizer {source} was trained with in {tokenizer.source}.')
+  ids = {} if tokenizer is None else tokenizer_lib.hf_ids(tokenizer)
+  kept = {} if tokenizer is None else _weights_source(tokenizer, config)
+  hf_config = llama_hf.hf_config(
+      config, dtype=kept.get('dtype') or kept.get('torch_dtype') or _dtype(params),
+      token_ids=ids, max_position_embeddings=kept.get('max_position_embeddings'))
+  files = {}
+  if tokenizer is not None:
+    files = {name: data for name, data in tokenizer.files.items()
+             if name != tokenizer_lib.SOURCE_CONFIG}
+    files['generation_config.json'] = _generation_config(tokenizer, ids)
+  if hf_config['model_type'] == 'qwen2_moe':   # its gated shared expert: hf_qwen2_moe
+    return hf_config, hf_qwen2_moe.to_hf(params, source), files
+  return hf_config, hf_llama.to_hf(params, source, hf_config['architectures'][0]), files
+
+
+# The HuggingFace writer of each family that has one, by `families.Family.name`.
+WRITERS = {'t5': HfExport(check=_t5_hf_check, files=_t5_hf_files),
+           'llama': HfExport(check=llama_hf.hf_model_type, files=_llama_hf_files)}
+
+
 def check_exportable(config: Any) -> None:
   """Refuses, in one line, a model HuggingFace has no class for (or this export no writer)."""
   family = families.of(config)
-  if family.hf_export is None:
+  if family.name not in WRITERS:
     raise ExportError(f'--format=hf writes Llama-family models (Llama, Qwen2, Mistral, '
                       f'Mixtral, Qwen2-MoE) and dense T5 v1.1; {family.module.__name__} is not '
                       f'written as HuggingFace yet. Fix: export it with --format=t5x.')
-  family.hf_export.check(config)
+  WRITERS[family.name].check(config)
 
 
 def _checkpoint_path(model_dir: str, step: Optional[int]) -> Tuple[str, str]:
@@ -152,10 +238,11 @@ def export(model_dir: str, output_dir: str, model_config: Any = None,
   params = _dense_params(ckpt, config)
   if verify:
     verify_lib.check(dataclasses.replace(ckpt, optimizer_state=None))
-  hf_config, tensors, files = families.of(config).hf_export.files(params, config, ckpt.path)
+  family = families.of(config)
+  hf_config, tensors, files = WRITERS[family.name].files(params, config, ckpt.path)
   tokenizer = (', with its tokenizer' if files else
                ', without a tokenizer: copy the one its weights were trained with into it'
-               if families.of(config).name == 'llama' else '')
+               if family.carries_tokenizer else '')
   dtype = dtype or hf_config['dtype']
   hf_config.update(dtype=dtype, torch_dtype=dtype)
   tensors = _cast(tensors, dtype)

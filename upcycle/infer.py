@@ -148,10 +148,10 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
       'predict_with_aux' or 'score' (a T5's task examples only).
   """
   # pylint: disable=g-import-not-at-top
-  from upcycle import families
-  from upcycle import pretrained
+  from upcycle import partitioning, pretrained
   from upcycle.data.prompts import Prompts
-  from upcycle.train import partitioning
+  from upcycle.models import families
+  from upcycle.train import objectives
   # pylint: enable=g-import-not-at-top
   if getattr(infer_data, 'pack', False):
     raise ValueError('infer_data: decoding needs one example per row; bind '
@@ -200,7 +200,7 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
         infer_data, batch_size=batch_size, max_batches=max_batches))
     if t5x_mode == 'score':
       batches = predictions.scored_records(
-          families.of(model).objective(model), params, infer_data, batch_size=batch_size,
+          objectives.of(model), params, infer_data, batch_size=batch_size,
           mesh=mesh, max_batches=max_batches, seed=seed)
     else:
       batches = predictions.batch_records(

@@ -20,9 +20,8 @@ from jax.sharding import Mesh
 import numpy as np
 
 from upcycle import decoding as decoding_lib
-from upcycle import task_metrics
+from upcycle import partitioning, task_metrics
 from upcycle.data.prompts import Prompts
-from upcycle.train import partitioning
 
 Predictions = Tuple[Dict[str, np.ndarray], np.ndarray, np.ndarray]
 

@@ -1,7 +1,7 @@
 """A checkpoint together with the model it fits: where `checkpoints` and `models` meet.
 
 Checkpoint readers know names and arrays (and, for HuggingFace, a plain description of
-the model); `upcycle.families` knows shapes. This module wires the two:
+the model); `upcycle.models.families` knows shapes. This module wires the two:
 
   ckpt = pretrained.load(path, model_config=cfg)   # checked against cfg's shapes
   params, config = pretrained.load_hf(path)        # the config HF's config.json implies
@@ -15,8 +15,10 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import jax
 
-from upcycle import checkpoints, families, fields
+from upcycle import checkpoints, fields, partitioning
 from upcycle.data import tokenizer as tokenizer_lib
+from upcycle.models import families
+from upcycle.upcycling import sharded
 
 
 def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-builtin
@@ -86,10 +88,6 @@ def on_mesh(params: Any, *, model_config: Any, mesh: jax.sharding.Mesh, rules: A
   under `rules` (`partitioning.rules`: the training run's, e.g. 'fsdp' splits every d_model
   axis over 'data' x 'expert'), each process reading only the blocks its devices hold
   (`upcycling.sharded.read`)."""
-  # pylint: disable=g-import-not-at-top
-  from upcycle.train import partitioning
-  from upcycle.upcycling import sharded
-  # pylint: enable=g-import-not-at-top
   shardings = partitioning.logical_sharding(families.logical_params(model_config), mesh,
                                             rules)
   return jax.tree.map(sharded.read, params, shardings)

@@ -9,7 +9,7 @@ import numpy as np
 
 from upcycle import tree
 from upcycle.optimizer_state import adafactor
-from upcycle.families import abstract_params
+from upcycle.models.families import abstract_params
 from upcycle.models import T5, T5Config, ViT, ViTConfig
 
 # Written by T5X's own checkpointer (t5x/testdata/tiny_t5, Apache-2.0); see its README.md.

@@ -7,7 +7,7 @@ import numpy as np
 
 from tests.checkpoints import helpers
 from upcycle.checkpoints import describe
-from upcycle.families import abstract_params
+from upcycle.models.families import abstract_params
 from upcycle.moe import routers
 from upcycle.moe.config import MoeConfig
 
@@ -37,3 +37,11 @@ def test_summary_counts_parameters_and_expert_blocks():
       'a Llama model, 141 parameters, an MoE with 4 experts in 2 blocks')
   assert describe.summary({'encoder': {'layers_0': {'x': np.zeros((1000, 1000))}}}) == (
       'a T5 model, 1.0M parameters, dense (no expert leaves)')
+
+
+def test_names_of_no_family_are_described_as_unknown():
+  params = {'dense': {'kernel': np.zeros((2, 3))}}
+  assert describe.model_kind(params) is None
+  assert describe.describe(params) == (
+      'unknown model (1 parameters, none with T5, Llama or ViT names)')
+  assert describe.summary(params) == 'a unknown model, 6 parameters, dense (no expert leaves)'

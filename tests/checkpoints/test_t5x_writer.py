@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from tests.checkpoints import helpers, t5x_reader
-from upcycle import checkpoints, optimizer_state, tree
+from upcycle import checkpoints, optimizer_state, partitioning, tree
 from upcycle.checkpoints import flax_msgpack, t5x_writer
 from upcycle.models import T5
 from upcycle.moe import MoeConfig, routers
-from upcycle.train import optimizers, partitioning
+from upcycle.train import optimizers
 
 E = 4
 MOE = dataclasses.replace(helpers.CHECKPOINT_T5, encoder_moe=MoeConfig(num_experts=E),

@@ -19,7 +19,7 @@ from tests import hf_files
 from upcycle import pretrained, upcycling
 from upcycle.decoding import DecodeConfig, sampling_logits
 from upcycle.decoding import llama as llama_decoding
-from upcycle.families import abstract_params
+from upcycle.models.families import abstract_params
 from upcycle.models import Llama, scan_layout
 from upcycle.moe import MoeConfig, grouping, routers
 from upcycle.predictions import through_eos

@@ -11,7 +11,7 @@ import pytest
 
 from upcycle import pretrained, upcycling
 from upcycle.decoding import DecodeConfig, make_decode_fn
-from upcycle.families import abstract_params
+from upcycle.models.families import abstract_params
 from upcycle.models import T5
 from upcycle.moe import MoeConfig, routers
 

@@ -21,7 +21,7 @@ def test_dense_t5_closed_form():
   # self scores 2*4*4*8 = 256, cross q,o 2*8*8*4 = 512, cross k,v on the inputs 2*8*8*6 = 768,
   # cross scores 2*4*6*8 = 384, MLP 3*8*12*4 = 1152 -> 4096. Logits 4*8*32 = 1024.
   macs = 2 * 3840 + 2 * 4096 + 1024
-  assert flops.t5_forward_flops(T5_TINY, 2, 6, 4) == 2 * 2 * macs == 67584
+  assert T5_TINY.forward_flops(2, 6, 4) == 2 * 2 * macs == 67584
   assert flops.train_flops(67584) == 3 * 67584
 
 
@@ -42,7 +42,7 @@ def test_moe_blocks_count_capacity_slots_and_the_router():
                             grouping=grouping.Flaxformer(max_group_size=4096)))
   encoder_extra = 24 * 288 + 12 * 8 * 4 - 12 * 288
   decoder_extra = 32 * 288 + 8 * 8 * 4 - 8 * 288
-  assert (flops.t5_forward_flops(moe, 2, 6, 4) - flops.t5_forward_flops(T5_TINY, 2, 6, 4)
+  assert (moe.forward_flops(2, 6, 4) - T5_TINY.forward_flops(2, 6, 4)
           == 2 * (encoder_extra + decoder_extra) == 2 * (3840 + 7168))
 
 
@@ -52,7 +52,7 @@ def test_vit_closed_form_and_objectives():
   # Per image: patch embedding 4 patches x (4*4*3) x 8 = 1536; per block (5 tokens with cls):
   # q,k,v,o 4*8*8*5 = 1280, scores 2*5*5*8 = 400, MLP 2*8*12*5 = 960; head 8*5 = 40.
   macs = 1536 + 2 * (1280 + 400 + 960) + 40
-  assert flops.vit_forward_flops(cfg, 3) == 2 * 3 * macs == 41136
+  assert cfg.forward_flops(3) == 2 * 3 * macs == 41136
   images = np.zeros((3, 8, 8, 3), np.float32)
   seq2seq = objectives.Seq2Seq(T5(T5_TINY))
   batch = {'encoder_input_tokens': np.zeros((2, 6), np.int32),
@@ -67,10 +67,10 @@ def test_shared_expert_counts_on_every_token():
   moe = MoeConfig(num_experts=4, router=routers.TopK(k=1))
   shared = dataclasses.replace(moe, shared_expert=True)
   t5 = lambda enc, dec: dataclasses.replace(T5_TINY, encoder_moe=enc, decoder_moe=dec)
-  extra = (flops.t5_forward_flops(t5(dataclasses.replace(shared, shared_expert_d_ff=6), shared),
-                                  2, 6, 4) - flops.t5_forward_flops(t5(moe, moe), 2, 6, 4))
+  extra = (t5(dataclasses.replace(shared, shared_expert_d_ff=6), shared).forward_flops(2, 6, 4)
+           - t5(moe, moe).forward_flops(2, 6, 4))
   assert extra == 2 * (1728 + 2304)
   vit = ViTConfig(num_classes=5, image_size=(8, 8), patch_size=(4, 4), width=8, depth=2,
                   mlp_dim=12, num_heads=2)
-  assert (flops.vit_forward_flops(dataclasses.replace(vit, moe=shared), 3)
-          - flops.vit_forward_flops(dataclasses.replace(vit, moe=moe), 3)) == 2 * 15 * 192
+  assert (dataclasses.replace(vit, moe=shared).forward_flops(3)
+          - dataclasses.replace(vit, moe=moe).forward_flops(3)) == 2 * 15 * 192

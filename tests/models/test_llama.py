@@ -13,7 +13,7 @@ import pytest
 
 from tests.models.helpers import llama_logits
 from upcycle import fields, tree, upcycling
-from upcycle.families import abstract_params
+from upcycle.models.families import abstract_params
 from upcycle.models import Llama, Llama3RopeScaling, LlamaConfig, scan_layout
 from upcycle.models import rope
 from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses, routers

@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 
 from tests.models.helpers import jitted, MODEL_T5, MODEL_VIT, tokens
-from upcycle import fields, tree, upcycling
-from upcycle.families import abstract_params
+from upcycle import fields, partitioning, tree, upcycling
+from upcycle.models.families import abstract_params
 from upcycle.models import T5, ViT, scan_layout
 from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses, metrics, routers
-from upcycle.train import partitioning
 from upcycle.train.step import per_layer_metrics
 
 # Four layers, 'every_other': two periods of (dense, MoE) per stack.

@@ -11,7 +11,7 @@ import pytest
 
 from tests.models.helpers import jitted, MODEL_T5, MODEL_VIT, tile_experts, tokens
 from upcycle import upcycling
-from upcycle.families import abstract_params
+from upcycle.models.families import abstract_params
 from upcycle.models import T5, T5Config, ViT
 from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses, metrics, routers
 

@@ -13,10 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from upcycle import layers
+from upcycle import layers, partitioning
 from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, exchange, metrics
 from upcycle.moe import routers
-from upcycle.train import partitioning
 
 E, D, D_FF = 8, 16, 24
 SWIGLU = functools.partial(layers.GatedMlp, d_ff=D_FF, activation='silu')

@@ -9,11 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from upcycle import layers
+from upcycle import layers, partitioning
 from upcycle.fields import ConfigError
 from upcycle.moe import (MOE_COLLECTIONS, MoeConfig, MoeLayer, ROUTER_LOGITS, aux_losses, capacity,
                          grouping, metrics, router_logits, routers, routing)
-from upcycle.train import partitioning
 from tests.models.helpers import jitted
 from tests.moe.helpers import flaxformer_arrays, primitive_names
 

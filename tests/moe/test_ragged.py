@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from upcycle import fields, layers
-from upcycle.models import LlamaConfig, flops
+from upcycle.models import LlamaConfig
 from upcycle.moe import (MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, capacity, grouping,
                          metrics, ragged, routers)
 from tests.moe.helpers import primitive_names
@@ -116,8 +116,7 @@ def test_capacity_is_the_whole_group_and_flops_count_k_rows_per_token():
   assert dropless.capacity(64, deterministic=False) == 64
   dense = LlamaConfig(vocab_size=32, d_model=8, num_heads=2, num_kv_heads=1, head_dim=4,
                       d_ff=12, num_layers=2)
-  count = lambda moe: flops.llama_forward_flops(
-      dataclasses.replace(dense, moe=moe), batch=2, length=8)
+  count = lambda moe: dataclasses.replace(dense, moe=moe).forward_flops(batch=2, length=8)
   # Per layer: each of the 16 tokens through k = 2 experts instead of one MLP
   # (2 * 3 * d FLOPs per unit), and the router (2 * d * E per token).
   mlp, router = 16 * 12 * 2 * 3 * 8, 2 * 16 * 8 * E

@@ -27,13 +27,12 @@ from safetensors.numpy import load_file
 from tests.train.helpers import TEXT_LENGTHS, TRAINING_T5, text
 from upcycle import console, convert, describe, hf_export
 from upcycle import eval as eval_script
-from upcycle import infer as infer_script
+from upcycle import infer as infer_script, partitioning
 from upcycle.checkpoints import CheckpointError, ocdbt_files, orbax_tree, t5x_export, zarr_leaf
 from upcycle.data.text import TextPipeline
 from upcycle.decoding import DecodeConfig
 from upcycle.models import T5
 from upcycle.moe import MoeConfig, routers
-from upcycle.train import partitioning
 from upcycle.train.restore import ContinueFromCheckpoint
 from upcycle.train.objectives import Seq2Seq
 from upcycle.train.optimizers import Adafactor, rsqrt_schedule

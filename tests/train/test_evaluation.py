@@ -77,7 +77,8 @@ def test_every_validation_example_counts_whatever_the_batch_size(tmp_path):
   masked, so loss and accuracy are the same and padding counts nowhere."""
   from tests.train.helpers import TRAINING_T5, text   # pylint: disable=g-import-not-at-top
   from upcycle.models import T5   # pylint: disable=g-import-not-at-top
-  from upcycle.train import evaluation, partitioning   # pylint: disable=g-import-not-at-top
+  from upcycle import partitioning   # pylint: disable=g-import-not-at-top
+  from upcycle.train import evaluation   # pylint: disable=g-import-not-at-top
   from upcycle.train.objectives import Seq2Seq, init_params   # pylint: disable=g-import-not-at-top
   from upcycle.train.step import make_eval_step   # pylint: disable=g-import-not-at-top
   import jax   # pylint: disable=g-import-not-at-top

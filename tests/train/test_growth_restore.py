@@ -11,11 +11,11 @@ import pytest
 
 from tests.checkpoints import helpers
 from tests.train.helpers import mesh_run
-from upcycle import console, tree
+from upcycle import console, partitioning, tree
 from upcycle.checkpoints import orbax
 from upcycle.models import T5
 from upcycle.moe import MoeConfig, routers
-from upcycle.train import objectives, optimizers, partitioning
+from upcycle.train import objectives, optimizers
 from upcycle.train.grow import GrowDepth, GrowExperts
 from upcycle.upcycling import carry_optimizer_state, depth_growth, execute, expert_growth
 

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from tests import hf_files
-from upcycle import convert, pretrained
+from upcycle import convert, partitioning, pretrained
 from upcycle.models import Llama, LlamaConfig, llama_hf
-from upcycle.train import objectives, optimizers, partitioning
+from upcycle.train import objectives, optimizers
 from upcycle.train.built_run import build_run
 from upcycle.train.restore import UpcycleFromDense
 from upcycle.train.trainer import TrainConfig

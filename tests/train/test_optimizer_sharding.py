@@ -15,12 +15,12 @@ from jax.sharding import PartitionSpec as P
 
 from tests.checkpoints import helpers, t5x_writer
 from tests.train.helpers import mesh_run
-from upcycle import checkpoints, tree
+from upcycle import checkpoints, partitioning, tree
 from upcycle.checkpoints import orbax
 from upcycle.models import T5, ViT
 from upcycle.moe import MoeConfig, capacity, routers
 from upcycle.optimizer_state import shardings as slots
-from upcycle.train import objectives, optimizers, partitioning, resume
+from upcycle.train import objectives, optimizers, resume
 from upcycle.train.grow import GrowExperts
 from upcycle.train.restore import UpcycleFromDense
 from upcycle.train.state import TrainState

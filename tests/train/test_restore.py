@@ -15,11 +15,11 @@ import pytest
 
 from tests.checkpoints import helpers, t5x_writer
 from tests.train.helpers import mesh_run
-from upcycle import checkpoints, console, pretrained, tree
+from upcycle import checkpoints, console, partitioning, pretrained, tree
 from upcycle.checkpoints import describe, orbax
 from upcycle.models import T5, ViT, scan_layout
 from upcycle.moe import MoeConfig, capacity, routers
-from upcycle.train import objectives, optimizers, partitioning
+from upcycle.train import objectives, optimizers
 from upcycle.train.restore import ContinueFromCheckpoint, UpcycleFromDense
 from upcycle.upcycling import experts, sharded, step_policy
 from upcycle.optimizer_state import from_t5x_adafactor

@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from upcycle.train import partitioning, startup
+from upcycle import partitioning
+from upcycle.train import startup
 
 
 def test_the_start_up_line_counts_each_device_s_share_of_the_parameters():

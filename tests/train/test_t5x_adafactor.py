@@ -11,10 +11,10 @@ import optax
 import pytest
 
 from tests.train.helpers import TRAINING_T5, text
-from upcycle import tree
+from upcycle import partitioning, tree
 from upcycle.models import T5, T5Config
 from upcycle.moe import MoeConfig, routers
-from upcycle.train import optimizers, partitioning
+from upcycle.train import optimizers
 from upcycle.train.objectives import Seq2Seq
 from upcycle.train.restore import UpcycleFromDense
 from upcycle.train.t5x_adafactor import FactorDim, factor_rules, moe_logical_factor_rules

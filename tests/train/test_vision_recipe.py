@@ -10,11 +10,10 @@ import optax
 import pytest
 
 from tests.train.helpers import TRAINING_VIT
-from upcycle import tree
+from upcycle import partitioning, tree
 from upcycle.data.images import DIGITS, ImagePipeline
 from upcycle.models import ViT
 from upcycle.moe import MoeConfig, routers
-from upcycle.train import partitioning
 from upcycle.train.objectives import Classification
 from upcycle.train.optimizers import BigVisionAdafactor, big_vision_schedule
 from upcycle.train.restore import UpcycleFromDense

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from upcycle import tree
-from upcycle.families import abstract_params
+from upcycle.models.families import abstract_params
 from upcycle.models import T5Config, ViTConfig
 from upcycle.moe import MoeConfig, routers
 from upcycle.upcycling import base as base_lib

@@ -12,7 +12,7 @@ import pytest
 
 from tests.checkpoints import helpers
 from upcycle import layers, tree
-from upcycle.families import abstract_params
+from upcycle.models.families import abstract_params
 from upcycle.moe import MoeConfig, MoeLayer, ROUTER_LOGITS, capacity, router_logits, routers
 from upcycle.train import optimizers
 from upcycle.upcycling import depth_growth, expert_growth, grow_depth, grow_experts

@@ -6,28 +6,42 @@
                    -> 'ViT: depth 12, width 768, 12 heads, mlp 3072, patch 16x16, 196 tokens
                       (14x14), pool token, 1000 classes, MoE at 1,3,5,7,9,11, E=8'
   summary(params) -> 'a T5 model, 1.2M parameters, an MoE with 8 experts in 4 blocks'
+
+A model family's parameter names are its `Describer` in `DESCRIBERS`, keyed by the family's
+name (`upcycle.models.families.Family.name`; `tests/test_families.py` checks that every
+family has one): checkpoints know names, not model configs.
 """
 
+import dataclasses
 import math
 import re
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from upcycle import tree
 
 
-FAMILY_NAMES = {'t5': 'T5', 'llama': 'Llama', 'vit': 'ViT', None: 'unknown'}
+def _is_flat(params: Any) -> bool:
+  return isinstance(params, dict) and all(not isinstance(v, dict) for v in params.values())
+
+
+def _starts(flat: Dict[str, Any], prefixes) -> bool:
+  return any(p.startswith(prefixes) for p in flat)
+
+
+_TEXT_STACKS = ('token_embedder/', 'encoder/layers_', 'decoder/layers_')
+
+
+def _is_t5(flat: Dict[str, Any]) -> bool:
+  """A text stack with an encoder or a relative position bias."""
+  return _starts(flat, _TEXT_STACKS) and any(
+      p.startswith('encoder/') or '/relpos_bias/' in p for p in flat)
 
 
 def model_kind(params: Any) -> Optional[str]:
-  """'t5', 'llama' (a decoder stack alone, no relative position bias), 'vit' or None, from the
-  parameter names."""
+  """The name of the first family in `DESCRIBERS` whose names `params` has ('t5', 'llama': a
+  decoder stack alone, no relative position bias, 'vit'), or None."""
   flat = params if _is_flat(params) else tree.flatten(params)
-  if any(p.startswith(('token_embedder/', 'encoder/layers_', 'decoder/layers_')) for p in flat):
-    t5 = any(p.startswith('encoder/') or '/relpos_bias/' in p for p in flat)
-    return 't5' if t5 else 'llama'
-  if any(p.startswith(('Transformer/encoderblock_', 'embedding/kernel')) for p in flat):
-    return 'vit'
-  return None
+  return next((d.name for d in DESCRIBERS if d.matches(flat)), None)
 
 
 def summary(params: Any) -> str:
@@ -43,11 +57,9 @@ def summary(params: Any) -> str:
     moe = 'dense (no expert leaves)'
   count = (f'{size / 1e9:.1f}B' if size >= 1e9 else f'{size / 1e6:.1f}M' if size >= 1e6
            else f'{size:,}')
-  return f'a {FAMILY_NAMES[model_kind(flat)]} model, {count} parameters, {moe}'
-
-
-def _is_flat(params: Any) -> bool:
-  return isinstance(params, dict) and all(not isinstance(v, dict) for v in params.values())
+  kind = model_kind(flat)
+  title = 'unknown' if kind is None else _DESCRIBERS[kind].title
+  return f'a {title} model, {count} parameters, {moe}'
 
 
 def _layer_indices(flat: Dict[str, Any], pattern: str) -> List[int]:
@@ -141,14 +153,40 @@ def _describe_vit(flat: Dict[str, Any]) -> str:
           f'{_moe_text(experts)}')
 
 
+@dataclasses.dataclass(frozen=True)
+class Describer:
+  """A model family's parameter names.
+
+  name: the family's (`upcycle.models.families.Family.name`).
+  title: what a description calls it ('T5').
+  matches: flat params -> whether they have the family's names (tried in `DESCRIBERS` order).
+  describe: flat params -> one line of its architecture and sizes.
+  """
+  name: str
+  title: str
+  matches: Callable[[Dict[str, Any]], bool]
+  describe: Callable[[Dict[str, Any]], str]
+
+
+# In the order they are tried: a decoder-only Llama has a T5's names less its encoder and
+# relative position bias, so T5 is asked first.
+DESCRIBERS = (
+    Describer(name='t5', title='T5', matches=_is_t5, describe=_describe_t5),
+    Describer(name='llama', title='Llama', matches=lambda flat: _starts(flat, _TEXT_STACKS),
+              describe=_describe_llama),
+    Describer(name='vit', title='ViT',
+              matches=lambda flat: _starts(flat, ('Transformer/encoderblock_', 'embedding/kernel')),
+              describe=_describe_vit),
+)
+_DESCRIBERS = {d.name: d for d in DESCRIBERS}
+
+
 def describe(params: Any) -> str:
   """One line naming the architecture and its sizes, or why it cannot be told."""
   flat = params if _is_flat(params) else tree.flatten(params)
   kind = model_kind(flat)
-  if kind == 't5':
-    return _describe_t5(flat)
-  if kind == 'vit':
-    return _describe_vit(flat)
-  if kind == 'llama':
-    return _describe_llama(flat)
-  return f'unknown model ({len(flat)} parameters, none with T5, ViT or Llama names)'
+  if kind is not None:
+    return _DESCRIBERS[kind].describe(flat)
+  titles = [d.title for d in DESCRIBERS]
+  return (f'unknown model ({len(flat)} parameters, none with {", ".join(titles[:-1])} or '
+          f'{titles[-1]} names)')

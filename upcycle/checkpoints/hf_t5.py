@@ -55,7 +55,8 @@ TABLE = NameTable(_rows())
 
 def _description(hf: Dict[str, Any], config_path: str,
                  logits_via_embedding: bool) -> Dict[str, Any]:
-  """config.json -> the T5Config fields it implies (`upcycle.models.config_from_description`)."""
+  """config.json -> the T5Config fields it implies
+  (`upcycle.models.families.config_from_description`)."""
   proj = hf.get('feed_forward_proj', 'relu')
   if proj != 'gated-gelu':
     raise checkpoint_error(

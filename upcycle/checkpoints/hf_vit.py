@@ -76,7 +76,8 @@ def _leaf(t: LazyArray, module: str, kind: str, heads: int) -> LazyArray:
 
 
 def _description(hf: Dict[str, Any], config_path: str) -> Dict[str, Any]:
-  """config.json -> the ViTConfig fields it implies (`upcycle.models.config_from_description`)."""
+  """config.json -> the ViTConfig fields it implies
+  (`upcycle.models.families.config_from_description`)."""
   act = hf.get('hidden_act', 'gelu')
   if act not in _GELUS:
     raise checkpoint_error(config_path, 'field "hidden_act" is not supported',

@@ -8,6 +8,6 @@
   step_count.py  a step's FLOPs and bytes with every layer and microbatch counted
   roofline.py    the roofline bound on a step's time and the MFU it allows
 
-It imports the trainer's run (`train/built_run.py`, `train/partitioning.py`); nothing in
+It imports the trainer's run (`train/built_run.py`, `partitioning.py`); nothing in
 `train/` imports it.
 """

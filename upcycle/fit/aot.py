@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from upcycle.fit import batch_fit, levers, step_count
 from upcycle.fit import roofline as rooflines
 from upcycle.fit import hbm as hbm_sizes
-from upcycle.train import partitioning
+from upcycle import partitioning
 from upcycle.train.built_run import build_run, step_flops
 from upcycle.upcycling import report_file
 

@@ -22,7 +22,7 @@ from typing import Any, List, Mapping, Optional
 
 from upcycle.fit import batch_fit
 from upcycle.moe.config import MoeConfig
-from upcycle.train import partitioning
+from upcycle import partitioning
 
 GIB = 2 ** 30
 

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from upcycle import fields, fused_attention, layers
-from upcycle.models import llama_hf, rope, scan_layout, stacking
+from upcycle.models import flops, llama_hf, rope, scan_layout, stacking
 from upcycle.moe import grouping, placement
 from upcycle.moe.config import MoeConfig
 from upcycle.moe.layer import MoeLayer
@@ -187,6 +187,22 @@ class LlamaConfig:
   def layer_stacks(self) -> list:
     """(prefix, unrolled block name, scanned name, num_layers, sparse): the one decoder stack."""
     return [('decoder', 'layers_{}', 'layers', self.num_layers, self.sparse_layers())]
+
+  def forward_flops(self, batch: int, length: int) -> int:
+    """Forward FLOPs on `[batch, length]` tokens (`models/flops.py` counts): q/o projections
+    over all heads, k/v over the key/value heads (grouped-query attention), scores and sum
+    over all heads."""
+    d, hd = self.d_model, self.head_dim
+    q_inner, kv_inner = self.num_heads * hd, self.num_kv_heads * hd
+    attention = (2 * length * d * (2 * q_inner + 2 * kv_inner)
+                 + 2 * 2 * length * length * q_inner)
+    unit = 2 * 3 * d                                # wi_0 (gate), wi_1 (up), wo (down)
+    sparse = self.sparse_layers()
+    total = 0
+    for i in range(self.num_layers):
+      moe = self.moe if i in sparse else None
+      total += batch * attention + flops.mlp_block(moe, batch, length, d, self.d_ff, unit)
+    return total + 2 * batch * length * d * self.vocab_size   # logits
 
 
 class Attention(nn.Module):

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from upcycle import fields, layers
-from upcycle.models import scan_layout, stacking
+from upcycle.models import flops, scan_layout, stacking
 from upcycle.moe import grouping, placement
 from upcycle.moe.config import MoeConfig
 from upcycle.moe.layer import MoeLayer
@@ -123,6 +123,23 @@ class T5Config:
     return [(stack, 'layers_{}', 'layers', n, self.sparse_layers(stack))
             for stack, n in (('encoder', self.num_encoder_layers),
                              ('decoder', self.num_decoder_layers))]
+
+  def forward_flops(self, batch: int, inputs_length: int, targets_length: int) -> int:
+    """Forward FLOPs on `[batch, inputs_length]` inputs and `[batch, targets_length]` decoder
+    tokens (`models/flops.py` counts)."""
+    d, inner = self.d_model, self.num_heads * self.d_kv
+    unit = 2 * 3 * d                                # wi_0, wi_1, wo per d_ff unit
+    le, ld = inputs_length, targets_length
+    total = 0
+    for i in range(self.num_encoder_layers):
+      moe = self.encoder_moe if i in self.sparse_layers('encoder') else None
+      total += batch * flops.attention(le, le, d, inner)
+      total += flops.mlp_block(moe, batch, le, d, self.d_ff, unit)
+    for i in range(self.num_decoder_layers):
+      moe = self.decoder_moe if i in self.sparse_layers('decoder') else None
+      total += batch * (flops.attention(ld, ld, d, inner) + flops.attention(ld, le, d, inner))
+      total += flops.mlp_block(moe, batch, ld, d, self.d_ff, unit)
+    return total + 2 * batch * ld * d * self.vocab_size   # logits
 
 
 def _mlp(config: T5Config, moe: Optional[MoeConfig], sparse: bool, causal: bool) -> nn.Module:

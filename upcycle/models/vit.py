@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from upcycle import fields, layers
-from upcycle.models import scan_layout, stacking
+from upcycle.models import flops, scan_layout, stacking
 from upcycle.moe import placement
 from upcycle.moe.config import MoeConfig
 from upcycle.moe.layer import MoeLayer
@@ -111,6 +111,26 @@ class ViTConfig:
   def layer_stacks(self) -> list:
     """(prefix, unrolled block name, scanned name, num_layers, sparse) per stack (`scan_layout`)."""
     return [('Transformer', 'encoderblock_{}', 'encoderblock', self.depth, self.sparse_layers())]
+
+  def forward_flops(self, batch: int) -> int:
+    """Forward FLOPs on `batch` images (`models/flops.py` counts)."""
+    w, (gh, gw), (ph, pw) = self.width, self.grid, self.patch_size
+    patches = gh * gw
+    n = patches + (1 if self.pool_type == 'token' else 0)
+    unit = 2 * 2 * w                                # Dense_0, Dense_1 per mlp_dim unit
+    total = 2 * batch * patches * ph * pw * self.num_channels * w   # patch embedding
+    sparse = self.sparse_layers()
+    for i in range(self.depth):
+      moe = self.moe if i in sparse else None
+      total += (batch * flops.attention(n, n, w, w)
+                + flops.mlp_block(moe, batch, n, w, self.mlp_dim, unit))
+    if self.pool_type == 'map':                     # one probe query, then an MLP on it
+      total += batch * (flops.attention(1, n, w, w) + self.mlp_dim * unit)
+    features = w
+    if self.representation_size is not None:
+      total += 2 * batch * w * self.representation_size
+      features = self.representation_size
+    return total + 2 * batch * features * self.num_classes
 
 
 def _attention(cfg: ViTConfig) -> nn.Module:

@@ -23,10 +23,10 @@ from upcycle.study.scale import FULL, QUICK
 
 QUICK_ARMS = {'t5': ('pretrain', 'moe', 'dense', 'scratch', *runs_lib.REGIME_ARMS,
                      *recipe.arms(QUICK)),
-              'vit': ('pretrain', 'moe'), 'llama': drop_runs.QUICK_ARMS}
+              'vit': ('pretrain', 'moe'), drop_render.FAMILY: drop_runs.QUICK_ARMS}
 DESCRIPTIONS = {**runs_lib.DESCRIPTIONS,
                 't5': {**runs_lib.DESCRIPTIONS['t5'], **recipe.descriptions(FULL)},
-                'llama': drop_runs.DESCRIPTIONS}
+                drop_render.FAMILY: drop_runs.DESCRIPTIONS}
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -39,7 +39,7 @@ def suite_of(run) -> str:
   the papers' claims; 'beyond': the switches beyond the papers' anchors; 'trails': why the
   upcycled T5 trails the dense one (`runs.trail_runs`); 'drop': Drop-Upcycling in its own
   setting, a Llama upcycled into a Mixtral (`drop_runs`)."""
-  if run.family == 'llama':
+  if run.family == drop_render.FAMILY:
     return 'drop'
   if run.arm in recipe.arms(FULL):
     return 'recipe'
@@ -196,7 +196,7 @@ def main(argv=None) -> None:
            if os.path.isdir(dense_t5) else [])   # the claims suite's dense T5 ran
   arms = {family: {arm: DESCRIPTIONS[family][arm] for arm in
                    dict.fromkeys(r.arm for r in shown if r.family == family)}
-          for family in ('t5', 'vit', 'llama')}
+          for family in runs_lib.FAMILY_FILES}
   corpus = epochs.describe('packages', os.path.join(args.runs_dir, 't5', 'pretrain',
                                                   f'seed{scale.seeds[0]}'), args.runs_dir)
   drop_suite = drop_render.parts(results, scale, args.out)

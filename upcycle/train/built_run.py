@@ -15,9 +15,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from upcycle import fields, tree
+from upcycle import fields, partitioning, tree
 from upcycle.optimizer_state import shardings
-from upcycle.train import partitioning
 from upcycle.train.objectives import init_params
 from upcycle.train.state import TrainState
 from upcycle.train.step import make_eval_step, make_train_step

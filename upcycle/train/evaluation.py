@@ -10,8 +10,9 @@ from typing import Dict, Optional, Sequence
 import jax
 import numpy as np
 
+from upcycle import partitioning
 from upcycle.data.iterator import DataIterator
-from upcycle.train import fewshot, partitioning
+from upcycle.train import fewshot
 from upcycle.train.objectives import EXAMPLE_MASK
 
 

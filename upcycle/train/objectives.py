@@ -1,4 +1,8 @@
-"""What a model is trained on: batch -> model inputs, logits -> loss. One per model family."""
+"""What a model is trained on: batch -> model inputs, logits -> loss. One per model family.
+
+`of(model)` is the objective its family names (`families.Family.objective`, a key of
+`OBJECTIVES`), with its defaults.
+"""
 
 import dataclasses
 from typing import Any, Dict, Mapping, Sequence, Tuple
@@ -8,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from upcycle import fields
-from upcycle.models import T5, ViT, flops
+from upcycle.models import T5, ViT, families, flops
 from upcycle.models.llama import Llama
 from upcycle.moe import MOE_COLLECTIONS
 from upcycle.train import losses
@@ -83,8 +87,8 @@ class Seq2Seq(TargetTokenLoss):
 
   def train_flops(self, batch: Mapping[str, Any]) -> int:
     batch_size, inputs = np.shape(batch['encoder_input_tokens'])
-    return flops.train_flops(flops.t5_forward_flops(
-        self.model.config, batch_size, inputs, np.shape(batch['decoder_input_tokens'])[1]))
+    return flops.train_flops(self.model.config.forward_flops(
+        batch_size, inputs, np.shape(batch['decoder_input_tokens'])[1]))
 
 
 LM_INPUTS = ('decoder_input_tokens', 'decoder_segment_ids', 'decoder_positions')
@@ -149,8 +153,8 @@ class CausalLm(TargetTokenLoss):
     return int(np.size(batch['decoder_input_tokens']))
 
   def train_flops(self, batch: Mapping[str, Any]) -> int:
-    return flops.train_flops(flops.llama_forward_flops(
-        self.model.config, *np.shape(batch['decoder_input_tokens'])))
+    return flops.train_flops(self.model.config.forward_flops(
+        *np.shape(batch['decoder_input_tokens'])))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,8 +193,16 @@ class Classification(LossOfOutputs):
     return int(batch['image'].shape[0] * np.prod(cfg.grid))
 
   def train_flops(self, batch: Mapping[str, Any]) -> int:
-    return flops.train_flops(flops.vit_forward_flops(self.model.config,
-                                                     np.shape(batch['image'])[0]))
+    return flops.train_flops(self.model.config.forward_flops(np.shape(batch['image'])[0]))
+
+
+# The objectives by the name a family gives (`families.Family.objective`).
+OBJECTIVES = {cls.__name__: cls for cls in (Seq2Seq, CausalLm, Classification)}
+
+
+def of(model: Any) -> LossOfOutputs:
+  """The objective of `model`'s family, with its defaults, over `model`."""
+  return OBJECTIVES[families.of(model).objective](model)
 
 
 def init_params(objective, rng: Array, batch: Batch) -> Any:

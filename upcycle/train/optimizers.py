@@ -165,7 +165,7 @@ class T5XAdafactor:
     if param_axes is None:
       raise ValueError('T5XAdafactor.build(param_axes) needs the params\' logical axis names '
                        '(path -> names), which the Trainer passes; called directly, pass '
-                       'upcycle.train.partitioning.logical_axes(boxed params).')
+                       'upcycle.partitioning.logical_axes(boxed params).')
     rules = self.logical_factor_rules
     rules = t5x_adafactor.factor_rules(
         param_axes, t5x_adafactor.moe_logical_factor_rules() if rules is None else rules)

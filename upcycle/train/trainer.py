@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from upcycle import fields, pretrained
+from upcycle import fields, partitioning, pretrained
 from upcycle.checkpoints import paths, t5x_export
 from upcycle.checkpoints.orbax import RUN_CHECKPOINTS, CheckpointManager
 from upcycle.data import tokenizer as tokenizer_lib
-from upcycle.train import (cadence, evaluation, host_states, partitioning, preemption, resume,
+from upcycle.train import (cadence, evaluation, host_states, preemption, resume,
                            routing_health, run_lock, stall, startup)
 from upcycle.train import step as step_lib
 from upcycle.train.built_run import build_run

@@ -12,11 +12,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from tests.models.helpers import MODEL_T5, MODEL_VIT, tokens
-from upcycle import fields, tree
+from upcycle import fields, partitioning, tree
 from upcycle.optimizer_state import shardings as slots
 from upcycle.models import Llama, LlamaConfig, T5, ViT
 from upcycle.moe import MOE_COLLECTIONS, MoeConfig, aux_losses, grouping, routers
-from upcycle.train import optimizers, partitioning
+from upcycle.train import optimizers
 
 T5_MOE = dataclasses.replace(
     MODEL_T5, num_encoder_layers=2, num_decoder_layers=2,
