@@ -1,8 +1,6 @@
 """`MoeConfig`: everything that decides how an MoE block routes and computes."""
 
 import dataclasses
-import math
-import numbers
 from typing import Optional, Union
 
 from upcycle import fields
@@ -10,35 +8,11 @@ from upcycle.grouped_kernels import GROUPED_KERNELS
 from upcycle.moe import capacity as capacities
 from upcycle.moe import grouping as groupings
 from upcycle.moe import routers
+from upcycle.router_scale import check_router_init, router_init_std
 
 DISPATCHES = ('masked', 'indices', 'ragged')
 LOAD_BALANCING_SCOPES = ('group', 'batch')
 LOAD_BALANCING_LAYERS = ('separate', 'pooled')
-ROUTER_INITS = ('constant', 'width_scaled')
-ROUTER_INIT_STD = 0.02      # Flaxformer's router kernel std (and HF's initializer_range)
-ROUTER_INIT_WIDTH = 768     # T5 Base's d_model: where 'width_scaled' equals 'constant'
-
-
-def router_init_std(init: Union[str, float], d_model: int) -> float:
-  """The std of a router kernel `[d_model, E]` drawn from N(0, std^2) (`MoeConfig.router_init`):
-  'constant' 0.02 whatever the width; 'width_scaled' 0.02 * sqrt(768 / d_model), 0.02 at T5
-  Base's 768 and 0.0693 at d_model 64, so the router logits' scale does not depend on the
-  width; a number is the std itself."""
-  if init == 'constant':
-    return ROUTER_INIT_STD
-  if init == 'width_scaled':
-    return ROUTER_INIT_STD * math.sqrt(ROUTER_INIT_WIDTH / d_model)
-  return float(init)
-
-
-def check_router_init(init: Union[str, float], name: str) -> None:
-  """`fields.ConfigError` naming the binding `name` unless `init` is one of `ROUTER_INITS` or a
-  number > 0."""
-  if isinstance(init, numbers.Real) and not isinstance(init, bool):
-    fields.number_value(name, init, 0.0, strictly=True)
-  elif init not in ROUTER_INITS:
-    raise fields.ConfigError(f'{name} = {init!r}: expected one of {ROUTER_INITS} or a router '
-                             f'kernel std > 0.')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +85,7 @@ class MoeConfig:
     shared_expert_d_ff: the shared expert's d_ff (ViT: mlp_dim); None: the dense
       MLP's. Requires `shared_expert`.
     router_init: how the router kernel `[d_model, E]` is drawn, N(0, std^2) with std
-      (`router_init_std`): 'constant' 0.02 whatever the width, as Flaxformer's router
+      (`router_scale.router_init_std`): 'constant' 0.02 whatever the width, as Flaxformer's router
       (`routing.py`'s `default_kernel_init = normal(stddev=2e-2)`, T5X's MoE and Sparse
       Upcycling) and HF's Mixtral (`initializer_range` 0.02 for the gate); 'width_scaled'
       0.02 * sqrt(768 / d_model), equal to it at T5 Base's width and 0.0693 at d_model 64,

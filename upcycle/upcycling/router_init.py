@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from upcycle.moe.config import check_router_init, router_init_std
+from upcycle.router_scale import check_router_init, router_init_std
 from upcycle.tree import shape_of
 from upcycle.upcycling.base import Array, from_registry, key_for
 
@@ -56,7 +56,7 @@ class Normal(RouterInit):
 
   `std`: a number, or a name of `moe.MoeConfig.router_init` ('constant': 0.02, 'width_scaled':
   0.02 * sqrt(768 / d_model) for a kernel `[d_model, E]`), the std a fresh MoE's router gets
-  with that setting (`moe.config.router_init_std`)."""
+  with that setting (`router_scale.router_init_std`)."""
 
   std: Union[float, str] = 0.02
 
