@@ -6,10 +6,13 @@ from typing import Optional
 from upcycle import fields
 from upcycle.grouped_kernels import GROUPED_KERNELS
 from upcycle.moe import capacity as capacities
+from upcycle.moe import dispatch as dispatches
+from upcycle.moe import dropless, routers, slots
 from upcycle.moe import grouping as groupings
-from upcycle.moe import routers
 
-DISPATCHES = ('masked', 'indices', 'ragged')
+# The registry of dispatches: `MoeConfig.dispatch` names one, whose class builds it from the
+# config (`Dispatch.of`). Adding a dispatch: its module in moe/ and its name here.
+DISPATCHES = {'masked': slots.Slots, 'indices': slots.Slots, 'ragged': dropless.Dropless}
 LOAD_BALANCING_SCOPES = ('group', 'batch')
 LOAD_BALANCING_LAYERS = ('separate', 'pooled')
 
@@ -38,9 +41,11 @@ class MoeConfig:
       (`upcycle.moe.grouping`): `PerExample()` (each example one group), `Fixed(size)` or
       `Flaxformer(max_group_size, num_expert_replicas)` (T5X's GROUP_SIZE rule); in gin
       `@grouping.Flaxformer()`.
-    dispatch: 'masked' (one-hot einsum, TPU friendly) or 'indices'
-      (gather/scatter, CPU/GPU friendly), the same function of the capacity slots; or
-      'ragged' (Top-K only): dropless, each token's K choices sorted by expert and the
+    dispatch: the name of a dispatch in `DISPATCHES`, built from this config by
+      `dispatcher`: 'masked' (`slots.Slots('masked')`: one-hot einsum, TPU friendly) or
+      'indices' (`slots.Slots('indices')`: gather/scatter, CPU/GPU friendly), the same
+      function of the capacity slots; or 'ragged' (`dropless.Dropless(grouped_kernel)`, Top-K
+      only): dropless, each token's K choices sorted by expert and the
       experts run as grouped matmuls (`grouped_kernel`) on exactly the rows that chose
       them; the capacity factors are then not used (it equals the other two with a capacity
       of the whole group, `capacity` returns the group size).
@@ -117,13 +122,9 @@ class MoeConfig:
     fields.instance(self, 'grouping', groupings.Grouping,
                     '@grouping.PerExample(), @grouping.Fixed() or @grouping.Flaxformer() in gin '
                     '(from upcycle.moe import grouping)')
-    fields.choice(self, 'dispatch', DISPATCHES)
-    if self.dispatch == 'ragged' and not self.router.tokens_choose:
-      raise fields.ConfigError(
-          f"{fields.binding(self, 'dispatch')} = 'ragged' is dropless Top-K: each token's k "
-          f"choices, with no capacity. Bind {fields.binding(self, 'router')} = "
-          f"@routers.TopK(), or keep {self.router!r} with dispatch 'masked' or 'indices'.")
+    fields.choice(self, 'dispatch', tuple(DISPATCHES))
     fields.choice(self, 'grouped_kernel', tuple(GROUPED_KERNELS))
+    self.dispatcher.validate(self)
     fields.number(self, 'load_balancing_loss_weight', 0.0)
     fields.choice(self, 'load_balancing_scope', LOAD_BALANCING_SCOPES)
     fields.choice(self, 'load_balancing_layers', LOAD_BALANCING_LAYERS)
@@ -140,6 +141,16 @@ class MoeConfig:
           f'{fields.binding(self, "shared_expert_d_ff")} = {self.shared_expert_d_ff} without a '
           f'shared expert: set {fields.binding(self, "shared_expert")} = True too.')
 
+  @property
+  def dispatcher(self) -> dispatches.Dispatch:
+    """The dispatch object `dispatch` names (`DISPATCHES`)."""
+    return DISPATCHES[self.dispatch].of(self)
+
+  @property
+  def dropless(self) -> bool:
+    """Whether the dispatch computes every token's choices, with no capacity."""
+    return DISPATCHES[self.dispatch].dropless
+
   def shared_d_ff(self, dense_d_ff: int) -> Optional[int]:
     """The shared expert's d_ff in a model whose dense MLP has `dense_d_ff`; None: none."""
     if not self.shared_expert:
@@ -152,8 +163,8 @@ class MoeConfig:
 
   def capacity(self, group_size: int, deterministic: bool) -> int:
     """Slots per expert and group of `group_size` tokens (see `capacity_convention`); the
-    whole group for the dropless 'ragged' dispatch."""
-    if self.dispatch == 'ragged':
+    whole group for a dropless dispatch."""
+    if self.dropless:
       return group_size
     factor = self.eval_capacity_factor if deterministic else self.train_capacity_factor
     capacity = self.capacity_convention.slots(
