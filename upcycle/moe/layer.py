@@ -15,9 +15,8 @@ The layer stands where the dense MLP stood, under the same name. Its parameters:
 Auxiliary losses and metrics are sown (see `upcycle.moe.summary`):
   'aux_loss':    load_balancing_loss, router_z_loss, weighted (their weighted sum); with
                  load_balancing_layers='pooled' instead of load_balancing_loss:
-                 balance_fraction and balance_probability [groups, experts] and
-                 weighted_balance_fraction (the fraction times the loss weight: the stack's
-                 loss is linear in it), weighted then being the weighted z-loss only
+                 pooled_balance (`routing.PooledBalance`: f and p [groups, experts], the
+                 loss weight a static field), weighted then being the weighted z-loss only
   'moe_metrics': fraction_dropped_tokens (tokens no expert took; Flaxformer's
                  fraction_tokens_left_behind); router_confidence (the router probability
                  of the filled slots, summed over them / their number) and expert_usage
@@ -168,10 +167,8 @@ class MoeLayer(nn.Module):
     self.sow('aux_loss', 'router_z_loss', z_loss)
     if statistics is not None and cfg.load_balancing_layers == 'pooled':
       # `summary.aux_losses` computes the stack's loss and adds it, weighted, to 'weighted'.
-      self.sow('aux_loss', 'balance_fraction', statistics[0])
-      self.sow('aux_loss', 'balance_probability', statistics[1])
-      self.sow('aux_loss', 'weighted_balance_fraction',
-               cfg.load_balancing_loss_weight * statistics[0])
+      self.sow('aux_loss', 'pooled_balance', routing.PooledBalance(
+          *statistics, weight=cfg.load_balancing_loss_weight))
       self.sow('aux_loss', 'weighted', weighted_z_loss)
       return
     balance = (jnp.zeros((), jnp.float32) if statistics is None
