@@ -9,10 +9,12 @@ import jax
 import numpy as np
 import pytest
 
-from upcycle import layers
+from upcycle import fields, layers
 from upcycle.moe import MoeConfig, MoeLayer, capacity, routers
 from upcycle.moe.config import DISPATCHES
 from upcycle.moe.dispatch import Dispatch
+from upcycle.moe.dropless import Dropless
+from upcycle.moe.slots import Slots
 
 E, K, D, D_FF = 4, 2, 4, 6
 EXPERT = functools.partial(layers.GatedMlp, d_ff=D_FF, activation='silu')
@@ -50,6 +52,16 @@ def test_every_registered_dispatch_computes_top_k_experts_given_room_for_every_t
 
 
 def test_an_unregistered_dispatch_is_refused_with_the_registered_names():
-  with pytest.raises(Exception, match=r"moe.MoeConfig.dispatch = 'scatter': expected one of "
-                                      r".*'masked', 'indices', 'ragged'"):
+  with pytest.raises(fields.ConfigError,
+                     match=r"moe.MoeConfig.dispatch = 'scatter': expected one of "
+                           r".*'masked', 'indices', 'ragged'"):
     MoeConfig(dispatch='scatter')
+
+
+def test_dispatch_objects_name_their_bad_field_and_the_choices():
+  with pytest.raises(fields.ConfigError, match=r"slots.Slots.by = 'gather': expected one of "
+                                               r".*'masked', 'indices'"):
+    Slots('gather')
+  with pytest.raises(fields.ConfigError, match=r"dropless.Dropless.kernel = 'gmm': expected one "
+                                               r"of .*'ragged_dot', 'blocked', 'megablox'"):
+    Dropless('gmm')

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from upcycle import fields
+from upcycle.grouped_kernels import GROUPED_KERNELS
 from upcycle.moe import dispatch, exchange, experts, ragged, routers, routing
 
 Array = jax.Array
@@ -27,6 +28,9 @@ class Dropless(dispatch.Dispatch):
 
   kernel: str = 'ragged_dot'
   dropless = True
+
+  def __post_init__(self):
+    fields.choice(self, 'kernel', tuple(GROUPED_KERNELS))
 
   @classmethod
   def of(cls, config) -> 'Dropless':

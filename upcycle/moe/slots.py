@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from upcycle import tree
+from upcycle import fields, tree
 from upcycle.layers import constrain
 from upcycle.moe import dispatch, routers, routing
 
@@ -104,6 +104,9 @@ class Slots(dispatch.Dispatch):
 
   by: str = 'masked'
   dropless = False
+
+  def __post_init__(self):
+    fields.choice(self, 'by', tuple(SLOT_FUNCTIONS))
 
   @classmethod
   def of(cls, config) -> 'Slots':
