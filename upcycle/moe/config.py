@@ -1,7 +1,7 @@
 """`MoeConfig`: everything that decides how an MoE block routes and computes."""
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Dict, Optional
 
 from upcycle import fields
 from upcycle.grouped_kernels import GROUPED_KERNELS
@@ -10,9 +10,12 @@ from upcycle.moe import dispatch as dispatches
 from upcycle.moe import dropless, routers, slots
 from upcycle.moe import grouping as groupings
 
-# The registry of dispatches: `MoeConfig.dispatch` names one, whose class builds it from the
-# config (`Dispatch.of`). Adding a dispatch: its module in moe/ and its name here.
-DISPATCHES = {'masked': slots.Slots, 'indices': slots.Slots, 'ragged': dropless.Dropless}
+# The registry of dispatches (`upcycle.moe.dispatch`): `MoeConfig.dispatch` names one, built
+# here from the config. Adding a dispatch: its module in moe/ and its name here.
+DISPATCHES: Dict[str, Callable[['MoeConfig'], dispatches.Dispatch]] = {
+    'masked': lambda config: slots.Slots('masked'),
+    'indices': lambda config: slots.Slots('indices'),
+    'ragged': lambda config: dropless.Dropless(config.grouped_kernel)}
 LOAD_BALANCING_SCOPES = ('group', 'batch')
 LOAD_BALANCING_LAYERS = ('separate', 'pooled')
 
@@ -144,12 +147,12 @@ class MoeConfig:
   @property
   def dispatcher(self) -> dispatches.Dispatch:
     """The dispatch object `dispatch` names (`DISPATCHES`)."""
-    return DISPATCHES[self.dispatch].of(self)
+    return DISPATCHES[self.dispatch](self)
 
   @property
   def dropless(self) -> bool:
     """Whether the dispatch computes every token's choices, with no capacity."""
-    return DISPATCHES[self.dispatch].dropless
+    return self.dispatcher.dropless
 
   def shared_d_ff(self, dense_d_ff: int) -> Optional[int]:
     """The shared expert's d_ff in a model whose dense MLP has `dense_d_ff`; None: none."""

@@ -1,7 +1,7 @@
 """What `MoeLayer` asks of a dispatch: how the routed tokens reach the experts and come back.
 
-A dispatch is a frozen dataclass built from a `MoeConfig` (`Dispatch.of`); the config names
-it (`MoeConfig.dispatch`, a key of `upcycle.moe.config.DISPATCHES`, the one registry). The
+A dispatch is a frozen dataclass; a `MoeConfig` names one (`MoeConfig.dispatch`, a key of
+`upcycle.moe.config.DISPATCHES`, the one registry, which builds it from the config). The
 layer routes, asks the dispatch for the slots the routing fills (its metrics), then for the
 output:
 
@@ -28,11 +28,6 @@ class Dispatch(abc.ABC):
   """A dispatch (subclasses are frozen dataclasses)."""
 
   dropless: ClassVar[bool]   # True: no capacity, every token's choices computed
-
-  @classmethod
-  @abc.abstractmethod
-  def of(cls, config) -> 'Dispatch':
-    """The dispatch `config` (a `MoeConfig`) names."""
 
   def validate(self, config) -> None:
     """Raises `fields.ConfigError` naming the binding if `config` cannot use this dispatch."""

@@ -32,10 +32,6 @@ class Dropless(dispatch.Dispatch):
   def __post_init__(self):
     fields.choice(self, 'kernel', tuple(GROUPED_KERNELS))
 
-  @classmethod
-  def of(cls, config) -> 'Dropless':
-    return cls(kernel=config.grouped_kernel)
-
   def validate(self, config) -> None:
     if not config.router.tokens_choose:
       raise fields.ConfigError(

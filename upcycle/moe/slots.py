@@ -108,10 +108,6 @@ class Slots(dispatch.Dispatch):
   def __post_init__(self):
     fields.choice(self, 'by', tuple(SLOT_FUNCTIONS))
 
-  @classmethod
-  def of(cls, config) -> 'Slots':
-    return cls(by=config.dispatch)
-
   def plan(self, routed: routers.Routing, mask: Optional[Array], num_tokens: int,
            config) -> Tuple[routing.SlotUse, routing.RoutingDecision]:
     return routing.slot_use(routed.decision, num_tokens), routed.decision
