@@ -9,7 +9,7 @@ v4:4x4x2 slice shown one device per core, mesh data 2 x expert 32 x model 1.
 
 The masked dispatch computes `einsum('gecs,gsd->egcd', one_hot, tokens)` where the tokens are
 (groups split over ('expert', 'data')) and only then moves the slots to the experts' layout
-(`upcycle/moe/layer.py`, TOKEN_SLOT_AXES -> EXPERT_AXES), and back before combining.
+(`upcycle/moe/slots.py`, TOKEN_SLOT_AXES -> EXPERT_AXES), and back before combining.
 `--direct` constrains the dispatch einsum's output straight to the experts' layout, as the
 layer did before: libtpu 0.0.42.1 (and 0.0.52) then dies with SIGSEGV in the SPMD
 partitioner (`MoveUsersIntoWindowedDotGeneralLoopOnNonContractingDimensions`). It takes the
@@ -33,7 +33,7 @@ sys.path.insert(0, REPO)
 
 from upcycle import layers, tree  # pylint: disable=g-import-not-at-top,wrong-import-position
 from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, capacity, grouping, routers  # pylint: disable=g-import-not-at-top,wrong-import-position
-from upcycle.moe import layer as moe_layer  # pylint: disable=g-import-not-at-top,wrong-import-position
+from upcycle.moe import slots  # pylint: disable=g-import-not-at-top,wrong-import-position
 from upcycle.fit import aot  # pylint: disable=g-import-not-at-top,wrong-import-position
 from upcycle import partitioning  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -44,8 +44,8 @@ def dispatch_direct(x, decision, experts_fn):
   """The masked dispatch with its einsum constrained straight to the experts' layout."""
   dispatch = jax.nn.one_hot(decision.token_index, x.shape[1], dtype=x.dtype)
   dispatch = dispatch * decision.valid[..., None].astype(x.dtype)
-  expert_in = layers.constrain(jnp.einsum('gecs,gsd->egcd', dispatch, x), moe_layer.EXPERT_AXES)
-  expert_out = layers.constrain(experts_fn(expert_in), moe_layer.EXPERT_AXES)
+  expert_in = layers.constrain(jnp.einsum('gecs,gsd->egcd', dispatch, x), slots.EXPERT_AXES)
+  expert_out = layers.constrain(experts_fn(expert_in), slots.EXPERT_AXES)
   combine = dispatch * decision.combine_weight[..., None].astype(x.dtype)
   return jnp.einsum('gecs,egcd->gsd', combine, expert_out)
 
@@ -56,7 +56,7 @@ def main() -> None:
                       help='the layout that crashes the compiler (the process dies)')
   args = parser.parse_args()
   if args.direct:
-    moe_layer.SLOT_DISPATCH['masked'] = dispatch_direct
+    slots.SLOT_FUNCTIONS['masked'] = dispatch_direct
   devices = aot.topology_devices('v4:4x4x2', megacore=False)
   mesh = partitioning.make_mesh(EXPERTS, 1, devices)
   config = MoeConfig(num_experts=EXPERTS, router=routers.ExpertsChoose(), train_capacity_factor=2.0,

@@ -14,8 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from upcycle.grouped_kernels import GROUPED_KERNELS
-
 Array = jax.Array
 Axes = Tuple[Optional[str], ...]
 Initializer = Callable[..., Array]
@@ -78,29 +76,14 @@ def batch_shards() -> int:
   return mesh_size(mesh_axes('batch'))
 
 
-def grouped_matmul(rows: Array, kernel: Array, group_sizes: Array,
-                   bias: Optional[Array] = None, grouped_kernel: str = 'ragged_dot') -> Array:
-  """Each row by its expert's kernel: rows `[R, d_in]` sorted by expert, kernel
-  `[E, d_in, d_out]`, bias `[E, d_out]` -> `[R, d_out]`, rows past the groups 0. One grouped
-  matmul per shard, by `GROUPED_KERNELS[grouped_kernel]`.
-
-  group_sizes `[shards, E]`: each batch shard's rows per expert
-  (`upcycle.moe.ragged.sort_by_expert`), every kernel on every shard. Or `[shards, E / n]`:
-  rows already exchanged over the n devices of the expert axes (`upcycle.moe.exchange`),
-  each device multiplying by its own experts' kernels."""
-  def local(rows, kernel, group_sizes, *bias):
-    sizes = group_sizes[0]
-    out = GROUPED_KERNELS[grouped_kernel](rows, kernel, sizes)
-    if bias:
-      expert = jnp.repeat(jnp.arange(sizes.shape[0]), sizes, total_repeat_length=rows.shape[0])
-      counted = jnp.arange(rows.shape[0]) < jnp.sum(sizes)
-      out = out + jnp.where(counted[:, None], bias[0][expert], 0).astype(out.dtype)
-    return (out,)
-
-  args = (rows, kernel, group_sizes) + (() if bias is None else (bias,))
-  kernels = 'expert' if group_sizes.shape[1] != kernel.shape[0] else False
-  batched = (True, kernels, True, kernels)[:len(args)]
-  return per_batch_shard(local, batched, (True,))(*args)[0]
+def matrix_init(kernel_init: Initializer, in_features: Tuple[int, ...],
+                features: Tuple[int, ...]) -> Initializer:
+  """`kernel_init` drawn as a 2-D `[prod(in_features), prod(features)]` matrix and reshaped to
+  the kernel's shape, so fan_in/fan_out are what they are for a dense layer."""
+  def init(rng, shape, dtype):
+    flat = kernel_init(rng, (int(np.prod(in_features)), int(np.prod(features))), dtype)
+    return flat.reshape(shape)
+  return init
 
 
 class DenseGeneral(nn.Module):
@@ -108,10 +91,6 @@ class DenseGeneral(nn.Module):
 
   The kernel has shape `[*in_features, *features]`, e.g. `[d_model, heads, head_dim]`
   for big_vision attention or `[d_model, heads * d_kv]` for T5X attention.
-
-  With `num_experts` = E: E kernels `[E, in, features]` (and biases `[E, features]`) on the
-  logical axis 'expert', as `nn.vmap` over experts makes them, applied to rows `[R, in]`
-  sorted by expert, `group_sizes` of them each (`upcycle.moe.ragged`).
   """
 
   features: Union[int, Sequence[int]]
@@ -122,24 +101,15 @@ class DenseGeneral(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
   kernel_init: Initializer = default_kernel_init
   bias_init: Initializer = nn.initializers.zeros
-  num_experts: Optional[int] = None
-  grouped_kernel: str = 'ragged_dot'   # with num_experts: a key of GROUPED_KERNELS
 
   @nn.compact
-  def __call__(self, x: Array, group_sizes: Optional[Array] = None) -> Array:
-    """x `[..., *in_features]`; with `num_experts`, x `[R, in]` and group_sizes `[shards, E]`."""
+  def __call__(self, x: Array) -> Array:
+    """x `[..., *in_features]` -> `[..., *features]`."""
     features = _as_tuple(self.features)
     in_features = (x.shape[-1],) if self.in_features is None else _as_tuple(self.in_features)
     n_in = len(in_features)
     kernel_shape = in_features + features
-
-    def init(rng, shape, dtype):
-      # Initialize as a 2-D matrix so fan_in/fan_out are what they are for a dense layer.
-      flat = self.kernel_init(rng, (int(np.prod(in_features)), int(np.prod(features))), dtype)
-      return flat.reshape(shape)
-
-    if self.num_experts is not None:
-      return self._grouped(x, group_sizes, init, kernel_shape)
+    init = matrix_init(self.kernel_init, in_features, features)
     kernel = self.param('kernel', nn.with_logical_partitioning(init, self.kernel_axes),
                         kernel_shape, self.param_dtype)
     kernel = jnp.asarray(kernel, self.dtype)
@@ -151,25 +121,6 @@ class DenseGeneral(nn.Module):
                         features, self.param_dtype)
       y = y + jnp.asarray(bias, self.dtype)
     return y
-
-  def _grouped(self, x: Array, group_sizes: Array, init: Initializer, kernel_shape) -> Array:
-    experts = self.num_experts
-
-    def per_expert(initializer):     # each expert drawn on its own, as under nn.vmap
-      return lambda rng, shape, dtype: jax.vmap(lambda r: initializer(r, shape[1:], dtype))(
-          jax.random.split(rng, experts))
-
-    axes = ('expert',) + tuple(self.kernel_axes)
-    kernel = self.param('kernel', nn.with_logical_partitioning(per_expert(init), axes),
-                        (experts,) + kernel_shape, self.param_dtype)
-    bias = None
-    if self.use_bias:
-      bias_axes = ('expert',) + tuple(self.kernel_axes[len(kernel_shape) - 1:])
-      bias = self.param('bias', nn.with_logical_partitioning(per_expert(self.bias_init), bias_axes),
-                        (experts, kernel_shape[-1]), self.param_dtype)
-      bias = jnp.asarray(bias, self.dtype)
-    return grouped_matmul(jnp.asarray(x, self.dtype), jnp.asarray(kernel, self.dtype),
-                          group_sizes, bias, self.grouped_kernel)
 
 
 class RMSNorm(nn.Module):
@@ -227,8 +178,9 @@ class GatedMlp(nn.Module):
 
   Kernels: wi_0 (the gate), wi_1 `[d_model, d_ff]`, wo `[d_ff, d_model]`. Rank agnostic, so
   the MoE layer can vmap it over experts. `intermediate_axes=None` leaves the
-  hidden activation unconstrained (inside the experts the MoE layer constrains).
-  `num_experts`: E experts' kernels `[E, ...]` over rows sorted by expert (`DenseGeneral`).
+  hidden activation unconstrained (inside the experts the MoE layer constrains). `dense`:
+  the projections' module, called as `DenseGeneral` is (the MoE layer's dropless experts
+  pass `upcycle.moe.experts.GroupedDense`).
   """
 
   d_ff: int
@@ -236,25 +188,22 @@ class GatedMlp(nn.Module):
   dtype: jnp.dtype = jnp.float32
   intermediate_axes: Optional[Axes] = ('batch', 'length', 'mlp')
   activation: str = 'gelu'   # a key of GATE_ACTIVATIONS
-  num_experts: Optional[int] = None
-  grouped_kernel: str = 'ragged_dot'
+  dense: Callable[..., nn.Module] = DenseGeneral
 
   @nn.compact
-  def __call__(self, x: Array, deterministic: bool,
-               group_sizes: Optional[Array] = None) -> Array:
-    dense = functools.partial(DenseGeneral, dtype=self.dtype, num_experts=self.num_experts,
-                              grouped_kernel=self.grouped_kernel)
-    gate = dense(self.d_ff, ('embed', 'mlp'), name='wi_0')(x, group_sizes)
-    linear = dense(self.d_ff, ('embed', 'mlp'), name='wi_1')(x, group_sizes)
+  def __call__(self, x: Array, deterministic: bool) -> Array:
+    dense = functools.partial(self.dense, dtype=self.dtype)
+    gate = dense(self.d_ff, ('embed', 'mlp'), name='wi_0')(x)
+    linear = dense(self.d_ff, ('embed', 'mlp'), name='wi_1')(x)
     h = constrain(GATE_ACTIVATIONS[self.activation](gate) * linear, self.intermediate_axes)
     h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
-    return dense(x.shape[-1], ('mlp', 'embed'), name='wo')(h, group_sizes)
+    return dense(x.shape[-1], ('mlp', 'embed'), name='wo')(h)
 
 
 class Mlp(nn.Module):
   """ViT feed-forward with biases: Dense_1(dropout(gelu(Dense_0 x))) (big_vision MlpBlock).
 
-  `num_experts`: E experts' kernels and biases over rows sorted by expert (`DenseGeneral`).
+  `dense`: the projections' module, as in `GatedMlp`.
   """
 
   mlp_dim: int
@@ -262,22 +211,19 @@ class Mlp(nn.Module):
   approximate_gelu: bool = True
   dtype: jnp.dtype = jnp.float32
   intermediate_axes: Optional[Axes] = ('batch', 'length', 'mlp')
-  num_experts: Optional[int] = None
-  grouped_kernel: str = 'ragged_dot'
+  dense: Callable[..., nn.Module] = DenseGeneral
 
   @nn.compact
-  def __call__(self, x: Array, deterministic: bool,
-               group_sizes: Optional[Array] = None) -> Array:
+  def __call__(self, x: Array, deterministic: bool) -> Array:
     dense = functools.partial(
-        DenseGeneral, use_bias=True, dtype=self.dtype, num_experts=self.num_experts,
-        grouped_kernel=self.grouped_kernel,
+        self.dense, use_bias=True, dtype=self.dtype,
         kernel_init=nn.initializers.xavier_uniform(),
         bias_init=nn.initializers.normal(stddev=1e-6))
-    h = nn.gelu(dense(self.mlp_dim, ('embed', 'mlp'), name='Dense_0')(x, group_sizes),
+    h = nn.gelu(dense(self.mlp_dim, ('embed', 'mlp'), name='Dense_0')(x),
                 approximate=self.approximate_gelu)
     h = constrain(h, self.intermediate_axes)
     h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
-    return dense(x.shape[-1], ('mlp', 'embed'), name='Dense_1')(h, group_sizes)
+    return dense(x.shape[-1], ('mlp', 'embed'), name='Dense_1')(h)
 
 
 def attention_bias_from_mask(mask: Array, dtype=jnp.float32) -> Array:

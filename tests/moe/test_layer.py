@@ -272,9 +272,8 @@ def pooled_sow(probs, scope, z_loss):
   """What a layer with load_balancing_layers='pooled' sows for `probs` (weights .5 and .25)."""
   fraction, mean_prob = routing.load_balancing_statistics(
       probs, jax.lax.top_k(probs, 1)[1], scope)
-  return {'balance_fraction': (fraction,), 'balance_probability': (mean_prob,),
-          'weighted_balance_fraction': (0.5 * fraction,), 'router_z_loss': (z_loss,),
-          'weighted': (0.25 * z_loss,)}
+  return {'pooled_balance': (routing.PooledBalance(fraction, mean_prob, weight=0.5),),
+          'router_z_loss': (z_loss,), 'weighted': (0.25 * z_loss,)}
 
 
 # Pooled over the two layers, (f; p) per group: ([.5, .5]; [.5, .5]), ([.25, .75]; [.35, .65]);
@@ -332,7 +331,7 @@ def test_expert_choice_has_no_load_balancing_loss_in_any_scope():
   config = MoeConfig(router=routers.ExpertsChoose(), load_balancing_scope='batch',
                      load_balancing_layers='pooled', **LAYER_CONFIG)
   _, state = run(config, moe_params(config, x), x)
-  assert 'balance_fraction' not in state['aux_loss']
+  assert 'pooled_balance' not in state['aux_loss']
   assert float(aux_losses(state)['load_balancing_loss']) == 0.0
 
 

@@ -140,9 +140,8 @@ def test_pooled_load_balancing_leaves_padding_out(scope, expected):
   def sow(probs):
     fraction, mean_prob = routing.load_balancing_statistics(
         probs, jax.lax.top_k(probs, 1)[1], scope, STACK_MASK)
-    return {'balance_fraction': (fraction,), 'balance_probability': (mean_prob,),
-            'weighted_balance_fraction': (fraction,), 'router_z_loss': (jnp.float32(0),),
-            'weighted': (jnp.float32(0),)}
+    return {'pooled_balance': (routing.PooledBalance(fraction, mean_prob, weight=1.0),),
+            'router_z_loss': (jnp.float32(0),), 'weighted': (jnp.float32(0),)}
   decoder = {f'layers_{i}': {'mlp': sow(STACK_PROBS[i])} for i in range(2)}
   np.testing.assert_allclose(aux_losses({'aux_loss': {'decoder': decoder}})['load_balancing_loss'],
                              expected, rtol=1e-5)

@@ -246,7 +246,7 @@ def exchange_buffers(model_config: Any, mesh: jax.sharding.Mesh) -> Optional[str
   from upcycle.moe import MoeConfig  # pylint: disable=g-import-not-at-top
   moes = [getattr(model_config, f.name) for f in dataclasses.fields(model_config)]
   if mesh.shape['expert'] == 1 or not any(
-      isinstance(moe, MoeConfig) and moe.dispatch == 'ragged' for moe in moes):
+      isinstance(moe, MoeConfig) and moe.dropless for moe in moes):
     return None
   return ('no roofline: the expert-parallel dropless block multiplies a receive buffer of '
           f"{mesh.shape['expert']} x the rows a balanced routing sends, and its grouped matmul "

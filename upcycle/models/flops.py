@@ -34,7 +34,7 @@ def mlp_block(moe: Optional[MoeConfig], batch: int, length: int, d: int, d_ff: i
   if moe is None:
     return tokens * d_ff * unit_flops
   plan = moe.group_plan(batch, length)
-  if moe.dispatch == 'ragged':     # dropless: each token's k rows, nothing more
+  if moe.dropless:     # each token's k rows, nothing more
     slots = plan.num_groups * plan.group_size * moe.router.experts_per_token
   else:
     slots = plan.num_groups * moe.num_experts * moe.capacity(plan.group_size, deterministic=False)

@@ -218,7 +218,7 @@ def _slots_per_token(moe: MoeConfig) -> int:
 def _drops_tokens(moe: MoeConfig) -> bool:
   """Whether an expert's capacity can drop a token: not the dropless 'ragged' dispatch, and
   a capacity factor C with C * `_slots_per_token` < E."""
-  return moe.dispatch != 'ragged' and min(
+  return not moe.dropless and min(
       moe.train_capacity_factor, moe.eval_capacity_factor) * _slots_per_token(moe) < (
           moe.num_experts)
 

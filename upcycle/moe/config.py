@@ -1,16 +1,22 @@
 """`MoeConfig`: everything that decides how an MoE block routes and computes."""
 
 import dataclasses
-from typing import Optional, Union
+from typing import Callable, Dict, Optional, Union
 
 from upcycle import fields
 from upcycle.grouped_kernels import GROUPED_KERNELS
 from upcycle.moe import capacity as capacities
+from upcycle.moe import dispatch as dispatches
+from upcycle.moe import dropless, routers, slots
 from upcycle.moe import grouping as groupings
-from upcycle.moe import routers
 from upcycle.router_scale import check_router_init, router_init_std
 
-DISPATCHES = ('masked', 'indices', 'ragged')
+# The registry of dispatches (`upcycle.moe.dispatch`): `MoeConfig.dispatch` names one, built
+# here from the config. Adding a dispatch: its module in moe/ and its name here.
+DISPATCHES: Dict[str, Callable[['MoeConfig'], dispatches.Dispatch]] = {
+    'masked': lambda config: slots.Slots('masked'),
+    'indices': lambda config: slots.Slots('indices'),
+    'ragged': lambda config: dropless.Dropless(config.grouped_kernel)}
 LOAD_BALANCING_SCOPES = ('group', 'batch')
 LOAD_BALANCING_LAYERS = ('separate', 'pooled')
 
@@ -39,9 +45,11 @@ class MoeConfig:
       (`upcycle.moe.grouping`): `PerExample()` (each example one group), `Fixed(size)` or
       `Flaxformer(max_group_size, num_expert_replicas)` (T5X's GROUP_SIZE rule); in gin
       `@grouping.Flaxformer()`.
-    dispatch: 'masked' (one-hot einsum, TPU friendly) or 'indices'
-      (gather/scatter, CPU/GPU friendly), the same function of the capacity slots; or
-      'ragged' (Top-K only): dropless, each token's K choices sorted by expert and the
+    dispatch: the name of a dispatch in `DISPATCHES`, built from this config by
+      `dispatcher`: 'masked' (`slots.Slots('masked')`: one-hot einsum, TPU friendly) or
+      'indices' (`slots.Slots('indices')`: gather/scatter, CPU/GPU friendly), the same
+      function of the capacity slots; or 'ragged' (`dropless.Dropless(grouped_kernel)`, Top-K
+      only): dropless, each token's K choices sorted by expert and the
       experts run as grouped matmuls (`grouped_kernel`) on exactly the rows that chose
       them; the capacity factors are then not used (it equals the other two with a capacity
       of the whole group, `capacity` returns the group size).
@@ -131,13 +139,9 @@ class MoeConfig:
     fields.instance(self, 'grouping', groupings.Grouping,
                     '@grouping.PerExample(), @grouping.Fixed() or @grouping.Flaxformer() in gin '
                     '(from upcycle.moe import grouping)')
-    fields.choice(self, 'dispatch', DISPATCHES)
-    if self.dispatch == 'ragged' and not self.router.tokens_choose:
-      raise fields.ConfigError(
-          f"{fields.binding(self, 'dispatch')} = 'ragged' is dropless Top-K: each token's k "
-          f"choices, with no capacity. Bind {fields.binding(self, 'router')} = "
-          f"@routers.TopK(), or keep {self.router!r} with dispatch 'masked' or 'indices'.")
+    fields.choice(self, 'dispatch', tuple(DISPATCHES))
     fields.choice(self, 'grouped_kernel', tuple(GROUPED_KERNELS))
+    self.dispatcher.validate(self)
     fields.number(self, 'load_balancing_loss_weight', 0.0)
     fields.choice(self, 'load_balancing_scope', LOAD_BALANCING_SCOPES)
     fields.choice(self, 'load_balancing_layers', LOAD_BALANCING_LAYERS)
@@ -159,6 +163,16 @@ class MoeConfig:
     """The router kernel's init std at width `d_model` (`router_init`)."""
     return router_init_std(self.router_init, d_model)
 
+  @property
+  def dispatcher(self) -> dispatches.Dispatch:
+    """The dispatch object `dispatch` names (`DISPATCHES`)."""
+    return DISPATCHES[self.dispatch](self)
+
+  @property
+  def dropless(self) -> bool:
+    """Whether the dispatch computes every token's choices, with no capacity."""
+    return self.dispatcher.dropless
+
   def shared_d_ff(self, dense_d_ff: int) -> Optional[int]:
     """The shared expert's d_ff in a model whose dense MLP has `dense_d_ff`; None: none."""
     if not self.shared_expert:
@@ -171,8 +185,8 @@ class MoeConfig:
 
   def capacity(self, group_size: int, deterministic: bool) -> int:
     """Slots per expert and group of `group_size` tokens (see `capacity_convention`); the
-    whole group for the dropless 'ragged' dispatch."""
-    if self.dispatch == 'ragged':
+    whole group for a dropless dispatch."""
+    if self.dropless:
       return group_size
     factor = self.eval_capacity_factor if deterministic else self.train_capacity_factor
     capacity = self.capacity_convention.slots(

@@ -9,7 +9,7 @@ one block. `to_experts` sends block j to device j into slot i (the sender's inde
 `[n, R, d]` buffer (R: the sender's rows, the most that any one destination can get from it,
 so nothing is dropped), after one `jax.lax.all_to_all` of the per-expert row counts, and sorts
 what arrived by local expert (senders' padding last); the grouped matmuls then run each
-device's own experts over its received rows (`upcycle.layers.grouped_matmul` with
+device's own experts over its received rows (`upcycle.moe.experts.grouped_matmul` with
 `[shards, E / n]` group sizes). `from_experts` undoes each step: the local unsort, the
 exchange back, and the slots back onto the sorted rows.
 

@@ -1,9 +1,9 @@
 """`MoeLayer`: grouping -> router -> dispatch -> experts -> combine.
 
-Dispatches: 'masked' and 'indices' fill each expert's capacity slots `[E, G, C, d]` and run
-the experts vmapped over them; 'ragged' is dropless: each token's K copies sorted by expert,
-the experts as grouped matmuls over the sorted rows (`upcycle.moe.ragged`), sent to the
-devices of their experts where the mesh splits the experts (`upcycle.moe.exchange`).
+The dispatch is an object (`upcycle.moe.dispatch`) that `MoeConfig.dispatch` names:
+`Slots('masked')` and `Slots('indices')` fill each expert's capacity slots `[E, G, C, d]` and
+run the experts vmapped over them (`upcycle.moe.slots`); `Dropless(kernel)` ('ragged') runs
+each token's K copies sorted by expert through grouped matmuls (`upcycle.moe.dropless`).
 
 The layer stands where the dense MLP stood, under the same name. Its parameters:
   expert/<dense MLP params with a leading expert axis>   e.g. expert/wi_0/kernel [E, d_model, d_ff]
@@ -15,9 +15,8 @@ The layer stands where the dense MLP stood, under the same name. Its parameters:
 Auxiliary losses and metrics are sown (see `upcycle.moe.summary`):
   'aux_loss':    load_balancing_loss, router_z_loss, weighted (their weighted sum); with
                  load_balancing_layers='pooled' instead of load_balancing_loss:
-                 balance_fraction and balance_probability [groups, experts] and
-                 weighted_balance_fraction (the fraction times the loss weight: the stack's
-                 loss is linear in it), weighted then being the weighted z-loss only
+                 pooled_balance (`routing.PooledBalance`: f and p [groups, experts], the
+                 loss weight a static field), weighted then being the weighted z-loss only
   'moe_metrics': fraction_dropped_tokens (tokens no expert took; Flaxformer's
                  fraction_tokens_left_behind); router_confidence (the router probability
                  of the filled slots, summed over them / their number) and expert_usage
@@ -42,24 +41,12 @@ import jax.numpy as jnp
 
 from upcycle import layers, tree
 from upcycle.layers import DenseGeneral, constrain
-from upcycle.moe import exchange, grouping, ragged, routing
+from upcycle.moe import grouping, routing
 from upcycle.moe.config import MoeConfig
 
 Array = jax.Array
 
 GROUP_AXES = ('batch', 'length', 'embed')                       # [G, S, d_model]
-# Expert slots [E, G, C, d_model] in two layouts: where their groups' tokens are (groups split
-# like the batch: dispatch and combine are local there) and where their experts are (experts
-# over 'expert', groups over 'data'). The masked dispatch computes in the first and then moves
-# to the second (one all-to-all); the experts' outputs move back before combining, as in
-# Flaxformer. Asking the dispatch einsum for the experts' layout directly costs far more
-# temporary memory and makes XLA's TPU SPMD partitioner crash in its windowed-einsum pass
-# when 'expert' is 32 and the one-hot [G, E, C, S] is large (T5's groups of 4096 tokens;
-# benchmarks/tpu_expert_axis_32.py). The indices dispatch gathers straight into the experts'
-# layout (the two-step layout measured more temporary memory for it).
-TOKEN_SLOT_AXES = (None, 'batch', None, 'embed')
-EXPERT_AXES = ('expert', 'expert_group', 'unmodeled', 'embed')
-EXPERT_SLOT_AXES = ('expert', 'expert_group', 'embed')           # [E, G*C, d_model]
 
 
 class RouterWeights(nn.Module):
@@ -89,47 +76,6 @@ class RouterLogits(nn.Module):
     return RouterWeights(self.num_experts, self.init_std, name='router_weights')(x)
 
 
-def dispatch_masked(x: Array, decision: routing.RoutingDecision, experts_fn) -> Array:
-  """One-hot einsum dispatch/combine (TPU friendly).
-
-  x `[G, S, d]` -> expert inputs `[E, G, C, d]` -> outputs `[G, S, d]`.
-  """
-  tokens = x.shape[1]
-  dispatch = jax.nn.one_hot(decision.token_index, tokens, dtype=x.dtype)
-  dispatch = dispatch * decision.valid[..., None].astype(x.dtype)     # [G, E, C, S]
-  expert_in = constrain(jnp.einsum('gecs,gsd->egcd', dispatch, x), TOKEN_SLOT_AXES)
-  expert_out = _run_where_experts_are(experts_fn, expert_in)
-  combine = dispatch * decision.combine_weight[..., None].astype(x.dtype)
-  return jnp.einsum('gecs,egcd->gsd', combine, expert_out)
-
-
-def _run_where_experts_are(experts_fn, expert_in: Array) -> Array:
-  """`[E, G, C, d]` slots in the tokens' layout -> the experts' outputs, in that layout."""
-  expert_in = constrain(expert_in, EXPERT_AXES)
-  expert_out = constrain(experts_fn(expert_in), EXPERT_AXES)
-  return constrain(expert_out, TOKEN_SLOT_AXES)
-
-
-def dispatch_indices(x: Array, decision: routing.RoutingDecision, experts_fn) -> Array:
-  """Gather/scatter dispatch/combine by token index (CPU/GPU friendly).
-
-  Expert inputs are gathered straight into the `[E, G, C, d]` layout and the outputs are
-  scatter-added from it, so no transposed copy of either is made.
-  """
-  groups = x.shape[0]
-  index = jnp.swapaxes(decision.token_index, 0, 1)                    # [E, G, C]
-  g = jnp.arange(groups)[None, :, None]
-  valid = jnp.swapaxes(decision.valid, 0, 1)[..., None].astype(x.dtype)
-  # The indices come from top-k, so they are in bounds: no bounds masks in either direction.
-  expert_in = constrain(x.at[g, index].get(mode='promise_in_bounds') * valid, EXPERT_AXES)
-  expert_out = constrain(experts_fn(expert_in), EXPERT_AXES)
-  weight = jnp.swapaxes(decision.combine_weight, 0, 1)[..., None].astype(x.dtype)
-  return jnp.zeros_like(x).at[g, index].add(expert_out * weight, mode='promise_in_bounds')
-
-
-SLOT_DISPATCH = {'masked': dispatch_masked, 'indices': dispatch_indices}
-
-
 _LOG = logging.getLogger(__name__)
 _WARNED: Set[Tuple[int, int, int, str]] = set()
 
@@ -140,7 +86,7 @@ def _warn_if_groups_span_devices(cfg: MoeConfig, plan: grouping.GroupPlan, where
   times the bytes it needs (the fit table's T5 Base MoE on a v4-128, data 2 x expert 32, 32
   groups: 163 GB per chip per train step; with 64 groups, 52 GB)."""
   shards = layers.batch_shards()
-  if cfg.dispatch == 'ragged' or plan.num_groups % shards == 0:   # dropless: cut per shard
+  if cfg.dropless or plan.num_groups % shards == 0:   # dropless: cut per shard
     return
   fix = cfg.grouping.even_over(plan, shards, cfg.num_experts)
   if (plan.num_groups, plan.group_size, shards, fix) in _WARNED:
@@ -159,8 +105,10 @@ class MoeLayer(nn.Module):
 
   Attributes:
     config: routing, capacity, dispatch and loss settings.
-    expert: factory of the dense MLP module; called with
-      `intermediate_axes=None`, its `__call__(x, deterministic)` must be rank agnostic.
+    expert: factory of the dense MLP module (`layers.GatedMlp`, `layers.Mlp`); the dispatch
+      calls it with `intermediate_axes=None` (and the dropless one with `dense=`, its
+      projections' module: `upcycle.moe.experts`); its `__call__(x, deterministic)` must be
+      rank agnostic.
     causal: True in a decoder; a router that reads later positions (Expert Choice, Batch
       Priority Routing) is then refused (`Router.check_causal`).
     shared_expert: factory of the shared expert's dense MLP module (the experts' type,
@@ -198,21 +146,13 @@ class MoeLayer(nn.Module):
     logits = RouterLogits(cfg.num_experts, cfg.jitter_noise, cfg.router_std(d_model),
                           name=tree.ROUTER)(grouped, deterministic)
     probs = jax.nn.softmax(logits, axis=-1)                           # [G, S, E]
-    dropless = cfg.dispatch == 'ragged'
-    routed = cfg.router.route(probs, capacity=None if dropless else capacity, token_mask=mask,
-                              balance_scope=cfg.load_balancing_scope)
-    if dropless:
-      kept = jnp.ones(routed.gates.shape, bool) if mask is None else jnp.broadcast_to(
-          mask[..., None], routed.gates.shape)
-      self._sow_metrics(probs, routing.dropless_use(
-          routed.gates, routed.expert_index, kept, cfg.num_experts), mask)
-      out = self._dropless(grouped, routed.gates, routed.expert_index, kept, deterministic)
-    else:
-      decision = routed.decision
-      self._sow_metrics(probs, routing.slot_use(decision, tokens), mask)
-      if cfg.normalize_combine_weights:
-        decision = routing.normalize_combine_weights(decision, tokens)
-      out = SLOT_DISPATCH[cfg.dispatch](grouped, decision, self._vmapped_experts(deterministic))
+    dispatch = cfg.dispatcher
+    routed = cfg.router.route(probs, capacity=None if dispatch.dropless else capacity,
+                              token_mask=mask, balance_scope=cfg.load_balancing_scope)
+    use, dispatch_plan = dispatch.plan(routed, mask, tokens, cfg)
+    self._sow_metrics(probs, use, mask)
+    out = dispatch(grouped, dispatch_plan, config=cfg, expert=self.expert,
+                   deterministic=deterministic)
 
     self.sow('router_logits', 'logits', grouping.ungroup_tokens(logits, batch, length, plan))
     self._sow_aux_losses(routed.balance, routing.router_z_loss(logits, mask))
@@ -220,49 +160,6 @@ class MoeLayer(nn.Module):
     if self.shared_expert is None:
       return out
     return out + self.shared_expert(name=tree.SHARED_EXPERT)(x, deterministic)
-
-  def _vmapped_experts(self, deterministic: bool) -> Callable[[Array], Array]:
-    """The experts on their capacity slots: `[E, G, C, d] -> [E, G, C, d]`."""
-    experts = nn.vmap(
-        self.expert, in_axes=(0, None), out_axes=0,
-        variable_axes={'params': 0}, split_rngs={'params': True, 'dropout': True},
-        metadata_params={nn.PARTITION_NAME: 'expert'},  # the logical axis
-    )(intermediate_axes=None, name=tree.EXPERT)
-
-    def run(expert_in: Array) -> Array:
-      # [E, G, C, d] -> [E, G*C, d]: each expert multiplies one matrix of its slots. Handing
-      # the experts [E, G, C, d] instead costs ~25% more time on CPU (two free dimensions
-      # in every dot of the backward pass).
-      num_experts, groups, capacity, d = expert_in.shape
-      slots = constrain(expert_in.reshape(num_experts, groups * capacity, d), EXPERT_SLOT_AXES)
-      expert_out = constrain(experts(slots, deterministic), EXPERT_SLOT_AXES)
-      return expert_out.reshape(num_experts, groups, capacity, -1)
-
-    return run
-
-  def _dropless(self, grouped: Array, gates: Array, expert_index: Array, routed: Array,
-                deterministic: bool) -> Array:
-    """'ragged': every token through its K experts. grouped `[G, S, d]`, gates,
-    expert_index and routed `[G, S, K]` (the router's top k; routed False for padding, which
-    goes through no expert) -> `[G, S, d]`."""
-    cfg = self.config
-    if cfg.normalize_combine_weights:
-      gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-    weights = jnp.where(routed, gates, 0.0)
-    groups, tokens, d = grouped.shape
-    parts = ragged.split_for_shards(groups, tokens)   # as many token sets as shards, or more
-    cut = lambda x: x.reshape((groups * parts, tokens // parts) + x.shape[2:])
-    rows, group_sizes, order, inverse = ragged.sort_by_expert(
-        cut(grouped), cut(expert_index), cut(routed), cfg.num_experts)
-    experts = self.expert(intermediate_axes=None, num_experts=cfg.num_experts,
-                          grouped_kernel=cfg.grouped_kernel, name=tree.EXPERT)
-    if exchange.expert_axes():   # expert parallelism: rows to their experts' devices and back
-      received, local_sizes, sent = exchange.to_experts(rows, group_sizes)
-      out = exchange.from_experts(experts(received, deterministic, local_sizes), sent)
-    else:
-      out = experts(rows, deterministic, group_sizes)
-    out = ragged.unsort_and_combine(out, inverse, order, cut(weights), cut(routed))
-    return out.reshape(groups, tokens, d)
 
   def _sow_aux_losses(self, statistics: Optional[Tuple[Array, Array]], z_loss: Array) -> None:
     """statistics: the load-balancing (f, p) `[groups, experts]`; None: the router is
@@ -272,10 +169,8 @@ class MoeLayer(nn.Module):
     self.sow('aux_loss', 'router_z_loss', z_loss)
     if statistics is not None and cfg.load_balancing_layers == 'pooled':
       # `summary.aux_losses` computes the stack's loss and adds it, weighted, to 'weighted'.
-      self.sow('aux_loss', 'balance_fraction', statistics[0])
-      self.sow('aux_loss', 'balance_probability', statistics[1])
-      self.sow('aux_loss', 'weighted_balance_fraction',
-               cfg.load_balancing_loss_weight * statistics[0])
+      self.sow('aux_loss', 'pooled_balance', routing.PooledBalance(
+          *statistics, weight=cfg.load_balancing_loss_weight))
       self.sow('aux_loss', 'weighted', weighted_z_loss)
       return
     balance = (jnp.zeros((), jnp.float32) if statistics is None

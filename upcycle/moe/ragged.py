@@ -2,7 +2,7 @@
 
 Each token's K choices become K rows; the rows are sorted by expert, so expert e's rows are
 one contiguous block and an expert MLP is one grouped matmul per kernel over all of them
-(`upcycle.layers.grouped_matmul`, with a kernel of `upcycle.grouped_kernels`); the outputs are
+(`upcycle.moe.experts.grouped_matmul`, with a kernel of `upcycle.grouped_kernels`); the outputs are
 unsorted and summed with the combine weights. No capacity, no slot: every choice is computed,
 and an expert computes only the rows that chose it (with 'megablox' or 'blocked'; on CPU
 `jax.lax.ragged_dot` lowers to a masked dense product over all groups, E times the work).

@@ -28,26 +28,26 @@ def _pooled_balance(losses: Mapping) -> Tuple[Dict[str, jnp.ndarray], Dict[str, 
   routed token (`routing.load_balancing_loss`). The layers of a stack see the same tokens and
   padding, so this is the loss of f and p counted over every (layer, token) of the stack.
   The weighted loss is the same loss of the layers' weighted fractions (the weight times f,
-  `weighted_balance_fraction`): the loss is linear in f and a stack's layers share one
-  weight. Returns ({path: that loss}, {path: weighted, the layer's weighted z-loss plus the
-  weighted loss}), per layer as sown (`[layers]` in a scanned stack).
+  `PooledBalance.weight`): the loss is linear in f and a stack's layers share one weight.
+  Returns ({path: that loss}, {path: weighted, the layer's weighted z-loss plus the weighted
+  loss}), per layer as sown (`[layers]` in a scanned stack).
   """
-  fractions = _per_layer(losses, 'balance_fraction')
-  probabilities = _per_layer(losses, 'balance_probability')
-  weighted_fractions = _per_layer(losses, 'weighted_balance_fraction')
+  pooled = _per_layer(losses, 'pooled_balance')
   weighted = _per_layer(losses, 'weighted')
   stacks = {}
-  for path in fractions:
+  for path in pooled:
     stacks.setdefault(path.split('/')[0], []).append(path)
   balance, total = {}, {}
   for paths in stacks.values():
+    layers = [pooled[path] for path in paths]
     f, p, weighted_f = [
-        jnp.mean(jnp.concatenate([v[path].reshape((-1,) + v[path].shape[-2:]) for path in paths]),
-                 axis=0) for v in (fractions, probabilities, weighted_fractions)]   # [G, E] each
+        jnp.mean(jnp.concatenate([v.reshape((-1,) + v.shape[-2:]) for v in values]), axis=0)
+        for values in ([b.fraction for b in layers], [b.probability for b in layers],
+                       [b.weight * b.fraction for b in layers])]   # [G, E] each
     loss = routing.load_balancing_loss(f, p)
     weighted_loss = routing.load_balancing_loss(weighted_f, p)
     for path in paths:
-      balance[path] = jnp.full(fractions[path].shape[:-2], loss)
+      balance[path] = jnp.full(pooled[path].fraction.shape[:-2], loss)
       total[path] = weighted[path] + weighted_loss
   return balance, total
 
