@@ -239,8 +239,8 @@ def test_a_continuation_that_restores_the_dataset_trains_like_the_uninterrupted_
                            text=True, env={**os.environ, 'XLA_FLAGS': ONE_DEVICE_XLA_FLAGS})
   assert refused.returncode == 1, refused.stderr[-3000:]
   assert refused.stderr.strip().splitlines()[-1] == (
-      'error: ContinueFromCheckpoint.restore_dataset=True: The data position 4 batches of 8 '
+      'error: restore.Restore.restore_dataset=True: The data position 4 batches of 8 '
       'examples into epoch 0 (32 examples) is not a whole number of batches of 12; continue '
       'with a batch size that divides 32. Or read the data from its beginning: '
-      'ContinueFromCheckpoint.restore_dataset = False.')
+      'restore.Restore.restore_dataset = False.')
   assert not (tmp_path / 'odd' / 'metrics.jsonl').exists()

@@ -23,7 +23,6 @@ import optax
 
 from upcycle import tree
 from upcycle.optimizer_state import carry, units
-from upcycle.upcycling.plan import Plan
 
 _UPCYCLE_FIX = ('the dense state must come from the same optax optimizer (same chain and '
                 'options) as the MoE one; expert initializers that change shapes (Granular) '
@@ -32,7 +31,7 @@ _GROWTH_FIX = ('the checkpoint\'s optimizer must be this run\'s (the same optax 
                'options), or start with a fresh optimizer state.')
 
 
-def carry_optimizer_state(state: Any, plan: Plan, params: Mapping[str, Any],
+def carry_optimizer_state(state: Any, plan: Any, params: Mapping[str, Any],
                           optimizer: optax.GradientTransformation, *,
                           tile_moments: bool = True, keep_step: bool = True) -> Any:
   """The new params' optimizer state, made from `state` by the plan that made the params.
@@ -40,7 +39,8 @@ def carry_optimizer_state(state: Any, plan: Plan, params: Mapping[str, Any],
   Args:
     state: the source params' optax state (e.g. `optimizer_state.as_optax` of a stored one),
       from the same optimizer. Never modified.
-    plan: the plan that made `params` (`plan.make`, `expert_growth.plan`, `depth_growth.plan`).
+    plan: the `upcycling.Plan` that made `params` (`plan.make`, `expert_growth.plan`,
+      `depth_growth.plan`): its `ops()`, `copies` and `blocks`.
     params: the new params or their abstract shapes; flax boxes are opened.
     optimizer: the run's optax optimizer.
     tile_moments: reuse the source's moments; False starts every moment fresh.
@@ -63,5 +63,5 @@ def carry_optimizer_state(state: Any, plan: Plan, params: Mapping[str, Any],
       fix=_UPCYCLE_FIX if upcycling else _GROWTH_FIX)
 
 
-def _leaves(plan: Plan):
+def _leaves(plan: Any):
   return plan.copies + tuple(leaf for block in plan.blocks for leaf in block.leaves)
