@@ -21,7 +21,7 @@ from upcycle.models import T5, ViT, scan_layout
 from upcycle.moe import MoeConfig, capacity, routers
 from upcycle.optimizer_state import counts
 from upcycle.optimizer_state import from_t5x_adafactor
-from upcycle.optimizer_state.through_plan import carry_optimizer_state
+from upcycle.optimizer_state.carry import carry_optimizer_state
 from upcycle.train import objectives, optimizers, partitioning
 from upcycle.train.restore import Restore
 from upcycle.upcycling import experts, modes, sharded

@@ -8,7 +8,7 @@ import pytest
 
 from upcycle import tree
 from upcycle.optimizer_state import adafactor, from_t5x_adafactor
-from upcycle.optimizer_state.through_plan import carry_optimizer_state
+from upcycle.optimizer_state.carry import carry_optimizer_state
 from upcycle.upcycling import experts
 from upcycle.upcycling.surgery import make_plan, upcycle
 

@@ -6,7 +6,7 @@ import pytest
 
 from upcycle.optimizer_state import from_t5x_adafactor
 from upcycle.optimizer_state import counts
-from upcycle.optimizer_state.through_plan import carry_optimizer_state
+from upcycle.optimizer_state.carry import carry_optimizer_state
 from upcycle.train import optimizers
 from upcycle.upcycling.surgery import make_plan
 

@@ -24,7 +24,7 @@ Every one reads any format `upcycle.checkpoints.load` knows (T5X, T5X-orbax, our
 .npz), opened once for the hook's life (its plan, its digests and its data position), builds
 its plan from shapes alone (every mismatch fails before anything is read), logs its report
 (its summary, and every leaf in MODEL_DIR/upcycling_report.txt: `upcycling/report_file.py`),
-carries a reused optimizer state through the plan (`optimizer_state/through_plan.py`), and
+carries a reused optimizer state through the plan (`optimizer_state/carry.py`), and
 runs as one `jax.jit` placed with the run's shardings (`state_jit.py`), which `upcycle.aot`
 lowers for every mode.
 
@@ -97,13 +97,6 @@ def __getattr__(name: str) -> Any:
   if name in FORMER:
     raise AttributeError(former(name))
   raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
-
-
-def _several(mode: modes.Mode) -> bool:
-  """Whether `mode` reads several checkpoints: experts made from several sources (the
-  FromCheckpoints or Merge class, called with them: Branch-Train-MiX, UpIT)."""
-  experts = getattr(mode, 'experts', 'copy')
-  return callable(experts) and not isinstance(experts, (str, ExpertInit))
 
 
 def _plan(owner: str, where: str, make: Callable[[], Plan], *, source: Any, target: Any,
@@ -179,11 +172,8 @@ class Restore:
       raise fields.ConfigError(
           f'modes.Upcycle.experts={self.mode.experts!r}: pass the class instead of an instance '
           f'(gin: experts = @sources.FromCheckpoints, without parentheses) and the source paths '
-          f'as {self._binding("source")} = [...]; the hook reads them and calls it with '
+          f'as {fields.binding(self, "source")} = [...]; the hook reads them and calls it with '
           f'sources=.')
-
-  def _binding(self, field: str) -> str:
-    return fields.binding(self, field)
 
   def _paths(self) -> List[str]:
     return [self.source] if isinstance(self.source, str) else list(self.source)
@@ -192,9 +182,9 @@ class Restore:
   def _opened(self) -> List[Checkpoint]:
     """The source checkpoints, opened once (lazy leaves; the optimizer state only when it is
     reused) for the plan, the digests and the data position."""
-    return [pretrained.load(path, self.format, lazy=True,
-                            with_optimizer_state=self.reuse_optimizer_state)
-            for path in self._paths()]
+    return list(map(functools.partial(pretrained.load, format=self.format, lazy=True,
+                                      with_optimizer_state=self.reuse_optimizer_state),
+                    self._paths()))
 
   def __call__(self, abstract_state: TrainState, optimizer,
                model_config: Optional[Any] = None) -> TrainState:
@@ -204,7 +194,7 @@ class Restore:
 
   def _skip(self) -> str:
     """How a refusal of changed bytes says to read the checkpoint anyway."""
-    return f'--gin.{self._binding("verify")}=False'
+    return f'--gin.{fields.binding(self, "verify")}=False'
 
   def check_digests(self) -> None:
     """With `verify`, compares each source's parameters (and the optimizer state it reuses)
@@ -223,53 +213,56 @@ class Restore:
                 model_config: Optional[Any] = None) -> StateJit:
     """The hook's one jit, checked from shapes before anything is read."""
     owner = type(self).__name__
-    ckpt, mode, source = self._source(owner, model_config)
+    ckpt, mode, source, where = self._source(owner, model_config)
     target = layout(source, abstract_state.params, model_config)
     layers = (model_config.moe_positions() if hasattr(model_config, 'moe_positions')
               else None)   # the MoE blocks' places, for Drop's ramp (None: from the names)
-    where = (repr(self._paths()) if _several(self.mode)
-             else f'{ckpt.path!r}, format {ckpt.format!r}')
-    plan = _plan(owner, where, lambda: mode.plan(
-        target.source, target.target, step=counts.start(self.step, ckpt.step),
+    plan = _plan(owner, where, functools.partial(
+        mode.plan, target.source, target.target, step=counts.start(self.step, ckpt.step),
         layers=layers), source=target.source, target=target.target, upcycling=mode.upcycles,
-                 binding=self._binding('source'))
-    if not _several(self.mode):   # several sources were each checked as read
+                 binding=fields.binding(self, 'source'))
+    if mode is self.mode:   # one source (several were each checked as read)
       pretrained.check_config(ckpt, model_config)   # shapes agree: does the function?
     return jit_plan(ckpt, abstract_state, optimizer, plan, target=target,
                     reuse_optimizer_state=self.reuse_optimizer_state, step=self.step,
                     seed=self.seed, owner=owner)
 
   def _source(self, owner: str, model_config: Optional[Any]):
-    """(the checkpoint, the mode, the params the plan copies from); several checkpoints are
-    combined by the mode's experts (Branch-Train-MiX, UpIT), each of which must agree with
+    """(the checkpoint, the mode, the params the plan copies from, the source in errors).
+
+    A mode reads several checkpoints when its experts are made from several sources (the
+    FromCheckpoints or Merge class, called with them: Branch-Train-MiX, UpIT); they are
+    combined into the mode's initializer (a new mode), each of them first checked against
     `model_config` on what changes the model's function (`pretrained.check_config`; one
     checkpoint is checked once its plan has its shapes)."""
-    if not _several(self.mode):
+    experts = getattr(self.mode, 'experts', 'copy')
+    if not callable(experts) or isinstance(experts, (str, ExpertInit)):   # one checkpoint
       if not isinstance(self.source, str) and len(self.source) != 1:
         raise fields.ConfigError(
-            f'{self._binding("source")} lists {len(self.source)} checkpoints, which only '
+            f'{fields.binding(self, "source")} lists {len(self.source)} checkpoints, which only '
             f'experts made from several sources read: modes.Upcycle.experts = '
             f'@sources.FromCheckpoints or @sources.Merge (gin), not {self.mode!r}.')
       ckpt = self._opened[0]
-      return ckpt, self.mode, ckpt.params
+      return ckpt, self.mode, ckpt.params, f'{ckpt.path!r}, format {ckpt.format!r}'
     if isinstance(self.source, str):
       raise fields.ConfigError(
           f'modes.Upcycle.experts={self.mode.experts!r} is neither an initializer name nor an '
           f'ExpertInit instance. A class (gin: @sources.FromCheckpoints, no parentheses) '
-          f'takes several source checkpoints: {self._binding("source")} = [path, path, ...]; '
-          f'any other initializer needs parentheses (gin: @experts.Drop()).')
+          f'takes several source checkpoints: {fields.binding(self, "source")} = [path, path, '
+          f'...]; any other initializer needs parentheses (gin: @experts.Drop()).')
     if self.reuse_optimizer_state:
       raise fields.ConfigError(
           f'{owner}: several source checkpoints have no one optimizer state to reuse. Fix: '
-          f'{self._binding("reuse_optimizer_state")} = False.')
+          f'{fields.binding(self, "reuse_optimizer_state")} = False.')
     for ckpt in self._opened:
       pretrained.check_config(ckpt, model_config)
     try:
       ckpt, init = combine(self._opened, self.mode.experts, step=self.step, names={
-          'step': self._binding('step'), 'experts': 'modes.Upcycle.experts'})
+          'step': fields.binding(self, 'step'), 'experts': 'modes.Upcycle.experts'})
     except ValueError as e:
       raise fields.ConfigError(f'{owner}: {e}') from None
-    return ckpt, dataclasses.replace(self.mode, experts=init), init.shared_params()
+    return (ckpt, dataclasses.replace(self.mode, experts=init), init.shared_params(),
+            repr(self._paths()))
 
   def check_apart(self, model_dir: str) -> None:
     """Refuses a MODEL_DIR inside a source checkpoint (the run would write into the source
@@ -287,8 +280,9 @@ class Restore:
                if paths.inside(run, src) else f'holds the source checkpoint {source} in its '
                f'checkpoints/, where the run saves and deletes steps')
         raise fields.ConfigError(
-            f'trainer.TrainConfig.model_dir = {model_dir!r} {why} ({self._binding("source")}, '
-            f'INITIAL_CHECKPOINT_PATH). Fix: give the run a directory of its own, outside it.')
+            f'trainer.TrainConfig.model_dir = {model_dir!r} {why} '
+            f'({fields.binding(self, "source")}, INITIAL_CHECKPOINT_PATH). Fix: give the run a '
+            f'directory of its own, outside it.')
 
   def check_tokenizer(self, tokenizer: tokenizer_lib.Tokenizer, binding: str) -> None:
     """Refuses (`tokenizer.TokenizerError`, one line) the run's tokenizer unless it is the one
@@ -304,7 +298,7 @@ class Restore:
   def dataset_state(self) -> Optional[dict]:
     if not self.restore_dataset:
       return None
-    flag = self._binding('restore_dataset')
+    flag = fields.binding(self, 'restore_dataset')
     if len(self._paths()) != 1:
       raise fields.ConfigError(
           f'{flag}=True reads one checkpoint\'s data position; {len(self._paths())} are given. '

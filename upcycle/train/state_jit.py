@@ -13,6 +13,7 @@ inputs without reading anything.
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import warnings
 from typing import Any, Callable, Mapping, Optional, Tuple
@@ -24,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from upcycle import checkpoints, fields, tree
 from upcycle.models import scan_layout
 from upcycle.optimizer_state import counts, shardings, stored
-from upcycle.optimizer_state.through_plan import carry_optimizer_state
+from upcycle.optimizer_state.carry import carry_optimizer_state
 from upcycle.train.state import TrainState
 from upcycle.upcycling import execute, report_file, sharded
 from upcycle.upcycling.plan import Plan
@@ -145,9 +146,10 @@ def traced(plan: Plan, target: Layout, abstract_params: Any) -> Inputs:
   placement = sharded.source_shardings(plan, tree.flatten(abstract_params))
   dense = tree.flatten(target.source)
   source = {p: tree.abstract(x) for p, x in dense.items()}
+  read = {p: dense[p] for p in placement}
   return Inputs(
-      read=lambda: {p: sharded.read(dense[p], s) for p, s in placement.items()},
-      abstract={p: _placed(dense[p], s) for p, s in placement.items()},
+      read=functools.partial(jax.tree.map, sharded.read, read, placement),
+      abstract=jax.tree.map(_placed, read, placement),
       params=lambda inputs, rng: target.to_model(
           execute.run(plan, tree.unflatten({**source, **inputs}), rng)),
       source=source, placement=placement)
@@ -218,8 +220,9 @@ def jit_plan(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer
 
   replicated = NamedSharding(abstract_state.step.sharding.mesh, PartitionSpec())
   saved_shardings = None if saved is None else shardings.stored_shardings(
-      saved, tree.unflatten(inputs.source), tree.unflatten(
-          {p: inputs.placement.get(p, replicated) for p in inputs.source}), optimizer)
+      saved, tree.unflatten(inputs.source),
+      tree.unflatten(dict.fromkeys(inputs.source, replicated) | dict(inputs.placement)),
+      optimizer)
   out_shardings, donate = _out_shardings(abstract_state)
 
   def read():

@@ -1,7 +1,7 @@
 """Dense -> MoE upcycling over param trees: the plan, its executors, the initializers; growing
 a trained checkpoint with more experts or more layers."""
 
-from upcycle.optimizer_state.through_plan import carry_optimizer_state
+from upcycle.optimizer_state.carry import carry_optimizer_state
 from upcycle.upcycling import capture, experts, router_init
 from upcycle.upcycling.depth_growth import grow_depth
 from upcycle.upcycling.expert_growth import grow_experts, router_usage

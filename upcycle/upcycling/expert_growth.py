@@ -231,7 +231,7 @@ def grow_experts(params: Mapping[str, Any], target: Mapping[str, Any], *,
 
   Returns:
     (params, plan): a nested dict like `target`, and the growth `Plan` (print it for the
-    report). `optimizer_state.through_plan.carry_optimizer_state` grows the optimizer
+    report). `optimizer_state.carry.carry_optimizer_state` grows the optimizer
     state alike.
   """
   growth = plan(params, target, sources=sources, usage=usage)

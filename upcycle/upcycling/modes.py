@@ -27,10 +27,12 @@ from etils import epath
 
 from upcycle import fields
 from upcycle.upcycling import depth_growth, expert_growth
+from upcycle.upcycling import experts as experts_lib
 from upcycle.upcycling import plan as plan_lib
+from upcycle.upcycling import router_init
 from upcycle.upcycling.base import ExpertInit
 from upcycle.upcycling.router_init import RouterInit
-from upcycle.upcycling.surgery import make_plan
+from upcycle.upcycling.sources import MultiSource
 
 Layers = Optional[Mapping[str, Tuple[str, int]]]
 
@@ -75,8 +77,13 @@ class Upcycle:
 
   def plan(self, source: Any, target: Any, *, step: int, layers: Layers = None
            ) -> plan_lib.Plan:
-    return make_plan(source, target, experts=self.experts, router=self.router, cast=self.cast,
-                     step=step, layers=layers)
+    """With a MultiSource initializer (Branch-Train-MiX, UpIT) `source` is its
+    `shared_params()`: the sources are the plan's, the executors do not know them."""
+    shared = (self.experts.describe_shared() if isinstance(self.experts, MultiSource)
+              else 'copy')
+    return plan_lib.make(source, target, experts_lib.get(self.experts),
+                         router_init.get(self.router), cast=self.cast, shared=shared, step=step,
+                         layers=layers)
 
 
 Usage = Union[str, Mapping[str, Sequence[float]]]
