@@ -50,7 +50,7 @@ def footprint(checkpoint: str, workdir: str) -> dict:
       name = os.path.relpath(frame.f_code.co_filename, REPO)[:-3].replace(os.sep, '.')
       called.add((name, frame.f_code.co_qualname))
 
-  hook = restore.UpcycleFromDense.__call__
+  hook = restore.Restore.__call__
 
   def profiled(self, *args, **kwargs):
     sys.setprofile(profile)
@@ -59,7 +59,7 @@ def footprint(checkpoint: str, workdir: str) -> dict:
     finally:
       sys.setprofile(None)
 
-  restore.UpcycleFromDense.__call__ = profiled
+  restore.Restore.__call__ = profiled
   sys.modules['__main__'] = train_main   # the run files bind `__main__.train` (their script)
   code = train_main.main([*MODEL, *MOE, *DATA,
                           f"--gin.MODEL_DIR='{os.path.join(workdir, 'moe')}'",
@@ -89,7 +89,7 @@ def main() -> None:
     print(f'{count:4d}  {module}')
   print(f'{len(result["functions"])} functions ({len(result["named_functions"])} named: no '
         f'comprehension or lambda) in {len(result["modules"])} modules of upcycle run by one '
-        f'upcycling restore (UpcycleFromDense, the main job\'s).')
+        f'upcycling restore (modes.Upcycle, the main job\'s).')
 
 
 if __name__ == '__main__':

@@ -46,7 +46,7 @@ T5 = ('--gin_file=moe/paper_t5.gin', '--gin_file=runs/upcycle.gin', '--gin.BATCH
       "--gin.MIXTURE_OR_TASK_NAME='c4_span_corruption'")
 # The dense checkpoint written here has no optimizer state to reuse (names and shapes only).
 VIT = ('--gin_file=moe/paper_vit.gin', '--gin_file=runs/vit_upcycle.gin',
-       '--gin.BATCH_SIZE=4096', '--gin.restore.UpcycleFromDense.reuse_optimizer_state=False')
+       '--gin.BATCH_SIZE=4096', '--gin.restore.Restore.reuse_optimizer_state=False')
 LLAMA = ('--gin_file=runs/llm_pretrain.gin', '--gin.BATCH_SIZE=128',
          "--gin.TASK_FEATURE_LENGTHS={'targets': 4096}", "--gin.ACTIVATION_DTYPE='bfloat16'",
          "--gin.REMAT_POLICY='full'", "--gin.LOGICAL_AXIS_RULES='fsdp'",

@@ -259,7 +259,7 @@ def test_convert_upcycles_with_the_router_of_its_familys_recipe(model, run):
   """`python -m upcycle.convert`'s default router is the family's upcycling recipe's."""
   from upcycle.models import families  # pylint: disable=g-import-not-at-top
   parse([model, run], MACROS + ['probe.model = %MODEL'])
-  assert gin.query_parameter('upcycle.train.restore.UpcycleFromDense.router') == (
+  assert gin.query_parameter('upcycle.upcycling.modes.Upcycle.router') == (
       families.of(probe()).upcycle_router)
 
 

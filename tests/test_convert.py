@@ -23,9 +23,9 @@ from upcycle.models import T5, scan_layout
 from upcycle.moe import MoeConfig, routers
 from upcycle.train import objectives, optimizers
 from upcycle.train.built_run import build_run
-from upcycle.train.restore import ContinueFromCheckpoint
+from upcycle.train.restore import Restore
 from upcycle.train.trainer import TrainConfig
-from upcycle.upcycling import experts, stream
+from upcycle.upcycling import experts, modes, stream
 from upcycle.upcycling.surgery import upcycle
 
 GIN = '''
@@ -111,7 +111,7 @@ def test_round_trip_equals_in_memory_surgery_and_trains_on(source, tmp_path, cap
   built = build_run(objective=objectives.Seq2Seq(T5(CONFIG)), optimizer=optimizers.Adafactor(),
                     config=train, host_batch=batch)
   with partitioning.activate(built.mesh):
-    state = ContinueFromCheckpoint(str(out), reuse_optimizer_state=False)(built.abstract,
+    state = Restore(str(out), modes.Continue(), reuse_optimizer_state=False)(built.abstract,
                                                                           built.optimizer)
   assert int(state.step) == 6
   for path, x in tree.flatten(state.params).items():
@@ -228,7 +228,7 @@ def test_the_restore_hooks_initializer_bindings_are_honoured_or_refused(source, 
   capsys.readouterr()
   assert _main(source, tmp_path / 'both', '--gin_file=upcycling/drop.gin', '--experts', 'copy') == 1
   assert capsys.readouterr().err.strip() == (
-      "error: --experts=copy and the gin binding restore.UpcycleFromDense.experts = "
+      "error: --experts=copy and the gin binding modes.Upcycle.experts = "
       "Drop(ratio=0.5, index_sharing='shared') disagree. Fix: give one of them.")
   assert sorted(os.listdir(tmp_path)) == ['flag', 'gin']
 

@@ -35,7 +35,7 @@ PRETRAIN = ['--gin_file=models/t5_1_1/tiny.gin', '--gin_file=runs/pretrain.gin',
 UPCYCLE = ['--gin_file=models/t5_1_1/tiny.gin', '--gin_file=moe/paper_t5.gin',
            '--gin_file=runs/upcycle.gin', DATA, '--gin.TRAIN_STEPS=2', '--gin.BATCH_SIZE=8',
            LENGTHS, '--gin.NUM_EXPERTS=2']
-SOURCE = 'restore.UpcycleFromDense.checkpoint (INITIAL_CHECKPOINT_PATH)'
+SOURCE = 'restore.Restore.source (INITIAL_CHECKPOINT_PATH)'
 
 
 def _fill(text, **paths):
@@ -68,7 +68,7 @@ def test_a_source_that_cannot_be_upcycled(source, error, request, entry_points, 
   message = refusal(train_main.main, UPCYCLE + [
       f"--gin.INITIAL_CHECKPOINT_PATH='{checkpoint}'", f"--gin.MODEL_DIR='{tmp_path}/run'"],
                      capsys)
-  assert message.startswith('error: UpcycleFromDense(') and error in message, message
+  assert message.startswith('error: Restore(') and error in message, message
   assert os.listdir(tmp_path) == []
 
 
@@ -125,7 +125,7 @@ def test_a_model_dir_inside_the_source_is_refused_before_anything_is_written(
                                                  f"--gin.MODEL_DIR='{source}/moe'"], capsys)
   assert message == (
       f"error: trainer.TrainConfig.model_dir = '{source}/moe' lies inside the source checkpoint "
-      f'{source}, which a run only reads (UpcycleFromDense.checkpoint, INITIAL_CHECKPOINT_PATH). '
+      f'{source}, which a run only reads (restore.Restore.source, INITIAL_CHECKPOINT_PATH). '
       f'Fix: give the run a directory of its own, outside it.')
   assert helpers.snapshot(source) == before
 
@@ -140,6 +140,39 @@ def test_a_model_dir_inside_the_source_is_refused_before_anything_is_written(
 ])
 def test_a_binding_gin_cannot_parse_is_named(binding, error, entry_points, capsys):
   assert refusal(train_main.main, PRETRAIN + [binding], capsys) == error
+
+
+FORMER_UPCYCLE = (
+    "UpcycleFromDense is no class any more: there is one hook, restore.Restore(source, mode). "
+    "Fix: include 'upcycling/upcycle_from_dense.gin' (or bind train_script.train.initializer = "
+    '@restore.Restore() and restore.Restore.mode = @modes.Upcycle()), then bind '
+    'restore.Restore.source (was .checkpoint), restore.Restore.reuse_optimizer_state, .step, '
+    "... and the mode's own fields as modes.Upcycle.<field>.")
+
+
+@pytest.mark.parametrize('lines, binding, error', [
+    (['from upcycle.train import restore', "restore.UpcycleFromDense.experts = 'copy'"], None,
+     f"{{gin}}, line 3: {FORMER_UPCYCLE} (restore.UpcycleFromDense.experts = 'copy')"),
+    (['from upcycle.train import grow', "grow.GrowExperts.sources = 'tile'"], None,
+     "{gin}, line 2: upcycle.train.grow is gone: growing is a mode of the one hook, "
+     "restore.Restore. Fix: include 'upcycling/grow_experts.gin' or 'upcycling/grow_depth.gin' "
+     '(they bind restore.Restore.mode = @modes.GrowExperts() / @modes.GrowDepth()) instead of '
+     "importing it; the modes' fields are modes.GrowExperts.sources, .usage and "
+     'modes.GrowDepth.layer_map. (from upcycle.train import grow)'),
+    ([], '--gin.restore.UpcycleFromDense.reuse_optimizer_state=True',
+     "the binding 'restore.UpcycleFromDense.reuse_optimizer_state = True': " + FORMER_UPCYCLE),
+])
+def test_a_former_hook_class_says_what_to_write_now(lines, binding, error, entry_points,
+                                                     tmp_path, capsys):
+  """A user's gin file or binding naming one of the four hook classes the one
+  `restore.Restore` replaced: one line with the file or binding to write now."""
+  gin_file = tmp_path / 'mine.gin'
+  gin_file.write_text('\n'.join(['from __gin__ import dynamic_registration', *lines]) + '\n')
+  flags = UPCYCLE + [f'--gin_file={gin_file}', f"--gin.MODEL_DIR='{tmp_path}/run'",
+                     "--gin.INITIAL_CHECKPOINT_PATH='/nowhere'"] + ([binding] if binding else [])
+  message = refusal(train_main.main, flags, capsys)
+  assert message == 'gin configuration error: ' + _fill(error, gin=gin_file)
+  assert not (tmp_path / 'run').exists()
 
 
 @pytest.mark.parametrize('kind, error', [

@@ -45,9 +45,9 @@ each a copy of one of the source's: tile | repeat | a list of source layers
 
 Output (--output_format): `orbax` (default): OUTPUT_DIR/<step>/params/ and
 _CHECKPOINT_METADATA, the layout training writes (`upcycle.checkpoints.orbax`), parameters
-only; train from it with `ContinueFromCheckpoint(OUTPUT_DIR, reuse_optimizer_state=False)`
-(train/restore.py). `t5x`: OUTPUT_DIR/checkpoint_<step>/, T5X's native layout
-(`upcycle.checkpoints.t5x_writer`): parameters under `optimizer/target` with Flaxformer's MoE
+only; train from it with `Restore(OUTPUT_DIR, modes.Continue())` (train/restore.py;
+upcycling/continue_from_checkpoint.gin with reuse_optimizer_state = False). `t5x`:
+OUTPUT_DIR/checkpoint_<step>/, T5X's native layout (`upcycle.checkpoints.t5x_writer`): parameters under `optimizer/target` with Flaxformer's MoE
 names, `state/step`, an empty `state/param_states` (restore it in T5X as docs/checkpoints.md says).
 Either way OUTPUT_DIR/upcycling_report.txt holds the upcycling report, every leaf (the console
 shows its summary; `upcycling/report_file.py`), OUTPUT_DIR/config.gin the gin configuration
@@ -105,9 +105,10 @@ from upcycle import (arguments, checkpoints, console, gin_utils, pretrained, rea
 from upcycle.checkpoints import atomic_dir, gcs, paths, t5x_writer, verify as verify_lib
 from upcycle.data import tokenizer as tokenizer_lib
 from upcycle.models import families
+from upcycle.optimizer_state import counts
 from upcycle.upcycling import experts as experts_lib
 from upcycle.upcycling import router_init
-from upcycle.upcycling import modes, report_file, step_policy, stream
+from upcycle.upcycling import modes, report_file, stream
 from upcycle.upcycling.base import ExpertInit
 from upcycle.upcycling.report import UpcycleReport
 from upcycle.upcycling.sources import combine
@@ -240,10 +241,10 @@ def _sources(ckpts: List[checkpoints.Checkpoint], experts: Any, step: Union[str,
     return ckpts[0], ckpts[0].params, experts
   if growing:
     raise ConvertError(f'--grow_experts / --grow_depth grow one trained checkpoint, and '
-                       f'restore.UpcycleFromDense.experts = {experts!r} (gin) makes experts '
+                       f'modes.Upcycle.experts = {experts!r} (gin) makes experts '
                        f'from several. Fix: drop upcycling/btx.gin / upit.gin.')
   ckpt, init = combine(ckpts, experts, step=step, names={
-      'step': '--step', 'experts': 'restore.UpcycleFromDense.experts'})
+      'step': '--step', 'experts': 'modes.Upcycle.experts'})
   return ckpt, init.shared_params(), init
 
 
@@ -304,7 +305,7 @@ def convert(source: Union[str, List[str]], model_config: Any, output_dir: str, *
   if output_format not in OUTPUT_FORMATS:
     raise ConvertError(f'--output_format={output_format!r}: expected one of {OUTPUT_FORMATS}.')
   try:
-    step = step_policy.check(step, '--step')
+    step = counts.check(step, '--step')
   except ValueError as e:
     raise ConvertError(str(e)) from e
   source_paths = [source] if isinstance(source, str) else list(source)
@@ -319,7 +320,7 @@ def convert(source: Union[str, List[str]], model_config: Any, output_dir: str, *
              ckpt.path)
     dense = tree.unroll_scanned(dense)
   target = families.abstract_params(_unrolled(model_config))
-  first = step_policy.start(step, ckpt.step)
+  first = counts.start(step, ckpt.step)
   if grow_experts is not None:
     mode = modes.GrowExperts(grow_experts, binding='--grow_experts')
   elif grow_depth is not None:
@@ -409,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-HOOK = 'upcycle.train.restore.UpcycleFromDense'
+HOOK = 'upcycle.upcycling.modes.Upcycle'
 
 
 def _hook_binding(name: str) -> Any:
@@ -432,17 +433,17 @@ def _initializer(flag: Optional[str], name: str, choices: Mapping[str, Any], def
   bound = _hook_binding(name)
   if name == 'experts' and bound is not None and _makes_several(bound):
     if flag is not None:
-      raise ConvertError(f'--{name}={flag} and the gin binding restore.UpcycleFromDense.{name} '
+      raise ConvertError(f'--{name}={flag} and the gin binding modes.Upcycle.{name} '
                          f'= {bound!r} (experts from several checkpoints) disagree. Fix: give '
                          f'one of them.')
     return bound
   if isinstance(bound, str):
-    bound = parse_init(bound, choices, f'restore.UpcycleFromDense.{name}')
+    bound = parse_init(bound, choices, f'modes.Upcycle.{name}')
   if flag is None:
     return parse_init(default, choices, f'--{name}') if bound is None else bound
   given = parse_init(flag, choices, f'--{name}')
   if bound is not None and repr(given) != repr(bound):
-    raise ConvertError(f'--{name}={flag} and the gin binding restore.UpcycleFromDense.{name} '
+    raise ConvertError(f'--{name}={flag} and the gin binding modes.Upcycle.{name} '
                        f'= {bound!r} disagree. Fix: give one of them.')
   return given
 

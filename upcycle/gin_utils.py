@@ -373,8 +373,20 @@ def parse_gin(args: argparse.Namespace, bindings: Sequence[str], read: Sequence[
     raise SystemExit(f'gin configuration error: {where} does not close its brackets or '
                      f'quotes ({e.args[0]}).') from e
   except (ValueError, IOError) as e:
-    why = _duplicate_task(e) or unset_macro(e, args.gin_file, paths) or located(str(e))
+    why = (_duplicate_task(e) or unset_macro(e, args.gin_file, paths)
+           or located(_unresolved(str(e))))
     raise SystemExit(f'gin configuration error: {why}') from e
+  except (AttributeError, ImportError) as e:   # a name gin cannot resolve
+    raise SystemExit(f'gin configuration error: {located(_unresolved(str(e)))}') from e
+
+
+def _unresolved(text: str) -> str:
+  """gin's error for a name it cannot resolve, its message the fix where the name is one of
+  the restore hook's former classes (`restore.former_hint`)."""
+  from upcycle.train import restore  # pylint: disable=g-import-not-at-top
+  found = _GIN_LOCATION.search(text)
+  message, where = (text[:found.start()], text[found.start():]) if found else (text, '')
+  return (restore.former_hint(message) or message) + where
 
 
 def _duplicate_task(error: Exception) -> Optional[str]:

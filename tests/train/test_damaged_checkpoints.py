@@ -33,10 +33,11 @@ from upcycle.data.text import TextPipeline
 from upcycle.decoding import DecodeConfig
 from upcycle.models import T5
 from upcycle.moe import MoeConfig, routers
-from upcycle.train.restore import ContinueFromCheckpoint
 from upcycle.train.objectives import Seq2Seq
 from upcycle.train.optimizers import Adafactor, rsqrt_schedule
+from upcycle.train.restore import Restore
 from upcycle.train.trainer import TrainConfig, Trainer
+from upcycle.upcycling import modes
 
 EMBEDDING = 'token_embedder/embedding'
 
@@ -269,10 +270,10 @@ def test_every_reader_refuses_changed_bytes_unless_told_not_to_verify(run, tmp_p
 
   # The restore hook (`verify`, a gin field), on the run's own abstract state.
   built = run['trainer'].built
-  hook = ContinueFromCheckpoint(checkpoint=str(step_dir))
+  hook = Restore(str(step_dir), modes.Continue(), reuse_optimizer_state=True)
   with partitioning.activate(built.mesh, built.rules):
     refused(lambda: hook(built.abstract, built.optimizer, TRAINING_T5),
-            skip='--gin.restore.ContinueFromCheckpoint.verify=False')
+            skip='--gin.restore.Restore.verify=False')
     state = dataclasses.replace(hook, verify=False)(built.abstract, built.optimizer, TRAINING_T5)
   np.testing.assert_array_equal(np.asarray(state.params['token_embedder']['embedding']),
                                 damaged['token_embedder']['embedding'])

@@ -16,8 +16,8 @@ from upcycle.checkpoints import orbax
 from upcycle.models import T5
 from upcycle.moe import MoeConfig, routers
 from upcycle.train import objectives, optimizers
-from upcycle.train.grow import GrowDepth, GrowExperts
-from upcycle.upcycling import carry_optimizer_state, depth_growth, execute, expert_growth
+from upcycle.train.restore import Restore
+from upcycle.upcycling import carry_optimizer_state, depth_growth, execute, expert_growth, modes
 
 ADAMW = optimizers.AdamW(optax.linear_schedule(0.0, 1e-3, 10_000))
 BATCH = {'encoder_input_tokens': np.zeros((4, 6), np.int32),
@@ -75,8 +75,8 @@ def test_grow_experts_hook_equals_the_library(moe, capsys, tmp_path):
   usage.write_text(json.dumps({'encoder/layers_0/mlp': [0.25, 0.75]}))
   built, abstract = _abstract(grown)
   with partitioning.activate(built.mesh):
-    state = GrowExperts(moe['dir'], sources='most_used', usage=str(usage))(
-        abstract, built.optimizer)
+    state = Restore(moe['dir'], modes.GrowExperts(sources='most_used', usage=str(usage)),
+                    reuse_optimizer_state=True)(abstract, built.optimizer)
   _assert_placed(state, abstract)
   growth = expert_growth.plan(moe['params'], abstract.params, sources=[1, 0])
   _assert_grown(moe, state, growth, abstract, built.optimizer)
@@ -90,11 +90,13 @@ def test_grow_depth_hook_equals_the_library_and_names_the_binding(moe):
   deep = dataclasses.replace(SMALL, num_encoder_layers=2)
   built, abstract = _abstract(deep)
   with partitioning.activate(built.mesh):
-    with pytest.raises(ValueError, match=r"GrowDepth\('.*', format 'orbax'\): "
-                       r'grow.GrowDepth.layer_map=\[0, 1\] for encoder/layers, which grows from '
+    with pytest.raises(ValueError, match=r"Restore\('.*', format 'orbax'\): "
+                       r'modes.GrowDepth.layer_map=\[0, 1\] for encoder/layers, which grows from '
                        r'1 to 2 layers: expected 2 source layers, each in \[0, 1\)'):
-      GrowDepth(moe['dir'], layer_map=[0, 1])(abstract, built.optimizer)
-    state = GrowDepth(moe['dir'])(abstract, built.optimizer)
+      Restore(moe['dir'], modes.GrowDepth(layer_map=[0, 1]),
+              reuse_optimizer_state=True)(abstract, built.optimizer)
+    state = Restore(moe['dir'], modes.GrowDepth(),
+                    reuse_optimizer_state=True)(abstract, built.optimizer)
   growth = depth_growth.plan(moe['params'], abstract.params)
   _assert_grown(moe, state, growth, abstract, built.optimizer)
   mu = tree.flatten(state.opt_state[1][0].mu)

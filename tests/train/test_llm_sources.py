@@ -20,9 +20,9 @@ from upcycle import convert, partitioning, pretrained
 from upcycle.models import Llama, LlamaConfig, llama_hf
 from upcycle.train import objectives, optimizers
 from upcycle.train.built_run import build_run
-from upcycle.train.restore import UpcycleFromDense
+from upcycle.train.restore import Restore
 from upcycle.train.trainer import TrainConfig
-from upcycle.upcycling import sources
+from upcycle.upcycling import modes, sources
 
 E = 4
 
@@ -69,7 +69,7 @@ def _upcycled(branches, via, tmp_path, **hook_args):
   sources = [dirs['a'], dirs['b']]
   if via == 'hook':
     with partitioning.activate(built.mesh):
-      return UpcycleFromDense(sources, **hook_args)(abstract, built.optimizer).params
+      return Restore(sources, modes.Upcycle(**hook_args))(abstract, built.optimizer).params
   convert.convert(sources, config, str(tmp_path / 'moe'), **hook_args)
   return pretrained.load(str(tmp_path / 'moe'), model_config=config).params
 
@@ -150,10 +150,10 @@ def test_each_merged_source_is_checked_against_the_runs_tokenizer(tmp_path):
   offline = tokenizer_lib.load(tokenizer_lib.OFFLINE_BPE)
   a, b = str(tmp_path / 'a'), save_swapped_tokenizer(offline, str(tmp_path / 'b'))
   offline.save(a)
-  UpcycleFromDense([a], format='hf', experts=sources.FromCheckpoints).check_tokenizer(
+  Restore([a], modes.Upcycle(experts=sources.FromCheckpoints), format='hf').check_tokenizer(
       offline, 'TOKENIZER')
   with pytest.raises(tokenizer_lib.TokenizerError) as refused:
-    UpcycleFromDense([a, b], format='hf', experts=sources.FromCheckpoints).check_tokenizer(
+    Restore([a, b], modes.Upcycle(experts=sources.FromCheckpoints), format='hf').check_tokenizer(
         offline, 'TOKENIZER')
   assert str(refused.value) == (
       f'TOKENIZER reads offline_stdlib_bpe (tokenizer digest {offline.short_digest}), but the '
@@ -207,7 +207,7 @@ def test_a_model_file_that_disagrees_with_config_json_is_refused_before_any_read
              fr'\({theirs!r}\), or use the model file made for that checkpoint.$')
   with pytest.raises(ValueError, match=message):
     with partitioning.activate(built.mesh):
-      UpcycleFromDense(dirs['a']).lower(abstract, built.optimizer, wrong)
+      Restore(dirs['a'], modes.Upcycle()).lower(abstract, built.optimizer, wrong)
   with pytest.raises(ValueError, match=message):
     convert.convert(dirs['a'], wrong, str(tmp_path / 'moe'))
   assert not (tmp_path / 'moe').exists()

@@ -137,7 +137,8 @@ def test_an_hf_llama_upcycled_in_the_restore_hook_starts_at_the_dense_loss(tmp_p
   import transformers  # pylint: disable=g-import-not-at-top
   from tests import hf_files  # pylint: disable=g-import-not-at-top
   from upcycle.models import llama_hf  # pylint: disable=g-import-not-at-top
-  from upcycle.train.restore import ContinueFromCheckpoint, UpcycleFromDense  # pylint: disable=g-import-not-at-top
+  from upcycle.train.restore import Restore  # pylint: disable=g-import-not-at-top
+  from upcycle.upcycling import modes  # pylint: disable=g-import-not-at-top
   hf_dir = str(tmp_path / 'hf_llama')
   hf_files.save_perturbed(lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
       vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -154,16 +155,16 @@ def test_an_hf_llama_upcycled_in_the_restore_hook_starts_at_the_dense_loss(tmp_p
     return Trainer(CausalLm(Llama(config)), optimizer, train_config, _lm('train'),
                    _lm('validation'), initializer).run()
 
-  upcycled = run(moe, UpcycleFromDense(hf_dir, experts='copy', router='uniform'), 'moe')
-  reference = run(dense, ContinueFromCheckpoint(hf_dir, reuse_optimizer_state=False), 'dense')
+  upcycled = run(moe, Restore(hf_dir, modes.Upcycle(experts='copy', router='uniform')), 'moe')
+  reference = run(dense, Restore(hf_dir, modes.Continue(), reuse_optimizer_state=False), 'dense')
   np.testing.assert_allclose(upcycled['initial_eval']['loss'],
                              reference['initial_eval']['loss'], rtol=1e-5)
   assert [h['step'] for h in upcycled['history']] == [1, 2]
   assert all(np.isfinite(h['loss']) for h in upcycled['history'])
 
   # The dense run's AdamW moments, reused: every expert starts with its MLP's moments.
-  reused = run(moe, UpcycleFromDense(str(tmp_path / 'dense' / 'checkpoints' / '2'),
-                                     reuse_optimizer_state=True), 'reused', steps=2)['state']
+  reused = run(moe, Restore(str(tmp_path / 'dense' / 'checkpoints' / '2'), modes.Upcycle(),
+                            reuse_optimizer_state=True), 'reused', steps=2)['state']
   dense_state = reference['state']
   adam = lambda state: [s for s in jax.tree.leaves(state.opt_state,
                                                    is_leaf=lambda s: hasattr(s, 'mu'))
@@ -184,7 +185,8 @@ def test_a_tokenizer_that_is_not_the_weights_is_refused_before_any_step(tmp_path
   one line naming TOKENIZER before a step is trained or a file written; the run's own
   tokenizer resumes it."""
   from tests import helpers  # pylint: disable=g-import-not-at-top
-  from upcycle.train.restore import ContinueFromCheckpoint  # pylint: disable=g-import-not-at-top
+  from upcycle.train.restore import Restore  # pylint: disable=g-import-not-at-top
+  from upcycle.upcycling import modes  # pylint: disable=g-import-not-at-top
   offline = tokenizer_lib.load(tokenizer_lib.OFFLINE_BPE)
   swapped = helpers.save_swapped_tokenizer(offline, str(tmp_path / 'swapped'))
   other = tokenizer_lib.load(swapped)
@@ -219,7 +221,8 @@ def test_a_tokenizer_that_is_not_the_weights_is_refused_before_any_step(tmp_path
   with pytest.raises(tokenizer_lib.TokenizerError, match=re.escape(
       f"Fix: TOKENIZER = '{step}', the checkpoint's own (runs/llm_continue.gin's and "
       "runs/llm_upcycle.gin's default).")):
-    run('continued', steps=4, tokenizer=swapped, initializer=ContinueFromCheckpoint(step))
+    run('continued', steps=4, tokenizer=swapped,
+        initializer=Restore(step, modes.Continue(), reuse_optimizer_state=True))
   with pytest.raises(tokenizer_lib.TokenizerError, match=re.escape(
       "reads offline_stdlib_bpe, whose 4096 pieces have ids up to 4095, but the model's "
       'embedding has 4000 rows (models.LlamaConfig.vocab_size = 4000).')):

@@ -21,10 +21,9 @@ from upcycle.models import T5, ViT
 from upcycle.moe import MoeConfig, capacity, routers
 from upcycle.optimizer_state import shardings as slots
 from upcycle.train import objectives, optimizers, resume
-from upcycle.train.grow import GrowExperts
-from upcycle.train.restore import UpcycleFromDense
+from upcycle.train.restore import Restore
 from upcycle.train.state import TrainState
-from upcycle.upcycling import sharded
+from upcycle.upcycling import modes, sharded
 
 ENCODER_MOE = MoeConfig(num_experts=4, router=routers.ExpertsChoose(),
                         capacity_convention=capacity.Vmoe(multiple_of=1))
@@ -202,7 +201,8 @@ def test_upcycled_t5x_state_is_read_and_placed_like_the_params(tmp_path, monkeyp
   built, abstract = _t5('t5x_momentum')
   reads = _recording_reads(monkeypatch)
   with partitioning.activate(built.mesh):
-    state = UpcycleFromDense(directory, reuse_optimizer_state=True)(abstract, built.optimizer)
+    state = Restore(directory, modes.Upcycle(),
+                    reuse_optimizer_state=True)(abstract, built.optimizer)
   _assert_placed(state, abstract)
   wi = tree.flatten(state.opt_state.param_states)[T5_WI]
   assert (wi.v_row.sharding.spec, wi.v_col.sharding.spec, wi.m.sharding.spec) == (
@@ -233,7 +233,8 @@ def test_grown_adafactor_state_is_placed_like_the_params(tmp_path, monkeypatch):
                                    T5_BATCH)
   reads = _recording_reads(monkeypatch)
   with partitioning.activate(built.mesh):
-    state = GrowExperts(str(tmp_path))(abstract, built.optimizer)
+    state = Restore(str(tmp_path), modes.GrowExperts(),
+                    reuse_optimizer_state=True)(abstract, built.optimizer)
   _assert_placed(state, abstract)
   wi = T5_WI.replace('layers_1', 'layers_0')
   assert tree.flatten(state.opt_state[0].v_row)[wi].sharding.spec == ROW
@@ -260,13 +261,15 @@ def test_every_optimizer_is_placed_like_the_params_by_upcycling_and_growth(name,
                                T5_BATCH), tmp_path / 'dense')
   built, abstract = _t5(name)
   with partitioning.activate(built.mesh):
-    upcycled = UpcycleFromDense(dense, reuse_optimizer_state=True)(abstract, built.optimizer)
+    upcycled = Restore(dense, modes.Upcycle(),
+                       reuse_optimizer_state=True)(abstract, built.optimizer)
   _assert_placed(upcycled, abstract)
   _assert_like_params(upcycled.opt_state, abstract.params)
   two = dataclasses.replace(T5_MOE, encoder_moe=dataclasses.replace(ENCODER_MOE, num_experts=2))
   small = _saved(*mesh_run(objectives.Seq2Seq(T5(two)), OPTIMIZERS[name], T5_BATCH),
                  tmp_path / 'small')
   with partitioning.activate(built.mesh):
-    grown = GrowExperts(small)(abstract, built.optimizer)
+    grown = Restore(small, modes.GrowExperts(),
+                    reuse_optimizer_state=True)(abstract, built.optimizer)
   _assert_placed(grown, abstract)
   _assert_like_params(grown.opt_state, abstract.params)

@@ -19,11 +19,12 @@ from upcycle import checkpoints, console, partitioning, pretrained, tree
 from upcycle.checkpoints import describe, orbax
 from upcycle.models import T5, ViT, scan_layout
 from upcycle.moe import MoeConfig, capacity, routers
-from upcycle.train import objectives, optimizers
-from upcycle.train.restore import ContinueFromCheckpoint, UpcycleFromDense
-from upcycle.upcycling import experts, sharded, step_policy
+from upcycle.optimizer_state import counts
 from upcycle.optimizer_state import from_t5x_adafactor
-from upcycle.upcycling.optimizer import carry_optimizer_state
+from upcycle.optimizer_state.carry import carry_optimizer_state
+from upcycle.train import objectives, optimizers
+from upcycle.train.restore import Restore
+from upcycle.upcycling import experts, modes, sharded
 from upcycle.upcycling.surgery import make_plan, upcycle
 
 # Capacity = group size: every token reaches an expert, and with normalized combine
@@ -94,7 +95,7 @@ def _unsharded(dense, target, **kwargs):
 def test_t5x_upcycled_on_the_mesh_equals_unsharded_surgery(t5, capsys):
   console.show_progress()   # as the entry points do
   before = helpers.snapshot(t5['dir'])
-  state = _run(t5['built'], t5['abstract'], UpcycleFromDense(t5['dir']))
+  state = _run(t5['built'], t5['abstract'], Restore(t5['dir'], modes.Upcycle()))
   assert helpers.snapshot(t5['dir']) == before
   _assert_placed(state, t5['abstract'])
   kernel = tree.flatten(state.params)[E_LEAF]
@@ -110,13 +111,14 @@ def test_t5x_upcycled_on_the_mesh_equals_unsharded_surgery(t5, capsys):
   assert int(factored_state.count) == 0 and int(schedule_state.count) == 6
   assert not any(np.asarray(x).any() for x in jax.tree.leaves(factored_state.v_row))
   out = capsys.readouterr().out
-  assert f"UpcycleFromDense: {t5['dir']} (t5x, step 6) -> start at step 6, fresh" in out
+  assert f"Restore: {t5['dir']} (t5x, step 6) -> start at step 6, fresh" in out
   assert '6 expert leaves in 2 MoE blocks (experts 4; Copy())' in out
 
 
 @pytest.mark.slow
 def test_drop_experts_and_reused_t5x_adafactor_state(t5):
-  hook = UpcycleFromDense(t5['dir'], experts=experts.Drop(0.5), reuse_optimizer_state=True, seed=3)
+  hook = Restore(t5['dir'], modes.Upcycle(experts=experts.Drop(0.5)), reuse_optimizer_state=True,
+                 seed=3)
   state = _run(t5['built'], t5['abstract'], hook)
   _assert_placed(state, t5['abstract'])
   want = _unsharded(t5['params'], t5['abstract'].params, experts=experts.Drop(0.5), seed=3)
@@ -142,7 +144,7 @@ def test_drop_experts_and_reused_t5x_adafactor_state(t5):
 
 
 def test_step_reset_zeroes_every_count_but_keeps_moments(t5):
-  hook = UpcycleFromDense(t5['dir'], reuse_optimizer_state=True, step='reset')
+  hook = Restore(t5['dir'], modes.Upcycle(), reuse_optimizer_state=True, step='reset')
   state = _run(t5['built'], t5['abstract'], hook)
   assert int(state.step) == 0
   assert int(state.opt_state[0].count) == 0 and int(state.opt_state[2].count) == 0
@@ -153,8 +155,8 @@ def test_step_reset_zeroes_every_count_but_keeps_moments(t5):
 def test_from_checkpoints_of_identical_branches_equals_copy(t5, tmp_path):
   """Branch-Train-MiX through the hook: host surgery, then placed on the mesh."""
   second = t5x_writer.write(str(tmp_path), 6, t5['params'])
-  hook = UpcycleFromDense([t5['dir'], second], experts=functools.partial(
-      experts.FromCheckpoints, assignment=(0, 1, 1, 0)))
+  hook = Restore([t5['dir'], second], modes.Upcycle(experts=functools.partial(
+      experts.FromCheckpoints, assignment=(0, 1, 1, 0))))
   state = _run(t5['built'], t5['abstract'], hook)
   _assert_placed(state, t5['abstract'])
   want, _ = upcycle(t5['params'], t5['abstract'].params, rng=0)
@@ -173,7 +175,7 @@ def test_hf_t5_upcycled_gives_the_transformers_logits(hf_t5):
   dense_config = pretrained.load(directory).model_config
   config = dataclasses.replace(dense_config, encoder_moe=ENCODER_MOE, decoder_moe=DECODER_MOE)
   built, abstract = mesh_run(objectives.Seq2Seq(T5(config)), ADAFACTOR, T5_BATCH)
-  state = _run(built, abstract, UpcycleFromDense(directory))
+  state = _run(built, abstract, Restore(directory, modes.Upcycle()))
   assert int(state.step) == 0  # HF checkpoints carry no step.
   theirs = helpers.torch_t5_logits(reference, helpers.ENCODER_TOKENS, helpers.DECODER_TOKENS)
   assert np.abs(helpers.t5_logits(state.params, config) - theirs).max() <= 1e-4
@@ -189,7 +191,7 @@ def vit(hf_vit, tmp_path_factory):
   optimizer = ADAMW.build()
   grads = jax.tree.map(lambda x: np.full(x.shape, 0.1, x.dtype), dense)
   _, opt_state = optimizer.update(grads, optimizer.init(dense), dense)
-  opt_state = step_policy.set_counts(opt_state, 7, schedule_only=False)
+  opt_state = counts.set_counts(opt_state, 7, schedule_only=False)
   orbax_dir = str(tmp_path_factory.mktemp('orbax'))
   with orbax.CheckpointManager(orbax_dir, async_save=False) as manager:
     manager.save(7, dense, opt_state)
@@ -202,7 +204,7 @@ def vit(hf_vit, tmp_path_factory):
 @pytest.mark.slow
 def test_hf_vit_upcycled_gives_the_transformers_logits_at_a_given_step(vit):
   built, abstract = vit['moe']
-  state = _run(built, abstract, UpcycleFromDense(vit['hf'], step=1000))
+  state = _run(built, abstract, Restore(vit['hf'], modes.Upcycle(), step=1000))
   _assert_placed(state, abstract)
   theirs = helpers.torch_vit_logits(vit['reference'], helpers.IMAGES)
   assert np.abs(helpers.vit_logits(state.params, vit['config']) - theirs).max() <= 1e-4
@@ -213,7 +215,7 @@ def test_hf_vit_upcycled_gives_the_transformers_logits_at_a_given_step(vit):
 
 def test_orbax_adamw_state_is_tiled_into_the_moe_state(vit):
   built, abstract = vit['moe']
-  state = _run(built, abstract, UpcycleFromDense(vit['orbax'], reuse_optimizer_state=True))
+  state = _run(built, abstract, Restore(vit['orbax'], modes.Upcycle(), reuse_optimizer_state=True))
   want = _unsharded(vit['dense'], abstract.params)
   _assert_trees_equal(state.params, want)
   _assert_trees_equal(state.opt_state,
@@ -226,35 +228,47 @@ def test_continue_dense_restores_params_and_optimizer_state(vit, capsys):
   console.show_progress()
   built, abstract = mesh_run(objectives.Classification(ViT(vit['dense_config'])), ADAMW,
                                    VIT_BATCH)
-  with pytest.raises(ValueError, match=r'no MoE blocks .*ContinueFromCheckpoint'):
-    _run(built, abstract, UpcycleFromDense(vit['orbax']))
-  state = _run(built, abstract, ContinueFromCheckpoint(vit['orbax']))
+  with pytest.raises(ValueError, match=r'no MoE blocks .*modes.Continue'):
+    _run(built, abstract, Restore(vit['orbax'], modes.Upcycle()))
+  state = _run(built, abstract,
+               Restore(vit['orbax'], modes.Continue(), reuse_optimizer_state=True))
   _assert_placed(state, abstract)
   _assert_trees_equal(state.params, vit['dense'])
   _assert_trees_equal(state.opt_state, vit['opt_state'])
   assert int(state.step) == 7
-  assert 'ContinueFromCheckpoint' in capsys.readouterr().out
+  assert 'Restore: ' in capsys.readouterr().out
 
 
 def test_mistakes_fail_before_anything_is_read(t5, vit):
   built, abstract = vit['moe']
   with pytest.raises(ValueError, match=r'holds no optimizer state.*'
-                     r'UpcycleFromDense.reuse_optimizer_state = False'):
-    _run(built, abstract, UpcycleFromDense(vit['hf'], reuse_optimizer_state=True))
-  with pytest.raises(ValueError, match=r'ContinueFromCheckpoint\(.*there is no checkpoint leaf '
+                     r'Restore.reuse_optimizer_state = False'):
+    _run(built, abstract, Restore(vit['hf'], modes.Upcycle(), reuse_optimizer_state=True))
+  with pytest.raises(ValueError, match=r'Restore\(.*there is no checkpoint leaf '
                      r'decoder/layers_1/mlp/expert/wi_0/kernel.*Fix: the model must be the '
                      r'architecture the checkpoint was trained with'):
-    _run(t5['built'], t5['abstract'], ContinueFromCheckpoint(t5['dir']))
+    _run(t5['built'], t5['abstract'],
+         Restore(t5['dir'], modes.Continue(), reuse_optimizer_state=True))
   wrong = dataclasses.replace(t5['config'], d_ff=16)
   built, abstract = mesh_run(objectives.Seq2Seq(T5(wrong)), ADAFACTOR, T5_BATCH)
-  with pytest.raises(ValueError, match=r"UpcycleFromDense\('.*checkpoint_6', format 't5x'\): "
+  with pytest.raises(ValueError, match=r"Restore\('.*checkpoint_6', format 't5x'\): "
                      r'Target leaf decoder/layers_0/mlp/wi_0/kernel has shape \(8, 16\) but '
                      r'dense leaf .* \(8, 12\)'):
-    _run(built, abstract, UpcycleFromDense(t5['dir']))
-  with pytest.raises(ValueError, match=r"UpcycleFromDense.step='last'"):
-    UpcycleFromDense(t5['dir'], step='last')
+    _run(built, abstract, Restore(t5['dir'], modes.Upcycle()))
+  with pytest.raises(ValueError, match=r"restore.Restore.step='last'"):
+    Restore(t5['dir'], modes.Upcycle(), step='last')
   with pytest.raises(ValueError, match=r'A class .* takes several source checkpoints'):
-    _run(built, abstract, UpcycleFromDense(t5['dir'], experts=experts.FromCheckpoints))
+    _run(built, abstract, Restore(t5['dir'], modes.Upcycle(experts=experts.FromCheckpoints)))
+  with pytest.raises(ValueError, match=(
+      r"^restore.Restore.mode = <class 'upcycle.upcycling.modes.Upcycle'>: expected a mode, "
+      r'one of @modes.Continue\(\), @modes.Upcycle\(\), @modes.GrowExperts\(\), '
+      r'@modes.GrowDepth\(\) \(gin, with parentheses\).$')):
+    Restore(t5['dir'], modes.Upcycle)
+  with pytest.raises(ValueError, match=(
+      r"^restore.Restore.source lists 2 checkpoints, which only experts made from several "
+      r'sources read: modes.Upcycle.experts = @sources.FromCheckpoints or @sources.Merge \(gin\), '
+      r"not Continue\(cast=False\).$")):
+    _run(built, abstract, Restore([t5['dir'], t5['dir']], modes.Continue()))
 
 
 def test_restore_dataset_reads_the_position_a_training_step_saved_and_refuses_others(
@@ -266,17 +280,18 @@ def test_restore_dataset_reads_the_position_a_training_step_saved_and_refuses_ot
     manager.save(5, params, dataset_state=position)
   with orbax.CheckpointManager(str(tmp_path / 'without'), async_save=False) as manager:
     manager.save(5, params)
-  assert ContinueFromCheckpoint(str(tmp_path / 'with' / '5'),
-                                restore_dataset=True).dataset_state() == position
-  assert UpcycleFromDense(str(tmp_path / 'with'), restore_dataset=True).dataset_state() == position
-  assert ContinueFromCheckpoint(str(tmp_path / 'with' / '5')).dataset_state() is None
-  with pytest.raises(ValueError, match=r"ContinueFromCheckpoint.restore_dataset=True: .*without/5 "
+  assert Restore(str(tmp_path / 'with' / '5'), modes.Continue(),
+                 restore_dataset=True).dataset_state() == position
+  assert Restore(str(tmp_path / 'with'), modes.Upcycle(),
+                 restore_dataset=True).dataset_state() == position
+  assert Restore(str(tmp_path / 'with' / '5'), modes.Continue()).dataset_state() is None
+  with pytest.raises(ValueError, match=r"restore.Restore.restore_dataset=True: .*without/5 "
                      r"\(orbax\) holds no data position; only the steps of a `python -m "
-                     r"upcycle.train` run do. Fix: ContinueFromCheckpoint.restore_dataset = False"):
-    ContinueFromCheckpoint(str(tmp_path / 'without'), restore_dataset=True).dataset_state()
-  with pytest.raises(ValueError, match=r"UpcycleFromDense.restore_dataset=True: .*checkpoint_6 "
+                     r"upcycle.train` run do. Fix: restore.Restore.restore_dataset = False"):
+    Restore(str(tmp_path / 'without'), modes.Continue(), restore_dataset=True).dataset_state()
+  with pytest.raises(ValueError, match=r"restore.Restore.restore_dataset=True: .*checkpoint_6 "
                      r"\(t5x\) holds no data position"):
-    UpcycleFromDense(t5['dir'], restore_dataset=True).dataset_state()
+    Restore(t5['dir'], modes.Upcycle(), restore_dataset=True).dataset_state()
   # One flipped bit of the position (5 -> 4) is refused, naming how to read it anyway; a
   # position that is not JSON, naming the other way on.
   metadata = tmp_path / 'with' / '5' / 'dataset' / 'metadata'
@@ -286,16 +301,16 @@ def test_restore_dataset_reads_the_position_a_training_step_saved_and_refuses_ot
       r"^[^\n]*/with/5/dataset: the data position differs from the digest recorded when the "
       r"step was saved \(crc32 [0-9a-f]{8}, saved [0-9a-f]{8}\); the data changed on disk. Fix: "
       r"copy the checkpoint again from its source, or pass "
-      r"--gin.restore.ContinueFromCheckpoint.verify=False to read it as it is.$")):
-    ContinueFromCheckpoint(str(tmp_path / 'with' / '5'), restore_dataset=True).dataset_state()
-  assert ContinueFromCheckpoint(str(tmp_path / 'with' / '5'), restore_dataset=True,
-                                verify=False).dataset_state()['shards']['0']['batches'] == 4
+      r"--gin.restore.Restore.verify=False to read it as it is.$")):
+    Restore(str(tmp_path / 'with' / '5'), modes.Continue(), restore_dataset=True).dataset_state()
+  assert Restore(str(tmp_path / 'with' / '5'), modes.Continue(), restore_dataset=True,
+                 verify=False).dataset_state()['shards']['0']['batches'] == 4
   metadata.write_text(saved[:-3])
   with pytest.raises(checkpoints.CheckpointError, match=(
       r"^[^\n]*/with/5/dataset: the data position is unreadable \(.*\); the data changed on "
       r"disk. Fix: copy the checkpoint again from its source, or read the data from its "
-      r"beginning: ContinueFromCheckpoint.restore_dataset = False.$")):
-    ContinueFromCheckpoint(str(tmp_path / 'with' / '5'), restore_dataset=True).dataset_state()
+      r"beginning: restore.Restore.restore_dataset = False.$")):
+    Restore(str(tmp_path / 'with' / '5'), modes.Continue(), restore_dataset=True).dataset_state()
 
 
 def test_dense_leaves_are_placed_by_the_sharding_they_feed(t5):
@@ -326,7 +341,7 @@ def test_unrolled_checkpoint_upcycled_into_a_scanned_model(tmp_path):
   directory = t5x_writer.write(str(tmp_path), 6, helpers.random_params(dense))
   unrolled = dataclasses.replace(dense, encoder_moe=ENCODER_MOE, decoder_moe=DECODER_MOE)
   scanned = dataclasses.replace(unrolled, scan_layers=True)
-  hook = UpcycleFromDense(directory, seed=3)
+  hook = Restore(directory, modes.Upcycle(), seed=3)
   states = {}
   for config in (unrolled, scanned):
     built, abstract = mesh_run(objectives.Seq2Seq(T5(config)), ADAFACTOR, T5_BATCH)
@@ -341,7 +356,7 @@ def test_unrolled_checkpoint_upcycled_into_a_scanned_model(tmp_path):
   np.testing.assert_allclose(logits(scanned), logits(unrolled), rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match='reuse_optimizer_state = False, or --gin.SCAN_LAYERS'):
     with partitioning.activate(built.mesh):
-      UpcycleFromDense(directory, reuse_optimizer_state=True)(abstract, built.optimizer,
+      Restore(directory, modes.Upcycle(), reuse_optimizer_state=True)(abstract, built.optimizer,
                                                               scanned)
 
 
@@ -366,13 +381,13 @@ def test_a_scanned_dense_run_upcycles_into_scanned_and_unrolled_moes(tmp_path):
     config = dataclasses.replace(moe, scan_layers=scanned)
     built, abstract = mesh_run(objectives.Seq2Seq(T5(config)), ADAFACTOR, T5_BATCH)
     with partitioning.activate(built.mesh):
-      state = UpcycleFromDense(str(tmp_path))(abstract, built.optimizer, config)
+      state = Restore(str(tmp_path), modes.Upcycle())(abstract, built.optimizer, config)
       with pytest.raises(ValueError, match=(
-          r"UpcycleFromDense\('.*6'\): the checkpoint holds scanned layers of another "
+          r"Restore\('.*6'\): the checkpoint holds scanned layers of another "
           r"structure than this model's \(a run trained with SCAN_LAYERS = True\) and the "
-          r'model is (scanned|unrolled) .* Fix: UpcycleFromDense.reuse_optimizer_state = False\.$')):
-        UpcycleFromDense(str(tmp_path), reuse_optimizer_state=True)(abstract, built.optimizer,
-                                                                    config)
+          r'model is (scanned|unrolled) .* Fix: Restore.reuse_optimizer_state = False\.$')):
+        Restore(str(tmp_path), modes.Upcycle(), reuse_optimizer_state=True)(
+            abstract, built.optimizer, config)
     _assert_placed(state, abstract)
     assert int(state.step) == 6
     np.testing.assert_allclose(logits(config, state.params), want, rtol=1e-5, atol=1e-5)
@@ -390,19 +405,19 @@ def test_a_source_of_the_wrong_kind_says_what_it_holds(t5, tmp_path):
   says what the checkpoint holds and what the config builds, before anything is read."""
   moe_dir = t5x_writer.write(str(tmp_path / 'moe'), 6, helpers.random_params(t5['config']))
   with pytest.raises(ValueError) as raised:
-    _run(t5['built'], t5['abstract'], UpcycleFromDense(moe_dir))
+    _run(t5['built'], t5['abstract'], Restore(moe_dir, modes.Upcycle()))
   moe = describe.summary(helpers.random_params(t5['config']))
   assert moe.startswith('a T5 model, ') and moe.endswith(
       ' parameters, an MoE with 4 experts in 2 blocks')
   assert str(raised.value) == (
-      f"UpcycleFromDense('{moe_dir}', format 't5x'): the checkpoint holds {moe}; this config "
+      f"Restore('{moe_dir}', format 't5x'): the checkpoint holds {moe}; this config "
       f"builds {moe}: already an MoE: upcycling starts from a dense checkpoint. Fix: point "
-      f"restore.UpcycleFromDense.checkpoint (INITIAL_CHECKPOINT_PATH) at the dense checkpoint, "
-      f"or continue this MoE with restore.ContinueFromCheckpoint (runs/continue_dense.gin with "
+      f"restore.Restore.source (INITIAL_CHECKPOINT_PATH) at the dense checkpoint, or continue "
+      f"this MoE with restore.Restore.mode = @modes.Continue() (runs/continue_dense.gin with "
       f"the MoE model files).")
   vit_dir = t5x_writer.write(str(tmp_path / 'vit'), 6,
                              helpers.random_params(helpers.CHECKPOINT_VIT))
   with pytest.raises(ValueError, match=r"the checkpoint holds a ViT model, .* dense \(no expert "
                                        r"leaves\); this config builds a T5 model, .*: another "
                                        r"model family\."):
-    _run(t5['built'], t5['abstract'], UpcycleFromDense(vit_dir))
+    _run(t5['built'], t5['abstract'], Restore(vit_dir, modes.Upcycle()))

@@ -14,13 +14,14 @@ from tests.train.helpers import TRAINING_T5, text
 from upcycle import partitioning, tree
 from upcycle.models import T5, T5Config
 from upcycle.moe import MoeConfig, routers
+from upcycle.optimizer_state import counts
 from upcycle.train import optimizers
 from upcycle.train.objectives import Seq2Seq
-from upcycle.train.restore import UpcycleFromDense
+from upcycle.train.restore import Restore
 from upcycle.train.t5x_adafactor import FactorDim, factor_rules, moe_logical_factor_rules
 from upcycle.train.t5x_adafactor import t5x_adafactor
 from upcycle.train.trainer import TrainConfig, Trainer
-from upcycle.upcycling import step_policy
+from upcycle.upcycling import modes
 
 ROW, COL, BATCH, NONE = FactorDim.ROW, FactorDim.COLUMN, FactorDim.BATCH, FactorDim.NONE
 HEURISTIC = 'heuristic'
@@ -107,7 +108,7 @@ def run_ours(param, grads, rule, first_step=0, **hp):
   """Our transformation on {'w': param} for len(grads) steps -> [param after each step]."""
   opt = t5x_adafactor(schedule, {} if rule == HEURISTIC else {'w': rule}, **hp)
   params = {'w': jnp.asarray(param, jnp.float32)}
-  state = step_policy.fresh(opt.init(params), first_step)
+  state = counts.fresh(opt.init(params), first_step)
   out = []
   for g in grads:
     updates, state = opt.update({'w': jnp.asarray(g, jnp.float32)}, state, params)
@@ -244,8 +245,8 @@ def test_trainer_saves_resumes_and_upcycles_the_t5x_state(tmp_path):
   moe = trainer('moe', moe_config, 4)
   with partitioning.activate(moe.built.mesh):
     abstract = moe.built.abstract
-    fresh = UpcycleFromDense(checkpoint)(abstract, moe.built.optimizer)
-    reused = UpcycleFromDense(checkpoint, reuse_optimizer_state=True)(abstract,
+    fresh = Restore(checkpoint, modes.Upcycle())(abstract, moe.built.optimizer)
+    reused = Restore(checkpoint, modes.Upcycle(), reuse_optimizer_state=True)(abstract,
                                                                       moe.built.optimizer)
   assert int(fresh.opt_state.count) == int(reused.opt_state.count) == 3
   expert = reused.opt_state.param_states['encoder']['layers_1']['mlp']['expert']['wi_0']['kernel']

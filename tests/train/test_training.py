@@ -250,8 +250,8 @@ def test_a_continuation_that_restores_the_dataset_trains_like_the_uninterrupted_
   # main in this process, on its 8 devices, which divide 24).
   odd = [c.replace(str(model_dir), str(tmp_path / 'odd')) for c in command[3:]]
   assert refusal(train_main.main, with_flags(odd, '--gin.BATCH_SIZE=24'), capsys) == (
-      'error: ContinueFromCheckpoint.restore_dataset=True: The data position 4 batches of 8 '
+      'error: restore.Restore.restore_dataset=True: The data position 4 batches of 8 '
       'examples into epoch 0 (32 examples) is not a whole number of batches of 24; continue '
       'with a batch size that divides 32. Or read the data from its beginning: '
-      'ContinueFromCheckpoint.restore_dataset = False.')
+      'restore.Restore.restore_dataset = False.')
   assert not (tmp_path / 'odd' / 'metrics.jsonl').exists()

@@ -10,8 +10,9 @@ from upcycle.models import T5
 from upcycle.moe import MoeConfig, routers
 from upcycle.train.objectives import Seq2Seq
 from upcycle.train.optimizers import Adafactor, rsqrt_schedule
-from upcycle.train.restore import ContinueFromCheckpoint, UpcycleFromDense
+from upcycle.train.restore import Restore
 from upcycle.train.trainer import TrainConfig, Trainer
+from upcycle.upcycling import modes
 
 
 def continue_run(model_dir, config, initializer, steps):
@@ -34,9 +35,9 @@ def test_function_preserving_upcycling_starts_from_the_dense_loss(tmp_path, dens
                             train_capacity_factor=2.0, eval_capacity_factor=2.0,
                             normalize_combine_weights=True))
   dense = continue_run(tmp_path / 'dense_more', TRAINING_T5,
-                       ContinueFromCheckpoint(checkpoint), steps=32)
+                       Restore(checkpoint, modes.Continue(), reuse_optimizer_state=True), steps=32)
   moe = continue_run(tmp_path / 'moe', preserving,
-                     UpcycleFromDense(checkpoint, experts='copy', reuse_optimizer_state=True),
+                     Restore(checkpoint, modes.Upcycle(experts='copy'), reuse_optimizer_state=True),
                      steps=32)
   assert dense['start_step'] == moe['start_step'] == 30
   np.testing.assert_allclose(moe['initial_eval']['loss'], dense['initial_eval']['loss'],

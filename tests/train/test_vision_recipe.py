@@ -14,11 +14,12 @@ from upcycle import partitioning, tree
 from upcycle.data.images import DIGITS, ImagePipeline
 from upcycle.models import ViT
 from upcycle.moe import MoeConfig, routers
+from upcycle.optimizer_state import counts
 from upcycle.train.objectives import Classification
 from upcycle.train.optimizers import BigVisionAdafactor, big_vision_schedule
-from upcycle.train.restore import UpcycleFromDense
+from upcycle.train.restore import Restore
 from upcycle.train.trainer import TrainConfig, Trainer
-from upcycle.upcycling import step_policy
+from upcycle.upcycling import modes
 
 DENSE_STEPS, BUDGET = 6, 12   # the schedule runs over the whole budget, dense + upcycled
 OPTIMIZER = BigVisionAdafactor(
@@ -48,7 +49,8 @@ def test_big_vision_schedule_closed_form():
 @pytest.mark.slow
 def test_upcycled_vit_reuses_the_state_and_continues_the_learning_rate(tmp_path):
   dense = _trainer(tmp_path / 'dense', TRAINING_VIT, DENSE_STEPS).run()
-  hook = UpcycleFromDense(str(tmp_path / 'dense' / 'checkpoints'), reuse_optimizer_state=True)
+  hook = Restore(str(tmp_path / 'dense' / 'checkpoints'), modes.Upcycle(),
+                 reuse_optimizer_state=True)
   moe = _trainer(tmp_path / 'moe', MOE_VIT, DENSE_STEPS + 2, hook)
 
   # The reused state: the dense second moments and momentum, tiled over the experts.
@@ -87,7 +89,7 @@ def test_weight_decay_is_decoupled_scheduled_and_on_kernels_only():
   """Zero gradients: the update is -decay_schedule(t) * weight_decay * p for kernels (not x lr)."""
   opt = OPTIMIZER.build()
   params = {'a': {'kernel': jnp.full((2, 3), 2.0), 'bias': jnp.ones((3,))}}
-  state = step_policy.fresh(opt.init(params), DENSE_STEPS)
+  state = counts.fresh(opt.init(params), DENSE_STEPS)
   updates, _ = opt.update(jax.tree.map(jnp.zeros_like, params), state, params)
   np.testing.assert_allclose(np.asarray(updates['a']['kernel']), -2e-4 / np.sqrt(2), rtol=1e-6)
   assert not np.asarray(updates['a']['bias']).any()

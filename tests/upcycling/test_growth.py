@@ -173,18 +173,18 @@ def test_depth_tiles_repeats_or_maps_layers_and_names_the_binding():
     got = [int(new['encoder'][f'layers_{i}']['mlp']['wo']['kernel'][0, 0]) for i in range(4)]
     assert got == want, spec
     assert f'encoder/layers: 2 -> 4 layers, from layers {want}' in str(growth)
-  bad = [('tile', 3, r"grow.GrowDepth.layer_map='tile': encoder/layers grows from 2 to 3 layers, "
+  bad = [('tile', 3, r"modes.GrowDepth.layer_map='tile': encoder/layers grows from 2 to 3 layers, "
                      r'not a multiple of 2'),
-         ([0, 1, 2, 0], 4, r'grow.GrowDepth.layer_map=\[0, 1, 2, 0\] for encoder/layers, which '
+         ([0, 1, 2, 0], 4, r'modes.GrowDepth.layer_map=\[0, 1, 2, 0\] for encoder/layers, which '
                            r'grows from 2 to 4 layers: expected 4 source layers, each in \[0, 2\)'),
          ([0, 1], 4, r'expected 4 source layers'),
-         ('stack', 4, r"grow.GrowDepth.layer_map='stack': expected one of \('tile', 'repeat'\)"),
+         ('stack', 4, r"modes.GrowDepth.layer_map='stack': expected one of \('tile', 'repeat'\)"),
          ({'decoder/layers': 'tile'}, 4, r"names \['decoder/layers'\], which are not layer stacks"),
-         ({}, 4, r'grow.GrowDepth.layer_map has no entry for encoder/layers')]
+         ({}, 4, r'modes.GrowDepth.layer_map has no entry for encoder/layers')]
   for spec, depth, message in bad:
     with pytest.raises(ValueError, match=message):
       depth_growth.plan(_dense(2), abstract(depth), layer_map=spec,
-                        binding='grow.GrowDepth.layer_map')
+                        binding='modes.GrowDepth.layer_map')
 
 
 def test_a_deepened_vit_runs_and_its_new_layers_are_copies():

@@ -8,8 +8,8 @@ import pytest
 
 from upcycle import tree
 from upcycle.optimizer_state import adafactor, from_t5x_adafactor
+from upcycle.optimizer_state.carry import carry_optimizer_state
 from upcycle.upcycling import experts
-from upcycle.upcycling.optimizer import carry_optimizer_state
 from upcycle.upcycling.surgery import make_plan, upcycle
 
 MLP = 'encoder/layers_1/mlp'

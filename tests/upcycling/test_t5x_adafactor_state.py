@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from upcycle.optimizer_state import from_t5x_adafactor
+from upcycle.optimizer_state import counts
+from upcycle.optimizer_state.carry import carry_optimizer_state
 from upcycle.train import optimizers
-from upcycle.upcycling import step_policy
-from upcycle.upcycling.optimizer import carry_optimizer_state
 from upcycle.upcycling.surgery import make_plan
 
 E = 3
@@ -96,6 +96,6 @@ def test_t5x_written_slots_read_as_they_are_and_fresh_state_keeps_the_step():
     got, want = state.param_states['mlp'][k]['kernel'], dense.param_states['mlp'][k]['kernel']
     for s in ('v_row', 'v_col', 'v', 'm'):
       np.testing.assert_array_equal(getattr(got, s), getattr(want, s), err_msg=f'{k} {s}')
-  fresh = step_policy.fresh(opt.init(params), 1000)
+  fresh = counts.fresh(opt.init(params), 1000)
   assert int(fresh.count) == 1000  # T5X's one count: learning rate and decay.
-  assert int(step_policy.reused(state, 'reset', 0).count) == 0
+  assert int(counts.reused(state, 'reset', 0).count) == 0

@@ -12,6 +12,20 @@ the source state's unit of its parameter's source, by the parameter's op (`leaf_
 
 Upcycling (`Tile` experts, `Copy` the rest), growth (`Take` experts and layers) and reading a
 T5X-written state (`Copy`, `stored.py`) are this one function with different ops.
+
+`carry_optimizer_state` carries a trained state through a plan (`upcycling.Plan.ops`):
+
+  upcycling   experts' slots are the dense MLP's, tiled along the expert axis (whatever the
+              expert initializer: Drop and Noise experts get the dense moments too); routers'
+              slots are fresh; shared experts and every other leaf copy the dense slots (a
+              narrower shared expert's, those of its first d_ff units)
+  growth      new experts and layers take their sources' slots, as the params are taken
+
+Step counts and injected hyperparameters are the source's, so the schedule continues
+(`keep_step=False`: fresh). Any chain of optax transformations is handled without knowing it,
+inside `optax.masked` and `optax.multi_transform` too (a parameter a branch does not update
+keeps its `optax.MaskedNode` slots). A T5X-written state is first read into the run's optax
+state (`optimizer_state.from_t5x_adafactor`).
 """
 
 from typing import Any, Mapping, Tuple
@@ -100,3 +114,46 @@ def _count(value: Any, fresh: Any, name: str) -> Any:
     raise ValueError(f'Optimizer-state leaf {name} is {tuple(np.shape(value))} '
                      f'in the source state but {tuple(np.shape(fresh))} in the new one.')
   return jnp.asarray(value, jnp.result_type(fresh))
+
+
+_UPCYCLE_FIX = ('the dense state must come from the same optax optimizer (same chain and '
+                'options) as the MoE one; expert initializers that change shapes (Granular) '
+                'need tile_moments=False.')
+_GROWTH_FIX = ('the checkpoint\'s optimizer must be this run\'s (the same optax chain and '
+               'options), or start with a fresh optimizer state.')
+
+
+def carry_optimizer_state(state: Any, plan: Any, params: Mapping[str, Any],
+                          optimizer: optax.GradientTransformation, *,
+                          tile_moments: bool = True, keep_step: bool = True) -> Any:
+  """The new params' optimizer state, made from `state` by the plan that made the params.
+
+  Args:
+    state: the source params' optax state (e.g. `optimizer_state.as_optax` of a stored one),
+      from the same optimizer. Never modified.
+    plan: the `upcycling.Plan` that made `params` (`plan.make`, `expert_growth.plan`,
+      `depth_growth.plan`): its `ops()`, `copies` and `blocks`.
+    params: the new params or their abstract shapes; flax boxes are opened.
+    optimizer: the run's optax optimizer.
+    tile_moments: reuse the source's moments; False starts every moment fresh.
+    keep_step: carry over step counts and other leaves of no parameter, so the schedule
+      continues from the source's step; False resets them.
+
+  Returns:
+    A state of the structure `optimizer.init(params)` returns.
+  """
+  params = tree.zeros_for(params)
+  ops = plan.ops()
+  shapes = {p: tree.shape_of(x) for p, x in tree.flatten(params).items()}
+  source_shapes = {source: tuple(leaf.source_shape) for leaf in _leaves(plan)
+                   if (source := leaf.source)}
+  upcycling = bool(plan.blocks)
+  return carry_state(
+      units_lib.flatten(state, source_shapes), optimizer.init(params), ops=ops,
+      source_shapes=source_shapes, shapes=shapes, keep_counts=keep_step,
+      moments=tile_moments, source_name='the dense' if upcycling else 'the checkpoint\'s',
+      fix=_UPCYCLE_FIX if upcycling else _GROWTH_FIX)
+
+
+def _leaves(plan: Any):
+  return plan.copies + tuple(leaf for block in plan.blocks for leaf in block.leaves)

@@ -15,6 +15,12 @@ So a slot is sharded like its parameter along the axes it keeps (T5X's derive_lo
 big_vision's one rule set for params and optimizer state): an `[E, d_model, d_ff]` expert
 kernel over ('expert', None, 'model') has mu / nu / m over the same, T5X v_row `[E, d_model]`
 over ('expert', None) and v_col `[E, d_ff]` over ('expert', 'model').
+
+A state as a checkpoint stores it (`stored.py`) is read where the run's optimizer puts the
+leaf of its key path and shape (`stored_shardings`); a stored leaf the optimizer has not (T5X
+slots read into optax Adafactor, or in another layout) belongs to the parameter its key path
+ends in (optax) or ends in before the slot's name (T5X `param_states/<param path>/m`), and is
+placed like it when it has its shape, else replicated.
 """
 
 import dataclasses
@@ -92,6 +98,36 @@ def _sharding(slot: Slot, param_sharding: Optional[NamedSharding],
   spec = tuple(param_sharding.spec)
   spec += (None,) * (max(slot.kept_axes, default=-1) + 1 - len(spec))
   return NamedSharding(param_sharding.mesh, PartitionSpec(*[spec[a] for a in slot.kept_axes]))
+
+
+def stored_shardings(saved: Any, params: Any, param_shardings: Any,
+                     optimizer: optax.GradientTransformation) -> Any:
+  """Where each leaf of a stored optimizer state is read, a tree like `saved` (module
+  docstring).
+
+  Args:
+    saved: the stored optimizer state (lazy or abstract leaves).
+    params: the params it belongs to (abstract).
+    param_shardings: a NamedSharding per parameter, a tree like `params`.
+    optimizer: the run's optax transformation.
+  """
+  like = jax.eval_shape(optimizer.init, params)
+  by_key = {tree.key_path(kp): (tree.shape_of(x), s) for (kp, x), s in zip(
+      jax.tree_util.tree_leaves_with_path(like),
+      jax.tree.leaves(state_shardings(like, params, param_shardings)))}
+  flat = tree.flatten(param_shardings)
+  shapes = {p: tree.shape_of(x) for p, x in tree.flatten(params).items()}
+  replicated = NamedSharding(next(iter(flat.values())).mesh, PartitionSpec())
+
+  def where(keypath, leaf) -> NamedSharding:
+    key, shape = tree.key_path(keypath), tree.shape_of(leaf)
+    if key in by_key and by_key[key][0] == shape:
+      return by_key[key][1]
+    owner = (tree.split_param_path(keypath, shapes)
+             or tree.split_param_path(keypath[:-1], shapes))
+    return flat[owner[1]] if owner and shapes[owner[1]] == shape else replicated
+
+  return jax.tree_util.tree_map_with_path(where, saved)
 
 
 def state_shardings(opt_state: Any, params: Any, param_shardings: Any) -> Any:

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 from upcycle import leaf_ops, tree
-from upcycle.optimizer_state import adafactor, carry, units
+from upcycle.optimizer_state import adafactor, carry, counts, units
 
 T5X_FORMATS = ('t5x', 't5x_orbax')
 _TRACES = ('.ema', '.trace')   # optax's momentum: T5X's m
@@ -91,11 +91,11 @@ def as_optax(state: Any, format: str,  # pylint: disable=redefined-builtin
   return restructure(state, jax.eval_shape(optimizer.init, params), where)
 
 
-def _t5x_unit(key: units.Key, fresh: Any, slots: Mapping[str, Any], shape, step) -> Any:
+def _t5x_unit(key: units.Key, fresh: Any, slots: Mapping[str, Any], shape) -> Any:
   """The unit at `key` of the run's state, read from T5X's slots of its parameter."""
   names, path = key
   if path is None:
-    return step if names[-1] == '.count' else fresh
+    return fresh   # counts: the step (`counts.set_counts`), hyperparameters: the optimizer's
   if isinstance(fresh, optax.MaskedNode):
     return fresh
   if adafactor.is_slots(fresh):
@@ -125,7 +125,7 @@ def from_t5x_adafactor(t5x_state: Mapping[str, Any], params: Mapping[str, Any],
   where the layouts still differ (other `min_dim_size_to_factor`, `factored`) the second
   moment is rebuilt as v_row x v_col / mean(v_row), the estimate both precondition with, and
   refactored (`adafactor.carry`). T5X's momentum `m` (an EMA of the scaled update) is
-  optax.adafactor's `ema`; the step fills every `count`.
+  optax.adafactor's `ema`; the step fills every `count` (`counts.set_counts`).
 
   Args:
     t5x_state: the T5X optimizer `state` dict, as the T5X checkpoint reader returns it.
@@ -151,9 +151,9 @@ def from_t5x_adafactor(t5x_state: Mapping[str, Any], params: Mapping[str, Any],
                      f'({len(missing)} params missing). Fix: pass the params of the same '
                      f'checkpoint.')
   fresh = optimizer.init(params)
-  step = t5x_state.get('step', 0)
-  source = {key: _t5x_unit(key, unit, slots_of.get(key[1], {}), shapes.get(key[1]), step)
-            for key, unit in units.flatten(fresh, shapes).items()}
+  counted = counts.set_counts(fresh, jnp.asarray(t5x_state.get('step', 0)), schedule_only=False)
+  source = {key: _t5x_unit(key, unit, slots_of.get(key[1], {}), shapes.get(key[1]))
+            for key, unit in units.flatten(counted, shapes).items()}
   return carry.carry_state(source, fresh, ops={p: (p, leaf_ops.COPY) for p in shapes},
                            source_shapes=shapes, shapes=shapes, source_name='the T5X',
                            fix='read the T5X state with the optimizer that wrote it.')

@@ -20,7 +20,7 @@ from upcycle.study.runs import Run
 from upcycle.study.scale import Scale
 
 MIXTRAL = ('moe/mixtral.gin', 'runs/llm_upcycle.gin')
-RESET = "restore.UpcycleFromDense.step='reset'"
+RESET = "restore.Restore.step='reset'"
 DROP_RATIOS = (0.25, 0.5, 0.75, 1.0)
 PER_MATRIX = "experts.Drop.index_sharing='per_matrix'"
 LAYERWISE = "moe.MoeConfig.load_balancing_layers='separate'"
@@ -43,7 +43,7 @@ def llama_runs(scale: Scale, seed: int) -> List[Run]:
       upcycle('drop_0.5_per_matrix', drop(0.5)[0], (*drop(0.5)[1], PER_MATRIX)),
       upcycle('noise', ['upcycling/noise.gin']),
       run('dense', ['runs/llm_continue.gin'],
-          ["restore.ContinueFromCheckpoint.step='reset'", 'REUSE_OPTIMIZER_STATE=False'],
+          ["restore.Restore.step='reset'", 'REUSE_OPTIMIZER_STATE=False'],
           steps=x, source=('pretrain', p)),
       run('scratch', ['moe/mixtral.gin', 'runs/llm_pretrain.gin'], steps=x),
       upcycle('moe_constant_lr', bindings=(constant,)),

@@ -195,7 +195,7 @@ def t5_runs(scale: Scale, seed: int) -> List[Run]:
         for n in scale.expert_counts if n != scale.num_experts],
       upcycle('reuse_optimizer_state', ['upcycling/reuse_optimizer_state.gin']),
       upcycle('normalize_combine_weights', ['upcycling/normalize_combine_weights.gin']),
-      upcycle('lr_restart', bindings=("restore.UpcycleFromDense.step='reset'",), steps=x),
+      upcycle('lr_restart', bindings=("restore.Restore.step='reset'",), steps=x),
       upcycle('placement_last_2', ['moe/placement/last_2.gin']),
       upcycle('placement_all', ['moe/placement/all.gin']),
       *[upcycle(f'drop_{r}', ['upcycling/drop.gin'], (f'DROP_RATIO={r}',)) for r in (0.5, 1.0)],
@@ -204,8 +204,8 @@ def t5_runs(scale: Scale, seed: int) -> List[Run]:
   # Grow an MoE: experts_4 trained on to `grown_at`, its 4 experts tiled to 8, trained to P + X.
   grown_at = p + max(scale.checkpoint_every, (x // 3) // scale.checkpoint_every *
                      scale.checkpoint_every)
-  runs.append(upcycle('grown', ['upcycling/grow.gin'], source=('experts_4', grown_at)))
-  runs.append(run('depth', ['runs/continue_dense.gin', 'upcycling/depth.gin'],
+  runs.append(upcycle('grown', ['upcycling/grow_experts.gin'], source=('experts_4', grown_at)))
+  runs.append(run('depth', ['runs/continue_dense.gin', 'upcycling/grow_depth.gin'],
                   ['models.T5Config.num_encoder_layers=8', 'models.T5Config.num_decoder_layers=8'],
                   steps=p + x, source=('pretrain', p)))
   return runs
@@ -292,7 +292,7 @@ def vit_runs(scale: Scale, seed: int) -> List[Run]:
       run('scratch', [*VIT_MOE, 'runs/vit_pretrain.gin'], [e], steps=p + x),
       upcycle('top2', ['moe/tokens_choose_top2.gin']),
       upcycle('fresh_optimizer_state',
-              bindings=('restore.UpcycleFromDense.reuse_optimizer_state=False',)),
+              bindings=('restore.Restore.reuse_optimizer_state=False',)),
       upcycle('unnormalized_combine_weights',
               bindings=('encoder/moe.MoeConfig.normalize_combine_weights=False',)),
   ]

@@ -2,8 +2,8 @@
 
 `objectives.Seq2Seq` / `CausalLm` / `Classification` (and `router_stage.RouterStage` around
 one), `optimizers.T5XAdafactor` / `BigVisionAdafactor` / `Adafactor` / `AdamW` / `RoutersOnly` and
-`restore.Restore` (its gin names `UpcycleFromDense`, `ContinueFromCheckpoint`, `grow.GrowExperts`,
-`grow.GrowDepth`) are the implementations here; a new one
+`restore.Restore` (one hook, its mode bound in gin: `@modes.Upcycle()`, `@modes.Continue()`,
+`@modes.GrowExperts()`, `@modes.GrowDepth()`) are the implementations here; a new one
 needs only these members (structural typing, nothing to inherit).
 """
 

@@ -8,7 +8,7 @@
 
 `build(param_axes)` gets the params' logical axis names (path -> names), which only
 T5XAdafactor uses. Schedules are functions of the optimizer's step count. An upcycled run
-carries the dense run's count (upcycle/upcycling/optimizer.py, step_policy.py), so a schedule
+carries the dense run's count (upcycle/optimizer_state/carry.py, counts.py), so a schedule
 defined over the whole budget (dense + upcycled steps) continues across the upcycling point.
 """
 

@@ -1,17 +1,19 @@
 """The restore hook's one jit: a plan run on the mesh, its output placed with the run's shardings.
 
-`plan_jit` makes params and optimizer state from a checkpoint's lazy leaves inside one
+`jit_plan` makes params and optimizer state from a checkpoint's lazy leaves inside one
 `jax.jit` whose out_shardings are the abstract state's: every expert tensor is created already
 split over the 'expert' mesh axis and no host holds E copies; each dense leaf is an input, read
-by each host only in the blocks its devices need (`upcycling/sharded.py`). Initializers that
-read their own sources (Branch-Train-MiX, UpIT: `traceable = False`) run the plan eagerly on the
-host instead (`host_jit`): their params are the jit's inputs, and the jit places them and makes
-the fresh optimizer state. Either way the hook's work is one `StateJit`, which `upcycle.aot`
-lowers on abstract inputs without reading anything.
+by each host only in the blocks its devices need (`upcycling/sharded.py`). What the jit's
+inputs are is its one varying part (`Inputs`): the source leaves the plan runs on inside the
+jit (`traced`), or, for initializers that read their own sources (Branch-Train-MiX, UpIT:
+`traceable = False`), the params the plan made eagerly on the host (`on_host`), which the jit
+places. Either way the hook's work is one `StateJit`, which `upcycle.aot` lowers on abstract
+inputs without reading anything.
 """
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import warnings
 from typing import Any, Callable, Mapping, Optional, Tuple
@@ -22,10 +24,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from upcycle import checkpoints, fields, tree
 from upcycle.models import scan_layout
-from upcycle.optimizer_state import shardings, stored
+from upcycle.optimizer_state import counts, shardings, stored
+from upcycle.optimizer_state.carry import carry_optimizer_state
 from upcycle.train.state import TrainState
-from upcycle.upcycling import execute, report_file, sharded, step_policy
-from upcycle.upcycling.optimizer import carry_optimizer_state
+from upcycle.upcycling import execute, report_file, sharded
 from upcycle.upcycling.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -126,16 +128,54 @@ def _out_shardings(abstract_state: TrainState) -> Tuple[Any, Tuple[int, ...]]:
   return jax.tree.map(lambda x: x.sharding, abstract_state), donate
 
 
-def plan_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer, plan: Plan, *,
-             target: Layout,
-             reuse_optimizer_state: bool, step: step_policy.Step, seed: int,
-             owner: str) -> StateJit:
-  """The sharded executor of a plan: params and optimizer state made from a checkpoint in one
-  jit, placed on the mesh, each source leaf read where the leaves made from it need it
-  (`sharded.source_shardings`).
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+  """The params' part of the jit's inputs: how they are read (placed), their abstract values,
+  and the params the jit makes of them."""
+
+  read: Callable[[], Any]                  # () -> inputs, placed
+  abstract: Any                            # the inputs as jax.ShapeDtypeStruct (sharded)
+  params: Callable[[Any, jax.Array], Any]  # (inputs, rng) -> params, traceable
+  source: Mapping[str, jax.ShapeDtypeStruct]   # {path: abstract} of the source params
+  placement: Mapping[str, NamedSharding]       # {source path: sharding} of those read
+
+
+def traced(plan: Plan, target: Layout, abstract_params: Any) -> Inputs:
+  """Inputs of a traceable plan: the source leaves it reads, each placed where the leaves made
+  from it need it (`sharded.source_shardings`); the plan runs inside the jit."""
+  placement = sharded.source_shardings(plan, tree.flatten(abstract_params))
+  dense = tree.flatten(target.source)
+  source = {p: tree.abstract(x) for p, x in dense.items()}
+  read = {p: dense[p] for p in placement}
+  return Inputs(
+      read=functools.partial(jax.tree.map, sharded.read, read, placement),
+      abstract=jax.tree.map(_placed, read, placement),
+      params=lambda inputs, rng: target.to_model(
+          execute.run(plan, tree.unflatten({**source, **inputs}), rng)),
+      source=source, placement=placement)
+
+
+def on_host(plan: Plan, target: Layout, abstract_params: Any, seed: int) -> Inputs:
+  """Inputs of a plan whose initializer reads its own sources (not traceable): the params,
+  made on the host when read and placed with the run's shardings."""
+  param_shardings = jax.tree.map(lambda x: x.sharding, abstract_params)
+
+  def read():
+    params = target.to_model(execute.run(plan, target.source, jax.random.PRNGKey(seed)))
+    return jax.device_put(params, param_shardings)
+
+  return Inputs(read=read, abstract=abstract_params, params=lambda inputs, rng: inputs,
+                source={}, placement={})
+
+
+def jit_plan(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer, plan: Plan,
+              *, target: Layout, reuse_optimizer_state: bool, step: counts.Step, seed: int,
+              owner: str) -> StateJit:
+  """The executor of a plan: params and optimizer state made from a checkpoint in one jit,
+  placed on the mesh (`traced` or, for initializers that are not traceable, `on_host` inputs).
 
   Args:
-    ckpt: the source checkpoint (lazy leaves).
+    ckpt: the source checkpoint (lazy leaves; several sources: the one standing for them).
     abstract_state: the trainer's abstract TrainState (leaves with `.sharding`).
     optimizer: the run's optax transformation.
     plan: from `target.source` to `target.target` (upcycling, growth or a copy): its `step`
@@ -146,118 +186,50 @@ def plan_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer
     seed: the rng seed of the initializers.
     owner: the hook's class name, for messages and gin bindings.
   """
-  stacked = target.stacked
-  placement = sharded.source_shardings(plan, tree.flatten(target.target))
-  make_params = lambda source, rng: target.to_model(execute.run(plan, source, rng))
-  if reuse_optimizer_state and (stacked or target.unrolled_source):
+  if reuse_optimizer_state and (target.stacked or target.unrolled_source):
     held = ('scanned layers of another structure than this model\'s (a run trained with '
             'SCAN_LAYERS = True)' if target.unrolled_source else 'unrolled layers')
     unroll = '' if target.unrolled_source else ', or --gin.SCAN_LAYERS=False'
     raise fields.ConfigError(
         f'{owner}({ckpt.path!r}): the checkpoint holds {held} and the model is '
-        f'{"scanned" if stacked else "unrolled"} (SCAN_LAYERS = {stacked}), so its optimizer '
-        f'state does not fit this model\'s slots. Fix: {owner}.reuse_optimizer_state = '
-        f'False{unroll}.')
-  dense = tree.flatten(target.source)
-  dense_abstract = {p: tree.abstract(x) for p, x in dense.items()}
+        f'{"scanned" if target.stacked else "unrolled"} (SCAN_LAYERS = {target.stacked}), so '
+        f'its optimizer state does not fit this model\'s slots. Fix: {owner}.'
+        f'reuse_optimizer_state = False{unroll}.')
+  inputs = (traced(plan, target, target.target) if plan.experts is None or plan.experts.traceable
+            else on_host(plan, target, abstract_state.params, seed))
   saved = (stored.reusable(ckpt, f'{owner}.reuse_optimizer_state')
            if reuse_optimizer_state else None)
 
-  def build(inputs, saved_state, rng):
-    source = tree.unflatten({**dense_abstract, **inputs})
-    params = make_params(source, rng)
+  def build(params_inputs, saved_state, rng):
+    params = inputs.params(params_inputs, rng)
     if saved_state is None:
-      opt_state = step_policy.fresh(optimizer.init(params), plan.step)
+      opt_state = counts.fresh(optimizer.init(params), plan.step)
     else:
-      opt_state = stored.as_optax(saved_state, ckpt.format, source, optimizer, ckpt.path)
+      opt_state = stored.as_optax(saved_state, ckpt.format, tree.unflatten(inputs.source),
+                                  optimizer, ckpt.path)
       opt_state = carry_optimizer_state(opt_state, plan, params, optimizer)
-      opt_state = step_policy.reused(opt_state, step, plan.step)
+      opt_state = counts.reused(opt_state, step, plan.step)
     return TrainState(jnp.asarray(plan.step, abstract_state.step.dtype), params, opt_state)
 
   saved_abstract = None if saved is None else jax.tree.map(tree.abstract, saved)
   try:  # The optimizer-state conversion checks, before anything is read.
-    jax.eval_shape(build, dense_abstract, saved_abstract, jax.ShapeDtypeStruct((2,), jnp.uint32))
+    jax.eval_shape(build, inputs.abstract, saved_abstract, jax.ShapeDtypeStruct((2,), jnp.uint32))
   except ValueError as e:
     raise fields.ConfigError(f'{owner}({ckpt.path!r}, format {ckpt.format!r}): {e}') from e
   _announce(owner, ckpt, plan, reuse_optimizer_state)
 
-  saved_shardings = None if saved is None else _saved_shardings(
-      saved, dense_abstract, placement, optimizer, abstract_state.step.sharding.mesh)
+  replicated = NamedSharding(abstract_state.step.sharding.mesh, PartitionSpec())
+  saved_shardings = None if saved is None else shardings.stored_shardings(
+      saved, tree.unflatten(inputs.source),
+      tree.unflatten(dict.fromkeys(inputs.source, replicated) | dict(inputs.placement)),
+      optimizer)
   out_shardings, donate = _out_shardings(abstract_state)
 
   def read():
-    inputs = {p: sharded.read(dense[p], s) for p, s in placement.items()}
-    return inputs, (None if saved is None else
-                    jax.tree.map(sharded.read, saved, saved_shardings))
+    return inputs.read(), (None if saved is None else
+                           jax.tree.map(sharded.read, saved, saved_shardings))
 
-  abstract = ({p: _placed(dense[p], s) for p, s in placement.items()},
+  abstract = (inputs.abstract,
               None if saved is None else jax.tree.map(_placed, saved, saved_shardings))
   return StateJit(jax.jit(build, out_shardings=out_shardings, donate_argnums=donate), read,
                   abstract, seed)
-
-
-def host_jit(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer, plan: Plan, *,
-             target: Layout, seed: int, owner: str) -> StateJit:
-  """The executor of a plan whose initializer reads its own sources (not traceable): the
-  params are made on the host when the jit is called, and its inputs; the jit places them and
-  makes a fresh optimizer state at the plan's step.
-
-  Args:
-    ckpt: the checkpoint standing for the sources (for the log).
-    abstract_state: the trainer's abstract TrainState (leaves with `.sharding`).
-    optimizer: the run's optax transformation.
-    plan: the plan; its initializer reads the sources.
-    target: the layout: the params the plan copies from (lazy leaves) and those it targets.
-    seed: the rng seed of the initializers.
-    owner: the hook's class name, for messages.
-  """
-  def build(params, saved, rng):
-    del saved, rng
-    opt_state = step_policy.fresh(optimizer.init(params), plan.step)
-    return TrainState(jnp.asarray(plan.step, abstract_state.step.dtype), params, opt_state)
-
-  param_shardings = jax.tree.map(lambda x: x.sharding, abstract_state.params)
-
-  def read():
-    _announce(owner, ckpt, plan, False)
-    params = target.to_model(execute.run(plan, target.source, jax.random.PRNGKey(seed)))
-    return jax.device_put(params, param_shardings), None
-
-  out_shardings, donate = _out_shardings(abstract_state)
-  return StateJit(jax.jit(build, out_shardings=out_shardings, donate_argnums=donate), read,
-                  (abstract_state.params, None), seed)
-
-
-def _saved_shardings(saved: Any, source: Mapping[str, jax.ShapeDtypeStruct],
-                     placement: Mapping[str, NamedSharding], optimizer, mesh) -> Any:
-  """Where each stored optimizer-state leaf is read, a tree like `saved`.
-
-  A leaf at the key path and of the shape of a leaf of the optimizer's state of the source
-  params (every leaf of our orbax checkpoints; T5X slots of T5X Adafactor in the run's layout)
-  is read like that slot (`optimizer_state/shardings.py`: along its parameter's placement);
-  others (T5X slots read into optax Adafactor, or in another layout) by
-  `sharded.slot_sharding`.
-
-  Args:
-    saved: the stored optimizer state (lazy leaves).
-    source: {path: abstract leaf} of the source params.
-    placement: {source path: sharding} of the source leaves that are read.
-    optimizer: the run's optax transformation.
-    mesh: the run's mesh.
-  """
-  replicated = NamedSharding(mesh, PartitionSpec())
-  params = tree.unflatten(source)
-  like = jax.eval_shape(optimizer.init, params)
-  derived = shardings.state_shardings(
-      like, params, tree.unflatten({p: placement.get(p, replicated) for p in source}))
-  by_key = {tree.key_path(kp): (tree.shape_of(x), s) for (kp, x), s in zip(
-      jax.tree_util.tree_leaves_with_path(like), jax.tree.leaves(derived))}
-  placed = {p: (tree.shape_of(source[p]), s) for p, s in placement.items()}
-
-  def where(keypath, leaf) -> NamedSharding:
-    key, shape = tree.key_path(keypath), tree.shape_of(leaf)
-    if key in by_key and by_key[key][0] == shape:
-      return by_key[key][1]
-    return sharded.slot_sharding(key, shape, placed, replicated)
-
-  return jax.tree_util.tree_map_with_path(where, saved)

@@ -19,6 +19,7 @@ from upcycle import fields, partitioning, pretrained
 from upcycle.checkpoints import paths, t5x_export
 from upcycle.checkpoints.orbax import RUN_CHECKPOINTS, CheckpointManager
 from upcycle.data import tokenizer as tokenizer_lib
+from upcycle.optimizer_state import counts
 from upcycle.train import (cadence, evaluation, host_states, preemption, resume,
                            routing_health, run_lock, stall, startup)
 from upcycle.train import step as step_lib
@@ -27,7 +28,7 @@ from upcycle.train.host_data import HostData
 from upcycle.train.interfaces import Initializer, Objective, Optimizer
 from upcycle.train.logger import MetricLogger
 from upcycle.train.state import TrainState
-from upcycle.upcycling import report_file, step_policy
+from upcycle.upcycling import report_file
 
 log = logging.getLogger(__name__)
 
@@ -267,12 +268,12 @@ class Trainer:
                                  built.objective.model.config)
       positions = getattr(self.initializer, 'dataset_state', lambda: None)()
       if positions is not None:    # restore_dataset: read on where the source run stopped
-        owner = type(self.initializer).__name__
+        flag = fields.binding(self.initializer, 'restore_dataset')
         try:
           data.continue_stream(host_states.mine(positions, data.shards))
         except ValueError as e:
-          raise fields.ConfigError(f'{owner}.restore_dataset=True: {e} Or read the data from '
-                                   f'its beginning: {owner}.restore_dataset = False.') from e
+          raise fields.ConfigError(f'{flag}=True: {e} Or read the data from its beginning: '
+                                   f'{flag} = False.') from e
         log.info('Reading the data on from the initial checkpoint\'s position: %s',
                  data.describe_position())
       host_states.wait_for_all_hosts('initialized')
@@ -281,7 +282,7 @@ class Trainer:
     if opt_state is None:
       log.warning('The optimizer state of step %s does not fit this config\'s optimizer; it '
                   'starts fresh at that step (on_optimizer_mismatch=\'fresh\').', restored.step)
-      opt_state = jax.jit(lambda p: step_policy.fresh(built.optimizer.init(p), restored.step),
+      opt_state = jax.jit(lambda p: counts.fresh(built.optimizer.init(p), restored.step),
                           out_shardings=built.shardings.opt_state)(restored.params)
     if restored.dataset_state is not None:
       try:

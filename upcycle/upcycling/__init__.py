@@ -1,10 +1,10 @@
 """Dense -> MoE upcycling over param trees: the plan, its executors, the initializers; growing
 a trained checkpoint with more experts or more layers."""
 
+from upcycle.optimizer_state.carry import carry_optimizer_state
 from upcycle.upcycling import capture, experts, router_init
 from upcycle.upcycling.depth_growth import grow_depth
 from upcycle.upcycling.expert_growth import grow_experts, router_usage
-from upcycle.upcycling.optimizer import carry_optimizer_state
 from upcycle.upcycling.plan import Plan
 from upcycle.upcycling.report import UpcycleReport
 from upcycle.upcycling.surgery import copy_params, make_plan, upcycle, upcycle_from_checkpoints

@@ -153,7 +153,8 @@ def grow_depth(params: Mapping[str, Any], target: Mapping[str, Any], *,
 
   Returns:
     (params, plan): a nested dict like `target`, and the growth `Plan` (print it for the
-    report). `optimizer.carry_optimizer_state` deepens the optimizer state alike.
+    report). `optimizer_state.carry.carry_optimizer_state` deepens the optimizer
+    state alike.
   """
   growth = plan(params, target, layer_map=layer_map)
   return execute.run(growth, params, jax.random.PRNGKey(0)), growth

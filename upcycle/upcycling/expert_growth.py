@@ -146,7 +146,7 @@ def _block(layer: str, paths: Sequence[str], tgt, flat, roles, spec, usage, bind
   if missing:
     raise ValueError(f'Target leaf {missing[0]} has no checkpoint leaf to grow from. Fix: start '
                      f'from a checkpoint of an MoE with the same MoE blocks (a dense checkpoint '
-                     f'is upcycled instead: upcycling.upcycle, restore.UpcycleFromDense); '
+                     f'is upcycled instead: upcycling.upcycle, modes.Upcycle); '
                      f'{FIX}.')
   axes = {p: _expert_axis(p, tgt[p], flat[p]) for p in paths}
   sizes = {(tree.shape_of(flat[p])[a], tree.shape_of(tgt[p])[a]) for p, a in axes.items()
@@ -231,7 +231,8 @@ def grow_experts(params: Mapping[str, Any], target: Mapping[str, Any], *,
 
   Returns:
     (params, plan): a nested dict like `target`, and the growth `Plan` (print it for the
-    report). `optimizer.carry_optimizer_state` grows the optimizer state alike.
+    report). `optimizer_state.carry.carry_optimizer_state` grows the optimizer
+    state alike.
   """
   growth = plan(params, target, sources=sources, usage=usage)
   return execute.run(growth, params, jax.random.PRNGKey(0)), growth

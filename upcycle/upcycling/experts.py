@@ -190,7 +190,7 @@ class Drop(ExpertInit):
       raise ValueError(
           f'Drop.ratio={self.ratio!r} varies with the layer index, but {layer} is not among the '
           f'MoE layers Drop was given ({list(positions)}). Fix: upcycle through the plan '
-          f'(upcycling.upcycle, UpcycleFromDense, convert), which gives them, or call '
+          f'(upcycling.upcycle, the restore hook, convert), which gives them, or call '
           f'Drop(...).for_layers({{MLP path: (stack, index)}}) first.')
     if positions[layer] is None:
       raise ValueError(f'Drop.ratio={self.ratio!r} varies with the layer index, and the MLP '

@@ -8,7 +8,7 @@ target leaf is taken from one checkpoint leaf:
 
 so it runs through the plan's executors (eagerly, inside the restore hook's sharded jit, to
 disk) and prints as the plan's report; the optimizer state follows the same ops
-(`upcycling/optimizer.py`).
+(`optimizer_state/carry.py`).
 """
 
 from typing import Any, Mapping, Optional, Sequence, Tuple

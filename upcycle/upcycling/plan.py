@@ -190,7 +190,7 @@ def _cast_note(path: str, target_dtype, source_path: str, source_dtype, cast: bo
     raise ValueError(
         f'Target leaf {path} has dtype {target.name} but dense leaf {source_path} is '
         f'{source.name}: casting would round its values. Fix: allow it (the restore hook\'s '
-        f'cast = True in gin, e.g. --gin.restore.UpcycleFromDense.cast=True; python -m '
+        f'cast = True in gin, e.g. --gin.modes.Upcycle.cast=True; python -m '
         f'upcycle.convert --cast), or build the model with param dtype {source.name}.')
   return f'cast {source.name} -> {target.name} (rounds values)'
 
@@ -325,7 +325,7 @@ def make(dense: Mapping[str, Any], target: Mapping[str, Any], experts: ExpertIni
         f'matches nothing. Fix: build the target from the MoE model (T5Config.encoder_moe / '
         f'decoder_moe or ViTConfig.moe set, placement not "none"); to continue training a '
         f'checkpoint of the model\'s own architecture, use copy_params '
-        f'(restore.ContinueFromCheckpoint).')
+        f'(the restore hook\'s modes.Continue).')
   members: Dict[str, Dict[str, List[str]]] = {}
   for role in roles.values():
     if role.kind != 'copy':

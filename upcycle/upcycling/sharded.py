@@ -18,7 +18,7 @@ ever holds E copies. A mesh axis that does not divide a dimension is dropped
 from that dimension (replicated instead of failing).
 """
 
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Tuple
 
 import jax
 import numpy as np
@@ -103,32 +103,3 @@ def read(leaf: Any, sharding: NamedSharding) -> jax.Array:
   """
   shape = tuple(int(d) for d in np.shape(leaf))
   return jax.make_array_from_callback(shape, sharding, _block_reader(leaf))
-
-
-def slot_sharding(key: str, shape: Tuple[int, ...],
-                  params: Mapping[str, Tuple[Tuple[int, ...], NamedSharding]],
-                  default: NamedSharding) -> NamedSharding:
-  """Where a stored optimizer-state leaf goes: like its parameter when it has its shape.
-
-  A slot belongs to the parameter whose path appears in its key path (optax
-  `0/mu/<param path>`, T5X `param_states/<param path>/m`). Full-shape slots
-  (Adam moments, momentum, unfactored Adafactor `v`) are then sharded like the
-  parameter; everything else is replicated. The restore hook reads a stored leaf so only
-  where the run's optimizer has no leaf of its key path and shape (a T5X-written state
-  read into optax Adafactor, or in another layout); the others are read as
-  `upcycle.optimizer_state.shardings` derives them, factored rows and columns included.
-
-  Args:
-    key: the leaf's '/'-joined key path.
-    shape: its shape.
-    params: {param path: (shape, sharding)}.
-    default: the sharding for everything else (replicated).
-  """
-  joined = f'/{key}/'
-  best: Optional[str] = None
-  for path in params:
-    if f'/{path}/' in joined and (best is None or len(path) > len(best)):
-      best = path
-  if best is not None and params[best][0] == tuple(shape):
-    return params[best][1]
-  return default

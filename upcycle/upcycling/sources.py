@@ -358,7 +358,7 @@ class Merge(MultiSource):
       raise ValueError(
           f"Merge(pair_scope='model') picks each merged expert's pair over every MoE layer, and "
           f'was called for {layer} without them. Fix: upcycle through the plan '
-          f'(upcycle_from_checkpoints, UpcycleFromDense, convert), which gives them.')
+          f'(upcycle_from_checkpoints, the restore hook, convert), which gives them.')
     key = (np.asarray(jax.random.key_data(self._experts_rng)).tobytes(), self._layers,
            num_experts, tuple(names))
     if key not in self._picked:
@@ -396,7 +396,7 @@ def combine(ckpts: Sequence[checkpoints.Checkpoint], make: Callable[..., MultiSo
     ckpts: the sources, in order (expert e of FromCheckpoints comes from `ckpts[e]`).
     make: `make(sources=[params, ...])` -> the initializer (FromCheckpoints, Merge, or a
       partial of one with its other arguments).
-    step: the step policy (`step_policy.check`'d); 'keep' needs the sources at one step.
+    step: the step policy (`optimizer_state.counts.check`'d); 'keep' needs the sources at one step.
     names: what to call the step policy and `make` in errors: {'step': ..., 'experts': ...}.
 
   Returns:

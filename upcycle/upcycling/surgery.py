@@ -8,8 +8,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import jax
 
-from upcycle.upcycling import execute, plan as plan_lib
-from upcycle.upcycling import experts as experts_lib
+from upcycle.upcycling import execute, modes, plan as plan_lib
 from upcycle.upcycling import router_init
 from upcycle.upcycling.base import ExpertInit
 from upcycle.upcycling.report import UpcycleReport
@@ -27,14 +26,9 @@ def make_plan(dense_params: Mapping[str, Any], target: Mapping[str, Any], *,
               experts: Union[str, ExpertInit] = 'copy',
               router: Union[str, router_init.RouterInit] = 'normal', cast: bool = False,
               step: int = 0, layers: Optional[Layers] = None) -> plan_lib.Plan:
-  """The plan of `upcycle`, initializers given by name or instance.
-
-  With a MultiSource initializer (Branch-Train-MiX, UpIT) `dense_params` are its
-  `shared_params()`: the sources are the plan's, the executors do not know them.
-  """
-  shared = experts.describe_shared() if isinstance(experts, MultiSource) else 'copy'
-  return plan_lib.make(dense_params, target, experts_lib.get(experts), router_init.get(router),
-                       cast=cast, shared=shared, step=step, layers=layers)
+  """The plan of `upcycle`, initializers given by name or instance (`modes.Upcycle`'s)."""
+  return modes.Upcycle(experts, router, cast).plan(dense_params, target, step=step,
+                                                   layers=layers)
 
 
 def upcycle(dense_params: Mapping[str, Any], target: Mapping[str, Any], *,

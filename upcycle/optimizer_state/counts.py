@@ -1,4 +1,5 @@
-"""Where an upcycled (or continued) run starts counting: 'keep', 'reset' or a step number.
+"""An optimizer state's step counts: where an upcycled (or continued) run starts counting,
+'keep', 'reset' or a step number, and the counts of a fresh or reused state that follow.
 
   'keep'   the checkpoint's step continues (0 for formats without one: HF, .npz), and so does
            the learning-rate schedule. A reused optimizer state keeps all its counts; a fresh
