@@ -380,13 +380,43 @@ def parse_gin(args: argparse.Namespace, bindings: Sequence[str], read: Sequence[
     raise SystemExit(f'gin configuration error: {located(_unresolved(str(e)))}') from e
 
 
+# The restore hook's former gin names (`upcycle.train.restore`) and the file of configs/ that
+# binds each now.
+FORMER = {'UpcycleFromDense': ('upcycling/upcycle_from_dense.gin', 'modes.Upcycle'),
+          'ContinueFromCheckpoint': ('upcycling/continue_from_checkpoint.gin', 'modes.Continue'),
+          'GrowExperts': ('upcycling/grow_experts.gin', 'modes.GrowExperts'),
+          'GrowDepth': ('upcycling/grow_depth.gin', 'modes.GrowDepth')}
+
+
+def former(name: str) -> str:
+  """What to write now instead of the former hook class `name` (one line)."""
+  gin_file, mode = FORMER[name]
+  return (f'{name} is no class any more: there is one hook, restore.Restore(source, mode). '
+          f"Fix: include '{gin_file}' (or bind train_script.train.initializer = "
+          f'@restore.Restore() and restore.Restore.mode = @{mode}()), then bind '
+          f'restore.Restore.source (was .checkpoint), restore.Restore.reuse_optimizer_state, '
+          f'.step, ... and the mode\'s own fields as {mode}.<field>.')
+
+
+def former_hint(text: str) -> Optional[str]:
+  """`former`'s line when gin's error `text` is about a former hook class (or the module
+  upcycle.train.grow, which held two of them); None otherwise."""
+  if "'upcycle.train.grow'" in text:
+    return ("upcycle.train.grow is gone: growing is a mode of the one hook, restore.Restore. "
+            "Fix: include 'upcycling/grow_experts.gin' or 'upcycling/grow_depth.gin' (they bind "
+            "restore.Restore.mode = @modes.GrowExperts() / @modes.GrowDepth()) instead of "
+            "importing it; the modes' fields are modes.GrowExperts.sources, .usage and "
+            "modes.GrowDepth.layer_map.")
+  named = [name for name in FORMER if re.search(rf'\.{name}\b', text)]
+  return former(named[0]) if named else None
+
+
 def _unresolved(text: str) -> str:
   """gin's error for a name it cannot resolve, its message the fix where the name is one of
-  the restore hook's former classes (`restore.former_hint`)."""
-  from upcycle.train import restore  # pylint: disable=g-import-not-at-top
+  the restore hook's former classes (`former_hint`)."""
   found = _GIN_LOCATION.search(text)
   message, where = (text[:found.start()], text[found.start():]) if found else (text, '')
-  return (restore.former_hint(message) or message) + where
+  return (former_hint(message) or message) + where
 
 
 def _duplicate_task(error: Exception) -> Optional[str]:

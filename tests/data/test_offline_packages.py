@@ -138,7 +138,8 @@ def test_a_run_on_another_corpus_warns_in_one_line_and_records_it(tmp_path, monk
       '--gin_file=models/t5_1_1/tiny.gin', '--gin_file=runs/pretrain.gin',
       '--gin_file=data/offline_packages_span_corruption.gin', f"--gin.MODEL_DIR='{tmp_path}'",
       '--gin.TRAIN_STEPS=1', '--gin.BATCH_SIZE=8',
-      "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}", '--gin.train.eval_data=None',
+      "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
+      '--gin.__main__.train.eval_data=None',
       '--gin.models.T5Config.num_encoder_layers=1', '--gin.models.T5Config.num_decoder_layers=1'],
       'test')
   found = offline_text.corpus_record('packages')

@@ -381,7 +381,7 @@ def test_a_sweep_run_pretrains_at_its_peak_and_evaluates_its_last_checkpoint_on_
   assert command[:3] == ['python', '-m', 'upcycle.eval']
   assert (f"--gin.CHECKPOINT_PATH='runs/t5/lr_0.032/seed1/checkpoints/"
           f"{FULL.regime_pretrain_steps}'") in command
-  assert '--gin.EVAL_BATCHES=0' in command and '--gin.eval_script.evaluate.decode_data=None' \
+  assert '--gin.EVAL_BATCHES=0' in command and '--gin.evaluate.decode_data=None' \
       in command
   gin_utils.check_repeats(gin_utils.parse_flags(command[3:], 'study')[1])
 

@@ -66,4 +66,5 @@ def train_command(model_dir, steps, *flags):
           '--gin.BATCH_SIZE=8', "--gin.TASK_FEATURE_LENGTHS={'inputs': 64, 'targets': 16}",
           '--gin.trainer.TrainConfig.log_every=1', '--gin.trainer.TrainConfig.checkpoint_every=4',
           '--gin.models.T5Config.num_encoder_layers=2',
-          '--gin.models.T5Config.num_decoder_layers=2', '--gin.train.eval_data=None'], *flags)
+          '--gin.models.T5Config.num_decoder_layers=2',
+          '--gin.__main__.train.eval_data=None'], *flags)

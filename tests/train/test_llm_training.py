@@ -78,7 +78,7 @@ def _command(model_dir, steps, run='runs/llm_pretrain.gin'):
           f"--gin.MODEL_DIR='{model_dir}'", f'--gin.TRAIN_STEPS={steps}', '--gin.BATCH_SIZE=8',
           "--gin.TASK_FEATURE_LENGTHS={'targets': 32}", '--gin.models.LlamaConfig.num_layers=2',
           '--gin.trainer.TrainConfig.log_every=1', '--gin.trainer.TrainConfig.checkpoint_every=4',
-          '--gin.train.eval_data=None']
+          '--gin.__main__.train.eval_data=None']
 
 
 def _losses(model_dir):

@@ -108,7 +108,7 @@ class Run:
             f"--gin.EVAL_OUTPUT_DIR='{os.path.join(run_dir, FINAL_EVAL)}'",
             f'--gin.BATCH_SIZE={FINAL_EVAL_BATCH_SIZE}',
             f'--gin.EVAL_BATCHES={self.final_eval_batches}',
-            '--gin.eval_script.evaluate.decode_data=None']
+            '--gin.evaluate.decode_data=None']
 
 
 def final_eval(run_dir: str) -> dict:

@@ -48,10 +48,10 @@ bound in gin with the model, not here. In gin (the training entry point passes
 import dataclasses
 import functools
 import os
-import re
 from typing import Any, Callable, List, Optional, Sequence, Union
 
 from upcycle import fields, pretrained, tree
+from upcycle.gin_utils import FORMER, former
 from upcycle.checkpoints import CheckpointError, Checkpoint, describe, digests, orbax, paths, verify
 from upcycle.data import tokenizer as tokenizer_lib
 from upcycle.optimizer_state import counts
@@ -61,36 +61,6 @@ from upcycle.upcycling import modes
 from upcycle.upcycling.base import ExpertInit
 from upcycle.upcycling.plan import Plan
 from upcycle.upcycling.sources import MultiSource, combine
-
-# The hook's former gin names and the file of configs/ that binds each now.
-FORMER = {'UpcycleFromDense': ('upcycling/upcycle_from_dense.gin', 'modes.Upcycle'),
-          'ContinueFromCheckpoint': ('upcycling/continue_from_checkpoint.gin', 'modes.Continue'),
-          'GrowExperts': ('upcycling/grow_experts.gin', 'modes.GrowExperts'),
-          'GrowDepth': ('upcycling/grow_depth.gin', 'modes.GrowDepth')}
-
-
-def former(name: str) -> str:
-  """What to write now instead of the former hook class `name` (one line)."""
-  gin_file, mode = FORMER[name]
-  return (f'{name} is no class any more: there is one hook, restore.Restore(source, mode). '
-          f"Fix: include '{gin_file}' (or bind train_script.train.initializer = "
-          f'@restore.Restore() and restore.Restore.mode = @{mode}()), then bind '
-          f'restore.Restore.source (was .checkpoint), restore.Restore.reuse_optimizer_state, '
-          f'.step, ... and the mode\'s own fields as {mode}.<field>.')
-
-
-def former_hint(text: str) -> Optional[str]:
-  """`former`'s line when gin's error `text` is about a former hook class (or the module
-  upcycle.train.grow, which held two of them); None otherwise."""
-  if "'upcycle.train.grow'" in text:
-    return ("upcycle.train.grow is gone: growing is a mode of the one hook, restore.Restore. "
-            "Fix: include 'upcycling/grow_experts.gin' or 'upcycling/grow_depth.gin' (they bind "
-            "restore.Restore.mode = @modes.GrowExperts() / @modes.GrowDepth()) instead of "
-            "importing it; the modes' fields are modes.GrowExperts.sources, .usage and "
-            "modes.GrowDepth.layer_map.")
-  named = [name for name in FORMER if re.search(rf'\.{name}\b', text)]
-  return former(named[0]) if named else None
-
 
 def __getattr__(name: str) -> Any:
   """A gin file or import naming a former hook class fails in one line saying what to write."""
