@@ -16,7 +16,7 @@ import urllib.request
 import gin
 import pytest
 
-from tests.helpers import byte_t5_argv
+from tests.helpers import byte_t5_argv, refusal
 from upcycle import convert, export
 from upcycle import eval as eval_main
 from upcycle import gin_utils
@@ -216,6 +216,24 @@ def test_eval_and_infer_place_the_parameters_by_the_runs_logical_axis_rules(
   assert scores[1] == pytest.approx(scores[0], rel=1e-5)
   assert rows['fsdp'] == rows['default'] and len(rows['default']) == 8
 
+
+
+@pytest.mark.parametrize('main, script, flags', [
+    (eval_main.main, 'eval_script.evaluate', ()),
+    (infer_main.main, 'infer_script.infer', ("--gin.MODEL_DIR='{tmp_path}'",))])
+def test_partitions_that_do_not_divide_a_parameter_are_named_in_one_line(
+    main, script, flags, byte_vocab_t5, entry_points, tmp_path, capsys):
+  """The byte T5's MLP kernels are [8, 12] ('embed', 'mlp'); 8 model partitions do not divide
+  12, and the setting to change is named before anything is read onto the mesh."""
+  directory, _ = byte_vocab_t5
+  message = refusal(main, byte_t5_argv(
+      script.split('_')[0], directory, *(f.format(tmp_path=tmp_path) for f in flags),
+      '--gin.BATCH_SIZE=8', '--gin.NUM_MODEL_PARTITIONS=8'), capsys)
+  assert message == (
+      "error: decoder/layers_0/mlp/wi_0/kernel has 12 along 'mlp', "
+      f'split over NUM_MODEL_PARTITIONS ({script}.num_model_partitions) = 8, which does not '
+      "divide it. Fix: make its 'mlp' size a multiple of 8, or NUM_MODEL_PARTITIONS "
+      f'({script}.num_model_partitions) a divisor of 12.')
 
 def _gcs_object(gcs_emulator, url: str) -> bytes:
   """gs://`url`'s bytes, read from the emulator's JSON API (not through the code under test)."""

@@ -62,7 +62,10 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
   mesh = partitioning.make_mesh(num_expert_partitions, num_model_partitions)
   checkpoint, params, _ = pretrained.load_on_mesh(
       checkpoint_path, model_config=objective.model.config, mesh=mesh, rules=rules,
-      format=format, verify=verify, check=lambda ckpt: pretrained.check_tokenizer(
+      format=format, verify=verify, sizes=partitioning.mesh_sizes(
+          expert='NUM_EXPERT_PARTITIONS (eval_script.evaluate.num_expert_partitions)',
+          model='NUM_MODEL_PARTITIONS (eval_script.evaluate.num_model_partitions)'),
+      check=lambda ckpt: pretrained.check_tokenizer(
           eval_data, objective.model.config, ckpt.path, ckpt.format,
           fix="TOKENIZER = %CHECKPOINT_PATH (the checkpoint's own); a run whose tokenizer/ "
           'was replaced needs the one it was trained with put back.'))

@@ -286,7 +286,9 @@ def load_lm(checkpoint_path: str, *, model_config: Any = None,
     _check_decoder_only(model_config)
   checkpoint, params, tok = pretrained.load_on_mesh(
       checkpoint_path, model_config=model_config, mesh=mesh, rules=rules, format=format,
-      verify=verify, check=functools.partial(_checked_tokenizer, tokenizer=tokenizer))
+      verify=verify, check=functools.partial(_checked_tokenizer, tokenizer=tokenizer),
+      sizes=partitioning.mesh_sizes(expert='--num_expert_partitions',
+                                    model='--num_model_partitions'))
   lm = ProjectLM(Llama(checkpoint.model_config), params, tok, mesh=mesh, rules=rules,
                  batch_size=batch_size, max_length=max_length or context_length(checkpoint),
                  max_gen_toks=max_gen_toks)

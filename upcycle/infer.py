@@ -189,7 +189,9 @@ def infer(*, model: Any, infer_data: Any, checkpoint_path: str, output_dir: str,
   mesh = partitioning.make_mesh(num_expert_partitions, num_model_partitions)
   checkpoint, params, identity = pretrained.load_on_mesh(
       checkpoint_path, model_config=model.config, mesh=mesh, rules=rules, format=format,
-      verify=verify, check=checked)
+      verify=verify, check=checked, sizes=partitioning.mesh_sizes(
+          expert='NUM_EXPERT_PARTITIONS (infer_script.infer.num_expert_partitions)',
+          model='NUM_MODEL_PARTITIONS (infer_script.infer.num_model_partitions)'))
   path = epath.Path(output_dir) / 'inference' / output_name(
       predictions.source_name(infer_data), checkpoint.step or 0, decoding, seed, identity,
       t5x_mode=t5x_mode)

@@ -113,6 +113,13 @@ def logical_sharding(boxed_tree: Any, mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> A
                       is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
+def mesh_sizes(*, expert: str, model: str) -> Dict[str, str]:
+  """For `check_divisible`: each mesh axis -> the setting that sets its size, `expert` and
+  `model` the bindings or flags of the expert and model partitions."""
+  return {'expert': expert, 'model': model,
+          'data': 'the data axis (devices / expert x model partitions)'}
+
+
 def check_divisible(boxed_tree: Any, mesh: Mesh, sizes: Mapping[str, str],
                     rules=LOGICAL_AXIS_RULES) -> None:
   """Refuses a parameter dimension that the mesh axes it is split over do not divide (jax

@@ -11,7 +11,7 @@ the model); `upcycle.models.families` knows shapes. This module wires the two:
 """
 
 import os
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import jax
 
@@ -83,25 +83,34 @@ def load_hf(path: str, lazy: bool = False) -> Tuple[Dict[str, Any], Any]:
   return ckpt.params, ckpt.model_config
 
 
-def on_mesh(params: Any, *, model_config: Any, mesh: jax.sharding.Mesh, rules: Any) -> Any:
+MESH_SIZES = partitioning.mesh_sizes(expert='num_expert_partitions',
+                                     model='num_model_partitions')
+
+
+def on_mesh(params: Any, *, model_config: Any, mesh: jax.sharding.Mesh, rules: Any,
+            sizes: Mapping[str, str] = MESH_SIZES) -> Any:
   """A checkpoint's parameters (lazy or not) placed on `mesh` by the model's logical axes
   under `rules` (`partitioning.rules`: the training run's, e.g. 'fsdp' splits every d_model
   axis over 'data' x 'expert'), each process reading only the blocks its devices hold
-  (`upcycling.sharded.read`)."""
-  shardings = partitioning.logical_sharding(families.logical_params(model_config), mesh,
-                                            rules)
-  return jax.tree.map(sharded.read, params, shardings)
+  (`upcycling.sharded.read`). A dimension its mesh axes do not divide is refused in one line
+  naming the setting of `sizes` (mesh axis -> the flag or binding that sets its size) to
+  change (`partitioning.check_divisible`)."""
+  logical = families.logical_params(model_config)
+  partitioning.check_divisible(logical, mesh, sizes, rules)
+  return jax.tree.map(sharded.read, params, partitioning.logical_sharding(logical, mesh, rules))
 
 
 def load_on_mesh(path: str, *, model_config: Any, mesh: jax.sharding.Mesh, rules: Any,
                  format: Optional[str] = None,  # pylint: disable=redefined-builtin
                  verify: bool = True,
-                 check: Callable[[checkpoints.Checkpoint], Any] = lambda ckpt: None
+                 check: Callable[[checkpoints.Checkpoint], Any] = lambda ckpt: None,
+                 sizes: Mapping[str, str] = MESH_SIZES
                  ) -> Tuple[checkpoints.Checkpoint, Any, Any]:
   """The whole read of a checkpoint that eval and infer run with: opened lazily without its
   optimizer state and checked against `model_config` (`load`), `check(checkpoint)` (the
   caller's own checks, e.g. its tokenizer's), its arrays compared with their digests
-  (`verify`: `verify.check`) and its parameters placed on `mesh` under `rules` (`on_mesh`) by
+  (`verify`: `verify.check`) and its parameters placed on `mesh` under `rules` (`on_mesh`,
+  which names `sizes`' settings when the mesh does not divide a parameter) by
   the checkpoint's `model_config`: `model_config`, or where that is None the config the
   checkpoint describes (HF; `check` refuses a checkpoint that describes none, as lm_eval's
   does).
@@ -128,7 +137,7 @@ def load_on_mesh(path: str, *, model_config: Any, mesh: jax.sharding.Mesh, rules
     if verify:
       verify_lib.check(ckpt)
     return ckpt, on_mesh(ckpt.params, model_config=ckpt.model_config, mesh=mesh,
-                         rules=rules), checked
+                         rules=rules, sizes=sizes), checked
 
   return orbax.read_live(path, read) if format == 'orbax' else read(path)
 

@@ -58,11 +58,11 @@ def summary(runs_dir: str, scale: Scale) -> Optional[Dict[str, object]]:
   error over the evaluation batches) and gradient spike, the mean and std over seeds, whether
   the seeds agree; and the chosen peak (None when no peak's seeds agree). None before any peak
   finished. With one seed, agreement is not measured (`agree` None) and no peak is chosen."""
-  rows = []
+  rows, results = [], curves.Results(runs_dir, scale.seeds)
   for peak in scale.recipe_peaks:
-    dirs = [os.path.join(runs_dir, 't5', arm(peak), f'seed{s}') for s in scale.seeds]
-    if not all(os.path.exists(os.path.join(d, 'study.done')) for d in dirs):
+    if not results.has('t5', arm(peak)):
       continue
+    dirs = [os.path.join(runs_dir, 't5', arm(peak), f'seed{s}') for s in scale.seeds]
     evals = [final_eval(d) for d in dirs]
     loss = np.array([e['loss'] for e in evals])
     std = float(loss.std(ddof=1)) if len(loss) > 1 else float('nan')

@@ -127,8 +127,8 @@ def _abstract_state(objective: Any, optimizer_config: Any, config: Any, mesh: Me
   """(the optimizer, the abstract `TrainState`), computed without allocating anything."""
   boxed = jax.eval_shape(
       lambda b: init_params(objective, jax.random.PRNGKey(config.seed), b), batch)
-  sizes = {axis: fields.binding(config, f'num_{axis}_partitions') for axis in ('expert', 'model')}
-  sizes['data'] = 'the data axis (devices / expert x model partitions)'
+  sizes = partitioning.mesh_sizes(expert=fields.binding(config, 'num_expert_partitions'),
+                                  model=fields.binding(config, 'num_model_partitions'))
   partitioning.check_divisible(boxed, mesh, sizes, config.logical_axis_rules)
   optimizer = optimizer_config.build(partitioning.logical_axes(boxed))
   param_shardings = partitioning.logical_sharding(boxed, mesh, config.logical_axis_rules)
