@@ -240,13 +240,18 @@ def test_published_llama_sizes_have_their_parameter_counts(name, count):
   assert sum(int(np.prod(s.shape)) for s in shapes) == count
 
 
-@pytest.mark.parametrize('run, tokenizer', [
-    ('runs/llm_pretrain.gin', 'offline_stdlib_bpe'),
-    ('runs/llm_continue.gin', '/ckpt/llama'),   # the checkpoint's own
-    ('runs/llm_upcycle.gin', '/ckpt/llama'),
+@pytest.mark.parametrize('run, data, tokenizer', [
+    ('runs/llm_pretrain.gin', 'data/offline_stdlib_lm.gin', 'offline_stdlib_bpe'),
+    ('runs/llm_pretrain.gin', 'data/offline_packages_lm.gin', 'offline_packages_bpe'),
+    ('runs/llm_continue.gin', 'data/offline_stdlib_lm.gin', '/ckpt/llama'),   # the checkpoint's own
+    ('runs/llm_continue.gin', 'data/offline_packages_lm.gin', '/ckpt/llama'),
+    ('runs/llm_upcycle.gin', 'data/offline_stdlib_lm.gin', '/ckpt/llama'),
+    ('runs/llm_upcycle.gin', 'data/offline_packages_lm.gin', '/ckpt/llama'),
 ])
-def test_a_decoder_only_run_reads_the_tokenizer_of_its_initial_checkpoint(run, tokenizer):
-  parse(['models/llama/tiny.gin', run, 'data/offline_stdlib_lm.gin'],
+def test_a_decoder_only_run_reads_the_tokenizer_of_its_initial_checkpoint(run, data, tokenizer):
+  """From scratch: the offline BPE of the data file's corpus; continuing or upcycling: the
+  checkpoint's own."""
+  parse(['models/llama/tiny.gin', run, data],
         MACROS[:2] + ["INITIAL_CHECKPOINT_PATH = '/ckpt/llama'",
                       'probe.model = @train/lm.LmPipeline()'])
   assert probe().tokenizer == tokenizer

@@ -204,9 +204,9 @@ LLM_UPCYCLE = ['--gin_file=models/llama/tiny.gin', '--gin_file=moe/mixtral.gin',
 
 @pytest.mark.parametrize('flags, error', [
     (LLM + ['--gin.TOKENIZER=5'],
-     "TOKENIZER (lm.LmPipeline.tokenizer) = 5: expected a tokenizer: 'offline_stdlib_bpe', an "
-     'HF checkpoint directory or a run directory (a string), or a list of checkpoints that '
-     'share one.'),
+     "TOKENIZER (lm.LmPipeline.tokenizer) = 5: expected a tokenizer: an offline BPE "
+     "('offline_stdlib_bpe' or 'offline_packages_bpe'), an HF checkpoint directory or a run "
+     'directory (a string), or a list of checkpoints that share one.'),
     (LLM + ["--gin.LEARNING_RATE='1e-3'"],
      "optimizers.warmup_decay_schedule.peak_learning_rate (LEARNING_RATE) = '1e-3': expected a "
      'number >= 0.0.'),
@@ -214,7 +214,7 @@ LLM_UPCYCLE = ['--gin_file=models/llama/tiny.gin', '--gin_file=moe/mixtral.gin',
     (LLM_UPCYCLE + ["--gin.INITIAL_CHECKPOINT_PATH='{tmp}/bare'"],
      "TOKENIZER='{tmp}/bare': no tokenizer.json or tokenizer.model there, nor in a run's "
      'tokenizer/ above it. Give the HF checkpoint directory or run its weights were trained '
-     "with, or 'offline_stdlib_bpe'."),
+     "with, or an offline BPE ('offline_stdlib_bpe' or 'offline_packages_bpe')."),
     (LLM_UPCYCLE + ['--gin_file=upcycling/btx.gin', '--gin.NUM_EXPERTS=2',
                     "--gin.INITIAL_CHECKPOINT_PATH=['{tmp}/a', '{tmp}/b']"],
      "TOKENIZER=['{tmp}/a', '{tmp}/b']: {tmp}/b carries another tokenizer ({tmp}/b, digest "

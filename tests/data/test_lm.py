@@ -28,19 +28,24 @@ def docs():
   return [d[:25 * (i + 1)] for i, d in enumerate(offline_text.stdlib_documents('validation')[:12])]
 
 
-@pytest.fixture(scope='module')
-def docs_task(docs):
+def _text_task(name, docs):
+  """Registers (again) `name`: a 'train' split of `docs` under `text`, permuted by seed."""
   def dataset_fn(split, shuffle_files, seed=None):
     del split
     order = np.random.default_rng(seed).permutation(len(docs)) if shuffle_files else range(
         len(docs))
     return tf.data.Dataset.from_tensor_slices({'text': [docs[i] for i in order]})
 
-  if DOCS_TASK in seqio.TaskRegistry.names():
-    seqio.TaskRegistry.remove(DOCS_TASK)
-  seqio.TaskRegistry.add(DOCS_TASK, source=seqio.FunctionDataSource(dataset_fn, splits=('train',)),
+  if name in seqio.TaskRegistry.names():
+    seqio.TaskRegistry.remove(name)
+  seqio.TaskRegistry.add(name, source=seqio.FunctionDataSource(dataset_fn, splits=('train',)),
                          output_features={})
-  return DOCS_TASK
+  return name
+
+
+@pytest.fixture(scope='module')
+def docs_task(docs):
+  return _text_task(DOCS_TASK, docs)
 
 
 def test_the_offline_bpe_is_deterministic_and_reads_back_in_transformers(offline, tmp_path):
@@ -54,6 +59,46 @@ def test_the_offline_bpe_is_deterministic_and_reads_back_in_transformers(offline
   hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
   assert hf(text, add_special_tokens=False)['input_ids'] == ids
   assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (1, 2, 0)
+
+
+def test_the_offline_bpe_trainer_is_deterministic_with_the_special_tokens_first():
+  """`train_bpe`, which trains both offline BPEs, on a small fixed document list: twice the
+  same bytes; `tokenizers` reads `OFFLINE_SPECIAL` at ids 0, 1, 2 and every byte's piece."""
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  documents = offline_text.packages_documents('validation')[:8]
+  trained = tokenizer_lib.train_bpe(documents)
+  assert tokenizer_lib.train_bpe(documents) == trained
+  reference = tokenizers.Tokenizer.from_str(trained.decode())
+  assert [reference.token_to_id(t) for t in tokenizer_lib.OFFLINE_SPECIAL] == [0, 1, 2]
+  assert all(reference.token_to_id(c) is not None
+             for c in tokenizers.pre_tokenizers.ByteLevel.alphabet())
+  assert reference.get_vocab_size() == tokenizer_lib.OFFLINE_VOCAB_SIZE
+
+
+def test_the_packages_bpe_frames_a_packages_document_as_tokenizers_reads_it(tmp_path):
+  """The packages BPE (data/offline_packages_lm.gin's, tests/test_configs.py) in an LmPipeline:
+  a validation document of the packages corpus is `[BOS] ids [EOS]` in windows, the ids those
+  of `tokenizers` reading the saved tokenizer.json, which decodes them back to the text."""
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  document = offline_text.packages_documents('validation')[0][:3000]
+  length = 64
+  pipeline = lm.LmPipeline(_text_task('test_lm_packages_text', [document]), 'train',
+                           {'targets': length}, tokenizer=tokenizer_lib.OFFLINE_PACKAGES_BPE,
+                           shuffle=False)
+  tok = pipeline.load_tokenizer()
+  assert (tok.source, tok.vocab_size, tok.bos_id, tok.eos_id) == ('offline_packages_bpe', 4096,
+                                                                  1, 2)
+  tok.save(str(tmp_path))
+  reference = tokenizers.Tokenizer.from_file(str(tmp_path / 'tokenizer.json'))
+  ids = reference.encode(document, add_special_tokens=False).ids
+  assert reference.decode(ids) == document and len(ids) < len(document.encode()) / 2
+  framed = [1, *ids, 2]   # in windows of length + 1 that overlap by one
+  spans = [framed[s:s + length + 1] for s in range(0, len(framed) - 1, length)]
+  windows = [w for b in _rows(pipeline) for w in _windows(b)]
+  assert [(i.tolist(), t.tolist()) for i, t in windows] == [(w[:-1], w[1:]) for w in spans]
+  targets = [int(t) for _, window in windows for t in window]
+  assert reference.decode(targets[:-1]) == document and targets[-1] == 2
+  assert tok.digest != tokenizer_lib.load(tokenizer_lib.OFFLINE_BPE).digest
 
 
 def test_an_hf_checkpoint_directory_brings_its_tokenizer_and_special_ids(offline, tmp_path):
@@ -311,8 +356,8 @@ def test_ids_past_the_embedding_and_a_spec_that_is_no_path_are_refused(docs_task
   with pytest.raises(fields.ConfigError) as refused:
     lm.LmPipeline(docs_task, 'train', {'targets': 8}, tokenizer=5)
   assert str(refused.value) == (
-      "TOKENIZER (lm.LmPipeline.tokenizer) = 5: expected a tokenizer: 'offline_stdlib_bpe', an "
-      'HF checkpoint directory or a run directory (a string), or a list of checkpoints that '
-      'share one.')
+      "TOKENIZER (lm.LmPipeline.tokenizer) = 5: expected a tokenizer: an offline BPE "
+      "('offline_stdlib_bpe' or 'offline_packages_bpe'), an HF checkpoint directory or a run "
+      'directory (a string), or a list of checkpoints that share one.')
   assert lm.LmPipeline(docs_task, 'train', {'targets': 8}, tokenizer=['a', 'b']).tokenizer == (
       'a', 'b')

@@ -14,6 +14,7 @@ import pytest
 from tests.helpers import REPO
 from upcycle import gin_utils
 from upcycle.data import offline_text
+from upcycle.data import tokenizer as tokenizer_lib
 from upcycle.train import __main__ as train_main
 
 FOLDERS = ('numpy', 'scipy', 'sklearn', 'matplotlib')
@@ -74,6 +75,24 @@ def test_the_pins_are_setup_pys_and_this_install_is_the_pinned_corpus():
   assert record['versions'] == offline_text.PACKAGE_PINS
   assert record['matches'] is True and offline_text.mismatch_warning(record) is None
   assert record['digest'] == offline_text.PACKAGES_DIGEST
+
+
+@pytest.mark.slow
+def test_the_packages_bpe_trained_on_this_install_is_the_pinned_file_cached_by_corpus_digest(
+    tmp_path, monkeypatch):
+  """On the pinned corpus the packages BPE trained here (about 6 s) is the file whose sha256 is
+  pinned, cached under the corpus's digest and read back from there."""
+  monkeypatch.setenv('UPCYCLE_CACHE', str(tmp_path))
+  assert offline_text.corpus_record('packages')['matches'] is True
+  trained = tokenizer_lib.load(tokenizer_lib.OFFLINE_PACKAGES_BPE)
+  cached = tmp_path / f'offline_packages_bpe-4096-{offline_text.PACKAGES_DIGEST}.json'
+  assert os.listdir(tmp_path) == [cached.name]
+  assert hashlib.sha256(cached.read_bytes()).hexdigest() == (
+      tokenizer_lib.OFFLINE_PACKAGES_BPE_SHA256)
+  assert trained.files['tokenizer.json'] == cached.read_bytes()
+  cached.write_bytes(b'{"marker": 1}')   # read from the cache, not trained again
+  assert tokenizer_lib.load(tokenizer_lib.OFFLINE_PACKAGES_BPE).files['tokenizer.json'] == (
+      b'{"marker": 1}')
 
 
 def _copy_install(target):

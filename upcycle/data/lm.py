@@ -53,9 +53,9 @@ class LmPipeline:
     split: a split the task has: 'train', 'validation', 'test', ...
     feature_lengths: {'targets': tokens per row}, as T5X's decoder-only runs give
       TASK_FEATURE_LENGTHS.
-    tokenizer: `upcycle.data.tokenizer.load`'s spec: 'offline_stdlib_bpe', an HF
-      checkpoint directory, or a run directory (a list of checkpoints: the one tokenizer
-      they share).
+    tokenizer: `upcycle.data.tokenizer.load`'s spec: an offline BPE ('offline_stdlib_bpe',
+      'offline_packages_bpe'), an HF checkpoint directory, or a run directory (a list of
+      checkpoints: the one tokenizer they share).
     pack: several windows per row (segment ids apart); else one window per row, padded.
     shuffle: shuffle documents (the source's order) and windows (a seeded buffer).
     text_key: the source's text feature.

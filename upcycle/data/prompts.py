@@ -39,7 +39,8 @@ class Prompts:
     feature_lengths: {'targets': n}: a prompt's most tokens, BOS included (a task document's
       first window; a longer file prompt is refused).
     tokenizer: `upcycle.data.tokenizer.load`'s spec: an HF checkpoint directory, a run
-      directory or its checkpoint (the run's `tokenizer/`), or 'offline_stdlib_bpe'.
+      directory or its checkpoint (the run's `tokenizer/`), or an offline BPE
+      ('offline_stdlib_bpe', 'offline_packages_bpe').
     prompts_file: a JSONL file (local or gs://), one `{"prompt": "..."}` per line; None: the
       task's documents.
     text_key: the task source's text feature.

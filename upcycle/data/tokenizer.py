@@ -4,9 +4,21 @@ A HuggingFace checkpoint directory carries its tokenizer: `tokenizer.json` (HF `
 or `tokenizer.model` (SentencePiece), with `bos_token_id` / `eos_token_id` in `config.json`
 (or `tokenizer_config.json`'s tokens). `load(spec)` takes such a directory (local or gs://),
 or a run directory / its `checkpoints/<step>` (a run keeps its tokenizer in `tokenizer/`), or
-`OFFLINE_BPE`: a byte-level BPE of `OFFLINE_VOCAB_SIZE` pieces trained on the training split
-of the standard library's source (`offline_text`, 'stdlib'), deterministically (the same
-file from the same Python), cached under `~/.cache/upcycle/` (`UPCYCLE_CACHE` moves it).
+the name of an offline BPE (`OFFLINE_BPES`): a byte-level BPE of `OFFLINE_VOCAB_SIZE` pieces
+(`OFFLINE_SPECIAL` at ids 0, 1, 2) trained deterministically (`train_bpe`) on the training
+split of an offline corpus (`upcycle.data.offline_text`), cached under `~/.cache/upcycle/`
+(`UPCYCLE_CACHE` moves it):
+
+  'offline_stdlib_bpe'    (`OFFLINE_BPE`, the default) the standard library's source
+                          ('stdlib', ~8 MB, ~2 s to train): the same file from the same Python
+                          build, cached per Python version.
+  'offline_packages_bpe'  (`OFFLINE_PACKAGES_BPE`) the source of setup.py's pinned numpy,
+                          scipy, scikit-learn and matplotlib ('packages', ~25 MB, ~6 s), cached
+                          per corpus digest: where the corpus is the pinned one
+                          (`offline_text.PACKAGES_DIGEST`) its tokenizer.json is the same file
+                          on every machine, sha256 `OFFLINE_PACKAGES_BPE_SHA256` (with setup.py's
+                          tokenizers). Elsewhere a run on that corpus says so in one line
+                          (`offline_text.mismatch_warning`), and the BPE trained here is another.
 
 Text is encoded without the tokenizer's own special tokens; the pipeline adds BOS and EOS
 itself, so every tokenizer frames a document the same way. A directory's chat template
@@ -35,13 +47,19 @@ import json
 import os
 import sys
 import tempfile
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from etils import epath
 
 from upcycle import fields, platforms
 
 OFFLINE_BPE = 'offline_stdlib_bpe'
+OFFLINE_PACKAGES_BPE = 'offline_packages_bpe'
+OFFLINE_BPES = {OFFLINE_BPE: 'stdlib', OFFLINE_PACKAGES_BPE: 'packages'}   # {name: its corpus}
+_OFFLINE_NAMES = ' or '.join(map(repr, OFFLINE_BPES))   # for messages
+# sha256 of OFFLINE_PACKAGES_BPE's tokenizer.json, trained on the pinned 'packages' corpus
+# (offline_text.PACKAGES_DIGEST) with setup.py's tokenizers.
+OFFLINE_PACKAGES_BPE_SHA256 = 'eea0e839c7176858de23ef7bfe4046306e6a0ba2a8fe45ce3d4886d8195c476d'
 OFFLINE_VOCAB_SIZE = 4096
 OFFLINE_SPECIAL = ('<pad>', '<s>', '</s>')   # ids 0, 1, 2: padding never collides with text
 FILES = ('tokenizer.json', 'tokenizer.model', 'tokenizer_config.json',
@@ -67,7 +85,7 @@ class Tokenizer:
     bos_id / eos_id: the ids that open and close every document.
     vocab_size: the tokenizer's pieces (the model's vocabulary may be larger).
     digest: sha256 of `FILES`' files, so a resumed run can check it reads the same ids.
-    source: where it was read (a directory, or `OFFLINE_BPE`), for messages.
+    source: where it was read (a directory, or an offline BPE's name), for messages.
   """
   files: Dict[str, bytes]
   bos_id: int
@@ -84,7 +102,7 @@ class Tokenizer:
   def encode(self, text: str, add_special_tokens: bool = False) -> List[int]:
     """`text`'s ids; with `add_special_tokens` framed as transformers' tokenizer frames text
     by default (what lm-eval's HuggingFace backend scores): the special tokens the
-    tokenizer.json's post-processor adds (Llama's BOS; none for `OFFLINE_BPE`). A
+    tokenizer.json's post-processor adds (Llama's BOS; none for an offline BPE). A
     tokenizer.model has no such rule here: TokenizerError."""
     if add_special_tokens and 'tokenizer.json' not in self.files:
       raise TokenizerError(
@@ -259,7 +277,7 @@ def _from_directory(directory: str) -> Tokenizer:
   if 'tokenizer.json' not in files and 'tokenizer.model' not in files:
     raise TokenizerError(
         f'{directory} holds no tokenizer.json or tokenizer.model: give the HuggingFace '
-        f"checkpoint's directory (it carries its tokenizer), or TOKENIZER='{OFFLINE_BPE}'.")
+        f"checkpoint's directory (it carries its tokenizer), or TOKENIZER={_OFFLINE_NAMES}.")
   digest = _digest(files)
   backend = _backend(digest, files)
   bos, eos = (_special_id(files, backend, w) for w in ('bos', 'eos'))
@@ -271,33 +289,49 @@ def _from_directory(directory: str) -> Tokenizer:
                    source=directory)
 
 
-def train_offline_bpe(vocab_size: int = OFFLINE_VOCAB_SIZE) -> bytes:
-  """tokenizer.json of a byte-level BPE trained on the stdlib corpus's training split.
-
-  Deterministic: the corpus is in a fixed order and the trainer breaks ties by pair, so the
-  same Python gives the same file byte for byte (about 2 s here)."""
+def train_bpe(documents: Iterable[str]) -> bytes:
+  """tokenizer.json of a byte-level BPE of `OFFLINE_VOCAB_SIZE` pieces (`OFFLINE_SPECIAL`
+  first) trained on `documents`. Deterministic: the trainer breaks ties by pair, so the same
+  documents in the same order give the same file byte for byte (whatever the threads)."""
   import tokenizers  # pylint: disable=g-import-not-at-top
   from tokenizers import decoders, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
-  from upcycle.data import offline_text  # pylint: disable=g-import-not-at-top
   tok = tokenizers.Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(OFFLINE_SPECIAL),
+  trainer = trainers.BpeTrainer(vocab_size=OFFLINE_VOCAB_SIZE,
+                                special_tokens=list(OFFLINE_SPECIAL),
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                 show_progress=False)
-  tok.train_from_iterator(offline_text.stdlib_documents('train'), trainer=trainer)
+  tok.train_from_iterator(documents, trainer=trainer)
   return tok.to_str().encode('utf-8')
 
 
-def _offline_bpe() -> Tokenizer:
-  version = '.'.join(map(str, sys.version_info[:3]))
-  path = os.path.join(platforms.cache_root(),
-                      f'{OFFLINE_BPE}-{OFFLINE_VOCAB_SIZE}-py{version}.json')
+def train_offline_bpe(name: str = OFFLINE_BPE) -> bytes:
+  """tokenizer.json of the offline BPE `name` (`OFFLINE_BPES`): `train_bpe` on its corpus's
+  training split, in corpus order (about 2 s for 'stdlib', 6 s for 'packages' here)."""
+  from upcycle.data import offline_text  # pylint: disable=g-import-not-at-top
+  return train_bpe(offline_text.CORPORA[OFFLINE_BPES[name]]('train'))
+
+
+def _cache_path(name: str) -> str:
+  """Where the offline BPE `name` is cached: keyed by what its corpus's text depends on (the
+  Python version for 'stdlib', the corpus digest for 'packages')."""
+  from upcycle.data import offline_text  # pylint: disable=g-import-not-at-top
+  if OFFLINE_BPES[name] == 'stdlib':
+    key = 'py' + '.'.join(map(str, sys.version_info[:3]))
+  else:
+    key = offline_text.corpus_record(OFFLINE_BPES[name])['digest']
+  return os.path.join(platforms.cache_root(), f'{name}-{OFFLINE_VOCAB_SIZE}-{key}.json')
+
+
+def _offline_bpe(name: str) -> Tokenizer:
+  """The offline BPE `name`, read from its cache, or trained and cached."""
+  path = _cache_path(name)
   if os.path.exists(path):
     with open(path, 'rb') as f:
       data = f.read()
   else:
-    data = train_offline_bpe()
+    data = train_offline_bpe(name)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=os.path.dirname(path), delete=False) as f:
       f.write(data)
@@ -308,7 +342,7 @@ def _offline_bpe() -> Tokenizer:
   files = {'tokenizer.json': data,
            'tokenizer_config.json': json.dumps(config, indent=2).encode('utf-8')}
   return Tokenizer(files=files, bos_id=1, eos_id=2, vocab_size=OFFLINE_VOCAB_SIZE,
-                   digest=_digest(files), source=OFFLINE_BPE)
+                   digest=_digest(files), source=name)
 
 
 def _has_files(directory: epath.Path) -> bool:
@@ -327,19 +361,20 @@ def _directory(spec: str) -> Optional[epath.Path]:
 
 
 def load(spec: Spec) -> Tokenizer:
-  """`OFFLINE_BPE`, an HF checkpoint directory, or a run directory (or a checkpoint in it);
-  several checkpoints (Branch-Train-MiX sources): the one tokenizer they all carry."""
+  """An offline BPE's name (`OFFLINE_BPES`), an HF checkpoint directory, or a run directory (or
+  a checkpoint in it); several checkpoints (Branch-Train-MiX sources): the one tokenizer they
+  all carry."""
   if not isinstance(spec, str):
     return shared(specs=spec, tokenizers=[load(one) for one in spec],
                   binding=f'TOKENIZER={list(spec)!r}')
-  if spec == OFFLINE_BPE:
-    return _offline_bpe()
+  if spec in OFFLINE_BPES:
+    return _offline_bpe(spec)
   directory = _directory(spec)
   if directory is None:
     raise TokenizerError(
         f'TOKENIZER={spec!r}: no tokenizer.json or tokenizer.model there, nor in a run\'s '
         f"{RUN_SUBDIR}/ above it. Give the HF checkpoint directory or run its weights were "
-        f"trained with, or '{OFFLINE_BPE}'.")
+        f'trained with, or an offline BPE ({_OFFLINE_NAMES}).')
   return _from_directory(os.fspath(directory))
 
 
@@ -364,8 +399,9 @@ def checked_spec(name: str, spec: object) -> Spec:
     return tuple(spec)
   if not isinstance(spec, str) or not spec:
     raise fields.ConfigError(
-        f'{name} = {spec!r}: expected a tokenizer: {OFFLINE_BPE!r}, an HF checkpoint directory '
-        f'or a run directory (a string), or a list of checkpoints that share one.')
+        f'{name} = {spec!r}: expected a tokenizer: an offline BPE ({_OFFLINE_NAMES}), an HF '
+        f'checkpoint directory or a run directory (a string), or a list of checkpoints that '
+        f'share one.')
   return spec
 
 
