@@ -10,7 +10,8 @@ import pytest
 
 from upcycle import gin_utils
 from upcycle.models import families
-from upcycle.moe import capacity, grouping, routers
+from upcycle.moe import balance, capacity, grouping, routers
+from upcycle.study import drop_runs
 from upcycle.train import objectives
 
 CONFIGS = gin_utils.CONFIGS_DIR
@@ -89,6 +90,21 @@ def test_mixtral_gin_is_the_block_a_mixtral_config_json_reads_into():
   assert probe().config.moe == llama_hf.mixtral_moe(8, 2, 0.02)
 
 
+def test_the_load_balancing_ablations_bind_their_objects():
+  """experiments/load_balancing_pooled_batch.gin pools both T5 stacks' statistics over the
+  batch at paper_t5.gin's weight; the drop suite's per-layer ablation (`drop_runs.LAYERWISE`)
+  keeps moe/mixtral.gin's weight and scope, a loss per layer."""
+  parse(['models/t5_1_1/base.gin', 'moe/paper_t5.gin',
+         'experiments/load_balancing_pooled_batch.gin'], ['probe.model = %MODEL'])
+  cfg = probe().config
+  pooled = balance.PooledSwitch(weight=0.01, scope='batch')
+  assert cfg.encoder_moe.balance == cfg.decoder_moe.balance == pooled
+  gin.clear_config()
+  parse(['models/llama/tiny.gin', 'moe/mixtral.gin'],
+        ['probe.model = %MODEL', *drop_runs.LAYERWISE])
+  assert probe().config.moe.balance == balance.Switch(weight=0.02, scope='batch')
+
+
 def test_published_sizes():
   parse(['models/t5_1_1/xl.gin'], ['probe.model = %MODEL'])
   cfg = probe().config
@@ -105,6 +121,7 @@ def test_paper_default_moe():
   for moe in (cfg.encoder_moe, cfg.decoder_moe):   # T5X's conventions in both stacks
     assert moe.capacity_convention == capacity.T5X(minimum=4)
     assert moe.grouping == grouping.Flaxformer(max_group_size=4096, num_expert_replicas=1)
+    assert moe.balance == balance.Switch(weight=0.01, scope='group')
   assert cfg.sparse_layers('encoder') == (1, 3, 5, 7, 9, 11)
   # The dispatch of the lowest roofline time at the paper's groups of 4096 (pod.gin); the CPU
   # recipe keeps the masked one.

@@ -149,6 +149,12 @@ FORMER_UPCYCLE = (
     'restore.Restore.source (was .checkpoint), restore.Restore.reuse_optimizer_state, .step, '
     "... and the mode's own fields as modes.Upcycle.<field>.")
 
+FORMER_BALANCE = (
+    '{name} is no field any more: the load-balancing loss is one object, moe.MoeConfig.balance. '
+    'Fix: bind moe.MoeConfig.balance = @balance.Switch() (each MoE layer its own loss) or '
+    "@balance.PooledSwitch() (f and p averaged over the stack's layers, one loss), from "
+    'upcycle.moe import balance; ')
+
 
 @pytest.mark.parametrize('lines, binding, error', [
     (['from upcycle.train import restore', "restore.UpcycleFromDense.experts = 'copy'"], None,
@@ -161,11 +167,25 @@ FORMER_UPCYCLE = (
      'modes.GrowDepth.layer_map. (from upcycle.train import grow)'),
     ([], '--gin.restore.UpcycleFromDense.reuse_optimizer_state=True',
      "the binding 'restore.UpcycleFromDense.reuse_optimizer_state = True': " + FORMER_UPCYCLE),
+    (['from upcycle.moe import config as moe',
+      "encoder/moe.MoeConfig.load_balancing_scope = 'batch'"], None,
+     '{gin}, line 3: ' + FORMER_BALANCE.format(name='moe.MoeConfig.load_balancing_scope') +
+     "bind its scope ('group' or 'batch') as balance.Switch.scope (or "
+     "balance.PooledSwitch.scope). (encoder/moe.MoeConfig.load_balancing_scope = 'batch')"),
+    ([], '--gin.decoder/moe.MoeConfig.load_balancing_loss_weight=0.1',
+     "the binding 'decoder/moe.MoeConfig.load_balancing_loss_weight = 0.1': " +
+     FORMER_BALANCE.format(name='moe.MoeConfig.load_balancing_loss_weight') +
+     'bind its weight as balance.Switch.weight (or balance.PooledSwitch.weight).'),
+    ([], "--gin.moe.MoeConfig.load_balancing_layers='pooled'",
+     "the binding \"moe.MoeConfig.load_balancing_layers = 'pooled'\": " +
+     FORMER_BALANCE.format(name='moe.MoeConfig.load_balancing_layers') +
+     "'separate' is @balance.Switch() and 'pooled' @balance.PooledSwitch()."),
 ])
-def test_a_former_hook_class_says_what_to_write_now(lines, binding, error, entry_points,
-                                                     tmp_path, capsys):
+def test_a_former_gin_name_says_what_to_write_now(lines, binding, error, entry_points,
+                                                  tmp_path, capsys):
   """A user's gin file or binding naming one of the four hook classes the one
-  `restore.Restore` replaced: one line with the file or binding to write now."""
+  `restore.Restore` replaced, or one of MoeConfig's three load-balancing fields the one
+  `MoeConfig.balance` object replaced: one line with the file or bindings to write now."""
   gin_file = tmp_path / 'mine.gin'
   gin_file.write_text('\n'.join(['from __gin__ import dynamic_registration', *lines]) + '\n')
   flags = UPCYCLE + [f'--gin_file={gin_file}', f"--gin.MODEL_DIR='{tmp_path}/run'",

@@ -398,9 +398,37 @@ def former(name: str) -> str:
           f'.step, ... and the mode\'s own fields as {mode}.<field>.')
 
 
+# MoeConfig's former load-balancing fields, one object now (`MoeConfig.balance`,
+# `upcycle.moe.balance`), and where each one's value goes.
+FORMER_FIELDS = {
+    'load_balancing_loss_weight': 'bind its weight as balance.Switch.weight (or '
+                                  'balance.PooledSwitch.weight)',
+    'load_balancing_scope': "bind its scope ('group' or 'batch') as balance.Switch.scope (or "
+                            'balance.PooledSwitch.scope)',
+    'load_balancing_layers': "'separate' is @balance.Switch() and 'pooled' "
+                             '@balance.PooledSwitch()'}
+# gin's error for a parameter a configurable does not have.
+_NO_PARAMETER = re.compile(r"Configurable '(?P<configurable>[\w.]*MoeConfig)' doesn't have a "
+                           r"parameter named '(?P<field>\w+)'")
+
+
+def former_field(configurable: str, field: str) -> str:
+  """What to write now instead of `configurable` (gin's name of MoeConfig, e.g.
+  'moe.MoeConfig').`field`, one of `FORMER_FIELDS` (one line)."""
+  return (f'{configurable}.{field} is no field any more: the load-balancing loss is one object, '
+          f'{configurable}.balance. Fix: bind {configurable}.balance = @balance.Switch() (each '
+          f'MoE layer its own loss) or @balance.PooledSwitch() (f and p averaged over the '
+          f'stack\'s layers, one loss), from upcycle.moe import balance; '
+          f'{FORMER_FIELDS[field]}.')
+
+
 def former_hint(text: str) -> Optional[str]:
   """`former`'s line when gin's error `text` is about a former hook class (or the module
-  upcycle.train.grow, which held two of them); None otherwise."""
+  upcycle.train.grow, which held two of them), `former_field`'s when it is about a former
+  field of MoeConfig; None otherwise."""
+  field = _NO_PARAMETER.search(text)
+  if field and field.group('field') in FORMER_FIELDS:
+    return former_field(field.group('configurable'), field.group('field'))
   if "'upcycle.train.grow'" in text:
     return ("upcycle.train.grow is gone: growing is a mode of the one hook, restore.Restore. "
             "Fix: include 'upcycling/grow_experts.gin' or 'upcycling/grow_depth.gin' (they bind "
@@ -413,7 +441,7 @@ def former_hint(text: str) -> Optional[str]:
 
 def _unresolved(text: str) -> str:
   """gin's error for a name it cannot resolve, its message the fix where the name is one of
-  the restore hook's former classes (`former_hint`)."""
+  the restore hook's former classes or MoeConfig's former fields (`former_hint`)."""
   found = _GIN_LOCATION.search(text)
   message, where = (text[:found.start()], text[found.start():]) if found else (text, '')
   return (former_hint(message) or message) + where

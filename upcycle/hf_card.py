@@ -57,7 +57,7 @@ def _architecture(hf: Mapping[str, Any], config: Any) -> str:
                  f'{moe.router.experts_per_token} per token, in layers '
                  f'{list(config.sparse_layers())}; `output_router_logits` true, so transformers '
                  f'adds the load-balancing loss times `router_aux_loss_coef` = '
-                 f'{moe.load_balancing_loss_weight:g} when it fine-tunes')
+                 f'{moe.balance.weight:g} when it fine-tunes')
   return '\n'.join(lines)
 
 

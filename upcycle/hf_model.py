@@ -100,14 +100,13 @@ def gin_file(path: str, named: Optional[str] = None) -> str:
       'from __gin__ import dynamic_registration', 'from upcycle import models', '',
       "include 'models/llama/architecture.gin'"]
   if moe is not None:
-    if moe != llama_hf.mixtral_moe(moe.num_experts, moe.router.k,
-                                   moe.load_balancing_loss_weight):
+    if moe != llama_hf.mixtral_moe(moe.num_experts, moe.router.k, moe.balance.weight):
       raise fields.ConfigError(
           f'{_named(path, named)}: its MoE block (Qwen2-MoE\'s) has no model file here. Fix: use '
           f'--gin_file={MODEL_FILE} --gin.{MACRO}="\'{path}\'" instead of a written file.')
     lines += ["include 'moe/mixtral.gin'", '', f'NUM_EXPERTS = {moe.num_experts}',
               f'EXPERTS_PER_TOKEN = {moe.router.k}',
-              f'ROUTER_AUX_LOSS_COEF = {moe.load_balancing_loss_weight!r}']
+              f'ROUTER_AUX_LOSS_COEF = {moe.balance.weight!r}']
   lines += ['', f'TOKENIZER = {os.fspath(path)!r}', '', 'models.LlamaConfig:']
   scaling = described.pop('rope_scaling')
   lines += [f'  {name} = {value!r}' for name, value in described.items()]

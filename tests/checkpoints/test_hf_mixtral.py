@@ -15,7 +15,7 @@ from upcycle.checkpoints import CheckpointError
 from upcycle.decoding import DecodeConfig
 from upcycle.decoding import llama as llama_decoding
 from upcycle.models import Llama
-from upcycle.moe import MOE_COLLECTIONS, aux_losses, routers
+from upcycle.moe import MOE_COLLECTIONS, aux_losses, balance, routers
 
 LENGTH = 12
 
@@ -61,9 +61,9 @@ def test_logits_and_load_balancing_loss_match_transformers(saved):
   directory, reference = saved
   params, config = pretrained.load_hf(directory)
   moe = config.moe
-  assert (moe.num_experts, moe.router, moe.normalize_combine_weights,
-          moe.load_balancing_loss_weight, moe.router_z_loss_weight) == (
-              4, routers.TopK(k=2), True, 0.02, 0.0)
+  assert (moe.num_experts, moe.router, moe.normalize_combine_weights, moe.balance,
+          moe.router_z_loss_weight) == (
+              4, routers.TopK(k=2), True, balance.PooledSwitch(weight=0.02, scope='batch'), 0.0)
   assert params['decoder']['layers_1']['mlp']['expert']['wi_0']['kernel'].shape == (4, 36, 40)
   tokens, mask = _batch()
   with torch.no_grad():

@@ -26,7 +26,7 @@ def dispatch_and_combine(probs, mask, router, k, bpr):
   ours = (routers.ExpertsChoose() if router == 'experts_choose' else
           routers.TopK(k=k, batch_priority=bpr))
   decision = ours.route(probs, capacity=CAPACITY, token_mask=mask,
-                        balance_scope='group').decision
+                        balance=MoeConfig().balance).decision
   tokens = probs.shape[1]
   holds = decision.valid[..., None] & (decision.token_index[..., None] == jnp.arange(tokens))
   dispatch = jnp.transpose(holds, (0, 3, 1, 2))                       # [G, S, E, C]
@@ -58,11 +58,12 @@ def test_decisions_and_their_gradients_are_flaxformers(case):
 @pytest.mark.parametrize('case', [c for c, (router, _, _, padded) in CASES.items()
                                   if router == 'tokens_choose' and not padded])
 def test_default_load_balancing_loss_is_flaxformers(case):
-  """The default scope ('group') is Flaxformer's `_load_balancing_loss` on the same choices."""
+  """The default balance (`Switch()`, scope 'group') is Flaxformer's `_load_balancing_loss`
+  on the same choices."""
   _, k, _, _ = CASES[case]
   probs = jnp.asarray(FIXTURE['probs'])
   routed = routers.TopK(k=k).route(probs, capacity=CAPACITY, token_mask=None,
-                                   balance_scope='group')
+                                   balance=MoeConfig().balance)
   loss = routing.load_balancing_loss(*routed.balance)
   np.testing.assert_allclose(loss, FIXTURE[f'{case}/load_balancing_loss'], rtol=1e-6)
 

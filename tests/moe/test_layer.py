@@ -11,6 +11,7 @@ import pytest
 
 from upcycle import layers, partitioning
 from upcycle.fields import ConfigError
+from upcycle.moe import balance as balances
 from upcycle.moe import (MOE_COLLECTIONS, MoeConfig, MoeLayer, ROUTER_LOGITS, aux_losses, capacity,
                          grouping, metrics, router_logits, routers, routing)
 from tests.models.helpers import jitted
@@ -173,7 +174,7 @@ def test_metrics_and_aux_losses_are_reported():
   x, _, _ = dense_setup()
   config = MoeConfig(num_experts=E, router=routers.TopK(k=1), eval_capacity_factor=0.5,
                      capacity_convention=capacity.Vmoe(multiple_of=1),
-                     load_balancing_loss_weight=0.5, router_z_loss_weight=0.25)
+                     balance=balances.Switch(weight=0.5), router_z_loss_weight=0.25)
   params = moe_params(config, x)
   _, state = run(config, params, x)
   m = metrics(state)
@@ -269,10 +270,10 @@ STACK_PROBS = np.array([[[[.9, .1], [.7, .3]], [[.6, .4], [.2, .8]]],
 
 
 def pooled_sow(probs, scope, z_loss):
-  """What a layer with load_balancing_layers='pooled' sows for `probs` (weights .5 and .25)."""
+  """What a `balance.PooledSwitch` layer sows for `probs` (weights .5 and .25)."""
   fraction, mean_prob = routing.load_balancing_statistics(
       probs, jax.lax.top_k(probs, 1)[1], scope)
-  return {'pooled_balance': (routing.PooledBalance(fraction, mean_prob, weight=0.5),),
+  return {'pooled_balance': (balances.PooledStatistics(fraction, mean_prob, weight=0.5),),
           'router_z_loss': (z_loss,), 'weighted': (0.25 * z_loss,)}
 
 
@@ -307,7 +308,8 @@ LAYER_CONFIG = dict(num_experts=E, eval_capacity_factor=0.5,
 @pytest.mark.parametrize('scope', ['group', 'batch'])
 def test_layer_losses_in_each_scope_and_pooled_over_one_layer(scope):
   x, _, _ = dense_setup()
-  separate = MoeConfig(router=routers.TopK(), load_balancing_scope=scope, **LAYER_CONFIG)
+  separate = MoeConfig(router=routers.TopK(), balance=balances.Switch(scope=scope),
+                       **LAYER_CONFIG)
   params = moe_params(separate, x)
   _, state = jitted(MoeLayer(separate, EXPERT).apply, {'params': params}, x, True,
                     mutable=MOE_COLLECTIONS + (ROUTER_LOGITS,))
@@ -319,7 +321,7 @@ def test_layer_losses_in_each_scope_and_pooled_over_one_layer(scope):
   expected = E * np.mean(np.sum(chosen.mean(axes) * p.mean(axes), axis=-1))
   losses = aux_losses(state)
   np.testing.assert_allclose(losses['load_balancing_loss'], expected, rtol=1e-5)
-  pooled = MoeConfig(**{**separate.__dict__, 'load_balancing_layers': 'pooled'})
+  pooled = MoeConfig(**{**separate.__dict__, 'balance': balances.PooledSwitch(scope=scope)})
   _, state = run(pooled, params, x)
   assert 'load_balancing_loss' not in state['aux_loss']
   for name, value in aux_losses(state).items():
@@ -328,8 +330,8 @@ def test_layer_losses_in_each_scope_and_pooled_over_one_layer(scope):
 
 def test_expert_choice_has_no_load_balancing_loss_in_any_scope():
   x, _, _ = dense_setup()
-  config = MoeConfig(router=routers.ExpertsChoose(), load_balancing_scope='batch',
-                     load_balancing_layers='pooled', **LAYER_CONFIG)
+  config = MoeConfig(router=routers.ExpertsChoose(),
+                     balance=balances.PooledSwitch(scope='batch'), **LAYER_CONFIG)
   _, state = run(config, moe_params(config, x), x)
   assert 'pooled_balance' not in state['aux_loss']
   assert float(aux_losses(state)['load_balancing_loss']) == 0.0

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from upcycle import layers
+from upcycle.moe import balance as balances
 from upcycle.moe import (MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, capacity, metrics,
                          routers, routing)
 from tests.models.helpers import jitted
@@ -31,7 +32,7 @@ def run(ignore_padding_tokens, mask=MASK, **overrides):
   """(output, sown state) of a Top-1 layer with the fixed router on X."""
   config = MoeConfig(**{**dict(num_experts=E, router=routers.TopK(k=1),
                                capacity_convention=capacity.T5X(minimum=1),
-                               eval_capacity_factor=1.0, load_balancing_loss_weight=1.0,
+                               eval_capacity_factor=1.0, balance=balances.Switch(weight=1.0),
                                router_z_loss_weight=1.0,
                                ignore_padding_tokens=ignore_padding_tokens), **overrides})
   layer = MoeLayer(config, EXPERT)
@@ -56,7 +57,7 @@ def run(ignore_padding_tokens, mask=MASK, **overrides):
     (False, 'batch', 2 * (5 * 4.45 + 3 * 3.55) / 64, 4.5),
 ])
 def test_losses_on_padded_groups(ignore_padding_tokens, scope, balance, z_loss):
-  _, state = run(ignore_padding_tokens, load_balancing_scope=scope)
+  _, state = run(ignore_padding_tokens, balance=balances.Switch(weight=1.0, scope=scope))
   losses = aux_losses(state)
   np.testing.assert_allclose(losses['load_balancing_loss'], balance, rtol=1e-5)
   np.testing.assert_allclose(losses['router_z_loss'], z_loss, rtol=1e-5)
@@ -140,7 +141,7 @@ def test_pooled_load_balancing_leaves_padding_out(scope, expected):
   def sow(probs):
     fraction, mean_prob = routing.load_balancing_statistics(
         probs, jax.lax.top_k(probs, 1)[1], scope, STACK_MASK)
-    return {'pooled_balance': (routing.PooledBalance(fraction, mean_prob, weight=1.0),),
+    return {'pooled_balance': (balances.PooledStatistics(fraction, mean_prob, weight=1.0),),
             'router_z_loss': (jnp.float32(0),), 'weighted': (jnp.float32(0),)}
   decoder = {f'layers_{i}': {'mlp': sow(STACK_PROBS[i])} for i in range(2)}
   np.testing.assert_allclose(aux_losses({'aux_loss': {'decoder': decoder}})['load_balancing_loss'],

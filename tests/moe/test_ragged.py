@@ -13,6 +13,7 @@ import pytest
 
 from upcycle import fields, layers
 from upcycle.models import LlamaConfig
+from upcycle.moe import balance as balances
 from upcycle.moe import (MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, capacity, grouping,
                          metrics, ragged, routers)
 from tests.moe.helpers import primitive_names
@@ -46,7 +47,8 @@ def loss_and_grads(layer_config, expert, params, x, mask):
 
 @pytest.mark.parametrize('expert, overrides, kernel', [
     (SWIGLU, dict(normalize_combine_weights=True), 'ragged_dot'),        # the Mixtral block
-    (SWIGLU, dict(grouping=grouping.Fixed(4), load_balancing_scope='batch'), 'ragged_dot'),
+    (SWIGLU, dict(grouping=grouping.Fixed(4), balance=balances.Switch(scope='batch')),
+     'ragged_dot'),
     (VIT_MLP, dict(normalize_combine_weights=True), 'ragged_dot'),
     (SWIGLU, dict(normalize_combine_weights=True), 'megablox'),   # blocked off TPU
     (VIT_MLP, dict(grouping=grouping.Fixed(4)), 'blocked'),

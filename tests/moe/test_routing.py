@@ -7,6 +7,7 @@ import pytest
 
 from upcycle import fields
 from upcycle.moe import MoeConfig, capacity, routers, routing
+from upcycle.moe import balance as balances
 
 # One group, 4 tokens, 2 experts. Top-1 choices: t0->e0, t1->e0, t2->e1, t3->e0.
 PROBS = np.array([[[0.6, 0.4], [0.7, 0.3], [0.2, 0.8], [0.9, 0.1]]], np.float32)
@@ -142,12 +143,25 @@ def test_a_group_of_padding_only_is_left_out_of_the_loss():
   np.testing.assert_allclose(routing.load_balancing_loss(fraction, mean_prob), 1.6, rtol=1e-6)
 
 
-@pytest.mark.parametrize('field', ['load_balancing_scope', 'load_balancing_layers'])
-def test_load_balancing_options_are_checked(field):
-  assert MoeConfig().load_balancing_scope == 'group'
-  assert MoeConfig().load_balancing_layers == 'separate'
-  with pytest.raises(fields.ConfigError, match=f"MoeConfig.{field} = 'global': expected one of"):
-    MoeConfig(**{field: 'global'})
+def test_the_default_balance_is_a_switch_loss_per_layer_weight_001_per_group():
+  assert type(MoeConfig().balance) is balances.Switch   # pylint: disable=unidiomatic-typecheck
+  assert (MoeConfig().balance.weight, MoeConfig().balance.scope) == (0.01, 'group')
+
+
+@pytest.mark.parametrize('make, error', [
+    (lambda: balances.Switch(scope='global'),
+     "balance.Switch.scope = 'global': expected one of ('group', 'batch')."),
+    (lambda: balances.PooledSwitch(weight=-1.0),
+     'balance.PooledSwitch.weight = -1.0: expected a number >= 0.0.'),
+    (lambda: MoeConfig(balance='pooled'),
+     "moe.MoeConfig.balance = 'pooled': expected a balance.Switch object, @balance.Switch() or "
+     '@balance.PooledSwitch() in gin (from upcycle.moe import balance), with its fields bound '
+     'on it (balance.Switch.weight = 0.01).'),
+])
+def test_load_balancing_options_are_checked(make, error):
+  with pytest.raises(fields.ConfigError) as raised:
+    make()
+  assert str(raised.value) == error
 
 
 def test_router_z_loss_against_numpy():

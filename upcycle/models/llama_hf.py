@@ -28,7 +28,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from upcycle import fields
 from upcycle.models import rope
-from upcycle.moe import capacity, placement, routers
+from upcycle.moe import balance, capacity, placement, routers
 from upcycle.moe.config import MoeConfig
 
 MODEL_TYPES = ('llama', 'mistral', 'qwen2', 'mixtral', 'qwen2_moe')
@@ -107,14 +107,14 @@ def mixtral_moe(num_experts: int, k: int, aux_loss_coef: float) -> MoeConfig:
   its k experts (the dropless 'ragged' dispatch, megablox's kernels on TPU; the capacity
   factors E, unused by it, give 'indices' or 'masked' a slot for every token too);
   `load_balancing_loss_func`'s loss (E x sum_e f_e p_e over all layers' and all real tokens'
-  choices together) weighted by `router_aux_loss_coef`; no z-loss."""
+  choices together: `balance.PooledSwitch` in scope 'batch') weighted by
+  `router_aux_loss_coef`; no z-loss."""
   return MoeConfig(
       num_experts=num_experts, router=routers.TopK(k=k),
       train_capacity_factor=float(num_experts), eval_capacity_factor=float(num_experts),
       capacity_convention=capacity.Vmoe(multiple_of=1), normalize_combine_weights=True,
       dispatch='ragged', grouped_kernel='megablox',
-      load_balancing_loss_weight=aux_loss_coef,
-      load_balancing_scope='batch', load_balancing_layers='pooled', router_z_loss_weight=0.0,
+      balance=balance.PooledSwitch(weight=aux_loss_coef, scope='batch'), router_z_loss_weight=0.0,
       ignore_padding_tokens=True)
 
 
@@ -330,7 +330,7 @@ def qwen2_moe_fields(config) -> Dict[str, Any]:
       'shared_expert_intermediate_size': moe.shared_d_ff(config.d_ff) or 0,
       'decoder_sparse_step': 1,
       'mlp_only_layers': [i for i in range(config.num_layers) if i not in sparse],
-      'qkv_bias': config.qkv_bias, 'router_aux_loss_coef': moe.load_balancing_loss_weight,
+      'qkv_bias': config.qkv_bias, 'router_aux_loss_coef': moe.balance.weight,
       'output_router_logits': True, 'use_sliding_window': windowed,
       'sliding_window': config.sliding_window,
       'max_window_layers': 0 if windowed else config.num_layers,
@@ -376,7 +376,7 @@ def hf_config(config, dtype: str, token_ids: Mapping[str, Any],
   elif model_type == 'mixtral':
     hf.update(sliding_window=config.sliding_window, num_local_experts=config.moe.num_experts,
               num_experts_per_tok=config.moe.router.k,
-              router_aux_loss_coef=config.moe.load_balancing_loss_weight,
+              router_aux_loss_coef=config.moe.balance.weight,
               output_router_logits=True, router_jitter_noise=0.0)
   elif model_type == 'qwen2_moe':
     hf.update(qwen2_moe_fields(config))

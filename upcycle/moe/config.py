@@ -5,6 +5,7 @@ from typing import Callable, Dict, Optional, Union
 
 from upcycle import fields
 from upcycle.grouped_kernels import GROUPED_KERNELS
+from upcycle.moe import balance as balances
 from upcycle.moe import capacity as capacities
 from upcycle.moe import dispatch as dispatches
 from upcycle.moe import dropless, routers, slots
@@ -17,8 +18,6 @@ DISPATCHES: Dict[str, Callable[['MoeConfig'], dispatches.Dispatch]] = {
     'masked': lambda config: slots.Slots('masked'),
     'indices': lambda config: slots.Slots('indices'),
     'ragged': lambda config: dropless.Dropless(config.grouped_kernel)}
-LOAD_BALANCING_SCOPES = ('group', 'batch')
-LOAD_BALANCING_LAYERS = ('separate', 'pooled')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,20 +61,14 @@ class MoeConfig:
       platforms) or 'megablox_interpret' (the Pallas kernels interpreted, on any platform:
       slow, for tests). Unused by 'masked' and 'indices' (so a Mixtral file's 'megablox'
       stays when a run binds dispatch = 'indices').
-    load_balancing_loss_weight: weight of the Switch load-balancing loss
-      E * mean_g sum_e f_ge * p_ge, f_ge the fraction of group g's tokens that chose
-      expert e among their K (summing to K), p_ge their mean router probability of e
-      (`routing.load_balancing_loss`; Top-K only: Expert Choice is balanced by
-      construction, and the two fields below then change nothing).
-    load_balancing_scope: the tokens f and p are counted over in a layer: 'group'
-      (each routing group, the loss averaged over groups; with `grouping.PerExample()`
-      one group per sequence, Megatron-LM's 'seq_aux_loss' up to its factor 1/K) or
-      'batch' (all tokens of the batch as one group: over all devices, i.e. Megatron-LM's
-      'global_aux_loss' statistics with one microbatch; with microbatches, over each one).
-    load_balancing_layers: 'separate' (each layer's loss on its own statistics) or
-      'pooled': f and p averaged over the MoE layers of the stack (expert e of every
-      layer counted as one expert), one loss for the stack (`summary.aux_losses`), as
-      HF transformers' Switch Transformers (per group) and Mixtral (per batch) compute it.
+    balance: the load-balancing loss, an object (`upcycle.moe.balance`): `Switch(weight,
+      scope)` (each MoE layer its own Switch loss E * mean_g sum_e f_ge * p_ge, f and p
+      counted per routing group with scope 'group' or over the batch with 'batch') or
+      `PooledSwitch(weight, scope)` (f and p averaged over the MoE layers of the stack, one
+      loss for the stack, as HF transformers' Switch Transformers and Mixtral compute it); in
+      gin `@balance.Switch()` / `@balance.PooledSwitch()`. The default is `Switch()`: weight
+      0.01, scope 'group'. Top-K only: Expert Choice is balanced by construction (its loss
+      is 0 whatever the object).
     router_z_loss_weight: weight of the router z-loss.
     ignore_padding_tokens: True: padding (a False `token_mask`, e.g. T5 token 0, and the
       padding `grouping.Flaxformer` adds) is not routed by Top-K, is taken last by Expert Choice,
@@ -115,9 +108,7 @@ class MoeConfig:
   grouping: groupings.Grouping = groupings.PerExample()
   dispatch: str = 'masked'
   grouped_kernel: str = 'ragged_dot'
-  load_balancing_loss_weight: float = 0.01
-  load_balancing_scope: str = 'group'
-  load_balancing_layers: str = 'separate'
+  balance: balances.Switch = balances.Switch()
   router_z_loss_weight: float = 0.0001
   ignore_padding_tokens: bool = True
   jitter_noise: float = 0.0
@@ -142,9 +133,9 @@ class MoeConfig:
     fields.choice(self, 'dispatch', tuple(DISPATCHES))
     fields.choice(self, 'grouped_kernel', tuple(GROUPED_KERNELS))
     self.dispatcher.validate(self)
-    fields.number(self, 'load_balancing_loss_weight', 0.0)
-    fields.choice(self, 'load_balancing_scope', LOAD_BALANCING_SCOPES)
-    fields.choice(self, 'load_balancing_layers', LOAD_BALANCING_LAYERS)
+    fields.instance(self, 'balance', balances.Switch,
+                    '@balance.Switch() or @balance.PooledSwitch() in gin (from upcycle.moe import '
+                    'balance), with its fields bound on it (balance.Switch.weight = 0.01)')
     fields.number(self, 'router_z_loss_weight', 0.0)
     fields.boolean(self, 'ignore_padding_tokens')
     fields.number(self, 'jitter_noise', 0.0)

@@ -13,10 +13,11 @@ The layer stands where the dense MLP stood, under the same name. Its parameters:
                                                           [d_model, shared d_ff]
 
 Auxiliary losses and metrics are sown (see `upcycle.moe.summary`):
-  'aux_loss':    load_balancing_loss, router_z_loss, weighted (their weighted sum); with
-                 load_balancing_layers='pooled' instead of load_balancing_loss:
-                 pooled_balance (`routing.PooledBalance`: f and p [groups, experts], the
-                 loss weight a static field), weighted then being the weighted z-loss only
+  'aux_loss':    router_z_loss and what `MoeConfig.balance` sows (`upcycle.moe.balance`):
+                 load_balancing_loss and weighted (their weighted sum); with
+                 `balance.PooledSwitch` instead of load_balancing_loss: pooled_balance
+                 (`balance.PooledStatistics`: f and p [groups, experts], the loss weight a
+                 static field), weighted then being the weighted z-loss only
   'moe_metrics': fraction_dropped_tokens (tokens no expert took; Flaxformer's
                  fraction_tokens_left_behind); router_confidence (the router probability
                  of the filled slots, summed over them / their number) and expert_usage
@@ -148,7 +149,7 @@ class MoeLayer(nn.Module):
     probs = jax.nn.softmax(logits, axis=-1)                           # [G, S, E]
     dispatch = cfg.dispatcher
     routed = cfg.router.route(probs, capacity=None if dispatch.dropless else capacity,
-                              token_mask=mask, balance_scope=cfg.load_balancing_scope)
+                              token_mask=mask, balance=cfg.balance)
     use, dispatch_plan = dispatch.plan(routed, mask, tokens, cfg)
     self._sow_metrics(probs, use, mask)
     out = dispatch(grouped, dispatch_plan, config=cfg, expert=self.expert,
@@ -163,20 +164,13 @@ class MoeLayer(nn.Module):
 
   def _sow_aux_losses(self, statistics: Optional[Tuple[Array, Array]], z_loss: Array) -> None:
     """statistics: the load-balancing (f, p) `[groups, experts]`; None: the router is
-    balanced by construction (Expert Choice)."""
+    balanced by construction (Expert Choice). What is sown besides the z-loss is
+    `MoeConfig.balance`'s (`balance.Switch.layer_losses`)."""
     cfg = self.config
-    weighted_z_loss = cfg.router_z_loss_weight * z_loss
     self.sow('aux_loss', 'router_z_loss', z_loss)
-    if statistics is not None and cfg.load_balancing_layers == 'pooled':
-      # `summary.aux_losses` computes the stack's loss and adds it, weighted, to 'weighted'.
-      self.sow('aux_loss', 'pooled_balance', routing.PooledBalance(
-          *statistics, weight=cfg.load_balancing_loss_weight))
-      self.sow('aux_loss', 'weighted', weighted_z_loss)
-      return
-    balance = (jnp.zeros((), jnp.float32) if statistics is None
-               else routing.load_balancing_loss(*statistics))
-    self.sow('aux_loss', 'load_balancing_loss', balance)
-    self.sow('aux_loss', 'weighted', cfg.load_balancing_loss_weight * balance + weighted_z_loss)
+    for name, value in cfg.balance.layer_losses(
+        statistics, cfg.router_z_loss_weight * z_loss).items():
+      self.sow('aux_loss', name, value)
 
   def _sow_metrics(self, probs: Array, use: routing.SlotUse, mask: Optional[Array]) -> None:
     """Routing metrics of the slots `use` fills (combine weights = router probabilities,

@@ -18,6 +18,7 @@ import flax.struct
 import jax
 
 from upcycle import fields
+from upcycle.moe import balance as balances
 from upcycle.moe import routing
 
 Array = jax.Array
@@ -32,7 +33,7 @@ class Routing:
   gates, expert_index: `[groups, tokens, k]` each token's K chosen experts and their router
     probabilities, the most probable first; None when the experts choose.
   balance: the load-balancing statistics (f, p) `[groups, experts]`
-    (`routing.load_balancing_statistics`); None when the routing is balanced by construction.
+    (`balance.Switch.statistics`); None when the routing is balanced by construction.
   """
   decision: Optional[routing.RoutingDecision] = None
   gates: Optional[Array] = None
@@ -61,10 +62,11 @@ class Router(abc.ABC):
 
   @abc.abstractmethod
   def route(self, probs: Array, *, capacity: Optional[int], token_mask: Optional[Array],
-            balance_scope: str) -> Routing:
+            balance: balances.Switch) -> Routing:
     """probs `[groups, tokens, experts]`, token_mask `[groups, tokens]` (False: padding),
-    capacity slots per expert and group (None: dropless), balance_scope
-    `MoeConfig.load_balancing_scope`."""
+    capacity slots per expert and group (None: dropless), balance the load-balancing loss
+    (`MoeConfig.balance`) whose statistics a router that is not balanced by construction
+    gathers."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +89,8 @@ class ExpertsChoose(Router):
         '@routers.TopK() (e.g. k = 2) for decoder MoE blocks.')
 
   def route(self, probs: Array, *, capacity: Optional[int], token_mask: Optional[Array],
-            balance_scope: str) -> Routing:
-    del balance_scope
+            balance: balances.Switch) -> Routing:
+    del balance
     if capacity is None:
       raise ValueError('Expert Choice has no dropless routing: give a capacity.')
     return Routing(decision=routing.experts_choose(probs, capacity, token_mask))
@@ -133,10 +135,9 @@ class TopK(Router):
           'decoder/routers.TopK.batch_priority = False (T5X uses BPR in the encoder only).')
 
   def route(self, probs: Array, *, capacity: Optional[int], token_mask: Optional[Array],
-            balance_scope: str) -> Routing:
+            balance: balances.Switch) -> Routing:
     gates, expert_index = jax.lax.top_k(probs, self.k)                # [G, S, K]
     decision = None if capacity is None else routing.tokens_choose(
         probs, expert_index, capacity, self.batch_priority, token_mask)
     return Routing(decision=decision, gates=gates, expert_index=expert_index,
-                   balance=routing.load_balancing_statistics(
-                       probs, expert_index, balance_scope, token_mask))
+                   balance=balance.statistics(probs, expert_index, token_mask))

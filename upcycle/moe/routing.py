@@ -31,15 +31,6 @@ class SlotUse:
   num_slots: int = flax.struct.field(pytree_node=False)   # all slots, filled or not
 
 
-@flax.struct.dataclass
-class PooledBalance:
-  """What a layer with `load_balancing_layers='pooled'` sows for its stack's one loss
-  (`summary.aux_losses`): its load-balancing statistics and, static, its loss weight."""
-  fraction: Array      # [groups, experts] f (`load_balancing_statistics`)
-  probability: Array   # [groups, experts] p
-  weight: float = flax.struct.field(pytree_node=False)   # `MoeConfig.load_balancing_loss_weight`
-
-
 def slot_use(decision: RoutingDecision, num_tokens: int) -> SlotUse:
   """The slots of a capacity-bound `decision` over groups of `num_tokens`."""
   return SlotUse(slots_per_token=token_slot_counts(decision, num_tokens),

@@ -5,7 +5,7 @@ from typing import Dict, Mapping, Tuple
 import flax
 import jax.numpy as jnp
 
-from upcycle.moe import routing
+from upcycle.moe import balance as balances
 
 MOE_COLLECTIONS = ('aux_loss', 'moe_metrics')
 # Sown only when asked for (`mutable=[ROUTER_LOGITS]`): each MoE layer's router logits.
@@ -19,33 +19,21 @@ def _per_layer(collection: Mapping, name: str) -> Dict[str, jnp.ndarray]:
 
 
 def _pooled_balance(losses: Mapping) -> Tuple[Dict[str, jnp.ndarray], Dict[str, jnp.ndarray]]:
-  """Load-balancing loss of the layers with `load_balancing_layers='pooled'`.
+  """Load-balancing loss of the layers whose `MoeConfig.balance` is a `balance.PooledSwitch`.
 
   The layers of one stack (the first name of their path: 'encoder', 'decoder', ViT's
-  'Transformer') pool their statistics: f_ge and p_ge, `[groups, experts]` per layer (means
-  over the tokens routing considers, `MoeConfig.ignore_padding_tokens`), are averaged over
-  the stack's layers and give one loss, E * mean_g sum_e f_ge * p_ge over the groups with a
-  routed token (`routing.load_balancing_loss`). The layers of a stack see the same tokens and
-  padding, so this is the loss of f and p counted over every (layer, token) of the stack.
-  The weighted loss is the same loss of the layers' weighted fractions (the weight times f,
-  `PooledBalance.weight`): the loss is linear in f and a stack's layers share one weight.
+  'Transformer') pool their statistics into one loss (`balance.PooledSwitch.stack_losses`).
   Returns ({path: that loss}, {path: weighted, the layer's weighted z-loss plus the weighted
   loss}), per layer as sown (`[layers]` in a scanned stack).
   """
-  pooled = _per_layer(losses, 'pooled_balance')
+  pooled = _per_layer(losses, balances.POOLED)
   weighted = _per_layer(losses, 'weighted')
   stacks = {}
   for path in pooled:
     stacks.setdefault(path.split('/')[0], []).append(path)
   balance, total = {}, {}
   for paths in stacks.values():
-    layers = [pooled[path] for path in paths]
-    f, p, weighted_f = [
-        jnp.mean(jnp.concatenate([v.reshape((-1,) + v.shape[-2:]) for v in values]), axis=0)
-        for values in ([b.fraction for b in layers], [b.probability for b in layers],
-                       [b.weight * b.fraction for b in layers])]   # [G, E] each
-    loss = routing.load_balancing_loss(f, p)
-    weighted_loss = routing.load_balancing_loss(weighted_f, p)
+    loss, weighted_loss = balances.PooledSwitch.stack_losses([pooled[path] for path in paths])
     for path in paths:
       balance[path] = jnp.full(pooled[path].fraction.shape[:-2], loss)
       total[path] = weighted[path] + weighted_loss
