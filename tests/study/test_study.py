@@ -11,7 +11,8 @@ import pytest
 
 from tests.helpers import REPO
 from upcycle import gin_utils
-from upcycle.study import claims, drop_runs, drop_section, epochs, recipe, regime, render
+from upcycle.study import (claims, drop_runs, drop_section, epochs, precondition, recipe,
+                           regime, render)
 from upcycle.study import runs as runs_lib
 from upcycle.study.__main__ import DESCRIPTIONS, QUICK_ARMS, SUITES, plan, suite_of
 from upcycle.study.curves import Curve, Results, train_rows_at_end
@@ -124,12 +125,32 @@ def test_quick_study_writes_results_and_resumes(tmp_path):
   assert data['drop']['usage']['moe'].keys() == {f'decoder/layers_{i}/mlp' for i in range(4)}
   for png in ('llama_drop.png', 'llama_expert_usage.png'):
     assert (out / 'results' / png).stat().st_size > 10_000
-  # The header's suite lines: the regime suite starts from the claims suite's dense T5, the
-  # drop suite pretrains its own Llama.
+  # The header's suite lines: the regime suite needs the precondition's T5 runs and the claims
+  # suite's, the drop suite the precondition's dense Llama, the precondition the upcycled MoEs
+  # whose FLOPs per step it reads.
   lines = {line.split('--suite ')[1].split()[0]: line for line in text.splitlines()
            if line.startswith('- `python -m upcycle.study') and '--suite ' in line}
-  assert 'runs of the claims suite' in lines['regime']
-  assert 'runs of the claims suite' not in lines['drop']
+  assert 'needs runs of the precondition and claims suites' in lines['regime']
+  assert 'needs runs of the precondition suite,' in lines['drop']
+  assert 'needs runs of the claims and drop suites' in lines['precondition']
+  # The precondition opens RESULTS.md: a table per family, its row for the one seed; the
+  # Llama MoE from scratch spent the dense pretraining's FLOPs to within one of its steps.
+  sections = [line for line in text.splitlines() if line.startswith('## ')]
+  assert sections[0] == ('## The precondition: MoE vs dense from scratch at equal FLOPs (the '
+                         '`precondition` suite)')
+  first = text.split(sections[0])[1].split(sections[1])[0]
+  for family in ('### T5\n', '### Llama\n'):
+    table = first.split(family)[1].split('**Is the MoE')[0]
+    assert [line.split(' | ')[0] for line in table.splitlines()
+            if line.startswith('| ')] == ['| seed', '| 0']
+  for family in ('t5', 'llama'):
+    found = data['precondition'][family]
+    assert len(found['d']) == 1 and found['verdict'] == 'not resolved (1 seed)'
+    assert found['routing'][0]['split'] == 'routing_health'
+  dense, moe = data['llama']['pretrain']['0'], data['llama']['precondition_scratch']['0']
+  rate = (moe['total_flops'][-1] - moe['total_flops'][0]) / (moe['steps'][-1] - moe['steps'][0])
+  assert moe['total_flops'][0] == 0 and 0 <= moe['total_flops'][-1] - dense['total_flops'][-1] \
+      < rate
   # The recipe suite: each sweep run evaluated its last checkpoint after training.
   sweep = runs_lib.final_eval(str(runs_dir / 't5' / recipe.arm(QUICK.recipe_peaks[0]) / 'seed0'))
   assert sweep['step'] == QUICK.regime_pretrain_steps and np.isfinite(sweep['loss'])
@@ -237,7 +258,10 @@ def test_suites_split_the_arms_and_plan_each_run_after_the_runs_it_starts_from()
   assert set.union(*own.values()) == everything
   assert {n.split('/')[1] for n in own['beyond']} == set(runs_lib.BEYOND_ARMS)
   assert {n.split('/')[1] for n in own['trails']} == set(runs_lib.TRAIL_ARMS)
-  assert {n.split('/')[1] for n in own['drop']} == set(drop_runs.DESCRIPTIONS)
+  assert {n.split('/')[1] for n in own['drop']} == set(drop_runs.DESCRIPTIONS) - set(
+      precondition.ARMS['llama'])
+  assert {tuple(n.split('/')[:2]) for n in own['precondition']} == {
+      (family, arm) for family, arms in precondition.ARMS.items() for arm in arms}
 
 
 def test_drop_overtakes_naive_upcycling_where_the_paired_difference_stays_over_2_se(tmp_path):
@@ -386,13 +410,13 @@ def test_a_sweep_run_pretrains_at_its_peak_and_evaluates_its_last_checkpoint_on_
   gin_utils.check_repeats(gin_utils.parse_flags(command[3:], 'study')[1])
 
 
-def _write_routing(runs_dir, arm, top1, experts=8):
+def _write_routing(runs_dir, arm, top1, experts=8, family='t5', seed=0):
   """Appends to a `_write_run` run the routing-health row the trainer writes
   (`MetricLogger.record` of `routing_health.health`), from training rows whose two MoE layers
   had top-1 router probabilities `top1`."""
   from upcycle.train import routing_health  # pylint: disable=g-import-not-at-top
   from upcycle.train.logger import MetricLogger  # pylint: disable=g-import-not-at-top
-  run_dir = os.path.join(runs_dir, 't5', arm, 'seed0')
+  run_dir = os.path.join(runs_dir, family, arm, f'seed{seed}')
   layers = ('encoder/layers_1/mlp', 'decoder/layers_1/mlp')
   train = [{'split': 'train', 'step': s, **{f'moe/{layer}/router_top1_probability': p
                                             for layer, p in zip(layers, top1)}}
@@ -429,10 +453,130 @@ def test_results_md_marks_the_arm_and_adds_the_footnote_under_its_table(tmp_path
   for arm in ('moe', 'scratch'):
     _write_run(runs_dir, arm, 0, None, 1.0, {0: 5.0, 200: 3.0})
   _write_routing(runs_dir, 'scratch', (0.3, 0.14))
+  os.makedirs(os.path.join(runs_dir, 'llama', 'pretrain', 'seed0'))
+  open(os.path.join(runs_dir, 'llama', 'pretrain', 'seed0', 'study.failed'), 'w').write('x')
   monkeypatch.setattr(Results, 'epochs', lambda self, family, arm: 0.1)   # no checkpoints here
   path = render.write(str(tmp_path / 'out'), Results(runs_dir, (0,)), '# Results',
                       {'t5': {'moe': 'upcycled', 'scratch': 'from scratch'}}, [], QUICK, 'x')
+  # The precondition's runs: T5's not run yet, the dense Llama's failed.
+  t5, llama = open(path).read().split('## Claims')[0].split('### T5\n')[1].split('### Llama\n')
+  assert 'Not finished: `python -m upcycle.study --suite precondition` runs it.' in t5
+  assert 'A run failed (its study.failed).' in llama
   lines = open(path).read().split('### Every T5 arm (validation loss)')[1].splitlines()
   assert lines[4].startswith('| `moe` (upcycled) | 5.0000 | 3.0000 |')
   assert lines[5].startswith('| `scratch`† (from scratch) | 5.0000 | 3.0000 |')
   assert lines[7].startswith('† Routers that did not learn') and '`scratch` seed 0' in lines[7]
+
+
+def _write_precondition_runs(runs_dir):
+  """Closed-form precondition runs of 3 seeds, FLOPs per step as each run logs them.
+
+  T5: the dense run from scratch is `regime_pretrain` (100 steps at 1 FLOP) continued by
+  `regime_dense` to step 200 (200 FLOPs); `regime_scratch` (2 FLOPs per step) ran 101 steps, to
+  202 FLOPs: the dense run ended first, at 200. Llama: `pretrain` 40 steps at 3 FLOPs (120);
+  the MoE 35 steps at 3.5 (122.5): the dense run ended first, at 120."""
+  for seed, jitter in enumerate((-0.01, 0.0, 0.01)):
+    _write_run(runs_dir, 'regime_pretrain', seed, None, 1.0, {0: 9.0, 50: 4.0, 100: 3.5})
+    _write_run(runs_dir, 'regime_dense', seed, ['regime_pretrain', 100], 1.0,
+               {100: 3.5, 150: 3.3, 200: 3.2})
+    _write_run(runs_dir, 'regime_scratch', seed, None, 2.0, {0: 9.0, 50: 3.4, 101: 3.0 + jitter})
+    _write_run(runs_dir, 'pretrain', seed, None, 3.0, {0: 8.0, 20: 6.0, 40: 5.0},
+               family='llama')
+    _write_run(runs_dir, drop_runs.PRECONDITION_SCRATCH, seed, None, 3.5,
+               {0: 8.0, 20: 6.5, 35: 5.4 + jitter}, family='llama')
+    _write_routing(runs_dir, 'regime_scratch', (0.3, 0.14 if seed == 1 else 0.25), seed=seed)
+    _write_routing(runs_dir, drop_runs.PRECONDITION_SCRATCH, (0.3, 0.3), family='llama',
+                   seed=seed)
+
+
+def test_the_precondition_compares_the_moe_and_dense_from_scratch_at_equal_flops(tmp_path):
+  """Both arms are read at the FLOPs where the dense run ended, the mean over its last 2
+  evaluations (150 and 200 FLOPs for T5, 60 and 120 for the Llama), the MoE interpolated
+  linearly on its total-FLOPs axis between its evaluations at 100 and 202 (T5) or 70 and
+  122.5 (Llama) FLOPs."""
+  runs_dir = str(tmp_path)
+  _write_precondition_runs(runs_dir)
+  found = precondition.summary(Results(runs_dir, (0, 1, 2), final_window=2))
+  t5, llama = found['t5'], found['llama']
+  moe_end = np.array([3.0 - 0.01, 3.0, 3.0 + 0.01])
+  t5_moe = ((3.4 + (moe_end - 3.4) * 50 / 102) + (3.4 + (moe_end - 3.4) * 100 / 102)) / 2
+  np.testing.assert_allclose(t5['dense_loss'], [(3.3 + 3.2) / 2] * 3)
+  np.testing.assert_allclose(t5['moe_loss'], t5_moe)
+  np.testing.assert_allclose(t5['d'], (3.3 + 3.2) / 2 - t5_moe)    # ~0.144 > 0: MoE better
+  assert t5['verdict'] == 'yes'   # mean 0.1441, s.e. 0.0042
+  np.testing.assert_allclose(t5['flops'], [200.0] * 3)
+  assert t5['ended'] == ['regime_dense'] * 3
+  assert [r['routers_learned'] for r in t5['routing']] == [True, False, True]
+  llama_end = 5.4 + np.array([-0.01, 0.0, 0.01])
+  llama_moe = ((8.0 + (6.5 - 8.0) * 60 / 70) + (6.5 + (llama_end - 6.5) * 50 / 52.5)) / 2
+  np.testing.assert_allclose(llama['dense_loss'], [(6.0 + 5.0) / 2] * 3)
+  np.testing.assert_allclose(llama['d'], 5.5 - llama_moe)     # ~-0.583 < 0: dense better
+  assert llama['verdict'] == 'no'
+  np.testing.assert_allclose(llama['flops'], [120.0] * 3)
+  assert llama['ended'] == ['pretrain'] * 3
+  # An arm not finished for every seed: no comparison yet.
+  os.remove(os.path.join(runs_dir, 'llama', 'pretrain', 'seed2', 'study.done'))
+  assert precondition.summary(Results(runs_dir, (0, 1, 2)))['llama'] is None
+
+
+def test_results_md_opens_with_the_precondition(tmp_path, monkeypatch):
+  """The section comes first after the header: per family its rows, verdict and routing
+  health (seed 1's T5 routers did not learn: marked, with the footnote); study.json has its
+  numbers."""
+  runs_dir = str(tmp_path / 'runs')
+  _write_precondition_runs(runs_dir)
+  monkeypatch.setattr(regime, 'summary', lambda results, scale: None)   # no checkpoints here
+  scale = dataclasses.replace(QUICK, seeds=(0, 1, 2), final_window=2)
+  path = render.write(str(tmp_path / 'out'), Results(runs_dir, (0, 1, 2), final_window=2),
+                      '# Results', {'t5': {}, 'llama': {}}, [], scale, 'x')
+  text = open(path).read()
+  assert text.startswith('# Results\n\n## The precondition: MoE vs dense from scratch at equal '
+                         'FLOPs')
+  t5, llama = text.split('### T5\n')[1].split('### Llama\n')
+  d = (3.3 + 3.2) / 2 - (3.4 + (3.0 - 3.4) * 75 / 102)     # seed 1: the MoE ended at 3.0
+  assert f'| 1 | 3.2500 | {3.25 - d:.4f} | {d:+.4f} | 200 (where `regime_dense` ended) | no† |' \
+      in t5
+  assert '**Is the MoE from scratch better than dense at equal FLOPs: yes** (d = +0.1441, s.e. 0.0042, 3 seeds)' in t5
+  assert '† Routers that did not learn' in t5 and '`regime_scratch` seed 1' in t5
+  assert '**Is the MoE from scratch better than dense at equal FLOPs: no**' in llama
+  assert '120 (where `pretrain` ended) | yes |' in llama and '†' not in llama.split('**What')[0]
+  assert "**What a 'no' means.**" in llama and text.index('## Claims') > text.index(
+      "**What a 'no' means.**")
+  data = json.loads((tmp_path / 'out' / 'results' / 'study.json').read_text())
+  np.testing.assert_allclose(data['precondition']['t5']['d'][1], d)
+  assert data['precondition']['llama']['verdict'] == 'no'
+
+
+def test_the_precondition_plans_runs_from_scratch_at_equal_flops_within_one_step(tmp_path):
+  """Its arms and no other of its own; each MoE's steps are the fewest whose FLOPs reach its
+  dense run's (at the FLOPs per step the runs logged; T5: 2P = 3000 dense steps at 3.0 over
+  the MoE's 3.69 -> 2439.02 -> 2440; Llama: P = 400 at 146.8 over 197.66 -> 297.07 -> 298),
+  and the Llama's arms run from scratch under the pretraining's one schedule over their own
+  steps (no source, no restarted step, SCHEDULE_STEPS = TRAIN_STEPS)."""
+  runs = plan(FULL, quick=False, suites=('precondition',))
+  own = [r for r in runs if suite_of(r) == 'precondition']
+  assert {(r.family, r.arm, r.seed) for r in own} == {
+      (f, a, s) for f, arms in precondition.ARMS.items() for a in arms for s in FULL.seeds}
+  assert {(r.family, r.arm) for r in runs if r not in own} == {
+      ('t5', 'pretrain'), ('t5', 'moe'), ('llama', 'moe')}   # whose FLOPs per step they read
+  for family, arm, rate in (('t5', 'regime_pretrain', 3.0), ('t5', 'moe', 3.69),
+                            ('llama', 'pretrain', 146.8), ('llama', 'moe', 197.66)):
+    run_dir = os.path.join(str(tmp_path), family, arm, 'seed0')
+    os.makedirs(run_dir)
+    with open(os.path.join(run_dir, 'metrics.jsonl'), 'w') as f:
+      f.write(json.dumps({'split': 'train', 'step': 1, 'train_flops_per_step': rate}) + '\n')
+  by_arm = {(r.family, r.arm): r for r in own if r.seed == 0}
+  p, llama_p = FULL.regime_pretrain_steps, FULL.llama_pretrain_steps
+  assert by_arm['t5', 'regime_scratch'].train_steps(str(tmp_path)) == 2440
+  assert by_arm['t5', 'regime_dense'].train_steps(str(tmp_path)) == 2 * p == 3000
+  assert 0 <= 2440 * 3.69 - 2 * p * 3.0 < 3.69
+  moe = by_arm['llama', drop_runs.PRECONDITION_SCRATCH]
+  assert moe.train_steps(str(tmp_path)) == 298 and 0 <= 298 * 197.66 - llama_p * 146.8 < 197.66
+  for r in (moe, by_arm['llama', 'pretrain']):
+    flags = r.command(str(tmp_path), FULL, 'python')
+    assert r.source is None and r.gin_files[-1] == 'runs/llm_pretrain.gin'
+    assert not any('SCHEDULE_STEPS' in f or 'Restore.step' in f or 'INITIAL_CHECKPOINT' in f
+                   for f in flags)
+  # The regime suite's section reads the precondition's T5 arms: planned with it.
+  assert {('t5', a) for a in precondition.ARMS['t5']} <= {
+      (r.family, r.arm) for r in plan(FULL, quick=False, suites=('regime',))}

@@ -3,7 +3,8 @@
 Trains every arm of every claim (`upcycle.study.runs`) for each seed on the offline data (T5:
 span corruption over the source of Python's standard library; ViT: scikit-learn's digits), two
 runs at a time, into --runs_dir (an interrupted study continues where it stopped), then writes
-OUT/RESULTS.md (the `regime` suite's headline experiment, one table per claim),
+OUT/RESULTS.md (first the `precondition`: MoE vs dense from scratch at equal FLOPs; the
+`regime` suite's headline experiment, one table per claim),
 OUT/results/*.png and OUT/results/study.json.
 --quick: a few arms, one seed, a few steps (a smoke test of the whole pipeline, ~2 minutes).
 """
@@ -16,7 +17,8 @@ import sys
 import time
 
 from upcycle import arguments, console
-from upcycle.study import drop_render, drop_runs, drop_units, epochs, execute, recipe, render
+from upcycle.study import (drop_render, drop_runs, drop_units, epochs, execute, precondition,
+                           recipe, render)
 from upcycle.study import runs as runs_lib
 from upcycle.study.curves import Results
 from upcycle.study.scale import FULL, QUICK
@@ -30,15 +32,20 @@ DESCRIPTIONS = {**runs_lib.DESCRIPTIONS,
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-SUITES = ('recipe', 'regime', 'claims', 'beyond', 'trails', 'drop')
+SUITES = ('precondition', 'recipe', 'regime', 'claims', 'beyond', 'trails', 'drop')
+# {suite: (family, arm) of other suites' runs its section reads}: planned with it.
+READS = {'regime': {('t5', arm) for arm in precondition.ARMS['t5']}}
 
 
 def suite_of(run) -> str:
-  """'recipe': the tiny T5's learning-rate sweep (`recipe`); 'regime': the paper's headline
-  experiment in its regime (`runs.regime_runs`); 'claims':
+  """The suite that trains `run`: 'precondition': MoE vs dense from scratch at equal FLOPs
+  (`precondition`); 'recipe': the tiny T5's learning-rate sweep (`recipe`); 'regime': the
+  paper's headline experiment in its regime (`runs.regime_runs`); 'claims':
   the papers' claims; 'beyond': the switches beyond the papers' anchors; 'trails': why the
   upcycled T5 trails the dense one (`runs.trail_runs`); 'drop': Drop-Upcycling in its own
   setting, a Llama upcycled into a Mixtral (`drop_runs`)."""
+  if run.arm in precondition.ARMS.get(run.family, ()):
+    return 'precondition'
   if run.family == drop_render.FAMILY:
     return 'drop'
   if run.arm in recipe.arms(FULL):
@@ -51,41 +58,54 @@ def suite_of(run) -> str:
 
 
 def plan(scale, quick: bool, suites=('claims',)):
-  """The runs of `suites` and the runs they start from, in the order they are started: suite
-  by suite, arm by arm (every seed of an arm before the next arm), the papers' claims first, so
-  that a study stopped early has whole arms. A run several suites need is planned once."""
+  """The runs of `suites`, the runs of other suites their sections read (`READS`) and the runs
+  they start from, in the order they are started: suite by suite, arm by arm (every seed of an
+  arm before the next arm), the papers' claims first, so that a study stopped early has whole
+  arms; a run another suite's run needs before it starts comes before it. A run several suites
+  need is planned once."""
   every = {}
   for seed in scale.seeds:
     for r in (runs_lib.t5_runs(scale, seed) + runs_lib.vit_runs(scale, seed) +
               runs_lib.trail_runs(scale, seed) + runs_lib.regime_runs(scale, seed) +
               recipe.recipe_runs(scale, seed) + drop_runs.llama_runs(scale, seed)):
       every.setdefault(r.name, r)
-  wanted = [r for r in every.values() if suite_of(r) in suites]
+  reads = set().union(*[READS.get(s, set()) for s in suites])
+  wanted = [r for r in every.values() if suite_of(r) in suites or (r.family, r.arm) in reads]
   if quick:
     wanted = [r for r in wanted if r.arm in QUICK_ARMS[r.family]]
-  out, names = [], set()
 
-  def add(r):
-    for name in r.dependencies():
-      add(every[name])
-    if r.name not in names:
-      names.add(r.name)
-      out.append(r)
+  def after_dependencies(runs):
+    """`runs` and the runs they start from, each after those it starts from."""
+    out, names = [], set()
 
-  for r in wanted:
-    add(r)
+    def add(r):
+      for name in r.dependencies():
+        add(every[name])
+      if r.name not in names:
+        names.add(r.name)
+        out.append(r)
+
+    for r in runs:
+      add(r)
+    return out
+
   first = [(f, a) for f in ('t5', 'vit') for a in ('pretrain', 'moe', 'dense')]
   order = {}
   for r in every.values():    # an arm's first appearance fixes its place within its group
     order.setdefault((r.family, r.arm), len(order))
 
+  out = after_dependencies(wanted)
+  group = {r.name: 0 if (r.family, r.arm) in first else 1 if r.family == 'vit' else
+           2 + SUITES.index(suite_of(r)) for r in out}
+  for r in reversed(out):   # a run another suite's run starts from joins that suite's group
+    for name in r.dependencies():
+      group[name] = min(group[name], group[r.name])
+
   def rank(r):
     key = (r.family, r.arm)
-    group = (0 if key in first else 1 if r.family == 'vit' else
-             2 + SUITES.index(suite_of(r)))   # the drop suite's own pretraining leads its runs
-    return group, first.index(key) if key in first else order[key], r.seed
+    return group[r.name], first.index(key) if key in first else order[key], r.seed
 
-  return sorted(out, key=rank)
+  return after_dependencies(sorted(out, key=rank))
 
 
 def _suite_line(args, scale, suite: str) -> str:
@@ -98,8 +118,10 @@ def _suite_line(args, scale, suite: str) -> str:
   command = ('python -m upcycle.study' + (' --quick' if args.quick else '') +
              ('' if suite == 'claims' else f' --suite {suite}') + f' --out {args.out}' +
              (f' --runs_dir {args.runs_dir_given}' if args.runs_dir_given else ''))
-  starts = ('' if len(own) == len(planned) else
-            ' (it starts from runs of the claims suite, which it runs first when they are missing)')
+  others = [s for s in SUITES if s != suite and any(suite_of(r) == s for r in planned)]
+  starts = ('' if not others else
+            f' (it needs runs of the {" and ".join(others)} suite{"s" * (len(others) > 1)}, '
+            f'which it runs first when they are missing)')
   if not done:
     return f'- `{command}`: {len(own)} training runs{starts}, none finished yet.'
   run_time = sum(float(open(p).read() or 0) for p in done)
@@ -162,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument('--out', default='docs', help='where RESULTS.md and results/ go')
   parser.add_argument('--runs_dir', default='runs/study', help='the training runs')
   parser.add_argument('--suite', choices=(*SUITES, 'all'), default='claims',
-                      help="which runs to train: the tiny T5's learning-rate sweep "
+                      help='which runs to train: MoE vs dense from scratch at equal FLOPs, '
+                           "the precondition of every upcycling claim (~90 min), the tiny T5's "
+                           'learning-rate sweep '
                            "(3 peaks x 3 seeds), the headline claim in the paper's regime "
                            "(~100 min), the papers' claims (~90 min), the switches beyond the "
                            "papers' anchors (~26 min), why the upcycled T5 trails the dense one "

@@ -8,7 +8,7 @@ with the FLOPs of the run it started from (the dense pretraining up to the upcyc
 import dataclasses
 import json
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -113,17 +113,16 @@ class Results:
   def curves(self, family: str, arm: str) -> List[Curve]:
     return [self.curve(family, arm, s) for s in self.seeds]
 
+  def routing_health(self, family: str, arm: str, seed: int) -> Optional[dict]:
+    """The run's routing-health row (`upcycle.train.routing_health`); None for a dense run or
+    one trained before runs wrote the row."""
+    return routing_health.of_run(read_rows(os.path.join(self.runs_dir, family, arm,
+                                                        f'seed{seed}')))
+
   def unlearned_routers(self, family: str, arm: str) -> Dict[int, dict]:
-    """{seed: its routing-health row} of the arm's runs whose routers did not learn
-    (`upcycle.train.routing_health`); a dense run, or one trained before runs wrote the row,
-    has none."""
-    out = {}
-    for s in self.seeds:
-      row = routing_health.of_run(read_rows(os.path.join(self.runs_dir, family, arm,
-                                                         f'seed{s}')))
-      if row is not None and not row['routers_learned']:
-        out[s] = row
-    return out
+    """{seed: its routing-health row} of the arm's runs whose routers did not learn."""
+    rows = {s: self.routing_health(family, arm, s) for s in self.seeds}
+    return {s: row for s, row in rows.items() if row is not None and not row['routers_learned']}
 
   def epochs(self, family: str, arm: str) -> float:
     """The most any seed's run of the arm read of its training data, in epochs
@@ -149,15 +148,23 @@ class Results:
     """`[seeds]` the evaluation at each run's starting point (before its first step)."""
     return np.array([c.metric(metric)[0] for c in self.curves(family, arm)])
 
+  def common_points(self, family: str, a: str, b: str, seed: int,
+                    axis: str = 'total_flops') -> Tuple[np.ndarray, str]:
+    """(`[final_window]` the FLOPs of the last evaluations of the run that ended cheaper, that
+    run's arm): where both runs of `seed` are read at equal FLOPs; the last point is the
+    largest FLOPs both reached."""
+    ca, cb = self.curve(family, a, seed), self.curve(family, b, seed)
+    cheaper, arm = (ca, a) if getattr(ca, axis)[-1] <= getattr(cb, axis)[-1] else (cb, b)
+    return getattr(cheaper, axis)[-self.final_window:], arm
+
   def at_common_flops(self, family: str, a: str, b: str, metric: str,
                       axis: str = 'total_flops') -> tuple:
     """(`[seeds]`, `[seeds]`) both arms' metric where the cheaper one ended: the mean of both
     curves at the FLOPs of the cheaper run's last `final_window` evaluations."""
     out_a, out_b = [], []
     for s in self.seeds:
+      points, _ = self.common_points(family, a, b, s, axis)
       ca, cb = self.curve(family, a, s), self.curve(family, b, s)
-      cheaper = ca if getattr(ca, axis)[-1] <= getattr(cb, axis)[-1] else cb
-      points = getattr(cheaper, axis)[-self.final_window:]
       out_a.append(np.mean([ca.at(metric, x, axis) for x in points]))
       out_b.append(np.mean([cb.at(metric, x, axis) for x in points]))
     return np.array(out_a), np.array(out_b)

@@ -5,7 +5,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from upcycle.study import claims, drop_runs, drop_section, render
+from upcycle.study import claims, drop_runs, drop_section, precondition, render
 from upcycle.study.curves import Results
 
 FAMILY = drop_section.FAMILY
@@ -117,8 +117,8 @@ def parts(results: Results, scale, out: str) -> Tuple[List[str], Optional[Dict]]
              render.table(('arm', *[name.split('/')[1] for name in layers]),
                           [(f'`{arm}`', *[claims.mean_std(u[layer]) for layer in layers])
                            for arm, u in summary['usage'].items()])]
-  rows = render.ablations(results, FAMILY, [a for a in drop_runs.DESCRIPTIONS if a != 'pretrain'],
-                          'loss')
+  rows = render.ablations(results, FAMILY, [a for a in drop_runs.DESCRIPTIONS
+                                            if a not in precondition.ARMS[FAMILY]], 'loss')
   if rows:
     text += ['**Every arm** (validation loss; final − moe paired by seed).', render.table(
         ('arm', 'at the start', 'final', 'training FLOPs / step', 'final − moe (± s.e.)',

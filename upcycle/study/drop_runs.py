@@ -12,11 +12,23 @@ scratch for the same X steps. Controls and ablations: a constant learning rate a
 for naive and Drop r = 0.5; the router initialized N(0, 0.02) and N(0, 0.2887) against the
 default U(-0.0346, 0.0346); the load-balancing loss per layer instead of pooled, for naive and
 Drop r = 0.5.
+
+The precondition (`upcycle.study.precondition`): the Mixtral from scratch
+(`PRECONDITION_SCRATCH`) for the training FLOPs of the dense pretraining's P steps, with its
+own warmup and one cosine over its own steps, against the dense pretraining itself. `pretrain`
+serves as the dense arm because it is a whole dense run from scratch with one schedule over
+its own length (warmup, cosine over P), and so is compared at its own budget, P dense steps;
+the budget P + X would need a dense run from scratch of P + X steps, since `dense` (a second,
+rewarmed cosine over X from P's checkpoint) is no run from scratch, and P + X steps cost as
+much as the suite's pretraining again while asking the same question: does this MoE beat
+this dense model at equal compute at this scale. The MoE's steps are the fewest whose FLOPs
+reach P dense steps' (`runs.sunk_cost_steps`: the FLOPs per step each run logged, the MoE's
+from `moe`, the same Mixtral at the same batch), so it spends at most one MoE step more.
 """
 
 from typing import List
 
-from upcycle.study.runs import Run
+from upcycle.study.runs import Run, sunk_cost_steps
 from upcycle.study.scale import Scale
 
 MIXTRAL = ('moe/mixtral.gin', 'runs/llm_upcycle.gin')
@@ -26,10 +38,11 @@ PER_MATRIX = "experts.Drop.index_sharing='per_matrix'"
 # mixtral.gin's load-balancing loss (its weight and scope 'batch'), each layer its own.
 LAYERWISE = ('moe.MoeConfig.balance=@balance.Switch()',
              'balance.Switch.weight=%ROUTER_AUX_LOSS_COEF', "balance.Switch.scope='batch'")
+PRECONDITION_SCRATCH = 'precondition_scratch'
 
 
 def llama_runs(scale: Scale, seed: int) -> List[Run]:
-  """The `drop` suite's runs of one seed (module docstring)."""
+  """The Llama runs of one seed: the `drop` suite's and the precondition's (module docstring)."""
   p, x = scale.llama_pretrain_steps, scale.llama_extra_steps
   constant = f'MIN_LEARNING_RATE={scale.llama_learning_rate}'
   run = lambda arm, files, bindings=(), **kw: Run('llama', arm, seed, tuple(files),
@@ -48,6 +61,9 @@ def llama_runs(scale: Scale, seed: int) -> List[Run]:
           ["restore.Restore.step='reset'", 'REUSE_OPTIMIZER_STATE=False'],
           steps=x, source=('pretrain', p)),
       run('scratch', ['moe/mixtral.gin', 'runs/llm_pretrain.gin'], steps=x),
+      run(PRECONDITION_SCRATCH, ['moe/mixtral.gin', 'runs/llm_pretrain.gin'],
+          steps=sunk_cost_steps(p, 1.0, 'moe', start=0, sunk_arm='pretrain'),
+          after=('pretrain', 'moe')),
       upcycle('moe_constant_lr', bindings=(constant,)),
       upcycle('drop_0.5_constant_lr', drop(0.5)[0], (*drop(0.5)[1], constant)),
       upcycle('router_normal', *router(0.02)),
@@ -57,7 +73,7 @@ def llama_runs(scale: Scale, seed: int) -> List[Run]:
   ]
 
 
-QUICK_ARMS = ('pretrain', 'moe', 'drop_0.5', 'dense')
+QUICK_ARMS = ('pretrain', 'moe', 'drop_0.5', 'dense', PRECONDITION_SCRATCH)
 
 DESCRIPTIONS = {
     'pretrain': 'dense Llama pretraining, P steps (warmup, cosine over P)',
@@ -69,6 +85,8 @@ DESCRIPTIONS = {
     'noise': 'random noise upcycling: N(0, 0.02) added to half the d_ff units of each expert',
     'dense': 'the dense Llama continued for X steps (its own schedule, fresh AdamW state)',
     'scratch': "the MoE's architecture from scratch for X steps",
+    PRECONDITION_SCRATCH: "the MoE's architecture from scratch for the training FLOPs of "
+                          '`pretrain` (warmup, cosine over its own steps)',
     'moe_constant_lr': 'naive upcycling, constant learning rate after warmup',
     'drop_0.5_constant_lr': 'Drop r=0.5, constant learning rate after warmup',
     'router_normal': 'naive upcycling, router N(0, 0.02)',

@@ -7,7 +7,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from upcycle.study import claims, regime, runs as runs_lib
+from upcycle.study import claims, precondition, regime, runs as runs_lib
 from upcycle.study.curves import Results
 from upcycle.train import routing_health
 
@@ -257,6 +257,73 @@ def regime_parts(summary, scale, corpus: str) -> List[str]:
   return parts
 
 
+PRECONDITION_FAMILIES = {
+    't5': ('T5', lambda scale: (
+        f'Dense: `regime_pretrain` continued by `regime_dense`, one run of '
+        f'2P = {2 * scale.regime_pretrain_steps} steps (rsqrt schedule, step counter and '
+        f'optimizer state carried on, the data read on); MoE: `regime_scratch`, E = '
+        f'{scale.num_experts} with the paper\'s T5 routing (`moe/paper_t5.gin`), for the FLOPs '
+        f'of those 2P dense steps.')),
+    'llama': ('Llama', lambda scale: (
+        f'Dense: `pretrain`, P = {scale.llama_pretrain_steps} steps (warmup, cosine over P); '
+        f'MoE: `{precondition.PAIRS["llama"][1]}`, the Mixtral of the `drop` suite (E = 8, '
+        f'Top-2, every layer) for the FLOPs of those P dense steps (warmup, cosine over its own '
+        f'steps).')),
+}
+NO_MEANS = ("**What a 'no' means.** Where the MoE from scratch loses to the dense model at "
+            'equal FLOPs, the MoE architecture itself does not pay at this scale, so no '
+            'upcycling claim below can show upcycling helping or hurting: an upcycled MoE that '
+            'trails the dense model may trail it because it is an MoE, not because it was '
+            "upcycled; 'not resolved' leaves that open.")
+
+
+def _routing_cell(row: Optional[dict]) -> str:
+  if row is None:
+    return 'not recorded'
+  return 'yes' if row['routers_learned'] else f'no{UNLEARNED}'
+
+
+def precondition_parts(results: Results, summary, scale) -> List[str]:
+  """The precondition section of RESULTS.md from `precondition.summary`: a table per family,
+  its verdict and its MoE runs' routing health."""
+  parts = [
+      '## The precondition: MoE vs dense from scratch at equal FLOPs (the `precondition` '
+      'suite)',
+      'Upcycling bets that the MoE architecture is worth its FLOPs. Per family, a dense model '
+      'and the MoE of the upcycling claims each trained from scratch for the same training '
+      'FLOPs, each with one learning-rate schedule over its own length; both read at the '
+      'largest training FLOPs both reached (where the run that ended first ended: the FLOPs '
+      f'column), the mean of both curves at its last {scale.final_window} '
+      f'evaluation{"s" * (scale.final_window > 1)}, '
+      'interpolated on the training-FLOPs axis. d = dense − MoE (> 0 when the MoE is better), '
+      "paired by seed; the verdict that the MoE is better by the 2 s.e. rule. Routers learned: "
+      f'{routing_health.CRITERION} (the run\'s `routing_health` row).']
+  for family, (name, arms) in PRECONDITION_FAMILIES.items():
+    parts += [f'### {name}', arms(scale)]
+    found = summary[family]
+    if found is None:
+      failed = any(results.failed(family, arm) for arm in precondition.ARMS[family])
+      parts.append('A run failed (its study.failed).' if failed else
+                   'Not finished: `python -m upcycle.study --suite precondition` runs it.')
+      continue
+    parts.append(table(
+        ('seed', 'dense loss', 'MoE loss', 'd (dense − MoE)', 'at training FLOPs',
+         'MoE routers learned?'),
+        [(seed, f'{dense:.4f}', f'{moe:.4f}', f'{d:+.4f}',
+          f"{flops:.3g} (where `{ended}` ended)", _routing_cell(row))
+         for seed, dense, moe, d, flops, ended, row in zip(
+             results.seeds, found['dense_loss'], found['moe_loss'], found['d'], found['flops'],
+             found['ended'], found['routing'])]))
+    d = found['d']
+    spread = f's.e. {claims.standard_error(d):.4f}, {len(d)} seeds' if len(d) > 1 else '1 seed'
+    parts.append(f"**Is the MoE from scratch better than dense at equal FLOPs: "
+                 f"{found['verdict']}** (d = {d.mean():+.4f}, {spread}).")
+    _, footnote = unlearned_routers(results, family, [found['moe']])
+    if footnote:
+      parts.append(footnote)
+  return parts + [NO_MEANS]
+
+
 def recipe_parts(summary, scale) -> List[str]:
   """The `recipe` section of RESULTS.md from `recipe.summary`."""
   seeds = ', '.join(map(str, scale.seeds))
@@ -306,11 +373,13 @@ def write(out: str, results: Results, header: str, arms: Dict[str, Dict[str, str
           drop_suite: Tuple[List[str], Optional[dict]] = ([], None),
           recipe_summary: Optional[dict] = None) -> str:
   """Writes out/RESULTS.md, out/results/*.png and out/results/study.json; returns the path.
+  After `header`, RESULTS.md opens with the precondition (`precondition_parts`).
   `corpus`: the T5 training data in words (the `regime` section says what P steps read);
   `drop_suite`: the `drop` suite's section and summary (`drop_render.parts`);
   `recipe_summary`: the `recipe` suite's (`recipe.summary`)."""
   os.makedirs(os.path.join(out, PLOTS), exist_ok=True)
-  parts = [header]
+  first = precondition.summary(results)
+  parts = [header, *precondition_parts(results, first, scale)]
   if recipe_summary is not None:
     parts += recipe_parts(recipe_summary, scale)
   summary = regime.summary(results, scale)
@@ -397,6 +466,7 @@ def write(out: str, results: Results, header: str, arms: Dict[str, Dict[str, str
                          for s in results.seeds}
                    for arm in arms[family] if results.has(family, arm)}
           for family in arms}
+  data['precondition'] = _jsonable(first)
   data['claims'] = {title: [r.__dict__ for r in rows] for title, rows in sections}
   data['drop_units'] = drop_units
   data['recipe'] = _jsonable(recipe_summary)

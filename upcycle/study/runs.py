@@ -135,13 +135,14 @@ def flops_per_step(run: Run, runs_dir: str, arm: str) -> float:
   return last_logged(run.directory(runs_dir, arm), 'train', 'train_flops_per_step')
 
 
-def sunk_cost_steps(sunk_steps: int, fraction: float, rate_arm: str, *,
-                    start: int) -> Callable[[Run, str], int]:
+def sunk_cost_steps(sunk_steps: int, fraction: float, rate_arm: str, *, start: int,
+                    sunk_arm: str = 'regime_pretrain') -> Callable[[Run, str], int]:
   """TRAIN_STEPS spending `fraction` of the sunk cost (the FLOPs of `sunk_steps` steps of the
-  `regime_pretrain` run) after `start`, at the FLOPs per step of `rate_arm`."""
+  `sunk_arm` run) after `start`, at the FLOPs per step of `rate_arm`: the fewest steps that
+  spend at least that, so at most one `rate_arm` step more."""
 
   def steps(run: Run, runs_dir: str) -> int:
-    sunk = sunk_steps * flops_per_step(run, runs_dir, 'regime_pretrain')
+    sunk = sunk_steps * flops_per_step(run, runs_dir, sunk_arm)
     return start + int(math.ceil(fraction * sunk / flops_per_step(run, runs_dir, rate_arm)))
 
   return steps

@@ -1,0 +1,61 @@
+"""The precondition of every upcycling claim: the MoE from scratch against the dense model from
+scratch at equal training FLOPs (the `precondition` suite).
+
+Upcycling bets that the MoE architecture is worth its FLOPs; where an MoE trained from scratch
+does not beat a dense model trained from scratch for the same compute, no upcycling recipe can
+make that bet pay. Per family, two runs from scratch, each with one learning-rate schedule over
+its own length:
+
+  T5     dense: `regime_pretrain` continued by `regime_dense` to 2P steps (the same step
+         counter, rsqrt schedule and optimizer state, the data read on: one dense run from
+         scratch, whose curve from P on is `regime_dense`'s); MoE: `regime_scratch`, the
+         upcycling claims' architecture for the FLOPs of 2P dense steps (`runs.regime_runs`).
+  Llama  dense: `pretrain` (P steps, warmup and cosine over P); MoE: `precondition_scratch`,
+         the Mixtral for the FLOPs of those P steps (`drop_runs`, which says why).
+
+Each seed's pair is read where both reached the same training FLOPs, at the largest FLOPs both
+reached (the run that ended first ends there): like the claims at equal total FLOPs
+(`Results.at_common_flops`), the mean of both curves, interpolated on the total-FLOPs axis, at
+that run's last `final_window` evaluations. d = dense's loss - the MoE's (> 0 when the MoE is
+better), paired by seed; the verdict that the MoE is better by the 2 s.e. rule
+(`claims.verdict`). Beside it, each MoE run's routing health (its `routing_health` row).
+"""
+
+from typing import Dict, Optional
+
+import numpy as np
+
+from upcycle.study import claims, drop_runs
+from upcycle.study.curves import Results
+
+# {family: (dense arm read, MoE arm)}; the dense T5's curve from P on is `regime_dense`'s.
+PAIRS = {'t5': ('regime_dense', 'regime_scratch'),
+         'llama': ('pretrain', drop_runs.PRECONDITION_SCRATCH)}
+# {family: the suite's arms}: the runs it trains.
+ARMS = {'t5': ('regime_pretrain', 'regime_dense', 'regime_scratch'),
+        'llama': ('pretrain', drop_runs.PRECONDITION_SCRATCH)}
+
+
+def compare(results: Results, family: str) -> Optional[Dict[str, object]]:
+  """The family's pair at equal FLOPs; None before both arms finished for every seed.
+
+  Returns {'dense', 'moe': the arms; 'dense_loss', 'moe_loss', 'd': `[seeds]` (d > 0 when the
+  MoE is better); 'flops': `[seeds]` the largest training FLOPs both runs reached; 'ended':
+  per seed the arm that ended there; 'verdict'; 'routing': per seed the MoE run's
+  routing-health row or None}.
+  """
+  dense, moe = PAIRS[family]
+  if not (results.has(family, dense) and results.has(family, moe)):
+    return None
+  dense_loss, moe_loss = results.at_common_flops(family, dense, moe, 'loss')
+  points = [results.common_points(family, dense, moe, s) for s in results.seeds]
+  d = claims.paired(moe_loss, dense_loss, 'loss')
+  return {'dense': dense, 'moe': moe, 'dense_loss': dense_loss, 'moe_loss': moe_loss, 'd': d,
+          'flops': np.array([float(x[-1]) for x, _ in points]), 'ended': [arm for _, arm in points],
+          'verdict': claims.verdict(d, 'better'),
+          'routing': [results.routing_health(family, moe, s) for s in results.seeds]}
+
+
+def summary(results: Results) -> Dict[str, Optional[Dict[str, object]]]:
+  """{family: `compare`} for T5 and the Llama."""
+  return {family: compare(results, family) for family in PAIRS}
