@@ -142,7 +142,7 @@ def test_t5x_configurables_are_refused_with_the_binding_to_use(binding, full, in
 def test_this_project_s_own_bindings_of_the_same_names_are_not_t5x_s():
   parse(T5 + ['--gin.train.eval_data=None', "--gin.validation/text.TextPipeline.split='train'",
               '--gin.SEED=3'])
-  assert gin.query_parameter('train_script.train.eval_data') is None
+  assert gin.get_bindings(train_main.train)['eval_data'] is None
 
 
 @pytest.mark.parametrize('binding, error', [
