@@ -1,7 +1,8 @@
 """python -m upcycle.study --out docs/: re-run the papers' claims and write docs/RESULTS.md.
 
 Trains every arm of every claim (`upcycle.study.runs`) for each seed on the offline data (T5:
-span corruption over the source of Python's standard library; ViT: scikit-learn's digits), two
+span corruption over the source of the pinned numpy, scipy, scikit-learn and matplotlib, the
+'packages' corpus; the Llama: the same text as a causal LM; ViT: scikit-learn's digits), two
 runs at a time, into --runs_dir (an interrupted study continues where it stopped), then writes
 OUT/RESULTS.md (first the `precondition`: MoE vs dense from scratch at equal FLOPs; the
 `regime` suite's headline experiment, one table per claim),
@@ -161,7 +162,7 @@ arms V-MoE's (`moe/paper_vit.gin`). Seeds {', '.join(map(str, scale.seeds))}: ea
 pretrains its own dense model and runs every arm from it, so arms are compared seed by seed.
 
 **Measurements.** Validation loss / accuracy on text and images never seen in training (T5:
-{scale.t5_eval_batches} batches of {scale.t5_batch} sequences of the validation split, modules of the standard library kept out
+{scale.t5_eval_batches} batches of {scale.t5_batch} sequences of the validation split, every tenth module of the corpus kept out
 of training, shuffled by the seed: every arm of a seed is evaluated on the same sequences; ViT: all
 held-out digits), every
 {scale.eval_every} steps and at each run's start. A run's final value is the mean of its last
