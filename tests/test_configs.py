@@ -286,19 +286,26 @@ def test_convert_upcycles_with_the_router_of_its_familys_recipe(model, run):
 
 
 
-def test_the_main_jobs_upcycled_routers_are_drawn_at_the_width_scaled_std():
-  """upcycling/router_width_scaled.gin (the quickstart's MoE stage and the study's main-job
-  recipe): Sparse Upcycling's N(0, 0.02^2) scaled to the tiny T5's width 64,
+def test_the_main_jobs_moe_recipe_is_one_file_with_width_scaled_routers():
+  """runs/upcycle_main_job.gin, the quickstart's MoE stage and the study's main-job recipe:
+  the paper's T5 routing, normalized combine weights, the dense optimizer state reused, and
+  Sparse Upcycling's N(0, 0.02^2) router scaled to the tiny T5's width 64,
   0.02 * sqrt(768 / 64) = 0.069282."""
   from upcycle import router_scale  # pylint: disable=g-import-not-at-top
   from upcycle.study import runs  # pylint: disable=g-import-not-at-top
-  assert 'upcycling/router_width_scaled.gin' in runs.MAIN_JOB_MOE
+  assert runs.MAIN_JOB_MOE == ('runs/upcycle_main_job.gin',)
   parse(['models/t5_1_1/tiny.gin', *runs.MAIN_JOB_MOE], MACROS + ['probe.model = %MODEL'])
   std = gin.query_parameter('ROUTER_STD/gin.macro.value')
   assert gin.query_parameter('upcycle.upcycling.modes.Upcycle.router').selector.endswith(
       'router_init.Normal')
   assert std == 'width_scaled' and probe().config.d_model == 64
   assert router_scale.router_init_std(std, 64) == pytest.approx(0.069282, abs=1e-6)
+  assert gin.query_parameter('restore.Restore.reuse_optimizer_state') is True
+  for stack in ('encoder', 'decoder'):
+    assert gin.query_parameter(f'{stack}/moe.MoeConfig.normalize_combine_weights') is True
+  assert gin.query_parameter('encoder/moe.MoeConfig.router_z_loss_weight') == 0.0
+  assert gin.query_parameter('GROUP_SIZE/gin.macro.value') == 4096
+
 
 def test_an_sft_data_file_gives_the_run_sft_pipelines_and_the_router_stage_unpacks_them():
   sft_run = ['models/llama/tiny.gin', 'runs/llm_sft.gin', 'data/offline_sft.gin']

@@ -8,8 +8,8 @@
 3. upcycle the dense checkpoint (every other layer; Expert Choice encoder, Top-2 decoder;
    copied experts, normalized combine weights and the dense optimizer state tiled, so the
    MoE starts at the dense model's loss, up to the tokens T5X's capacity drops; the routers
-   drawn from Sparse Upcycling's N(0, 0.02^2) scaled to this width,
-   `upcycling/router_width_scaled.gin`) and train it
+   drawn from Sparse Upcycling's N(0, 0.02^2) scaled to this width: the recipe is
+   `runs/upcycle_main_job.gin`) and train it
    for the same EXTRA steps, continuing the dense schedule and reading on like the dense run.
    Both continuations use a 4x larger batch than the pretraining (64 sequences): at the
    pretraining's 16 each expert sees few tokens per step (`python -m upcycle.study --suite
@@ -124,9 +124,7 @@ def main(argv=None) -> None:
   stage('2/3 continue dense', continued, gin_files=['runs/continue_dense.gin'],
         extra=checkpoint, **continuation)
   stage('3/3 upcycle and train MoE', moe,
-        gin_files=['moe/paper_t5.gin', 'runs/upcycle.gin',
-                   'upcycling/normalize_combine_weights.gin',
-                   'upcycling/reuse_optimizer_state.gin', 'upcycling/router_width_scaled.gin'],
+        gin_files=['runs/upcycle_main_job.gin'],
         extra=checkpoint + [f'--gin.NUM_EXPERTS={args.num_experts}'], **continuation)
 
   curves = {'dense (pretrain)': read_metrics(dense), 'dense (continued)': read_metrics(continued),

@@ -212,10 +212,8 @@ def t5_runs(scale: Scale, seed: int) -> List[Run]:
   return runs
 
 
-# The main job's MoE recipe (scripts/quickstart.sh): paper T5 routing with normalized combine
-# weights, the dense optimizer state reused and the routers drawn at the width-scaled std.
-MAIN_JOB_MOE = (*T5_MOE, 'runs/upcycle.gin', 'upcycling/normalize_combine_weights.gin',
-                'upcycling/reuse_optimizer_state.gin', 'upcycling/router_width_scaled.gin')
+# The main job's MoE recipe, the quickstart's stage 3 (the file says what it binds).
+MAIN_JOB_MOE = ('runs/upcycle_main_job.gin',)
 
 
 TRAIL_ARMS = ('main_dense_long', 'main_moe_long', 'main_moe_late', 'main_dense_batch4x',
