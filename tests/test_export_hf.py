@@ -265,6 +265,17 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys):
       'MODEL = @models.NoSuchModel()\n')
   assert _refusal(capsys, *flags).startswith(
       f"error: {run}/config.gin: the run's model cannot be read from its saved gin config (")
+  # A config written before the load-balancing fields became one object: the fix, not gin's.
+  (tmp_path / 'run' / 'config.gin').write_text(
+      'from __gin__ import dynamic_registration\nfrom upcycle.moe import config as moe\n'
+      'moe.MoeConfig.load_balancing_loss_weight = 0.01\n')
+  assert _refusal(capsys, *flags).strip() == (
+      f'error: {run}/config.gin: moe.MoeConfig.load_balancing_loss_weight is no field any '
+      f'more: the load-balancing loss is one object, moe.MoeConfig.balance. Fix: bind '
+      f'moe.MoeConfig.balance = @balance.Switch() (each MoE layer its own loss) or '
+      f'@balance.PooledSwitch() (f and p averaged over the stack\'s layers, one loss), from '
+      f'upcycle.moe import balance; bind its weight as balance.Switch.weight (or '
+      f'balance.PooledSwitch.weight).')
   os.remove(tmp_path / 'run' / 'config.gin')
   out.mkdir()
   (out / 'kept').write_text('')

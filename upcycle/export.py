@@ -128,10 +128,14 @@ def _parse_saved_config(path: str) -> None:
   try:
     gin_utils.parse_saved_config(path)
   except (ValueError, ImportError, AttributeError, SyntaxError) as e:
-    cause = gin_utils.message(e).strip().splitlines()[0]
+    text = gin_utils.message(e).strip()
+    former = gin_utils.former_hint(text)   # a config written before a rename
+    if former:
+      raise t5x_export.ExportError(f'{path}: {former}') from None
     raise t5x_export.ExportError(
-        f'{path}: the run\'s model cannot be read from its saved gin config ({cause}). Fix: '
-        f'give the gin files of its model, e.g. --gin_file=models/llama/tiny.gin.') from None
+        f'{path}: the run\'s model cannot be read from its saved gin config '
+        f'({text.splitlines()[0]}). Fix: give the gin files of its model, e.g. '
+        f'--gin_file=models/llama/tiny.gin.') from None
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -514,6 +514,15 @@ def test_the_precondition_compares_the_moe_and_dense_from_scratch_at_equal_flops
   assert llama['verdict'] == 'no'
   np.testing.assert_allclose(llama['flops'], [120.0] * 3)
   assert llama['ended'] == ['pretrain'] * 3
+  # T5 again at half the budget, where `regime_pretrain` ended (its evaluations at 50 and 100
+  # FLOPs: 4.0 and 3.5); the MoE interpolated there between (0, 9.0) and (100, 3.4): 6.2, 3.4.
+  early = found['early']['t5']
+  np.testing.assert_allclose(early['dense_loss'], [3.75] * 3)
+  np.testing.assert_allclose(early['moe_loss'], [4.8] * 3)
+  np.testing.assert_allclose(early['d'], [-1.05] * 3)
+  assert early['verdict'] == 'no' and early['ended'] == ['regime_pretrain'] * 3
+  np.testing.assert_allclose(early['flops'], [100.0] * 3)
+  assert set(found['early']) == {'t5'}    # the Llama's cosine: a point mid-run is no run
   # An arm not finished for every seed: no comparison yet.
   os.remove(os.path.join(runs_dir, 'llama', 'pretrain', 'seed2', 'study.done'))
   assert precondition.summary(Results(runs_dir, (0, 1, 2)))['llama'] is None
@@ -538,10 +547,19 @@ def test_results_md_opens_with_the_precondition(tmp_path, monkeypatch):
       in t5
   assert '**Is the MoE from scratch better than dense at equal FLOPs: yes** (d = +0.1441, s.e. 0.0042, 3 seeds)' in t5
   assert '† Routers that did not learn' in t5 and '`regime_scratch` seed 1' in t5
+  early = t5.split('Read again at half the budget, where `regime_pretrain` ended')[1]
+  assert '| 0 | 3.7500 | 4.8000 | -1.0500 | 100 (where `regime_pretrain` ended) | yes |' in early
+  assert '**Is the MoE from scratch better than dense at equal FLOPs: no** (d = -1.0500, s.e. ' \
+      '0.0000, 3 seeds)' in early
   assert '**Is the MoE from scratch better than dense at equal FLOPs: no**' in llama
   assert '120 (where `pretrain` ended) | yes |' in llama and '†' not in llama.split('**What')[0]
   assert "**What a 'no' means.**" in llama and text.index('## Claims') > text.index(
       "**What a 'no' means.**")
+  # No claim's arms ran: one line instead of tables of 'not finished'.
+  assert text.split('## Claims\n\n')[1].startswith(
+      'No claim has both its arms finished for every seed in these runs: `python -m '
+      'upcycle.study` runs them')
+  assert '| claim |' not in text and 'not finished' not in text
   data = json.loads((tmp_path / 'out' / 'results' / 'study.json').read_text())
   np.testing.assert_allclose(data['precondition']['t5']['d'][1], d)
   assert data['precondition']['llama']['verdict'] == 'no'

@@ -20,6 +20,8 @@ from upcycle.study.curves import Results
 
 LOWER_IS_BETTER = {'loss': True, 'accuracy': False}
 
+NOT_FINISHED = 'not finished'   # a claim's cell before both its arms finished for every seed
+
 
 @dataclasses.dataclass(frozen=True)
 class Row:
@@ -108,7 +110,7 @@ class Claim:
     if failed:
       return Row(self.claim, self.paper, f'a run of {failed[0]} failed (its study.failed)', '—')
     if not all(results.has(self.family, arm) for arm in self.arms()):
-      return Row(self.claim, self.paper, 'not finished', '—')
+      return Row(self.claim, self.paper, NOT_FINISHED, '—')
     f, m = self.family, self.metric
     if self.where == 'start':
       a, b = results.start(f, self.a, m), results.start(f, self.b, m)

@@ -138,7 +138,7 @@ def routing_rows(usage_by_arm: Dict[str, Dict[str, np.ndarray]]) -> List[claims.
            "Drop-Upcycling's routing specializes")
   if 'moe' not in usage_by_arm:
     return [claims.Row('naive upcycling collapses onto two experts in every layer', paper,
-                       'not finished', '—')]
+                       claims.NOT_FINISHED, '—')]
   naive = np.array(list(usage_by_arm['moe'].values()))          # [layers, seeds]
   layer_means = naive.mean(1)
   rows = [claims.Row(

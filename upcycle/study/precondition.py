@@ -19,6 +19,11 @@ reached (the run that ended first ends there): like the claims at equal total FL
 that run's last `final_window` evaluations. d = dense's loss - the MoE's (> 0 when the MoE is
 better), paired by seed; the verdict that the MoE is better by the 2 s.e. rule
 (`claims.verdict`). Beside it, each MoE run's routing health (its `routing_health` row).
+
+T5 is read a second time at half the budget, where `regime_pretrain` ended (`EARLY`): its rsqrt
+schedule does not depend on a run's length, so every point of both runs' curves is a run of
+that length, and at half the budget no seed's loss has begun the late drop that makes the
+seeds part by 3,000 steps (docs/study.md).
 """
 
 from typing import Dict, Optional
@@ -31,20 +36,25 @@ from upcycle.study.curves import Results
 # {family: (dense arm read, MoE arm)}; the dense T5's curve from P on is `regime_dense`'s.
 PAIRS = {'t5': ('regime_dense', 'regime_scratch'),
          'llama': ('pretrain', drop_runs.PRECONDITION_SCRATCH)}
+# {family: a dense arm that ends earlier, read against the same MoE run where it ended}: only
+# schedules that do not depend on a run's length (T5's rsqrt) make such a point a run of its own.
+EARLY = {'t5': 'regime_pretrain'}
 # {family: the suite's arms}: the runs it trains.
 ARMS = {'t5': ('regime_pretrain', 'regime_dense', 'regime_scratch'),
         'llama': ('pretrain', drop_runs.PRECONDITION_SCRATCH)}
 
 
-def compare(results: Results, family: str) -> Optional[Dict[str, object]]:
-  """The family's pair at equal FLOPs; None before both arms finished for every seed.
+def compare(results: Results, family: str, dense: Optional[str] = None
+            ) -> Optional[Dict[str, object]]:
+  """The family's pair at equal FLOPs (`dense`: the dense arm read, by default `PAIRS`'s);
+  None before both arms finished for every seed.
 
   Returns {'dense', 'moe': the arms; 'dense_loss', 'moe_loss', 'd': `[seeds]` (d > 0 when the
   MoE is better); 'flops': `[seeds]` the largest training FLOPs both runs reached; 'ended':
   per seed the arm that ended there; 'verdict'; 'routing': per seed the MoE run's
   routing-health row or None}.
   """
-  dense, moe = PAIRS[family]
+  dense, moe = dense or PAIRS[family][0], PAIRS[family][1]
   if not (results.has(family, dense) and results.has(family, moe)):
     return None
   dense_loss, moe_loss = results.at_common_flops(family, dense, moe, 'loss')
@@ -57,5 +67,7 @@ def compare(results: Results, family: str) -> Optional[Dict[str, object]]:
 
 
 def summary(results: Results) -> Dict[str, Optional[Dict[str, object]]]:
-  """{family: `compare`} for T5 and the Llama."""
-  return {family: compare(results, family) for family in PAIRS}
+  """{family: `compare`} for T5 and the Llama, and {'early': {family: `compare` with the
+  `EARLY` dense arm}}."""
+  return {**{family: compare(results, family) for family in PAIRS},
+          'early': {family: compare(results, family, dense=arm) for family, arm in EARLY.items()}}

@@ -234,9 +234,10 @@ def regime_parts(summary, scale, corpus: str) -> List[str]:
   ]
   rows = []
   for row in summary['rows']:
-    cell = lambda arm, shown='a': row[arm].cell(shown) if arm in row else 'not finished'
-    rows.append((f"{row['fraction']:.0%}",
-                 claims.mean_std(row[regime.DENSE]) if regime.DENSE in row else 'not finished',
+    cell = lambda arm, shown='a': row[arm].cell(shown) if arm in row else claims.NOT_FINISHED
+    dense = (claims.mean_std(row[regime.DENSE]) if regime.DENSE in row else
+             claims.NOT_FINISHED)
+    rows.append((f"{row['fraction']:.0%}", dense,
                  cell(regime.PAPER), cell(regime.BEST), cell(regime.SCRATCH, 'b')))
   parts += ['**Validation loss at extra compute = a fraction of the sunk cost** (mean ± std '
             'over seeds; d ± s.e.: verdict that the upcycled model is better).',
@@ -277,10 +278,29 @@ NO_MEANS = ("**What a 'no' means.** Where the MoE from scratch loses to the dens
             "upcycled; 'not resolved' leaves that open.")
 
 
+CLAIMS_NOT_RUN = ('No claim has both its arms finished for every seed in these runs: '
+                  '`python -m upcycle.study` runs them (about 90 minutes).')
+
+
 def _routing_cell(row: Optional[dict]) -> str:
   if row is None:
     return 'not recorded'
   return 'yes' if row['routers_learned'] else f'no{UNLEARNED}'
+
+
+def _pair(results: Results, found: dict) -> List[str]:
+  """A `precondition.compare`'s table per seed and its verdict."""
+  d = found['d']
+  spread = f's.e. {claims.standard_error(d):.4f}, {len(d)} seeds' if len(d) > 1 else '1 seed'
+  return [table(('seed', 'dense loss', 'MoE loss', 'd (dense − MoE)', 'at training FLOPs',
+                 'MoE routers learned?'),
+                [(seed, f'{dense:.4f}', f'{moe:.4f}', f'{d:+.4f}',
+                  f"{flops:.3g} (where `{ended}` ended)", _routing_cell(row))
+                 for seed, dense, moe, d, flops, ended, row in zip(
+                     results.seeds, found['dense_loss'], found['moe_loss'], found['d'],
+                     found['flops'], found['ended'], found['routing'])]),
+          f"**Is the MoE from scratch better than dense at equal FLOPs: {found['verdict']}** "
+          f"(d = {d.mean():+.4f}, {spread})."]
 
 
 def precondition_parts(results: Results, summary, scale) -> List[str]:
@@ -306,21 +326,15 @@ def precondition_parts(results: Results, summary, scale) -> List[str]:
       parts.append('A run failed (its study.failed).' if failed else
                    'Not finished: `python -m upcycle.study --suite precondition` runs it.')
       continue
-    parts.append(table(
-        ('seed', 'dense loss', 'MoE loss', 'd (dense − MoE)', 'at training FLOPs',
-         'MoE routers learned?'),
-        [(seed, f'{dense:.4f}', f'{moe:.4f}', f'{d:+.4f}',
-          f"{flops:.3g} (where `{ended}` ended)", _routing_cell(row))
-         for seed, dense, moe, d, flops, ended, row in zip(
-             results.seeds, found['dense_loss'], found['moe_loss'], found['d'], found['flops'],
-             found['ended'], found['routing'])]))
-    d = found['d']
-    spread = f's.e. {claims.standard_error(d):.4f}, {len(d)} seeds' if len(d) > 1 else '1 seed'
-    parts.append(f"**Is the MoE from scratch better than dense at equal FLOPs: "
-                 f"{found['verdict']}** (d = {d.mean():+.4f}, {spread}).")
+    parts += _pair(results, found)
     _, footnote = unlearned_routers(results, family, [found['moe']])
     if footnote:
       parts.append(footnote)
+    early = summary['early'].get(family)
+    if early is not None:
+      parts += [f'Read again at half the budget, where `{early["dense"]}` ended (T5\'s rsqrt '
+                f'schedule does not depend on a run\'s length, so each point of both curves is '
+                f'a run of that length):', *_pair(results, early)]
   return parts + [NO_MEANS]
 
 
@@ -390,11 +404,14 @@ def write(out: str, results: Results, header: str, arms: Dict[str, Dict[str, str
   parts += drop_suite[0]
   parts.append('## Claims')
   sections = claims.rows(results)
-  for title, rows in sections:
-    parts += [f'### {title}', table(('claim', "paper's number", 'ours (mean ± std over seeds)',
-                                     'agrees?', 'epochs'),
-                                    [(r.claim, r.paper, r.ours, r.agrees, r.epochs)
-                                     for r in rows])]
+  if all(r.ours == claims.NOT_FINISHED for _, rows in sections for r in rows):
+    parts.append(CLAIMS_NOT_RUN)
+  else:
+    for title, rows in sections:
+      parts += [f'### {title}', table(('claim', "paper's number", 'ours (mean ± std over seeds)',
+                                       'agrees?', 'epochs'),
+                                      [(r.claim, r.paper, r.ours, r.agrees, r.epochs)
+                                       for r in rows])]
   if drop_units:
     parts += ['### Drop-Upcycling: untouched units (measured on the seed-0 dense T5, first '
               'encoder MoE block)',

@@ -136,7 +136,7 @@ def flops_per_step(run: Run, runs_dir: str, arm: str) -> float:
 
 
 def sunk_cost_steps(sunk_steps: int, fraction: float, rate_arm: str, *, start: int,
-                    sunk_arm: str = 'regime_pretrain') -> Callable[[Run, str], int]:
+                    sunk_arm: str) -> Callable[[Run, str], int]:
   """TRAIN_STEPS spending `fraction` of the sunk cost (the FLOPs of `sunk_steps` steps of the
   `sunk_arm` run) after `start`, at the FLOPs per step of `rate_arm`: the fewest steps that
   spend at least that, so at most one `rate_arm` step more."""
@@ -261,7 +261,9 @@ def regime_runs(scale: Scale, seed: int) -> List[Run]:
                                                   **kw)
   # The pretraining keeps its checkpoints: the plateau criterion may be read at any of them.
   keep = f'trainer.TrainConfig.keep_checkpoints={p // scale.checkpoint_every}'
-  moe = lambda arm, files: run(arm, files, [e], steps=sunk_cost_steps(p, 1.0, 'moe', start=p),
+  sunk_cost = lambda fraction, start: sunk_cost_steps(p, fraction, 'moe', start=start,
+                                                      sunk_arm='regime_pretrain')
+  moe = lambda arm, files: run(arm, files, [e], steps=sunk_cost(1.0, p),
                                source=('regime_pretrain', p), after=('moe',))
   return [
       run('regime_pretrain', ['runs/pretrain.gin'], [keep], steps=p),
@@ -270,7 +272,7 @@ def regime_runs(scale: Scale, seed: int) -> List[Run]:
       moe('regime_moe_paper', (*T5_MOE, 'runs/upcycle.gin')),
       moe('regime_moe_best', MAIN_JOB_MOE),
       run('regime_scratch', [*T5_MOE, 'runs/pretrain.gin'], [e],
-          steps=sunk_cost_steps(p, 2.0, 'moe', start=0), after=('regime_pretrain', 'moe')),
+          steps=sunk_cost(2.0, 0), after=('regime_pretrain', 'moe')),
   ]
 
 
