@@ -321,6 +321,29 @@ def test_regime_reads_each_arm_at_fractions_of_the_sunk_cost_and_checks_the_plat
       (before - after) / before)
 
 
+def test_the_regime_table_marks_an_moe_arm_whose_routers_did_not_learn(tmp_path):
+  """The paper's recipe upcycled with routers that stayed near uniform (top-1 0.14 < 1.5 / 8 in
+  one layer): its column is marked and the footnote under the table names the run; the best
+  recipe's and the scratch MoE's routers learned: not marked."""
+  from upcycle.study import render  # pylint: disable=g-import-not-at-top
+  runs_dir = str(tmp_path)
+  for arm, top1 in (('regime_moe_paper', (0.3, 0.14)), ('regime_moe_best', (0.3, 0.25)),
+                    ('regime_scratch', (0.3, 0.3))):
+    _write_run(runs_dir, arm, 0, None, 2.0, {0: 9.0, 100: 3.0})
+    _write_routing(runs_dir, arm, top1)
+  summary = {'feature_lengths': {'inputs': 128, 'targets': 32}, 'ends': [],
+             'plateau': [{'seed': 0, 'step_before': 80, 'loss_before': 3.1, 'loss_at_p': 3.08,
+                          'relative_drop': 0.0065, 'plateaued': True}],
+             'rows': [{'fraction': 0.1}]}
+  text = '\n\n'.join(render.regime_parts(summary, FULL, 'x', Results(runs_dir, (0,))))
+  assert ("| extra compute | dense continued | upcycled, paper's recipe† (vs dense) | upcycled, "
+          'best recipe (vs dense) | MoE from scratch at equal total compute (best recipe vs '
+          'it) |') in text
+  footnote = text.split('† Routers that did not learn')[1]
+  assert '`regime_moe_paper` seed 0: decoder/layers_1/mlp 0.140 (uniform 0.125)' in footnote
+  assert 'regime_moe_best' not in footnote and 'regime_scratch' not in footnote
+
+
 def test_the_routing_verdicts_read_the_experts_each_layer_uses():
   """Closed form: naive at 2.1 / 2.3 experts in its two layers (collapsed, <= 2.5), Drop at
   5 +- 0.1 -> Drop uses 2.8 more, s.e. small: yes; one naive layer at 3.0 -> not collapsed."""

@@ -196,8 +196,9 @@ def regime_plot(results: Results, scale, path: str) -> bool:
   return True
 
 
-def regime_parts(summary, scale, corpus: str) -> List[str]:
-  """The `regime` section of RESULTS.md from `regime.summary`."""
+def regime_parts(summary, scale, corpus: str, results: Results) -> List[str]:
+  """The `regime` section of RESULTS.md from `regime.summary`; an MoE arm with a run whose
+  routers did not learn is marked in the table's head, with `unlearned_routers`' footnote."""
   p = scale.regime_pretrain_steps
   inputs, targets = (summary['feature_lengths'][k] for k in ('inputs', 'targets'))
   window, tolerance = scale.plateau_window, scale.plateau_tolerance
@@ -239,12 +240,18 @@ def regime_parts(summary, scale, corpus: str) -> List[str]:
              claims.NOT_FINISHED)
     rows.append((f"{row['fraction']:.0%}", dense,
                  cell(regime.PAPER), cell(regime.BEST), cell(regime.SCRATCH, 'b')))
+  moe_arms = [arm for arm in (regime.PAPER, regime.BEST, regime.SCRATCH)
+              if results.has('t5', arm)]
+  marks, footnote = unlearned_routers(results, 't5', moe_arms)
+  mark = lambda arm: marks.get(arm, '')
   parts += ['**Validation loss at extra compute = a fraction of the sunk cost** (mean ± std '
             'over seeds; d ± s.e.: verdict that the upcycled model is better).',
-            table(('extra compute', 'dense continued', "upcycled, paper's recipe (vs dense)",
-                   'upcycled, best recipe (vs dense)',
-                   'MoE from scratch at equal total compute (best recipe vs it)'),
-                  rows)]
+            table(('extra compute', 'dense continued',
+                   f"upcycled, paper's recipe{mark(regime.PAPER)} (vs dense)",
+                   f'upcycled, best recipe{mark(regime.BEST)} (vs dense)',
+                   f'MoE from scratch{mark(regime.SCRATCH)} at equal total compute (best '
+                   f'recipe vs it)'),
+                  rows)] + ([footnote] if footnote else [])
   parts += ['**Each run at its end**: training loss = the mean logged loss of its last 10% of '
             'steps (every batch is new when its loss is logged), validation loss = its last '
             'evaluation; epochs = training examples read by then, those of the run it '
@@ -398,7 +405,7 @@ def write(out: str, results: Results, header: str, arms: Dict[str, Dict[str, str
     parts += recipe_parts(recipe_summary, scale)
   summary = regime.summary(results, scale)
   if summary is not None:
-    parts += regime_parts(summary, scale, corpus)
+    parts += regime_parts(summary, scale, corpus, results)
     if regime_plot(results, scale, os.path.join(out, PLOTS, 't5_regime.png')):
       parts.append(f'![t5_regime.png]({PLOTS}/t5_regime.png)')
   parts += drop_suite[0]
