@@ -103,8 +103,7 @@ def _local_sort(received_sizes: Array, rows: int) -> Tuple[Array, Array, Array]:
   ends = jnp.cumsum(received_sizes, axis=1)                           # [n, E/n]
   offset = jnp.arange(rows)
   key = jax.vmap(lambda e: jnp.searchsorted(e, offset, side='right', method='compare_all'))(ends)
-  order = jnp.argsort(key.reshape(-1), stable=True).astype(jnp.int32)
-  inverse = jnp.argsort(order).astype(jnp.int32)
+  order, inverse = ragged.sorting_permutation(key.reshape(-1))
   return order, inverse, jnp.sum(received_sizes, axis=0).astype(jnp.int32)
 
 

@@ -46,6 +46,13 @@ def _permute_bwd(inverse, grad):
 permute.defvjp(_permute_fwd, _permute_bwd)
 
 
+def sorting_permutation(key: Array) -> Tuple[Array, Array]:
+  """(order, inverse) int32 `[N]`: the stable permutation that sorts `key` `[N]` (ties keep
+  their order) and its inverse."""
+  order = jnp.argsort(key, stable=True).astype(jnp.int32)
+  return order, jnp.argsort(order).astype(jnp.int32)
+
+
 def sort_by_expert(x: Array, expert_index: Array, routed: Array,
                    num_experts: int) -> Tuple[Array, Array, Array, Array]:
   """Token copies sorted by the expert they go to.
@@ -67,8 +74,7 @@ def sort_by_expert(x: Array, expert_index: Array, routed: Array,
     g, s, d = x.shape
     k = expert_index.shape[-1]
     key = jnp.where(routed, expert_index, num_experts).reshape(-1)        # [g*s*k]
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    inverse = jnp.argsort(order).astype(jnp.int32)
+    order, inverse = sorting_permutation(key)
     copies = jnp.broadcast_to(x.reshape(g * s, 1, d), (g * s, k, d)).reshape(g * s * k, d)
     # E + 1 queries against all copies at once, not a binary search: no loop for the TPU
     # compiler to count once (`upcycle/fit/step_count.py`).
