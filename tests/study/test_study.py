@@ -344,6 +344,25 @@ def test_the_regime_table_marks_an_moe_arm_whose_routers_did_not_learn(tmp_path)
   assert 'regime_moe_best' not in footnote and 'regime_scratch' not in footnote
 
 
+def test_the_drop_suites_table_of_every_arm_marks_routers_that_did_not_learn(tmp_path,
+                                                                            monkeypatch):
+  """Naive upcycling's seed-0 routers stayed near uniform in one layer (0.14 < 1.5 / 8): `moe`
+  is marked and the footnote names that run; Drop r=0.5's learned (0.3, 0.25); the dense
+  continuation has no routers."""
+  from upcycle.study import drop_render  # pylint: disable=g-import-not-at-top
+  runs_dir = str(tmp_path)
+  for arm, top1 in (('moe', (0.3, 0.14)), ('drop_0.5', (0.3, 0.25)), ('dense', None)):
+    _write_run(runs_dir, arm, 0, None, 1.0, {0: 6.0, 200: 5.3}, family='llama')
+    if top1:
+      _write_routing(runs_dir, arm, top1, family='llama')
+  monkeypatch.setattr(Results, 'epochs', lambda self, family, arm: 0.15)
+  head, table, footnote = drop_render.every_arm(Results(runs_dir, (0,)))
+  rows = {line.split(' |')[0][2:]: line for line in table.splitlines()[2:]}
+  assert set(rows) == {'`moe`†', '`drop_0.5`', '`dense`'}
+  assert footnote.startswith('† Routers that did not learn') and '`moe` seed 0: ' in footnote
+  assert 'drop_0.5' not in footnote and head.startswith('**Every arm**')
+
+
 def test_the_routing_verdicts_read_the_experts_each_layer_uses():
   """Closed form: naive at 2.1 / 2.3 experts in its two layers (collapsed, <= 2.5), Drop at
   5 +- 0.1 -> Drop uses 2.8 more, s.e. small: yes; one naive layer at 3.0 -> not collapsed."""

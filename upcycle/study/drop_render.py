@@ -44,6 +44,20 @@ def _crossover_plot(crossover: Dict, tokens_per_step: int, path: str) -> bool:
   return render.save(fig, ax, 'd > 0: Drop-Upcycling is ahead (paired by seed)', path)
 
 
+def every_arm(results: Results) -> List[str]:
+  """The table of every arm that ran (`render.ablations`), an arm with a run whose routers did
+  not learn marked, with `render.unlearned_routers`' footnote under it; [] before any ran."""
+  rows = render.ablations(results, FAMILY, [a for a in drop_runs.DESCRIPTIONS
+                                            if a not in precondition.ARMS[FAMILY]], 'loss')
+  if not rows:
+    return []
+  marks, footnote = render.unlearned_routers(results, FAMILY, [r[0] for r in rows])
+  return ['**Every arm** (validation loss; final − moe paired by seed).', render.table(
+      ('arm', 'at the start', 'final', 'training FLOPs / step', 'final − moe (± s.e.)',
+       'epochs'), [(f'`{r[0]}`{marks[r[0]]}', *r[1:]) for r in rows])] + (
+           [footnote] if footnote else [])
+
+
 def parts(results: Results, scale, out: str) -> Tuple[List[str], Optional[Dict]]:
   """(the section's markdown, its summary for study.json), plots written under out/results/;
   ([], None) before the dense Llama ran."""
@@ -117,12 +131,7 @@ def parts(results: Results, scale, out: str) -> Tuple[List[str], Optional[Dict]]
              render.table(('arm', *[name.split('/')[1] for name in layers]),
                           [(f'`{arm}`', *[claims.mean_std(u[layer]) for layer in layers])
                            for arm, u in summary['usage'].items()])]
-  rows = render.ablations(results, FAMILY, [a for a in drop_runs.DESCRIPTIONS
-                                            if a not in precondition.ARMS[FAMILY]], 'loss')
-  if rows:
-    text += ['**Every arm** (validation loss; final − moe paired by seed).', render.table(
-        ('arm', 'at the start', 'final', 'training FLOPs / step', 'final − moe (± s.e.)',
-         'epochs'), [(f'`{r[0]}`', *r[1:]) for r in rows])]
+  text += every_arm(results)
   plots = os.path.join(out, render.PLOTS)
   drawn = []
   step_note = f'step (x {tokens_per_step:,} tokens)'
