@@ -100,8 +100,8 @@ def test_the_load_balancing_ablations_bind_their_objects():
   pooled = balance.PooledSwitch(weight=0.01, scope='batch')
   assert cfg.encoder_moe.balance == cfg.decoder_moe.balance == pooled
   gin.clear_config()
-  parse(['models/llama/tiny.gin', 'moe/mixtral.gin'],
-        ['probe.model = %MODEL', *drop_runs.LAYERWISE])
+  parse(['models/llama/tiny.gin', 'moe/mixtral.gin', drop_runs.LAYERWISE],
+        ['probe.model = %MODEL'])
   assert probe().config.moe.balance == balance.Switch(weight=0.02, scope='batch')
 
 

@@ -245,6 +245,30 @@ def test_every_run_s_command_binds_each_key_once_the_run_s_own_winning():
       'runs', FULL, 'python') for r in constant)
 
 
+def test_the_per_layer_balance_arm_parses_in_a_new_process(tmp_path):
+  """The drop suite's per-layer load-balancing arm, its command's gin files and bindings parsed
+  first thing in a new interpreter (as the study starts it): its loss is a Switch per layer at
+  mixtral.gin's weight. In this process another test's parse may already have registered
+  balance.Switch, which would hide a binding that names it before any file does."""
+  [run] = [r for r in plan(FULL, quick=False, suites=('drop',))
+           if r.arm == 'moe_layerwise_balance' and r.seed == 0]
+  script = ('import json, sys\n'
+            'import gin\n'
+            'from upcycle import gin_utils\n'
+            'from upcycle.train import __main__ as train_main\n'
+            "sys.modules['__main__'].train = train_main.train\n"
+            "args, bindings = gin_utils.parse_flags(json.loads(sys.argv[1]), 'study')\n"
+            'gin_utils.parse_files_and_bindings(args.gin_file, bindings, finalize=False)\n'
+            "print(gin.query_parameter('moe.MoeConfig.balance').selector,\n"
+            "      gin.query_parameter('ROUTER_AUX_LOSS_COEF/gin.macro.value'),\n"
+            "      gin.query_parameter('balance.Switch.scope'))\n")
+  flags = run.command(str(tmp_path), FULL, sys.executable)[3:]
+  done = subprocess.run([sys.executable, '-c', script, json.dumps(flags)], cwd=REPO,
+                        capture_output=True, text=True, check=False)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.split() == ['balance.Switch', '0.02', 'batch']
+
+
 def test_suites_split_the_arms_and_plan_each_run_after_the_runs_it_starts_from():
   everything = {r.name for r in plan(FULL, quick=False, suites=SUITES)}
   own = {}

@@ -36,8 +36,7 @@ RESET = "restore.Restore.step='reset'"
 DROP_RATIOS = (0.25, 0.5, 0.75, 1.0)
 PER_MATRIX = "experts.Drop.index_sharing='per_matrix'"
 # mixtral.gin's load-balancing loss (its weight and scope 'batch'), each layer its own.
-LAYERWISE = ('moe.MoeConfig.balance=@balance.Switch()',
-             'balance.Switch.weight=%ROUTER_AUX_LOSS_COEF', "balance.Switch.scope='batch'")
+LAYERWISE = 'moe/balance_per_layer.gin'
 PRECONDITION_SCRATCH = 'precondition_scratch'
 
 
@@ -68,8 +67,8 @@ def llama_runs(scale: Scale, seed: int) -> List[Run]:
       upcycle('drop_0.5_constant_lr', drop(0.5)[0], (*drop(0.5)[1], constant)),
       upcycle('router_normal', *router(0.02)),
       upcycle('router_normal_wide', *router(0.2887)),
-      upcycle('moe_layerwise_balance', bindings=LAYERWISE),
-      upcycle('drop_0.5_layerwise_balance', drop(0.5)[0], (*drop(0.5)[1], *LAYERWISE)),
+      upcycle('moe_layerwise_balance', [LAYERWISE]),
+      upcycle('drop_0.5_layerwise_balance', (*drop(0.5)[0], LAYERWISE), drop(0.5)[1]),
   ]
 
 
