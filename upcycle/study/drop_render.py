@@ -45,17 +45,12 @@ def _crossover_plot(crossover: Dict, tokens_per_step: int, path: str) -> bool:
 
 
 def every_arm(results: Results) -> List[str]:
-  """The table of every arm that ran (`render.ablations`), an arm with a run whose routers did
-  not learn marked, with `render.unlearned_routers`' footnote under it; [] before any ran."""
-  rows = render.ablations(results, FAMILY, [a for a in drop_runs.DESCRIPTIONS
-                                            if a not in precondition.ARMS[FAMILY]], 'loss')
-  if not rows:
-    return []
-  marks, footnote = render.unlearned_routers(results, FAMILY, [r[0] for r in rows])
-  return ['**Every arm** (validation loss; final − moe paired by seed).', render.table(
-      ('arm', 'at the start', 'final', 'training FLOPs / step', 'final − moe (± s.e.)',
-       'epochs'), [(f'`{r[0]}`{marks[r[0]]}', *r[1:]) for r in rows])] + (
-           [footnote] if footnote else [])
+  """The table of every arm that ran (`render.ablation_table`: an arm with a run whose routers
+  did not learn marked, the footnote under it); [] before any ran."""
+  every = render.ablation_table(results, FAMILY, [a for a in drop_runs.DESCRIPTIONS
+                                                  if a not in precondition.ARMS[FAMILY]],
+                                'loss', spread='± s.e.')
+  return ['**Every arm** (validation loss; final − moe paired by seed).', *every] if every else []
 
 
 def parts(results: Results, scale, out: str) -> Tuple[List[str], Optional[Dict]]:

@@ -90,6 +90,22 @@ def ablations(results: Results, family: str, arms: Sequence[str], metric: str) -
   return rows
 
 
+def ablation_table(results: Results, family: str, arms: Sequence[str], metric: str, *,
+                   labels: Optional[Dict[str, str]] = None,
+                   spread: str = '± s.e., paired by seed') -> List[str]:
+  """[the table of `ablations` of `arms`, each arm named (with `labels[arm]` after it) and
+  marked when a run's routers did not learn, then `unlearned_routers`' footnote if any]; []
+  before any arm ran. `spread`: the difference column's words in brackets."""
+  rows = ablations(results, family, arms, metric)
+  if not rows:
+    return []
+  marks, footnote = unlearned_routers(results, family, [r[0] for r in rows])
+  name = lambda arm: f'`{arm}`{marks[arm]}' + (f' ({labels[arm]})' if labels else '')
+  return [table(('arm', 'at the start', 'final', 'training FLOPs / step',
+                 f'final − moe ({spread})', 'epochs'),
+                [(name(r[0]), *r[1:]) for r in rows])] + ([footnote] if footnote else [])
+
+
 def unlearned_routers(results: Results, family: str, arms: Sequence[str]
                       ) -> Tuple[Dict[str, str], Optional[str]]:
   """({arm: UNLEARNED or ''}, the footnote naming each run whose routers did not learn, with
@@ -442,15 +458,9 @@ def write(out: str, results: Results, header: str, arms: Dict[str, Dict[str, str
   for family, metric in (('t5', 'loss'), ('vit', 'accuracy')):
     shown = [a for a in arms.get(family, ())
              if a not in runs_lib.TRAIL_ARMS and a not in runs_lib.REGIME_ARMS]
-    rows = ablations(results, family, shown, metric)
-    if rows:
-      marks, footnote = unlearned_routers(results, family, [r[0] for r in rows])
-      parts += [f'### Every {family.upper()} arm (validation {metric})',
-                table(('arm', 'at the start', 'final', 'training FLOPs / step',
-                       'final − moe (± s.e., paired by seed)', 'epochs'),
-                      [(f'`{r[0]}`{marks[r[0]]} ({arms[family][r[0]]})', *r[1:])
-                       for r in rows])]
-      parts += [footnote] if footnote else []
+    every = ablation_table(results, family, shown, metric, labels=arms.get(family))
+    if every:
+      parts += [f'### Every {family.upper()} arm (validation {metric})', *every]
   batch = scale.t5_batch
   figures = [
       ('t5_flops.png', 't5', {'pretrain': 'dense (pretraining)', 'dense': 'dense (continued)',
