@@ -32,7 +32,7 @@ from etils import epath
 
 from upcycle import (arguments, checkpoints, console, fields, hf_model, pretrained, reachability,
                      tree)
-from upcycle.checkpoints import describe, digests, orbax, paths, verify
+from upcycle.checkpoints import describe, digests, formats, orbax, paths, verify
 
 
 def summary(ckpt: checkpoints.Checkpoint) -> Dict[str, Any]:
@@ -141,7 +141,8 @@ def _verified(ckpt: checkpoints.Checkpoint) -> str:
   """Reads every array of `ckpt`, checking a training step's items and its data position, and
   the digests of any checkpoint that has them (a training step, an output of convert or
   export); the line saying what was verified. Raises CheckpointError naming what is damaged."""
-  if ckpt.format == 'orbax':
+  run_step = formats.of(ckpt.format).run_step
+  if run_step:
     missing = orbax.missing_items(ckpt.path)
     if missing:
       raise checkpoints.checkpoint_error(
@@ -150,14 +151,14 @@ def _verified(ckpt: checkpoints.Checkpoint) -> str:
           fix='The checkpoint copy is incomplete; copy the step again from its source')
   recorded = digests.read(ckpt.path)
   count = verify.verify(ckpt, recorded)
-  if ckpt.format == 'orbax':
+  if run_step:
     damaged = verify.dataset_damage(ckpt.path, recorded)
     if damaged:
       raise checkpoints.CheckpointError(
           f'{damaged}. The checkpoint copy is corrupt; copy the step again from its source.')
-  when = 'the step was saved' if ckpt.format == 'orbax' else 'it was written'
+  when = 'the step was saved' if run_step else 'it was written'
   if recorded is None:
-    why = ('saved before they were recorded' if ckpt.format == 'orbax' else
+    why = ('saved before they were recorded' if run_step else
            'written before they were recorded, or by another program')
     return (f'verified: all {count} arrays read back complete. This '
             f'{"step" if ckpt.format == "orbax" else "checkpoint"} carries no digests ({why}): '

@@ -43,6 +43,7 @@ from lm_eval.models import utils as lm_eval_models
 import numpy as np
 
 from upcycle import decoding, fields, partitioning, predictions
+from upcycle.checkpoints import formats
 from upcycle.models import families, llama_hf
 from upcycle.models.llama import Llama
 
@@ -253,7 +254,7 @@ def context_length(checkpoint: Any) -> int:
   config.json's `max_position_embeddings` (an HF directory's, or the one `upcycle.export`
   writes), else its transformers config class's default (`HF_CONTEXT_DEFAULTS`), else
   DEFAULT_MAX_LENGTH."""
-  if checkpoint.format == 'hf':
+  if formats.of(checkpoint.format).hf_directory:
     hf = json.loads((epath.Path(checkpoint.path) / 'config.json').read_text())
   else:
     try:

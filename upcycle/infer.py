@@ -106,8 +106,8 @@ def decode_identity(infer_data: Any, checkpoint: Any, *, max_decode_length: int,
   step's digests recorded at save: a step rewritten in place is another checkpoint; other
   formats are known by their path), the decoded length, the batches and the seed (the data
   order)."""
-  from upcycle.checkpoints import digests  # pylint: disable=g-import-not-at-top
-  recorded = digests.read(checkpoint.path) if checkpoint.format == 'orbax' else None
+  from upcycle.checkpoints import digests, formats  # pylint: disable=g-import-not-at-top
+  recorded = digests.read(checkpoint.path) if formats.of(checkpoint.format).run_step else None
   return {'data': infer_data.describe(), 'checkpoint': checkpoint_record(checkpoint),
           'digests': recorded, 'max_decode_length': max_decode_length,
           'max_batches': max_batches, 'seed': seed}

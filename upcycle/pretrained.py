@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 import jax
 
 from upcycle import checkpoints, fields, partitioning
+from upcycle.checkpoints import formats
 from upcycle.data import tokenizer as tokenizer_lib
 from upcycle.models import families
 from upcycle.upcycling import sharded
@@ -139,7 +140,7 @@ def load_on_mesh(path: str, *, model_config: Any, mesh: jax.sharding.Mesh, rules
     return ckpt, on_mesh(ckpt.params, model_config=ckpt.model_config, mesh=mesh,
                          rules=rules, sizes=sizes), checked
 
-  return orbax.read_live(path, read) if format == 'orbax' else read(path)
+  return orbax.read_live(path, read) if formats.of(format, path).run_step else read(path)
 
 
 def data_tokenizer(data: Any, model_config: Any
@@ -164,7 +165,7 @@ def trained_with(path: str, format: Optional[str] = None  # pylint: disable=rede
   other formats). `format`: `upcycle.checkpoints.FORMATS`' name, None detects it."""
   from upcycle.checkpoints import orbax  # pylint: disable=g-import-not-at-top
   format = format or checkpoints.detect_format(path)
-  if format == 'orbax':
+  if formats.of(format, path).run_step:
     step_dir = orbax.latest(path)
     try:
       digest = tokenizer_lib.recorded_digest(orbax.dataset_state(step_dir))
@@ -173,7 +174,7 @@ def trained_with(path: str, format: Optional[str] = None  # pylint: disable=rede
     if digest is not None:
       return digest, f'the data position saved in {os.path.join(step_dir, orbax.DATASET)}'
     found = tokenizer_lib.files_digest(step_dir)
-  elif format == 'hf':
+  elif formats.of(format).hf_directory:
     found = tokenizer_lib.files_digest(path, run=False)
   else:
     return None

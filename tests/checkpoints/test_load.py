@@ -74,5 +74,8 @@ def test_shape_that_does_not_fit_the_model_config(t5x_dir):
 
 
 def test_bad_format_argument(t5x_dir):
-  with pytest.raises(CheckpointError, match=r"unknown format argument.*'t5x'.*found 'tf'"):
-    checkpoints.load(t5x_dir, format='tf')
+  for load in (checkpoints.load, pretrained.load):
+    with pytest.raises(CheckpointError, match=rf"^{t5x_dir}: unknown format argument\. Expected "
+                       r"\('t5x', 't5x_orbax', 'orbax', 'hf', 'vit_jax', 'big_vision'\), found "
+                       r"'tf'\. Pass one of them, or None to detect it\.$"):
+      load(t5x_dir, format='tf')

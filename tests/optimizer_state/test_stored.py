@@ -1,14 +1,13 @@
 """optimizer_state/stored.py: a stored optimizer state read back as the optax state of the run
 (orbax's dict / list form written by hand here), and the errors for states that cannot be."""
 
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
+from upcycle.checkpoints import Checkpoint
 from upcycle.optimizer_state import stored
 
 PARAMS = {'w': jnp.zeros((4, 3)), 'b': jnp.zeros((3,))}
@@ -26,7 +25,7 @@ def _as_orbax_stores_it():
 
 def test_orbax_state_is_restructured_as_the_optimizer_makes_it():
   saved = _as_orbax_stores_it()
-  state = stored.as_optax(saved, 'orbax', PARAMS, OPTIMIZER)
+  state = stored.as_optax(saved, 'optax', PARAMS, OPTIMIZER)
   assert jax.tree.structure(state) == jax.tree.structure(OPTIMIZER.init(PARAMS))
   adam = state[1][0]
   assert int(adam.count) == 7 and adam.count.dtype == jnp.int32
@@ -48,11 +47,12 @@ def test_a_stored_state_of_another_optimizer_is_named():
   saved[1][0]['mu']['w'] = np.zeros((1,))
   with pytest.raises(ValueError, match=r"^The optimizer state stored in /ckpt has "
                      r"\[1\]\[0\]\.mu\['w'\] of shape \(1,\); the optimizer makes \(4, 3\)\. "):
-    stored.as_optax(saved, 'orbax', PARAMS, OPTIMIZER, '/ckpt')
+    stored.as_optax(saved, 'optax', PARAMS, OPTIMIZER, '/ckpt')
 
 
 def _checkpoint(format, optimizer_state):  # pylint: disable=redefined-builtin
-  return types.SimpleNamespace(path='/ckpt', format=format, optimizer_state=optimizer_state)
+  return Checkpoint(params={}, step=None, optimizer_state=optimizer_state, format=format,
+                    path='/ckpt')
 
 
 def test_reusable_states_and_one_line_errors_naming_the_binding():

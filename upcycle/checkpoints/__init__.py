@@ -9,18 +9,13 @@ import dataclasses
 import os
 from typing import Optional
 
-from upcycle.checkpoints import hf, orbax, orbax_tree, paths, t5x, validate, vit_npz
+from upcycle.checkpoints import formats, hf, orbax, orbax_tree, paths, t5x, validate, vit_npz
 from upcycle.checkpoints.checkpoint import Checkpoint, ExpectedFn
 from upcycle.checkpoints.errors import CheckpointError, checkpoint_error
 from upcycle.checkpoints.lazy import LazyArray, materialize
 
-FORMATS = ('t5x', 't5x_orbax', 'orbax', 'hf', 'vit_jax', 'big_vision')
-_LOOKED_FOR = (
-    "t5x: a 'checkpoint' msgpack file, or checkpoint_N/ sub-directories holding one",
-    "t5x_orbax: 'state/_METADATA', or checkpoint_N/state/",
-    "orbax: '_CHECKPOINT_METADATA' with 'params/', or <step>/ sub-directories holding them",
-    "hf: 'config.json' with one of " + ', '.join(hf.WEIGHT_FILES),
-    "vit_jax / big_vision: a .npz file with ViT array names")
+FORMATS = tuple(formats.FORMATS)
+_LOOKED_FOR = [f'{f.name}: {f.looked_for}' for f in formats.FORMATS.values()]
 
 
 def detect_format(path: str) -> str:
@@ -78,7 +73,7 @@ def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-b
   A MODEL_DIR of a running trainer is read at its latest step; when retention deletes that
   step while it is read, the new latest is read instead (`orbax.read_live`).
   """
-  format = format or detect_format(path)
+  format = formats.of(format, path).name if format else detect_format(path)
 
   def finish(ckpt: Checkpoint) -> Checkpoint:
     if not with_optimizer_state:
@@ -95,9 +90,7 @@ def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-b
         step_dir, with_optimizer_state=with_optimizer_state)))
   if format == 'hf':   # checks the shapes itself, naming HuggingFace's tensors
     return hf.load_checkpoint(path, expected, lazy)
-  if format in ('vit_jax', 'big_vision'):
-    return finish(vit_npz.load(path, lazy=True))
-  raise checkpoint_error(path, 'unknown format argument', expected=FORMATS, found=repr(format))
+  return finish(vit_npz.load(path, lazy=True))   # vit_jax, big_vision
 
 
 __all__ = ['Checkpoint', 'CheckpointError', 'FORMATS', 'LazyArray', 'detect_format',

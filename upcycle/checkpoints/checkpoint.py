@@ -7,6 +7,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 # when there is nothing to check them against.
 ExpectedFn = Callable[[Optional[Dict[str, Any]]], Dict[str, Any]]
 
+from upcycle.checkpoints import formats
 from upcycle.checkpoints.lazy import materialize
 
 
@@ -21,7 +22,7 @@ class Checkpoint:
     step: training step, or None when the format has none.
     optimizer_state: the source's optimizer slots in the source's structure,
       or None.
-    format: 't5x', 't5x_orbax', 'orbax', 'hf', 'vit_jax', 'big_vision'.
+    format: the name of its format, one of `formats.FORMATS` (what each implies).
     path: the directory or file that was read.
     description: the model hyperparameters the format stores (HF config.json), as
       {'model': 't5' | 'vit', <T5Config / ViTConfig field>: value}, or for the Llama family
@@ -40,6 +41,11 @@ class Checkpoint:
   description: Optional[Dict[str, Any]] = None
   model_config: Optional[Any] = None
   notes: Tuple[str, ...] = ()
+
+  @property
+  def optimizer_layout(self) -> Optional[str]:
+    """The layout of the optimizer state its format holds: 't5x', 'optax' or None."""
+    return formats.of(self.format).optimizer_layout
 
   def read(self) -> 'Checkpoint':
     """This checkpoint with every lazy leaf read into a numpy array."""

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from upcycle import progress, tree
-from upcycle.checkpoints import digests, hf, orbax
+from upcycle.checkpoints import digests, formats, hf, orbax
 from upcycle.checkpoints.checkpoint import Checkpoint
 from upcycle.checkpoints.errors import CheckpointError
 from upcycle.checkpoints.lazy import LazyArray
@@ -38,7 +38,7 @@ def _arrays(ckpt: Checkpoint, recorded: Dict[str, Entries]) -> List[Array]:
   or has a digest, named as its digests name it: a step of ours by its stored name, a
   HuggingFace directory by its tensors' names (as stored, before the reader transposes
   them: the digests `export` records), other formats by the path in the tree read."""
-  if ckpt.format == 'hf' and recorded:
+  if formats.of(ckpt.format).hf_directory and recorded:
     entries = recorded.get(PARAMS, {})
     return [(name, leaf, entries.get(name)) for name, leaf in hf.read_tensors(ckpt.path)[0].items()]
   arrays = []
@@ -46,7 +46,7 @@ def _arrays(ckpt: Checkpoint, recorded: Dict[str, Entries]) -> List[Array]:
     entries = recorded.get(item, {})
     if items_tree is None:
       continue
-    if ckpt.format == 'orbax':
+    if formats.of(ckpt.format).run_step:
       arrays += [(leaf.param, leaf, entries.get(leaf.param)) for leaf in jax.tree.leaves(items_tree)
                  if isinstance(leaf, LazyArray)]
     else:

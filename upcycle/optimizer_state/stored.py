@@ -20,20 +20,19 @@ import optax
 from upcycle import leaf_ops, tree
 from upcycle.optimizer_state import adafactor, carry, counts, units
 
-T5X_FORMATS = ('t5x', 't5x_orbax')
 _TRACES = ('.ema', '.trace')   # optax's momentum: T5X's m
 
 
 def reusable(ckpt: Any, binding: str) -> Any:
   """The optimizer state of `ckpt` (a `checkpoints.Checkpoint`, lazy leaves), or an error
   naming `binding` to switch off."""
-  if ckpt.optimizer_state is None or (ckpt.format in T5X_FORMATS and
+  if ckpt.optimizer_state is None or (ckpt.optimizer_layout == 't5x' and
                                       'param_states' not in ckpt.optimizer_state):
     raise ValueError(
         f'{ckpt.path} ({ckpt.format}) holds no optimizer state to reuse. Fix: set '
         f'{binding} = False (fresh optimizer state), or point it at a T5X or orbax training '
         f'checkpoint that has one.')
-  if ckpt.format not in T5X_FORMATS + ('orbax',):
+  if ckpt.optimizer_layout is None:
     raise ValueError(f'{ckpt.path}: optimizer state of format {ckpt.format!r} cannot be '
                      f'reused. Fix: set {binding} = False.')
   return ckpt.optimizer_state
@@ -74,19 +73,19 @@ def restructure(state: Any, like: Any, where: str = '') -> Any:
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def as_optax(state: Any, format: str,  # pylint: disable=redefined-builtin
-             params: Mapping[str, Any], optimizer: optax.GradientTransformation,
+def as_optax(state: Any, layout: str, params: Mapping[str, Any],
+             optimizer: optax.GradientTransformation,
              where: str = '') -> Any:
   """The stored state of `params`' optimizer as `optimizer.init(params)`'s structure.
 
   Args:
     state: `reusable(ckpt, ...)`, with lazy, numpy or traced leaves.
-    format: the checkpoint format.
+    layout: the checkpoint's `optimizer_layout`: 't5x' (T5X's Adafactor slots) or 'optax'.
     params: the params the state belongs to (shapes suffice).
     optimizer: the optax optimizer, the same chain as the run that wrote it.
     where: the checkpoint path, for errors.
   """
-  if format in T5X_FORMATS:
+  if layout == 't5x':
     return from_t5x_adafactor(state, params, optimizer)
   return restructure(state, jax.eval_shape(optimizer.init, params), where)
 

@@ -52,7 +52,8 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 
 from upcycle import fields, pretrained, tree
 from upcycle.gin_utils import FORMER, former
-from upcycle.checkpoints import CheckpointError, Checkpoint, describe, digests, orbax, paths, verify
+from upcycle.checkpoints import (CheckpointError, Checkpoint, describe, digests, formats, orbax,
+                                 paths, verify)
 from upcycle.data import tokenizer as tokenizer_lib
 from upcycle.optimizer_state import counts
 from upcycle.train.state import TrainState
@@ -275,7 +276,7 @@ class Restore:
           f'Fix: {flag} = False.')
     ckpt = self._opened[0]
     try:
-      state = verify.dataset_state(ckpt.path) if ckpt.format == 'orbax' else None
+      state = verify.dataset_state(ckpt.path) if formats.of(ckpt.format).run_step else None
     except CheckpointError as e:
       raise CheckpointError(f'{e}. Fix: copy the checkpoint again from its source, or read the '
                             f'data from its beginning: {flag} = False.') from e

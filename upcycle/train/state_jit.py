@@ -205,7 +205,7 @@ def jit_plan(ckpt: checkpoints.Checkpoint, abstract_state: TrainState, optimizer
     if saved_state is None:
       opt_state = counts.fresh(optimizer.init(params), plan.step)
     else:
-      opt_state = stored.as_optax(saved_state, ckpt.format, tree.unflatten(inputs.source),
+      opt_state = stored.as_optax(saved_state, ckpt.optimizer_layout, tree.unflatten(inputs.source),
                                   optimizer, ckpt.path)
       opt_state = carry_optimizer_state(opt_state, plan, params, optimizer)
       opt_state = counts.reused(opt_state, step, plan.step)
