@@ -218,6 +218,20 @@ def test_eval_and_infer_place_the_parameters_by_the_runs_logical_axis_rules(
 
 
 
+def test_eval_reports_what_the_loss_owes_to_the_input(byte_vocab_t5, entry_points):
+  """other_row_inputs: the swapped pass runs over the batches of the loss it is compared with,
+  so the two losses differ by exactly input_use."""
+  directory, _ = byte_vocab_t5
+  results = gin_utils.run(eval_main.evaluate, byte_t5_argv(
+      'eval', directory, '--gin.BATCH_SIZE=8', '--gin.EVAL_BATCHES=2',
+      '--gin.upcycle.eval.evaluate.decode_data=None',
+      '--gin.upcycle.eval.evaluate.other_row_inputs=True'), 'test')
+  assert results['batches'] == 2 and results['input_use_stderr'] > 0
+  assert results['other_row_inputs/loss'] - results['loss'] == pytest.approx(
+      results['input_use'], abs=1e-6)
+  assert results['other_row_inputs/loss'] != pytest.approx(results['loss'], abs=1e-4)
+
+
 @pytest.mark.parametrize('main, script, flags', [
     (eval_main.main, 'eval_script.evaluate', ()),
     (infer_main.main, 'infer_script.infer', ("--gin.MODEL_DIR='{tmp_path}'",))])

@@ -26,7 +26,7 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
              eval_batches: int = 0, fewshot_train_data: Optional[Any] = None,
              fewshot_shots: Sequence[int] = (1, 5, 10), fewshot_l2_reg: float = 2.0 ** 10,
              decode_data: Optional[Any] = None, decoding: Optional[Any] = None,
-             decode_batches: int = 0,
+             decode_batches: int = 0, other_row_inputs: bool = False,
              num_expert_partitions: int = 1, num_model_partitions: int = 1,
              logical_axis_rules: Any = 'default', output_dir: Optional[str] = None,
              tensorboard: bool = True, seed: int = 0, verify: bool = True) -> dict:
@@ -35,7 +35,10 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
   `decode_data` (an unpacked seq2seq split; None: skip) adds `sequence_accuracy` from decoded
   outputs (`decoding`, an `upcycle.decoding.DecodeConfig`; None: greedy) over at most
   `decode_batches` batches (0: all), `decoded_examples`, their number, and the metrics of the
-  task's own `metric_fns` ('<task>/<metric>', `upcycle.task_metrics`).
+  task's own `metric_fns` ('<task>/<metric>', `upcycle.task_metrics`). `other_row_inputs`
+  (T5) adds what the loss owes to the input: `input_use`, the loss over the same batches with
+  each row's encoder input swapped for another row's minus the loss with its own, with its
+  paired standard error and that loss and accuracy (`evaluation.input_use`).
 
   Every process of a slice runs it (`launch/tpu_vm.py eval`); the numbers are those of one
   process. The parameters are placed on the mesh of all devices (`num_expert_partitions`,
@@ -53,8 +56,14 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
   from upcycle import partitioning
   from upcycle.train import evaluation
   from upcycle.train.step import make_eval_step
+  from upcycle.train.objectives import Seq2Seq
   # pylint: enable=g-import-not-at-top
   fields.integer_value('BATCH_SIZE (eval_script.evaluate.batch_size)', batch_size, 1)
+  if other_row_inputs and not isinstance(objective, Seq2Seq):
+    raise fields.ConfigError(
+        f'eval_script.evaluate.other_row_inputs = True swaps encoder inputs between rows; '
+        f'{type(objective).__name__} has no encoder. Fix: set it False (a seq2seq objective '
+        f'only).')
   if output_dir:
     fields.directory('EVAL_OUTPUT_DIR (eval_script.evaluate.output_dir)', output_dir)
   rules = partitioning.rules(logical_axis_rules,
@@ -71,9 +80,12 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
           'was replaced needs the one it was trained with put back.'))
   host_batch = batch_size // jax.process_count()
   with partitioning.activate(mesh, rules):
-    results = evaluation.evaluate(jax.jit(make_eval_step(objective)), params, eval_data,
-                                  batch_size=host_batch, mesh=mesh, max_batches=eval_batches,
-                                  seed=seed)
+    eval_step = jax.jit(make_eval_step(objective))
+    results = evaluation.evaluate(eval_step, params, eval_data, batch_size=host_batch, mesh=mesh,
+                                  max_batches=eval_batches, seed=seed)
+    if other_row_inputs:
+      results.update(evaluation.input_use(eval_step, params, eval_data, batch_size=host_batch,
+                                          mesh=mesh, max_batches=eval_batches, seed=seed))
     if fewshot_train_data is not None:
       results.update(evaluation.linear_fewshot(
           objective, params, fewshot_train_data, eval_data, batch_size=host_batch, mesh=mesh,

@@ -103,3 +103,50 @@ def test_every_validation_example_counts_whatever_the_batch_size(tmp_path):
   real = examples % 128
   assert last[evaluation.EXAMPLE_MASK].tolist() == [1.0] * real + [0.0] * (128 - real)
   assert not last['decoder_loss_weights'][real:].any()
+
+
+def test_input_use_is_the_loss_with_another_rows_input_minus_its_own():
+  """A step whose loss pairs a number of each row's targets with one of its input (their
+  tokens' sums mod 97): the swapped pass pairs it with the row before's (numpy's roll), over
+  the same batches."""
+  from tests.train.helpers import text   # pylint: disable=g-import-not-at-top
+  from upcycle import partitioning   # pylint: disable=g-import-not-at-top
+  from upcycle.train import evaluation   # pylint: disable=g-import-not-at-top
+  import jax   # pylint: disable=g-import-not-at-top
+
+  def first_tokens(batch):
+    return batch['decoder_target_tokens'].sum(1) % 97, batch['encoder_input_tokens'].sum(1) % 97
+
+  @jax.jit
+  def eval_step(params, batch):
+    targets, inputs = (x.astype(jnp.float32) for x in first_tokens(batch))
+    return {'loss': params * jnp.sum((targets - inputs) ** 2), 'z_loss': jnp.zeros(()),
+            'weight_sum': jnp.sum(batch['decoder_target_tokens'] > 0),
+            'correct': jnp.sum(targets == inputs)}
+
+  validation = text('validation')
+  mesh = partitioning.make_mesh(devices=jax.devices()[:1])
+  got = evaluation.input_use(eval_step, 1.0, validation, batch_size=16, mesh=mesh,
+                             max_batches=3)
+  own, other, weights = [], [], []
+  for batch in evaluation.host_batches(validation, 16, 3, 0):
+    targets, inputs = first_tokens(batch)
+    own.append(np.sum((targets - inputs) ** 2))
+    other.append(np.sum((targets - np.roll(inputs, 1)) ** 2))
+    weights.append(np.sum(batch['decoder_target_tokens'] > 0))
+  own, other, weights = map(np.array, (own, other, weights))
+  assert len(own) == 3 and not np.allclose(own, other)
+  assert got['other_row_inputs/loss'] == pytest.approx(other.sum() / weights.sum(), rel=1e-6)
+  assert got['input_use'] == pytest.approx((other - own).sum() / weights.sum(), rel=1e-6)
+  assert got['input_use_stderr'] == pytest.approx(ratio_stderr(other - own, weights), rel=1e-5)
+
+
+def test_input_use_of_a_model_without_an_encoder_is_refused_in_one_line():
+  from upcycle import eval as eval_main, fields   # pylint: disable=g-import-not-at-top
+  from upcycle.models.llama import Llama   # pylint: disable=g-import-not-at-top
+  from upcycle.train.objectives import CausalLm   # pylint: disable=g-import-not-at-top
+  with pytest.raises(fields.ConfigError, match=r'^eval_script\.evaluate\.other_row_inputs = '
+                     r'True swaps encoder inputs between rows; CausalLm has no encoder\. Fix: '
+                     r'set it False \(a seq2seq objective only\)\.$'):
+    eval_main.evaluate(objective=CausalLm(Llama(None)), eval_data=None, checkpoint_path='/none',
+                       batch_size=8, other_row_inputs=True)

@@ -8,6 +8,7 @@ objectives weigh 0 (T5X's evaluator pads the same way).
 from typing import Dict, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from upcycle import partitioning
@@ -76,10 +77,7 @@ def evaluate(eval_step, params, pipeline, *, batch_size: int, mesh, max_batches:
   source = host_batches(pipeline, batch_size, max_batches, seed) if batches is None else batches
   for batch in source:
     per_batch.append(eval_step(params, global_batch(batch, mesh)))
-  if not per_batch:
-    raise ValueError(f'The validation pipeline {pipeline.describe()} gave no example.')
-  sums = {k: np.array([float(b[k]) for b in jax.device_get(per_batch)], np.float64)
-          for k in per_batch[0]}
+  sums = _per_batch_sums(per_batch, pipeline)
   losses, weights = sums['loss'] - sums['z_loss'], sums['weight_sum']
   weight = max(float(weights.sum()), 1.0)
   metrics = {'loss': float(losses.sum()) / weight,
@@ -88,6 +86,44 @@ def evaluate(eval_step, params, pipeline, *, batch_size: int, mesh, max_batches:
   if real.sum() > 1:
     metrics['loss_stderr'] = ratio_stderr(losses[real], weights[real])
   return metrics
+
+
+def _per_batch_sums(per_batch: Sequence[Dict[str, jax.Array]], pipeline) -> Dict[str, np.ndarray]:
+  """eval steps' sums, one per batch -> {statistic: `[batches]` float64}."""
+  if not per_batch:
+    raise ValueError(f'The validation pipeline {pipeline.describe()} gave no example.')
+  return {k: np.array([float(b[k]) for b in jax.device_get(per_batch)], np.float64)
+          for k in per_batch[0]}
+
+
+def other_row_inputs(batch: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
+  """`batch` with each row's encoder input (every `encoder_*` array, `[batch, length]`) taken
+  from the row before it, the first row's from the last; the targets stay."""
+  return {k: jnp.roll(v, 1, axis=0) if k.startswith('encoder_') else v for k, v in batch.items()}
+
+
+def input_use(eval_step, params, pipeline, *, batch_size: int, mesh, max_batches: int = 0,
+              seed: int = 0) -> Dict[str, float]:
+  """What a seq2seq model's validation loss owes to its input: over the same batches as
+  `evaluate`, the loss and accuracy with each row's encoder input swapped for another row's
+  (`other_row_inputs/loss`, `/accuracy`), and `input_use`, that loss minus the loss with its
+  own input (nats per target token; about 0 for a model that ignores its input), with its
+  paired standard error over batches (`input_use_stderr`)."""
+  other_step = jax.jit(lambda p, batch: eval_step(p, other_row_inputs(batch)))
+  own, other = [], []
+  for batch in host_batches(pipeline, batch_size, max_batches, seed):
+    batch = global_batch(batch, mesh)
+    own.append(eval_step(params, batch))
+    other.append(other_step(params, batch))
+  own, other = _per_batch_sums(own, pipeline), _per_batch_sums(other, pipeline)
+  weights = own['weight_sum']
+  weight = max(float(weights.sum()), 1.0)
+  own_losses, other_losses = own['loss'] - own['z_loss'], other['loss'] - other['z_loss']
+  real = weights > 0
+  return {'other_row_inputs/loss': float(other_losses.sum()) / weight,
+          'other_row_inputs/accuracy': float(other['correct'].sum()) / weight,
+          'input_use': float((other_losses - own_losses).sum()) / weight,
+          'input_use_stderr': ratio_stderr((other_losses - own_losses)[real], weights[real])}
 
 
 def linear_fewshot(objective, params, train_pipeline, test_pipeline, *, batch_size: int,
