@@ -75,8 +75,8 @@ def _plan(owner: str, where: str, make: Callable[[], Plan], *, source: Any, targ
   """`make()`, its errors saying what the checkpoint holds against what the config builds; a
   source of another family, or an MoE handed to upcycling, is refused first. `binding`: the
   hook's checkpoint field, named in the errors (ConfigError: one line at the command line)."""
-  held, built = describe.summary(source), describe.summary(target)
   source_binding = f'{binding} (INITIAL_CHECKPOINT_PATH)'
+
   mismatch = None
   if describe.model_kind(source) != describe.model_kind(target):
     mismatch = (f'another model family. Fix: point {source_binding} at a checkpoint of the '
@@ -86,14 +86,15 @@ def _plan(owner: str, where: str, make: Callable[[], Plan], *, source: Any, targ
                 f'{source_binding} at the dense checkpoint, or continue this MoE with '
                 f'restore.Restore.mode = @modes.Continue() (runs/continue_dense.gin with the '
                 f'MoE model files)')
-  if mismatch:
-    raise fields.ConfigError(f'{owner}({where}): the checkpoint holds {held}; this config '
-                             f'builds {built}: {mismatch}.')
+  if mismatch:   # the trees are described for an error only
+    raise fields.ConfigError(f'{owner}({where}): the checkpoint holds {describe.summary(source)}; '
+                             f'this config builds {describe.summary(target)}: {mismatch}.')
   try:
     return make()
   except ValueError as e:
-    raise fields.ConfigError(f'{owner}({where}): {e} (The checkpoint, {source_binding}, '
-                             f'holds {held}; this config builds {built}.)') from e
+    raise fields.ConfigError(f'{owner}({where}): {e} (The checkpoint, {source_binding}, holds '
+                             f'{describe.summary(source)}; this config builds '
+                             f'{describe.summary(target)}.)') from e
 
 
 @dataclasses.dataclass(frozen=True)
