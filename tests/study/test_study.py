@@ -269,6 +269,58 @@ def test_the_per_layer_balance_arm_parses_in_a_new_process(tmp_path):
   assert done.stdout.split() == ['balance.Switch', '0.02', 'batch']
 
 
+# Parses each command as a new interpreter would: gin's registry as it was before any gin file
+# (what a command-line binding may name is what that command's own files registered; another
+# command's parse would otherwise hide a binding that names an object before any file does).
+_PARSE_EACH_FRESH = """
+import copy, json, sys
+import gin
+from gin import config as gin_config
+from upcycle import gin_utils
+from upcycle.train import __main__ as train_main
+sys.modules['__main__'].train = train_main.train
+registry = gin_config._REGISTRY
+before = (copy.copy(registry._selector_tree), dict(registry._selector_map),
+          dict(gin_config._INVERSE_REGISTRY))
+failed = {}
+for name, flags in json.loads(sys.stdin.read()).items():
+  registry._selector_tree = copy.deepcopy(before[0])
+  registry._selector_map = dict(before[1])
+  gin_config._INVERSE_REGISTRY.clear()
+  gin_config._INVERSE_REGISTRY.update(before[2])
+  gin.clear_config(clear_constants=True)
+  try:
+    args, bindings = gin_utils.parse_flags(flags, 'study')
+    gin_utils.parse_files_and_bindings(args.gin_file, bindings, finalize=False)
+  except (Exception, SystemExit) as e:  # pylint: disable=broad-except
+    failed[name] = str(e)[:300]
+print(json.dumps(failed))
+"""
+
+
+def test_every_study_command_parses_as_its_own_process_starts_it(tmp_path):
+  """Every arm of every suite (seed 0), its gin files and command-line bindings parsed with
+  gin's registry as a new interpreter has it; and the check itself fails on the binding that
+  once made 6 runs fail (balance.Switch bound on the command line before any file named it)."""
+  runs = [r for r in plan(FULL, quick=False, suites=SUITES) if r.seed == 0]
+  for r in runs:   # what an arm's step count reads of the runs it starts from
+    os.makedirs(r.directory(str(tmp_path)))
+    with open(os.path.join(r.directory(str(tmp_path)), 'metrics.jsonl'), 'w') as f:
+      f.write(json.dumps({'step': 100, 'split': 'train', 'train_flops_per_step': 1e9}) + '\n')
+  commands = {r.name: r.command(str(tmp_path), FULL, sys.executable)[3:] for r in runs}
+  [layerwise] = [name for name in commands if name.startswith('llama/moe_layerwise_balance/')]
+  commands['the former binding'] = [
+      f for f in commands[layerwise] if f != '--gin_file=moe/balance_per_layer.gin'] + [
+      '--gin.moe.MoeConfig.balance=@balance.Switch()']
+  done = subprocess.run([sys.executable, '-c', _PARSE_EACH_FRESH], input=json.dumps(commands),
+                        cwd=REPO, capture_output=True, text=True, check=False)
+  assert done.returncode == 0, done.stderr[-2000:]
+  failed = json.loads(done.stdout.strip().splitlines()[-1])
+  assert list(failed) == ['the former binding'], failed
+  assert 'balance.Switch' in failed['the former binding']
+  assert len(commands) > 50
+
+
 def test_suites_split_the_arms_and_plan_each_run_after_the_runs_it_starts_from():
   everything = {r.name for r in plan(FULL, quick=False, suites=SUITES)}
   own = {}
