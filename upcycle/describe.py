@@ -161,7 +161,7 @@ def _verified(ckpt: checkpoints.Checkpoint) -> str:
     why = ('saved before they were recorded' if run_step else
            'written before they were recorded, or by another program')
     return (f'verified: all {count} arrays read back complete. This '
-            f'{"step" if ckpt.format == "orbax" else "checkpoint"} carries no digests ({why}): '
+            f'{"step" if run_step else "checkpoint"} carries no digests ({why}): '
             f'changed bytes that still decode are not found.')
   return (f'verified: all {count} arrays read back complete and match the digests recorded '
           f'when {when}.')
