@@ -126,15 +126,17 @@ def gcs_emulator():
 def on_gcs(gcs_emulator, monkeypatch):
   """etils.epath (through gcsfs) and tensorstore of this process on the emulator."""
   import gcsfs  # pylint: disable=g-import-not-at-top
-  from etils.epath import gpath  # pylint: disable=g-import-not-at-top
+  from etils.epath import backend, gpath  # pylint: disable=g-import-not-at-top
+  caches = (gcsfs.GCSFileSystem.clear_instance_cache,   # clients of another endpoint
+            backend._FileSystemSpecBackend._get_filesystem.cache_clear,  # etils keeps its first
+            gpath._is_tf_installed.cache_clear)  # etils: TensorFlow's client or gcsfs, once
   for key, value in gcs_emulator.items():
     monkeypatch.setenv(key, value)
-  for cached in (gcsfs.GCSFileSystem.clear_instance_cache,   # clients of another endpoint
-                 gpath._is_tf_installed.cache_clear):  # pylint: disable=protected-access
-    cached()   # etils decides between TensorFlow's client and gcsfs once per process
+  for clear in caches:
+    clear()
   yield gcs_emulator
-  gcsfs.GCSFileSystem.clear_instance_cache()
-  gpath._is_tf_installed.cache_clear()  # pylint: disable=protected-access
+  for clear in caches:
+    clear()
 
 
 @pytest.fixture
