@@ -81,11 +81,9 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
   host_batch = batch_size // jax.process_count()
   with partitioning.activate(mesh, rules):
     eval_step = jax.jit(make_eval_step(objective))
-    results = evaluation.evaluate(eval_step, params, eval_data, batch_size=host_batch, mesh=mesh,
-                                  max_batches=eval_batches, seed=seed)
-    if other_row_inputs:
-      results.update(evaluation.input_use(eval_step, params, eval_data, batch_size=host_batch,
-                                          mesh=mesh, max_batches=eval_batches, seed=seed))
+    measure = evaluation.input_use if other_row_inputs else evaluation.evaluate
+    results = measure(eval_step, params, eval_data, batch_size=host_batch, mesh=mesh,
+                      max_batches=eval_batches, seed=seed)
     if fewshot_train_data is not None:
       results.update(evaluation.linear_fewshot(
           objective, params, fewshot_train_data, eval_data, batch_size=host_batch, mesh=mesh,

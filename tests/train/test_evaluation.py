@@ -136,6 +136,7 @@ def test_input_use_is_the_loss_with_another_rows_input_minus_its_own():
     weights.append(np.sum(batch['decoder_target_tokens'] > 0))
   own, other, weights = map(np.array, (own, other, weights))
   assert len(own) == 3 and not np.allclose(own, other)
+  assert got['loss'] == pytest.approx(own.sum() / weights.sum(), rel=1e-6)   # evaluate's, too
   assert got['other_row_inputs/loss'] == pytest.approx(other.sum() / weights.sum(), rel=1e-6)
   assert got['input_use'] == pytest.approx((other - own).sum() / weights.sum(), rel=1e-6)
   assert got['input_use_stderr'] == pytest.approx(ratio_stderr(other - own, weights), rel=1e-5)

@@ -77,15 +77,7 @@ def evaluate(eval_step, params, pipeline, *, batch_size: int, mesh, max_batches:
   source = host_batches(pipeline, batch_size, max_batches, seed) if batches is None else batches
   for batch in source:
     per_batch.append(eval_step(params, global_batch(batch, mesh)))
-  sums = _per_batch_sums(per_batch, pipeline)
-  losses, weights = sums['loss'] - sums['z_loss'], sums['weight_sum']
-  weight = max(float(weights.sum()), 1.0)
-  metrics = {'loss': float(losses.sum()) / weight,
-             'accuracy': float(sums['correct'].sum()) / weight, 'batches': len(per_batch)}
-  real = weights > 0    # a batch with no real token (padding only) is not a batch
-  if real.sum() > 1:
-    metrics['loss_stderr'] = ratio_stderr(losses[real], weights[real])
-  return metrics
+  return _metrics(_per_batch_sums(per_batch, pipeline))
 
 
 def _per_batch_sums(per_batch: Sequence[Dict[str, jax.Array]], pipeline) -> Dict[str, np.ndarray]:
@@ -96,6 +88,18 @@ def _per_batch_sums(per_batch: Sequence[Dict[str, jax.Array]], pipeline) -> Dict
           for k in per_batch[0]}
 
 
+def _metrics(sums: Dict[str, np.ndarray]) -> Dict[str, float]:
+  """`_per_batch_sums` -> `evaluate`'s metrics."""
+  losses, weights = sums['loss'] - sums['z_loss'], sums['weight_sum']
+  weight = max(float(weights.sum()), 1.0)
+  metrics = {'loss': float(losses.sum()) / weight,
+             'accuracy': float(sums['correct'].sum()) / weight, 'batches': len(losses)}
+  real = weights > 0    # a batch with no real token (padding only) is not a batch
+  if real.sum() > 1:
+    metrics['loss_stderr'] = ratio_stderr(losses[real], weights[real])
+  return metrics
+
+
 def other_row_inputs(batch: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
   """`batch` with each row's encoder input (every `encoder_*` array, `[batch, length]`) taken
   from the row before it, the first row's from the last; the targets stay."""
@@ -104,11 +108,11 @@ def other_row_inputs(batch: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
 
 def input_use(eval_step, params, pipeline, *, batch_size: int, mesh, max_batches: int = 0,
               seed: int = 0) -> Dict[str, float]:
-  """What a seq2seq model's validation loss owes to its input: over the same batches as
-  `evaluate`, the loss and accuracy with each row's encoder input swapped for another row's
-  (`other_row_inputs/loss`, `/accuracy`), and `input_use`, that loss minus the loss with its
-  own input (nats per target token; about 0 for a model that ignores its input), with its
-  paired standard error over batches (`input_use_stderr`)."""
+  """`evaluate`'s metrics and what a seq2seq model's validation loss owes to its input: over
+  the same batches, read once, the loss and accuracy with each row's encoder input swapped for
+  another row's (`other_row_inputs/loss`, `/accuracy`), and `input_use`, that loss minus the
+  loss with its own input (nats per target token; about 0 for a model that ignores its input),
+  with its paired standard error over batches (`input_use_stderr`)."""
   other_step = jax.jit(lambda p, batch: eval_step(p, other_row_inputs(batch)))
   own, other = [], []
   for batch in host_batches(pipeline, batch_size, max_batches, seed):
@@ -120,7 +124,7 @@ def input_use(eval_step, params, pipeline, *, batch_size: int, mesh, max_batches
   weight = max(float(weights.sum()), 1.0)
   own_losses, other_losses = own['loss'] - own['z_loss'], other['loss'] - other['z_loss']
   real = weights > 0
-  return {'other_row_inputs/loss': float(other_losses.sum()) / weight,
+  return {**_metrics(own), 'other_row_inputs/loss': float(other_losses.sum()) / weight,
           'other_row_inputs/accuracy': float(other['correct'].sum()) / weight,
           'input_use': float((other_losses - own_losses).sum()) / weight,
           'input_use_stderr': ratio_stderr((other_losses - own_losses)[real], weights[real])}
