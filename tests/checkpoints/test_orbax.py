@@ -12,6 +12,7 @@ import optax
 import pytest
 
 from upcycle import tree
+from upcycle import checkpoints
 from upcycle.checkpoints import CheckpointError, lazy, orbax
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -77,6 +78,28 @@ def test_keeps_last_n(tmp_path):
     assert manager.all_steps() == [3, 4]
     assert manager.restore(3).dataset_state == {'step': 3}
   assert sorted(os.listdir(tmp_path)) == ['3', '4']
+
+
+def test_a_runs_model_dir_reads_as_its_latest_step(tmp_path):
+  """What a user passes to eval, infer, describe or INITIAL_CHECKPOINT_PATH: the run's
+  MODEL_DIR, its checkpoints/ or one step, each the same checkpoint."""
+  steps = tmp_path / orbax.RUN_CHECKPOINTS
+  with orbax.CheckpointManager(str(steps), keep=3) as manager:
+    for step in (1, 2):
+      manager.save(step, _params(step))
+  for path in (tmp_path, steps, steps / '2'):
+    assert checkpoints.detect_format(str(path)) == 'orbax'
+    ckpt = checkpoints.load(str(path), with_optimizer_state=False)
+    assert (ckpt.step, ckpt.path) == (2, str(steps / '2'))
+    _assert_tree_equal(ckpt.params, _params(2))
+  empty = tmp_path / 'empty'
+  (empty / orbax.RUN_CHECKPOINTS).mkdir(parents=True)
+  with pytest.raises(CheckpointError) as e:
+    checkpoints.load(str(empty), format='orbax')
+  assert str(e.value) == (
+      f"{empty}: no finished orbax checkpoint here. Expected <step>/_CHECKPOINT_METADATA and "
+      f"<step>/params/, here or in checkpoints/, found ['checkpoints']. Pass a run's "
+      "MODEL_DIR, its checkpoints/ or one checkpoints/<step>/.")
 
 
 def test_missing_step_is_an_error(tmp_path):

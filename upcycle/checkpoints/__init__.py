@@ -24,7 +24,7 @@ def detect_format(path: str) -> str:
   if paths.split_gcs(path):
     if hf.is_hf_dir(path):
       return 'hf'
-    if orbax.is_step_dir(path) or orbax.finished_steps(path):
+    if orbax.is_step_dir(path) or orbax.run_steps(path):
       return 'orbax'
     return t5x.find_checkpoint(path)[1]
   if os.path.isfile(path):
@@ -37,7 +37,7 @@ def detect_format(path: str) -> str:
   elif os.path.isdir(path):
     if hf.is_hf_dir(path):
       return 'hf'
-    if orbax.is_step_dir(path) or orbax.finished_steps(path):
+    if orbax.is_step_dir(path) or orbax.run_steps(path):
       return 'orbax'
     if os.path.isfile(os.path.join(path, t5x.CHECKPOINT_FILE)):
       return 't5x'
@@ -70,8 +70,9 @@ def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-b
     with_optimizer_state: False leaves the optimizer state out (None), unread (evaluation,
       decoding).
 
-  A MODEL_DIR of a running trainer is read at its latest step; when retention deletes that
-  step while it is read, the new latest is read instead (`orbax.read_live`).
+  A run's MODEL_DIR (or its checkpoints/) is read at its latest step, a running trainer's
+  too: when retention deletes that step while it is read, the new latest is read instead
+  (`orbax.read_live`).
   """
   format = formats.of(format, path).name if format else detect_format(path)
 

@@ -1,10 +1,10 @@
 """This project's training checkpoints: an orbax CheckpointManager over four items.
 
-  MODEL_DIR/<step>/params/            parameters (orbax PyTree, OCDBT)
-  MODEL_DIR/<step>/optimizer_state/   optimizer state (optional)
-  MODEL_DIR/<step>/dataset/           dataset-iterator state, JSON (optional)
-  MODEL_DIR/<step>/digests/           a CRC-32 per array shard, one JSON per process (digests.py)
-  MODEL_DIR/<step>/_CHECKPOINT_METADATA   (lists the items the step was saved with)
+  MODEL_DIR/checkpoints/<step>/params/            parameters (orbax PyTree, OCDBT)
+  MODEL_DIR/checkpoints/<step>/optimizer_state/   optimizer state (optional)
+  MODEL_DIR/checkpoints/<step>/dataset/           dataset-iterator state, JSON (optional)
+  MODEL_DIR/checkpoints/<step>/digests/           a CRC-32 per array shard, one JSON per process
+  MODEL_DIR/checkpoints/<step>/_CHECKPOINT_METADATA   (lists the items the step was saved with)
 
 Orbax writes a step into `<step>.orbax-checkpoint-tmp-*` and renames it when every item
 is on disk, so a save killed midway leaves the previous steps intact and the
@@ -368,6 +368,12 @@ def finished_steps(directory: str) -> dict:
           if re.fullmatch(r'\d+', name) and is_step_dir(os.path.join(directory, name))}
 
 
+def run_steps(path: str) -> dict:
+  """step -> step directory of `path`: a directory of steps, or a training run's MODEL_DIR,
+  whose steps the trainer writes to its checkpoints/ (`RUN_CHECKPOINTS`)."""
+  return finished_steps(path) or finished_steps(os.path.join(path, RUN_CHECKPOINTS))
+
+
 def dataset_state(step_dir: str) -> Optional[dict]:
   """The data-iterator positions a training step saved (`host_states.gather`'s form), or None
   when the step has no dataset item (a checkpoint not written by a training run)."""
@@ -378,7 +384,7 @@ def dataset_state(step_dir: str) -> Optional[dict]:
 
 
 def load(path: str, with_optimizer_state: bool = True) -> Checkpoint:
-  """A step directory or a MODEL_DIR (latest step) -> Checkpoint with lazy leaves (the
+  """A step directory, or a run's MODEL_DIR or its checkpoints/ (the latest step) -> Checkpoint with lazy leaves (the
   optimizer state None unless `with_optimizer_state` and saved)."""
   path = latest(path)
   optimizer_dir = os.path.join(path, OPTIMIZER)
@@ -391,16 +397,19 @@ def load(path: str, with_optimizer_state: bool = True) -> Checkpoint:
 
 
 def latest(path: str) -> str:
-  """`path` if it is a step directory, else its latest finished step's directory."""
+  """`path` if it is a step directory, else its latest finished step's directory (`run_steps`:
+  of a directory of steps or a run's MODEL_DIR)."""
   path = paths.absolute(path)
   if is_step_dir(path):
     return path
-  steps = finished_steps(path)
+  steps = run_steps(path)
   if not steps:
     raise checkpoint_error(path, 'no finished orbax checkpoint here',
-                           expected=f'<step>/{_MARKER} and <step>/{PARAMS}/',
-                           found=paths.listdir(path)[:10] if paths.isdir(path) else
-                           'no such directory', fix='Pass MODEL_DIR or MODEL_DIR/<step>')
+                           expected=f'<step>/{_MARKER} and <step>/{PARAMS}/, here or in '
+                           f'{RUN_CHECKPOINTS}/', found=paths.listdir(path)[:10]
+                           if paths.isdir(path) else 'no such directory',
+                           fix=f'Pass a run\'s MODEL_DIR, its {RUN_CHECKPOINTS}/ or one '
+                           f'{RUN_CHECKPOINTS}/<step>/')
   return steps[max(steps)]
 
 

@@ -34,10 +34,9 @@ class AlreadyExported(ExportError):
 def run_steps(model_dir: str) -> Tuple[str, Dict[int, str]]:
   """(the directory holding the run's step directories, {step: step directory})."""
   model_dir = paths.absolute(model_dir)
-  for root in (os.path.join(model_dir, orbax.RUN_CHECKPOINTS), model_dir):
-    steps = orbax.finished_steps(root)
-    if steps:
-      return root, steps
+  steps = orbax.run_steps(model_dir)
+  if steps:
+    return os.path.dirname(next(iter(steps.values()))), steps
   raise ExportError(
       f'{model_dir}: no finished checkpoint of a run here. Expected '
       f'{orbax.RUN_CHECKPOINTS}/<step>/ (as the trainer writes) or <step>/ directories, found '
