@@ -32,7 +32,8 @@ upcycle.aot does this for its rows; MaxText's copies have 1 and 2 layers, unscan
 microbatch of the step's (no accumulation loop), and the step's count is the microbatches
 times it (with 2, its AdamW update is counted twice: for the 1B about 2 GB, 0.3% of the
 bytes). The compiler counts a Pallas kernel as nothing (the splash kernel on both sides), so
-its work is added in closed form (`splash_flops`: the same kernel, blocks and remat on both sides);
+its work is added in closed form (`fused_attention.splash_flops`: the same kernel, blocks
+and remat on both sides; upcycle.aot adds it to its rows itself, `kernel_flops_per_device`);
 the bytes the kernel reads inside are in neither side's count. The roofline and MFU ceiling are
 `upcycle/fit/roofline.py`'s from those counts, with this project's model FLOPs per step
 (`models/flops.py`; the same model and tokens) for both. Prints a markdown table and writes
@@ -55,6 +56,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import tpu_fit
+from upcycle import fused_attention
 from upcycle.fit import aot, roofline, step_count
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
@@ -160,30 +162,14 @@ def llama_parameters(*, vocab_size: int, emb_dim: int, num_query_heads: int,
   return embeddings + num_decoder_layers * layer + emb_dim
 
 
-# The splash kernel's matmuls per layer and call: forward q k^T and p v; the backward's dq
-# kernel q k^T, do v^T, ds k; its dkv kernel q k^T, do v^T, p^T do, ds^T q. With full remat the
-# forward runs twice.
-FORWARD_MATMULS, DQ_MATMULS, DKV_MATMULS = 2, 3, 4
-
-
-def splash_flops(*, rows: int, length: int, heads: int, head_dim: int, layers: int,
-                 block: int = 512, remat: bool = True) -> float:
-  """FLOPs of jax's causal splash-attention kernel in a train step on `rows` sequences of
-  `length` tokens: every matmul over the [block, block] tiles the causal mask does not skip
-  (on or below the diagonal: n (n + 1) / 2 of n² for n = length / block), 2 FLOPs per
-  multiply-add, `heads` query heads of `head_dim`."""
-  n = length // block
-  tiles = n * (n + 1) / 2 / n ** 2
-  matmul = 2 * rows * heads * length ** 2 * head_dim * tiles
-  calls = FORWARD_MATMULS * (2 if remat else 1) + DQ_MATMULS + DKV_MATMULS
-  return layers * calls * matmul
-
-
 def kernel_flops_per_chip(model: Model) -> float:
-  """The splash kernel's FLOPs per chip and train step of `model` (BATCH over its chips)."""
-  return splash_flops(rows=BATCH // model.chips, length=SEQUENCE,
-                      heads=model.dims['num_query_heads'], head_dim=model.dims['head_dim'],
-                      layers=model.dims['num_decoder_layers'])
+  """The splash kernel's FLOPs per chip in MaxText's train step of `model` (BATCH over its
+  chips, full remat: the forward twice), by this project's closed form of the same kernel and
+  blocks (`fused_attention.splash_flops`, as the upcycle rows' `kernel_flops_per_device`)."""
+  return model.dims['num_decoder_layers'] * fused_attention.splash_flops(
+      rows=BATCH // model.chips, length=SEQUENCE, heads=model.dims['num_query_heads'],
+      kv_heads=model.dims['num_kv_heads'], head_dim=model.dims['head_dim'], forwards=2,
+      backward=True)
 
 
 def maxtext_args(venv: str, workdir: str, *, model: Model, layers: int, microbatches: int,
@@ -301,7 +287,7 @@ def upcycle_column(row: Mapping[str, Any], model: Model) -> Dict[str, Any]:
   b = step['per_device_bytes']
   return column(parameters=b['parameters'], optimizer_state=b['optimizer_state'],
                 temp=b['temp'], compiler_flops=step['flops_per_device'],
-                kernel_flops=kernel_flops_per_chip(model),
+                kernel_flops=step['kernel_flops_per_device'],
                 bytes_accessed=step['bytes_accessed_per_device'],
                 model_flops_per_step=step['model_flops_per_step'], chips=model.chips)
 

@@ -206,7 +206,8 @@ def table(rows) -> str:
       seconds, mfu, bound = (r.get(k) for k in ('roofline_seconds', 'mfu_at_roofline',
                                                   'roofline_bound'))
       roofline = '' if seconds is None else f'{seconds * 1e3:.0f} ms ({bound})'
-      counts = (f'{r["flops_per_device"] / 1e12:.1f}, '
+      work = r['flops_per_device'] + r.get('kernel_flops_per_device', 0.0)
+      counts = (f'{work / 1e12:.1f}, '
                 f'{r.get("bytes_accessed_per_device", 0) / 1e9:.0f}')
       lines.append(
           f'| {row["name"]} {fn} | {mesh} | {b["parameters"] / GIB:.2f} | '

@@ -467,3 +467,50 @@ def test_megablox_compiles_for_tpu_where_a_dimension_is_under_128():
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(
         spec(1024, d_in), spec(8, d_in, d_out), spec(8, dtype=np.int32)).compile()
     assert 'tpu_custom_call' in compiled.as_text()   # megablox's kernels, not the blocked scan
+
+
+@pytest.mark.slow   # ~30 s: a tiny Llama's train and eval steps compiled for 4 TPU v4 chips
+def test_the_splash_kernels_flops_are_added_to_what_the_compiler_counts(tmp_path):
+  """The compiler counts a Pallas call (the splash attention kernel, the Llama's default on
+  TPU) as nothing; upcycle.aot adds the kernel's closed form. models/llama/tiny.gin (4 layers,
+  4 query heads of 16), batch 8 x 128 in 2 microbatches over 4 chips: per chip and microbatch
+  one row of one 128 x 128 tile, per layer 11 matmuls (the forward twice with full remat, the
+  backward's 3 + 4) of 2 x 4 x 128² x 16 FLOPs; the eval step's 2 rows per chip once forward."""
+  command = [sys.executable, '-m', 'upcycle.aot', '--topology=v4:2x2x1',
+             f'--json={tmp_path}/aot.json', '--gin_file=models/llama/tiny.gin',
+             '--gin_file=runs/llm_pretrain.gin', '--gin_file=data/offline_stdlib_lm.gin',
+             f"--gin.MODEL_DIR='{tmp_path}/run'", '--gin.TRAIN_STEPS=10', '--gin.BATCH_SIZE=8',
+             "--gin.ACTIVATION_DTYPE='bfloat16'", "--gin.REMAT_POLICY='full'",
+             '--gin.trainer.TrainConfig.num_microbatches=2']
+  done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600,
+                        env={**os.environ, 'XLA_FLAGS': ''})
+  assert done.returncode == 0, done.stderr[-3000:]
+  functions = json.loads((tmp_path / 'aot.json').read_text())['functions']
+  train, evaluation = functions['train_step'], functions['eval_step']
+  matmul = 2 * 4 * 128 * 128 * 16
+  assert train['kernel_flops_per_device'] == 2 * 4 * 11 * matmul
+  assert evaluation['kernel_flops_per_device'] == 2 * 4 * 2 * matmul
+  work = train['flops_per_device'] + train['kernel_flops_per_device']
+  assert train['flops_per_step'] == 4 * work
+  assert train['roofline_seconds'] == pytest.approx(
+      max(work / 275e12, train['bytes_accessed_per_device'] / 1228e9), rel=1e-9)
+
+
+def test_the_splash_kernel_is_compiled_exactly_where_its_flops_are_added():
+  """`fused_attention.compiles_splash`, which decides whether upcycle.aot adds the kernel's
+  FLOPs, against the program the TPU compiler builds: 4 rows over 4 chips hold the kernel (a
+  Mosaic custom call); 1 row, which the chips cannot split, attends by the einsum."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+  from upcycle import fused_attention, partitioning  # pylint: disable=g-import-not-at-top
+  from upcycle.fit import aot  # pylint: disable=g-import-not-at-top
+  mesh = partitioning.make_mesh(devices=aot.topology_devices('v4:2x2x1'))
+  attend = lambda q, k, v: fused_attention.attend(q, k, v, None, 'auto', 'bfloat16')
+  with partitioning.activate(mesh):
+    for rows in (4, 1):
+      spec = lambda heads: jax.ShapeDtypeStruct(
+          (rows, 128, heads, 16), jnp.bfloat16,
+          sharding=NamedSharding(mesh, PartitionSpec('data' if rows == 4 else None)))
+      compiled = jax.jit(attend).lower(spec(4), spec(2), spec(2)).compile()
+      assert ('tpu_custom_call' in compiled.as_text()) == fused_attention.compiles_splash(
+          'auto', rows, dropout=False) == (rows == 4), rows

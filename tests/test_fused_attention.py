@@ -74,3 +74,45 @@ def test_splash_kernel_runs_per_shard_of_batch_and_heads():
   want = _vjp('einsum', SEGMENTS)
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=0, atol=2e-5)
+
+
+def _splash_flops(length: int, forwards: int = 1, backward: bool = False, heads: int = 4,
+                  kv_heads: int = 2) -> float:
+  return fused_attention.splash_flops(rows=8, length=length, heads=heads, kv_heads=kv_heads,
+                                      head_dim=16, forwards=forwards, backward=backward)
+
+
+def test_splash_flops_are_its_matmuls_over_the_causal_tiles():
+  """The closed form `upcycle.aot` adds for the kernel the compiler counts as nothing: per
+  matmul 2 · rows · heads · head_dim FLOPs per score computed, over the tiles on or below the
+  diagonal; 2 matmuls a forward, 7 a backward (dq's 3, dkv's 4)."""
+  tile = 2 * 8 * 4 * 16 * 128 * 128          # one matmul over one 128 x 128 tile
+  assert _splash_flops(128) == 2 * tile
+  assert _splash_flops(128, forwards=2, backward=True) == (2 * 2 + 7) * tile
+  # A length padded to 256 (blocks of 256 then): 1 block; to 384 (blocks of 128): 3 x 3 tiles
+  # of 128, 6 on or below the diagonal.
+  assert _splash_flops(200) == 2 * 4 * tile
+  assert _splash_flops(384) == 2 * 6 * tile
+  # 4096 tokens in blocks of 512: 8 x 8 tiles, 36 kept of 64.
+  assert _splash_flops(4096) == 2 * 36 * 16 * tile
+
+
+def test_splash_flops_split_over_the_kernels_shards():
+  """Per device, under a mesh of 8: the rows over 'data', the heads over 'model' where it
+  divides both head counts (4 query heads, 2 key/value heads: 2 ways yes, 4 ways no)."""
+  whole = _splash_flops(256)
+  for model, per_device in ((2, whole / (4 * 2)), (4, whole / 2)):
+    mesh = partitioning.make_mesh(num_expert_partitions=1, num_model_partitions=model,
+                                  devices=jax.devices()[:8])
+    with partitioning.activate(mesh):
+      assert _splash_flops(256) == per_device, model
+
+
+def test_a_one_row_batch_compiles_no_kernel_where_the_batch_is_split():
+  mesh = partitioning.make_mesh(num_expert_partitions=1, num_model_partitions=1,
+                                devices=jax.devices()[:2])
+  with partitioning.activate(mesh):
+    assert fused_attention.compiles_splash('auto', 2, dropout=False)
+    assert not fused_attention.compiles_splash('auto', 1, dropout=False)
+  assert not fused_attention.compiles_splash('einsum', 2, dropout=False)
+  assert not fused_attention.compiles_splash('splash', 2, dropout=True)

@@ -25,7 +25,7 @@ the softmax in float32. They differ in what they keep in memory:
 """
 
 import functools
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,10 @@ ATTENTION = ('auto', 'einsum', 'splash', 'cudnn', 'splash_interpret')
 CUDNN_DTYPES = ('bfloat16', 'float16')
 # The splash kernel's blocks: the largest of these dividing the (padded) length.
 SPLASH_BLOCKS = (512, 256, 128)
+# The splash kernel's matmuls per call, each over the tiles the causal mask keeps: the
+# forward's q k^T and p v; the backward's dq kernel q k^T, do v^T, ds k and its dkv kernel
+# q k^T, do v^T, p^T do, ds^T q.
+SPLASH_FORWARD_MATMULS, SPLASH_BACKWARD_MATMULS = 2, 3 + 4
 
 
 def causal_bias(segment_ids: Optional[Array], length: int) -> Array:
@@ -78,7 +82,7 @@ def _splash_shard(q: Array, k: Array, v: Array, *segment_ids: Array,
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
   # pylint: enable=g-import-not-at-top
   heads, length = q.shape[1], q.shape[2]
-  block = next(b for b in SPLASH_BLOCKS if length % b == 0)
+  block = _splash_block(length)
   sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                         block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
                         block_q_dq=block, block_kv_dq=block)
@@ -91,6 +95,48 @@ def _splash_shard(q: Array, k: Array, v: Array, *segment_ids: Array,
       q, k, v, segment_ids[0])
 
 
+def _padded(length: int) -> int:
+  """The length `splash` runs the kernel at: a multiple of 128."""
+  return -(-length // 128) * 128
+
+
+def _splash_block(padded: int) -> int:
+  return next(b for b in SPLASH_BLOCKS if padded % b == 0)
+
+
+def _head_axes(heads: int, kv_heads: int) -> Tuple[str, ...]:
+  """The mesh axes the kernel's heads are split over: the logical 'heads' axis's, where they
+  divide both head counts; else none."""
+  axes = layers.mesh_axes('heads')
+  return () if heads % layers.mesh_size(axes) or kv_heads % layers.mesh_size(axes) else axes
+
+
+def compiles_splash(attention: str, rows: int, dropout: bool) -> bool:
+  """Whether `attend` compiles the splash kernel for TPU under the current mesh: attention
+  'splash' or 'auto', no attention dropout, and `rows` the kernel's batch shards divide."""
+  return (attention in ('splash', 'auto') and not dropout
+          and rows % layers.batch_shards() == 0)
+
+
+def splash_flops(*, rows: int, length: int, heads: int, kv_heads: int, head_dim: int,
+                 forwards: int = 1, backward: bool = False) -> float:
+  """FLOPs per device of the splash kernel (`splash`) under the current mesh on `rows`
+  sequences of `length` tokens, `heads` query heads of `head_dim`: `forwards` forward calls
+  (2 where remat runs the forward again in the backward) and, with `backward`, its backward.
+  Each matmul runs over the [block, block] tiles the causal mask keeps (n (n + 1) / 2 of n²,
+  n the padded length over the block) at 2 FLOPs per multiply-add; the work is split over the
+  kernel's shards ('batch', and 'heads' where they divide both head counts).
+
+  The TPU compiler's cost analysis counts a Pallas call as nothing: `upcycle.aot` adds this."""
+  padded = _padded(length)
+  block = _splash_block(padded)
+  n = padded // block
+  matmul = 2 * rows * heads * (n * (n + 1) // 2) * block * block * head_dim
+  calls = SPLASH_FORWARD_MATMULS * forwards + (SPLASH_BACKWARD_MATMULS if backward else 0)
+  shards = layers.batch_shards() * layers.mesh_size(_head_axes(heads, kv_heads))
+  return calls * matmul / shards
+
+
 def splash(q: Array, k: Array, v: Array, segment_ids: Optional[Array],
            interpret: bool = False) -> Array:
   """The splash kernel (module docstring's shapes), per shard of the current mesh.
@@ -99,7 +145,7 @@ def splash(q: Array, k: Array, v: Array, segment_ids: Optional[Array],
   attends to them, and their outputs are cut off."""
   batch, length, heads, head_dim = q.shape
   kv_heads = k.shape[2]
-  padded = -(-length // 128) * 128
+  padded = _padded(length)
   pad = lambda x: jnp.pad(x, ((0, 0), (0, padded - length)) + ((0, 0),) * (x.ndim - 2))
   heads_major = lambda x: jnp.swapaxes(pad(x), 1, 2)
   args = [heads_major(q * jnp.asarray(head_dim**-0.5, q.dtype)), heads_major(k),
@@ -107,9 +153,7 @@ def splash(q: Array, k: Array, v: Array, segment_ids: Optional[Array],
   if segment_ids is not None:
     args.append(pad(segment_ids.astype(jnp.int32)))
   batch_axes = layers.mesh_axes('batch')
-  head_axes = layers.mesh_axes('heads')
-  if heads % layers.mesh_size(head_axes) or kv_heads % layers.mesh_size(head_axes):
-    head_axes = ()
+  head_axes = _head_axes(heads, kv_heads)
   fn = functools.partial(_splash_shard, interpret=interpret)
   if batch_axes or head_axes:
     mesh = jax.sharding.get_abstract_mesh()
@@ -145,7 +189,7 @@ def attend(q: Array, k: Array, v: Array, segment_ids: Optional[Array], attention
     return splash(q, k, v, segment_ids, interpret=True)
   if attention == 'cudnn' or (attention == 'auto' and gpu):
     return dot_product(q, k, v, segment_ids) if gpu else einsum(*args)
-  if q.shape[0] % layers.batch_shards():   # rows the kernel's shards cannot split (one row)
+  if not compiles_splash(attention, q.shape[0], dropout=False):   # rows the shards cannot split
     return einsum(*args)
   # 'splash', or 'auto' off GPU: the kernel where the program is lowered for TPU.
   return jax.lax.platform_dependent(*args, tpu=unpack(splash), default=einsum)

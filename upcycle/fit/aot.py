@@ -106,6 +106,9 @@ class FunctionReport:
   (`cost_analysis()`) per call, extrapolated from shallow copies where the function has
   loops (`extrapolated`, `step_count.py`; the compiler counts a loop body once);
   `compile_seconds` the function's own compile, `count_seconds` the shallow copies';
+  `kernel_flops_per_device`: the FLOPs of the model's kernels that the compiler counts as
+  nothing (a Pallas call: the splash attention kernel; `uncounted_flops`), in closed form,
+  added to the compiler's for the roofline;
   `model_flops_per_step` (train step) is the model's matmul FLOPs (`models/flops.py`, as
   logged in training); `roofline` the bound they imply (`roofline.py`); `uncounted` why a
   function with loops has no roofline (a shallow copy was refused, or its compiled program
@@ -131,10 +134,16 @@ class FunctionReport:
   roofline: Optional[rooflines.Roofline] = None
   uncounted: Optional[str] = None
   count_seconds: float = 0.0
+  kernel_flops_per_device: float = 0.0
 
   @property
   def total(self) -> int:
     return self.arguments + self.outputs - self.alias + self.temp + self.code
+
+  @property
+  def work_flops_per_device(self) -> float:
+    """The compiler's FLOPs and its uncounted kernels' together."""
+    return self.flops_per_device + self.kernel_flops_per_device
 
   @property
   def fits(self) -> bool:
@@ -147,7 +156,8 @@ class FunctionReport:
             'hbm_bytes_per_device': self.hbm.nominal,
             'usable_hbm_bytes_per_device': self.hbm.usable, 'fits': self.fits,
             'refused': self.refused, 'flops_per_device': self.flops_per_device,
-            'flops_per_step': self.flops_per_device * self.devices,
+            'kernel_flops_per_device': self.kernel_flops_per_device,
+            'flops_per_step': self.work_flops_per_device * self.devices,
             'bytes_accessed_per_device': self.bytes_per_device,
             'extrapolated': self.extrapolated, 'uncounted': self.uncounted,
             'model_flops_per_step': self.model_flops_per_step,
@@ -179,9 +189,21 @@ def _loopless_counts(lowered: jax.stages.Lowered, loops: int = 0) -> step_count.
   return _counts(compiled)
 
 
+def uncounted_flops(objective: Any, batch: Mapping[str, Any], *, train: bool,
+                    microbatches: int = 1) -> float:
+  """FLOPs per device and call of the kernels the compiler counts as nothing, under the
+  current mesh: the model config's `uncounted_flops` (`LlamaConfig`'s splash kernel) on each
+  microbatch of `batch` (shapes); 0 for a model without such kernels."""
+  count = getattr(objective.model.config, 'uncounted_flops', None)
+  if count is None:
+    return 0.0
+  rows, length = objective.init_batch(batch)[0].shape
+  return microbatches * count(rows // microbatches, length, train=train)
+
+
 def compile_report(lowered: jax.stages.Lowered, *, hbm: hbm_sizes.Capacity, devices: int,
-                   parts: Mapping[str, int],
-                   model_flops_per_step: Optional[float] = None) -> FunctionReport:
+                   parts: Mapping[str, int], model_flops_per_step: Optional[float] = None,
+                   kernel_flops_per_device: float = 0.0) -> FunctionReport:
   """Compiles `lowered` and reads the compiler's per-device memory, FLOPs and bytes; a program
   the compiler refuses for want of HBM is reported with the temporaries its refusal names."""
   start = time.perf_counter()
@@ -204,7 +226,7 @@ def compile_report(lowered: jax.stages.Lowered, *, hbm: hbm_sizes.Capacity, devi
       alias=int(memory.alias_size_in_bytes), temp=int(memory.temp_size_in_bytes),
       code=int(memory.generated_code_size_in_bytes), hbm=hbm, flops_per_device=flops,
       bytes_per_device=accessed, devices=devices, compile_seconds=seconds, parts=dict(parts),
-      model_flops_per_step=model_flops_per_step)
+      model_flops_per_step=model_flops_per_step, kernel_flops_per_device=kernel_flops_per_device)
 
 
 def with_roofline(report: FunctionReport, *, device_kind: str, megacore: bool,
@@ -233,7 +255,7 @@ def with_roofline(report: FunctionReport, *, device_kind: str, megacore: bool,
   if not_work:
     return dataclasses.replace(report, uncounted=not_work)
   return dataclasses.replace(report, roofline=rooflines.roofline(
-      flops_per_device=report.flops_per_device, bytes_per_device=report.bytes_per_device,
+      flops_per_device=report.work_flops_per_device, bytes_per_device=report.bytes_per_device,
       device_kind=device_kind, megacore=megacore, devices=report.devices,
       model_flops=report.model_flops_per_step))
 
@@ -357,7 +379,7 @@ def table(run: CompiledRun) -> str:
     rows.append((name, *(f'{x / GIB:.2f}' for x in (
         r.parts.get('parameters', 0), r.parts.get('optimizer_state', 0), r.arguments,
         r.outputs - r.alias, r.temp, r.total, r.hbm.usable)),
-                 '-' if r.refused else f'{r.flops_per_device / 1e12:.2f}',
+                 '-' if r.refused else f'{r.work_flops_per_device / 1e12:.2f}',
                  '-' if r.refused else f'{r.bytes_per_device / 1e9:.2f}',
                  '-' if model_flops is None else f'{model_flops / 1e12:.1f}',
                  '-' if r.roofline is None else
@@ -374,7 +396,8 @@ def table(run: CompiledRun) -> str:
                   f'({"megacore: one device per chip" if run.megacore else "one device per core"}'
                   f'), mesh {mesh}')
   lines.append("(GiB per device; usable HBM: what the TPU compiler can use of the device's; "
-               "TFLOP/dev, GB/dev: the compiler's FLOPs and HBM bytes accessed per call, every "
+               "TFLOP/dev, GB/dev: the compiler's FLOPs (with a kernel's it counts as nothing, "
+               'in closed form) and HBM bytes accessed per call, every '
                'loop iteration counted; roofline ms: the least time per call they allow, and '
                'what bounds it; MFU max: the model FLOPs utilization at that time; compile s: '
                "the function's compile, count s: its shallow copies', compiled to count every "
@@ -398,7 +421,8 @@ def _batch(spec: Mapping[str, Any], mesh: jax.sharding.Mesh) -> Dict[str, jax.Sh
 def _compile_or_reason(name: str, lower, *, hbm: hbm_sizes.Capacity, devices: int,
                        parts: Mapping[str, int], reports: Dict[str, FunctionReport],
                        not_compiled: Dict[str, str],
-                       model_flops_per_step: Optional[float] = None) -> None:
+                       model_flops_per_step: Optional[float] = None,
+                       kernel_flops_per_device: float = 0.0) -> None:
   """Lowers and compiles one function into `reports`, or its one-line reason into
   `not_compiled`."""
   try:
@@ -409,7 +433,8 @@ def _compile_or_reason(name: str, lower, *, hbm: hbm_sizes.Capacity, devices: in
     return
   try:
     reports[name] = compile_report(lowered, hbm=hbm, devices=devices, parts=parts,
-                                   model_flops_per_step=model_flops_per_step)
+                                   model_flops_per_step=model_flops_per_step,
+                                   kernel_flops_per_device=kernel_flops_per_device)
   except jax.errors.JaxRuntimeError as e:
     first = str(e).splitlines()[0]
     if 'RESOURCE_EXHAUSTED' not in first:
@@ -483,7 +508,10 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
                          parts={**state_parts, 'batch': per_device_bytes(sized)},
                          reports=into, not_compiled=reasons,
                          model_flops_per_step=step_flops(objective, sized,
-                                                         config.num_microbatches))
+                                                         config.num_microbatches),
+                         kernel_flops_per_device=uncounted_flops(
+                             objective, sized, train=True,
+                             microbatches=config.num_microbatches))
 
     def total_at(size: int) -> Optional[int]:
       found: Dict[str, FunctionReport] = {}
@@ -516,7 +544,8 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
           hbm=hbm, devices=n,
           parts={'parameters': state_parts['parameters'],
                  'batch': per_device_bytes(eval_batch)},
-          reports=reports, not_compiled=not_compiled)
+          reports=reports, not_compiled=not_compiled,
+          kernel_flops_per_device=uncounted_flops(objective, eval_batch, train=False))
       if 'eval_step' in reports:
         reports['eval_step'] = counted(reports['eval_step'], count=functools.partial(
             step_count.extrapolate, eval_step_counts, full_periods)

@@ -204,6 +204,20 @@ class LlamaConfig:
       total += batch * attention + flops.mlp_block(moe, batch, length, d, self.d_ff, unit)
     return total + 2 * batch * length * d * self.vocab_size   # logits
 
+  def uncounted_flops(self, batch: int, length: int, *, train: bool) -> float:
+    """FLOPs per device of the kernels on `[batch, length]` tokens that the TPU compiler's
+    cost analysis counts as nothing, under the current mesh: the splash kernel's in every
+    layer where `attention` compiles it for TPU (`fused_attention.compiles_splash`), else 0.
+    `train`: a forward and backward (the forward twice with any `remat_policy` but 'none':
+    the kernel's outputs are no dot a policy saves); else one forward."""
+    if not fused_attention.compiles_splash(self.attention, batch,
+                                           dropout=train and bool(self.dropout_rate)):
+      return 0.0
+    return self.num_layers * fused_attention.splash_flops(
+        rows=batch, length=length, heads=self.num_heads, kv_heads=self.num_kv_heads,
+        head_dim=self.head_dim, forwards=2 if train and self.remat_policy != 'none' else 1,
+        backward=train)
+
 
 class Attention(nn.Module):
   """Causal grouped-query self-attention with rotary positions (HF `LlamaAttention`).
