@@ -396,9 +396,9 @@ def table(run: CompiledRun) -> str:
                   f'({"megacore: one device per chip" if run.megacore else "one device per core"}'
                   f'), mesh {mesh}')
   lines.append("(GiB per device; usable HBM: what the TPU compiler can use of the device's; "
-               "TFLOP/dev, GB/dev: the compiler's FLOPs (with a kernel's it counts as nothing, "
-               'in closed form) and HBM bytes accessed per call, every '
-               'loop iteration counted; roofline ms: the least time per call they allow, and '
+               "TFLOP/dev, GB/dev: FLOPs (the compiler's, and in closed form a kernel's it "
+               'counts as nothing) and HBM bytes accessed per call, every loop iteration '
+               'counted; roofline ms: the least time per call they allow, and '
                'what bounds it; MFU max: the model FLOPs utilization at that time; compile s: '
                "the function's compile, count s: its shallow copies', compiled to count every "
                'layer and microbatch)')
