@@ -528,18 +528,21 @@ def test_a_sweep_run_pretrains_at_its_peak_and_evaluates_its_last_checkpoint_on_
   gin_utils.check_repeats(gin_utils.parse_flags(command[3:], 'study')[1])
 
 
-def _write_routing(runs_dir, arm, top1, experts=8, family='t5', seed=0):
+def _write_routing(runs_dir, arm, top1, experts=8, family='t5', seed=0, logged=None):
   """Appends to a `_write_run` run the routing-health row the trainer writes
-  (`MetricLogger.record` of `routing_health.health`), from training rows whose two MoE layers
-  had top-1 router probabilities `top1`."""
+  (`MetricLogger.record` of `routing_health.health`), from training rows at steps 100 and 200
+  whose two MoE layers had top-1 router probabilities `top1`; with `logged` ({step: top1}),
+  from those training rows instead, logged too as the trainer logs them."""
   from upcycle.train import routing_health  # pylint: disable=g-import-not-at-top
   from upcycle.train.logger import MetricLogger  # pylint: disable=g-import-not-at-top
   run_dir = os.path.join(runs_dir, family, arm, f'seed{seed}')
   layers = ('encoder/layers_1/mlp', 'decoder/layers_1/mlp')
   train = [{'split': 'train', 'step': s, **{f'moe/{layer}/router_top1_probability': p
-                                            for layer, p in zip(layers, top1)}}
-           for s in (100, 200)]
+                                            for layer, p in zip(layers, values)}}
+           for s, values in (logged or {100: top1, 200: top1}).items()]
   logger = MetricLogger(run_dir, 200, 0, tensorboard=False, append=True)
+  for row in train if logged else ():
+    logger.record(row)
   logger.record(routing_health.health(train, {layer: experts for layer in layers}))
   logger.close()
 
@@ -602,9 +605,13 @@ def _write_precondition_runs(runs_dir):
                family='llama')
     _write_run(runs_dir, drop_runs.PRECONDITION_SCRATCH, seed, None, 3.5,
                {0: 8.0, 20: 6.5, 35: 5.4 + jitter}, family='llama')
-    _write_routing(runs_dir, 'regime_scratch', (0.3, 0.14 if seed == 1 else 0.25), seed=seed)
+    # Its routers: near uniform at step 50 (0.14 < 1.5 / 8), learned by step 100 but in seed
+    # 1's decoder.
+    late = (0.3, 0.14 if seed == 1 else 0.25)
+    _write_routing(runs_dir, 'regime_scratch', late, seed=seed,
+                   logged={50: (0.14, 0.14), 100: late})
     _write_routing(runs_dir, drop_runs.PRECONDITION_SCRATCH, (0.3, 0.3), family='llama',
-                   seed=seed)
+                   seed=seed, logged={20: (0.3, 0.3), 35: (0.3, 0.3)})
 
 
 def test_the_precondition_compares_the_moe_and_dense_from_scratch_at_equal_flops(tmp_path):
@@ -640,6 +647,9 @@ def test_the_precondition_compares_the_moe_and_dense_from_scratch_at_equal_flops
   np.testing.assert_allclose(early['d'], [-1.05] * 3)
   assert early['verdict'] == 'no' and early['ended'] == ['regime_pretrain'] * 3
   np.testing.assert_allclose(early['flops'], [100.0] * 3)
+  # The MoE's routers as of its step 50 there (100 FLOPs at 2 a step), not its end's.
+  assert [r['routers_learned'] for r in early['routing']] == [False] * 3
+  assert early['routing'][0]['layers']['encoder/layers_1/mlp']['top1_probability'] == 0.14
   assert set(found['early']) == {'t5'}    # the Llama's cosine: a point mid-run is no run
   # An arm not finished for every seed: no comparison yet.
   os.remove(os.path.join(runs_dir, 'llama', 'pretrain', 'seed2', 'study.done'))
@@ -666,7 +676,8 @@ def test_results_md_opens_with_the_precondition(tmp_path, monkeypatch):
   assert '**Is the MoE from scratch better than dense at equal FLOPs: yes** (d = +0.1441, s.e. 0.0042, 3 seeds)' in t5
   assert '† Routers that did not learn' in t5 and '`regime_scratch` seed 1' in t5
   early = t5.split('Read again at half the budget, where `regime_pretrain` ended')[1]
-  assert '| 0 | 3.7500 | 4.8000 | -1.0500 | 100 (where `regime_pretrain` ended) | yes |' in early
+  # There the MoE is at its step 50, whose routers had not learned yet.
+  assert '| 0 | 3.7500 | 4.8000 | -1.0500 | 100 (where `regime_pretrain` ended) | no† |' in early
   assert '**Is the MoE from scratch better than dense at equal FLOPs: no** (d = -1.0500, s.e. ' \
       '0.0000, 3 seeds)' in early
   assert '**Is the MoE from scratch better than dense at equal FLOPs: no**' in llama

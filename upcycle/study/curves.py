@@ -113,11 +113,17 @@ class Results:
   def curves(self, family: str, arm: str) -> List[Curve]:
     return [self.curve(family, arm, s) for s in self.seeds]
 
-  def routing_health(self, family: str, arm: str, seed: int) -> Optional[dict]:
+  def routing_health(self, family: str, arm: str, seed: int,
+                     until_step: Optional[float] = None) -> Optional[dict]:
     """The run's routing-health row (`upcycle.train.routing_health`); None for a dense run or
-    one trained before runs wrote the row."""
-    return routing_health.of_run(read_rows(os.path.join(self.runs_dir, family, arm,
-                                                        f'seed{seed}')))
+    one trained before runs wrote the row. With `until_step` before the run's end: the row the
+    run would have written had it stopped there (over its training rows up to that step)."""
+    rows = read_rows(os.path.join(self.runs_dir, family, arm, f'seed{seed}'))
+    row = routing_health.of_run(rows)
+    if row is None or until_step is None or until_step >= row['step']:
+      return row
+    return routing_health.health([r for r in rows if r.get('step', 0) <= until_step],
+                                 {layer: h['num_experts'] for layer, h in row['layers'].items()})
 
   def unlearned_routers(self, family: str, arm: str) -> Dict[int, dict]:
     """{seed: its routing-health row} of the arm's runs whose routers did not learn."""

@@ -52,7 +52,7 @@ def compare(results: Results, family: str, dense: Optional[str] = None
   Returns {'dense', 'moe': the arms; 'dense_loss', 'moe_loss', 'd': `[seeds]` (d > 0 when the
   MoE is better); 'flops': `[seeds]` the largest training FLOPs both runs reached; 'ended':
   per seed the arm that ended there; 'verdict'; 'routing': per seed the MoE run's
-  routing-health row or None}.
+  routing-health row as of the step read (`Results.routing_health`), or None}.
   """
   dense, moe = dense or PAIRS[family][0], PAIRS[family][1]
   if not (results.has(family, dense) and results.has(family, moe)):
@@ -63,7 +63,13 @@ def compare(results: Results, family: str, dense: Optional[str] = None
   return {'dense': dense, 'moe': moe, 'dense_loss': dense_loss, 'moe_loss': moe_loss, 'd': d,
           'flops': np.array([float(x[-1]) for x, _ in points]), 'ended': [arm for _, arm in points],
           'verdict': claims.verdict(d, 'better'),
-          'routing': [results.routing_health(family, moe, s) for s in results.seeds]}
+          'routing': [results.routing_health(family, moe, s, until_step=_step_at(
+              results.curve(family, moe, s), x[-1])) for s, (x, _) in zip(results.seeds, points)]}
+
+
+def _step_at(curve, flops: float) -> float:
+  """The step of `curve`'s run at which its total training FLOPs reached `flops`."""
+  return float(np.interp(flops, curve.total_flops, curve.steps))
 
 
 def summary(results: Results) -> Dict[str, Optional[Dict[str, object]]]:

@@ -112,20 +112,26 @@ def unlearned_routers(results: Results, family: str, arms: Sequence[str]
   its layers' top-1 router probabilities; None when every run's routers learned or no run says
   (dense runs, runs from before the routing-health row))."""
   flagged = {arm: results.unlearned_routers(family, arm) for arm in arms}
-  runs = []
-  for arm, seeds in flagged.items():
-    for seed, row in seeds.items():
-      layers = ', '.join(f"{layer} {h['top1_probability']:.3f} (uniform "
-                         f"{h['uniform_probability']:.3f})" for layer, h in row['layers'].items())
-      runs.append(f'`{arm}` seed {seed}: {layers}')
   marks = {arm: UNLEARNED if seeds else '' for arm, seeds in flagged.items()}
-  if not runs:
-    return marks, None
-  return marks, (f'{UNLEARNED} Routers that did not learn (criterion: '
-                 f'{routing_health.CRITERION}; from the run\'s `routing_health` row of '
-                 f'metrics.jsonl), with the top-1 router probability of each MoE layer: '
-                 f'{"; ".join(runs)}. Such a number measures an MoE whose routing stayed near '
-                 f'uniform.')
+  return marks, _unlearned_footnote(
+      [(arm, seed, row) for arm, seeds in flagged.items() for seed, row in seeds.items()],
+      "from the run's `routing_health` row of metrics.jsonl")
+
+
+def _unlearned_footnote(runs: Sequence[Tuple[str, int, dict]], source: str) -> Optional[str]:
+  """The footnote naming each (arm, seed, routing-health row) of `runs` whose routers did not
+  learn, with its layers' top-1 router probabilities (`source`: where the rows come from);
+  None when there is none."""
+  named = [f'`{arm}` seed {seed}: ' + ', '.join(
+      f"{layer} {h['top1_probability']:.3f} (uniform {h['uniform_probability']:.3f})"
+      for layer, h in row['layers'].items()) for arm, seed, row in runs
+           if not row['routers_learned']]
+  if not named:
+    return None
+  return (f'{UNLEARNED} Routers that did not learn (criterion: {routing_health.CRITERION}; '
+          f'{source}), with the top-1 router probability of each MoE layer: '
+          f'{"; ".join(named)}. Such a number measures an MoE whose routing stayed near '
+          f'uniform.')
 
 
 def trails(results: Results, scale) -> List[tuple]:
@@ -312,9 +318,15 @@ def _routing_cell(row: Optional[dict]) -> str:
 
 
 def _pair(results: Results, found: dict) -> List[str]:
-  """A `precondition.compare`'s table per seed and its verdict."""
+  """A `precondition.compare`'s table per seed, its verdict, and the footnote on its MoE
+  runs whose routers had not learned by the step read."""
   d = found['d']
   spread = f's.e. {claims.standard_error(d):.4f}, {len(d)} seeds' if len(d) > 1 else '1 seed'
+  footnote = _unlearned_footnote(
+      [(found['moe'], seed, row) for seed, row in zip(results.seeds, found['routing'])
+       if row is not None],
+      "over the MoE run's training rows up to the step read: its `routing_health` row where "
+      'that is its end')
   return [table(('seed', 'dense loss', 'MoE loss', 'd (dense − MoE)', 'at training FLOPs',
                  'MoE routers learned?'),
                 [(seed, f'{dense:.4f}', f'{moe:.4f}', f'{d:+.4f}',
@@ -323,7 +335,7 @@ def _pair(results: Results, found: dict) -> List[str]:
                      results.seeds, found['dense_loss'], found['moe_loss'], found['d'],
                      found['flops'], found['ended'], found['routing'])]),
           f"**Is the MoE from scratch better than dense at equal FLOPs: {found['verdict']}** "
-          f"(d = {d.mean():+.4f}, {spread})."]
+          f"(d = {d.mean():+.4f}, {spread})."] + ([footnote] if footnote else [])
 
 
 def precondition_parts(results: Results, summary, scale) -> List[str]:
@@ -340,7 +352,7 @@ def precondition_parts(results: Results, summary, scale) -> List[str]:
       f'evaluation{"s" * (scale.final_window > 1)}, '
       'interpolated on the training-FLOPs axis. d = dense − MoE (> 0 when the MoE is better), '
       "paired by seed; the verdict that the MoE is better by the 2 s.e. rule. Routers learned: "
-      f'{routing_health.CRITERION} (the run\'s `routing_health` row).']
+      f'{routing_health.CRITERION} (over the run\'s training rows up to the step read).']
   for family, (name, arms) in PRECONDITION_FAMILIES.items():
     parts += [f'### {name}', arms(scale)]
     found = summary[family]
@@ -350,9 +362,6 @@ def precondition_parts(results: Results, summary, scale) -> List[str]:
                    'Not finished: `python -m upcycle.study --suite precondition` runs it.')
       continue
     parts += _pair(results, found)
-    _, footnote = unlearned_routers(results, family, [found['moe']])
-    if footnote:
-      parts.append(footnote)
     early = summary['early'].get(family)
     if early is not None:
       parts += [f'Read again at half the budget, where `{early["dense"]}` ended (T5\'s rsqrt '
