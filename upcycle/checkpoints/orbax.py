@@ -384,8 +384,9 @@ def dataset_state(step_dir: str) -> Optional[dict]:
 
 
 def load(path: str, with_optimizer_state: bool = True) -> Checkpoint:
-  """A step directory, or a run's MODEL_DIR or its checkpoints/ (the latest step) -> Checkpoint with lazy leaves (the
-  optimizer state None unless `with_optimizer_state` and saved)."""
+  """A step directory, or a run's MODEL_DIR or its checkpoints/ (the latest step) ->
+  Checkpoint with lazy leaves (the optimizer state None unless `with_optimizer_state` and
+  saved)."""
   path = latest(path)
   optimizer_dir = os.path.join(path, OPTIMIZER)
   return Checkpoint(
