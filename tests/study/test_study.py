@@ -519,7 +519,7 @@ def test_a_sweep_run_pretrains_at_its_peak_and_evaluates_its_last_checkpoint_on_
   assert '--gin.optimizers.rsqrt_schedule.base_learning_rate=0.32' in flags
   assert '--gin.WARMUP_STEPS=100' in flags and f'--gin.TRAIN_STEPS={FULL.regime_pretrain_steps}' \
       in flags
-  command = run.final_eval_command('runs', FULL, 'python')
+  command = run.final_eval_command('runs', 'python')
   assert command[:3] == ['python', '-m', 'upcycle.eval']
   assert (f"--gin.CHECKPOINT_PATH='runs/t5/lr_0.032/seed1/checkpoints/"
           f"{FULL.regime_pretrain_steps}'") in command

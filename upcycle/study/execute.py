@@ -68,7 +68,7 @@ def run_all(runs: Sequence[Run], runs_dir: str, scale: Scale, *, jobs: int = 2,
       log = open(os.path.join(run.directory(runs_dir), LOG), 'w')
       commands = [run.command(runs_dir, scale, python)]
       if run.final_eval_batches is not None:
-        commands.append(run.final_eval_command(runs_dir, scale, python))
+        commands.append(run.final_eval_command(runs_dir, python))
       with open(os.path.join(run.directory(runs_dir), 'study.json'), 'w') as f:
         json.dump({'command': commands[0], 'source': run.source}, f)
       running[run.name] = (run, _start(commands[0], log, repository, env), log, time.time(),

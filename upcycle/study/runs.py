@@ -91,7 +91,7 @@ class Run:
             *[f'--gin.{b}' for b in chosen.values()]]
 
 
-  def final_eval_command(self, runs_dir: str, scale: Scale, python: str) -> List[str]:
+  def final_eval_command(self, runs_dir: str, python: str) -> List[str]:
     """`python -m upcycle.eval` of the run's last checkpoint: loss and accuracy over
     `final_eval_batches` (0: all) unshuffled validation batches, no decoding, written to
     <run>/final_eval (eval_results.json)."""
@@ -100,10 +100,8 @@ class Run:
     model, data = FAMILY_FILES[self.family]
     run_dir = self.directory(runs_dir)
     steps = self.train_steps(runs_dir)
-    lengths = ((f'--gin.TASK_FEATURE_LENGTHS={scale.t5_feature_lengths}',)
-               if scale.t5_feature_lengths else ())
     return [python, '-m', 'upcycle.eval', f'--gin_file={model}', '--gin_file=runs/eval.gin',
-            f'--gin_file={data}', *lengths,
+            f'--gin_file={data}',
             f"--gin.CHECKPOINT_PATH='{os.path.join(run_dir, 'checkpoints', str(steps))}'",
             f"--gin.EVAL_OUTPUT_DIR='{os.path.join(run_dir, FINAL_EVAL)}'",
             f'--gin.BATCH_SIZE={FINAL_EVAL_BATCH_SIZE}',

@@ -21,8 +21,9 @@ class Scale:
     expert_counts: E of the expert-count claim.
     eval_every, log_every, checkpoint_every: the trainer's cadence (checkpoints must land on
       P and P / 2).
-    t5_batch_size, t5_feature_lengths: 0 / '' keep the offline default's (16; 128 / 32);
-      `t5_batch` is the batch the T5 runs train with.
+    t5_batch_size: 0 keeps the offline default's (16); `t5_batch` is the batch the T5 runs
+      train with. Every run reads the offline default's sequence lengths (T5: 128 inputs /
+      32 targets; Llama: 128).
     final_window: a run's final value is the mean of its last `final_window` evaluations.
     trail_long_steps: the `trails` suite's long horizon after P.
     trail_late_upcycling_step: where its late upcycling starts (a multiple of
@@ -43,7 +44,7 @@ class Scale:
     llama_learning_rate: its peak learning rate (cosine to a tenth of it).
     llama_warmup_steps: the warmup of every run's schedule (the pretraining's and each arm's
       own).
-    llama_batch_size, llama_feature_lengths: 0 / '' keep the offline default's (16; 128).
+    llama_batch_size: 0 keeps the offline default's (16).
     recipe_peaks: the peak learning rates the `recipe` suite sweeps (T5X's rsqrt schedule,
       base rate = peak x sqrt(recipe_warmup_steps)).
     recipe_warmup_steps: their warmup (WARMUP_STEPS).
@@ -64,7 +65,6 @@ class Scale:
   log_every: int = 10
   checkpoint_every: int = 100
   t5_batch_size: int = 0
-  t5_feature_lengths: str = ''
   final_window: int = 1
   trail_long_steps: int = 1500
   trail_late_upcycling_step: int = 1000
@@ -80,7 +80,6 @@ class Scale:
   llama_learning_rate: float = 1e-3
   llama_warmup_steps: int = 20
   llama_batch_size: int = 0
-  llama_feature_lengths: str = ''
   recipe_peaks: Tuple[float, ...] = (0.1, 0.032, 0.01)
   recipe_warmup_steps: int = 100
   recipe_eval_batches: int = 0
@@ -93,31 +92,30 @@ class Scale:
   def family_bindings(self, family: str) -> Tuple[str, ...]:
     if family == 'llama':
       return ((f'BATCH_SIZE={self.llama_batch_size}',) if self.llama_batch_size else ()) + (
-          (f'TASK_FEATURE_LENGTHS={self.llama_feature_lengths}',)
-          if self.llama_feature_lengths else ()
-      ) + (f'trainer.TrainConfig.eval_every={self.llama_eval_every}',
-           f'EVAL_STEPS={self.llama_eval_batches}', 'validation/lm.LmPipeline.shuffle=True',
-           f'LEARNING_RATE={self.llama_learning_rate}',
-           f'WARMUP_STEPS={self.llama_warmup_steps}',
-           f'MIN_LEARNING_RATE={self.llama_learning_rate / 10}')
+          f'trainer.TrainConfig.eval_every={self.llama_eval_every}',
+          f'EVAL_STEPS={self.llama_eval_batches}', 'validation/lm.LmPipeline.shuffle=True',
+          f'LEARNING_RATE={self.llama_learning_rate}',
+          f'WARMUP_STEPS={self.llama_warmup_steps}',
+          f'MIN_LEARNING_RATE={self.llama_learning_rate / 10}')
     if family != 't5':
       return ('trainer.TrainConfig.eval_batches=0',)   # the whole digits validation split
     return ((f'BATCH_SIZE={self.t5_batch_size}',) if self.t5_batch_size else ()) + (
-        (f'TASK_FEATURE_LENGTHS={self.t5_feature_lengths}',) if self.t5_feature_lengths else ()
-    ) + (f'trainer.TrainConfig.eval_batches={self.t5_eval_batches}',
-         'validation/text.TextPipeline.shuffle=True')
+        f'trainer.TrainConfig.eval_batches={self.t5_eval_batches}',
+        'validation/text.TextPipeline.shuffle=True')
 
 
 # The main job's setting (quickstart: tiny T5, batch 16, P = 200), with 3x its extra steps.
 FULL = Scale(t5_pretrain_steps=200, t5_extra_steps=300, vit_pretrain_steps=200,
              vit_extra_steps=200, seeds=(0, 1, 2), final_window=3)
 
-# A smoke run of every arm, one seed, a few steps on shorter sequences (the test suite runs it).
+# A smoke run of every arm, one seed, a few steps of small batches (the test suite runs it) at
+# the offline default's sequence lengths: the render counts an epoch of each corpus by reading
+# it, and that read costs per sequence (4x the sequences at a quarter of the length, 4x the time).
 QUICK = Scale(t5_pretrain_steps=4, t5_extra_steps=4, vit_pretrain_steps=4, vit_extra_steps=4,
               seeds=(0,), expert_counts=(4, 8), eval_every=4, log_every=2, checkpoint_every=2,
-              t5_batch_size=4, t5_feature_lengths="{'inputs': 32, 'targets': 8}",
+              t5_batch_size=4,
               trail_long_steps=8, trail_late_upcycling_step=8, t5_eval_batches=2,
               regime_pretrain_steps=4, llama_pretrain_steps=4, llama_extra_steps=4,
               llama_eval_every=4, llama_eval_batches=2, llama_batch_size=4, llama_warmup_steps=2,
-              llama_feature_lengths="{'targets': 32}", recipe_peaks=(0.1,),
+              recipe_peaks=(0.1,),
               recipe_warmup_steps=2, recipe_eval_batches=2)
