@@ -260,6 +260,46 @@ def _t5_xl_on_a_v4_32(**changes):
   return dataclasses.replace(settings, **changes)
 
 
+def test_loss_chunks_are_advised_where_the_float32_logits_are_a_quarter_of_the_temporaries():
+  """Llama-3.2-1B on a v4-32 as the fit table compiles it (batch 128 x 4096 over 16 chips, 2
+  microbatches): 4 rows per chip in the train step, 8 in the eval step, whose float32 logits
+  over 128,256 pieces are 4 x 4096 x 128256 x 4 bytes = 7.83 GiB and 15.66 GiB."""
+  from upcycle.fit import levers  # pylint: disable=g-import-not-at-top
+  from upcycle.train import objectives, optimizers, trainer  # pylint: disable=g-import-not-at-top
+  gib = 2**30
+  objective = objectives.CausalLm(models.Llama(models.LlamaConfig(
+      vocab_size=128256, scan_layers=True, remat_policy='full')))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(8, 1, 1),
+                           ('data', 'expert', 'model'))
+  config = trainer.TrainConfig('unused', train_steps=1, batch_size=64, num_microbatches=2)
+  s = levers.read(config=config, objective=objective,
+                  optimizer=optimizers.AdamW(schedule=1e-4), mesh=mesh, sequence_length=4096)
+  assert (s.loss_chunks, s.logit_bytes_per_row) == (1, 4096 * 128256 * 4)
+  assert (s.rows_per_device(microbatched=True), s.rows_per_device(microbatched=False)) == (4, 8)
+  activations = dict(parameters=gib // 4, optimizer_state=gib // 2)
+  train = levers.advise(s, **activations, temp=int(26.83 * gib), rows=4)
+  assert train[0] == ('LOSS_CHUNKS = 8 (is 1: the float32 logits over the whole vocabulary are '
+                      '7.83 GiB per device; the loss 8 slices of the sequence at a time)')
+  assert levers.advise(s, **activations, temp=40 * gib, rows=8)[0].startswith(
+      'LOSS_CHUNKS = 8 (is 1: the float32 logits over the whole vocabulary are 15.66 GiB')
+  # Under a quarter of the temporaries (7.83 x 4 < 32): not the lever to reach for.
+  assert not any(x.startswith('LOSS_CHUNKS') for x in levers.advise(
+      s, **activations, temp=32 * gib, rows=4))
+  chunked = dataclasses.replace(s, loss_chunks=8)
+  assert 'LOSS_CHUNKS = 8' in levers.already_set(chunked)
+  assert not any(x.startswith('LOSS_CHUNKS') for x in levers.advise(
+      chunked, **activations, temp=int(26.83 * gib), rows=4))
+  # The largest of 8, 4, 2 that divides the length; none for an odd length.
+  assert [levers.loss_chunks_for(n) for n in (4096, 4100, 4098, 4095)] == [8, 4, 2, 1]
+  odd = dataclasses.replace(s, sequence_length=4095, logit_bytes_per_row=4095 * 128256 * 4)
+  assert not any(x.startswith('LOSS_CHUNKS') for x in levers.advise(
+      odd, **activations, temp=int(26.83 * gib), rows=4))
+  # An encoder-decoder's loss has no chunks: never advised, whatever its logits.
+  assert levers.advise(_t5_xl_on_a_v4_32(), parameters=gib, optimizer_state=0,
+                       temp=33 * gib, rows=8) == [
+      'a smaller BATCH_SIZE (is 256; --find_batch predicts the largest that fits)']
+
+
 def test_levers_already_set_are_named_and_never_advised():
   from upcycle.fit import batch_fit, levers  # pylint: disable=g-import-not-at-top
   gib = 2**30

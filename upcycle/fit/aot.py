@@ -313,10 +313,12 @@ def larger_slice(report: FunctionReport, search: batch_fit.BatchSearch, *, devic
 
 
 def advice(report: FunctionReport, settings: levers.Settings,
-           search: Optional[batch_fit.BatchSearch] = None, slice_lever: str = '') -> str:
+           search: Optional[batch_fit.BatchSearch] = None, slice_lever: str = '',
+           rows: int = 0) -> str:
   """One line: by how much `report` fits within the usable HBM or not and, when it does not,
   what dominates and the levers the run has not set that would shrink it (`levers.py`;
-  `search`, --find_batch's, and `slice_lever`, `larger_slice`, for the train step)."""
+  `search`, --find_batch's, and `slice_lever`, `larger_slice`, for the train step; `rows`,
+  the rows a device holds in the function's call)."""
   usable = report.hbm.usable / GIB
   margin = (report.hbm.usable - report.total) / GIB
   if report.fits:
@@ -326,7 +328,7 @@ def advice(report: FunctionReport, settings: levers.Settings,
           f'can use (of {report.hbm.nominal / GIB:.0f} GiB); ' + levers.summary(
               settings, parameters=report.parts.get('parameters', 0),
               optimizer_state=report.parts.get('optimizer_state', 0), temp=report.temp,
-              search=search, larger_slice=slice_lever))
+              search=search, larger_slice=slice_lever, rows=rows))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,7 +355,9 @@ class CompiledRun:
       slice_lever = '' if search is None or not search.none_fits() else larger_slice(
           r, search, devices=len(self.devices), device_kind=self.devices[0].device_kind,
           megacore=self.megacore)
-      out[name] = advice(r, self.settings, search, slice_lever)
+      rows = (self.settings.rows_per_device(microbatched=name == 'train_step')
+              if name in ('train_step', 'eval_step') else 0)
+      out[name] = advice(r, self.settings, search, slice_lever, rows=rows)
     return out
 
   def describe(self, topology: str) -> Dict[str, Any]:
@@ -418,6 +422,12 @@ def _batch(spec: Mapping[str, Any], mesh: jax.sharding.Mesh) -> Dict[str, jax.Sh
           for k, (shape, dtype) in spec.items()}
 
 
+def _sequence_length(spec: Mapping[str, Any]) -> int:
+  """The length of the rows' targets (what the loss runs over); 0 for a batch without."""
+  shape, _ = spec.get('decoder_target_tokens', ((0, 0), None))
+  return shape[1]
+
+
 def _compile_or_reason(name: str, lower, *, hbm: hbm_sizes.Capacity, devices: int,
                        parts: Mapping[str, int], reports: Dict[str, FunctionReport],
                        not_compiled: Dict[str, str],
@@ -460,8 +470,8 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
                     host_batch=host_batch, devices=devices)
   mesh, n = built.mesh, len(devices)
   hbm = hbm_sizes.capacity(devices[0].device_kind, megacore)
-  settings = levers.read(config=config, model_config=objective.model.config,
-                         optimizer=optimizer, mesh=mesh)
+  settings = levers.read(config=config, objective=objective, optimizer=optimizer, mesh=mesh,
+                         sequence_length=_sequence_length(host_batch))
   reports: Dict[str, FunctionReport] = {}
   not_compiled: Dict[str, str] = {}
   search = None

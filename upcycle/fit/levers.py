@@ -5,7 +5,10 @@ a lever already set is named as set and never advised. The rest are advised by w
 compile says dominates a device's memory:
 
   activations (temporaries) over parameters + optimizer state: REMAT_POLICY = 'full',
-      SCAN_LAYERS = True, then a smaller BATCH_SIZE (`batch_fit`: the largest that fits);
+      SCAN_LAYERS = True, LOSS_CHUNKS (a causal LM whose float32 logits over the whole
+      vocabulary are a quarter of the temporaries or more: the loss a slice of the sequence
+      at a time, `objectives.CausalLm.loss_chunks`), then a smaller BATCH_SIZE (`batch_fit`:
+      the largest that fits);
   parameters + optimizer state over activations: the most expert partitions the experts and
       devices allow, LOGICAL_AXIS_RULES = 'fsdp' (when the mesh has a data axis to split
       over), and a factored optimizer when the state is as large as the parameters or more
@@ -33,7 +36,10 @@ class Settings:
 
   `mesh`: {'data', 'expert', 'model'} sizes; `num_experts`: the most experts of its MoE
   blocks (0: dense); `factored`: the optimizer's `factored` field, None where it has none
-  (AdamW: full-size moments; big_vision's Adafactor: always factored).
+  (AdamW: full-size moments; big_vision's Adafactor: always factored); `loss_chunks`: the
+  objective's (`CausalLm.loss_chunks`), None where its loss has no chunks; `sequence_length`
+  and `logit_bytes_per_row`: the rows' length and the float32 logits of one row over the
+  whole vocabulary (length x vocabulary x 4; 0 where the loss has no chunks).
   """
 
   scan_layers: bool
@@ -45,6 +51,9 @@ class Settings:
   factored: Optional[bool]
   num_microbatches: int
   batch_size: int
+  loss_chunks: Optional[int] = None
+  sequence_length: int = 0
+  logit_bytes_per_row: int = 0
 
   def most_expert_partitions(self) -> int:
     """The most expert partitions the experts allow over the devices not in 'model'."""
@@ -54,10 +63,20 @@ class Settings:
     """What BATCH_SIZE must be a multiple of: every microbatch split over data x expert."""
     return self.mesh['data'] * self.mesh['expert'] * self.num_microbatches
 
+  def rows_per_device(self, microbatched: bool) -> int:
+    """Rows a device holds in one call: the train step's microbatch (`microbatched`), or
+    the eval step's whole batch."""
+    rows = self.batch_size // (self.mesh['data'] * self.mesh['expert'])
+    return max(1, rows // self.num_microbatches if microbatched else rows)
 
-def read(*, config: Any, model_config: Any, optimizer: Any, mesh: Any) -> Settings:
-  """The settings of a run from its TrainConfig, model config, optimizer config and mesh."""
+
+def read(*, config: Any, objective: Any, optimizer: Any, mesh: Any,
+         sequence_length: int) -> Settings:
+  """The settings of a run from its TrainConfig, objective, optimizer config, mesh and the
+  length of its training rows."""
+  model_config = objective.model.config
   moes = [v for v in vars(model_config).values() if isinstance(v, MoeConfig)]
+  loss_chunks = getattr(objective, 'loss_chunks', None)
   return Settings(
       scan_layers=bool(getattr(model_config, 'scan_layers', False)),
       remat_policy=getattr(model_config, 'remat_policy', 'none'),
@@ -65,7 +84,10 @@ def read(*, config: Any, model_config: Any, optimizer: Any, mesh: Any) -> Settin
       mesh={name: int(size) for name, size in mesh.shape.items()},
       num_experts=max((moe.num_experts for moe in moes), default=0),
       optimizer=type(optimizer).__name__, factored=getattr(optimizer, 'factored', None),
-      num_microbatches=config.num_microbatches, batch_size=config.batch_size)
+      num_microbatches=config.num_microbatches, batch_size=config.batch_size,
+      loss_chunks=loss_chunks, sequence_length=sequence_length,
+      logit_bytes_per_row=(0 if loss_chunks is None else
+                           sequence_length * model_config.vocab_size * 4))
 
 
 def already_set(s: Settings) -> List[str]:
@@ -88,20 +110,31 @@ def already_set(s: Settings) -> List[str]:
     out.append(f'{s.optimizer}.factored = True')
   if s.num_microbatches > 1:
     out.append(f'num_microbatches = {s.num_microbatches}')
+  if s.loss_chunks and s.loss_chunks > 1:
+    out.append(f'LOSS_CHUNKS = {s.loss_chunks}')
   return out
 
 
 def advise(s: Settings, *, parameters: int, optimizer_state: int, temp: int,
-           search: Optional[batch_fit.BatchSearch] = None) -> List[str]:
+           search: Optional[batch_fit.BatchSearch] = None, rows: int = 0) -> List[str]:
   """The levers `s` has not set that would shrink what dominates: activations (`temp`) or
   the state (`parameters` + `optimizer_state`, bytes per device). `search`: --find_batch's
-  (`batch_fit`), when searched."""
+  (`batch_fit`), when searched; `rows`: the rows a device holds in the function's one call
+  (`Settings.rows_per_device`; 0: none)."""
   if temp >= parameters + optimizer_state:
-    return _activation_levers(s, search)
+    return _activation_levers(s, search, logits=rows * s.logit_bytes_per_row, temp=temp)
   return _state_levers(s, parameters, optimizer_state)
 
 
-def _activation_levers(s: Settings, search: Optional[batch_fit.BatchSearch]) -> List[str]:
+def loss_chunks_for(sequence_length: int) -> int:
+  """The LOSS_CHUNKS to advise: 8 (MaxText's vocabulary tiling in the fit table: the 1B's
+  step in half the temporaries), else the largest of 4 and 2 that divides the length; 1
+  where none does."""
+  return next((n for n in (8, 4, 2) if sequence_length % n == 0), 1)
+
+
+def _activation_levers(s: Settings, search: Optional[batch_fit.BatchSearch], *, logits: int,
+                       temp: int) -> List[str]:
   out = []
   if s.remat_policy != 'full':
     out.append(f"REMAT_POLICY = 'full' (is {s.remat_policy!r}: recompute every block's "
@@ -109,6 +142,11 @@ def _activation_levers(s: Settings, search: Optional[batch_fit.BatchSearch]) -> 
   if not s.scan_layers:
     out.append('SCAN_LAYERS = True (the layer stack under nn.scan: with remat, one input per '
                'layer is kept)')
+  chunks = loss_chunks_for(s.sequence_length)
+  if s.loss_chunks == 1 and chunks > 1 and 4 * logits >= temp:
+    out.append(f'LOSS_CHUNKS = {chunks} (is 1: the float32 logits over the whole vocabulary '
+               f'are {logits / GIB:.2f} GiB per device; the loss {chunks} slices of the '
+               f'sequence at a time)')
   if search is None:
     out.append(f'a smaller BATCH_SIZE (is {s.batch_size}; --find_batch predicts the largest '
                f'that fits)')
@@ -134,15 +172,17 @@ def _state_levers(s: Settings, parameters: int, optimizer_state: int) -> List[st
 
 
 def summary(s: Settings, *, parameters: int, optimizer_state: int, temp: int,
-            search: Optional[batch_fit.BatchSearch] = None, larger_slice: str = '') -> str:
+            search: Optional[batch_fit.BatchSearch] = None, larger_slice: str = '',
+            rows: int = 0) -> str:
   """What dominates and the levers not set that would shrink it, in one clause;
-  `larger_slice`: the slice to advise when no batch fits (`batch_fit.larger_slice`)."""
+  `larger_slice`: the slice to advise when no batch fits (`batch_fit.larger_slice`); `rows`:
+  `advise`'s."""
   state = parameters + optimizer_state
   part = (f'activations (temp {temp / GIB:.2f} GiB) dominate parameters + optimizer state '
           f'({state / GIB:.2f} GiB)' if temp >= state else
           f'parameters + optimizer state ({state / GIB:.2f} GiB) dominate activations (temp '
           f'{temp / GIB:.2f} GiB)')
   levers = advise(s, parameters=parameters, optimizer_state=optimizer_state, temp=temp,
-                  search=search) + ([larger_slice] if larger_slice else [])
+                  search=search, rows=rows) + ([larger_slice] if larger_slice else [])
   return (f'{part}; levers not set: {"; ".join(levers)}' if levers else
           f'{part}; every lever for them is set: a larger slice')
