@@ -11,8 +11,9 @@ use of the device's (30.75 of a v4 chip's 32 GiB), FLOPs and HBM bytes per devic
 the roofline bound on its time and the MFU at it, compile time (the function's, and apart its
 counting copies'), the memory levers the run has set, and for what does not fit, what
 dominates and the levers not set that would shrink it (`upcycle/fit/aot.py`). --find_batch
-compiles the train step at up to two more batch sizes and names the largest BATCH_SIZE that
-fits, or, when not even the smallest does, the larger slice it would fit on.
+compiles the train and eval steps at up to two more batch sizes and names the largest
+BATCH_SIZE at which both fit, or, when not even the smallest does, the larger slice it would
+fit on.
 The gs:// paths it reads (not MODEL_DIR) must answer first, in bounded time. Exit status: 0
 every function fits, 2 one does not, 3 one could not be compiled (its reason printed and in
 --json), 1 a bad flag, config or topology. Needs libtpu: pip install -e '.[tpu]'.

@@ -4,7 +4,8 @@
                  per device by share, the verdict, the table and the JSON
   hbm.py         a chip's nominal HBM and what the TPU compiler can use of it
   levers.py      the memory levers a run has set, and those that would shrink it
-  batch_fit.py   the largest batch that fits, from two more compiles of the train step
+  batch_fit.py   the largest batch that fits, from two more compiles of the train and eval
+                 steps
   step_count.py  a step's FLOPs and bytes with every layer and microbatch counted
   roofline.py    the roofline bound on a step's time and the MFU it allows
 

@@ -7,8 +7,8 @@ shardings) and compiled by the TPU compiler (libtpu), on any host: nothing is al
 executed. The compiler's memory analysis gives the bytes per device, held against the HBM the
 compiler can use (`hbm.py`); the parameters', optimizer state's and batch's shares are counted
 from their shardings. What does not fit is told what dominates and which of the levers the run
-has not set would shrink it (`levers.py`); `find_batch` compiles the train step at up to two
-more batch sizes for the largest batch that fits (`batch_fit.py`).
+has not set would shrink it (`levers.py`); `find_batch` compiles the train and eval steps at
+up to two more batch sizes for the largest batch at which both fit (`batch_fit.py`).
 
   train_step    the jitted training step (state donated, as the trainer runs it)
   restore_hook  the upcycling / restore initializer's one sharded jit (when the run has one)
@@ -22,6 +22,7 @@ loops unrolled (`step_count.py`), whose memory is not used; their compile time i
 apart from the function's own.
 """
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -112,9 +113,9 @@ class FunctionReport:
   `model_flops_per_step` (train step) is the model's matmul FLOPs (`models/flops.py`, as
   logged in training); `roofline` the bound they imply (`roofline.py`); `uncounted` why a
   function with loops has no roofline (a shallow copy was refused, or its compiled program
-  still loops over matmuls: the counts are then the compiler's, a loop body once). For a program the compiler refused
-  (`refused`: its message), `temp` is the temporaries the refusal names and `arguments` the
-  sum of `parts`; there are no FLOPs.
+  still loops over matmuls: the counts are then the compiler's, a loop body once). For a
+  program the compiler refused (`refused`: its message), `temp` is the temporaries the refusal
+  names and `arguments` the sum of `parts`; there are no FLOPs.
   """
 
   arguments: int
@@ -351,7 +352,7 @@ class CompiledRun:
     larger slice when none does."""
     out = {}
     for name, r in self.reports.items():
-      search = self.batch_search if name == 'train_step' else None
+      search = self.batch_search if name in ('train_step', 'eval_step') else None
       slice_lever = '' if search is None or not search.none_fits() else larger_slice(
           r, search, devices=len(self.devices), device_kind=self.devices[0].device_kind,
           megacore=self.megacore)
@@ -422,6 +423,12 @@ def _batch(spec: Mapping[str, Any], mesh: jax.sharding.Mesh) -> Dict[str, jax.Sh
           for k, (shape, dtype) in spec.items()}
 
 
+def steps_total(reports: Mapping[str, FunctionReport]) -> int:
+  """The larger of the train and eval steps' totals per device (both run at BATCH_SIZE:
+  the largest batch that fits is the one at which both do)."""
+  return max(reports[name].total for name in ('train_step', 'eval_step') if name in reports)
+
+
 def _sequence_length(spec: Mapping[str, Any]) -> int:
   """The length of the rows' targets (what the loss runs over); 0 for a batch without."""
   shape, _ = spec.get('decoder_target_tokens', ((0, 0), None))
@@ -454,12 +461,27 @@ def _compile_or_reason(name: str, lower, *, hbm: hbm_sizes.Capacity, devices: in
                           f'{parts.get("optimizer_state", 0) / GIB:.2f} GiB per device.')
 
 
+@contextlib.contextmanager
+def _persistent_cache_off():
+  """JAX's persistent compilation cache off for the compiles within: an executable compiled
+  for a topology description has no client to be loaded back with ('PjRtCompiler must be
+  constructed with a Client to call DeserializeLoadedExecutable'), so what would be written
+  is never read, and a rerun's read of it only warns and compiles again."""
+  before = jax.config.jax_enable_compilation_cache
+  jax.config.update('jax_enable_compilation_cache', False)
+  try:
+    yield
+  finally:
+    jax.config.update('jax_enable_compilation_cache', before)
+
+
+@_persistent_cache_off()
 def compile_run(*, objective, optimizer, config, train_data, eval_data=None, initializer=None,
                 devices: Sequence[jax.Device], megacore: bool = True,
                 find_batch: bool = False) -> CompiledRun:
   """Builds the run over `devices` (`train.built_run.build_run`, as the trainer does) and compiles
-  its functions (module docstring); with `find_batch`, the train step at up to two more batch
-  sizes (`batch_fit.py`).
+  its functions (module docstring); with `find_batch`, the train and eval steps at up to two
+  more batch sizes (`batch_fit.py`).
 
   The arguments are `python -m upcycle.train`'s (gin-built); nothing is read from the data,
   nothing is written to the run's directory, and a restore hook reads only its checkpoint's
@@ -523,20 +545,30 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
                              objective, sized, train=True,
                              microbatches=config.num_microbatches))
 
+    def compile_eval_step(size: int, into: Dict[str, FunctionReport],
+                          reasons: Dict[str, str]) -> None:
+      sized = _batch(eval_data.batch_spec(size), mesh)
+      _compile_or_reason(
+          'eval_step', lambda: built.eval_step.lower(abstract.params, sized),
+          hbm=hbm, devices=n,
+          parts={'parameters': state_parts['parameters'], 'batch': per_device_bytes(sized)},
+          reports=into, not_compiled=reasons,
+          kernel_flops_per_device=uncounted_flops(objective, sized, train=False))
+
     def total_at(size: int) -> Optional[int]:
       found: Dict[str, FunctionReport] = {}
       compile_train_step(size, found, {})
-      return found['train_step'].total if found else None
+      if 'train_step' not in found:
+        return None
+      if eval_data is not None:
+        compile_eval_step(size, found, {})
+      return steps_total(found)
 
     compile_train_step(config.batch_size, reports, not_compiled)
     if 'train_step' in reports:
       loops = scans or config.num_microbatches > 1 or step_count.loss_loops(objective)
       reports['train_step'] = counted(reports['train_step'], count=functools.partial(
           step_count.extrapolate, train_step_counts, full_periods) if loops else None)
-    if find_batch and 'train_step' in reports:
-      search = batch_fit.search(total_at, batch=config.batch_size,
-                                total=reports['train_step'].total, usable=hbm.usable,
-                                multiple=settings.batch_multiple())
     if initializer is not None:
       def lower_restore():
         with report_file.planned(config.model_dir):   # its summary; nothing is written
@@ -549,15 +581,12 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
         reports['restore_hook'] = with_roofline(
             reports['restore_hook'], device_kind=devices[0].device_kind, megacore=megacore)
     if eval_data is not None:
-      _compile_or_reason(
-          'eval_step', lambda: built.eval_step.lower(abstract.params, eval_batch),
-          hbm=hbm, devices=n,
-          parts={'parameters': state_parts['parameters'],
-                 'batch': per_device_bytes(eval_batch)},
-          reports=reports, not_compiled=not_compiled,
-          kernel_flops_per_device=uncounted_flops(objective, eval_batch, train=False))
+      compile_eval_step(config.batch_size, reports, not_compiled)
       if 'eval_step' in reports:
         reports['eval_step'] = counted(reports['eval_step'], count=functools.partial(
             step_count.extrapolate, eval_step_counts, full_periods)
             if scans or step_count.loss_loops(objective) else None)
+    if find_batch and 'train_step' in reports:
+      search = batch_fit.search(total_at, batch=config.batch_size, total=steps_total(reports),
+                                usable=hbm.usable, multiple=settings.batch_multiple())
   return CompiledRun(list(devices), mesh, megacore, settings, reports, not_compiled, search)

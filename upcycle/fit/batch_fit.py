@@ -1,8 +1,10 @@
-"""The largest batch that fits, from two compiles of the train step.
+"""The largest batch that fits, from two more compiles of the train and eval steps.
 
 Per device, the parameters, optimizer state and their gradients do not depend on the batch;
 activations (the compiler's temporaries) and the batch itself grow with it, linearly with
-scanned, rematerialized layers. So the total per device is close to a + b * batch: compiled
+scanned, rematerialized layers. So the total per device (the larger of the train and eval
+steps', which both run at BATCH_SIZE: the eval step holds its whole batch at once, the train
+step a microbatch) is close to a + b * batch: compiled
 at the run's batch and at a second one (half of it, or double when half is not a whole
 multiple of the data-parallel split), the line through the two totals predicts the largest
 batch, a multiple of that split, within the usable HBM; one more compile checks the
@@ -10,7 +12,7 @@ prediction when it is at most `REACH` times the run's batch (further out the lin
 trusted, and a compile at a huge batch takes long: the prediction is reported uncompiled).
 When the line predicts that no batch fits (0), that extra compile checks the smallest batch
 (`multiple`) instead, and `larger_slice` names the devices its bytes would fit on. At most
-these two extra compiles of the train step (`upcycle.aot --find_batch`). Nothing is said not
+these two extra compiles of each step (`upcycle.aot --find_batch`). Nothing is said not
 to fit unless it was compiled; a prediction says it is one.
 """
 
@@ -65,7 +67,7 @@ def larger_slice(*, total: int, state: int, usable: int, devices: int) -> Option
 
 @dataclasses.dataclass(frozen=True)
 class BatchSearch:
-  """The train step's total per device at each batch compiled, the line's prediction, the
+  """The total per device (the larger step's) at each batch compiled, the line's prediction, the
   run's batch and what batches must be a multiple of (`line`: the run's batch and the second
   compiled, the points the prediction is drawn through; None when the second did not
   compile)."""
@@ -127,7 +129,8 @@ class BatchSearch:
     """What was compiled and found, for the console."""
     compiled = ', '.join(f'{b}: {t / GIB:.2f} GiB' for b, t in sorted(self.totals.items()))
     found = self.largest_fitting()
-    return [f'--find_batch: train step total per device at batch {compiled} (compiled); '
+    return [f'--find_batch: total per device (the larger of the train and eval steps\') at '
+            f'batch {compiled} (compiled); '
             f'{self._prediction()}; '
             + (f'the largest compiled that fits: BATCH_SIZE = {found}' if found else
                'none compiled fits')]
