@@ -318,8 +318,8 @@ def advice(report: FunctionReport, settings: levers.Settings,
            rows: int = 0) -> str:
   """One line: by how much `report` fits within the usable HBM or not and, when it does not,
   what dominates and the levers the run has not set that would shrink it (`levers.py`;
-  `search`, --find_batch's, and `slice_lever`, `larger_slice`, for the train step; `rows`,
-  the rows a device holds in the function's call)."""
+  `search`, --find_batch's, and `slice_lever`, `larger_slice`, for the train and eval
+  steps; `rows`, the rows a device holds in the function's call)."""
   usable = report.hbm.usable / GIB
   margin = (report.hbm.usable - report.total) / GIB
   if report.fits:
