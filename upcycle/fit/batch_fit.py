@@ -4,16 +4,16 @@ Per device, the parameters, optimizer state and their gradients do not depend on
 activations (the compiler's temporaries) and the batch itself grow with it, linearly with
 scanned, rematerialized layers. So the total per device (the larger of the train and eval
 steps', which both run at BATCH_SIZE: the eval step holds its whole batch at once, the train
-step a microbatch) is close to a + b * batch: compiled
-at the run's batch and at a second one (half of it, or double when half is not a whole
-multiple of the data-parallel split), the line through the two totals predicts the largest
-batch, a multiple of that split, within the usable HBM; one more compile checks the
-prediction when it is at most `REACH` times the run's batch (further out the line is not
-trusted, and a compile at a huge batch takes long: the prediction is reported uncompiled).
-When the line predicts that no batch fits (0), that extra compile checks the smallest batch
-(`multiple`) instead, and `larger_slice` names the devices its bytes would fit on. At most
-these two extra compiles of each step (`upcycle.aot --find_batch`). Nothing is said not
-to fit unless it was compiled; a prediction says it is one.
+step a microbatch) is close to a + b * batch: compiled at the run's batch and at a second
+one (half of it, or double when half is not a whole multiple of the data-parallel split),
+the line through the two totals predicts the largest batch, a multiple of that split,
+within the usable HBM; one more compile checks the prediction when it is at most `REACH`
+times the run's batch (further out the line is not trusted, and a compile at a huge batch
+takes long: the prediction is reported uncompiled). When the line predicts that no batch
+fits (0), that extra compile checks the smallest batch (`multiple`) instead, and
+`larger_slice` names the devices its bytes would fit on. At most these two extra compiles of
+each step (`upcycle.aot --find_batch`). Nothing is said not to fit unless it was compiled; a
+prediction says it is one.
 """
 
 import dataclasses
