@@ -277,7 +277,7 @@ def test_loss_chunks_are_advised_where_the_float32_logits_are_a_quarter_of_the_t
   config = trainer.TrainConfig('unused', train_steps=1, batch_size=64, num_microbatches=2)
   s = levers.read(config=config, objective=objective,
                   optimizer=optimizers.AdamW(schedule=1e-4), mesh=mesh, sequence_length=4096)
-  assert (s.loss_chunks, s.logit_bytes_per_row) == (1, 4096 * 128256 * 4)
+  assert (s.loss_chunks, s.logit_bytes(rows=1)) == (1, 4096 * 128256 * 4)
   assert (s.rows_per_device(microbatched=True), s.rows_per_device(microbatched=False)) == (4, 8)
   activations = dict(parameters=gib // 4, optimizer_state=gib // 2)
   train = levers.advise(s, **activations, temp=int(26.83 * gib), rows=4)
@@ -294,7 +294,7 @@ def test_loss_chunks_are_advised_where_the_float32_logits_are_a_quarter_of_the_t
       chunked, **activations, temp=int(26.83 * gib), rows=4))
   # The largest of 8, 4, 2 that divides the length; none for an odd length.
   assert [levers.loss_chunks_for(n) for n in (4096, 4100, 4098, 4095)] == [8, 4, 2, 1]
-  odd = dataclasses.replace(s, sequence_length=4095, logit_bytes_per_row=4095 * 128256 * 4)
+  odd = dataclasses.replace(s, sequence_length=4095)
   assert not any(x.startswith('LOSS_CHUNKS') for x in levers.advise(
       odd, **activations, temp=int(26.83 * gib), rows=4))
   # An encoder-decoder's loss has no chunks: never advised, whatever its logits.

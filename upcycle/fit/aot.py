@@ -47,6 +47,8 @@ LIBTPU_ENV = {'TPU_SKIP_MDS_QUERY': '1', 'TPU_ACCELERATOR_TYPE': 'v4-8',
               'TPU_WORKER_HOSTNAMES': 'localhost', 'ALLOW_MULTIPLE_LIBTPU_LOAD': '1'}
 
 GIB = 2 ** 30
+# The functions that run at BATCH_SIZE: the largest batch that fits is the one at which both do.
+BATCH_STEPS = ('train_step', 'eval_step')
 
 # The counting copies' compiler options: the TPU compiler turns a matmul whose operand is
 # all-gathered or whose result is reduce-scattered (fully sharded parameters) into a loop
@@ -352,12 +354,12 @@ class CompiledRun:
     larger slice when none does."""
     out = {}
     for name, r in self.reports.items():
-      search = self.batch_search if name in ('train_step', 'eval_step') else None
+      search = self.batch_search if name in BATCH_STEPS else None
       slice_lever = '' if search is None or not search.none_fits() else larger_slice(
           r, search, devices=len(self.devices), device_kind=self.devices[0].device_kind,
           megacore=self.megacore)
       rows = (self.settings.rows_per_device(microbatched=name == 'train_step')
-              if name in ('train_step', 'eval_step') else 0)
+              if name in BATCH_STEPS else 0)
       out[name] = advice(r, self.settings, search, slice_lever, rows=rows)
     return out
 
@@ -424,9 +426,8 @@ def _batch(spec: Mapping[str, Any], mesh: jax.sharding.Mesh) -> Dict[str, jax.Sh
 
 
 def steps_total(reports: Mapping[str, FunctionReport]) -> int:
-  """The larger of the train and eval steps' totals per device (both run at BATCH_SIZE:
-  the largest batch that fits is the one at which both do)."""
-  return max(reports[name].total for name in ('train_step', 'eval_step') if name in reports)
+  """The larger of the `BATCH_STEPS`' totals per device."""
+  return max(reports[name].total for name in BATCH_STEPS if name in reports)
 
 
 def _sequence_length(spec: Mapping[str, Any]) -> int:

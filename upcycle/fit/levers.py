@@ -38,8 +38,7 @@ class Settings:
   blocks (0: dense); `factored`: the optimizer's `factored` field, None where it has none
   (AdamW: full-size moments; big_vision's Adafactor: always factored); `loss_chunks`: the
   objective's (`CausalLm.loss_chunks`), None where its loss has no chunks; `sequence_length`
-  and `logit_bytes_per_row`: the rows' length and the float32 logits of one row over the
-  whole vocabulary (length x vocabulary x 4; 0 where the loss has no chunks).
+  and `vocab_size`: the rows' length and the model's vocabulary (`logit_bytes`).
   """
 
   scan_layers: bool
@@ -53,7 +52,7 @@ class Settings:
   batch_size: int
   loss_chunks: Optional[int] = None
   sequence_length: int = 0
-  logit_bytes_per_row: int = 0
+  vocab_size: int = 0
 
   def most_expert_partitions(self) -> int:
     """The most expert partitions the experts allow over the devices not in 'model'."""
@@ -62,6 +61,11 @@ class Settings:
   def batch_multiple(self) -> int:
     """What BATCH_SIZE must be a multiple of: every microbatch split over data x expert."""
     return self.mesh['data'] * self.mesh['expert'] * self.num_microbatches
+
+  def logit_bytes(self, rows: int) -> int:
+    """The float32 logits of `rows` rows over the whole vocabulary (rows x length x
+    vocabulary x 4); 0 where the loss has no chunks."""
+    return 0 if self.loss_chunks is None else rows * self.sequence_length * self.vocab_size * 4
 
   def rows_per_device(self, microbatched: bool) -> int:
     """Rows a device holds in one call: the train step's microbatch (`microbatched`), or
@@ -86,8 +90,7 @@ def read(*, config: Any, objective: Any, optimizer: Any, mesh: Any,
       optimizer=type(optimizer).__name__, factored=getattr(optimizer, 'factored', None),
       num_microbatches=config.num_microbatches, batch_size=config.batch_size,
       loss_chunks=loss_chunks, sequence_length=sequence_length,
-      logit_bytes_per_row=(0 if loss_chunks is None else
-                           sequence_length * model_config.vocab_size * 4))
+      vocab_size=getattr(model_config, 'vocab_size', 0))
 
 
 def already_set(s: Settings) -> List[str]:
@@ -122,7 +125,7 @@ def advise(s: Settings, *, parameters: int, optimizer_state: int, temp: int,
   (`batch_fit`), when searched; `rows`: the rows a device holds in the function's one call
   (`Settings.rows_per_device`; 0: none)."""
   if temp >= parameters + optimizer_state:
-    return _activation_levers(s, search, logits=rows * s.logit_bytes_per_row, temp=temp)
+    return _activation_levers(s, search, logits=s.logit_bytes(rows), temp=temp)
   return _state_levers(s, parameters, optimizer_state)
 
 
