@@ -38,6 +38,16 @@ def dense_param_count() -> int:
 
 
 
+@pytest.fixture(autouse=True)
+def _no_tpu_executable_in_the_persistent_cache():
+  """The tests below that compile for a topology in this process write nothing to the
+  tests' persistent compilation cache (`platforms.compilation_cache_off`: no TPU client could
+  load it back)."""
+  from upcycle import platforms  # pylint: disable=g-import-not-at-top
+  with platforms.compilation_cache_off():
+    yield
+
+
 @pytest.fixture(scope='module')
 def aot_result(tmp_path_factory):
   """The JSON of `upcycle.aot --find_batch` for an upcycling run of a T5 MoE, E = 4 over 4 v4
@@ -278,28 +288,41 @@ def test_loss_chunks_are_advised_where_the_float32_logits_are_a_quarter_of_the_t
   s = levers.read(config=config, objective=objective,
                   optimizer=optimizers.AdamW(schedule=1e-4), mesh=mesh, sequence_length=4096)
   assert (s.loss_chunks, s.logit_bytes(rows=1)) == (1, 4096 * 128256 * 4)
-  assert (s.rows_per_device(microbatched=True), s.rows_per_device(microbatched=False)) == (4, 8)
+  assert (s.rows_per_device('train_step'), s.rows_per_device('eval_step')) == (4, 8)
   activations = dict(parameters=gib // 4, optimizer_state=gib // 2)
-  train = levers.advise(s, **activations, temp=int(26.83 * gib), rows=4)
+  train = levers.advise(s, **activations, temp=int(26.83 * gib), step='train_step')
   assert train[0] == ('LOSS_CHUNKS = 8 (is 1: the float32 logits over the whole vocabulary are '
                       '7.83 GiB per device; the loss 8 slices of the sequence at a time)')
-  assert levers.advise(s, **activations, temp=40 * gib, rows=8)[0].startswith(
+  # The eval step holds the whole batch unless it too evaluates in microbatches.
+  evaluating = levers.advise(s, **activations, temp=40 * gib, step='eval_step')
+  assert evaluating[0] == ('trainer.TrainConfig.eval_microbatches = 2 (is 1: the eval step '
+                           'holds 8 rows per device at once, the train step 4)')
+  assert evaluating[1].startswith(
       'LOSS_CHUNKS = 8 (is 1: the float32 logits over the whole vocabulary are 15.66 GiB')
+  in_microbatches = dataclasses.replace(s, eval_microbatches=2)
+  assert in_microbatches.rows_per_device('eval_step') == 4
+  assert 'eval_microbatches = 2' in levers.already_set(in_microbatches)
+  assert levers.advise(in_microbatches, **activations, temp=int(26.83 * gib),
+                       step='eval_step')[0].startswith('LOSS_CHUNKS = 8 (is 1: the float32 '
+                                                       'logits over the whole vocabulary are '
+                                                       '7.83 GiB')
+  # BATCH_SIZE a multiple of every microbatch of both steps over the 8 data-parallel devices.
+  assert dataclasses.replace(s, eval_microbatches=3).batch_multiple() == 8 * 6
   # Under a quarter of the temporaries (7.83 x 4 < 32): not the lever to reach for.
   assert not any(x.startswith('LOSS_CHUNKS') for x in levers.advise(
-      s, **activations, temp=32 * gib, rows=4))
+      s, **activations, temp=32 * gib, step='train_step'))
   chunked = dataclasses.replace(s, loss_chunks=8)
   assert 'LOSS_CHUNKS = 8' in levers.already_set(chunked)
   assert not any(x.startswith('LOSS_CHUNKS') for x in levers.advise(
-      chunked, **activations, temp=int(26.83 * gib), rows=4))
+      chunked, **activations, temp=int(26.83 * gib), step='train_step'))
   # The largest of 8, 4, 2 that divides the length; none for an odd length.
   assert [levers.loss_chunks_for(n) for n in (4096, 4100, 4098, 4095)] == [8, 4, 2, 1]
   odd = dataclasses.replace(s, sequence_length=4095)
   assert not any(x.startswith('LOSS_CHUNKS') for x in levers.advise(
-      odd, **activations, temp=int(26.83 * gib), rows=4))
+      odd, **activations, temp=int(26.83 * gib), step='train_step'))
   # An encoder-decoder's loss has no chunks: never advised, whatever its logits.
   assert levers.advise(_t5_xl_on_a_v4_32(), parameters=gib, optimizer_state=0,
-                       temp=33 * gib, rows=8) == [
+                       temp=33 * gib, step='eval_step') == [
       'a smaller BATCH_SIZE (is 256; --find_batch predicts the largest that fits)']
 
 
@@ -518,13 +541,16 @@ def test_the_splash_kernels_flops_are_added_to_what_the_compiler_counts(tmp_path
   TPU) as nothing; upcycle.aot adds the kernel's closed form. models/llama/tiny.gin (4 layers,
   4 query heads of 16), batch 8 x 128 in 2 microbatches over 4 chips: per chip and microbatch
   one row of one 128 x 128 tile, per layer 11 matmuls (the forward twice with full remat, the
-  backward's 3 + 4) of 2 x 4 x 128² x 16 FLOPs; the eval step's 2 rows per chip once forward."""
+  backward's 3 + 4) of 2 x 4 x 128² x 16 FLOPs; the eval step's 2 rows per chip once forward,
+  in 2 microbatches too (`eval_microbatches`), each counted: the compiler's count of its loop
+  is the forward pass of the whole batch, a third of the train step's model FLOPs."""
   command = [sys.executable, '-m', 'upcycle.aot', '--topology=v4:2x2x1',
              f'--json={tmp_path}/aot.json', '--gin_file=models/llama/tiny.gin',
              '--gin_file=runs/llm_pretrain.gin', '--gin_file=data/offline_stdlib_lm.gin',
              f"--gin.MODEL_DIR='{tmp_path}/run'", '--gin.TRAIN_STEPS=10', '--gin.BATCH_SIZE=8',
              "--gin.ACTIVATION_DTYPE='bfloat16'", "--gin.REMAT_POLICY='full'",
-             '--gin.trainer.TrainConfig.num_microbatches=2']
+             '--gin.trainer.TrainConfig.num_microbatches=2',
+             '--gin.trainer.TrainConfig.eval_microbatches=2']
   cache = tmp_path / 'cache'
   done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600,
                         env={**os.environ, 'XLA_FLAGS': '',
@@ -533,11 +559,16 @@ def test_the_splash_kernels_flops_are_added_to_what_the_compiler_counts(tmp_path
   # No TPU executable goes to JAX's persistent cache: without a TPU client none can be read
   # back (a rerun's read of one warns and compiles again).
   assert not list(cache.glob('*-cache')), sorted(p.name for p in cache.iterdir())
-  functions = json.loads((tmp_path / 'aot.json').read_text())['functions']
-  train, evaluation = functions['train_step'], functions['eval_step']
+  result = json.loads((tmp_path / 'aot.json').read_text())
+  assert result['levers_set'][-2:] == ['num_microbatches = 2', 'eval_microbatches = 2']
+  train, evaluation = result['functions']['train_step'], result['functions']['eval_step']
   matmul = 2 * 4 * 128 * 128 * 16
   assert train['kernel_flops_per_device'] == 2 * 4 * 11 * matmul
   assert evaluation['kernel_flops_per_device'] == 2 * 4 * 2 * matmul
+  assert evaluation['extrapolated']
+  forward = train['model_flops_per_step'] / 3
+  evaluated = evaluation['flops_per_device'] + evaluation['kernel_flops_per_device']
+  assert forward <= 4 * evaluated <= 1.5 * forward
   work = train['flops_per_device'] + train['kernel_flops_per_device']
   assert train['flops_per_step'] == 4 * work
   assert train['roofline_seconds'] == pytest.approx(

@@ -1,6 +1,7 @@
 """The command-line tools keep JAX's compiled programs in a persistent cache: a second process
 running the same program reads it back instead of compiling it; the user's
-JAX_COMPILATION_CACHE_DIR decides where, and empty turns it off."""
+JAX_COMPILATION_CACHE_DIR decides where, and empty turns it off; `compilation_cache_off`
+keeps it off for the compiles within."""
 
 import json
 import os
@@ -58,3 +59,35 @@ def test_the_tests_compile_into_a_cache_of_their_own():
   directory = os.environ['JAX_COMPILATION_CACHE_DIR']
   assert jax.config.jax_compilation_cache_dir == directory
   assert not directory.startswith(platforms.cache_root())
+
+
+# Three programs compiled in turn, the second with the cache off; prints the entries the
+# cache holds after each.
+SWITCHED = '''
+import json, os, sys, jax, jax.numpy as jnp
+from upcycle import console, platforms
+console.show_progress()
+cache = jax.config.jax_compilation_cache_dir
+entries = lambda: len([n for n in os.listdir(cache) if n.endswith('-cache')])
+counts = []
+jax.jit(lambda x: jnp.sin(x) @ x.T)(jnp.ones((8, 8))).block_until_ready()
+counts.append(entries())
+with platforms.compilation_cache_off():
+  jax.jit(lambda x: jnp.cos(x) @ x.T)(jnp.ones((8, 8))).block_until_ready()
+  counts.append(entries())
+jax.jit(lambda x: jnp.tanh(x) @ x.T)(jnp.ones((8, 8))).block_until_ready()
+counts.append(entries())
+print(json.dumps(counts))
+'''
+
+
+def test_the_cache_stays_off_within_the_switch_after_the_process_has_used_it(tmp_path):
+  """JAX decides at a process's first compile whether it uses the cache: switched off after
+  that, nothing more is written within, and the next compile after it is written again."""
+  env = {**{k: v for k, v in os.environ.items() if k != 'JAX_COMPILATION_CACHE_DIR'},
+         'JAX_PLATFORMS': 'cpu', 'UPCYCLE_CACHE': str(tmp_path / 'cache'),
+         'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'}
+  done = subprocess.run([sys.executable, '-c', SWITCHED], cwd=REPO, env=env,
+                        capture_output=True, text=True, check=True)
+  first, within, after = json.loads(done.stdout.strip().splitlines()[-1])
+  assert first >= 1 and within == first and after > within

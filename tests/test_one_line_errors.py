@@ -87,6 +87,9 @@ def paths(tmp_path):
     (['--gin.BATCH_SIZE=6'],
      'trainer.TrainConfig.batch_size = 6: expected a multiple of 8, the data x expert mesh axes '
      '(8 x 1) the batch is split over. Fix: --gin.BATCH_SIZE=8 (or another multiple of 8).'),
+    (['--gin.trainer.TrainConfig.eval_microbatches=3'],
+     'trainer.TrainConfig.eval_microbatches = 3 does not divide BATCH_SIZE (8): each microbatch '
+     'is BATCH_SIZE / eval_microbatches. Fix: a divisor of 8.'),
     (['--gin_file=moe/paper_t5.gin', '--gin.NUM_EXPERTS=6',
       '--gin.trainer.TrainConfig.num_expert_partitions=4'],
      "decoder/layers_1/mlp/expert/wi_0/kernel has 6 along 'expert', split over "
@@ -299,6 +302,10 @@ def _infer_argv(checkpoint, *flags):
 @pytest.mark.parametrize('main, argv, error', [
     (eval_main.main, _eval_argv('/nonexistent', '--gin.BATCH_SIZE=0'),
      'BATCH_SIZE (eval_script.evaluate.batch_size) = 0: expected an integer >= 1.'),
+    (eval_main.main, _eval_argv('/nonexistent', '--gin.BATCH_SIZE=8',
+                                '--gin.EVAL_MICROBATCHES=3'),
+     'EVAL_MICROBATCHES (eval_script.evaluate.num_microbatches) = 3 does not divide BATCH_SIZE '
+     '(8). Fix: a divisor of 8.'),
     (eval_main.main, _eval_argv('/nonexistent', "--gin.EVAL_OUTPUT_DIR='{file}/eval'"),
      "EVAL_OUTPUT_DIR (eval_script.evaluate.output_dir) = '{file}/eval': {file} is a file, not "
      'a directory, so no directory can be made under it. Fix: give a directory (one that does '

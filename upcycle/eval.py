@@ -27,9 +27,10 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
              fewshot_shots: Sequence[int] = (1, 5, 10), fewshot_l2_reg: float = 2.0 ** 10,
              decode_data: Optional[Any] = None, decoding: Optional[Any] = None,
              decode_batches: int = 0, other_row_inputs: bool = False,
-             num_expert_partitions: int = 1, num_model_partitions: int = 1,
-             logical_axis_rules: Any = 'default', output_dir: Optional[str] = None,
-             tensorboard: bool = True, seed: int = 0, verify: bool = True) -> dict:
+             num_microbatches: int = 1, num_expert_partitions: int = 1,
+             num_model_partitions: int = 1, logical_axis_rules: Any = 'default',
+             output_dir: Optional[str] = None, tensorboard: bool = True, seed: int = 0,
+             verify: bool = True) -> dict:
   """Evaluates `checkpoint_path` with `objective`'s model; returns (and prints) the metrics.
 
   `decode_data` (an unpacked seq2seq split; None: skip) adds `sequence_accuracy` from decoded
@@ -39,6 +40,10 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
   (T5) adds what the loss owes to the input: `input_use`, the loss over the same batches with
   each row's encoder input swapped for another row's minus the loss with its own, with its
   paired standard error and that loss and accuracy (`evaluation.input_use`).
+
+  `num_microbatches` (gin: EVAL_MICROBATCHES) evaluates each batch that many rows at a time
+  and adds the sums (the numbers do not change; a device holds a microbatch's activations and
+  logits: a batch that trains in microbatches evaluates in them too).
 
   Every process of a slice runs it (`launch/tpu_vm.py eval`); the numbers are those of one
   process. The parameters are placed on the mesh of all devices (`num_expert_partitions`,
@@ -59,6 +64,12 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
   from upcycle.train.objectives import Seq2Seq
   # pylint: enable=g-import-not-at-top
   fields.integer_value('BATCH_SIZE (eval_script.evaluate.batch_size)', batch_size, 1)
+  microbatches = 'EVAL_MICROBATCHES (eval_script.evaluate.num_microbatches)'
+  fields.integer_value(microbatches, num_microbatches, 1)
+  if batch_size % num_microbatches:
+    raise fields.ConfigError(
+        f'{microbatches} = {num_microbatches} does not divide BATCH_SIZE ({batch_size}). Fix: '
+        f'a divisor of {batch_size}.')
   if other_row_inputs and not isinstance(objective, Seq2Seq):
     raise fields.ConfigError(
         f'eval_script.evaluate.other_row_inputs = True swaps encoder inputs between rows; '
@@ -80,7 +91,7 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
           'was replaced needs the one it was trained with put back.'))
   host_batch = batch_size // jax.process_count()
   with partitioning.activate(mesh, rules):
-    eval_step = jax.jit(make_eval_step(objective))
+    eval_step = jax.jit(make_eval_step(objective, num_microbatches))
     measure = evaluation.input_use if other_row_inputs else evaluation.evaluate
     results = measure(eval_step, params, eval_data, batch_size=host_batch, mesh=mesh,
                       max_batches=eval_batches, seed=seed)

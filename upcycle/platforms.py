@@ -14,9 +14,11 @@ JAX_FORCE_TPU_INIT), or the user asked for something:
 `cache_compilations()` turns JAX's persistent compilation cache on for the command-line
 tools, under `cache_root()` (`UPCYCLE_CACHE`, default ~/.cache/upcycle/, where the offline
 tokenizer is kept too), unless JAX_COMPILATION_CACHE_DIR says where (or, empty, that it stays
-off).
+off); `compilation_cache_off()` keeps it off for the compiles within (those for a TPU
+topology without a TPU).
 """
 
+import contextlib
 import os
 
 CACHE_MAX_BYTES = 4 << 30   # of the persistent compilation cache (`cache_compilations`)
@@ -57,6 +59,28 @@ def cache_compilations() -> None:
   jax.config.update('jax_compilation_cache_dir',
                     os.path.join(cache_root(), 'jax_compilation_cache'))
   jax.config.update('jax_compilation_cache_max_size', CACHE_MAX_BYTES)
+
+
+@contextlib.contextmanager
+def compilation_cache_off():
+  """JAX's persistent compilation cache off for the compiles within, on again after: an
+  executable compiled for a topology description (`upcycle.aot`) has no client to be loaded
+  back with ('PjRtCompiler must be constructed with a Client to call
+  DeserializeLoadedExecutable'), so what would be written is never read, and a rerun's read of
+  it only warns and compiles again. JAX decides once per process, at its first compile,
+  whether it uses the cache, so the switch resets that decision both ways."""
+  # pylint: disable=g-import-not-at-top
+  import jax
+  from jax.experimental.compilation_cache import compilation_cache
+  # pylint: enable=g-import-not-at-top
+  before = jax.config.jax_enable_compilation_cache
+  jax.config.update('jax_enable_compilation_cache', False)
+  compilation_cache.reset_cache()
+  try:
+    yield
+  finally:
+    jax.config.update('jax_enable_compilation_cache', before)
+    compilation_cache.reset_cache()
 
 
 def _host_platforms() -> str:

@@ -73,8 +73,9 @@ def test_cached_validation_batches_give_the_numbers_of_reading_the_split_again(t
 
 @pytest.mark.slow
 def test_every_validation_example_counts_whatever_the_batch_size(tmp_path):
-  """Batches of 16, 40 and 128 over the same split: the last partial batch is padded and
-  masked, so loss and accuracy are the same and padding counts nowhere."""
+  """Batches of 16, 40 and 128 over the same split, and of 128 evaluated in 4 microbatches of
+  32: the last partial batch is padded and masked, so loss and accuracy are the same and
+  padding counts nowhere."""
   from tests.train.helpers import TRAINING_T5, text   # pylint: disable=g-import-not-at-top
   from upcycle.models import T5   # pylint: disable=g-import-not-at-top
   from upcycle import partitioning   # pylint: disable=g-import-not-at-top
@@ -96,7 +97,10 @@ def test_every_validation_example_counts_whatever_the_batch_size(tmp_path):
              for size in (16, 40, 128)}
   assert {s: r['batches'] for s, r in results.items()} == {
       s: -(-examples // s) for s in (16, 40, 128)}
-  for size in (40, 128):
+  results['128 / 4'] = evaluation.evaluate(jax.jit(make_eval_step(objective, 4)), params,
+                                           validation, batch_size=128, mesh=mesh)
+  assert results['128 / 4']['batches'] == results[128]['batches']
+  for size in (40, 128, '128 / 4'):
     assert math.isclose(results[size]['loss'], results[16]['loss'], rel_tol=1e-5)
     assert math.isclose(results[size]['accuracy'], results[16]['accuracy'], rel_tol=1e-5)
   last = list(evaluation.host_batches(validation, 128, 0, 0))[-1]

@@ -42,12 +42,14 @@ def test_tiny_t5_learns_the_offline_span_corruption(dense_t5_run):
 def test_inference_evaluation_during_training_reports_what_eval_reports(tmp_path):
   """TrainConfig.infer_eval (T5X's infer_eval): every evaluation also decodes the unpacked
   validation split and logs sequence accuracy as split 'infer_eval'; `python -m upcycle.eval`
-  of the step's checkpoint, decoding the same batches, reports the same."""
+  of the step's checkpoint, decoding the same batches, reports the same, and the loss the
+  run's eval step gave in 2 microbatches (`eval_microbatches`) over the whole batch."""
   decode = TextPipeline('offline_span_corruption', 'validation', TEXT_LENGTHS, pack=False,
                         shuffle=False)
   config = TrainConfig(str(tmp_path), train_steps=4, batch_size=8, log_every=2,
                        checkpoint_every=4, eval_every=4, eval_batches=1, infer_eval=True,
-                       infer_eval_batches=2, async_checkpoints=False, tensorboard=False)
+                       infer_eval_batches=2, async_checkpoints=False, tensorboard=False,
+                       eval_microbatches=2)
   Trainer(Seq2Seq(T5(TRAINING_T5)), Adafactor(schedule=rsqrt_schedule(1.0, 100)), config,
           text('train'), text('validation'), decode_data=decode,
           devices=jax.devices()[:1]).run()
@@ -60,6 +62,9 @@ def test_inference_evaluation_during_training_reports_what_eval_reports(tmp_path
       decode_batches=2)
   assert decoded['sequence_accuracy'] == evaluated['sequence_accuracy']
   assert decoded['decoded_examples'] == evaluated['decoded_examples']
+  (validation,) = [r for r in rows if r['split'] == 'eval']
+  assert validation['step'] == 4
+  assert validation['loss'] == pytest.approx(evaluated['loss'], rel=1e-5)
   with pytest.raises(ValueError, match=r'trainer.TrainConfig.infer_eval = True, and the run '
                                        r'has no decode data \(train_script.train.decode_data\)'):
     Trainer(Seq2Seq(T5(TRAINING_T5)), Adafactor(schedule=rsqrt_schedule(1.0, 100)), config,

@@ -22,7 +22,6 @@ loops unrolled (`step_count.py`), whose memory is not used; their compile time i
 apart from the function's own.
 """
 
-import contextlib
 import dataclasses
 import functools
 import os
@@ -37,7 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from upcycle.fit import batch_fit, levers, step_count
 from upcycle.fit import roofline as rooflines
 from upcycle.fit import hbm as hbm_sizes
-from upcycle import partitioning
+from upcycle import partitioning, platforms
 from upcycle.train.built_run import build_run, step_flops
 from upcycle.upcycling import report_file
 
@@ -192,6 +191,17 @@ def _loopless_counts(lowered: jax.stages.Lowered, loops: int = 0) -> step_count.
   return _counts(compiled)
 
 
+def _microbatch_counts(lower_with_unroll: Callable[[int], jax.stages.Lowered],
+                       microbatches: int) -> step_count.Counts:
+  """The counts of a step over `microbatches` from its counting copies, `lower_with_unroll(u)`
+  lowering the copy whose microbatch loop runs u per iteration: every microbatch unrolled up
+  to `step_count.UNROLLED_MICROBATCHES`, else extrapolated from loops of one and two."""
+  if microbatches <= step_count.UNROLLED_MICROBATCHES:
+    return _loopless_counts(lower_with_unroll(microbatches))
+  return step_count.extrapolate_microbatches(
+      lambda unroll: _loopless_counts(lower_with_unroll(unroll), loops=1), microbatches)
+
+
 def uncounted_flops(objective: Any, batch: Mapping[str, Any], *, train: bool,
                     microbatches: int = 1) -> float:
   """FLOPs per device and call of the kernels the compiler counts as nothing, under the
@@ -317,11 +327,11 @@ def larger_slice(report: FunctionReport, search: batch_fit.BatchSearch, *, devic
 
 def advice(report: FunctionReport, settings: levers.Settings,
            search: Optional[batch_fit.BatchSearch] = None, slice_lever: str = '',
-           rows: int = 0) -> str:
+           step: str = '') -> str:
   """One line: by how much `report` fits within the usable HBM or not and, when it does not,
   what dominates and the levers the run has not set that would shrink it (`levers.py`;
   `search`, --find_batch's, and `slice_lever`, `larger_slice`, for the train and eval
-  steps; `rows`, the rows a device holds in the function's call)."""
+  steps; `step`, which of `BATCH_STEPS` `report` is, '' for another function)."""
   usable = report.hbm.usable / GIB
   margin = (report.hbm.usable - report.total) / GIB
   if report.fits:
@@ -331,7 +341,7 @@ def advice(report: FunctionReport, settings: levers.Settings,
           f'can use (of {report.hbm.nominal / GIB:.0f} GiB); ' + levers.summary(
               settings, parameters=report.parts.get('parameters', 0),
               optimizer_state=report.parts.get('optimizer_state', 0), temp=report.temp,
-              search=search, larger_slice=slice_lever, rows=rows))
+              search=search, larger_slice=slice_lever, step=step))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,9 +368,8 @@ class CompiledRun:
       slice_lever = '' if search is None or not search.none_fits() else larger_slice(
           r, search, devices=len(self.devices), device_kind=self.devices[0].device_kind,
           megacore=self.megacore)
-      rows = (self.settings.rows_per_device(microbatched=name == 'train_step')
-              if name in BATCH_STEPS else 0)
-      out[name] = advice(r, self.settings, search, slice_lever, rows=rows)
+      out[name] = advice(r, self.settings, search, slice_lever,
+                         step=name if name in BATCH_STEPS else '')
     return out
 
   def describe(self, topology: str) -> Dict[str, Any]:
@@ -462,21 +471,7 @@ def _compile_or_reason(name: str, lower, *, hbm: hbm_sizes.Capacity, devices: in
                           f'{parts.get("optimizer_state", 0) / GIB:.2f} GiB per device.')
 
 
-@contextlib.contextmanager
-def _persistent_cache_off():
-  """JAX's persistent compilation cache off for the compiles within: an executable compiled
-  for a topology description has no client to be loaded back with ('PjRtCompiler must be
-  constructed with a Client to call DeserializeLoadedExecutable'), so what would be written
-  is never read, and a rerun's read of it only warns and compiles again."""
-  before = jax.config.jax_enable_compilation_cache
-  jax.config.update('jax_enable_compilation_cache', False)
-  try:
-    yield
-  finally:
-    jax.config.update('jax_enable_compilation_cache', before)
-
-
-@_persistent_cache_off()
+@platforms.compilation_cache_off()
 def compile_run(*, objective, optimizer, config, train_data, eval_data=None, initializer=None,
                 devices: Sequence[jax.Device], megacore: bool = True,
                 find_batch: bool = False) -> CompiledRun:
@@ -521,17 +516,15 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
 
     def train_step_counts(stack_periods: Tuple[int, ...]) -> step_count.Counts:
       run = shallow_run(stack_periods)
-      microbatches = config.num_microbatches
-      if microbatches <= step_count.UNROLLED_MICROBATCHES:
-        step = run.jit_train_step(microbatch_unroll=microbatches)
-        return _loopless_counts(step.lower(run.abstract, batch, rng))
-      return step_count.extrapolate_microbatches(
-          lambda unroll: _loopless_counts(run.jit_train_step(microbatch_unroll=unroll).lower(
-              run.abstract, batch, rng), loops=1), microbatches)
+      return _microbatch_counts(
+          lambda unroll: run.jit_train_step(microbatch_unroll=unroll).lower(
+              run.abstract, batch, rng), config.num_microbatches)
 
     def eval_step_counts(stack_periods: Tuple[int, ...]) -> step_count.Counts:
       run = shallow_run(stack_periods)
-      return _loopless_counts(run.jit_eval_step().lower(run.abstract.params, eval_batch))
+      return _microbatch_counts(
+          lambda unroll: run.jit_eval_step(microbatch_unroll=unroll).lower(
+              run.abstract.params, eval_batch), config.eval_microbatches)
 
     def compile_train_step(size: int, into: Dict[str, FunctionReport],
                            reasons: Dict[str, str]) -> None:
@@ -554,7 +547,8 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
           hbm=hbm, devices=n,
           parts={'parameters': state_parts['parameters'], 'batch': per_device_bytes(sized)},
           reports=into, not_compiled=reasons,
-          kernel_flops_per_device=uncounted_flops(objective, sized, train=False))
+          kernel_flops_per_device=uncounted_flops(objective, sized, train=False,
+                                                  microbatches=config.eval_microbatches))
 
     def total_at(size: int) -> Optional[int]:
       found: Dict[str, FunctionReport] = {}
@@ -586,7 +580,8 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
       if 'eval_step' in reports:
         reports['eval_step'] = counted(reports['eval_step'], count=functools.partial(
             step_count.extrapolate, eval_step_counts, full_periods)
-            if scans or step_count.loss_loops(objective) else None)
+            if scans or config.eval_microbatches > 1 or step_count.loss_loops(objective)
+            else None)
     if find_batch and 'train_step' in reports:
       search = batch_fit.search(total_at, batch=config.batch_size, total=steps_total(reports),
                                 usable=hbm.usable, multiple=settings.batch_multiple())

@@ -5,10 +5,12 @@ a lever already set is named as set and never advised. The rest are advised by w
 compile says dominates a device's memory:
 
   activations (temporaries) over parameters + optimizer state: REMAT_POLICY = 'full',
-      SCAN_LAYERS = True, LOSS_CHUNKS (a causal LM whose float32 logits over the whole
-      vocabulary are a quarter of the temporaries or more: the loss a slice of the sequence
-      at a time, `objectives.CausalLm.loss_chunks`), then a smaller BATCH_SIZE (`batch_fit`:
-      the largest that fits);
+      SCAN_LAYERS = True, for the eval step `eval_microbatches` (the eval step a microbatch
+      of the train step's size at a time, where the train step has microbatches), LOSS_CHUNKS
+      (a causal LM whose float32 logits over the whole vocabulary are a quarter of the
+      temporaries or more: the loss a slice of the sequence at a time,
+      `objectives.CausalLm.loss_chunks`), then a smaller BATCH_SIZE (`batch_fit`: the largest
+      that fits);
   parameters + optimizer state over activations: the most expert partitions the experts and
       devices allow, LOGICAL_AXIS_RULES = 'fsdp' (when the mesh has a data axis to split
       over), and a factored optimizer when the state is as large as the parameters or more
@@ -36,7 +38,8 @@ class Settings:
 
   `mesh`: {'data', 'expert', 'model'} sizes; `num_experts`: the most experts of its MoE
   blocks (0: dense); `factored`: the optimizer's `factored` field, None where it has none
-  (AdamW: full-size moments; big_vision's Adafactor: always factored); `loss_chunks`: the
+  (AdamW: full-size moments; big_vision's Adafactor: always factored); `num_microbatches`,
+  `eval_microbatches`: the train and eval steps' (`TrainConfig`); `loss_chunks`: the
   objective's (`CausalLm.loss_chunks`), None where its loss has no chunks; `sequence_length`
   and `vocab_size`: the rows' length and the model's vocabulary (`logit_bytes`).
   """
@@ -50,6 +53,7 @@ class Settings:
   factored: Optional[bool]
   num_microbatches: int
   batch_size: int
+  eval_microbatches: int = 1
   loss_chunks: Optional[int] = None
   sequence_length: int = 0
   vocab_size: int = 0
@@ -59,19 +63,22 @@ class Settings:
     return math.gcd(self.num_experts, self.mesh['data'] * self.mesh['expert'])
 
   def batch_multiple(self) -> int:
-    """What BATCH_SIZE must be a multiple of: every microbatch split over data x expert."""
-    return self.mesh['data'] * self.mesh['expert'] * self.num_microbatches
+    """What BATCH_SIZE must be a multiple of: every microbatch of both steps split over
+    data x expert."""
+    return (self.mesh['data'] * self.mesh['expert']
+            * math.lcm(self.num_microbatches, self.eval_microbatches))
 
   def logit_bytes(self, rows: int) -> int:
     """The float32 logits of `rows` rows over the whole vocabulary (rows x length x
     vocabulary x 4); 0 where the loss has no chunks."""
     return 0 if self.loss_chunks is None else rows * self.sequence_length * self.vocab_size * 4
 
-  def rows_per_device(self, microbatched: bool) -> int:
-    """Rows a device holds in one call: the train step's microbatch (`microbatched`), or
-    the eval step's whole batch."""
-    rows = self.batch_size // (self.mesh['data'] * self.mesh['expert'])
-    return max(1, rows // self.num_microbatches if microbatched else rows)
+  def rows_per_device(self, step: str) -> int:
+    """Rows a device holds at once in `step`: a microbatch of the 'train_step' or the
+    'eval_step'."""
+    microbatches = {'train_step': self.num_microbatches,
+                    'eval_step': self.eval_microbatches}[step]
+    return max(1, self.batch_size // (self.mesh['data'] * self.mesh['expert'] * microbatches))
 
 
 def read(*, config: Any, objective: Any, optimizer: Any, mesh: Any,
@@ -89,8 +96,8 @@ def read(*, config: Any, objective: Any, optimizer: Any, mesh: Any,
       num_experts=max((moe.num_experts for moe in moes), default=0),
       optimizer=type(optimizer).__name__, factored=getattr(optimizer, 'factored', None),
       num_microbatches=config.num_microbatches, batch_size=config.batch_size,
-      loss_chunks=loss_chunks, sequence_length=sequence_length,
-      vocab_size=getattr(model_config, 'vocab_size', 0))
+      eval_microbatches=config.eval_microbatches, loss_chunks=loss_chunks,
+      sequence_length=sequence_length, vocab_size=getattr(model_config, 'vocab_size', 0))
 
 
 def already_set(s: Settings) -> List[str]:
@@ -113,19 +120,21 @@ def already_set(s: Settings) -> List[str]:
     out.append(f'{s.optimizer}.factored = True')
   if s.num_microbatches > 1:
     out.append(f'num_microbatches = {s.num_microbatches}')
+  if s.eval_microbatches > 1:
+    out.append(f'eval_microbatches = {s.eval_microbatches}')
   if s.loss_chunks and s.loss_chunks > 1:
     out.append(f'LOSS_CHUNKS = {s.loss_chunks}')
   return out
 
 
 def advise(s: Settings, *, parameters: int, optimizer_state: int, temp: int,
-           search: Optional[batch_fit.BatchSearch] = None, rows: int = 0) -> List[str]:
+           search: Optional[batch_fit.BatchSearch] = None, step: str = '') -> List[str]:
   """The levers `s` has not set that would shrink what dominates: activations (`temp`) or
   the state (`parameters` + `optimizer_state`, bytes per device). `search`: --find_batch's
-  (`batch_fit`), when searched; `rows`: the rows a device holds in the function's one call
-  (`Settings.rows_per_device`; 0: none)."""
+  (`batch_fit`), when searched; `step`: 'train_step' or 'eval_step' for those functions,
+  whose rows per device set their logits' bytes ('' for another)."""
   if temp >= parameters + optimizer_state:
-    return _activation_levers(s, search, logits=s.logit_bytes(rows), temp=temp)
+    return _activation_levers(s, search, step=step, temp=temp)
   return _state_levers(s, parameters, optimizer_state)
 
 
@@ -136,15 +145,21 @@ def loss_chunks_for(sequence_length: int) -> int:
   return next((n for n in (8, 4, 2) if sequence_length % n == 0), 1)
 
 
-def _activation_levers(s: Settings, search: Optional[batch_fit.BatchSearch], *, logits: int,
+def _activation_levers(s: Settings, search: Optional[batch_fit.BatchSearch], *, step: str,
                        temp: int) -> List[str]:
   out = []
+  logits = s.logit_bytes(s.rows_per_device(step)) if step else 0
   if s.remat_policy != 'full':
     out.append(f"REMAT_POLICY = 'full' (is {s.remat_policy!r}: recompute every block's "
                f'activations in the backward pass)')
   if not s.scan_layers:
     out.append('SCAN_LAYERS = True (the layer stack under nn.scan: with remat, one input per '
                'layer is kept)')
+  if step == 'eval_step' and s.eval_microbatches < s.num_microbatches:
+    out.append(f'trainer.TrainConfig.eval_microbatches = {s.num_microbatches} (is '
+               f'{s.eval_microbatches}: the eval step holds {s.rows_per_device(step)} rows per '
+               f'device at once, the train step '
+               f'{s.rows_per_device("train_step")})')
   chunks = loss_chunks_for(s.sequence_length)
   if s.loss_chunks == 1 and chunks > 1 and 4 * logits >= temp:
     out.append(f'LOSS_CHUNKS = {chunks} (is 1: the float32 logits over the whole vocabulary '
@@ -176,9 +191,9 @@ def _state_levers(s: Settings, parameters: int, optimizer_state: int) -> List[st
 
 def summary(s: Settings, *, parameters: int, optimizer_state: int, temp: int,
             search: Optional[batch_fit.BatchSearch] = None, larger_slice: str = '',
-            rows: int = 0) -> str:
+            step: str = '') -> str:
   """What dominates and the levers not set that would shrink it, in one clause;
-  `larger_slice`: the slice to advise when no batch fits (`batch_fit.larger_slice`); `rows`:
+  `larger_slice`: the slice to advise when no batch fits (`batch_fit.larger_slice`); `step`:
   `advise`'s."""
   state = parameters + optimizer_state
   part = (f'activations (temp {temp / GIB:.2f} GiB) dominate parameters + optimizer state '
@@ -186,6 +201,6 @@ def summary(s: Settings, *, parameters: int, optimizer_state: int, temp: int,
           f'parameters + optimizer state ({state / GIB:.2f} GiB) dominate activations (temp '
           f'{temp / GIB:.2f} GiB)')
   levers = advise(s, parameters=parameters, optimizer_state=optimizer_state, temp=temp,
-                  search=search, rows=rows) + ([larger_slice] if larger_slice else [])
+                  search=search, step=step) + ([larger_slice] if larger_slice else [])
   return (f'{part}; levers not set: {"; ".join(levers)}' if levers else
           f'{part}; every lever for them is set: a larger slice')

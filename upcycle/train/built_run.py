@@ -37,6 +37,7 @@ class BuiltRun:
       their logical axes, every optimizer slot like its parameter
       (`optimizer_state.shardings.state_shardings`).
     num_microbatches: gradient accumulation steps per batch.
+    eval_microbatches: microbatches the eval step adds its sums over.
     host_batch_size: this host's share of the batch.
     flops_per_step: the model's matmul FLOPs of one training step (every microbatch).
     tokens_per_step: tokens the model is fed per step, all hosts together.
@@ -50,6 +51,7 @@ class BuiltRun:
   batch: Dict[str, jax.ShapeDtypeStruct]
   abstract: TrainState
   num_microbatches: int
+  eval_microbatches: int
   host_batch_size: int
   flops_per_step: float
   tokens_per_step: int
@@ -66,7 +68,7 @@ class BuiltRun:
 
   @functools.cached_property
   def eval_step(self) -> Callable[..., Any]:
-    """`(params, batch) -> summed metrics`, jitted."""
+    """`(params, batch) -> summed metrics`, jitted; `eval_microbatches` at a time."""
     return self.jit_eval_step()
 
   def jit_train_step(self, microbatch_unroll: int = 1) -> Callable[..., Any]:
@@ -78,9 +80,11 @@ class BuiltRun:
     return jax.jit(step, in_shardings=(self.shardings, None, None),
                    out_shardings=(self.shardings, None), donate_argnums=(0,))
 
-  def jit_eval_step(self) -> Callable[..., Any]:
-    """A new jit of the eval step."""
-    return jax.jit(make_eval_step(self.objective))
+  def jit_eval_step(self, microbatch_unroll: int = 1) -> Callable[..., Any]:
+    """A new jit of the eval step, its microbatches `microbatch_unroll` per loop iteration
+    (as `jit_train_step`)."""
+    return jax.jit(make_eval_step(self.objective, self.eval_microbatches,
+                                  microbatch_unroll=microbatch_unroll))
 
   def fresh_state(self, seed: int) -> TrainState:
     """A randomly initialized state (parameters from `seed`), created sharded."""
@@ -161,7 +165,7 @@ def build_run(*, objective: Any, optimizer: Any, config: Any, host_batch: Mappin
   return BuiltRun(
       objective=objective, mesh=mesh, rules=config.logical_axis_rules, optimizer=built_optimizer,
       schedule=optimizer.schedule, batch=batch, abstract=abstract,
-      num_microbatches=config.num_microbatches,
+      num_microbatches=config.num_microbatches, eval_microbatches=config.eval_microbatches,
       host_batch_size=config.batch_size // jax.process_count(),
       flops_per_step=step_flops(objective, batch, config.num_microbatches),
       tokens_per_step=objective.tokens_per_batch(batch))

@@ -14,11 +14,12 @@ from upcycle.train.state import TrainState
 Array = jax.Array
 
 
-def _microbatches(batch: Dict[str, Array], n: int) -> Dict[str, Array]:
-  """`[batch, ...]` -> `[n, batch / n, ...]`."""
+def _microbatches(batch: Dict[str, Array], n: int, name: str = 'num_microbatches'
+                  ) -> Dict[str, Array]:
+  """`[batch, ...]` -> `[n, batch / n, ...]`; `name`: the setting that asked for `n`."""
   def split(x):
     if x.shape[0] % n:
-      raise ValueError(f'num_microbatches={n} does not divide the batch of {x.shape[0]}.')
+      raise ValueError(f'{name}={n} does not divide the batch of {x.shape[0]}.')
     return x.reshape((n, x.shape[0] // n) + x.shape[1:])
   return jax.tree.map(split, batch)
 
@@ -120,10 +121,28 @@ def make_train_step(objective, optimizer: optax.GradientTransformation,
   return train_step
 
 
-def make_eval_step(objective):
-  """-> eval_step(params, batch) -> sums {'loss', 'correct', 'weight_sum'} (no dropout)."""
+def make_eval_step(objective, num_microbatches: int = 1, microbatch_unroll: int = 1):
+  """-> eval_step(params, batch) -> sums {'loss', 'correct', 'weight_sum', ...} (no dropout).
+
+  With `num_microbatches`, the batch is evaluated that many rows at a time in a loop (its
+  unroll `microbatch_unroll`, as the train step's) and their sums added: a device holds one
+  microbatch's activations and logits, not the batch's (MaxText's eval_per_device_batch_size,
+  T5X's eval batch), and the sums are the whole batch's up to float rounding. An MoE layer
+  routes each microbatch as one, as the train step's microbatches do.
+  """
+
+  def sums(params: Any, batch: Dict[str, Array]) -> Dict[str, Array]:
+    return objective.forward(params, batch, train=False)[0]
 
   def eval_step(params: Any, batch: Dict[str, Array]) -> Dict[str, Array]:
-    return objective.forward(params, batch, train=False)[0]
+    if num_microbatches == 1:
+      return sums(params, batch)
+    micro = _microbatches(batch, num_microbatches, name='eval_microbatches')
+    zero = jax.eval_shape(sums, params, jax.tree.map(lambda x: x[0], micro))
+    zero = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), zero)
+    total, _ = jax.lax.scan(lambda carry, mb: (jax.tree.map(jnp.add, carry, sums(params, mb)),
+                                               None),
+                            zero, micro, unroll=microbatch_unroll)
+    return total
 
   return eval_step

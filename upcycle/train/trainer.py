@@ -83,6 +83,10 @@ class TrainConfig:
     keep_checkpoints: how many recent checkpoints stay on disk; None: every one (T5X's
       `SaveCheckpointConfig.keep` default).
     num_microbatches: gradient accumulation steps per batch.
+    eval_microbatches: the eval step evaluates each batch in this many microbatches, one at a
+      time, and adds their sums (the numbers do not change; a device holds a microbatch's
+      activations and logits, not the whole batch's: MaxText's eval_per_device_batch_size).
+      Set it to num_microbatches where the train step needs microbatches to fit.
     num_expert_partitions / num_model_partitions: mesh shape; data = rest.
     logical_axis_rules: where each logical axis lives on the mesh: 'default' (parameters
       replicated over 'data'), 'fsdp' (parameters and optimizer state also split over
@@ -130,6 +134,7 @@ class TrainConfig:
   cache_eval_batches: bool = True
   keep_checkpoints: Optional[int] = 3
   num_microbatches: int = 1
+  eval_microbatches: int = 1
   num_expert_partitions: int = 1
   num_model_partitions: int = 1
   logical_axis_rules: Any = 'default'
@@ -150,9 +155,15 @@ class TrainConfig:
     fields.integer(self, 'batch_size', 1)
     fields.integer(self, 'seed')
     fields.optional_integer(self, 'keep_checkpoints', 1, none='every checkpoint is kept')
-    for name in ('log_every', 'checkpoint_every', 'num_microbatches',
+    for name in ('log_every', 'checkpoint_every', 'num_microbatches', 'eval_microbatches',
                  'num_expert_partitions', 'num_model_partitions'):
       fields.integer(self, name, 1)
+    for name in ('num_microbatches', 'eval_microbatches'):
+      if self.batch_size % getattr(self, name):
+        raise fields.ConfigError(
+            f'{fields.binding(self, name)} = {getattr(self, name)} does not divide BATCH_SIZE '
+            f'({self.batch_size}): each microbatch is BATCH_SIZE / {name}. Fix: a divisor of '
+            f'{self.batch_size}.')
     for name in ('eval_every', 'eval_batches', 'stall_warning_steps', 'data_shards',
                  'infer_eval_batches'):
       fields.integer(self, name, 0)
