@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.parse
@@ -110,3 +111,31 @@ def test_train_kill_resume_and_inspect_on_gcs(tmp_path, gcs_emulator, straight_r
   summary = json.loads(capsys.readouterr().out)
   assert summary['format'] == 'orbax' and summary['step'] == 8
   assert summary['path'] == 'gs://bucket/run/checkpoints/8'
+
+
+# Another process's writes and deletes: a finished step (as is_step_dir reads one on gs://:
+# orbax's marker and commit file, the parameters' _METADATA) or a step removed.
+_ANOTHER_PROCESS = '''
+import sys
+from etils import epath
+root, write, delete = sys.argv[1:]
+for name in ('_CHECKPOINT_METADATA', 'commit_success.txt', 'params/_METADATA'):
+  epath.Path(root, write, name).write_text('{}')
+epath.Path(root, delete).rmtree()
+'''
+
+
+@pytest.mark.usefixtures('on_gcs')   # this process's epath on the emulator, through gcsfs
+def test_a_long_lived_reader_sees_the_steps_another_process_writes_and_deletes(gcs_emulator):
+  """gcsfs keeps the listings it read for the life of the process: a reader of a live run's
+  checkpoints (lm_eval's harness, a notebook) saw the steps of its first look."""
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  from upcycle.checkpoints import orbax  # pylint: disable=g-import-not-at-top
+  root = 'gs://bucket/live/checkpoints'
+  for name in ('_CHECKPOINT_METADATA', 'commit_success.txt', 'params/_METADATA'):
+    epath.Path(root, '100', name).write_text('{}')
+  assert sorted(orbax.run_steps('gs://bucket/live')) == [100]
+  subprocess.run([sys.executable, '-c', _ANOTHER_PROCESS, root, '200', '100'], check=True,
+                 env={**os.environ, **gcs_emulator})
+  assert sorted(orbax.run_steps('gs://bucket/live')) == [200]
+  assert orbax.latest('gs://bucket/live') == f'{root}/200'

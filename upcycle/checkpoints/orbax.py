@@ -452,7 +452,7 @@ def vanishing(path: str, settle_seconds: float = 1.0) -> bool:
   before = _file_count(path)
   deadline = time.time() + settle_seconds
   while True:
-    if not epath.Path(path).exists():
+    if not paths.exists(path):
       return True
     if time.time() > deadline:
       return False

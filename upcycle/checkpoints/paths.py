@@ -37,15 +37,34 @@ def inside(path, directory) -> bool:
   return os.path.commonpath([os.fspath(path), os.fspath(directory)]) == os.fspath(directory)
 
 
+def fresh(path) -> epath.Path:
+  """`path` as an `epath.Path` whose next look at the store is a new one: epath's gs:// backend
+  through gcsfs (where TensorFlow is not installed, or EPATH_USE_TF=false) keeps every
+  directory listing it has read for the life of the process, so a process that reads a live
+  run's MODEL_DIR again (lm_eval's harness, a notebook, a retention check) would see the steps
+  of its first look, not those another process wrote or deleted since. The listings of `path`
+  and its parents are dropped; tf.io.gfile, epath's gs:// backend with TensorFlow, keeps none."""
+  path = epath.Path(path)
+  if is_url(path):
+    fs = getattr(path._backend, 'fs', None)   # pylint: disable=protected-access
+    if fs is not None:
+      fs(path).invalidate_cache(os.fspath(path))
+  return path
+
+
+def exists(path) -> bool:
+  return fresh(path).exists()
+
+
 def isdir(path) -> bool:
-  return epath.Path(path).is_dir()
+  return fresh(path).is_dir()
 
 
 def isfile(path) -> bool:
-  return epath.Path(path).is_file()
+  return fresh(path).is_file()
 
 
 def listdir(path) -> list:
   """Names in directory `path` ([] if it does not exist)."""
-  path = epath.Path(path)
+  path = fresh(path)
   return sorted(p.name for p in path.iterdir()) if path.is_dir() else []
