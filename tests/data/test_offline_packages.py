@@ -81,18 +81,31 @@ def test_the_pins_are_setup_pys_and_this_install_is_the_pinned_corpus():
 def test_the_packages_bpe_trained_on_this_install_is_the_pinned_file_cached_by_corpus_digest(
     tmp_path, monkeypatch):
   """On the pinned corpus the packages BPE trained here (about 6 s) is the file whose sha256 is
-  pinned, cached under the corpus's digest and read back from there."""
+  pinned, cached under the tokenizers version and the corpus's digest and read back from
+  there; a file that is not the pinned one is named in one line (`pin_warning`)."""
+  import tokenizers  # pylint: disable=g-import-not-at-top
   monkeypatch.setenv('UPCYCLE_CACHE', str(tmp_path))
   assert offline_text.corpus_record('packages')['matches'] is True
   trained = tokenizer_lib.load(tokenizer_lib.OFFLINE_PACKAGES_BPE)
-  cached = tmp_path / f'offline_packages_bpe-4096-{offline_text.PACKAGES_DIGEST}.json'
+  assert tokenizer_lib.pin_warning(trained) is None
+  cached = tmp_path / (f'offline_packages_bpe-4096-tokenizers{tokenizers.__version__}-'
+                       f'{offline_text.PACKAGES_DIGEST}.json')
   assert os.listdir(tmp_path) == [cached.name]
   assert hashlib.sha256(cached.read_bytes()).hexdigest() == (
       tokenizer_lib.OFFLINE_PACKAGES_BPE_SHA256)
   assert trained.files['tokenizer.json'] == cached.read_bytes()
-  cached.write_bytes(b'{"marker": 1}')   # read from the cache, not trained again
-  assert tokenizer_lib.load(tokenizer_lib.OFFLINE_PACKAGES_BPE).files['tokenizer.json'] == (
-      b'{"marker": 1}')
+  other = trained.files['tokenizer.json'].replace(b'"ignore_merges":false',
+                                                  b'"ignore_merges":true')
+  assert other != trained.files['tokenizer.json']
+  cached.write_bytes(other)   # read from the cache, not trained again
+  reread = tokenizer_lib.load(tokenizer_lib.OFFLINE_PACKAGES_BPE)
+  assert reread.files['tokenizer.json'] == other
+  assert tokenizer_lib.pin_warning(reread) == (
+      f"WARNING: the offline BPE 'offline_packages_bpe' trained here is not the pinned file: "
+      f'tokenizer.json sha256 {hashlib.sha256(other).hexdigest()} (pinned '
+      f'{tokenizer_lib.OFFLINE_PACKAGES_BPE_SHA256}), by tokenizers {tokenizers.__version__} '
+      f"(setup.py pins the one that trains the pinned file). The run's ids are other ids: its "
+      f"numbers are not the README's.")
 
 
 def _copy_install(target):

@@ -14,11 +14,13 @@ split of an offline corpus (`upcycle.data.offline_text`), cached under `~/.cache
                           build, cached per Python version.
   'offline_packages_bpe'  (`OFFLINE_PACKAGES_BPE`) the source of setup.py's pinned numpy,
                           scipy, scikit-learn and matplotlib ('packages', ~25 MB, ~6 s), cached
-                          per corpus digest: where the corpus is the pinned one
-                          (`offline_text.PACKAGES_DIGEST`) its tokenizer.json is the same file
-                          on every machine, sha256 `OFFLINE_PACKAGES_BPE_SHA256` (with setup.py's
-                          tokenizers). Elsewhere a run on that corpus says so in one line
-                          (`offline_text.mismatch_warning`), and the BPE trained here is another.
+                          per corpus digest and `tokenizers` version: where the corpus is the
+                          pinned one (`offline_text.PACKAGES_DIGEST`) its tokenizer.json is the
+                          same file on every machine, sha256 `OFFLINE_PACKAGES_BPE_SHA256` (with
+                          setup.py's tokenizers). Elsewhere a run on that corpus says so in one
+                          line (`offline_text.mismatch_warning`), and the BPE trained here is
+                          another; on the pinned corpus, a BPE that is not the pinned file
+                          (another `tokenizers` trained it) is named by `pin_warning`.
 
 Text is encoded without the tokenizer's own special tokens; the pipeline adds BOS and EOS
 itself, so every tokenizer frames a document the same way. A directory's chat template
@@ -314,14 +316,35 @@ def train_offline_bpe(name: str = OFFLINE_BPE) -> bytes:
 
 
 def _cache_path(name: str) -> str:
-  """Where the offline BPE `name` is cached: keyed by what its corpus's text depends on (the
-  Python version for 'stdlib', the corpus digest for 'packages')."""
+  """Where the offline BPE `name` is cached: keyed by what its file depends on (the Python
+  version for 'stdlib'; for 'packages' the corpus digest and the `tokenizers` that trains it,
+  so a file another version trained is not read as this one's)."""
+  import tokenizers  # pylint: disable=g-import-not-at-top
   from upcycle.data import offline_text  # pylint: disable=g-import-not-at-top
   if OFFLINE_BPES[name] == 'stdlib':
     key = 'py' + '.'.join(map(str, sys.version_info[:3]))
   else:
-    key = offline_text.corpus_record(OFFLINE_BPES[name])['digest']
+    key = (f'tokenizers{tokenizers.__version__}-'
+           f'{offline_text.corpus_record(OFFLINE_BPES[name])["digest"]}')
   return os.path.join(platforms.cache_root(), f'{name}-{OFFLINE_VOCAB_SIZE}-{key}.json')
+
+
+def pin_warning(tok: Tokenizer) -> Optional[str]:
+  """One line naming an `OFFLINE_PACKAGES_BPE` that is not the pinned file although its corpus
+  is the pinned text (another `tokenizers` than setup.py's trained it: other ids, so other
+  numbers than the README's); None for any other tokenizer, the pinned file, or a corpus that
+  is not the pinned one (`offline_text.mismatch_warning` names that)."""
+  if tok.source != OFFLINE_PACKAGES_BPE:
+    return None
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  from upcycle.data import offline_text  # pylint: disable=g-import-not-at-top
+  found = hashlib.sha256(tok.files['tokenizer.json']).hexdigest()
+  if found == OFFLINE_PACKAGES_BPE_SHA256 or not offline_text.corpus_record('packages')['matches']:
+    return None
+  return (f'WARNING: the offline BPE {OFFLINE_PACKAGES_BPE!r} trained here is not the pinned '
+          f'file: tokenizer.json sha256 {found} (pinned {OFFLINE_PACKAGES_BPE_SHA256}), by '
+          f'tokenizers {tokenizers.__version__} (setup.py pins the one that trains the pinned '
+          f"file). The run's ids are other ids: its numbers are not the README's.")
 
 
 def _offline_bpe(name: str) -> Tokenizer:

@@ -46,17 +46,22 @@ def train(*, objective: Any, optimizer: Any, config: Any, train_data: Any,
 def _corpus(train_data: Any) -> Optional[dict]:
   """On process 0, the `offline_text.corpus_record` of the offline corpus `train_data` reads
   (None for other data, and on other processes); prints its one-line warning if it is not the
-  pinned corpus."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from upcycle.data import offline_text  # pylint: disable=g-import-not-at-top
-  from upcycle.data import tasks  # pylint: disable=g-import-not-at-top
+  pinned corpus, and the tokenizer's if it is the offline packages BPE but not the pinned
+  file (`tokenizer.pin_warning`)."""
+  # pylint: disable=g-import-not-at-top
+  import jax
+  from upcycle.data import offline_text, tasks
+  from upcycle.data import tokenizer as tokenizer_lib
+  # pylint: enable=g-import-not-at-top
   task = getattr(train_data, 'task', None)
   if jax.process_index() != 0 or not isinstance(task, str):
     return None
   record = tasks.offline_corpus_record(task)
-  warning = offline_text.mismatch_warning(record)
-  if warning:
-    print(warning, flush=True)
+  load_tokenizer = getattr(train_data, 'load_tokenizer', None)
+  for warning in (offline_text.mismatch_warning(record),
+                  load_tokenizer and tokenizer_lib.pin_warning(load_tokenizer())):
+    if warning:
+      print(warning, flush=True)
   return record
 
 
