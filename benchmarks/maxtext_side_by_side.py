@@ -2,7 +2,7 @@
 
   python benchmarks/maxtext_side_by_side.py --setup     # once: MaxText's own virtualenv
   python benchmarks/maxtext_side_by_side.py [--model llama3.2-1b|llama3.1-8b] [--venv DIR]
-      [--workdir /tmp/maxtext_side_by_side]
+      [--workdir /tmp/maxtext_side_by_side] [--reuse_maxtext]
 
 Both sides compile the same model for the same slice with the TPU compiler (libtpu), ahead of
 time (no TPU): `MODELS[--model]`, Llama-3.2-1B on a v4-32 (`v4:2x2x4`, 16 chips, megacore) or
@@ -372,7 +372,26 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument('--workdir', default='/tmp/maxtext_side_by_side')
   p.add_argument('--output', default=os.path.join(REPO, 'benchmarks', 'results',
                                                   'maxtext_side_by_side.json'))
+  p.add_argument('--reuse_maxtext', action='store_true',
+                 help="MaxText's side as --output's entry for the model recorded it (compiled "
+                      'with the same PINS), not compiled again: for a change on this side only')
   return p
+
+
+def recorded_maxtext(path: str, name: str) -> Dict[str, Any]:
+  """MaxText's columns of model `name` as the JSON at `path` recorded them; refused in one
+  line where there are none, or where they were compiled with other PINS."""
+  entry = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      entry = json.load(f).get(name, {})
+  if not entry.get('maxtext'):
+    raise SideBySideError(f'--reuse_maxtext: {path} records no MaxText side of {name}: run '
+                          'without it')
+  if entry.get('maxtext_pins') != list(PINS):
+    raise SideBySideError(f'--reuse_maxtext: {path} recorded MaxText with '
+                          f'{entry.get("maxtext_pins")}, not {list(PINS)}: run without it')
+  return entry['maxtext']
 
 
 def run(args: argparse.Namespace) -> None:
@@ -382,8 +401,9 @@ def run(args: argparse.Namespace) -> None:
   os.makedirs(args.workdir, exist_ok=True)
   model = MODELS[args.model]
   # MaxText first: a missing venv stops the run before this project's minutes of compiles.
-  theirs = {maxtext_name(m): maxtext_side(args.venv, args.workdir, args.model, m)
-            for m in sorted(set(model.rows.values()), reverse=True)}
+  theirs = (recorded_maxtext(args.output, args.model) if args.reuse_maxtext else
+            {maxtext_name(m): maxtext_side(args.venv, args.workdir, args.model, m)
+             for m in sorted(set(model.rows.values()), reverse=True)})
   rows = {}
   for name in model.rows:
     rows[name] = tpu_fit.run_row(name, args.workdir)

@@ -215,3 +215,22 @@ def test_documented_commands_parse(bench):
   assert shown
   for flags in shown:
     bench.parser().parse_args(shlex.split(flags))
+
+
+def test_reuse_maxtext_takes_the_recorded_side_compiled_with_the_same_pins(bench, tmp_path):
+  """--reuse_maxtext: a change on this project's side is held to MaxText's columns as the
+  committed JSON records them; a record made with other pins, or none, is refused."""
+  recorded = os.path.join(REPO, 'benchmarks', 'results', 'maxtext_side_by_side.json')
+  with open(recorded) as f:
+    document = json.load(f)
+  for name, model in bench.MODELS.items():
+    sides = bench.recorded_maxtext(recorded, name)
+    assert sorted(sides) == sorted(bench.maxtext_name(m) for m in set(model.rows.values()))
+    assert sides == document[name]['maxtext']
+  other = tmp_path / 'other.json'
+  other.write_text(json.dumps({'llama3.2-1b': {**document['llama3.2-1b'],
+                                               'maxtext_pins': ['maxtext==0.0.1']}}))
+  with pytest.raises(bench.SideBySideError, match=r"recorded MaxText with \['maxtext==0.0.1'\]"):
+    bench.recorded_maxtext(str(other), 'llama3.2-1b')
+  with pytest.raises(bench.SideBySideError, match='records no MaxText side of llama3.1-8b'):
+    bench.recorded_maxtext(str(other), 'llama3.1-8b')

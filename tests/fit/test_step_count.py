@@ -110,9 +110,10 @@ def test_loops_over_matmuls_are_found_in_compiled_hlo_and_binary_searches_are_no
 
 def test_a_chunked_loss_is_counted_whole_in_the_shallow_copy():
   """`CausalLm.loss_chunks`: the compiler counts the loss's loop over chunks once (less than
-  the whole-logits loss); the counting copy unrolls it, so it counts at least the whole-logits
-  loss's FLOPs and at most one more projection forward (2 B L d V: the backward recomputes
-  each chunk's logits), and its program has no loop over matmuls left."""
+  the whole-logits loss); the counting copy unrolls it, so it counts the whole-logits loss's
+  FLOPs, and not one more projection forward (2 B L d V: no chunk's logits are computed
+  again in the backward, `losses.chunked_cross_entropy`), and its program has no loop over
+  matmuls left."""
   from upcycle.train import objectives  # pylint: disable=g-import-not-at-top
   config = models.LlamaConfig(vocab_size=512, d_model=32, d_ff=64, num_heads=2, num_kv_heads=1,
                               head_dim=16, num_layers=2)
@@ -136,7 +137,7 @@ def test_a_chunked_loss_is_counted_whole_in_the_shallow_copy():
   copy = compiled(step_count.shallow(chunked, step_count.periods(config)))
   assert not step_count.loops_over_matmuls(copy.as_text())
   projection = 2 * TOKENS.size * config.d_model * config.vocab_size
-  assert whole <= flops(copy) <= whole + projection
+  assert abs(flops(copy) - whole) < projection / 4, (flops(copy), whole, projection)
 
 
 def test_microbatches_counted_from_two_loops_equal_the_unrolled_accumulation():

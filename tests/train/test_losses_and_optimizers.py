@@ -34,17 +34,27 @@ def test_cross_entropy_against_numpy(z_loss, smoothing):
                              ((logits.argmax(-1) == targets) * weights).sum())
 
 
+def _logits_products(jaxpr, vocab: int) -> int:
+  """The products in `jaxpr`, and every jaxpr inside it, whose output is a `[batch, n, vocab]`
+  block of logits."""
+  from jax.extend import core  # pylint: disable=g-import-not-at-top
+  here = sum(1 for eqn in jaxpr.eqns if eqn.primitive.name == 'dot_general'
+             and eqn.outvars[0].aval.ndim == 3 and eqn.outvars[0].aval.shape[-1] == vocab)
+  return here + sum(_logits_products(sub, vocab) for sub in core.subjaxprs(jaxpr))
+
+
 @pytest.mark.parametrize('z_loss,smoothing', [(0.0, 0.0), (1e-4, 0.1)])
 def test_chunked_cross_entropy_equals_numpy_and_the_whole_loss_gradients(z_loss, smoothing):
   """Four slices of the sequence at a time: the numpy loss of the whole logits, and the
-  gradients of the whole loss with respect to the features and the output kernel."""
+  gradients of the whole loss with respect to the features and the output kernel (computed
+  in the forward pass, scaled by the loss's cotangent in the backward: here 1, and 0.25)."""
   rng = np.random.default_rng(1)
   features = rng.normal(size=(2, 8, 6)).astype(np.float32)
   kernel = rng.normal(size=(6, 11)).astype(np.float32)
   targets = rng.integers(0, 11, (2, 8))
   weights = (rng.random((2, 8)) > 0.3).astype(np.float32)
   chunked = lambda f, k: losses.chunked_cross_entropy(
-      f, lambda x: x @ k, targets, weights, num_chunks=4, z_loss=z_loss,
+      f, lambda head, x: x @ head, k, targets, weights, num_chunks=4, z_loss=z_loss,
       label_smoothing=smoothing)
   whole = lambda f, k: losses.cross_entropy(f @ k, targets, weights, z_loss, smoothing)
   out = chunked(features, kernel)
@@ -52,11 +62,18 @@ def test_chunked_cross_entropy_equals_numpy_and_the_whole_loss_gradients(z_loss,
       features @ kernel, targets, weights, z_loss, smoothing), rtol=1e-5)
   for name in ('z_loss', 'correct', 'weight_sum'):
     np.testing.assert_allclose(out[name], whole(features, kernel)[name], rtol=1e-5)
-  grad = lambda fn: jax.grad(lambda f, k: fn(f, k)['loss'], argnums=(0, 1))(features, kernel)
-  for got, want in zip(grad(chunked), grad(whole)):
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  for scale in (1.0, 0.25):
+    grad = lambda fn: jax.grad(lambda f, k: scale * fn(f, k)['loss'], argnums=(0, 1))(
+        features, kernel)
+    for got, want in zip(grad(chunked), grad(whole)):
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  # The logits are computed once, in the forward pass's loop over slices: the backward has
+  # nothing to compute again.
+  differentiated = jax.make_jaxpr(jax.grad(lambda f, k: chunked(f, k)['loss'], argnums=(0, 1)))
+  assert _logits_products(differentiated(features, kernel).jaxpr, vocab=11) == 1
   with pytest.raises(ValueError, match='num_chunks=3 does not divide the sequence length 8'):
-    losses.chunked_cross_entropy(features, lambda x: x @ kernel, targets, num_chunks=3)
+    losses.chunked_cross_entropy(features, lambda head, x: x @ head, kernel, targets,
+                                 num_chunks=3)
 
 
 def test_label_smoothed_loss_is_zero_at_the_smoothed_target():

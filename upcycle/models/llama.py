@@ -468,6 +468,13 @@ class Llama(nn.Module):
     """`[..., d_model]` final activations -> float32 logits `[..., vocab]`."""
     return self.decoder.project(features)
 
+  def output_params(self, params: Any) -> Any:
+    """The parameters `project` reads, a tree `apply` takes with `method=project`: the output
+    layer's, or the embedding where it is tied (`logits_via_embedding`)."""
+    if self.config.logits_via_embedding:
+      return {'token_embedder': params['token_embedder']}
+    return {'decoder': {'logits_dense': params['decoder']['logits_dense']}}
+
   def prefill(self, prompt_tokens: Array, prompt_mask: Array, max_length: int) -> Array:
     """Runs left-padded prompts and creates the decoding cache; -> their logits.
 

@@ -1,6 +1,7 @@
 """Training losses: cross-entropy with T5's z-loss and label smoothing, normalized by weights."""
 
-from typing import Callable, Dict, Optional
+import functools
+from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -45,43 +46,109 @@ def cross_entropy(logits: Array, targets: Array, weights: Optional[Array] = None
   }
 
 
-def chunked_cross_entropy(features: Array, project: Callable[[Array], Array], targets: Array,
-                          weights: Optional[Array] = None, *, num_chunks: int,
+def chunked_cross_entropy(features: Array, project: Callable[[Any, Array], Array], head: Any,
+                          targets: Array, weights: Optional[Array] = None, *, num_chunks: int,
                           z_loss: float = 0.0, label_smoothing: float = 0.0,
                           unroll: bool = False) -> Dict[str, Array]:
-  """`cross_entropy(project(features), targets, ...)` without the whole `[batch, length,
-  vocab]` float32 logits in memory: the sequence is cut into `num_chunks` slices, each
-  slice's logits computed, reduced to the sums and dropped (`lax.scan`), and computed again in
-  the backward pass (`jax.checkpoint`), so one slice's logits are live at a time (MaxText's
-  vocabulary tiling). Slices keep the batch axis whole, so a batch split over devices stays
-  split. Equal to `cross_entropy` up to the order of the sums.
+  """`cross_entropy(project(head, features), targets, ...)` without the whole `[batch, length,
+  vocab]` float32 logits in memory: the sequence is cut into `num_chunks` slices, each slice's
+  logits computed, reduced to the sums and dropped (`lax.scan`), so one slice's logits are live
+  at a time (MaxText's vocabulary tiling). Slices keep the batch axis whole, so a batch split
+  over devices stays split. Equal to `cross_entropy` up to the order of the sums.
+
+  Differentiated, each slice's gradients of 'loss' with respect to its features and `head` are
+  computed in the forward pass, beside its logits, and kept (a custom VJP; the backward pass
+  scales them by the loss's cotangent): no slice's logits are computed twice, as a
+  rematerializing backward would (2 x tokens x d x vocab FLOPs more), and the features'
+  gradient `[batch, length, d]` (in their dtype) is what stays between the passes. Only 'loss'
+  carries gradients ('z_loss', its part, is reported; 'correct' and 'weight_sum' have none).
 
   Args:
     features: `[batch, length, d]`, what `project` turns into logits.
-    project: `[batch, n, d]` -> float32 logits `[batch, n, vocab]`.
+    project: `(head, [batch, n, d])` -> float32 logits `[batch, n, vocab]`.
+    head: the parameters `project` reads (the output layer's, or the tied embedding).
     targets, weights, z_loss, label_smoothing: as `cross_entropy`'s (`[batch, length]`).
     num_chunks: slices of the sequence; must divide `length`.
     unroll: the slices' loop unrolled (the same values and memory bound; what the compile-ahead
       counting copies compile, since the compiler counts a loop's body once).
   """
-  batch, length = targets.shape
+  length = targets.shape[1]
   if length % num_chunks:
     raise ValueError(f'chunked_cross_entropy: num_chunks={num_chunks} does not divide the '
                      f'sequence length {length}.')
   weights = jnp.ones(targets.shape, jnp.float32) if weights is None else weights
+  settings = _Chunking(project, num_chunks, z_loss, label_smoothing, unroll)
+  return _chunked(settings, features, head, targets, weights)
 
-  def slices(x: Array) -> Array:   # [batch, length, ...] -> [chunks, batch, length / chunks, ...]
-    return jnp.moveaxis(x.reshape((batch, num_chunks, length // num_chunks) + x.shape[2:]), 1, 0)
 
-  @jax.checkpoint
-  def one(x, t, w):
-    return cross_entropy(project(x), t, w, z_loss, label_smoothing)
+class _Chunking(NamedTuple):
+  """`chunked_cross_entropy`'s static arguments."""
+  project: Callable[[Any, Array], Array]
+  num_chunks: int
+  z_loss: float
+  label_smoothing: float
+  unroll: bool
 
+  def slices(self, x: Array) -> Array:
+    """`[batch, length, ...]` -> `[chunks, batch, length / chunks, ...]`."""
+    batch, length = x.shape[:2]
+    shape = (batch, self.num_chunks, length // self.num_chunks) + x.shape[2:]
+    return jnp.moveaxis(x.reshape(shape), 1, 0)
+
+  def whole(self, x: Array) -> Array:
+    """`slices`' inverse."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape((x.shape[0], x.shape[1] * x.shape[2]) + x.shape[3:])
+
+  def sums(self, head: Any, x: Array, targets: Array, weights: Array) -> Dict[str, Array]:
+    return cross_entropy(self.project(head, x), targets, weights, self.z_loss,
+                         self.label_smoothing)
+
+
+_SUMS = ('loss', 'z_loss', 'correct', 'weight_sum')
+
+
+def _zeros() -> Dict[str, Array]:
+  return {name: jnp.zeros((), jnp.float32) for name in _SUMS}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked(settings: _Chunking, features: Array, head: Any, targets: Array,
+             weights: Array) -> Dict[str, Array]:
   def add(total, chunk):
-    return jax.tree.map(jnp.add, total, one(*chunk)), None
+    return jax.tree.map(jnp.add, total, settings.sums(head, *chunk)), None
 
-  zeros = {name: jnp.zeros((), jnp.float32) for name in ('loss', 'z_loss', 'correct',
-                                                           'weight_sum')}
-  total, _ = jax.lax.scan(add, zeros, (slices(features), slices(targets), slices(weights)),
-                          unroll=unroll)
-  return total
+  chunks = tuple(map(settings.slices, (features, targets, weights)))
+  return jax.lax.scan(add, _zeros(), chunks, unroll=settings.unroll)[0]
+
+
+def _chunked_forward(settings: _Chunking, features: Array, head: Any, targets: Array,
+                     weights: Array):
+  def loss(x, h, t, w):
+    sums = settings.sums(h, x, t, w)
+    return sums['loss'], sums
+
+  gradients = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+
+  def add(carry, chunk):
+    total, head_grad = carry
+    x, t, w = chunk
+    (_, sums), (x_grad, h_grad) = gradients(x, head, t, w)
+    return (jax.tree.map(jnp.add, total, sums), jax.tree.map(jnp.add, head_grad, h_grad)), x_grad
+
+  zero_head = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), head)
+  chunks = tuple(map(settings.slices, (features, targets, weights)))
+  (total, head_grad), x_grads = jax.lax.scan(add, (_zeros(), zero_head), chunks,
+                                             unroll=settings.unroll)
+  return total, (settings.whole(x_grads), head_grad)
+
+
+def _chunked_backward(settings: _Chunking, residuals, cotangent):
+  del settings
+  features_grad, head_grad = residuals
+  scale = cotangent['loss']
+  return ((features_grad * scale).astype(features_grad.dtype),
+          jax.tree.map(lambda g: (g * scale).astype(g.dtype), head_grad), None, None)
+
+
+_chunked.defvjp(_chunked_forward, _chunked_backward)

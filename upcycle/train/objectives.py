@@ -119,14 +119,15 @@ class CausalLm(TargetTokenLoss):
     features, state = self.model.apply(
         {'params': params}, batch['decoder_input_tokens'], enable_dropout=train, rngs=rngs,
         mutable=MOE_COLLECTIONS, method=Llama.features, **kwargs)
-    project = lambda x: self.model.apply({'params': params}, x, method=Llama.project)
+    project = lambda head, x: self.model.apply({'params': head}, x, method=Llama.project)
     targets = batch['decoder_target_tokens']
     if targets.shape[1] % self.loss_chunks:
       raise fields.ConfigError(
           f'{fields.binding(self, "loss_chunks")} = {self.loss_chunks} does not divide the '
           f'sequence length {targets.shape[1]}. Fix: a divisor of it.')
     return losses.chunked_cross_entropy(
-        features, project, targets, self.target_weights(batch), num_chunks=self.loss_chunks,
+        features, project, self.model.output_params(params), targets,
+        self.target_weights(batch), num_chunks=self.loss_chunks,
         z_loss=self.z_loss, label_smoothing=self.label_smoothing,
         unroll=self.unroll_loss_chunks), state
 
