@@ -140,9 +140,10 @@ def make_eval_step(objective, num_microbatches: int = 1, microbatch_unroll: int 
     micro = _microbatches(batch, num_microbatches, name='eval_microbatches')
     zero = jax.eval_shape(sums, params, jax.tree.map(lambda x: x[0], micro))
     zero = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), zero)
-    total, _ = jax.lax.scan(lambda carry, mb: (jax.tree.map(jnp.add, carry, sums(params, mb)),
-                                               None),
-                            zero, micro, unroll=microbatch_unroll)
-    return total
+
+    def add(total, microbatch):
+      return jax.tree.map(jnp.add, total, sums(params, microbatch)), None
+
+    return jax.lax.scan(add, zero, micro, unroll=microbatch_unroll)[0]
 
   return eval_step
