@@ -45,7 +45,7 @@ ALLOWED = {
     'tpu_slice': set(),
     'partitioning': {'fields'},
     # The fit analysis compiles the trainer's run; the trainer never imports it.
-    'fit': {'models', 'moe', 'partitioning', 'train', 'upcycling'},
+    'fit': {'models', 'moe', 'partitioning', 'platforms', 'train', 'upcycling'},
 }
 # Wiring: may import any part but those above it (a part whose allowed imports name it).
 WIRING = {'train', 'pretrained', 'hf_model', 'predictions', 'harness', 'aot', 'convert', 'export',
