@@ -88,8 +88,8 @@ def paths(tmp_path):
      'trainer.TrainConfig.batch_size = 6: expected a multiple of 8, the data x expert mesh axes '
      '(8 x 1) the batch is split over. Fix: --gin.BATCH_SIZE=8 (or another multiple of 8).'),
     (['--gin.trainer.TrainConfig.eval_microbatches=3'],
-     'trainer.TrainConfig.eval_microbatches = 3 does not divide BATCH_SIZE (8): each microbatch '
-     'is BATCH_SIZE / eval_microbatches. Fix: a divisor of 8.'),
+     'trainer.TrainConfig.eval_microbatches = 3 does not divide BATCH_SIZE (8). Fix: a divisor '
+     'of 8.'),
     (['--gin_file=moe/paper_t5.gin', '--gin.NUM_EXPERTS=6',
       '--gin.trainer.TrainConfig.num_expert_partitions=4'],
      "decoder/layers_1/mlp/expert/wi_0/kernel has 6 along 'expert', split over "

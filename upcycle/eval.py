@@ -66,10 +66,7 @@ def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size
   fields.integer_value('BATCH_SIZE (eval_script.evaluate.batch_size)', batch_size, 1)
   microbatches = 'EVAL_MICROBATCHES (eval_script.evaluate.num_microbatches)'
   fields.integer_value(microbatches, num_microbatches, 1)
-  if batch_size % num_microbatches:
-    raise fields.ConfigError(
-        f'{microbatches} = {num_microbatches} does not divide BATCH_SIZE ({batch_size}). Fix: '
-        f'a divisor of {batch_size}.')
+  fields.divisor_value(microbatches, num_microbatches, total=batch_size, of='BATCH_SIZE')
   if other_row_inputs and not isinstance(objective, Seq2Seq):
     raise fields.ConfigError(
         f'eval_script.evaluate.other_row_inputs = True swaps encoder inputs between rows; '

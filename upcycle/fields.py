@@ -49,6 +49,14 @@ def integer_value(name: str, value: Any, minimum: Optional[int] = None) -> None:
     raise ConfigError(f'{name} = {value!r}: expected {expected}.')
 
 
+def divisor_value(name: str, value: int, total: int, of: str) -> None:
+  """`value` (an integer >= 1, named `name`: its binding) divides `total`, named `of` (a batch
+  split in microbatches, a sequence in loss chunks)."""
+  if total % value:
+    raise ConfigError(f'{name} = {value} does not divide {of} ({total}). Fix: a divisor of '
+                      f'{total}.')
+
+
 def optional_integer(obj: Any, field: str, minimum: int, none: str = '') -> None:
   """None or an integer >= minimum; `none`, what None means, is said in the error."""
   value = getattr(obj, field)

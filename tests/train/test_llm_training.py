@@ -68,7 +68,7 @@ def test_loss_chunks_give_the_whole_logits_loss_and_gradients(tied):
   for got, want in zip(jax.tree.leaves(chunked_grads), jax.tree.leaves(whole_grads)):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
   with pytest.raises(ValueError, match=r'CausalLm.loss_chunks = 3 does not divide the '
-                                       r'sequence length 16'):
+                                       r'sequence length \(16\)\. Fix: a divisor of 16\.'):
     CausalLm(Llama(config), loss_chunks=3).forward(params, batch, train=False)
 
 

@@ -121,10 +121,8 @@ class CausalLm(TargetTokenLoss):
         mutable=MOE_COLLECTIONS, method=Llama.features, **kwargs)
     project = lambda head, x: self.model.apply({'params': head}, x, method=Llama.project)
     targets = batch['decoder_target_tokens']
-    if targets.shape[1] % self.loss_chunks:
-      raise fields.ConfigError(
-          f'{fields.binding(self, "loss_chunks")} = {self.loss_chunks} does not divide the '
-          f'sequence length {targets.shape[1]}. Fix: a divisor of it.')
+    fields.divisor_value(fields.binding(self, 'loss_chunks'), self.loss_chunks,
+                         total=targets.shape[1], of='the sequence length')
     return losses.chunked_cross_entropy(
         features, project, self.model.output_params(params), targets,
         self.target_weights(batch), num_chunks=self.loss_chunks,

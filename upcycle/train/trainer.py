@@ -159,11 +159,8 @@ class TrainConfig:
                  'num_expert_partitions', 'num_model_partitions'):
       fields.integer(self, name, 1)
     for name in ('num_microbatches', 'eval_microbatches'):
-      if self.batch_size % getattr(self, name):
-        raise fields.ConfigError(
-            f'{fields.binding(self, name)} = {getattr(self, name)} does not divide BATCH_SIZE '
-            f'({self.batch_size}): each microbatch is BATCH_SIZE / {name}. Fix: a divisor of '
-            f'{self.batch_size}.')
+      fields.divisor_value(fields.binding(self, name), getattr(self, name),
+                           total=self.batch_size, of='BATCH_SIZE')
     for name in ('eval_every', 'eval_batches', 'stall_warning_steps', 'data_shards',
                  'infer_eval_batches'):
       fields.integer(self, name, 0)
