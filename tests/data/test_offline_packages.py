@@ -106,6 +106,8 @@ def test_the_packages_bpe_trained_on_this_install_is_the_pinned_file_cached_by_c
       f'{tokenizer_lib.OFFLINE_PACKAGES_BPE_SHA256}), by tokenizers {tokenizers.__version__} '
       f"(setup.py pins the one that trains the pinned file). The run's ids are other ids: its "
       f"numbers are not the README's.")
+  other_corpus = dict(offline_text.corpus_record('packages'), matches=False)
+  assert tokenizer_lib.pin_warning(reread, other_corpus) is None   # the corpus's warning says it
 
 
 def _copy_install(target):

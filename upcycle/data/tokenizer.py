@@ -329,17 +329,20 @@ def _cache_path(name: str) -> str:
   return os.path.join(platforms.cache_root(), f'{name}-{OFFLINE_VOCAB_SIZE}-{key}.json')
 
 
-def pin_warning(tok: Tokenizer) -> Optional[str]:
+def pin_warning(tok: Tokenizer, packages_record: Optional[dict] = None) -> Optional[str]:
   """One line naming an `OFFLINE_PACKAGES_BPE` that is not the pinned file although its corpus
   is the pinned text (another `tokenizers` than setup.py's trained it: other ids, so other
   numbers than the README's); None for any other tokenizer, the pinned file, or a corpus that
-  is not the pinned one (`offline_text.mismatch_warning` names that)."""
+  is not the pinned one (`offline_text.mismatch_warning` names that). `packages_record`: the
+  packages corpus's `offline_text.corpus_record` where the caller has it (None: read here)."""
   if tok.source != OFFLINE_PACKAGES_BPE:
     return None
   import tokenizers  # pylint: disable=g-import-not-at-top
   from upcycle.data import offline_text  # pylint: disable=g-import-not-at-top
   found = hashlib.sha256(tok.files['tokenizer.json']).hexdigest()
-  if found == OFFLINE_PACKAGES_BPE_SHA256 or not offline_text.corpus_record('packages')['matches']:
+  if found == OFFLINE_PACKAGES_BPE_SHA256:
+    return None
+  if not (packages_record or offline_text.corpus_record('packages'))['matches']:
     return None
   return (f'WARNING: the offline BPE {OFFLINE_PACKAGES_BPE!r} trained here is not the pinned '
           f'file: tokenizer.json sha256 {found} (pinned {OFFLINE_PACKAGES_BPE_SHA256}), by '

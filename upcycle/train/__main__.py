@@ -58,8 +58,9 @@ def _corpus(train_data: Any) -> Optional[dict]:
     return None
   record = tasks.offline_corpus_record(task)
   load_tokenizer = getattr(train_data, 'load_tokenizer', None)
+  packages = record if record and record['corpus'] == 'packages' else None
   for warning in (offline_text.mismatch_warning(record),
-                  load_tokenizer and tokenizer_lib.pin_warning(load_tokenizer())):
+                  load_tokenizer and tokenizer_lib.pin_warning(load_tokenizer(), packages)):
     if warning:
       print(warning, flush=True)
   return record
