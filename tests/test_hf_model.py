@@ -87,6 +87,14 @@ def test_what_disagrees_with_the_directory_is_refused_in_one_line(chat_llama, tm
       f"({directory}/config.json) gives the model, and says 48. Fix: drop that binding (a "
       f"models/ size or moe/ file given beside models/hf.gin), or drop models/hf.gin and write "
       f"the model file yourself.")
+  # Llama-2-7B's sizes, which are models.LlamaConfig's defaults: bound, so refused as well.
+  assert refusal(train_main.main, ['--gin_file=models/hf.gin', *run,
+                                    f"--gin.HF_MODEL='{directory}'",
+                                    '--gin.models.LlamaConfig.num_layers=32'], capsys) == (
+      f"error: models.LlamaConfig.num_layers = 32, but HF_MODEL's config.json "
+      f"({directory}/config.json) gives the model, and says 2. Fix: drop that binding (a "
+      f"models/ size or moe/ file given beside models/hf.gin), or drop models/hf.gin and write "
+      f"the model file yourself.")
   assert refusal(train_main.main, ['--gin_file=models/hf.gin', *run,
                                     f"--gin.HF_MODEL='{tmp_path}'"], capsys) == (
       f"error: HF_MODEL = '{tmp_path}': no config.json there. Fix: give the HuggingFace "

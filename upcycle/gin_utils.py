@@ -660,6 +660,19 @@ def run(fn: Callable[..., Any], argv: Sequence[str], description: str,
   raise SystemExit(message)
 
 
+def bound_parameters(configurable: str) -> Tuple[str, ...]:
+  """The parameters of `configurable` (named as gin files name it: 'models.LlamaConfig') that
+  the parsed files and bindings bind, in any scope, whatever the value: what the run set, as
+  against the class's defaults (`hf_model.model_config`'s `bound`, from `models/hf.gin`)."""
+  match = gin.config._REGISTRY.get_match(configurable)  # pylint: disable=protected-access
+  if match is None:
+    raise ValueError(f'gin_utils.bound_parameters.configurable = {configurable!r}: no such '
+                     'configurable is registered. Fix: name one the gin files bind.')
+  config = gin.config._CONFIG  # pylint: disable=protected-access
+  return tuple(sorted({parameter for (_, selector), parameters in config.items()
+                       if selector == match.selector for parameter in parameters}))
+
+
 def macro_value(name: str) -> Any:
   """The value of gin macro `name` (a configurable reference `@x()` called), None when the
   parsed files and bindings do not set it."""

@@ -15,7 +15,7 @@ descriptions of one model would disagree.
 import dataclasses
 import json
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from etils import epath
 
@@ -65,19 +65,21 @@ def described_fields(path: str, named: Optional[str] = None) -> Dict[str, Any]:
   return described
 
 
-def model_config(path: str, base: LlamaConfig) -> LlamaConfig:
+def model_config(path: str, base: LlamaConfig, bound: Sequence[str] = ()) -> LlamaConfig:
   """`base` (the run's config: the gin bindings of `models.LlamaConfig`) with every field
   `path`'s config.json decides taken from it (`described_fields`).
 
-  A field `base` sets to a value other than both the class default (it was bound) and
-  config.json's is refused in one line naming its binding (a size file beside HF_MODEL); an
-  MoE checkpoint's MoE comes from its config.json, so a bound `moe` is refused there too.
+  A field the run set (named in `bound`, the fields its gin binds: `models/hf.gin` passes
+  `gin_utils.bound_parameters`; or set to other than the class default) to a value other than
+  config.json's is refused in one line naming its binding (a size file beside HF_MODEL, even
+  one whose values are the class defaults); an MoE checkpoint's MoE comes from its
+  config.json, so a bound `moe` that is not that block is refused there too.
   """
   described = described_fields(path)
   default = type(base)()
   for name, theirs in described.items():
     ours = getattr(base, name)
-    if ours != theirs and ours != getattr(default, name):
+    if ours != theirs and (name in bound or ours != getattr(default, name)):
       shown = 'an MoE block' if name == 'moe' else repr(ours)
       raise fields.ConfigError(
           f'{fields.binding(base, name)} = {shown}, but {MACRO}\'s config.json '
