@@ -115,13 +115,17 @@ ROWS = (('arrays (params + optimizer state)', 'arrays', str),
         ('digests.record throughput', 'digests_gb_per_s', lambda g: f'{g:.2f} GB/s'))
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--repeats', type=int, default=7, help='saves per variant and model')
   parser.add_argument('--json', default=os.path.join(ROOT, 'benchmarks', 'results',
                                                      'checkpoint_digest.json'))
-  args = parser.parse_args()
+  return parser
+
+
+def main() -> None:
+  args = build_parser().parse_args()
   # orbax warns at each save about the previous save's wait, which is this script's own wait().
   logging.getLogger('absl').setLevel(logging.ERROR)
   rows = [measure(name, config, args.repeats) for name, config in MODELS.items()]

@@ -115,7 +115,7 @@ ROWS = (('layers per stack', 'layers', str),
         ('conversion time', 'convert_seconds', lambda s: f'{s:.1f} s'))
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--d_model', type=int, default=256)
@@ -127,7 +127,11 @@ def main() -> None:
   parser.add_argument('--vocab', type=int, default=512)
   parser.add_argument('--json', default=os.path.join(ROOT, 'benchmarks', 'results',
                                                      'convert_memory.json'))
-  args = parser.parse_args()
+  return parser
+
+
+def main() -> None:
+  args = build_parser().parse_args()
   runs = []
   for layers in args.layers:
     spec = {'d_model': args.d_model, 'd_ff': args.d_ff, 'heads': args.heads, 'layers': layers,

@@ -361,7 +361,7 @@ def versions() -> Dict[str, str]:
   return {p: importlib.metadata.version(p) for p in ('jax', 'jaxlib', 'libtpu', 'flax')}
 
 
-def parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--setup', action='store_true', help="create MaxText's venv (PINS) and stop")
   p.add_argument('--model', choices=sorted(MODELS), default='llama3.2-1b',
@@ -434,7 +434,7 @@ def write_entry(path: str, name: str, entry: Mapping[str, Any]) -> None:
 
 def main(argv: Sequence[str]) -> None:
   try:
-    run(parser().parse_args(argv))
+    run(build_parser().parse_args(argv))
   except SideBySideError as e:
     sys.exit(f'error: {e}')
 

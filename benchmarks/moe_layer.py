@@ -80,10 +80,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from upcycle import layers, partitioning
+from upcycle import layers, partitioning, platforms
 from upcycle.moe import (MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, capacity, grouping,
                          routers)
-from upcycle.moe.layer import EXPERT_SLOT_AXES
+from upcycle.moe.slots import EXPERT_SLOT_AXES
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -473,7 +473,7 @@ def case_inputs(args, mesh):
     yield case, x, dense_run
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--flaxformer', default=None,
                       help='directory holding a flaxformer/ checkout, to measure it alongside')
@@ -494,6 +494,11 @@ def main():
                       help="run the cases whose name holds this, e.g. 'Top-2'")
   parser.add_argument('--output', default=None, help='default: benchmarks/results/'
                       'moe_layer.json, with --topology moe_layer_tpu.json')
+  return parser
+
+
+def main():
+  parser = build_parser()
   args = parser.parse_args()
   if args.quick:
     args.batch, args.length, args.d_model, args.d_ff, args.repeats = 4, 128, 128, 256, 3
@@ -520,7 +525,9 @@ def main():
           f'{dict(mesh.shape)}; per device', flush=True)
   if args.papers and mesh is None:
     parser.error('--papers needs --topology (the cases are sized for a TPU chip)')
-  with partitioning.activate(mesh) if mesh else contextlib.nullcontext():
+  # A topology's executables have no client to be loaded back: none goes into JAX's cache.
+  with (partitioning.activate(mesh) if mesh else contextlib.nullcontext()), \
+       (platforms.compilation_cache_off() if mesh else contextlib.nullcontext()):
     rows, verdicts = [], []
     for case, x, dense_run in case_inputs(args, mesh):
       case_rows, verdict = rows_of(case.name, case_runs(case, x, args, dense_run, flax_modules,

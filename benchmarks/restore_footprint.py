@@ -74,12 +74,16 @@ def footprint(checkpoint: str, workdir: str) -> dict:
               'listcomp', 'dictcomp', 'setcomp', 'genexpr', 'lambda'))]}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--workdir', default='/tmp/restore_footprint')
   parser.add_argument('--output', default=os.path.join(REPO, 'benchmarks', 'results',
                                                        'restore_footprint.json'))
-  args = parser.parse_args()
+  return parser
+
+
+def main() -> None:
+  args = build_parser().parse_args()
   os.makedirs(args.workdir, exist_ok=True)
   result = footprint(pretrain(args.workdir), args.workdir)
   os.makedirs(os.path.dirname(args.output), exist_ok=True)

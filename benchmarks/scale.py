@@ -106,7 +106,7 @@ def measured_row(config, args):
           'step_s': float(np.median(times)), 'loss': float(metrics['loss'])}
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--model', default='models/t5_1_1/large.gin')
   parser.add_argument('--batch', type=int, default=64)
@@ -122,7 +122,11 @@ def main():
                       help="'' to skip the measured steps")
   parser.add_argument('--output', default=os.path.join(os.path.dirname(__file__), 'results',
                                                        'scale.json'))
-  args = parser.parse_args()
+  return parser
+
+
+def main():
+  args = build_parser().parse_args()
 
   large = config_from_gin([args.model, 'moe/paper_t5.gin'])
   rows = []

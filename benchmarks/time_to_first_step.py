@@ -114,15 +114,19 @@ def _summary(rows):
           for phase in PHASES}
 
 
-def main() -> None:
-  if sys.argv[1:2] == ['--child']:
-    child(sys.argv[2:])
-    return
+def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--repeats', type=int, default=3)
   parser.add_argument('--json', default=os.path.join(ROOT, 'benchmarks', 'results',
                                                      'time_to_first_step.json'))
-  args = parser.parse_args()
+  return parser
+
+
+def main() -> None:
+  if sys.argv[1:2] == ['--child']:
+    child(sys.argv[2:])
+    return
+  args = build_parser().parse_args()
   with tempfile.TemporaryDirectory() as scratch:
     source = os.path.join(scratch, 'llama')
     _write_source(source)

@@ -35,7 +35,7 @@ from upcycle import layers, tree  # pylint: disable=g-import-not-at-top,wrong-im
 from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, capacity, grouping, routers  # pylint: disable=g-import-not-at-top,wrong-import-position
 from upcycle.moe import slots  # pylint: disable=g-import-not-at-top,wrong-import-position
 from upcycle.fit import aot  # pylint: disable=g-import-not-at-top,wrong-import-position
-from upcycle import partitioning  # pylint: disable=g-import-not-at-top,wrong-import-position
+from upcycle import partitioning, platforms  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 BATCH, LENGTH, GROUP, EXPERTS, D_MODEL, D_FF = 256, 512, 4096, 32, 64, 128
 
@@ -50,11 +50,15 @@ def dispatch_direct(x, decision, experts_fn):
   return jnp.einsum('gecs,egcd->gsd', combine, expert_out)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--direct', action='store_true',
                       help='the layout that crashes the compiler (the process dies)')
-  args = parser.parse_args()
+  return parser
+
+
+def main() -> None:
+  args = build_parser().parse_args()
   if args.direct:
     slots.SLOT_FUNCTIONS['masked'] = dispatch_direct
   devices = aot.topology_devices('v4:4x4x2', megacore=False)
@@ -70,7 +74,7 @@ def main() -> None:
     y, _ = layer.apply({'params': params}, x, False, mutable=MOE_COLLECTIONS)
     return jnp.mean(jnp.square((x + y).astype(jnp.float32)))
 
-  with partitioning.activate(mesh):
+  with platforms.compilation_cache_off(), partitioning.activate(mesh):
     shardings = partitioning.logical_sharding(boxed, mesh)
     params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
                           tree.unbox(boxed), shardings)

@@ -220,14 +220,18 @@ def table(rows) -> str:
   return '\n'.join(lines)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--rows', default=','.join(ROWS), help=f'comma-separated: {list(ROWS)}')
   parser.add_argument('--workdir', default='/tmp/tpu_fit')
   parser.add_argument('--output', default=os.path.join(REPO, 'benchmarks', 'results',
                                                        'tpu_fit.json'))
   parser.add_argument('--merge', default=None, help='an earlier tpu_fit.json to keep rows of')
-  args = parser.parse_args()
+  return parser
+
+
+def main() -> None:
+  args = build_parser().parse_args()
   os.makedirs(args.workdir, exist_ok=True)
   names = args.rows.split(',')
   kept = json.loads(open(args.merge).read()) if args.merge else []

@@ -1,11 +1,13 @@
-"""Every command the documentation shows parses: each `python -m upcycle.<cli>` and
-`python launch/<script>.py` line of README.md's and docs/*.md's code blocks, docs/RESULTS.md's
+"""Every command the documentation shows parses: each `python -m upcycle.<cli>`,
+`python launch/<script>.py` and `python benchmarks/<script>.py` line of README.md's and
+docs/*.md's code blocks, docs/RESULTS.md's
 inline commands and the examples in the CLIs' --help texts (their module docstrings; a
 synopsis with `...` or `[optional]` parts is not a command). Training-style commands (train,
 eval, infer, aot, and the training flags after `--` of the launchers) have their gin files
 and bindings parsed and finalized as the entry points do, so a %gin.REQUIRED macro left
 unset, a misspelt binding, an unused macro or an unknown gin file fails; the other CLIs'
-flags go through the CLI's own parser."""
+flags go through the CLI's own parser (a script's `build_parser()`, the script imported: a
+name it imports that the package no longer has fails)."""
 
 import ast
 import glob
@@ -14,6 +16,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 
 import gin
 import pytest
@@ -33,10 +36,17 @@ CLIS = sorted(os.path.relpath(p, REPO)
               if "if __name__ == '__main__':" in open(p).read())
 
 
-def _launcher(name):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, 'launch', f'{name}.py'))
+def _script(path):
+  """The module of script `path` (relative to the repository), imported; `sys.path` as it was
+  (scripts put the repository on it)."""
+  name = os.path.splitext(os.path.basename(path))[0]
+  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, path))
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  before = list(sys.path)
+  try:
+    spec.loader.exec_module(module)
+  finally:
+    sys.path[:] = before
   return module
 
 
@@ -83,8 +93,8 @@ def documented_commands():
       if re.fullmatch(r"\s*[A-Z_]+='[^']*'", line):
         name_, value = shlex.split(line)[0].split('=', 1)
         variables[name_] = value
-      elif re.match(r'\s*(\S*/)?python3? (-m upcycle\.|launch/)', line) and not re.search(
-          r'\.\.\.|\[', line):   # a synopsis or an excerpt
+      elif re.match(r'\s*(\S*/)?python3? (-m upcycle\.|launch/|benchmarks/)', line) and (
+          not re.search(r'\.\.\.|\[', line)):   # a synopsis or an excerpt
         found.append(pytest.param(shlex.split(line, comments=True)[1:], id=f'{name}:{number}'))
   return found
 
@@ -140,11 +150,10 @@ def check(argv):
                  'upcycle.study': study_main}
       parsers[cli].build_parser().parse_args(flags)
     return
-  script = os.path.splitext(os.path.basename(argv[0]))[0]
   flags = argv[1:]
   own, train_flags = (flags[:flags.index('--')], flags[flags.index('--') + 1:]) if (
       '--' in flags) else (flags, [])
-  _launcher(script).build_parser().parse_args(own)
+  _script(argv[0]).build_parser().parse_args(own)
   if train_flags:
     parse_training_flags(train_flags)
 
@@ -154,6 +163,8 @@ def test_the_documentation_shows_commands_of_every_kind():
   assert {'upcycle.train', 'upcycle.eval', 'upcycle.infer', 'upcycle.aot', 'upcycle.convert',
           'upcycle.export', 'upcycle.describe', 'upcycle.study', 'upcycle.lm_eval',
           'launch/tpu_vm.py', 'launch/local.py'} <= clis
+  assert {os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, 'benchmarks', '*.py'))
+          } <= clis   # every benchmark's use is shown
 
 
 @pytest.mark.parametrize('argv', COMMANDS)
@@ -189,7 +200,7 @@ def test_a_documented_block_is_whole_shell_commands(block):
 @pytest.mark.parametrize('script', ['tpu_vm', 'local'])
 def test_a_launcher_help_keeps_its_examples_line_continuations(script):
   """The examples in `--help` paste as shown: each `\\` still ends its line."""
-  help_text = _launcher(script).build_parser().format_help()
+  help_text = _script(f'launch/{script}.py').build_parser().format_help()
   continued = [line for line in help_text.splitlines() if line.rstrip().endswith('\\')]
   assert continued and all(line.rstrip().endswith(' \\') for line in continued)
   assert '--       --' not in help_text

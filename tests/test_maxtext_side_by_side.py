@@ -214,7 +214,7 @@ def test_documented_commands_parse(bench):
       shown += re.findall(r'benchmarks/maxtext_side_by_side\.py([^\n`#]*)', f.read())
   assert shown
   for flags in shown:
-    bench.parser().parse_args(shlex.split(flags))
+    bench.build_parser().parse_args(shlex.split(flags))
 
 
 def test_reuse_maxtext_takes_the_recorded_side_compiled_with_the_same_pins(bench, tmp_path):
