@@ -442,6 +442,13 @@ def test_a_batch_that_cannot_fit_is_compiled_at_the_smallest_and_a_larger_slice_
   # Per TensorCore (no megacore), devices are half chips: 16 cores are 8 chips.
   assert 'v4:2x2x2' in aot.larger_slice(report, search, devices=8, device_kind='TPU v4',
                                         megacore=False)
+  # The batch's total is the larger step's; an eval step without one (refused without its
+  # temporaries) leaves none, so no batch is said to fit on the train step's bytes alone.
+  evaluating = dataclasses.replace(report, temp=36 * gib)
+  assert aot.steps_total({'train_step': report, 'eval_step': evaluating},
+                         aot.BATCH_STEPS) == 66 * gib
+  assert aot.steps_total({'train_step': report}, aot.BATCH_STEPS) is None
+  assert aot.steps_total({'train_step': report}, aot.BATCH_STEPS[:1]) == 64 * gib
   assert [aot.v4_topology(c) for c in (4, 8, 16, 32, 64, 128, 256, 512, 12)] == [
       'v4:2x2x1', 'v4:2x2x2', 'v4:2x2x4', 'v4:2x4x4', 'v4:4x4x4', 'v4:4x4x8', 'v4:4x8x8',
       'v4:8x8x8', None]

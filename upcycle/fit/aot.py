@@ -434,9 +434,13 @@ def _batch(spec: Mapping[str, Any], mesh: jax.sharding.Mesh) -> Dict[str, jax.Sh
           for k, (shape, dtype) in spec.items()}
 
 
-def steps_total(reports: Mapping[str, FunctionReport]) -> int:
-  """The larger of the `BATCH_STEPS`' totals per device."""
-  return max(reports[name].total for name in BATCH_STEPS if name in reports)
+def steps_total(reports: Mapping[str, FunctionReport], steps: Sequence[str]) -> Optional[int]:
+  """The larger of `steps`' totals per device (the run's `BATCH_STEPS`); None when one of them
+  has none (its lowering failed, or the compiler refused it without naming its temporaries):
+  a batch is not said to fit on the other step's bytes alone."""
+  if any(name not in reports for name in steps):
+    return None
+  return max(reports[name].total for name in steps)
 
 
 def _sequence_length(spec: Mapping[str, Any]) -> int:
@@ -550,6 +554,8 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
           kernel_flops_per_device=uncounted_flops(objective, sized, train=False,
                                                   microbatches=config.eval_microbatches))
 
+    steps = BATCH_STEPS if eval_data is not None else BATCH_STEPS[:1]
+
     def total_at(size: int) -> Optional[int]:
       found: Dict[str, FunctionReport] = {}
       compile_train_step(size, found, {})
@@ -557,7 +563,7 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
         return None
       if eval_data is not None:
         compile_eval_step(size, found, {})
-      return steps_total(found)
+      return steps_total(found, steps)
 
     compile_train_step(config.batch_size, reports, not_compiled)
     if 'train_step' in reports:
@@ -582,7 +588,8 @@ def compile_run(*, objective, optimizer, config, train_data, eval_data=None, ini
             step_count.extrapolate, eval_step_counts, full_periods)
             if scans or config.eval_microbatches > 1 or step_count.loss_loops(objective)
             else None)
-    if find_batch and 'train_step' in reports:
-      search = batch_fit.search(total_at, batch=config.batch_size, total=steps_total(reports),
+    total = steps_total(reports, steps)
+    if find_batch and total is not None:
+      search = batch_fit.search(total_at, batch=config.batch_size, total=total,
                                 usable=hbm.usable, multiple=settings.batch_multiple())
   return CompiledRun(list(devices), mesh, megacore, settings, reports, not_compiled, search)
