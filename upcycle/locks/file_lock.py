@@ -83,17 +83,6 @@ def holder() -> Dict[str, object]:
           'since': datetime.datetime.now().astimezone().isoformat(timespec='seconds')}
 
 
-def is_held(path: str) -> bool:
-  """Whether a live process holds the lock on `path` (probed without taking it over)."""
-  with open(path, 'a') as f:
-    try:
-      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      return True
-    fcntl.flock(f, fcntl.LOCK_UN)
-    return False
-
-
 @contextlib.contextmanager
 def writing(lock: FileLock, work_dir: str) -> Iterator[str]:
   """`with writing(lock, work_dir):` the block writes `work_dir` and moves it into place while
