@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from tests.checkpoints import helpers
@@ -81,3 +82,53 @@ def test_the_users_settings_decide_else_the_host(tmp_path, given, platforms):
                         capture_output=True, text=True, timeout=120)
   assert done.returncode == 0, done.stderr[-3000:]
   assert done.stdout.strip() == repr(platforms)
+
+
+# rsqrt and a * b + c over float32 arrays given as arguments (constants would be folded on
+# the host), their bits as hex.
+COMPUTE = """
+import jax, numpy as np
+r = np.random.default_rng(0)
+x, y, z = (r.standard_normal(4099).astype(np.float32) for _ in range(3))
+f = jax.jit(lambda x, y, z: (jax.lax.rsqrt(abs(x)), x * y + z))
+print(*(np.asarray(v).tobytes().hex() for v in f(x, y, z)))
+"""
+
+
+def _ieee_reference():
+  """numpy's float32 arithmetic, each operation rounded once: 1 / sqrt(|x|), then x * y + z."""
+  r = np.random.default_rng(0)
+  x, y, z = (r.standard_normal(4099).astype(np.float32) for _ in range(3))
+  return [(np.float32(1) / np.sqrt(np.abs(x))).tobytes().hex(), (x * y + z).tobytes().hex()]
+
+
+def _host_has(flag):
+  with open('/proc/cpuinfo') as f:
+    return flag in f.read().split()
+
+
+@pytest.mark.skipif(os.uname().machine != 'x86_64', reason='the cap is an x86-64 ISA')
+def test_the_quickstart_stages_compute_ieee_bits_on_every_x86_host():
+  """Under the quickstart's cap XLA's CPU code rounds as IEEE float32 does, op by op (numpy's
+  bits: no rsqrt estimate, no fused multiply-add), so every x86-64 host computes the same;
+  uncapped on a host with AVX2 it does not. XLA_FLAGS the user set are kept, a cap of theirs
+  wins."""
+  from upcycle import platforms  # pylint: disable=g-import-not-at-top
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+
+  def computed(environment):
+    done = subprocess.run([sys.executable, '-c', COMPUTE], env=environment, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.split()
+
+  capped = platforms.portable_cpu_codegen(env)
+  assert capped['XLA_FLAGS'] == '--xla_cpu_max_isa=SSE4_2'
+  assert computed(capped) == _ieee_reference()
+  if _host_has('avx2'):
+    rsqrt, fma = computed(env)
+    assert rsqrt != _ieee_reference()[0] and fma != _ieee_reference()[1]
+  assert platforms.portable_cpu_codegen({'XLA_FLAGS': '--xla_dump_to=/tmp/d'})['XLA_FLAGS'] == (
+      '--xla_dump_to=/tmp/d --xla_cpu_max_isa=SSE4_2')
+  mine = {'XLA_FLAGS': '--xla_cpu_max_isa=AVX'}
+  assert platforms.portable_cpu_codegen(mine) == mine

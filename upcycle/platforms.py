@@ -11,6 +11,9 @@ JAX_FORCE_TPU_INIT), or the user asked for something:
   TPU_ACCELERATOR_TYPE, TPU_WORKER_HOSTNAMES  libtpu's own settings (`upcycle.aot` compiles
                                              with libtpu off a TPU VM with these)
 
+`portable_cpu_codegen(env)` caps XLA's CPU code generation at SSE4.2 for a subprocess whose
+numbers must repeat on every x86-64 host (the quickstart's table).
+
 `cache_compilations()` turns JAX's persistent compilation cache on for the command-line
 tools, under `cache_root()` (`UPCYCLE_CACHE`, default ~/.cache/upcycle/, where the offline
 tokenizer is kept too), unless JAX_COMPILATION_CACHE_DIR says where (or, empty, that it stays
@@ -20,10 +23,33 @@ topology without a TPU).
 
 import contextlib
 import os
+import platform
+from typing import Dict, Mapping
 
 CACHE_MAX_BYTES = 4 << 30   # of the persistent compilation cache (`cache_compilations`)
 # Set by the user, they say what libtpu should do: JAX is left to its own choice.
 WANTS_TPU = ('TPU_ACCELERATOR_TYPE', 'TPU_WORKER_HOSTNAMES')
+
+
+# XLA's CPU code generator uses what the host's ISA offers, and some of it rounds by the host:
+# fused multiply-adds (FMA, from AVX2), and approximations through the estimate instructions
+# (`vrsqrtps` for rsqrt, from AVX, whose bits differ between vendors; AVX-512 has its own): the
+# tiny T5's validation loss after 30 steps is 3.092011662970843 here (AVX2), 3.092011168277983
+# capped at AVX, 3.0920104770439454 at SSE4.2. Capped at SSE4.2, every operation XLA generates
+# is one IEEE-rounded instruction (rsqrt is 1 / sqrt, a * b + c two roundings), so every x86-64
+# host computes the same bits; matrix products run in Eigen, the same code on every host, split
+# over threads by the core count (2 on every image of this kind of machine). About 10% slower.
+PORTABLE_CPU_ISA = '--xla_cpu_max_isa=SSE4_2'
+
+
+def portable_cpu_codegen(env: Mapping[str, str]) -> Dict[str, str]:
+  """`env` (a subprocess's environment) with XLA_FLAGS capping the CPU code generation at
+  SSE4.2 (`PORTABLE_CPU_ISA`) on x86-64, unless XLA_FLAGS caps it already (the user's choice
+  wins); `env` as it is on other hosts (Arm has no SSE)."""
+  flags = env.get('XLA_FLAGS', '')
+  if platform.machine().lower() not in ('x86_64', 'amd64') or '--xla_cpu_max_isa' in flags:
+    return dict(env)
+  return {**env, 'XLA_FLAGS': f'{flags} {PORTABLE_CPU_ISA}'.strip()}
 
 
 def choose() -> None:
