@@ -17,11 +17,14 @@ inside it:
   compile       XLA's compilation of those functions (`backend_compile_duration`)
   the rest      to the end of the first step: gin, the tokenizer, the first batches, reading
                 and upcycling the checkpoint, running the step
+  exit          from the run's end (its summary printed) to the process's end: the
+                interpreter's shutdown
 
 once with an empty persistent compilation cache (JAX's, which the command-line tools turn on:
 `platforms.cache_compilations`; here JAX_COMPILATION_CACHE_DIR names a new one per repeat)
-and once more against the cache the first run wrote. Prints a
-table of medians (and min-max) and writes JSON.
+and once more against the cache the first run wrote; each of the two as the command runs
+(the garbage collector off during its imports and frozen at exit: `upcycle.startup`) and with
+the collector left on, the baseline. Prints a table of medians (and min-max) and writes JSON.
 """
 
 import argparse
@@ -35,7 +38,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIRST_STEP = 'train step 1/1'
-PHASES = ('imports', 'tracing', 'compile', 'rest', 'first_step')
+PHASES = ('imports', 'tracing', 'compile', 'rest', 'first_step', 'exit')
+# How the timed process treats the garbage collector: as the command does, or left on.
+COLLECTORS = ('command', 'left_on')
 _TRACING_EVENTS = ('/jax/core/compile/jaxpr_trace_duration',
                    '/jax/core/compile/jaxpr_to_mlir_module_duration')
 _COMPILE_EVENT = '/jax/core/compile/backend_compile_duration'
@@ -62,11 +67,15 @@ def _argv(source: str, model_dir: str):
           f"--gin.MODEL_DIR='{model_dir}'", '--gin.TRAIN_STEPS=1']
 
 
-def child(argv) -> None:
-  """One timed run (in this process, as `python -m upcycle.train` runs): prints the phases'
-  seconds as JSON on the last line once the first step is logged, then finishes the run."""
-  import logging  # pylint: disable=g-import-not-at-top
+def child(collector: str, argv) -> None:
+  """One timed run (in this process, as `python -m upcycle.train` runs; with `collector`
+  'left_on', without its `startup.begin()`): prints the phases' seconds as JSON on the last
+  line, with the time the run ended."""
   start = time.perf_counter()
+  if collector == 'command':
+    from upcycle import startup  # pylint: disable=g-import-not-at-top
+    startup.begin()
+  import logging  # pylint: disable=g-import-not-at-top
   # pylint: disable=g-import-not-at-top,unused-import
   from upcycle.train import __main__ as train_main
   from upcycle.train import restore, trainer
@@ -95,17 +104,20 @@ def child(argv) -> None:
   logging.getLogger('upcycle').addHandler(FirstStep())
   sys.modules['__main__'].train = train_main.train   # what `python -m upcycle.train` binds
   train_main.main(argv)
-  print(json.dumps(timings))
+  print(json.dumps({**timings, 'ended_at': time.time()}), flush=True)
 
 
-def _run(source: str, cache: str) -> dict:
+def _run(source: str, cache: str, collector: str) -> dict:
   with tempfile.TemporaryDirectory() as model_dir:
     env = dict(os.environ, JAX_PLATFORMS='cpu', JAX_COMPILATION_CACHE_DIR=cache)
-    done = subprocess.run([sys.executable, __file__, '--child', *_argv(source, model_dir)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [sys.executable, __file__, '--child', collector, *_argv(source, model_dir)],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    ended = time.time()
   if done.returncode:
     raise SystemExit(f'the timed run failed:\n{done.stderr[-3000:]}')
-  return json.loads(done.stdout.strip().splitlines()[-1])
+  timings = json.loads(done.stdout.strip().splitlines()[-1])
+  return {**timings, 'exit': ended - timings.pop('ended_at')}
 
 
 def _summary(rows):
@@ -124,25 +136,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
   if sys.argv[1:2] == ['--child']:
-    child(sys.argv[2:])
+    child(sys.argv[2], sys.argv[3:])
     return
   args = build_parser().parse_args()
+  rows = {f'{cache}, collector {collector}': []
+          for cache in ('empty_cache', 'warm_cache') for collector in COLLECTORS}
   with tempfile.TemporaryDirectory() as scratch:
     source = os.path.join(scratch, 'llama')
     _write_source(source)
-    cold, warm = [], []
     for _ in range(args.repeats):
-      cache = tempfile.mkdtemp(dir=scratch)
-      cold.append(_run(source, cache))    # an empty cache: every function compiled
-      warm.append(_run(source, cache))    # the same run again: compiled code read back
+      for collector in COLLECTORS:   # interleaved: the machine's drift falls on both alike
+        cache = tempfile.mkdtemp(dir=scratch)
+        # An empty cache (every function compiled), then the same run again (read back).
+        rows[f'empty_cache, collector {collector}'].append(_run(source, cache, collector))
+        rows[f'warm_cache, collector {collector}'].append(_run(source, cache, collector))
   result = {'machine': f'{os.cpu_count()} CPU cores', 'repeats': args.repeats,
             'run': ' '.join(['python -m upcycle.train', *_argv('<hf dir>', '<model dir>')]),
-            'empty_cache': _summary(cold), 'warm_cache': _summary(warm)}
-  print(f'{"seconds (median, min-max)":<28}' + ''.join(f'{p:>18}' for p in PHASES))
-  for name in ('empty_cache', 'warm_cache'):
-    cells = ''.join(f'{s["median"]:>7.1f} ({s["min"]:.1f}-{s["max"]:.1f})'.rjust(18)
+            **{name: _summary(r) for name, r in rows.items()}}
+  print(f'{"seconds (median, min-max)":<34}' + ''.join(f'{p:>17}' for p in PHASES))
+  for name in rows:
+    cells = ''.join(f'{s["median"]:>6.1f} ({s["min"]:.1f}-{s["max"]:.1f})'.rjust(17)
                     for s in result[name].values())
-    print(f'{name:<28}{cells}')
+    print(f'{name:<34}{cells}')
   os.makedirs(os.path.dirname(args.json), exist_ok=True)
   with open(args.json, 'w') as f:
     json.dump(result, f, indent=1)

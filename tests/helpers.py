@@ -20,6 +20,21 @@ BYTE_T5_FLAGS = ['--gin.models.T5Config.d_model=8', '--gin.models.T5Config.d_ff=
                  '--gin.models.T5Config.num_decoder_layers=1']
 
 
+class CountingPipeline:
+  """A pipeline (`DataIterator`'s protocol) that counts how often its batches are built: each
+  build of a seqio pipeline traces it, seconds."""
+
+  def __init__(self, pipeline):
+    self.pipeline, self.reads = pipeline, 0
+
+  def describe(self):
+    return self.pipeline.describe()
+
+  def batches(self, **kwargs):
+    self.reads += 1
+    return self.pipeline.batches(**kwargs)
+
+
 def refusal(main, argv, capsys):
   """The one line the entry point `main(argv)` exits with (it prints no traceback); gin's
   configuration, which the refused run parsed, is cleared for the next entry point."""

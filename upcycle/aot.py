@@ -24,7 +24,7 @@ import json
 import sys
 from typing import Any, Optional, Sequence, Tuple
 
-from upcycle import arguments, gin_utils
+from upcycle import arguments, gin_utils, startup
 
 
 def train(*, objective: Any, optimizer: Any, config: Any, train_data: Any,
@@ -102,4 +102,5 @@ def exit_status(document: dict) -> int:
 
 
 if __name__ == '__main__':
+  startup.begin()
   sys.exit(main(sys.argv[1:]))

@@ -101,7 +101,7 @@ from typing import Any, Callable, List, Mapping, Optional, Union
 from etils import epath
 
 from upcycle import (arguments, checkpoints, console, gin_utils, pretrained, reachability,
-                     tree)
+                     startup, tree)
 from upcycle.checkpoints import atomic_dir, gcs, paths, t5x_writer, verify as verify_lib
 from upcycle.data import tokenizer as tokenizer_lib
 from upcycle.models import families
@@ -475,6 +475,7 @@ def main(argv: Optional[List[str]] = None) -> int:
       raise ConvertError(f'{growing} copies the source\'s own experts and router columns; '
                          f'--experts, --router and --cast apply to upcycling a dense checkpoint. '
                          f'Fix: drop them.')
+    startup.ready()
     convert(args.source, model_config, args.output_dir, config_gin=gin.config_str(),
             **report_args)
   except (ConvertError, checkpoints.CheckpointError, ValueError) as e:
@@ -484,4 +485,5 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == '__main__':
+  startup.begin()
   sys.exit(main())

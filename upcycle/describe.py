@@ -31,7 +31,7 @@ import numpy as np
 from etils import epath
 
 from upcycle import (arguments, checkpoints, console, fields, hf_model, pretrained, reachability,
-                     tree)
+                     startup, tree)
 from upcycle.checkpoints import describe, digests, formats, orbax, paths, verify
 
 
@@ -118,6 +118,7 @@ def main(argv: Optional[List[str]] = None) -> int:
       print(f'error: {e}', file=sys.stderr)
       return 1
     return 0
+  startup.ready()
   existed = epath.Path(path).exists()
   try:
     ckpt = pretrained.load(path, format=args.format, lazy=True)
@@ -168,4 +169,5 @@ def _verified(ckpt: checkpoints.Checkpoint) -> str:
 
 
 if __name__ == '__main__':
+  startup.begin()
   sys.exit(main())

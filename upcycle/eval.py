@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 
 import jax
 
-from upcycle import fields, gin_utils, predictions
+from upcycle import fields, gin_utils, predictions, startup
 
 
 def evaluate(*, objective: Any, eval_data: Any, checkpoint_path: str, batch_size: int,
@@ -124,4 +124,5 @@ def main(argv) -> dict:
 
 
 if __name__ == '__main__':
+  startup.begin()
   main(sys.argv[1:])

@@ -68,7 +68,8 @@ import os
 import sys
 from typing import Any, List, Optional
 
-from upcycle import arguments, checkpoints, console, fields, gin_utils, hf_export, reachability
+from upcycle import (arguments, checkpoints, console, fields, gin_utils, hf_export, reachability,
+                     startup)
 from upcycle.checkpoints import hf, paths, t5x_export
 from upcycle.data.tokenizer import TokenizerError
 
@@ -147,6 +148,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.error(f'unrecognized arguments: {" ".join(rest)} (gin flags go with --format=hf)')
   if reachability.refused({'--model_dir': args.model_dir}):
     return 1
+  startup.ready()
   try:
     if args.format == 't5x':
       t5x_export.export(args.model_dir, args.output_dir, step=args.step,
@@ -174,4 +176,5 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == '__main__':
+  startup.begin()
   sys.exit(main())

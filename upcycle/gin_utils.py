@@ -32,7 +32,7 @@ from typing import (Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequ
 import gin
 from gin import config_parser
 
-from upcycle import arguments, console, distributed, reachability
+from upcycle import arguments, console, distributed, reachability, startup
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 # The gin files: inside the package in a wheel (setup.py ships configs/ as upcycle/configs/),
@@ -648,6 +648,7 @@ def run(fn: Callable[..., Any], argv: Sequence[str], description: str,
     parse_gin(args, bindings)
     if reach_gcs:
       reachability.check(reachability.gin_paths())
+    startup.ready()
     return configured(**(given or {}))
   except SystemExit as e:
     if isinstance(e.code, str) and '--verbose' in argv:

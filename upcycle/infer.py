@@ -55,7 +55,7 @@ from typing import IO, Any, Dict, Iterator, Mapping, Optional
 from etils import epath
 import jax
 
-from upcycle import fields, gin_utils, predictions, progress
+from upcycle import fields, gin_utils, predictions, progress, startup
 from upcycle.locks import output_lock
 
 log = logging.getLogger(__name__)
@@ -285,4 +285,5 @@ def main(argv) -> str:
 
 
 if __name__ == '__main__':
+  startup.begin()
   main(sys.argv[1:])

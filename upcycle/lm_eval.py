@@ -41,7 +41,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from upcycle import console, fields, gin_utils
+from upcycle import console, fields, gin_utils, startup
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,6 +102,7 @@ def main(argv: Optional[List[str]] = None) -> int:
       gin.clear_config()   # each call parses its own flags
       gin_utils.parse_gin(gin_args, bindings, read=(harness.MODEL_MACRO,))
       model_config = gin_utils.macro_value(harness.MODEL_MACRO)
+    startup.ready()
     harness.evaluate_checkpoint(
         args.checkpoint, args.tasks, model_config=model_config, format=args.format,
         tokenizer=args.tokenizer, include_path=args.include_path,
@@ -118,4 +119,5 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == '__main__':
+  startup.begin()
   sys.exit(main())

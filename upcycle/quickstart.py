@@ -33,7 +33,7 @@ import sys
 import time
 from typing import Dict, List
 
-from upcycle import arguments, platforms
+from upcycle import arguments, platforms, startup
 
 COMMON = ['--gin_file=data/offline_packages_span_corruption.gin',
           '--gin.trainer.TrainConfig.log_every=10',
@@ -115,6 +115,7 @@ def main(argv=None) -> None:
   parser.add_argument('--seed', type=int, default=0,
                       help='SEED of every stage: initialization, data order, upcycling draws')
   args = parser.parse_args(argv)
+  startup.ready()
   out = os.path.abspath(args.output_dir)
   dense, continued, moe = (os.path.join(out, d) for d in ('dense', 'dense_continued', 'moe'))
   total = args.pretrain_steps + args.extra_steps
@@ -160,4 +161,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == '__main__':
+  startup.begin()
   main()

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from tests.data.conftest import LETTERS, LETTERS_TASK, TEXT_LENGTHS
+from tests.helpers import CountingPipeline
 from upcycle.data import images
 from upcycle.data import iterator
 from upcycle.data import text
@@ -138,6 +139,25 @@ def test_element_spec_is_the_batch_layout():
   spec = iterator.DataIterator(pipeline, batch_size=4, seed=0).element_spec
   assert spec['image'].shape.as_list() == [4, 8, 8, 3] and spec['image'].dtype.name == 'float32'
   assert spec['label'].shape.as_list() == [4] and spec['label'].dtype.name == 'int32'
+
+
+def test_the_spec_is_built_once_with_the_epoch_it_describes():
+  """The trainer asks the shapes first (`HostData.example`): the pipeline built for them is
+  the one its first epoch reads; a position set after (a resumed run) gets its own, and the
+  batches are those of an iterator never asked."""
+  pipeline = images.ImagePipeline(split='validation', image_size=8, train=False)
+  plain = iterator.DataIterator(pipeline, batch_size=4, seed=0)
+  expected = [next(plain) for _ in range(4)]
+  counted = CountingPipeline(pipeline)
+  asked = iterator.DataIterator(counted, batch_size=4, seed=0)
+  assert asked.element_spec['image'].shape.as_list() == [4, 8, 8, 3]
+  _assert_same([next(asked) for _ in range(2)], expected[:2])
+  assert counted.reads == 1
+  resumed = iterator.DataIterator(counted, batch_size=4, seed=0)
+  assert resumed.element_spec
+  resumed.set_state(asked.get_state())
+  _assert_same([next(resumed) for _ in range(2)], expected[2:])
+  assert counted.reads == 3
 
 
 def test_state_mismatch_and_bad_arguments_are_errors():

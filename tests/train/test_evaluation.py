@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.helpers import CountingPipeline
 from upcycle.train.evaluation import ratio_stderr
 
 
@@ -27,20 +28,6 @@ def test_unequal_batches_use_the_ratio_estimator():
 
 def test_one_batch_has_no_standard_error():
   assert math.isnan(ratio_stderr([3.0], [2.0]))
-
-
-class CountingPipeline:
-  """A pipeline that counts how often its batches are read."""
-
-  def __init__(self, pipeline):
-    self.pipeline, self.reads = pipeline, 0
-
-  def describe(self):
-    return self.pipeline.describe()
-
-  def batches(self, **kwargs):
-    self.reads += 1
-    return self.pipeline.batches(**kwargs)
 
 
 @pytest.mark.slow

@@ -78,6 +78,9 @@ class DataIterator:
     self._batch_in_epoch = 0
     self._batches = 0
     self._it: Optional[Iterator[Dict[str, np.ndarray]]] = None
+    # ((epoch, batch_in_epoch), its dataset): built for `element_spec`, read by the epoch that
+    # opens at that position (building a pipeline traces it: seconds).
+    self._built: Optional[tuple] = None
 
   def __iter__(self) -> 'DataIterator':
     return self
@@ -113,21 +116,29 @@ class DataIterator:
     return EmptySplit(f'{self._config["pipeline"]} has no examples on {shard}: check the task, '
                       'its split and where its data is read (TFDS_DATA_DIR).')
 
-  def _open_epoch(self) -> Iterator[Dict[str, np.ndarray]]:
-    ds = self._pipeline.batches(
+  def _epoch_dataset(self) -> 'tf.data.Dataset':
+    """The pipeline of the current epoch from the current batch on (built, not run)."""
+    position = (self._epoch, self._batch_in_epoch)
+    if self._built is not None and self._built[0] == position:
+      return self._built[1]
+    return self._pipeline.batches(
         seed=epoch_seed(self._config['seed'], self._epoch),
         batch_size=self._config['batch_size'], shard_index=self._config['shard_index'],
         num_shards=self._config['num_shards'], drop_remainder=self._drop_remainder,
         skip_batches=self._batch_in_epoch)
+
+  def _open_epoch(self) -> Iterator[Dict[str, np.ndarray]]:
+    ds, self._built = self._epoch_dataset(), None
     return ds.prefetch(2).as_numpy_iterator()
 
   @property
   def element_spec(self) -> Dict[str, 'tf.TensorSpec']:
-    """Shapes and dtypes of a batch (builds, but does not run, an epoch's pipeline)."""
-    return self._pipeline.batches(
-        seed=0, batch_size=self._config['batch_size'], shard_index=self._config['shard_index'],
-        num_shards=self._config['num_shards'], drop_remainder=self._drop_remainder,
-        skip_batches=0).element_spec
+    """Shapes and dtypes of a batch: of the pipeline the next epoch reads from here (built,
+    not run, and kept for it)."""
+    ds = self._epoch_dataset()
+    if self._it is None:
+      self._built = ((self._epoch, self._batch_in_epoch), ds)
+    return ds.element_spec
 
   def get_state(self) -> Dict[str, Any]:
     """JSON-serializable position: restoring it yields exactly the batch that would come next."""

@@ -17,7 +17,7 @@ import platform
 import sys
 import time
 
-from upcycle import arguments, console
+from upcycle import arguments, console, startup
 from upcycle.study import (drop_render, drop_runs, drop_units, epochs, execute, precondition,
                            recipe, render)
 from upcycle.study import runs as runs_lib
@@ -204,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
   console.show_progress()   # and off a TPU VM, JAX (the Drop statistics) never loads libtpu
   args = build_parser().parse_args(argv)
+  startup.ready()
   args.runs_dir_given = None if args.runs_dir == 'runs/study' else args.runs_dir
   args.runs_dir = os.path.abspath(args.runs_dir)
   scale = QUICK if args.quick else FULL
@@ -235,4 +236,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == '__main__':
+  startup.begin()
   main()

@@ -12,7 +12,7 @@ import time
 import traceback
 from typing import Any, Optional
 
-from upcycle import gin_utils
+from upcycle import gin_utils, startup
 
 
 def train(*, objective: Any, optimizer: Any, config: Any, train_data: Any,
@@ -141,4 +141,5 @@ def _exit_now_if_one_of_many(exit_: SystemExit) -> None:
 
 
 if __name__ == '__main__':
+  startup.begin()
   sys.exit(main(sys.argv[1:]))
