@@ -3,6 +3,8 @@
 import dataclasses
 import json
 import os
+import platform
+import shlex
 import subprocess
 import sys
 
@@ -10,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import REPO
-from upcycle import gin_utils
+from upcycle import gin_utils, platforms
 from upcycle.study import (claims, drop_runs, drop_section, epochs, precondition, recipe,
                            regime, render)
 from upcycle.study import runs as runs_lib
@@ -90,6 +92,15 @@ def test_quick_study_writes_results_and_resumes(tmp_path):
   assert '## Claims' in text and '| claim | paper\'s number |' in text
   for png in ('t5_flops.png', 'vit_flops.png'):
     assert (out / 'results' / png).stat().st_size > 10_000
+  # Every run's CPU code is capped at SSE4.2 (the same bits on any x86-64 image); its record
+  # and log give the command with the flags it ran under.
+  pretrain_dir = runs_dir / 't5' / 'pretrain' / 'seed0'
+  record = json.loads((pretrain_dir / 'study.json').read_text())
+  x86 = platform.machine().lower() in ('x86_64', 'amd64')
+  assert record['xla_flags'].split() == ['--xla_backend_optimization_level=0',
+                                         *[platforms.PORTABLE_CPU_ISA] * x86]
+  first = (pretrain_dir / 'study.log').read_text().splitlines()[0]
+  assert shlex.split(first) == [f"XLA_FLAGS={record['xla_flags']}", *record['command']]
   data = json.loads((out / 'results' / 'study.json').read_text())
   moe, dense = data['t5']['moe']['0'], data['t5']['dense']['0']
   # The dense continuation spent the upcycled run's extra FLOPs (to within one dense step).

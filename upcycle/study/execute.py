@@ -3,17 +3,21 @@
 Each run's output goes to its directory's `study.log` (a run with a final evaluation,
 `Run.final_eval_batches`, runs it after training, in the same slot and log); a run that
 finished (its `study.done` marker exists) is not run again, so an interrupted study continues
-where it stopped. A failed run is reported (its `study.failed` holds the end of its log), the runs that start from it are
+where it stopped. Every run's CPU code is generated for SSE4.2 on x86-64
+(`platforms.portable_cpu_codegen`), so a run computes the same bits on every image of a
+machine; its `study.json` and the first line of its log give the command with that XLA_FLAGS. A failed run is reported (its `study.failed` holds the end of its log), the runs that start from it are
 skipped, and the others go on.
 """
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
 from typing import Dict, List, Sequence
 
+from upcycle import platforms
 from upcycle.study.runs import Run
 from upcycle.study.scale import Scale
 
@@ -34,8 +38,9 @@ def _failure(run: Run, runs_dir: str, code: int) -> RuntimeError:
 
 
 def _start(command: List[str], log, repository: str, env: Dict[str, str]) -> subprocess.Popen:
-  """`command` started in `repository`, its output appended to `log` after the command line."""
-  log.write(' '.join(command) + '\n')
+  """`command` started in `repository`, its output appended to `log` after the command line
+  (with the XLA_FLAGS it runs under)."""
+  log.write(f"XLA_FLAGS={shlex.quote(env.get('XLA_FLAGS', ''))} {shlex.join(command)}\n")
   log.flush()
   return subprocess.Popen(command, cwd=repository, stdout=log, stderr=subprocess.STDOUT, env=env)
 
@@ -53,7 +58,8 @@ def run_all(runs: Sequence[Run], runs_dir: str, scale: Scale, *, jobs: int = 2,
       raise ValueError(f'{r.name} starts from {missing}, which the study does not run.')
   running: Dict[str, tuple] = {}
   # Runs of one arm differ only in their seed: they compile the same programs, once.
-  env = {**os.environ, 'JAX_COMPILATION_CACHE_DIR': os.path.join(runs_dir, '.jax_cache')}
+  env = platforms.portable_cpu_codegen(
+      {**os.environ, 'JAX_COMPILATION_CACHE_DIR': os.path.join(runs_dir, '.jax_cache')})
   total, done, start = len(todo), 0, time.time()
   failed: List[str] = []
   print(f'study: {len(runs)} runs, {len(runs) - total} already finished, {total} to run, '
@@ -70,7 +76,8 @@ def run_all(runs: Sequence[Run], runs_dir: str, scale: Scale, *, jobs: int = 2,
       if run.final_eval_batches is not None:
         commands.append(run.final_eval_command(runs_dir, python))
       with open(os.path.join(run.directory(runs_dir), 'study.json'), 'w') as f:
-        json.dump({'command': commands[0], 'source': run.source}, f)
+        json.dump({'command': commands[0], 'xla_flags': env.get('XLA_FLAGS', ''),
+                   'source': run.source}, f)
       running[run.name] = (run, _start(commands[0], log, repository, env), log, time.time(),
                            commands[1:])
     time.sleep(0.5)
