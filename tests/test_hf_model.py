@@ -225,12 +225,14 @@ def test_a_chat_llama_converted_and_exported_keeps_what_chat_users_rely_on(chat_
 
 @pytest.mark.slow   # 50 s: an upcycle, two steps, an export and a decode
 def test_a_drop_upcycled_mixtral_trained_from_the_directory_goes_back_to_transformers(
-    chat_llama, tmp_path, entry_points):
+    chat_llama, tmp_path, capsys, entry_points):
   """The restore hook: models/hf.gin + moe/mixtral.gin + runs/llm_upcycle.gin +
   upcycling/drop.gin with HF_MODEL the directory trains 2 steps (the directory's tokenizer,
   its bf16 weights cast exactly, Drop-Upcycling's redrawn units); `export --model_dir` of the
   run (float32) loads in transformers with the source's settings, and `generate`'s greedy
-  tokens are `python -m upcycle.infer`'s on the run."""
+  tokens are `python -m upcycle.infer`'s on the run. Its operative_config.gin, which gin
+  writes with every `models.LlamaConfig` parameter at the class default (the base, not the
+  model), says so at its top, and given again is refused naming the run's config.gin."""
   del entry_points
   source = chat_llama[0]
   run, out = str(tmp_path / 'run'), str(tmp_path / 'hf')
@@ -241,6 +243,15 @@ def test_a_drop_upcycled_mixtral_trained_from_the_directory_goes_back_to_transfo
                    f"--gin.MODEL_DIR='{run}'", '--gin.TRAIN_STEPS=2', '--gin.BATCH_SIZE=8',
                    "--gin.TASK_FEATURE_LENGTHS={'targets': 64}", '--gin.EVAL_STEPS=1'])
   gin.clear_config(clear_constants=True)
+  operative = os.path.join(run, 'operative_config.gin')
+  assert open(operative).readline() == (f"# The model is HF_MODEL = '{source}': its config.json "
+                                        'gave every field it describes\n')
+  assert refusal(train_main.main, [f'--gin_file={operative}',
+                                    f"--gin.MODEL_DIR='{tmp_path / 'again'}'"], capsys) == (
+      f"error: models.LlamaConfig.vocab_size = 32000, but HF_MODEL's config.json "
+      f"({source}/config.json) gives the model, and says 4096; every field of "
+      f"models.LlamaConfig is bound, as a run's operative_config.gin binds them (the base "
+      f"models/hf.gin started from, not the model). Fix: give that run's config.gin instead.")
   report = open(os.path.join(run, 'upcycling_report.txt')).read()
   assert 'Drop(' in report and 'cast bfloat16 -> float32 (exact)' in report
   assert export.main(['--format=hf', f'--model_dir={run}', f'--output_dir={out}',

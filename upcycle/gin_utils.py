@@ -554,9 +554,10 @@ def syntax_error(error: SyntaxError) -> str:
   return f'the binding {text!r}: {error.msg}{hint}'
 
 
-def write_config(model_dir: str, operative: bool = False) -> None:
+def write_config(model_dir: str, operative: bool = False, header: str = '') -> None:
   """Writes MODEL_DIR/config.gin (everything parsed, at start) or operative_config.gin (what
-  was actually used, at the end), as T5X does; MODEL_DIR may be gs://. Process 0 only."""
+  was actually used, at the end), as T5X does, after `header` (comment lines); MODEL_DIR may be
+  gs://. Process 0 only."""
   import jax  # pylint: disable=g-import-not-at-top
   from etils import epath  # pylint: disable=g-import-not-at-top
   if jax.process_index() != 0:
@@ -565,7 +566,7 @@ def write_config(model_dir: str, operative: bool = False) -> None:
   directory.mkdir(parents=True, exist_ok=True)
   name, text = (('operative_config.gin', gin.operative_config_str()) if operative
                 else ('config.gin', gin.config_str()))
-  (directory / name).write_text(text)
+  (directory / name).write_text(header + text)
 
 
 RUN_CONFIGS = ('config.gin', 'operative_config.gin')   # `write_config`'s, in preference

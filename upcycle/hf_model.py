@@ -73,20 +73,40 @@ def model_config(path: str, base: LlamaConfig, bound: Sequence[str] = ()) -> Lla
   `gin_utils.bound_parameters`; or set to other than the class default) to a value other than
   config.json's is refused in one line naming its binding (a size file beside HF_MODEL, even
   one whose values are the class defaults); an MoE checkpoint's MoE comes from its
-  config.json, so a bound `moe` that is not that block is refused there too.
+  config.json, so a bound `moe` that is not that block is refused there too. A gin that binds
+  every field, as a run's operative_config.gin does, is told to give the run's config.gin.
   """
   described = described_fields(path)
   default = type(base)()
+  # A run's operative_config.gin binds every field (gin records the class as it was called:
+  # the base, not the model); a size file binds a few.
+  operative = {f.name for f in dataclasses.fields(base) if f.init} <= set(bound)
   for name, theirs in described.items():
     ours = getattr(base, name)
     if ours != theirs and (name in bound or ours != getattr(default, name)):
       shown = 'an MoE block' if name == 'moe' else repr(ours)
+      fix = (f'every field of {fields.binding(base, name).rsplit(".", 1)[0]} is bound, as a '
+             f"run's operative_config.gin binds them (the base {MODEL_FILE} started from, not "
+             "the model). Fix: give that run's config.gin instead" if operative else
+             f'Fix: drop that binding (a models/ size or moe/ file given beside {MODEL_FILE}), '
+             f'or drop {MODEL_FILE} and write the model file yourself')
       raise fields.ConfigError(
           f'{fields.binding(base, name)} = {shown}, but {MACRO}\'s config.json '
           f'({os.path.join(os.fspath(path), "config.json")}) gives the model, and says '
-          f'{theirs!r}. Fix: drop that binding (a models/ size or moe/ file given beside '
-          f'{MODEL_FILE}), or drop {MODEL_FILE} and write the model file yourself.')
+          f'{theirs!r}{"; " if operative else ". "}{fix}.')
   return dataclasses.replace(base, **described)
+
+
+def operative_config_note(path: str) -> str:
+  """The comment above the operative_config.gin of a run whose model is `path`'s config.json
+  (`models/hf.gin`): gin records `models.LlamaConfig` as it was called, the base the run
+  started from (the class defaults where it bound nothing), not the model."""
+  return (f'# The model is {MACRO} = {path!r}: its config.json gave every field it describes\n'
+          f'# ({MODEL_FILE}). The models.LlamaConfig parameters below are the base the run\n'
+          f'# started from (the class defaults where it bound nothing), not the model: given\n'
+          f"# again this file is refused. The run's config.gin holds what it bound (eval, infer\n"
+          f'# and export read it); `python -m upcycle.describe {path} --gin` prints the model\n'
+          f'# as a gin file.\n\n')
 
 
 def gin_file(path: str, named: Optional[str] = None) -> str:

@@ -38,9 +38,21 @@ def train(*, objective: Any, optimizer: Any, config: Any, train_data: Any,
       run_summary.write_corpus(config.model_dir, corpus)
 
   result = trainer.run(on_start=on_start)
-  gin_utils.write_config(config.model_dir, operative=True)
+  gin_utils.write_config(config.model_dir, operative=True, header=_operative_header())
   _show_summary(config, result, time.monotonic() - started, corpus)
   return result
+
+
+def _operative_header() -> str:
+  """The comment above operative_config.gin: for a model given by a HuggingFace directory
+  (`models/hf.gin`), that its `models.LlamaConfig` parameters are not the model's."""
+  from upcycle import hf_model  # pylint: disable=g-import-not-at-top
+  try:
+    reads_directory = 'path' in gin_utils.bound_parameters('hf_model.model_config')
+  except ValueError:   # not registered: no gin file of this process reads a directory
+    reads_directory = False
+  return (hf_model.operative_config_note(gin_utils.macro_value(hf_model.MACRO))
+          if reads_directory else '')
 
 
 def _corpus(train_data: Any) -> Optional[dict]:
