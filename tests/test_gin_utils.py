@@ -339,3 +339,27 @@ def test_t5s_task_module_imported_by_a_gin_file_is_refused_with_the_binding(
       f'configuration registers already. Fix: name the module as '
       f'--gin.MIXTURE_OR_TASK_MODULE="\'t5_tasks_in_gin\'" instead of importing it in a gin '
       f'file; its tasks then replace this project\'s registrations of the same names.')
+
+
+def test_an_entry_point_run_after_its_gin_files_were_parsed_keeps_their_short_names(tmp_path):
+  """A notebook (or a test worker) that parsed a gin file binding `__main__.<fn>` and then runs
+  the entry point: one configurable, so `<fn>.<parameter>` bindings resolve, as in a fresh
+  process."""
+  def upcycle_test_entry(value=0):
+    return value
+
+  sys.modules['__main__'].upcycle_test_entry = upcycle_test_entry
+  try:
+    (tmp_path / 'entry.gin').write_text(
+        'from __gin__ import dynamic_registration\nimport __main__ as script\n'
+        'script.upcycle_test_entry.value = 1\n')
+    argv = [f'--gin_file={tmp_path}/entry.gin']
+    parse(argv)
+    gin.clear_config()
+    assert gin_utils.run(upcycle_test_entry, argv + ['--gin.upcycle_test_entry.value=2'],
+                         'test', reach_gcs=False) == 2
+    gin.clear_config()
+    parse(argv + ['--gin.upcycle_test_entry.value=3'])
+    assert gin.query_parameter('upcycle_test_entry.value') == 3
+  finally:
+    del sys.modules['__main__'].upcycle_test_entry

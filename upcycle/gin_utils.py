@@ -645,7 +645,7 @@ def run(fn: Callable[..., Any], argv: Sequence[str], description: str,
     console.show_progress()
     args, bindings = parse_flags(argv, description)
     distributed.join(args.multi_host)
-    configured = gin.configurable(fn)
+    configured = _configurable(fn)
     parse_gin(args, bindings)
     if reach_gcs:
       reachability.check(reachability.gin_paths())
@@ -660,6 +660,16 @@ def run(fn: Callable[..., Any], argv: Sequence[str], description: str,
   # Raised outside the handler: the error's traceback, and the run's objects its frames hold
   # (checkpoint managers with threads), are released before the interpreter shuts down.
   raise SystemExit(message)
+
+
+def _configurable(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """`fn` as gin calls it with its bindings: the configurable a gin file registered for it
+  already, if this process parsed one that binds it (`import __main__ as train_script` with
+  dynamic registration registers `train_script.train` at its first parse: a notebook, a test),
+  else a new one. Registering it twice would make every `train.<parameter>` binding
+  ambiguous for the rest of the process."""
+  known = gin.config._INVERSE_REGISTRY.get(fn)  # pylint: disable=protected-access
+  return known.wrapper if known else gin.configurable(fn)
 
 
 def bound_parameters(configurable: str) -> Tuple[str, ...]:
