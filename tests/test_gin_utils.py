@@ -343,8 +343,8 @@ def test_t5s_task_module_imported_by_a_gin_file_is_refused_with_the_binding(
 
 def test_an_entry_point_run_after_its_gin_files_were_parsed_keeps_their_short_names(tmp_path):
   """A notebook (or a test worker) that parsed a gin file binding `__main__.<fn>` and then runs
-  the entry point: one configurable, so `<fn>.<parameter>` bindings resolve, as in a fresh
-  process."""
+  the entry point: one configurable, named after its module as in a fresh process, so
+  `<fn>.<parameter>` and `<module>.<fn>.<parameter>` bindings both resolve."""
   def upcycle_test_entry(value=0):
     return value
 
@@ -359,7 +359,11 @@ def test_an_entry_point_run_after_its_gin_files_were_parsed_keeps_their_short_na
     assert gin_utils.run(upcycle_test_entry, argv + ['--gin.upcycle_test_entry.value=2'],
                          'test', reach_gcs=False) == 2
     gin.clear_config()
-    parse(argv + ['--gin.upcycle_test_entry.value=3'])
-    assert gin.query_parameter('upcycle_test_entry.value') == 3
+    assert gin_utils.run(upcycle_test_entry,
+                         argv + ['--gin.test_gin_utils.upcycle_test_entry.value=3'],
+                         'test', reach_gcs=False) == 3
+    gin.clear_config()
+    parse(argv + ['--gin.upcycle_test_entry.value=4'])
+    assert gin.query_parameter('upcycle_test_entry.value') == 4
   finally:
     del sys.modules['__main__'].upcycle_test_entry

@@ -663,13 +663,16 @@ def run(fn: Callable[..., Any], argv: Sequence[str], description: str,
 
 
 def _configurable(fn: Callable[..., Any]) -> Callable[..., Any]:
-  """`fn` as gin calls it with its bindings: the configurable a gin file registered for it
-  already, if this process parsed one that binds it (`import __main__ as train_script` with
-  dynamic registration registers `train_script.train` at its first parse: a notebook, a test),
-  else a new one. Registering it twice would make every `train.<parameter>` binding
-  ambiguous for the rest of the process."""
+  """`gin.configurable(fn)`, named after its module as in a fresh process (`__main__.train`
+  under `python -m upcycle.train`). A process that parsed a gin file binding `fn` before (a
+  notebook, a test worker) holds it under that file's alias already (gin's dynamic
+  registration of `import __main__ as train_script`: `train_script.train`); that name is
+  dropped first, else every `train.<parameter>` binding would be ambiguous for the rest of the
+  process. Gin files' aliases then resolve to this one configurable."""
   known = gin.config._INVERSE_REGISTRY.get(fn)  # pylint: disable=protected-access
-  return known.wrapper if known else gin.configurable(fn)
+  if known is not None and known.selector != f'{fn.__module__}.{fn.__name__}':
+    gin.config._REGISTRY.pop(known.selector)  # pylint: disable=protected-access
+  return gin.configurable(fn)
 
 
 def bound_parameters(configurable: str) -> Tuple[str, ...]:
