@@ -341,29 +341,28 @@ def test_t5s_task_module_imported_by_a_gin_file_is_refused_with_the_binding(
       f'file; its tasks then replace this project\'s registrations of the same names.')
 
 
-def test_an_entry_point_run_after_its_gin_files_were_parsed_keeps_their_short_names(tmp_path):
+def test_an_entry_point_run_after_its_gin_files_were_parsed_keeps_their_short_names(
+    tmp_path, monkeypatch):
   """A notebook (or a test worker) that parsed a gin file binding `__main__.<fn>` and then runs
   the entry point: one configurable, named after its module as in a fresh process, so
   `<fn>.<parameter>` and `<module>.<fn>.<parameter>` bindings both resolve."""
   def upcycle_test_entry(value=0):
     return value
 
-  sys.modules['__main__'].upcycle_test_entry = upcycle_test_entry
-  try:
-    (tmp_path / 'entry.gin').write_text(
-        'from __gin__ import dynamic_registration\nimport __main__ as script\n'
-        'script.upcycle_test_entry.value = 1\n')
-    argv = [f'--gin_file={tmp_path}/entry.gin']
-    parse(argv)
-    gin.clear_config()
-    assert gin_utils.run(upcycle_test_entry, argv + ['--gin.upcycle_test_entry.value=2'],
-                         'test', reach_gcs=False) == 2
-    gin.clear_config()
-    assert gin_utils.run(upcycle_test_entry,
-                         argv + ['--gin.test_gin_utils.upcycle_test_entry.value=3'],
-                         'test', reach_gcs=False) == 3
-    gin.clear_config()
-    parse(argv + ['--gin.upcycle_test_entry.value=4'])
-    assert gin.query_parameter('upcycle_test_entry.value') == 4
-  finally:
-    del sys.modules['__main__'].upcycle_test_entry
+  monkeypatch.setattr(sys.modules['__main__'], 'upcycle_test_entry', upcycle_test_entry,
+                      raising=False)
+  (tmp_path / 'entry.gin').write_text(
+      'from __gin__ import dynamic_registration\nimport __main__ as script\n'
+      'script.upcycle_test_entry.value = 1\n')
+  argv = [f'--gin_file={tmp_path}/entry.gin']
+  parse(argv)
+  gin.clear_config()
+  assert gin_utils.run(upcycle_test_entry, argv + ['--gin.upcycle_test_entry.value=2'],
+                       'test', reach_gcs=False) == 2
+  gin.clear_config()
+  assert gin_utils.run(upcycle_test_entry,
+                       argv + ['--gin.test_gin_utils.upcycle_test_entry.value=3'],
+                       'test', reach_gcs=False) == 3
+  gin.clear_config()
+  parse(argv + ['--gin.upcycle_test_entry.value=4'])
+  assert gin.query_parameter('upcycle_test_entry.value') == 4
