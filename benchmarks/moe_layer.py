@@ -244,7 +244,8 @@ def import_flaxformer(directory):
     quantization.QuantOps = types.SimpleNamespace(WeightParams=object, ActHParams=object)
     quantization.QuantType = types.SimpleNamespace(FAKE_QUANT='fake_quant', AQT='aqt')
   sys.path.insert(0, os.path.abspath(directory))
-  from flaxformer.architectures.moe import moe_layers, routing  # pylint: disable=g-import-not-at-top
+  from flaxformer.architectures.moe import (  # pylint: disable=g-import-not-at-top
+      moe_layers, routing)
   from flaxformer.components import dense as ff_dense  # pylint: disable=g-import-not-at-top
   return moe_layers, routing, ff_dense
 
@@ -383,7 +384,8 @@ def cpu_summary(verdicts):
   print('\nours best per case:')
   for v in verdicts:
     line = (f'  {v["case"]:16s} {v["ours_best"]:13s} time {v["ours_over_pure_time"]:.2f}x pure, '
-            f'memory {v["ours_over_pure_memory"]:.2f}x pure, metrics +{100 * v["metrics_cost"]:.1f}%')
+            f'memory {v["ours_over_pure_memory"]:.2f}x pure, '
+            f'metrics +{100 * v["metrics_cost"]:.1f}%')
     if 'flaxformer_best' in v:
       line += (f'; vs {v["flaxformer_best"]}: time {v["ours_over_flaxformer_time"]:.2f}x, '
                f'memory {v["ours_over_flaxformer_memory"]:.2f}x')

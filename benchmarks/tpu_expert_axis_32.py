@@ -32,10 +32,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from upcycle import layers, tree  # pylint: disable=g-import-not-at-top,wrong-import-position
-from upcycle.moe import MOE_COLLECTIONS, MoeConfig, MoeLayer, capacity, grouping, routers  # pylint: disable=g-import-not-at-top,wrong-import-position
+from upcycle.moe import (  # pylint: disable=g-import-not-at-top,wrong-import-position
+    MOE_COLLECTIONS, MoeConfig, MoeLayer, capacity, grouping, routers)
 from upcycle.moe import slots  # pylint: disable=g-import-not-at-top,wrong-import-position
 from upcycle.fit import aot  # pylint: disable=g-import-not-at-top,wrong-import-position
-from upcycle import partitioning, platforms  # pylint: disable=g-import-not-at-top,wrong-import-position
+from upcycle import (  # pylint: disable=g-import-not-at-top,wrong-import-position
+    partitioning, platforms)
 
 BATCH, LENGTH, GROUP, EXPERTS, D_MODEL, D_FF = 256, 512, 4096, 32, 64, 128
 

@@ -23,10 +23,10 @@ bfloat16 activations, full remat, scanned layers, `LOGICAL_AXIS_RULES='fsdp'` (p
 AdamW moments split over 'data'), gradient accumulation where the step needs it; no restore
 hook. Llama -> Mixtral (`drop-8x1.5b`, `drop-8x3.7b`, `llama3.1-8x8b`): the same with
 `moe/mixtral.gin` (8 experts in every layer, top 2, dropless 'ragged' with megablox's kernels),
-8 expert partitions (the dropless block expert parallel, `upcycle/moe/exchange.py`); the `-ragged-dot` rows multiply with `jax.lax.ragged_dot` instead, the
-`-indices` rows hold every token in capacity slots. A row that does not fit is still a row
-(`upcycle.aot` exits 2 with its JSON written). `--merge FILE` keeps the rows of an earlier JSON
-that this run does not redo.
+8 expert partitions (the dropless block expert parallel, `upcycle/moe/exchange.py`); the
+`-ragged-dot` rows multiply with `jax.lax.ragged_dot` instead, the `-indices` rows hold every token
+in capacity slots. A row that does not fit is still a row (`upcycle.aot` exits 2 with its JSON
+written). `--merge FILE` keeps the rows of an earlier JSON that this run does not redo.
 """
 
 import argparse

@@ -49,7 +49,8 @@ def _ls_in_range(request, response, storage, *args, **kwargs):
 objects.download = _download_with_generation   # before the server module builds its routes
 objects.ls = _ls_in_range
 
-from gcp_storage_emulator import server as _server, settings  # pylint: disable=g-import-not-at-top,wrong-import-position
+from gcp_storage_emulator import (  # pylint: disable=g-import-not-at-top,wrong-import-position
+    server as _server, settings)
 
 
 def _move(request, response, storage, *args, **kwargs):

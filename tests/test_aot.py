@@ -113,11 +113,11 @@ def test_the_upcycling_hook_logs_its_summary_and_no_donation_warning(aot_result)
 def test_the_step_counts_every_microbatch_and_its_roofline_follows(aot_result):
   """The compiler counts a loop body once: the train step's FLOPs come from a copy with the
   microbatch scan unrolled (`step_count.py`; 2 + 2 layers have one period, so the copy is the
-  whole model), so they cover at least the model's matmul FLOPs of the whole batch (`models/flops.py`, counted by hand from the architecture; with full remat the
-  compiler's count is larger: the forward pass runs twice, and it counts the dispatch's
-  einsums and every elementwise op). Counted once, they would be about half of it. The
-  roofline is max(FLOPs / 275 TFLOP/s, bytes / 1228 GB/s), and the MFU at it the model's
-  FLOPs over the chips' peak in that time."""
+  whole model), so they cover at least the model's matmul FLOPs of the whole batch
+  (`models/flops.py`, counted by hand from the architecture; with full remat the compiler's count is
+  larger: the forward pass runs twice, and it counts the dispatch's einsums and every elementwise
+  op). Counted once, they would be about half of it. The roofline is max(FLOPs / 275 TFLOP/s,
+  bytes / 1228 GB/s), and the MFU at it the model's FLOPs over the chips' peak in that time."""
   result, stdout, _, _ = aot_result
   train = result['functions']['train_step']
   assert train['extrapolated'] and not result['functions']['restore_hook']['extrapolated']

@@ -5,8 +5,9 @@
   train, pretrained and the entry points wire everything; pretrained  <-  train  <-  fit.
 
 Function-local imports count: hiding an import in a function does not change what a module
-depends on. No part imports a part that imports it back, directly or through others. The dependency table here and README.md's "Architecture" table name exactly the
-parts (top-level modules and subpackages) that upcycle/ has.
+depends on. No part imports a part that imports it back, directly or through others. The dependency
+table here and README.md's "Architecture" table name exactly the parts (top-level modules and
+subpackages) that upcycle/ has.
 """
 
 import ast

@@ -62,5 +62,6 @@ def test_the_pod_commands_run_in_sequence_from_a_scanned_dense_run(tmp_path, ent
   assert 'encoder/layers_3/mlp/expert/wi_0/kernel' in params
   assert set(slots) == {f'{p}/{s}' for p in params for s in ('v_row', 'v_col', 'v', 'm')}
   run = tree.flatten(checkpoints.load(str(moe / 'checkpoints'), lazy=True).params)
-  np.testing.assert_array_equal(params['decoder/layers_3/mlp/expert/wo/kernel'],
-                                np.asarray(run['decoder/layers/subblock_1/mlp/expert/wo/kernel'])[1])
+  np.testing.assert_array_equal(
+      params['decoder/layers_3/mlp/expert/wo/kernel'],
+      np.asarray(run['decoder/layers/subblock_1/mlp/expert/wo/kernel'])[1])

@@ -11,8 +11,8 @@
 
 The target model is the gin macro MODEL, as configs/models/* bind it (MODEL = @models.T5(),
 @models.ViT() or @models.Llama(); a bare T5Config / ViTConfig / LlamaConfig works too): its
-config decides which blocks are MoE, how many experts, shapes and dtypes. --gin_file / --gin.KEY=VALUE /
---gin_bindings / --gin_search_paths work as for training (upcycle/gin_utils.py).
+config decides which blocks are MoE, how many experts, shapes and dtypes. --gin_file /
+--gin.KEY=VALUE / --gin_bindings / --gin_search_paths work as for training (upcycle/gin_utils.py).
 
 --experts: copy | drop | noise | random | partial | granular | zero_output
 (experts.EXPERT_INITS), optionally with arguments as Python literals:
@@ -47,14 +47,14 @@ Output (--output_format): `orbax` (default): OUTPUT_DIR/<step>/params/ and
 _CHECKPOINT_METADATA, the layout training writes (`upcycle.checkpoints.orbax`), parameters
 only; train from it with `Restore(OUTPUT_DIR, modes.Continue())` (train/restore.py;
 upcycling/continue_from_checkpoint.gin with reuse_optimizer_state = False). `t5x`:
-OUTPUT_DIR/checkpoint_<step>/, T5X's native layout (`upcycle.checkpoints.t5x_writer`): parameters under `optimizer/target` with Flaxformer's MoE
-names, `state/step`, an empty `state/param_states` (restore it in T5X as docs/checkpoints.md says).
-Either way OUTPUT_DIR/upcycling_report.txt holds the upcycling report, every leaf (the console
-shows its summary; `upcycling/report_file.py`), OUTPUT_DIR/config.gin the gin configuration
-(`python -m upcycle.export --model_dir=OUTPUT_DIR` reads the model from it), a Llama-family
-output keeps the source's tokenizer (the one its weights were trained with, where the step
-records it; several sources must share one: merged embeddings would average rows of different
-pieces) in OUTPUT_DIR/tokenizer/, as a run does
+OUTPUT_DIR/checkpoint_<step>/, T5X's native layout (`upcycle.checkpoints.t5x_writer`): parameters
+under `optimizer/target` with Flaxformer's MoE names, `state/step`, an empty `state/param_states`
+(restore it in T5X as docs/checkpoints.md says). Either way OUTPUT_DIR/upcycling_report.txt holds
+the upcycling report, every leaf (the console shows its summary; `upcycling/report_file.py`),
+OUTPUT_DIR/config.gin the gin configuration (`python -m upcycle.export --model_dir=OUTPUT_DIR` reads
+the model from it), a Llama-family output keeps the source's tokenizer (the one its weights were
+trained with, where the step records it; several sources must share one: merged embeddings would
+average rows of different pieces) in OUTPUT_DIR/tokenizer/, as a run does
 (`upcycle.data.tokenizer`: with its chat template, generation_config.json and the source's
 config.json, whose eos list, pad id, context length and dtype `python -m upcycle.export
 --format=hf` writes back), and the step records the CRC-32 of every array written in its

@@ -22,9 +22,10 @@ With `t5x_mode` ('predict', 'predict_with_aux' or 'score'; gin: T5X_MODE) the ro
   {"inputs": {...}, "score": -12.5}                                        ('score')
 
 "inputs" holding every `*_pretokenized` text of the task's example, whole ("aux" only with
-'predict_with_aux'; "score" the log-likelihood of the example's target tokens). A decoder-only Llama (configs/runs/llm_infer.gin)
-continues prompts instead (`upcycle.data.prompts`: a JSONL file's, or the first window of each
-document of a task split), named after the file or the task, one object per prompt:
+'predict_with_aux'; "score" the log-likelihood of the example's target tokens). A decoder-only Llama
+(configs/runs/llm_infer.gin) continues prompts instead (`upcycle.data.prompts`: a JSONL file's, or
+the first window of each document of a task split), named after the file or the task, one object per
+prompt:
 
   {"prompt": "...", "prediction": "...", "score": -9.1, "prompt_tokens": [...],
    "prediction_tokens": [...],
@@ -69,9 +70,9 @@ def output_name(source: str, step: int, decoding: Any, seed: int,
                 identity: Mapping[str, Any], t5x_mode: Optional[str] = None) -> str:
   """'<source>-<step>-<method>-<digest>.jsonl', the method with what changes its predictions
   or scores ('greedy', 'beam4-alpha0.6', 'sample-t0.7-top40-topp0.9-seed0'; '-rescaled' for
-  T5X's scores) and T5X's rows ('-t5x_predict'), the digest the first 8 hex digits of the sha256 of `identity`
-  (`decode_identity`: the prompts' content, the checkpoint, the limits). Decodes that differ
-  write different files, so a later one never replaces another's; one of the same name is
+  T5X's scores) and T5X's rows ('-t5x_predict'), the digest the first 8 hex digits of the sha256 of
+  `identity` (`decode_identity`: the prompts' content, the checkpoint, the limits). Decodes that
+  differ write different files, so a later one never replaces another's; one of the same name is
   the same decode run again."""
   if decoding.method == 'beam':
     method = f'beam{decoding.num_beams}-alpha{decoding.alpha:g}'

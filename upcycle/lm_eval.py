@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument('--num_model_partitions', type=int, default=1)
   parser.add_argument('--logical_axis_rules', default='default',
                       help="where the parameters live on the mesh, the training run's "
-                           "LOGICAL_AXIS_RULES: 'default' or 'fsdp' (split over 'data' x 'expert' too)")
+                           "LOGICAL_AXIS_RULES: 'default' or 'fsdp' (split over 'data' x "
+                           "'expert' too)")
   parser.add_argument('--output_dir', default=None,
                       help='eval_results.json, metrics.jsonl and tensorboard/ go here')
   parser.add_argument('--log_samples', action='store_true',

@@ -30,8 +30,8 @@ def load(path: str, format: Optional[str] = None,  # pylint: disable=redefined-b
   Args:
     path: file or directory, any supported format.
     format: one of `checkpoints.FORMATS`; None detects it.
-    model_config: the model config (T5Config, ViTConfig, LlamaConfig) to check against. None: the config the
-      checkpoint describes (HF), or no check for formats without one.
+    model_config: the model config (T5Config, ViTConfig, LlamaConfig) to check against. None: the
+      config the checkpoint describes (HF), or no check for formats without one.
     lazy: LazyArray leaves, read on demand (see `checkpoints.load`); default numpy arrays.
     with_optimizer_state: False: the optimizer state is neither opened nor read (None).
 

@@ -78,8 +78,8 @@ def vit_logits(params, config=CHECKPOINT_VIT, images=IMAGES) -> np.ndarray:
 
 
 def apply_as_documented(params, config) -> np.ndarray:
-  """The documented call (docs/python_api.md), `T5(config).apply({'params': params}, ...)` (or ViT's), on a loader's
-  output exactly as returned: no conversion of the leaves, no jit."""
+  """The documented call (docs/python_api.md), `T5(config).apply({'params': params}, ...)` (or
+  ViT's), on a loader's output exactly as returned: no conversion of the leaves, no jit."""
   if isinstance(config, T5Config):
     return np.asarray(T5(config).apply({'params': params}, ENCODER_TOKENS, DECODER_TOKENS))
   return np.asarray(ViT(config).apply({'params': params}, IMAGES, train=False))

@@ -109,7 +109,8 @@ def test_a_missing_expert_is_named(saved, tmp_path):
   os.makedirs(directory)
   for name in os.listdir(saved[0]):
     if name.endswith('.json'):
-      with open(os.path.join(saved[0], name)) as src, open(os.path.join(directory, name), 'w') as dst:
+      with open(os.path.join(saved[0], name)) as src, \
+           open(os.path.join(directory, name), 'w') as dst:
         dst.write(src.read())
   tensors = load_file(os.path.join(saved[0], 'model.safetensors'))
   del tensors['model.layers.0.block_sparse_moe.experts.1.w1.weight']

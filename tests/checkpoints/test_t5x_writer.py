@@ -38,7 +38,8 @@ def written(tmp_path_factory):
                          .astype(np.float32), f32)
     _, state = optimizer.update(grads, state, f32)
   model_dir = str(tmp_path_factory.mktemp('t5x_out'))
-  directory = t5x_writer.write(model_dir, int(state.count), params, t5x_writer.adafactor_param_states(state))
+  directory = t5x_writer.write(model_dir, int(state.count), params,
+                               t5x_writer.adafactor_param_states(state))
   return dict(dir=directory, model_dir=model_dir, params=params, state=state,
               optimizer=optimizer, f32=f32)
 

@@ -119,7 +119,8 @@ def test_a_sentencepiece_model_encodes_as_sentencepiece_does(docs, tmp_path):
   import sentencepiece  # pylint: disable=g-import-not-at-top
   model = io.BytesIO()
   sentencepiece.SentencePieceTrainer.train(
-      sentence_iterator=iter(offline_text.stdlib_documents('validation')[0].splitlines()), model_writer=model, vocab_size=200, bos_id=1, eos_id=2,
+      sentence_iterator=iter(offline_text.stdlib_documents('validation')[0].splitlines()),
+      model_writer=model, vocab_size=200, bos_id=1, eos_id=2,
       pad_id=0, unk_id=3, minloglevel=2)
   (tmp_path / 'tokenizer.model').write_bytes(model.getvalue())
   (tmp_path / 'config.json').write_text(json.dumps({'bos_token_id': 1, 'eos_token_id': 2}))
@@ -253,11 +254,13 @@ def test_mixture_or_task_module_registers_the_text_task_of_training_and_of_promp
   assert windows(theirs) == windows(ours) and len(windows(ours)) >= 12
   read = prompts.Prompts('upcycle_test_user_text', 'validation', {'targets': 8},
                          tokenizer_lib.OFFLINE_BPE, module='upcycle_test_lm_tasks')
-  assert [tokens for _, tokens in read._task_prompts(offline)] == [  # pylint: disable=protected-access
+  assert [tokens for _, tokens in
+          read._task_prompts(offline)] == [  # pylint: disable=protected-access
       [offline.bos_id, *offline.encode(d)][:8] for d in docs]
   with pytest.raises(fields.ConfigError, match=r"^prompts.Prompts.module = 'no_such_tasks' "):
     list(prompts.Prompts('x', 'validation', {'targets': 8}, tokenizer_lib.OFFLINE_BPE,
-                         module='no_such_tasks')._task_prompts(offline))  # pylint: disable=protected-access
+                         module='no_such_tasks')
+         ._task_prompts(offline))  # pylint: disable=protected-access
 
 
 @pytest.fixture(scope='module')

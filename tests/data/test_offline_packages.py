@@ -131,7 +131,8 @@ def test_a_copy_of_the_install_is_the_pinned_corpus_until_one_byte_changes(tmp_p
   assert names == sorted(names) and len(names) > 1000
   assert 'numpy/linalg/_linalg.py' in names and 'sklearn/base.py' in names
   assert (tmp_path / 'numpy/linalg/tests/test_linalg.py').exists()
-  assert not [n for n in names if '/tests/' in n or '/test/' in n or n.startswith('sklearn/externals/')]
+  assert not [n for n in names
+              if '/tests/' in n or '/test/' in n or n.startswith('sklearn/externals/')]
   assert offline_text.corpus_record('packages', root=tmp_path)['matches'] is True
   module = tmp_path / 'numpy/linalg/_linalg.py'
   data = bytearray(module.read_bytes())
@@ -184,4 +185,5 @@ def test_a_run_on_another_corpus_warns_in_one_line_and_records_it(tmp_path, monk
   assert found['digest'] == _sha256(offline_text.packages_root(), [
       m.relative_to(offline_text.packages_root()).as_posix()
       for m in offline_text.package_modules()], offline_text.PACKAGE_PINS)
-  assert lines[-1] == f"  corpus:       packages, sha256 {found['digest']} (NOT the pinned {'0' * 64})"
+  assert lines[-1] == (f"  corpus:       packages, sha256 {found['digest']} "
+                       f"(NOT the pinned {'0' * 64})")

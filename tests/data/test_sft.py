@@ -34,7 +34,8 @@ def _messages(sample):
     return sample['messages']
   system = [{'role': 'system', 'content': sample['system']}] if 'system' in sample else []
   return system + [{'role': 'user', 'content': sample['prompt']},
-                   {'role': 'assistant', 'content': sample.get('response', sample.get('completion'))}]
+                   {'role': 'assistant',
+                    'content': sample.get('response', sample.get('completion'))}]
 
 
 @pytest.fixture(scope='module')

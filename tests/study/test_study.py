@@ -509,8 +509,8 @@ def test_the_recipe_is_the_agreeing_peak_with_the_lowest_loss(tmp_path):
   assert summary['chosen'] == 0.032 and summary['complete']
   np.testing.assert_allclose(by_peak[0.1]['spike'], [8.0 / 1.5] * 3)
   text = '\n'.join(render.recipe_parts(summary, scale))
-  assert '| 0.032 | 2.4400 ± 0.0100 | 2.4500 ± 0.0100 | 2.4600 ± 0.0100 | 2.4500 | 0.0100 | yes' \
-      in text and '**Chosen: peak 0.032**' in text
+  assert ('| 0.032 | 2.4400 ± 0.0100 | 2.4500 ± 0.0100 | 2.4600 ± 0.0100 | 2.4500 | 0.0100 | yes'
+          in text) and '**Chosen: peak 0.032**' in text
   # One peak unfinished: shown as such, and no peak agreeing -> none chosen.
   os.remove(os.path.join(str(tmp_path), 't5', 'lr_0.01', 'seed2', 'study.done'))
   for seed, loss in enumerate((2.44, 2.60, 2.46)):
@@ -684,7 +684,8 @@ def test_results_md_opens_with_the_precondition(tmp_path, monkeypatch):
   d = (3.3 + 3.2) / 2 - (3.4 + (3.0 - 3.4) * 75 / 102)     # seed 1: the MoE ended at 3.0
   assert f'| 1 | 3.2500 | {3.25 - d:.4f} | {d:+.4f} | 200 (where `regime_dense` ended) | no† |' \
       in t5
-  assert '**Is the MoE from scratch better than dense at equal FLOPs: yes** (d = +0.1441, s.e. 0.0042, 3 seeds)' in t5
+  assert '**Is the MoE from scratch better than dense at equal FLOPs: yes** (d = +0.1441, s.e. ' \
+      '0.0042, 3 seeds)' in t5
   assert '† Routers that did not learn' in t5 and '`regime_scratch` seed 1' in t5
   early = t5.split('Read again at half the budget, where `regime_pretrain` ended')[1]
   # There the MoE is at its step 50, whose routers had not learned yet.

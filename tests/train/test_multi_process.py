@@ -16,7 +16,8 @@ from upcycle.checkpoints import digests
 ENV = {**os.environ, 'XLA_FLAGS': '--xla_backend_optimization_level=0', 'JAX_PLATFORMS': 'cpu'}
 # Run files first: data/offline_span_corruption.gin overrides their task.
 DATA = '--gin_file=data/offline_span_corruption.gin'
-COMMON = ['--gin_file=models/t5_1_1/tiny.gin', '--gin.BATCH_SIZE=8', "--gin.TASK_FEATURE_LENGTHS={'inputs': 64, 'targets': 16}",
+COMMON = ['--gin_file=models/t5_1_1/tiny.gin', '--gin.BATCH_SIZE=8',
+          "--gin.TASK_FEATURE_LENGTHS={'inputs': 64, 'targets': 16}",
           '--gin.models.T5Config.num_encoder_layers=2',
           '--gin.models.T5Config.num_decoder_layers=2', '--gin.__main__.train.eval_data=None',
           '--gin.trainer.TrainConfig.log_every=1', '--gin.trainer.TrainConfig.tensorboard=False']

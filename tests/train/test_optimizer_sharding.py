@@ -1,8 +1,8 @@
 """Optimizer-state shardings on a 2x2x2 mesh (data x expert x model) of simulated devices.
 
 Every slot is sharded like its parameter along the axes it keeps
-(`upcycle/optimizer_state/shardings.py`): in the trainer's abstract state, in the arrays it creates, and in the states the restore and
-growth hooks build from checkpoints.
+(`upcycle/optimizer_state/shardings.py`): in the trainer's abstract state, in the arrays it creates,
+and in the states the restore and growth hooks build from checkpoints.
 """
 
 import dataclasses

@@ -130,7 +130,8 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(run_4_steps,
   assert len(warning) == 1
   assert warning[0].startswith('WARNING: Checkpoint step 4 is corrupt and was moved to '
                                f'{model_dir}/corrupt_checkpoints/4-')
-  assert "parameter '" in warning[0] and f'data file {broken} is truncated (1000 bytes' in warning[0]
+  assert ("parameter '" in warning[0] and
+          f'data file {broken} is truncated (1000 bytes' in warning[0])
   assert warning[0].endswith('Falling back to the previous checkpoint, step 2.')
   assert 'Resuming from' in done.stdout and 'at step 2.' in done.stdout
   assert 'Traceback' not in done.stderr and 'Exception ignored' not in done.stderr

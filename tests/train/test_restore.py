@@ -27,8 +27,8 @@ from upcycle.train.restore import Restore
 from upcycle.upcycling import experts, modes, sharded
 from upcycle.upcycling.surgery import make_plan, upcycle
 
-# Capacity = group size: every token reaches an expert, and with normalized combine
-# weights identical experts compute exactly the dense MLP (docs/upcycling.md, "Function preservation").
+# Capacity = group size: every token reaches an expert, and with normalized combine weights
+# identical experts compute exactly the dense MLP (docs/upcycling.md, "Function preservation").
 ENCODER_MOE = MoeConfig(num_experts=4, router=routers.ExpertsChoose(), eval_capacity_factor=4.0,
                         capacity_convention=capacity.Vmoe(multiple_of=1),
                         normalize_combine_weights=True)

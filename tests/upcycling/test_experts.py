@@ -18,7 +18,8 @@ KEY = jax.random.PRNGKey(0)
 
 
 def _t5_mlp(t5, d_ff=32, seed=0):
-  return {f'{n}/kernel': v['kernel'] for n, v in t5(seed=seed, d_ff=d_ff)['encoder']['layers_1']['mlp'].items()}
+  return {f'{n}/kernel': v['kernel']
+          for n, v in t5(seed=seed, d_ff=d_ff)['encoder']['layers_1']['mlp'].items()}
 
 
 def _vit_mlp(vit, mlp_dim=32, seed=0):
@@ -233,8 +234,8 @@ def test_layerwise_ratio_errors_name_the_layer_and_the_fix(t5, target):
 
 def test_unknown_mlp_is_a_clear_error():
   mlp = {'fc1/kernel': np.zeros((4, 8), np.float32), 'fc2/kernel': np.zeros((8, 4), np.float32)}
-  with pytest.raises(ValueError, match=r"'fc1/kernel' in the MLP at enc/mlp is not in the d_ff axis "
-                     r'table.*D_FF_AXES in upcycle/upcycling/ffn.py'):
+  with pytest.raises(ValueError, match=r"'fc1/kernel' in the MLP at enc/mlp is not in the d_ff "
+                     r'axis table.*D_FF_AXES in upcycle/upcycling/ffn.py'):
     experts.Drop(0.5)(mlp, 2, KEY, layer='enc/mlp')
   out = experts.Copy()(mlp, 2, KEY, layer='enc/mlp')  # Copy does not need the table
   assert out['fc1/kernel'].shape == (2, 4, 8)
@@ -326,7 +327,8 @@ def _t5_ffn(x, p, e=None):
 
 def _vit_ffn(x, p, e=None):
   get = (lambda n: p[n]) if e is None else (lambda n: p[n][e])
-  return _gelu(x @ get('Dense_0/kernel') + get('Dense_0/bias')) @ get('Dense_1/kernel') + get('Dense_1/bias')
+  return (_gelu(x @ get('Dense_0/kernel') + get('Dense_0/bias')) @ get('Dense_1/kernel') +
+          get('Dense_1/bias'))
 
 
 def _moe(x, expert_params, router, ffn_fn, num_experts, router_type, k):
@@ -393,7 +395,8 @@ def test_from_checkpoints_assignment_and_base(t5):
   wo = [s['encoder']['layers_1']['mlp']['wo']['kernel'] for s in sources]
   for e, a in enumerate([2, 0, 0, 1]):
     np.testing.assert_array_equal(np.asarray(out['wo/kernel'][e]), wo[a])
-  assert init.shared_params()['token_embedder']['embedding'] is sources[1]['token_embedder']['embedding']
+  assert (init.shared_params()['token_embedder']['embedding'] is
+          sources[1]['token_embedder']['embedding'])
   mean = experts.FromCheckpoints(sources).shared_params()['token_embedder']['embedding']
   np.testing.assert_allclose(mean, np.mean([s['token_embedder']['embedding'] for s in sources], 0),
                              rtol=1e-6, atol=1e-6)
@@ -416,11 +419,13 @@ def _sources_with_known_distances():
 
 def test_merge_picks_the_most_distant_pair():
   sources = _sources_with_known_distances()
-  vectors = np.stack([np.concatenate([s['mlp']['wi']['kernel'].ravel(), s['mlp']['wo']['kernel'].ravel()])
+  vectors = np.stack([np.concatenate([s['mlp']['wi']['kernel'].ravel(),
+                                      s['mlp']['wo']['kernel'].ravel()])
                       for s in sources])
   assert most_distant_pair(vectors @ vectors.T) == (0, 2)
   assert most_distant_pair(vectors @ vectors.T, {(0, 2)}) == (1, 2)
-  mlp = {'wi/kernel': sources[0]['mlp']['wi']['kernel'], 'wo/kernel': sources[0]['mlp']['wo']['kernel']}
+  mlp = {'wi/kernel': sources[0]['mlp']['wi']['kernel'],
+         'wo/kernel': sources[0]['mlp']['wo']['kernel']}
   out = experts.Merge(sources)(mlp, 5, KEY, layer='mlp')
   wi = np.asarray(out['wi/kernel'])
   for e in range(3):
@@ -484,7 +489,8 @@ def test_every_expert_name_convert_accepts_is_one_get_accepts(name):
 def test_granular_by_name_is_granular_2():
   assert experts.get('granular') == experts.Granular(2)
   with pytest.raises(ValueError, match=r"experts='grain': expected a ExpertInit instance or one of "
-                     r"\('copy', 'drop', 'noise', 'random', 'partial', 'granular', 'zero_output'\)"):
+                     r"\('copy', 'drop', 'noise', 'random', 'partial', 'granular', "
+                     r"'zero_output'\)"):
     experts.get('grain')
 
 

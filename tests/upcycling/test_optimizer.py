@@ -69,7 +69,8 @@ def _moe_grads(dense_grads, moe_params, num_experts):
     if role.kind in ('copy', 'shared_expert'):
       out[path] = flat_dense[role.source]
     elif role.kind == 'expert':
-      out[path] = jnp.broadcast_to(flat_dense[role.source], (num_experts,) + flat_dense[role.source].shape)
+      out[path] = jnp.broadcast_to(flat_dense[role.source],
+                                   (num_experts,) + flat_dense[role.source].shape)
     else:
       out[path] = jnp.ones(tree.flatten(moe_params)[path].shape)
   return tree.unflatten(out)
@@ -109,7 +110,8 @@ def test_adam_moments_tiled_router_fresh_step_kept(t5, target):
     flat, flat_dense = tree.flatten(getattr(adam, slot)), tree.flatten(getattr(dense_adam, slot))
     np.testing.assert_array_equal(flat[f'{MLP}/expert/wo/kernel'],
                                   np.broadcast_to(flat_dense[f'{MLP}/wo/kernel'], (3, 16, 8)))
-    np.testing.assert_array_equal(flat['token_embedder/embedding'], flat_dense['token_embedder/embedding'])
+    np.testing.assert_array_equal(flat['token_embedder/embedding'],
+                                  flat_dense['token_embedder/embedding'])
     assert not np.asarray(flat[ROUTER]).any()
   lr_count = state[1].count
   assert int(lr_count) == 3
@@ -185,9 +187,11 @@ def test_fresh_moments_keep_the_step(t5, target):
 def test_shape_changing_experts_need_fresh_moments(t5, target):
   optimizer = OPTIMIZERS['adam']()
   dense, dense_state = _train_dense(t5, optimizer)
-  moe, _ = upcycle(dense, target(dense, [MLP], 4, expert_d_ff=8), experts=experts.Granular(2), rng=0)
+  moe, _ = upcycle(dense, target(dense, [MLP], 4, expert_d_ff=8), experts=experts.Granular(2),
+                   rng=0)
   with pytest.raises(ValueError, match=r'slot .*expert/wi_0/kernel \(4, 8, 8\) cannot be made from '
-                     r'the dense slot of encoder/layers_1/mlp/wi_0/kernel \(8, 16\).*tile_moments=False'):
+                     r'the dense slot of encoder/layers_1/mlp/wi_0/kernel \(8, 16\)'
+                     r'.*tile_moments=False'):
     upcycle_optimizer_state(dense, dense_state, moe, optimizer, experts=experts.Granular(2))
   upcycle_optimizer_state(dense, dense_state, moe, optimizer, experts=experts.Granular(2),
                           tile_moments=False)

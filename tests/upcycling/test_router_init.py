@@ -60,10 +60,11 @@ def test_from_data_columns_are_normalized_means():
 
 def test_from_data_errors_name_the_layer():
   router = {'w/kernel': jax.ShapeDtypeStruct((4, 3), jnp.float32)}
-  with pytest.raises(ValueError, match=r"no hidden states for the MoE block at dec/mlp; have \['enc/mlp'\]"):
+  with pytest.raises(ValueError, match=r"no hidden states for the MoE block at dec/mlp; "
+                     r"have \['enc/mlp'\]"):
     router_init.FromData({'enc/mlp': [np.ones((2, 4))] * 3})(router, KEY, layer='dec/mlp')
-  with pytest.raises(ValueError, match=r'2 batches of hidden states for enc/mlp but its router kernel '
-                     r'\(4, 3\) has 3 experts'):
+  with pytest.raises(ValueError, match=r'2 batches of hidden states for enc/mlp but its router '
+                     r'kernel \(4, 3\) has 3 experts'):
     router_init.FromData({'enc/mlp': [np.ones((2, 4))] * 2})(router, KEY, layer='enc/mlp')
 
 

@@ -94,9 +94,11 @@ def test_same_seed_same_params_and_layers_independent(t5, target):
 def test_target_leaf_matching_nothing_names_path_and_shape(t5, target):
   dense = t5()
   tgt = target(dense, [MLP], 4)
-  tgt['encoder']['layers_0']['attention']['keyy'] = {'kernel': jax.ShapeDtypeStruct((8, 8), jnp.float32)}
+  tgt['encoder']['layers_0']['attention']['keyy'] = {
+      'kernel': jax.ShapeDtypeStruct((8, 8), jnp.float32)}
   with pytest.raises(ValueError, match=r'encoder/layers_0/attention/keyy/kernel \(8, 8\) float32 '
-                     r'matches nothing.*Closest dense leaves: encoder/layers_0/attention/query/kernel'):
+                     r'matches nothing.*Closest dense leaves: '
+                     r'encoder/layers_0/attention/query/kernel'):
     upcycle(dense, tgt, rng=0)
 
 
@@ -216,7 +218,8 @@ def test_upcycle_traces_under_jit(init, t5, target):
   dense = jax.tree.map(jnp.asarray, t5())
   tgt = target(dense, [MLP], 4, expert_d_ff=16 if isinstance(init, experts.Granular) else None)
   eager, _ = upcycle(dense, tgt, experts=init, rng=jax.random.PRNGKey(2))
-  jitted = jax.jit(lambda d, k: upcycle(d, tgt, experts=init, rng=k)[0])(dense, jax.random.PRNGKey(2))
+  jitted = jax.jit(lambda d, k: upcycle(d, tgt, experts=init, rng=k)[0])(
+      dense, jax.random.PRNGKey(2))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), jitted, eager)
 
 
@@ -229,7 +232,8 @@ def test_shared_expert_is_the_dense_mlp_in_every_executor(t5, target):
     mlp = flat_dense[f'{MLP}/{name}']
     np.testing.assert_array_equal(flat[f'{MLP}/shared_expert/{name}'], mlp)
     expert = 0 * mlp if name == 'wo/kernel' else mlp   # ZeroOutput zeroes the output projection
-    np.testing.assert_array_equal(flat[f'{MLP}/expert/{name}'], np.broadcast_to(expert, (4,) + mlp.shape))
+    np.testing.assert_array_equal(flat[f'{MLP}/expert/{name}'],
+                                  np.broadcast_to(expert, (4,) + mlp.shape))
   assert set(report.shared) == {f'{MLP}/shared_expert/{n}/kernel' for n in ('wi_0', 'wi_1', 'wo')}
   assert report.unused == ()
   assert ', 3 shared-expert leaves; ' in report.summary()

@@ -1,4 +1,5 @@
-"""T5X Adafactor state: tiled across experts, read from T5X-written slots, fresh at the dense step."""
+"""T5X Adafactor state: tiled across experts, read from T5X-written slots, fresh at the dense
+step."""
 
 import jax.numpy as jnp
 import numpy as np

@@ -1,8 +1,8 @@
 """HuggingFace checkpoints: `config.json` + safetensors (single or sharded) or `pytorch_model.bin`.
 
-`load_checkpoint(path)` returns the parameters in this project's names (docs/checkpoints.md, "Parameter
-names") and, as `Checkpoint.description`, the T5Config / ViTConfig fields that reproduce the
-HuggingFace model's logits (`upcycle.pretrained.load_hf` makes the config and checks the
+`load_checkpoint(path)` returns the parameters in this project's names (docs/checkpoints.md,
+"Parameter names") and, as `Checkpoint.description`, the T5Config / ViTConfig fields that reproduce
+the HuggingFace model's logits (`upcycle.pretrained.load_hf` makes the config and checks the
 shapes). Supported:
 `T5ForConditionalGeneration` with `feed_forward_proj='gated-gelu'` (T5 v1.1, Flan-T5),
 `ViTForImageClassification`, and the causal LMs of `model_type` 'llama', 'mistral', 'qwen2',

@@ -130,7 +130,8 @@ def write(model_dir: str, step: int, params: Mapping[str, Any],
     params: nested dict in this project's (= T5X/Flaxformer) names; numpy, jax or lazy leaves.
     param_states: optional T5X optimizer slots, `{<param path>: {'v_row', 'v_col', 'v',
       'm'}}` for Adafactor (`adafactor_param_states` builds them from `T5XAdafactorState`);
-      None writes an empty `param_states`, for T5X to initialize (docs/checkpoints.md, "Restoring in T5X").
+      None writes an empty `param_states`, for T5X to initialize (docs/checkpoints.md, "Restoring in
+      T5X").
 
   Raises:
     FileExistsError: `checkpoint_<step>` exists already (an empty directory is replaced), or

@@ -254,7 +254,8 @@ def corpus_record(corpus: str, root: Optional[pathlib.Path] = None) -> Optional[
     versions, pinned = {'python': platform.python_version()}, (None, None)
   found = digest(root, _MODULES[corpus](root), versions)
   return {'corpus': corpus, 'digest': found, 'versions': versions, 'pinned_digest': pinned[0],
-          'pinned_versions': pinned[1], 'matches': None if pinned[0] is None else found == pinned[0]}
+          'pinned_versions': pinned[1],
+          'matches': None if pinned[0] is None else found == pinned[0]}
 
 
 def mismatch_warning(record: Optional[Dict]) -> Optional[str]:

@@ -6,9 +6,10 @@ A sample is a conversation: `{"messages": [{"role": ..., "content": ...}, ...]}`
 `{"prompt": ..., "response": ...}` (also `completion` for `response`, and an optional `system`;
 or Alpaca's `instruction`, `input`, `output`: the prompt is the instruction, then a blank line
 and the input if there is one), which is the conversation [user: prompt, assistant: response].
-Samples come from JSONL, JSON (an array of samples) or Parquet files (`data_files`) or from a registered seqio task whose source yields `prompt` /
-`response` strings or `messages` as a JSON string (the default: `offline_stdlib_sft`, documented
-functions of Python's standard library, `offline_text.stdlib_functions`).
+Samples come from JSONL, JSON (an array of samples) or Parquet files (`data_files`) or from a
+registered seqio task whose source yields `prompt` / `response` strings or `messages` as a JSON
+string (the default: `offline_stdlib_sft`, documented functions of Python's standard library,
+`offline_text.stdlib_functions`).
 
 A conversation is rendered with a Jinja chat template, as transformers' `apply_chat_template`
 renders it (sandboxed, `trim_blocks`, `lstrip_blocks`, `raise_exception`, `tojson`, the
@@ -26,9 +27,10 @@ conversation as a prefix of its render is refused in one line (no response span 
 Over-length samples: a sample of more than `length + 1` tokens is cut to its first
 `length + 1` (`overlong='truncate'`, TRL's `keep_start`) or left out (`'drop'`); a sample with
 no response token left is left out either way. Each split logs how many samples were whole,
-truncated and left out (`SampleCounts`) when its batches are made. Rows are packed as `lm.LmPipeline` packs
-windows (`decoder_segment_ids` apart, positions from 0 in each, so no sample attends to
-another) or, with `pack=False`, one sample per row (UpIT's router stage scores rows as samples).
+truncated and left out (`SampleCounts`) when its batches are made. Rows are packed as
+`lm.LmPipeline` packs windows (`decoder_segment_ids` apart, positions from 0 in each, so no sample
+attends to another) or, with `pack=False`, one sample per row (UpIT's router stage scores rows as
+samples).
 
 The samples of a split are read, checked, rendered and tokenized when its batches are made
 (host memory: the rendered text and its ids), and the counts logged then. A record that is no

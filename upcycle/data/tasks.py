@@ -22,8 +22,8 @@ Text tasks, for decoder-only language models (`upcycle.data.lm` tokenizes them w
 tokenizer): `offline_packages_text`, `offline_stdlib_text` and `offline_pydoc_text`, the
 offline corpora's documents under `text`, untokenized. Instruction tuning (`upcycle.data.sft`):
 `offline_stdlib_sft`, the documented functions of the standard library as `prompt` /
-`response` strings (`offline_text.stdlib_functions`). Registration is lazy: nothing is read until a dataset is
-requested.
+`response` strings (`offline_text.stdlib_functions`). Registration is lazy: nothing is read until a
+dataset is requested.
 
 Tasks of your own: a module that registers them, named by T5X's `MIXTURE_OR_TASK_MODULE`, is
 imported before the task is looked up (`get_task`); the entry points import it before the gin

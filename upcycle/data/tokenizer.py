@@ -296,7 +296,8 @@ def train_bpe(documents: Iterable[str]) -> bytes:
   first) trained on `documents`. Deterministic: the trainer breaks ties by pair, so the same
   documents in the same order give the same file byte for byte (whatever the threads)."""
   import tokenizers  # pylint: disable=g-import-not-at-top
-  from tokenizers import decoders, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
+  from tokenizers import (  # pylint: disable=g-import-not-at-top
+      decoders, models, pre_tokenizers, trainers)
   tok = tokenizers.Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()

@@ -348,8 +348,9 @@ def hf_config(config, dtype: str, token_ids: Mapping[str, Any],
   (an int or a list), 'pad_token_id'}, None where unknown (written as null).
   `max_position_embeddings`: the context the HF source was published with; None: the model
   config's (`LlamaConfig.max_position_embeddings`, the shipped model files' published value),
-  else a llama3 RoPE's original context times its factor, else the HF class's default. An MoE writes `output_router_logits` true, so
-  that transformers adds the load-balancing loss (`router_aux_loss_coef`) when it fine-tunes.
+  else a llama3 RoPE's original context times its factor, else the HF class's default. An MoE writes
+  `output_router_logits` true, so that transformers adds the load-balancing loss
+  (`router_aux_loss_coef`) when it fine-tunes.
   """
   model_type = hf_model_type(config)
   hf = {

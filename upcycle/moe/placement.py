@@ -31,7 +31,8 @@ def sparse_layer_indices(placement: Placement, num_layers: int) -> tuple:
           f"'none', 'last_N', 'first_N' or a list of layer indices.")
     n = int(match.group(2))
     if n > num_layers:
-      raise ValueError(f'MoE placement {placement!r} asks for {n} layers; the stack has {num_layers}.')
+      raise ValueError(f'MoE placement {placement!r} asks for {n} layers; the stack has '
+                       f'{num_layers}.')
     return tuple(range(num_layers - n, num_layers)) if match.group(1) == 'last' else tuple(range(n))
   indices = tuple(sorted(set(int(i) for i in placement)))
   bad = [i for i in indices if not 0 <= i < num_layers]

@@ -5,8 +5,9 @@ Each run's output goes to its directory's `study.log` (a run with a final evalua
 finished (its `study.done` marker exists) is not run again, so an interrupted study continues
 where it stopped. Every run's CPU code is generated for SSE4.2 on x86-64
 (`platforms.portable_cpu_codegen`), so a run computes the same bits on every image of a
-machine; its `study.json` and the first line of its log give the command with that XLA_FLAGS. A failed run is reported (its `study.failed` holds the end of its log), the runs that start from it are
-skipped, and the others go on.
+machine; its `study.json` and the first line of its log give the command with that XLA_FLAGS. A
+failed run is reported (its `study.failed` holds the end of its log), the runs that start from it
+are skipped, and the others go on.
 """
 
 import json

@@ -237,7 +237,8 @@ def regime_parts(summary, scale, corpus: str, results: Results) -> List[str]:
       f'state reused), each for 100% of the sunk cost\'s FLOPs; and the upcycled models\' '
       f'architecture trained from scratch for the FLOPs of both dense runs together. Each point '
       f'is the mean of the run\'s validation curve (evaluated every {scale.eval_every} steps) at '
-      f'the compute of the last {scale.final_window} dense evaluations ending there; d > 0 when the upcycled model is better, paired by seed; '
+      f'the compute of the last {scale.final_window} dense evaluations ending there; d > 0 when '
+      f'the upcycled model is better, paired by seed; '
       f'verdicts by the 2 s.e. rule. Tokens per expert per step: each encoder expert takes '
       f'2 x {scale.t5_batch} x {inputs} / {scale.num_experts} = '
       f'{2 * scale.t5_batch * inputs // scale.num_experts} token slots (Expert Choice, C = 2), '
@@ -396,7 +397,8 @@ def recipe_parts(summary, scale) -> List[str]:
       f'(the `regime` suite\'s pretraining) at each peak learning rate of {peaks} (T5X\'s '
       f'rsqrt schedule: the peak for {scale.recipe_warmup_steps} warmup steps, then falling as '
       f'1 / sqrt(step)), seeds {seeds}; each run\'s last checkpoint evaluated on {split} '
-      f'(the same sequences for every seed; ± the standard error over its batches). The seeds agree when the standard deviation of their losses is at most '
+      f'(the same sequences for every seed; ± the standard error over its batches). The seeds '
+      f'agree when the standard deviation of their losses is at most '
       f'{scale.recipe_seed_std}. Gradient spike: a run\'s largest logged gradient norm after '
       f'the warmup over their median.',
       table(('peak learning rate', *[f'seed {s}' for s in scale.seeds], 'mean', 'std',

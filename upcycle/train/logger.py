@@ -5,8 +5,8 @@ gs://. `MODEL_DIR/metrics.jsonl` holds one JSON object per
 logged step ({'step': ..., 'split': 'train'|'eval', metrics...}), the file the
 main job (`upcycle.quickstart`) plots from, one per warning ({'step', 'split': 'warning', 'message',
 ...}) and, at the end of an MoE run, its routing health ({'step', 'split': 'routing_health',
-...}: `routing_health`). A resumed run first cuts the log back to the step it resumes from, so that every
-step appears once; a new run (no checkpoint) starts an empty log. TensorBoard event files
+...}: `routing_health`). A resumed run first cuts the log back to the step it resumes from, so that
+every step appears once; a new run (no checkpoint) starts an empty log. TensorBoard event files
 are appended to as they are (TensorBoard shows the redone steps' latest values).
 
 A GCS object cannot be appended to: on gs:// the log is kept in memory and the whole object

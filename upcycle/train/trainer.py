@@ -90,8 +90,8 @@ class TrainConfig:
     num_expert_partitions / num_model_partitions: mesh shape; data = rest.
     logical_axis_rules: where each logical axis lives on the mesh: 'default' (parameters
       replicated over 'data'), 'fsdp' (parameters and optimizer state also split over
-      the data-parallel devices, 'data' x 'expert', along d_model), or a list of (logical axis, mesh axes) pairs
-      (`partitioning.RULE_SETS`; T5X's `logical_axis_rules`).
+      the data-parallel devices, 'data' x 'expert', along d_model), or a list of (logical axis, mesh
+      axes) pairs (`partitioning.RULE_SETS`; T5X's `logical_axis_rules`).
     async_checkpoints: write checkpoints in the background.
     eval_at_start: evaluate the initial state before the first step of a new run
       (e.g. the upcycled model at step 0, to compare with the dense model).

@@ -50,12 +50,15 @@ def d_ff_axes(mlp_shapes: Mapping[str, Sequence[int]], layer: str = '') -> Dict[
   axes = {name: d_ff_axis(name, layer) for name in mlp_shapes}
   sizes = {name: tuple(mlp_shapes[name])[axis] for name, axis in axes.items() if axis is not None}
   if not sizes:
-    raise ValueError(f'The MLP at {layer or "?"} has no leaf with a d_ff axis: {sorted(mlp_shapes)}.')
+    raise ValueError(f'The MLP at {layer or "?"} has no leaf with a d_ff axis: '
+                     f'{sorted(mlp_shapes)}.')
   if len(set(sizes.values())) > 1:
-    detail = ', '.join(f'{n} {tuple(mlp_shapes[n])} (axis {axes[n]} = {s})' for n, s in sizes.items())
+    detail = ', '.join(f'{n} {tuple(mlp_shapes[n])} (axis {axes[n]} = {s})'
+                       for n, s in sizes.items())
     raise ValueError(
         f'The leaves of the MLP at {layer or "?"} disagree on d_ff: {detail}. Fix: check the '
-        f'checkpoint maps onto the naming contract (kernels [d_model, d_ff] in, [d_ff, d_model] out).')
+        f'checkpoint maps onto the naming contract (kernels [d_model, d_ff] in, [d_ff, d_model] '
+        f'out).')
   return axes
 
 

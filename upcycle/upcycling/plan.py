@@ -16,9 +16,9 @@ experts with normalized combine weights give 2 x dense(x) for every routed token
 The target decides everything: which layers are MoE, E (the leading axis of its expert
 leaves), shapes and dtypes. A dtype that holds every source value (a bfloat16 checkpoint into
 a float32 model) is cast and noted in the report ('cast bfloat16 -> float32 (exact)'); one that
-would round them (float32 into bfloat16) needs `cast=True` and is noted as rounding. Dense leaves nothing is made from are reported, not an
-error: the target is the specification, and e.g. a dense head that the MoE model does not
-have is harmless.
+would round them (float32 into bfloat16) needs `cast=True` and is noted as rounding. Dense leaves
+nothing is made from are reported, not an error: the target is the specification, and e.g. a dense
+head that the MoE model does not have is harmless.
 
 Growing a trained checkpoint is a plan too (`expert_growth.py`, `depth_growth.py`): it has no
 MoE blocks to initialize, and each leaf is taken from one checkpoint leaf, whole or along one

@@ -92,7 +92,8 @@ class MultiSource(ExpertInit):
       try:
         out[path] = mean_leaf(leaves)
       except ValueError as e:
-        raise ValueError(f'{type(self).__name__}: {path}: {e} Fix: pick one with base=<index>.') from e
+        raise ValueError(f'{type(self).__name__}: {path}: {e} Fix: pick one with '
+                         f'base=<index>.') from e
     return tree.unflatten(out)
 
   def _source_mlp(self, index: int, names, layer: str) -> Dict[str, Any]:
