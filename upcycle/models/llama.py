@@ -244,14 +244,13 @@ class Attention(nn.Module):
     writes its own at `cache_index` and attends to the whole cache (keys = cache_length).
     """
     cfg = self.config
-    batch, length, _ = x.shape
     heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     dense = functools.partial(layers.DenseGeneral, dtype=cfg.dtype)
     inv_freq = rope.inverse_frequencies(head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     def project(name: str, num: int) -> Array:   # -> [batch, length, num, head_dim]
-      y = dense(num * head_dim, ('embed', 'joined_kv'), use_bias=cfg.qkv_bias, name=name)(x)
-      return y.reshape(batch, length, num, head_dim)
+      return dense((num, head_dim), ('embed', 'joined_kv'), use_bias=cfg.qkv_bias,
+                   flat_kernel=True, name=name)(x)
 
     q = layers.constrain(project('query', heads), ('batch', 'length', 'heads', 'kv'))
     q = rope.rotate(q, positions, inv_freq)
@@ -266,8 +265,8 @@ class Attention(nn.Module):
       y = fused_attention.attend(q, k, v, segment_ids, cfg.attention, cfg.dtype, dropout)
     else:
       y = fused_attention.einsum_attention(q, k, v, bias, cfg.dtype, dropout)
-    y = y.reshape(batch, length, heads * head_dim)
-    y = dense(cfg.d_model, ('joined_kv', 'embed'), use_bias=cfg.out_bias, name='out')(y)
+    y = dense(cfg.d_model, ('joined_kv', 'embed'), in_features=(heads, head_dim),
+              use_bias=cfg.out_bias, flat_kernel=True, name='out')(y)
     return layers.constrain(y, ('batch', 'length', 'embed'))
 
   def _cached(self, k: Array, v: Array, index: Optional[Array],
