@@ -81,6 +81,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from upcycle import layers, partitioning, platforms
+from upcycle.fit import aot
 from upcycle.moe import (MOE_COLLECTIONS, MoeConfig, MoeLayer, aux_losses, capacity, grouping,
                          routers)
 from upcycle.moe.slots import EXPERT_SLOT_AXES
@@ -149,9 +150,7 @@ class Compiled:
     self.compile_seconds = time.perf_counter() - start
     memory = self._compiled.memory_analysis()
     self.temp_bytes = getattr(memory, 'temp_size_in_bytes', None) if memory else None
-    cost = self._compiled.cost_analysis()
-    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
-    self.flops, self.bytes_accessed = cost.get('flops'), cost.get('bytes accessed')
+    self.flops, self.bytes_accessed = aot.compiled_counts(self._compiled)
     self._args = (self.params, x)
     if mesh is None:
       self()

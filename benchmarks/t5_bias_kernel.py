@@ -73,10 +73,8 @@ def compile_gradient(attention: Callable, *, batch: int, heads: int, length: int
   bias = jax.ShapeDtypeStruct((1, heads, length, length), jnp.float32, sharding=sharding)
   loss = lambda q, k, v, b: jnp.sum(attention(q, k, v, b).astype(jnp.float32) ** 2)
   compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(qkv, qkv, qkv, bias).compile()
-  cost = compiled.cost_analysis()
-  cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
-  return {'bytes_accessed': float(cost.get('bytes accessed', 0.0)),
-          'flops': float(cost.get('flops', 0.0)),
+  flops, accessed = aot.compiled_counts(compiled)
+  return {'bytes_accessed': accessed, 'flops': flops,
           'temp_bytes': int(compiled.memory_analysis().temp_size_in_bytes)}
 
 

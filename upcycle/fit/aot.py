@@ -170,7 +170,7 @@ class FunctionReport:
             'count_compile_seconds': round(self.count_seconds, 1)}
 
 
-def _counts(compiled: jax.stages.Compiled) -> Tuple[float, float]:
+def compiled_counts(compiled: jax.stages.Compiled) -> Tuple[float, float]:
   """(FLOPs, bytes accessed) per device of one call, as the compiler counts them."""
   cost = compiled.cost_analysis()
   cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
@@ -188,7 +188,7 @@ def _loopless_counts(lowered: jax.stages.Lowered, loops: int = 0) -> step_count.
     where = f', at {found[0]}' if found else ''
     raise step_count.Uncountable(f'the compiled copy loops over matmuls {len(found)} times, '
                                  f'not {loops}{where}')
-  return _counts(compiled)
+  return compiled_counts(compiled)
 
 
 def _microbatch_counts(lower_with_unroll: Callable[[int], jax.stages.Lowered],
@@ -233,7 +233,7 @@ def compile_report(lowered: jax.stages.Lowered, *, hbm: hbm_sizes.Capacity, devi
         parts=dict(parts), model_flops_per_step=model_flops_per_step, refused=first)
   seconds = time.perf_counter() - start
   memory = compiled.memory_analysis()
-  flops, accessed = _counts(compiled)
+  flops, accessed = compiled_counts(compiled)
   return FunctionReport(
       arguments=int(memory.argument_size_in_bytes), outputs=int(memory.output_size_in_bytes),
       alias=int(memory.alias_size_in_bytes), temp=int(memory.temp_size_in_bytes),
