@@ -41,7 +41,7 @@ def pretrain(workdir: str) -> str:
 def footprint(checkpoint: str, workdir: str) -> dict:
   """{'functions': [...], 'modules': {module: functions called}} of the restore hook."""
   from upcycle.train import __main__ as train_main  # pylint: disable=g-import-not-at-top
-  from upcycle.train import restore  # pylint: disable=g-import-not-at-top
+  from upcycle import restore  # pylint: disable=g-import-not-at-top
   called = set()
   root = os.path.join(REPO, 'upcycle') + os.sep
 

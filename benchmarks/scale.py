@@ -28,7 +28,7 @@ from upcycle import gin_utils, partitioning, tree
 from upcycle.convert import target_from_gin
 from upcycle.models import T5
 from upcycle.train import objectives, optimizers
-from upcycle.train.state import TrainState
+from upcycle.train_state import TrainState
 from upcycle.train.step import make_train_step
 
 GiB = 2 ** 30

@@ -78,7 +78,8 @@ def child(collector: str, argv) -> None:
   import logging  # pylint: disable=g-import-not-at-top
   # pylint: disable=g-import-not-at-top,unused-import
   from upcycle.train import __main__ as train_main
-  from upcycle.train import restore, trainer
+  from upcycle import restore
+  from upcycle.train import trainer
   from upcycle.data import lm
   # pylint: enable=g-import-not-at-top,unused-import
   imports = time.perf_counter() - start

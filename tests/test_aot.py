@@ -477,7 +477,7 @@ def test_the_restore_jit_lowers_without_the_donation_warning():
   import warnings  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
   from upcycle.fit import aot  # pylint: disable=g-import-not-at-top
-  from upcycle.train import state_jit  # pylint: disable=g-import-not-at-top
+  from upcycle.restore import state_jit  # pylint: disable=g-import-not-at-top
   mesh = Mesh(np.array(aot.topology_devices('v4:2x2x1')), ('expert',))
   replicated = NamedSharding(mesh, PartitionSpec())
   dense = jax.ShapeDtypeStruct((128, 256), np.float32, sharding=replicated)

@@ -19,6 +19,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / 'upcycle'
 # Top-level part of upcycle -> the parts it may import (besides itself and third parties).
 ALLOWED = {
     'tree': set(),
+    'train_state': set(),
     'fields': set(),
     'locks': set(),
     'console': {'platforms', 'tensorflow_banner'},
@@ -51,7 +52,7 @@ ALLOWED = {
     'fit': {'models', 'moe', 'partitioning', 'platforms', 'train', 'upcycling'},
 }
 # Wiring: may import any part but those above it (a part whose allowed imports name it).
-WIRING = {'train', 'pretrained', 'hf_model', 'predictions', 'harness', 'aot', 'convert', 'export',
+WIRING = {'train', 'restore', 'pretrained', 'hf_model', 'predictions', 'harness', 'aot', 'convert', 'export',
           'hf_export', 'hf_card', 'eval', 'infer', 'lm_eval', 'describe', 'quickstart',
           'study', '__init__'}
 # The command-line modules (`python -m ...`): flags and one call; no module imports them.

@@ -23,7 +23,7 @@ from upcycle.models import T5, scan_layout
 from upcycle.moe import MoeConfig, routers
 from upcycle.train import objectives, optimizers
 from upcycle.train.built_run import build_run
-from upcycle.train.restore import Restore
+from upcycle.restore import Restore
 from upcycle.train.trainer import TrainConfig
 from upcycle.upcycling import experts, modes, stream
 from upcycle.upcycling.surgery import upcycle

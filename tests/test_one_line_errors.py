@@ -160,8 +160,12 @@ FORMER_BALANCE = (
 
 
 @pytest.mark.parametrize('lines, binding, error', [
-    (['from upcycle.train import restore', "restore.UpcycleFromDense.experts = 'copy'"], None,
+    (['from upcycle import restore', "restore.UpcycleFromDense.experts = 'copy'"], None,
      f"{{gin}}, line 3: {FORMER_UPCYCLE} (restore.UpcycleFromDense.experts = 'copy')"),
+    (['from upcycle.train import restore', 'restore.Restore.reuse_optimizer_state = True'], None,
+     '{gin}, line 2: upcycle.train.restore moved to upcycle.restore. Fix: write `from upcycle '
+     'import restore` (the names bound on it are unchanged). (from upcycle.train import '
+     'restore)'),
     (['from upcycle.train import grow', "grow.GrowExperts.sources = 'tile'"], None,
      "{gin}, line 2: upcycle.train.grow is gone: growing is a mode of the one hook, "
      "restore.Restore. Fix: include 'upcycling/grow_experts.gin' or 'upcycling/grow_depth.gin' "
@@ -187,8 +191,9 @@ FORMER_BALANCE = (
 def test_a_former_gin_name_says_what_to_write_now(lines, binding, error, entry_points,
                                                   tmp_path, capsys):
   """A user's gin file or binding naming one of the four hook classes the one
-  `restore.Restore` replaced, or one of MoeConfig's three load-balancing fields the one
-  `MoeConfig.balance` object replaced: one line with the file or bindings to write now."""
+  `restore.Restore` replaced, the restore hook's former module, or one of MoeConfig's three
+  load-balancing fields the one `MoeConfig.balance` object replaced: one line with the file
+  or bindings to write now."""
   gin_file = tmp_path / 'mine.gin'
   gin_file.write_text('\n'.join(['from __gin__ import dynamic_registration', *lines]) + '\n')
   flags = UPCYCLE + [f'--gin_file={gin_file}', f"--gin.MODEL_DIR='{tmp_path}/run'",

@@ -45,7 +45,7 @@ each a copy of one of the source's: tile | repeat | a list of source layers
 
 Output (--output_format): `orbax` (default): OUTPUT_DIR/<step>/params/ and
 _CHECKPOINT_METADATA, the layout training writes (`upcycle.checkpoints.orbax`), parameters
-only; train from it with `Restore(OUTPUT_DIR, modes.Continue())` (train/restore.py;
+only; train from it with `Restore(OUTPUT_DIR, modes.Continue())` (upcycle/restore/;
 upcycling/continue_from_checkpoint.gin with reuse_optimizer_state = False). `t5x`:
 OUTPUT_DIR/checkpoint_<step>/, T5X's native layout (`upcycle.checkpoints.t5x_writer`): parameters
 under `optimizer/target` with Flaxformer's MoE names, `state/step`, an empty `state/param_states`

@@ -380,8 +380,8 @@ def parse_gin(args: argparse.Namespace, bindings: Sequence[str], read: Sequence[
     raise SystemExit(f'gin configuration error: {located(_unresolved(str(e)))}') from e
 
 
-# The restore hook's former gin names (`upcycle.train.restore`) and the file of configs/ that
-# binds each now.
+# The restore hook's former gin names (in `upcycle.train.restore`, now `upcycle.restore`) and
+# the file of configs/ that binds each now.
 FORMER = {'UpcycleFromDense': ('upcycling/upcycle_from_dense.gin', 'modes.Upcycle'),
           'ContinueFromCheckpoint': ('upcycling/continue_from_checkpoint.gin', 'modes.Continue'),
           'GrowExperts': ('upcycling/grow_experts.gin', 'modes.GrowExperts'),
@@ -422,13 +422,49 @@ def former_field(configurable: str, field: str) -> str:
           f'{FORMER_FIELDS[field]}.')
 
 
+# Modules gin files import that moved: former name -> the name to import now. A run's saved
+# config.gin written before the move is read with the new name (`parse_saved_config`); a gin
+# file the user writes is told what to import (`former_hint`).
+MOVED_MODULES = {'upcycle.train.restore': 'upcycle.restore'}
+_FROM_IMPORT = re.compile(r'^from (?P<package>[\w.]+) import (?P<name>\w+)$', re.MULTILINE)
+
+
+def _moved_imports(text: str) -> str:
+  """`text` (a gin config) with each `from <package> import <module>` of a moved module
+  importing it from where it is now, under the same name."""
+  def now(found: re.Match) -> str:
+    moved = MOVED_MODULES.get(f"{found.group('package')}.{found.group('name')}")
+    if moved is None:
+      return found.group(0)
+    package, _, name = moved.rpartition('.')
+    return (f'from {package} import {name}' if name == found.group('name')
+            else f"from {package} import {name} as {found.group('name')}")
+  return _FROM_IMPORT.sub(now, text)
+
+
+def _moved_module(text: str) -> Optional[str]:
+  """One line for gin's error `text` when it is about importing a moved module; None
+  otherwise."""
+  for former_name, moved in MOVED_MODULES.items():
+    package, _, name = former_name.rpartition('.')
+    if re.search(rf"cannot import name '{name}' from '{re.escape(package)}'", text) or (
+        f"'{former_name}'" in text):
+      return (f'{former_name} moved to {moved}. Fix: write `from '
+              f"{moved.rpartition('.')[0]} import {moved.rpartition('.')[2]}` "
+              f'(the names bound on it are unchanged).')
+  return None
+
+
 def former_hint(text: str) -> Optional[str]:
   """`former`'s line when gin's error `text` is about a former hook class (or the module
   upcycle.train.grow, which held two of them), `former_field`'s when it is about a former
-  field of MoeConfig; None otherwise."""
+  field of MoeConfig, `_moved_module`'s when about a module that moved; None otherwise."""
   field = _NO_PARAMETER.search(text)
   if field and field.group('field') in FORMER_FIELDS:
     return former_field(field.group('configurable'), field.group('field'))
+  moved = _moved_module(text)
+  if moved:
+    return moved
   if "'upcycle.train.grow'" in text:
     return ("upcycle.train.grow is gone: growing is a mode of the one hook, restore.Restore. "
             "Fix: include 'upcycling/grow_experts.gin' or 'upcycling/grow_depth.gin' (they bind "
@@ -593,10 +629,11 @@ def _entry_points(text: str) -> List[str]:
 
 def parse_saved_config(path: str) -> None:
   """Parses a run's saved config (`saved_config`) outside the trainer, as the run parsed its
-  gin files and bindings, but for its entry point's own bindings (`_entry_points`, skipped):
-  its macros (MODEL, ...) are then what the run had."""
+  gin files and bindings, but for its entry point's own bindings (`_entry_points`, skipped)
+  and with moved modules imported from where they are now (`MOVED_MODULES`): its macros
+  (MODEL, ...) are then what the run had."""
   from etils import epath  # pylint: disable=g-import-not-at-top
-  text = epath.Path(path).read_text()
+  text = _moved_imports(epath.Path(path).read_text())
   gin.parse_config(text, skip_unknown=_entry_points(text))
   gin.finalize()
 

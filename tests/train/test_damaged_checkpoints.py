@@ -35,7 +35,7 @@ from upcycle.models import T5
 from upcycle.moe import MoeConfig, routers
 from upcycle.train.objectives import Seq2Seq
 from upcycle.train.optimizers import Adafactor, rsqrt_schedule
-from upcycle.train.restore import Restore
+from upcycle.restore import Restore
 from upcycle.train.trainer import TrainConfig, Trainer
 from upcycle.upcycling import modes
 

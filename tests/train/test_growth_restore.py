@@ -16,7 +16,7 @@ from upcycle.checkpoints import orbax
 from upcycle.models import T5
 from upcycle.moe import MoeConfig, routers
 from upcycle.train import objectives, optimizers
-from upcycle.train.restore import Restore
+from upcycle.restore import Restore
 from upcycle.upcycling import carry_optimizer_state, depth_growth, execute, expert_growth, modes
 
 ADAMW = optimizers.AdamW(optax.linear_schedule(0.0, 1e-3, 10_000))

@@ -20,7 +20,7 @@ from upcycle import convert, partitioning, pretrained
 from upcycle.models import Llama, LlamaConfig, llama_hf
 from upcycle.train import objectives, optimizers
 from upcycle.train.built_run import build_run
-from upcycle.train.restore import Restore
+from upcycle.restore import Restore
 from upcycle.train.trainer import TrainConfig
 from upcycle.upcycling import modes, sources
 

@@ -137,7 +137,7 @@ def test_an_hf_llama_upcycled_in_the_restore_hook_starts_at_the_dense_loss(tmp_p
   import transformers  # pylint: disable=g-import-not-at-top
   from tests import hf_files  # pylint: disable=g-import-not-at-top
   from upcycle.models import llama_hf  # pylint: disable=g-import-not-at-top
-  from upcycle.train.restore import Restore  # pylint: disable=g-import-not-at-top
+  from upcycle.restore import Restore  # pylint: disable=g-import-not-at-top
   from upcycle.upcycling import modes  # pylint: disable=g-import-not-at-top
   hf_dir = str(tmp_path / 'hf_llama')
   hf_files.save_perturbed(lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -185,7 +185,7 @@ def test_a_tokenizer_that_is_not_the_weights_is_refused_before_any_step(tmp_path
   one line naming TOKENIZER before a step is trained or a file written; the run's own
   tokenizer resumes it."""
   from tests import helpers  # pylint: disable=g-import-not-at-top
-  from upcycle.train.restore import Restore  # pylint: disable=g-import-not-at-top
+  from upcycle.restore import Restore  # pylint: disable=g-import-not-at-top
   from upcycle.upcycling import modes  # pylint: disable=g-import-not-at-top
   offline = tokenizer_lib.load(tokenizer_lib.OFFLINE_BPE)
   swapped = helpers.save_swapped_tokenizer(offline, str(tmp_path / 'swapped'))

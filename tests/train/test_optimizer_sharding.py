@@ -21,8 +21,8 @@ from upcycle.models import T5, ViT
 from upcycle.moe import MoeConfig, capacity, routers
 from upcycle.optimizer_state import shardings as slots
 from upcycle.train import objectives, optimizers, resume
-from upcycle.train.restore import Restore
-from upcycle.train.state import TrainState
+from upcycle.restore import Restore
+from upcycle.train_state import TrainState
 from upcycle.upcycling import modes, sharded
 
 ENCODER_MOE = MoeConfig(num_experts=4, router=routers.ExpertsChoose(),

@@ -23,7 +23,7 @@ from upcycle.optimizer_state import counts
 from upcycle.optimizer_state import from_t5x_adafactor
 from upcycle.optimizer_state.carry import carry_optimizer_state
 from upcycle.train import objectives, optimizers
-from upcycle.train.restore import Restore
+from upcycle.restore import Restore
 from upcycle.upcycling import experts, modes, sharded
 from upcycle.upcycling.surgery import make_plan, upcycle
 

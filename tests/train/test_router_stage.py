@@ -125,7 +125,7 @@ def test_the_train_step_moves_the_routers_alone_towards_the_experts(upcycled):
                                                       weight_decay=0.0))
   transform = optimizer.build(None)
   step = jax.jit(make_train_step(stage, transform, optimizer.schedule))
-  from upcycle.train.state import TrainState  # pylint: disable=g-import-not-at-top
+  from upcycle.train_state import TrainState  # pylint: disable=g-import-not-at-top
   state = TrainState(jnp.zeros((), jnp.int32), params, transform.init(params))
   batch, rng = _batch(length=4, seed=1), jax.random.PRNGKey(0)
   history = []

@@ -17,7 +17,7 @@ from upcycle.moe import MoeConfig, routers
 from upcycle.train import trainer
 from upcycle.train.objectives import Classification, Seq2Seq
 from upcycle.train.optimizers import AdamW
-from upcycle.train.state import TrainState
+from upcycle.train_state import TrainState
 from upcycle.train.step import make_train_step
 
 

@@ -17,7 +17,7 @@ from upcycle.moe import MoeConfig, routers
 from upcycle.optimizer_state import counts
 from upcycle.train import optimizers
 from upcycle.train.objectives import Seq2Seq
-from upcycle.train.restore import Restore
+from upcycle.restore import Restore
 from upcycle.train.t5x_adafactor import FactorDim, factor_rules, moe_logical_factor_rules
 from upcycle.train.t5x_adafactor import t5x_adafactor
 from upcycle.train.trainer import TrainConfig, Trainer

@@ -17,7 +17,7 @@ from upcycle.moe import MoeConfig, routers
 from upcycle.optimizer_state import counts
 from upcycle.train.objectives import Classification
 from upcycle.train.optimizers import BigVisionAdafactor, big_vision_schedule
-from upcycle.train.restore import Restore
+from upcycle.restore import Restore
 from upcycle.train.trainer import TrainConfig, Trainer
 from upcycle.upcycling import modes
 

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from upcycle import fields, partitioning, tree
 from upcycle.optimizer_state import shardings
 from upcycle.train.objectives import init_params
-from upcycle.train.state import TrainState
+from upcycle.train_state import TrainState
 from upcycle.train.step import make_eval_step, make_train_step
 
 

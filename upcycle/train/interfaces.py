@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import optax
 
-from upcycle.train.state import TrainState
+from upcycle.train_state import TrainState
 
 Array = jax.Array
 Batch = Mapping[str, Array]

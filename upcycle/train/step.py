@@ -9,7 +9,7 @@ import optax
 from upcycle import tree
 from upcycle.models import scan_layout
 from upcycle.moe import aux_losses, metrics as moe_metrics
-from upcycle.train.state import TrainState
+from upcycle.train_state import TrainState
 
 Array = jax.Array
 

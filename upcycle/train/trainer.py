@@ -27,7 +27,7 @@ from upcycle.train.built_run import build_run
 from upcycle.train.host_data import HostData
 from upcycle.train.interfaces import Initializer, Objective, Optimizer
 from upcycle.train.logger import MetricLogger
-from upcycle.train.state import TrainState
+from upcycle.train_state import TrainState
 from upcycle.upcycling import report_file
 
 log = logging.getLogger(__name__)

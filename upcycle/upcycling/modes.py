@@ -9,7 +9,7 @@
   GrowDepth(layer_map)             a checkpoint with more layers per stack (`depth_growth`)
 
 `mode.plan(source, target, step=..., layers=...)` is the plan; the training restore hook
-(`train/restore.py`: `Restore(source, mode)`, the mode bound in gin as
+(`upcycle/restore/`: `Restore(source, mode)`, the mode bound in gin as
 `restore.Restore.mode = @modes.Upcycle()`) and `python -m upcycle.convert` take the same
 modes, and `upcycle.aot` lowers every one. `upcycles` says whether the mode starts from a
 dense checkpoint (an MoE source is refused).

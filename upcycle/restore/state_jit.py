@@ -26,7 +26,7 @@ from upcycle import checkpoints, fields, tree
 from upcycle.models import scan_layout
 from upcycle.optimizer_state import counts, shardings, stored
 from upcycle.optimizer_state.carry import carry_optimizer_state
-from upcycle.train.state import TrainState
+from upcycle.train_state import TrainState
 from upcycle.upcycling import execute, report_file, sharded
 from upcycle.upcycling.plan import Plan
 

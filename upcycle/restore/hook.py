@@ -34,7 +34,7 @@ Combine-weight normalization is a model setting (`MoeConfig.normalize_combine_we
 bound in gin with the model, not here. In gin (the training entry point passes
 `initializer` to the Trainer; runs/upcycle.gin includes upcycling/upcycle_from_dense.gin):
 
-  from upcycle.train import restore
+  from upcycle import restore
   from upcycle.upcycling import modes
   train_script.train.initializer = @restore.Restore()
   restore.Restore:
@@ -51,24 +51,16 @@ import os
 from typing import Any, Callable, List, Optional, Sequence, Union
 
 from upcycle import fields, pretrained, tree
-from upcycle.gin_utils import FORMER, former
 from upcycle.checkpoints import (CheckpointError, Checkpoint, describe, digests, formats, orbax,
                                  paths, verify)
 from upcycle.data import tokenizer as tokenizer_lib
 from upcycle.optimizer_state import counts
-from upcycle.train.state import TrainState
-from upcycle.train.state_jit import StateJit, jit_plan, layout
+from upcycle.train_state import TrainState
+from upcycle.restore.state_jit import StateJit, jit_plan, layout
 from upcycle.upcycling import modes
 from upcycle.upcycling.base import ExpertInit
 from upcycle.upcycling.plan import Plan
 from upcycle.upcycling.sources import MultiSource, combine
-
-def __getattr__(name: str) -> Any:
-  """A gin file or import naming a former hook class fails in one line saying what to write."""
-  if name in FORMER:
-    raise AttributeError(former(name))
-  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
-
 
 def _plan(owner: str, where: str, make: Callable[[], Plan], *, source: Any, target: Any,
           upcycling: bool, binding: str) -> Plan:
