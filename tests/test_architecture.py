@@ -2,7 +2,8 @@
 
   tree  <-  layers  <-  moe  <-  models  <-  decoding
   tree  <-  leaf_ops  <-  optimizer_state  <-  checkpoints  <-  upcycling
-  train, pretrained and the entry points wire everything; pretrained  <-  train  <-  fit.
+  train, restore, pretrained and the entry points wire everything; pretrained  <-  train  <-
+  fit; train_state (the TrainState) lies below train and restore.
 
 Function-local imports count: hiding an import in a function does not change what a module
 depends on. No part imports a part that imports it back, directly or through others. The dependency
