@@ -181,7 +181,7 @@ def test_a_back_arrow_hidden_in_a_function_is_named(tmp_path):
   through the registry, the last import hidden in a function."""
   package = tmp_path / 'upcycle'
   (package / 'train').mkdir(parents=True)
-  (package / 'train' / 'restore.py').write_text('from upcycle import pretrained\n')
+  (package / 'train' / 'trainer.py').write_text('from upcycle import pretrained\n')
   (package / 'pretrained.py').write_text('import os\nfrom upcycle import families\n')
   (package / 'families.py').write_text('def objective():\n  from upcycle.train import objectives\n')
   (package / 'hf_export.py').write_text('from upcycle import families, pretrained\n')
@@ -191,7 +191,7 @@ def test_a_back_arrow_hidden_in_a_function_is_named(tmp_path):
       '(train -> pretrained -> families); move what both need below both',
       'upcycle/pretrained.py:2: upcycle.pretrained imports upcycle.families, which imports it '
       'back (families -> train -> pretrained); move what both need below both',
-      'upcycle/train/restore.py:1: upcycle.train imports upcycle.pretrained, which imports it '
+      'upcycle/train/trainer.py:1: upcycle.train imports upcycle.pretrained, which imports it '
       'back (pretrained -> families -> train); move what both need below both']
 
 

@@ -368,19 +368,25 @@ def test_an_entry_point_run_after_its_gin_files_were_parsed_keeps_their_short_na
   assert gin.query_parameter('upcycle_test_entry.value') == 4
 
 
-def test_a_saved_config_written_before_the_restore_hook_moved_is_read_as_it_was(tmp_path):
-  """A run's config.gin saved when the hook lived in `upcycle.train.restore` (the import gin's
-  operative config wrote then): `python -m upcycle.export` parses it with the hook's bindings
-  as the run had them."""
+@pytest.mark.parametrize('imported, named', [
+    ('from upcycle.train import restore', 'restore'),
+    ('from upcycle.train import restore as hook', 'hook'),
+    ('import upcycle.train.restore', 'upcycle.train.restore'),
+    ('import upcycle.train.restore as hook', 'hook')])
+def test_a_saved_config_written_before_the_restore_hook_moved_is_read_as_it_was(
+    tmp_path, imported, named):
+  """A run's config.gin saved when the hook lived in `upcycle.train.restore`, imported in any
+  form gin reads (the first is what this project's gin files wrote): `python -m upcycle.export`
+  parses it with the hook's bindings as the run had them."""
   from upcycle import restore  # pylint: disable=g-import-not-at-top
   from upcycle.upcycling import modes  # pylint: disable=g-import-not-at-top
   saved = tmp_path / 'config.gin'
   saved.write_text(
-      'from __gin__ import dynamic_registration\nimport __main__ as train_script\n'
-      'from upcycle.train import restore\nfrom upcycle.upcycling import modes\n\n'
-      "restore.Restore.source = '/runs/dense'\nrestore.Restore.reuse_optimizer_state = True\n"
-      'restore.Restore.mode = @modes.Upcycle()\nmodes.Upcycle.experts = "copy"\n'
-      'train_script.train.initializer = @restore.Restore()\n')
+      f'from __gin__ import dynamic_registration\nimport __main__ as train_script\n'
+      f'{imported}\nfrom upcycle.upcycling import modes\n\n'
+      f"{named}.Restore.source = '/runs/dense'\n{named}.Restore.reuse_optimizer_state = True\n"
+      f'{named}.Restore.mode = @modes.Upcycle()\nmodes.Upcycle.experts = "copy"\n'
+      f'train_script.train.initializer = @{named}.Restore()\n')
   gin.clear_config(clear_constants=True)
   gin_utils.parse_saved_config(str(saved))
   assert gin.get_bindings(restore.Restore) == {

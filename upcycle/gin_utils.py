@@ -426,20 +426,26 @@ def former_field(configurable: str, field: str) -> str:
 # config.gin written before the move is read with the new name (`parse_saved_config`); a gin
 # file the user writes is told what to import (`former_hint`).
 MOVED_MODULES = {'upcycle.train.restore': 'upcycle.restore'}
-_FROM_IMPORT = re.compile(r'^from (?P<package>[\w.]+) import (?P<name>\w+)$', re.MULTILINE)
+
+
+def _from_import(module: str, alias: Optional[str] = None) -> str:
+  """`from <package> import <name>` for `module` ('upcycle.restore'), `as <alias>` added
+  where the alias is not the name."""
+  package, _, name = module.rpartition('.')
+  return f'from {package} import {name}' + (f' as {alias}' if alias not in (None, name) else '')
 
 
 def _moved_imports(text: str) -> str:
-  """`text` (a gin config) with each `from <package> import <module>` of a moved module
-  importing it from where it is now, under the same name."""
-  def now(found: re.Match) -> str:
-    moved = MOVED_MODULES.get(f"{found.group('package')}.{found.group('name')}")
-    if moved is None:
-      return found.group(0)
-    package, _, name = moved.rpartition('.')
-    return (f'from {package} import {name}' if name == found.group('name')
-            else f"from {package} import {name} as {found.group('name')}")
-  return _FROM_IMPORT.sub(now, text)
+  """`text` (a gin config) importing each moved module from where it is now, in any form gin
+  reads: `from <package> import <module> [as <alias>]` keeps the name its bindings use;
+  `import <module> [as <alias>]` and the bindings' dotted references take the new name."""
+  for former_name, moved in MOVED_MODULES.items():
+    package, _, name = former_name.rpartition('.')
+    text = re.sub(rf'^from {re.escape(package)} import {name}(?: as (?P<alias>\w+))?$',
+                  lambda found: _from_import(moved, alias=found.group('alias') or name),
+                  text, flags=re.MULTILINE)
+    text = re.sub(rf'(?<![\w.]){re.escape(former_name)}(?!\w)', moved, text)
+  return text
 
 
 def _moved_module(text: str) -> Optional[str]:
@@ -449,8 +455,7 @@ def _moved_module(text: str) -> Optional[str]:
     package, _, name = former_name.rpartition('.')
     if re.search(rf"cannot import name '{name}' from '{re.escape(package)}'", text) or (
         f"'{former_name}'" in text):
-      return (f'{former_name} moved to {moved}. Fix: write `from '
-              f"{moved.rpartition('.')[0]} import {moved.rpartition('.')[2]}` "
+      return (f'{former_name} moved to {moved}. Fix: write `{_from_import(moved)}` '
               f'(the names bound on it are unchanged).')
   return None
 
