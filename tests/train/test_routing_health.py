@@ -1,5 +1,5 @@
-"""An MoE run's routing health: the router kernels' RMS the train step logs, the end-of-run
-block of metrics.jsonl and the run's closing lines."""
+"""An MoE run's routing health: the router kernels' RMS the train step logs, the experts'
+spread, the end-of-run block of metrics.jsonl and the run's closing lines."""
 
 import jax
 import numpy as np
@@ -52,7 +52,7 @@ def test_no_health_without_moe_layers_or_training_rows():
 
 
 def test_the_closing_lines_show_the_verdict_and_every_layer():
-  row = routing_health.health(rows(0.18), {ENCODER: 4, DECODER: 8})
+  row = routing_health.health(rows(0.18), {ENCODER: 4, DECODER: 8}, spread={ENCODER: 0.0314})
   text = run_summary.text('/runs/r', 20, None, False, 5.0, routing=row)
   lines = text.splitlines()
   assert lines[3].startswith('  routing:      ROUTERS DID NOT LEARN (top-1 router probability '
@@ -60,7 +60,8 @@ def test_the_closing_lines_show_the_verdict_and_every_layer():
   assert lines[4] == (f'    {DECODER}: top-1 0.180 (uniform 0.125), unrouted 25.0%, effective '
                       f'experts 7.00 of 8, router kernel RMS ? (at init ?)')
   assert lines[5] == (f'    {ENCODER}: top-1 0.495 (uniform 0.250), unrouted 5.0%, effective '
-                      f'experts 3.98 of 4, router kernel RMS 0.0400 (at init 0.0210)')
+                      f'experts 3.98 of 4, router kernel RMS 0.0400 (at init 0.0210), expert '
+                      f'spread 0.031')
   assert 'routing' not in run_summary.text('/runs/r', 20, None, False, 5.0)
 
 
@@ -87,3 +88,43 @@ def test_router_kernel_rms_per_layer_scanned_or_not(scan):
   for layer, v in values.items():
     np.testing.assert_allclose(got[f'{layer}/router_kernel_rms'], np.sqrt(np.mean(v ** 2)),
                                rtol=1e-6)
+
+
+@pytest.mark.parametrize('scan', [False, True])
+def test_expert_spread_per_layer_scanned_or_not(scan):
+  """||W - mean_e W|| / ||mean_e W|| over each MoE layer's expert leaves, in closed form:
+  experts m * (1 + a_e) with a = (s, -s, s, -s) are s apart whatever m; copies 0; the
+  shared expert and the router are not experts."""
+  config = T5Config(d_model=8, num_encoder_layers=4, num_decoder_layers=4, scan_layers=scan,
+                    encoder_moe=MoeConfig(num_experts=4),
+                    decoder_moe=MoeConfig(num_experts=4, router=routers.TopK(k=1)))
+  rng = np.random.default_rng(0)
+  signs = np.array([1.0, -1.0, 1.0, -1.0], np.float32)
+  apart = {'encoder/layers_1/mlp': 0.1, 'encoder/layers_3/mlp': 0.0,
+           'decoder/layers_1/mlp': 0.25, 'decoder/layers_3/mlp': 0.5}
+  params = {}
+  for layer, s in apart.items():
+    for name, shape in (('wi/kernel', (8, 16)), ('wo/kernel', (16, 8)), ('wo/bias', (8,))):
+      m = rng.normal(size=shape).astype(np.float32)
+      params[f'{layer}/expert/{name}'] = m * (1 + s * signs.reshape((4,) + (1,) * len(shape)))
+    params[f'{layer}/shared_expert/wi/kernel'] = rng.normal(size=(8, 16)).astype(np.float32)
+    params[f'{layer}/router/router_weights/w/kernel'] = rng.normal(size=(8, 4)).astype(
+        np.float32)
+  params = tree.unflatten(params)
+  if scan:
+    params = scan_layout.stack(params, config)
+  got = jax.device_get(routing_health.expert_spread(params, config))
+  assert got.keys() == apart.keys()
+  for layer, s in apart.items():
+    np.testing.assert_allclose(got[layer], s, atol=1e-6)
+
+
+def test_independent_experts_are_sqrt_e_minus_1_apart():
+  """E experts drawn independently around zero: E[||W - mean||^2] / E[E ||mean||^2] =
+  (E - 1) / 1, so sqrt(7) at E = 8 (to the sampling error of 8 x 64 x 256 draws)."""
+  config = T5Config(d_model=64, num_encoder_layers=2, num_decoder_layers=2,
+                    encoder_moe=MoeConfig(num_experts=8))
+  w = np.random.default_rng(0).normal(size=(8, 64, 256)).astype(np.float32)
+  got = routing_health.expert_spread({'encoder': {'layers_1': {'mlp': {'expert': {
+      'wi': {'kernel': w}}}}}}, config)
+  np.testing.assert_allclose(got['encoder/layers_1/mlp'], np.sqrt(7), rtol=0.01)

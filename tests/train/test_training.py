@@ -15,6 +15,7 @@ from tests.helpers import REPO, refusal, with_flags
 from tests.train.helpers import (ONE_DEVICE_XLA_FLAGS, TEXT_LENGTHS, TRAINING_T5, TRAINING_VIT,
                                  losses, run_t5, text, train_command)
 from upcycle import eval as eval_main
+from upcycle import tree
 from upcycle.data.images import DIGITS, ImagePipeline
 from upcycle.data.text import TextPipeline
 from upcycle.models import T5, ViT
@@ -124,6 +125,16 @@ def test_moe_training_on_8_devices_matches_one_device(tmp_path):
     assert (h['uniform_probability'], h['num_experts']) == (0.25, 4)
     # At init, N(0, 0.02^2) over d_model x E = 32 x 4 draws: within 5 standard errors.
     assert abs(h['router_kernel_rms_at_init'] / 0.02 - 1) < 5 / np.sqrt(2 * 32 * 4)
+    # The experts' spread, numpy's over the trained params' expert leaves (the layer's
+    # [E, ...] arrays), the same from the run on 8 devices.
+    experts = [np.asarray(v, np.float64) for p, v in tree.flatten(single['state'].params).items()
+               if p.startswith(layer + '/expert/')]
+    means = [w.mean(axis=0, keepdims=True) for w in experts]
+    expected = np.sqrt(sum(np.sum((w - m) ** 2) for w, m in zip(experts, means)) /
+                       sum(w.shape[0] * np.sum(m ** 2) for w, m in zip(experts, means)))
+    assert len(experts) >= 2 and h['expert_spread'] == pytest.approx(expected, rel=1e-5)
+    assert sharded['routing_health']['layers'][layer]['expert_spread'] == pytest.approx(
+        expected, rel=1e-4)
 
 
 def _train_losses(model_dir):

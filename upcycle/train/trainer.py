@@ -410,7 +410,7 @@ class Trainer:
       if self.eval_data is not None and start >= cfg.train_steps:
         eval_results = self.evaluate(state.params)
       routing = None if stopped is not None else self._routing_health(
-          logger, trained=start < cfg.train_steps)
+          logger, trained=start < cfg.train_steps, params=state.params)
     finally:
       manager.wait()
       latest = manager.latest_step()
@@ -425,16 +425,21 @@ class Trainer:
             'start_step': start, 'state': state, 'checkpoint': checkpoint,
             'routing_health': routing}
 
-  def _routing_health(self, logger: MetricLogger, trained: bool) -> Optional[dict]:
-    """The run's routing-health row (`routing_health.health`), written to metrics.jsonl when
-    this attempt trained a step (else the row an earlier attempt wrote); None for a dense model
-    and on processes other than 0."""
+  def _routing_health(self, logger: MetricLogger, trained: bool, params) -> Optional[dict]:
+    """The run's routing-health row (`routing_health.health`, with the expert spread of the
+    trained `params`), written to metrics.jsonl when this attempt trained a step (else the row
+    an earlier attempt wrote); None for a dense model and on processes other than 0."""
+    model_config = self.built.objective.model.config
+    kernels = step_lib.router_kernels(self.built.abstract.params, model_config)
+    spread = {}
+    if trained and kernels:   # every process: a computation over the global params
+      spread = jax.jit(lambda p: routing_health.expert_spread(p, model_config))(params)
+      spread = {layer: float(v) for layer, v in jax.device_get(spread).items()}
     rows = logger.rows()
     if not trained or not rows:
       return routing_health.of_run(rows)
-    kernels = step_lib.router_kernels(self.built.abstract.params,
-                                      self.built.objective.model.config)
-    row = routing_health.health(rows, {layer: k.shape[-1] for layer, k in kernels.items()})
+    row = routing_health.health(rows, {layer: k.shape[-1] for layer, k in kernels.items()},
+                                spread=spread)
     if row is not None:
       logger.record(row)
     return row
