@@ -145,3 +145,11 @@ def unstack(params: Any, config) -> Dict[str, Any]:
         out[f'{prefix}/{block.format(k * p + int(j))}/{rest}'] = _slice_leaf(leaf, k)
   out.update(flat)
   return tree.unflatten(out)
+
+
+def per_layer(flat: Dict[str, Any], config) -> Dict[str, Any]:
+  """A flat dict of leaves or sown values of a model of `config` under per-layer names
+  (`encoder/layers_{i}/...`): `unstack`ed where the model scans its layers, else as given."""
+  if not getattr(config, 'scan_layers', False):
+    return flat
+  return tree.flatten(unstack(tree.unflatten(flat), config))

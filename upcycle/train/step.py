@@ -29,10 +29,7 @@ def per_layer_metrics(model_config: Any) -> Callable[[Any], Dict[str, Array]]:
   metrics (`moe.metrics`) under per-layer names whether or not the model scans its layers (a
   scanned one sows `[layers]` per sub-block, unrolled by `scan_layout.unstack`), so a run's
   metrics and TensorBoard tags do not depend on SCAN_LAYERS."""
-  if not getattr(model_config, 'scan_layers', False):
-    return moe_metrics
-  return lambda state: tree.flatten(scan_layout.unstack(tree.unflatten(moe_metrics(state)),
-                                                        model_config))
+  return lambda state: scan_layout.per_layer(moe_metrics(state), model_config)
 
 
 ROUTER_KERNEL = 'router/router_weights/w/kernel'   # under an MoE layer (`upcycle.moe.layer`)
@@ -41,9 +38,9 @@ ROUTER_KERNEL = 'router/router_weights/w/kernel'   # under an MoE layer (`upcycl
 def router_kernels(params: Any, model_config: Any) -> Dict[str, Any]:
   """{'encoder/layers_1/mlp': the router kernel `[d_model, E]`} of every MoE layer of `params`
   (arrays or `jax.ShapeDtypeStruct`s), per layer whether or not the model scans its layers."""
-  kernels = {p: v for p, v in tree.flatten(params).items() if p.endswith('/' + ROUTER_KERNEL)}
-  if getattr(model_config, 'scan_layers', False):
-    kernels = tree.flatten(scan_layout.unstack(tree.unflatten(kernels), model_config))
+  kernels = scan_layout.per_layer(
+      {p: v for p, v in tree.flatten(params).items() if p.endswith('/' + ROUTER_KERNEL)},
+      model_config)
   return {p[:-len(ROUTER_KERNEL) - 1]: v for p, v in kernels.items()}
 
 
