@@ -26,7 +26,8 @@ def rows(top1_decoder):
                 f'moe/{ENCODER}/router_kernel_rms': 0.02 + 0.001 * step,
                 f'moe/{DECODER}/router_top1_probability': top1_decoder,
                 f'moe/{DECODER}/fraction_dropped_tokens': 0.25,
-                f'moe/{DECODER}/effective_experts': 7.0})
+                f'moe/{DECODER}/effective_experts': 7.0,
+                **({f'moe/{ENCODER}/expert_spread': 0.0} if step == 1 else {})})
   return out + [{'step': 20, 'split': 'eval', f'moe/{ENCODER}/router_top1_probability': 1.0}]
 
 
@@ -40,7 +41,9 @@ def test_health_is_the_mean_of_the_last_tenth_of_the_training_rows():
   assert encoder['router_kernel_rms'] == pytest.approx(0.04)            # step 20's
   assert encoder['router_kernel_rms_at_init'] == pytest.approx(0.021)   # step 1's
   assert (encoder['uniform_probability'], decoder['uniform_probability']) == (0.25, 0.125)
+  assert encoder['expert_spread_at_init'] == 0.0                        # step 1's
   assert decoder['router_kernel_rms'] is None   # not logged (a run from before it was)
+  assert decoder['expert_spread_at_init'] is None
   # 0.495 >= 1.5 / 4 and 0.2 >= 1.5 / 8: learned; 0.18 < 0.1875 in the decoder: not.
   assert row['routers_learned']
   assert not routing_health.health(rows(0.18), {ENCODER: 4, DECODER: 8})['routers_learned']
@@ -61,7 +64,7 @@ def test_the_closing_lines_show_the_verdict_and_every_layer():
                       f'experts 7.00 of 8, router kernel RMS ? (at init ?)')
   assert lines[5] == (f'    {ENCODER}: top-1 0.495 (uniform 0.250), unrouted 5.0%, effective '
                       f'experts 3.98 of 4, router kernel RMS 0.0400 (at init 0.0210), expert '
-                      f'spread 0.031')
+                      f'spread 0.031 (at init 0.000)')
   assert 'routing' not in run_summary.text('/runs/r', 20, None, False, 5.0)
 
 

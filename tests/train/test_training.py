@@ -135,6 +135,10 @@ def test_moe_training_on_8_devices_matches_one_device(tmp_path):
     assert len(experts) >= 2 and h['expert_spread'] == pytest.approx(expected, rel=1e-5)
     assert sharded['routing_health']['layers'][layer]['expert_spread'] == pytest.approx(
         expected, rel=1e-4)
+    # At init, E = 4 experts drawn independently around 0: sqrt(E - 1), over thousands of
+    # draws per leaf; the first row logs it.
+    assert h['expert_spread_at_init'] == pytest.approx(np.sqrt(3), rel=0.05)
+    assert h['expert_spread_at_init'] == written[0][f'moe/{layer}/expert_spread']
 
 
 def _train_losses(model_dir):

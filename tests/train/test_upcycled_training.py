@@ -46,3 +46,12 @@ def test_function_preserving_upcycling_starts_from_the_dense_loss(tmp_path, dens
   np.testing.assert_allclose(moe['history'][0]['cross_entropy'],
                              dense['history'][0]['cross_entropy'], rtol=1e-5)
   assert moe['history'][0]['learning_rate'] == dense['history'][0]['learning_rate']
+  # Copies: the first row logs each MoE layer's experts exactly 0 apart (the dense run has no
+  # MoE layer to log); the routing health keeps it beside the trained experts' spread.
+  layers = moe['routing_health']['layers']
+  assert {k for k in moe['history'][0] if k.endswith('/expert_spread')} == {
+      f'moe/{layer}/expert_spread' for layer in layers}
+  assert not any(k.endswith('/expert_spread') for k in dense['history'][0])
+  for layer, h in layers.items():
+    assert moe['history'][0][f'moe/{layer}/expert_spread'] == h['expert_spread_at_init'] == 0.0
+    assert h['expert_spread'] > 0.0

@@ -8,9 +8,10 @@ same quantity for Top-K and Expert Choice routers, which both route from that so
 `effective_experts` (exp of the entropy of the experts' shares of the routed tokens); and
 `router_kernel_rms` (`step.router_kernel_rms`, of the params the step read, before its
 update: the first training row, logged at the run's first step, has the RMS of the router the
-run started from, initialized or upcycled). At the end the trained params give each MoE
-layer's expert spread (`expert_spread`): how far apart its experts are, which is what a router
-can learn to tell apart.
+run started from, initialized or upcycled). Each MoE layer's expert spread (`expert_spread`):
+how far apart its experts are, which is what a router can learn to tell apart, of the params
+the run started from (the first training row's `moe/<layer>/expert_spread`) and of the trained
+params at the end.
 
 At the end of the run the trainer writes one row `{'step', 'split': 'routing_health',
 'routers_learned', 'criterion', 'layers': {layer: {...}}}` to metrics.jsonl (`health`, over
@@ -53,10 +54,9 @@ def expert_spread(params: Any, model_config: Any) -> Dict[str, jax.Array]:
   """{'encoder/layers_1/mlp': ||W - mean_e W|| / ||mean_e W||} of every MoE layer of `params`
   (a float32 scalar each; W: the layer's expert leaves `[E, ...]`), per layer whether or not
   the model scans its layers."""
-  experts = {p: v for p, v in tree.flatten(params).items()
-             if tree.EXPERT in p.split('/')}
-  if getattr(model_config, 'scan_layers', False):
-    experts = tree.flatten(scan_layout.unstack(tree.unflatten(experts), model_config))
+  experts = scan_layout.per_layer(
+      {p: v for p, v in tree.flatten(params).items() if tree.EXPERT in p.split('/')},
+      model_config)
   apart, mean_norm = {}, {}
   for path, role in tree.classify(experts).items():
     w = experts[path].astype(jnp.float32)
@@ -82,8 +82,9 @@ def health(rows: Sequence[Mapping], num_experts: Mapping[str, int],
   Per layer: top1_probability, unrouted_fraction and effective_experts (means over the rows of
   the last `WINDOW`), uniform_probability 1 / E, num_experts, router_kernel_rms (the last row's)
   and router_kernel_rms_at_init (the first training row's: the params before the run's first
-  update), expert_spread (`spread`, {layer: `expert_spread` of the trained params}); a
-  quantity the rows do not carry (a run logged before it was) is None.
+  update), expert_spread (`spread`, {layer: `expert_spread` of the trained params}) and
+  expert_spread_at_init (the first training row's `moe/<layer>/expert_spread`: of the params
+  the run started from); a quantity the rows do not carry (a run logged before it was) is None.
   """
   train = [r for r in rows if r.get('split') == 'train']
   if not num_experts or not train:
@@ -103,7 +104,8 @@ def health(rows: Sequence[Mapping], num_experts: Mapping[str, int],
         'unrouted_fraction': mean(layer, 'fraction_dropped_tokens'),
         'effective_experts': mean(layer, 'effective_experts'),
         'router_kernel_rms': end[-1].get(rms), 'router_kernel_rms_at_init': train[0].get(rms),
-        'expert_spread': (spread or {}).get(layer)}
+        'expert_spread': (spread or {}).get(layer),
+        'expert_spread_at_init': train[0].get(f'moe/{layer}/expert_spread')}
   learned = all(h['top1_probability'] is not None
                 and h['top1_probability'] >= LEARNED_RATIO * h['uniform_probability']
                 for h in layers.values())
@@ -124,7 +126,9 @@ def lines(row: Mapping) -> list:
                f'router kernel RMS {fmt(h["router_kernel_rms"], ".4f")} (at init '
                f'{fmt(h["router_kernel_rms_at_init"], ".4f")})'
                + ('' if h.get('expert_spread') is None else
-                  f', expert spread {h["expert_spread"]:.3f}'))
+                  f', expert spread {h["expert_spread"]:.3f}')
+               + ('' if h.get('expert_spread_at_init') is None else
+                  f' (at init {h["expert_spread_at_init"]:.3f})'))
   return out
 
 

@@ -202,6 +202,9 @@ class Trainer:
     self.built = build_run(objective=objective, optimizer=optimizer, config=config,
                            host_batch=self._host_data().example(), devices=devices)
     self._eval_batches: Optional[List[Dict[str, np.ndarray]]] = None   # cache_eval_batches
+    model_config = objective.model.config
+    self._moe_layers = step_lib.router_kernels(self.built.abstract.params, model_config)
+    self._spread = jax.jit(lambda p: routing_health.expert_spread(p, model_config))
 
   def _host_data(self) -> HostData:
     """This host's batches of the training data, from its beginning."""
@@ -355,9 +358,15 @@ class Trainer:
             step, start=start, resumed=resumed, last=manager.latest_step(),
             directory=manager.directory))
 
+    # The first row this attempt logs carries the expert spread of the params it starts from
+    # (a new run's first row: of those it was initialized or upcycled to).
+    at_start = {} if start >= cfg.train_steps else {
+        f'moe/{layer}/expert_spread': v for layer, v in self._expert_spread(state.params).items()}
+
     def log_metrics(step, state, metrics):
       checked(step)
-      logged = {**jax.device_get(metrics), 'train_flops_per_step': built.flops_per_step}
+      logged = {**jax.device_get(metrics), 'train_flops_per_step': built.flops_per_step,
+                **(at_start if step == start + 1 else {})}
       history.append({'step': step, **logger.write(step, logged)})
       for message, details in watch.warnings(step):
         logger.warn(step, message, **details)
@@ -425,21 +434,23 @@ class Trainer:
             'start_step': start, 'state': state, 'checkpoint': checkpoint,
             'routing_health': routing}
 
+  def _expert_spread(self, params) -> Dict[str, float]:
+    """{layer: `routing_health.expert_spread`} of `params`, {} for a dense model; computed on
+    every process (over the global params), one compilation for the run."""
+    if not self._moe_layers:
+      return {}
+    return {layer: float(v) for layer, v in jax.device_get(self._spread(params)).items()}
+
   def _routing_health(self, logger: MetricLogger, trained: bool, params) -> Optional[dict]:
     """The run's routing-health row (`routing_health.health`, with the expert spread of the
     trained `params`), written to metrics.jsonl when this attempt trained a step (else the row
     an earlier attempt wrote); None for a dense model and on processes other than 0."""
-    model_config = self.built.objective.model.config
-    kernels = step_lib.router_kernels(self.built.abstract.params, model_config)
-    spread = {}
-    if trained and kernels:   # every process: a computation over the global params
-      spread = jax.jit(lambda p: routing_health.expert_spread(p, model_config))(params)
-      spread = {layer: float(v) for layer, v in jax.device_get(spread).items()}
+    spread = self._expert_spread(params) if trained else {}
     rows = logger.rows()
     if not trained or not rows:
       return routing_health.of_run(rows)
-    row = routing_health.health(rows, {layer: k.shape[-1] for layer, k in kernels.items()},
-                                spread=spread)
+    row = routing_health.health(
+        rows, {layer: k.shape[-1] for layer, k in self._moe_layers.items()}, spread=spread)
     if row is not None:
       logger.record(row)
     return row
