@@ -15,7 +15,7 @@ from tests.helpers import REPO, refusal, with_flags
 from tests.train.helpers import (ONE_DEVICE_XLA_FLAGS, TEXT_LENGTHS, TRAINING_T5, TRAINING_VIT,
                                  losses, run_t5, text, train_command)
 from upcycle import eval as eval_main
-from upcycle import tree
+from upcycle import fields, tree
 from upcycle.data.images import DIGITS, ImagePipeline
 from upcycle.data.text import TextPipeline
 from upcycle.models import T5, ViT
@@ -84,6 +84,26 @@ def test_tiny_vit_learns_the_digits(tmp_path):
   first, last = np.mean(losses(result)[:5]), np.mean(losses(result)[-5:])
   assert last < first - 0.5, (first, last)
   assert result['eval']['accuracy'] > 0.35   # 10 classes: chance is 0.1
+
+
+@pytest.mark.slow
+def test_validation_data_the_model_refuses_stops_the_run_before_its_first_step(tmp_path):
+  """The eval step is compiled before training, as T5X's trainer does: validation images of
+  another size than the model's stop the run at its start, not after `eval_every` steps (a
+  validation batch too large for the devices' memory would stop it there likewise)."""
+  config = TrainConfig(str(tmp_path), train_steps=20, batch_size=8, eval_every=10,
+                       checkpoint_every=5, async_checkpoints=False)
+  trainer = Trainer(Classification(ViT(TRAINING_VIT)),
+                    AdamW(schedule=warmup_decay_schedule(3e-3, 10, 100)), config,
+                    ImagePipeline(DIGITS, 'train', image_size=16, train=True),
+                    ImagePipeline(DIGITS, 'validation', image_size=32, train=False))
+  with pytest.raises(fields.ConfigError) as raised:
+    trainer.run()
+  assert str(raised.value) == (
+      'The validation data (train_script.train.eval_data) does not fit the model: ViT got '
+      'images of (32, 32) -> a 8x8 patch grid; the config (image_size=(16, 16)) expects (4, 4).')
+  assert os.listdir(tmp_path / 'checkpoints') == []
+  assert not (tmp_path / 'metrics.jsonl').exists()
 
 
 @pytest.mark.slow

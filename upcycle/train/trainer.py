@@ -9,7 +9,7 @@ reproduces the uninterrupted run exactly.
 import dataclasses
 import logging
 import os
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -222,16 +222,40 @@ class Trainer:
         batch_size=cfg.batch_size, mesh=built.mesh, max_batches=cfg.infer_eval_batches,
         seed=cfg.seed)
 
+  def _validation_batches(self) -> Iterable[Dict[str, np.ndarray]]:
+    """This host's validation batches (`evaluation.host_batches`): read once and kept
+    (`cache_eval_batches`), else read again at each call."""
+    cfg, built = self.config, self.built
+    batches = lambda: evaluation.host_batches(self.eval_data, built.host_batch_size,
+                                              cfg.eval_batches, cfg.seed)
+    if not cfg.cache_eval_batches:
+      return batches()
+    if self._eval_batches is None:
+      self._eval_batches = list(batches())
+    return self._eval_batches
+
   def evaluate(self, params) -> Dict[str, float]:
     """Loss and accuracy over the validation split (or `eval_batches` of it)."""
-    cfg, built = self.config, self.built
-    if cfg.cache_eval_batches and self._eval_batches is None:
-      self._eval_batches = list(evaluation.host_batches(
-          self.eval_data, built.host_batch_size, cfg.eval_batches, cfg.seed))
+    built = self.built
     return evaluation.evaluate(built.eval_step, params, self.eval_data,
                                batch_size=built.host_batch_size, mesh=built.mesh,
-                               max_batches=cfg.eval_batches, seed=cfg.seed,
-                               batches=self._eval_batches)
+                               batches=self._validation_batches())
+
+  def _compile_eval_step(self, params) -> None:
+    """Compiles the eval step for `params` and the validation batches before the first step,
+    as T5X's trainer compiles its eval steps before training: an eval step that does not
+    compile (a validation batch that does not fit in device memory, see `eval_microbatches`,
+    or does not fit the model) stops the run at its start, not at its first evaluation. The
+    evaluations run the program compiled here."""
+    first = next(iter(self._validation_batches()), None)
+    if first is None:
+      return    # evaluate() says that the validation data gave no example
+    try:
+      self.built.eval_step.lower(params, evaluation.global_batch(first, self.built.mesh)).compile()
+    except (TypeError, ValueError) as e:   # the model refuses the batch's shapes
+      raise fields.ConfigError(
+          f'The validation data (train_script.train.eval_data) does not fit the model: {e}'
+      ) from e
 
   def _export_t5x(self, checkpoint_dir: str, step: int) -> None:
     """Writes MODEL_DIR/t5x/checkpoint_<step> from the saved `step` (process 0; the others
@@ -338,6 +362,8 @@ class Trainer:
             f'(trainer.TrainConfig.train_steps): a run never goes back, so there is nothing to '
             f'train. Fix: --gin.TRAIN_STEPS={start} or more to evaluate or train on, or '
             f'another MODEL_DIR.')
+      if self.eval_data is not None and start < cfg.train_steps:
+        self._compile_eval_step(state.params)
       on_start()
       # Rows past the resumed step are from the stopped run's steps that are now redone.
       logger = MetricLogger(cfg.model_dir, cfg.train_steps, built.tokens_per_step,
